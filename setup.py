@@ -1,0 +1,36 @@
+"""Installable package for megatron_rlhf.
+
+torch is deliberately not pinned in install_requires beyond a floor: NGC containers ship their own
+CUDA build and pip must not replace it. On a CPU machine the README's commands install
+torch==2.13.0 (CPU build) first.
+"""
+
+from setuptools import find_packages, setup
+
+MEGATRON_CORE_VERSION = "0.16.1"
+
+setup(
+    name="megatron_rlhf",
+    version="0.1.0",
+    description="Distributed RLHF (PPO) on Megatron-Core with adaptive model placement",
+    packages=find_packages(include=["megatron_rlhf", "megatron_rlhf.*"]),
+    package_data={"megatron_rlhf": ["data/assets/*", "planner/profiles/*.json"]},
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4",
+        f"megatron-core=={MEGATRON_CORE_VERSION}",
+        "einops",
+        "numpy",
+        "sentencepiece",
+        "omegaconf>=2.3",
+        "tqdm",
+        "tensorboard",
+        "safetensors",
+        "matplotlib",
+        "pyarrow",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout", "transformers", "ruff"],
+        "gpu": ["transformer-engine[pytorch]", "apex"],
+    },
+)

@@ -1,0 +1,111 @@
+"""Run a test function on N gloo ranks, each in its own spawned process.
+
+    results = run_on_ranks(check_fn, world_size=4, args=(cfg,), timeout_s=120)
+
+``check_fn(*args)`` runs on every rank after the default process group exists (RANK, WORLD_SIZE
+and friends are set as torchrun sets them) and may return a picklable value; the list of the
+ranks' values comes back in rank order. Any rank that raises makes the call fail with every failing
+rank's traceback; a rank that is still running at the deadline is killed with all others, and the
+call fails naming the stuck ranks. No process outlives the call.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from megatron_rlhf.runtime.distributed import free_port
+
+
+class MultiRankError(AssertionError):
+    """One or more ranks failed or timed out."""
+
+
+def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple,
+           env: dict[str, str], timeout_s: float, results: mp.Queue) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    import torch
+
+    torch.set_num_threads(1)
+    from megatron_rlhf.runtime.distributed import (
+        DistributedConfig,
+        destroy_distributed,
+        init_distributed,
+    )
+
+    try:
+        init_distributed(DistributedConfig(backend="gloo", timeout_s=max(5.0, timeout_s * 0.8)))
+        value = fn(*args)
+        results.put((rank, "ok", value))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        destroy_distributed()
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (),
+                 timeout_s: float = 180.0, env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` gloo ranks and return each rank's value.
+
+    Args:
+        fn: a module-level function (spawn pickles it by reference).
+        world_size: number of ranks.
+        args: picklable arguments passed to ``fn`` on every rank.
+        timeout_s: hard wall-clock limit for the whole call.
+        env: extra environment variables for the ranks.
+
+    Raises:
+        MultiRankError: a rank raised, died without reporting, or was still running at the
+            deadline. The message holds every failing rank's traceback.
+    """
+    ctx = mp.get_context("spawn")
+    results: mp.Queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_child, args=(fn, rank, world_size, port, args, env or {}, timeout_s,
+                                         results), daemon=True)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    outcomes: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(outcomes) < world_size and time.monotonic() < deadline:
+            try:
+                rank, status, value = results.get(timeout=0.5)
+                outcomes[rank] = (status, value)
+            except queue.Empty:
+                dead_silent = [r for r, p in enumerate(procs)
+                               if r not in outcomes and p.exitcode is not None]
+                if dead_silent:
+                    time.sleep(1.0)  # a dying rank's last message may still be in the pipe
+                    while not results.empty():
+                        rank, status, value = results.get()
+                        outcomes[rank] = (status, value)
+                    dead_silent = [r for r in dead_silent if r not in outcomes]
+                    for r in dead_silent:
+                        outcomes[r] = ("error", f"process exited with code {procs[r].exitcode} "
+                                                "without reporting")
+    finally:
+        for proc in procs:
+            proc.join(timeout=5 if len(outcomes) == world_size else 0.1)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    failures = [f"--- rank {r} ---\n{v}" for r, (s, v) in sorted(outcomes.items()) if s != "ok"]
+    stuck = [r for r in range(world_size) if r not in outcomes]
+    if stuck:
+        failures.append(f"ranks {stuck} still running after {timeout_s:.0f}s; killed")
+    if failures:
+        raise MultiRankError("\n".join(failures))
+    return [outcomes[r][1] for r in range(world_size)]
