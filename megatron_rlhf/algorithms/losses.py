@@ -1,0 +1,150 @@
+"""PPO losses: clipped surrogate policy loss, clipped value loss, entropy bonus.
+
+Each loss is a masked mean over the response tokens of the batch it is given (token-level
+aggregation) and comes with a small dict of detached 0-dim metric tensors (no host sync).
+The total actor loss is ``pg_loss + entropy_loss``; with a shared trunk (AC-Share) add
+``value_loss_coef * vf_loss``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rlhf.algorithms.kl import kl_k3
+from megatron_rlhf.algorithms.masked import masked_mean
+
+# exp() of a stale or garbage log-ratio overflows and then turns gradients into nan; beyond
+# +-20 nats the ratio is clipped anyway in any sane run.
+_MAX_LOG_RATIO = 20.0
+
+
+def compute_policy_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio: float,
+    dual_clip: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate objective of PPO (Schulman et al., 2017), optionally dual-clipped.
+
+    Per token, with ``ratio = exp(log_prob - old_log_prob)``::
+
+        loss = max(-A * ratio, -A * clip(ratio, 1 - clip_ratio, 1 + clip_ratio))
+
+    and, with dual clipping (Ye et al., 2020), for ``A < 0`` the loss is further capped at
+    ``-A * dual_clip`` so a huge ratio on a negative advantage cannot dominate.
+
+    Args:
+        log_prob: ``[batch, response_len]`` log-probs under the policy being trained (with grad).
+        old_log_prob: ``[batch, response_len]`` log-probs under the policy that sampled.
+        advantages: ``[batch, response_len]`` advantages.
+        response_mask: ``[batch, response_len]`` 0/1 mask of real response tokens.
+        clip_ratio: Clip range ``eps`` of the ratio.
+        dual_clip: Lower bound ``c > 1`` of the dual clip; ``None`` disables it.
+
+    Returns:
+        ``(pg_loss, metrics)``: the 0-dim loss and detached 0-dim metrics ``pg_loss``,
+        ``pg_clipfrac`` (fraction of tokens where the ratio clip is active), ``pg_clipfrac_dual``
+        (fraction where the dual clip is active) and ``ppo_kl`` (k3 estimate of
+        KL(old || current), non-negative).
+    """
+    mask = response_mask.bool()
+    # Zeroing padding before any arithmetic keeps garbage there out of the gradients (0 * nan).
+    log_ratio = torch.where(mask, log_prob - old_log_prob, 0.0)
+    log_ratio = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    advantages = torch.where(mask, advantages, 0.0)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_ratio, 1.0 + clip_ratio)
+    pg_losses = torch.maximum(unclipped, clipped)
+    dual_active = torch.zeros_like(pg_losses, dtype=torch.bool)
+    if dual_clip is not None:
+        dual_bound = -advantages * dual_clip
+        dual_active = (advantages < 0) & (dual_bound < pg_losses)
+        pg_losses = torch.where(dual_active, dual_bound, pg_losses)
+    pg_loss = masked_mean(pg_losses, response_mask)
+    dtype = pg_losses.dtype
+    metrics = {
+        "pg_loss": pg_loss.detach(),
+        "pg_clipfrac": masked_mean((clipped > unclipped).to(dtype), response_mask).detach(),
+        "pg_clipfrac_dual": masked_mean(dual_active.to(dtype), response_mask).detach(),
+        "ppo_kl": masked_mean(kl_k3(old_log_prob, log_prob.detach()), response_mask).detach(),
+    }
+    return pg_loss, metrics
+
+
+def compute_value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    value_clip: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss ``0.5 * max((V - R)^2, (V_clip - R)^2)``.
+
+    ``V_clip = old_values + clip(values - old_values, -value_clip, value_clip)`` keeps the new
+    value estimate near the one used to compute the advantages.
+
+    Args:
+        values: ``[batch, response_len]`` values from the critic being trained (with grad).
+        old_values: ``[batch, response_len]`` values recorded in the experience.
+        returns: ``[batch, response_len]`` return targets.
+        response_mask: ``[batch, response_len]`` 0/1 mask of real response tokens.
+        value_clip: Clip range of the value change; ``None`` gives the plain squared error.
+
+    Returns:
+        ``(vf_loss, metrics)``: the 0-dim loss and detached 0-dim metrics ``vf_loss``,
+        ``vf_clipfrac`` (fraction of tokens where the clipped term is selected) and ``vpred_mean``.
+    """
+    mask = response_mask.bool()
+    # Zeroing padding before any arithmetic keeps garbage there out of the gradients (0 * nan).
+    values = torch.where(mask, values, 0.0)
+    old_values = torch.where(mask, old_values, 0.0)
+    returns = torch.where(mask, returns, 0.0)
+    unclipped = (values - returns).square()
+    if value_clip is None:
+        vf_losses = unclipped
+        clip_active = torch.zeros_like(unclipped, dtype=torch.bool)
+    else:
+        values_clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
+        clipped = (values_clipped - returns).square()
+        vf_losses = torch.maximum(unclipped, clipped)
+        clip_active = clipped > unclipped
+    vf_loss = 0.5 * masked_mean(vf_losses, response_mask)
+    metrics = {
+        "vf_loss": vf_loss.detach(),
+        "vf_clipfrac": masked_mean(clip_active.to(vf_losses.dtype), response_mask).detach(),
+        "vpred_mean": masked_mean(values, response_mask).detach(),
+    }
+    return vf_loss, metrics
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the categorical distribution given by ``logits``.
+
+    Args:
+        logits: ``[batch, response_len, vocab]`` unnormalised log-probabilities.
+
+    Returns:
+        ``[batch, response_len]`` entropy in nats.
+    """
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def compute_entropy_loss(
+    entropy: torch.Tensor, response_mask: torch.Tensor, entropy_coef: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Entropy bonus as a loss term, ``-entropy_coef * mean entropy``.
+
+    Args:
+        entropy: ``[batch, response_len]`` per-token entropy (see ``entropy_from_logits``).
+        response_mask: ``[batch, response_len]`` 0/1 mask of real response tokens.
+        entropy_coef: Weight of the bonus; minimising the loss raises the entropy.
+
+    Returns:
+        ``(entropy_loss, metrics)``: the 0-dim loss and the detached 0-dim metric ``entropy``.
+    """
+    mean_entropy = masked_mean(entropy, response_mask)
+    return -entropy_coef * mean_entropy, {"entropy": mean_entropy.detach()}

@@ -1,0 +1,108 @@
+"""Forward and backward passes of one model through megatron's pipeline schedules.
+
+Every pass that touches a model (a training step, the log-probs of the experience stage) goes
+through :func:`run_microbatches`, which hands megatron's ``get_forward_backward_func()`` the model's
+own process groups. With PP=1 that is the no-pipelining loop, with PP>1 the 1F1B schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.utils import get_model_config
+
+Batch = dict[str, torch.Tensor]
+LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict[str, Any]]]
+
+
+def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """megatron's boolean attention mask (True = masked) from a ``[b, s]`` validity mask.
+
+    A query attends to earlier real tokens only; padding (left or right) is never attended.
+    Rotary embeddings are shift-invariant, so left padding does not change real tokens' outputs.
+
+    Returns:
+        ``[b, 1, s, s]`` bool.
+    """
+    seq = attention_mask.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device).triu(1)
+    key_is_pad = ~attention_mask.bool()[:, None, None, :]
+    return causal[None, None] | key_is_pad
+
+
+def model_inputs(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, position_ids, attention_mask)`` for a GPTModel call on ``batch``."""
+    input_ids = batch["input_ids"]
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    return input_ids, positions, causal_padding_mask(batch["attention_mask"])
+
+
+def _loss_with_safe_metrics(loss_fn: LossFn, output: torch.Tensor, batch: Batch):
+    loss, metrics = loss_fn(output, batch)
+    # megatron divides the returned loss by the number of micro-batches *in place*; metrics that
+    # alias it would silently change.
+    return loss, {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                  for k, v in metrics.items()}
+
+
+def _forward_step(loss_fn: LossFn, data_iterator, model):
+    batch = next(data_iterator)
+    output = model(*model_inputs(batch))
+    return output, partial(_loss_with_safe_metrics, loss_fn, batch=batch)
+
+
+def run_microbatches(
+    model: torch.nn.Module,
+    pg_collection: ProcessGroupCollection,
+    microbatches: list[Batch],
+    loss_fn: LossFn,
+    forward_only: bool,
+) -> list[dict[str, Any]]:
+    """Run ``microbatches`` through ``model`` with megatron's schedule for its PP size.
+
+    Every rank of the model passes the same micro-batches (non-first pipeline stages ignore the
+    token ids and take activations from the previous stage; the last stage evaluates ``loss_fn``).
+
+    Args:
+        model: this rank's stage of the model (a GPTModel or megatron DDP wrapper).
+        pg_collection: the model's process groups.
+        microbatches: each with ``input_ids`` and ``attention_mask`` ``[b, s]`` and whatever
+            ``loss_fn`` reads.
+        loss_fn: ``(output, batch) -> (loss, metrics)``; megatron scales the loss by
+            ``1 / len(microbatches)`` before the backward pass.
+        forward_only: skip the backward pass.
+
+    Returns:
+        The ``metrics`` dict of every micro-batch on the last pipeline stage; ``[]`` elsewhere.
+    """
+    if not microbatches:
+        raise ValueError("run_microbatches needs at least one micro-batch")
+    shapes = {tuple(mb["input_ids"].shape) for mb in microbatches}
+    if len(shapes) > 1:
+        # Pipeline stages exchange activations of one fixed shape per call.
+        raise ValueError(f"micro-batches of one call must share a shape, got {sorted(shapes)}")
+    pp_size = pg_collection.pp.size()
+    config = get_model_config(model)
+    first = microbatches[0]["input_ids"]
+    schedule = get_forward_backward_func(pp_size=pp_size, vp_size=None)
+    kwargs: dict[str, Any] = {}
+    if pp_size > 1:
+        kwargs["p2p_communicator"] = P2PCommunicator(pp_group=pg_collection.pp, config=config)
+    results = schedule(
+        forward_step_func=partial(_forward_step, loss_fn),
+        data_iterator=iter(microbatches),
+        model=[model],
+        num_microbatches=len(microbatches),
+        seq_length=first.shape[1],
+        micro_batch_size=first.shape[0],
+        forward_only=forward_only,
+        pg_collection=pg_collection,
+        **kwargs,
+    )
+    return list(results) if results else []

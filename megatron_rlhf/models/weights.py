@@ -1,0 +1,182 @@
+"""Layout-independent weights: full (unsharded) tensors <-> this rank's TP/PP shards.
+
+A model's *full state* maps global parameter names (``decoder.layers.<global index>...``) to the
+tensors a TP=1, PP=1 model would hold, with the vocabulary unpadded. Three operations use it:
+
+* :func:`init_weights` draws each full tensor from a generator seeded by (seed, name) and keeps
+  this rank's slice, so the initial model is the same whatever the TP/PP layout;
+* :func:`load_full_state` and :func:`gather_full_state` scatter a full state into a sharded model
+  and gather it back (conversion, tests, small-model refit).
+
+Sharding rules follow megatron's parameter attributes (``tensor_model_parallel``,
+``partition_dim``); SwiGLU's ``linear_fc1`` holds [gate; up] *per TP shard*, so it is split in two
+before concatenating shards.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core.models.gpt import GPTModel
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
+_VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight",
+                   "output_layer.lm_head.weight")
+_SCALED_INIT = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+
+
+@dataclass(frozen=True)
+class ShardRule:
+    """Where one local parameter sits inside its full tensor."""
+
+    global_name: str
+    partition_dim: int | None  # None: replicated across TP
+    glu_halves: bool  # SwiGLU fc1: shard = [gate_shard; up_shard]
+    vocab_rows: int | None  # vocab-parallel: real (unpadded) vocabulary rows
+
+
+def _global_name(model: GPTModel, local_name: str) -> str:
+    if local_name == "output_layer.weight" and model.share_embeddings_and_output_weights:
+        # With PP > 1 the last stage keeps its own copy of the tied embedding.
+        return "embedding.word_embeddings.weight"
+    match = _LAYER_RE.match(local_name)
+    if match is None:
+        return local_name
+    layer = model.decoder.layers[int(match.group(1))]
+    return f"decoder.layers.{layer.layer_number - 1}." + local_name[match.end():]
+
+
+def shard_rules(model: GPTModel) -> Iterator[tuple[str, torch.nn.Parameter, ShardRule]]:
+    """Yield ``(local name, parameter, rule)`` for every parameter of this rank's model part."""
+    for name, param in model.named_parameters():
+        is_tp = bool(getattr(param, "tensor_model_parallel", False))
+        yield name, param, ShardRule(
+            global_name=_global_name(model, name),
+            partition_dim=int(param.partition_dim) if is_tp else None,
+            glu_halves=is_tp and name.endswith("mlp.linear_fc1.weight")
+            and model.config.gated_linear_unit,
+            vocab_rows=model.real_vocab_size if name in _VOCAB_PARALLEL else None,
+        )
+
+
+def _full_shape(local: torch.Size, rule: ShardRule, tp_size: int) -> list[int]:
+    shape = list(local)
+    if rule.partition_dim is not None:
+        shape[rule.partition_dim] *= tp_size
+    if rule.vocab_rows is not None:
+        shape[0] = rule.vocab_rows
+    return shape
+
+
+def _shard_of_full(full: torch.Tensor, rule: ShardRule, local_shape: torch.Size,
+                   tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This TP rank's slice of a full tensor (padding the vocabulary with zero rows)."""
+    if rule.vocab_rows is not None:
+        padded_rows = local_shape[0] * (tp_size if rule.partition_dim == 0 else 1)
+        full = torch.cat([full, full.new_zeros(padded_rows - full.shape[0], *full.shape[1:])])
+    if rule.partition_dim is None:
+        return full
+    if rule.glu_halves:
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp_size, dim=0)[tp_rank], up.chunk(tp_size, dim=0)[tp_rank]])
+    return full.chunk(tp_size, dim=rule.partition_dim)[tp_rank]
+
+
+def _full_of_shards(shards: list[torch.Tensor], rule: ShardRule) -> torch.Tensor:
+    if rule.partition_dim is None:
+        full = shards[0]
+    elif rule.glu_halves:
+        halves = [shard.chunk(2, dim=0) for shard in shards]
+        full = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    else:
+        full = torch.cat(shards, dim=rule.partition_dim)
+    return full[: rule.vocab_rows] if rule.vocab_rows is not None else full
+
+
+def _init_full_tensor(name: str, shape: list[int], seed: int, std: float,
+                      num_layers: int) -> torch.Tensor:
+    if "layernorm" in name or name.endswith("norm.weight"):
+        return torch.ones(shape)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    if name.endswith(_SCALED_INIT):
+        std = std / (2.0 * num_layers) ** 0.5
+    return torch.randn(shape, generator=generator) * std
+
+
+@torch.no_grad()
+def init_weights(model: GPTModel, pg_collection: ProcessGroupCollection, seed: int,
+                 std: float = 0.02) -> None:
+    """Fill every parameter so that the model is identical under any TP/PP layout.
+
+    Norm weights are ones; other weights are normal(0, std), with megatron's scaled init
+    (std / sqrt(2 * layers)) for the attention and MLP output projections. Padded vocabulary rows
+    are zero.
+    """
+    tp_rank, tp_size = pg_collection.tp.rank(), pg_collection.tp.size()
+    for _, param, rule in shard_rules(model):
+        full = _init_full_tensor(rule.global_name, _full_shape(param.shape, rule, tp_size),
+                                 seed, std, model.config.num_layers)
+        param.copy_(_shard_of_full(full, rule, param.shape, tp_rank, tp_size))
+
+
+@torch.no_grad()
+def load_full_state(model: GPTModel, pg_collection: ProcessGroupCollection,
+                    full_state: dict[str, torch.Tensor]) -> None:
+    """Copy this rank's shards out of a full state.
+
+    Raises:
+        KeyError: a parameter of the model is missing from ``full_state``.
+        ValueError: a full tensor has the wrong shape.
+    """
+    tp_rank, tp_size = pg_collection.tp.rank(), pg_collection.tp.size()
+    for _, param, rule in shard_rules(model):
+        name = rule.global_name
+        if name not in full_state:
+            raise KeyError(f"full state has no tensor {name!r}; it has {sorted(full_state)[:8]}...")
+        full = full_state[name]
+        expected = _full_shape(param.shape, rule, tp_size)
+        if list(full.shape) != expected:
+            raise ValueError(f"{name}: full state holds shape {list(full.shape)}, "
+                             f"the model expects {expected}")
+        param.copy_(_shard_of_full(full.to(param.dtype), rule, param.shape, tp_rank, tp_size))
+
+
+@torch.no_grad()
+def gather_full_state(model: GPTModel, pg_collection: ProcessGroupCollection,
+                      use_grads: bool = False) -> dict[str, torch.Tensor]:
+    """Gather the full state (or the full gradients) onto every rank of the model.
+
+    Collective over the model's TP and PP groups; meant for small models, tests and conversion.
+
+    Args:
+        use_grads: gather ``param.main_grad`` (megatron DDP) or ``param.grad`` instead of weights.
+    """
+    tp_group, pp_group = pg_collection.tp, pg_collection.pp
+    stage_state: dict[str, torch.Tensor] = {}
+    for _, param, rule in shard_rules(model):
+        tensor = param
+        if use_grads:
+            tensor = getattr(param, "main_grad", None)
+            tensor = param.grad if tensor is None else tensor
+            if tensor is None:
+                tensor = torch.zeros_like(param)
+        tensor = tensor.detach().contiguous().float()
+        shards = [tensor]
+        if rule.partition_dim is not None and tp_group.size() > 1:
+            shards = [torch.empty_like(tensor) for _ in range(tp_group.size())]
+            dist.all_gather(shards, tensor, group=tp_group)
+        stage_state[rule.global_name] = _full_of_shards(shards, rule)
+    if pp_group.size() == 1:
+        return stage_state
+    stages: list[dict[str, torch.Tensor] | None] = [None] * pp_group.size()
+    dist.all_gather_object(stages, stage_state, group=pp_group)
+    full: dict[str, torch.Tensor] = {}
+    for stage in stages:
+        full.update(stage or {})
+    return full

@@ -1,0 +1,55 @@
+"""One call that prepares a process for megatron_rlhf work, on CPU or GPU.
+
+    initialize_runtime(RuntimeConfig(seed=1234))
+
+sets up rank-aware logging, joins the distributed job (torchrun or a world of one), makes
+megatron-core usable on a machine without CUDA, creates megatron's shared scratch buffer and seeds
+every host RNG. Models seed their own tensor-parallel RNG streams when they are built, because one
+process may hold several models with different TP layouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron.core import parallel_state
+
+from megatron_rlhf.runtime.cpu_compat import apply_cpu_compat, check_megatron_core_version
+from megatron_rlhf.runtime.distributed import DistributedConfig, init_distributed
+from megatron_rlhf.runtime.logging import setup_logging
+from megatron_rlhf.runtime.seeding import seed_everything
+
+
+@dataclass
+class RuntimeConfig:
+    """Process-level settings.
+
+    Attributes:
+        seed: seed of every host RNG (Python, numpy, torch); the same on every rank.
+        log_level: logging level of the package logger.
+        log_all_ranks: log from every rank instead of rank 0 only.
+        distributed: how to join the job.
+    """
+
+    seed: int = 1234
+    log_level: str = "INFO"
+    log_all_ranks: bool = False
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def __post_init__(self) -> None:
+        if self.seed < 0:
+            raise ValueError(f"runtime.seed={self.seed} must be non-negative")
+
+
+def initialize_runtime(config: RuntimeConfig | None = None) -> None:
+    """Prepare this process (idempotent apart from reseeding)."""
+    config = config or RuntimeConfig()
+    check_megatron_core_version()
+    setup_logging(config.log_level, config.log_all_ranks)
+    apply_cpu_compat()
+    init_distributed(config.distributed)
+    # Megatron's attention and sequence-parallel code borrows scratch tensors from this buffer; it
+    # holds no parallel state.
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        parallel_state._set_global_memory_buffer()
+    seed_everything(config.seed)

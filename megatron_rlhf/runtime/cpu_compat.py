@@ -1,0 +1,253 @@
+"""Run megatron-core 0.16.1 on a machine without CUDA (CPU tensors, gloo collectives).
+
+megatron-core assumes a GPU in a few dozen places: it allocates with ``device="cuda"`` or
+``torch.cuda.current_device()``, synchronises and creates CUDA streams and events, and keeps the
+dropout RNG streams (its "RNG tracker") in CUDA generator state. :func:`apply_cpu_compat` makes those
+places work on the CPU, once per process, and only when ``torch.cuda.is_available()`` is False, so a
+GPU run is never touched. Each patch below says which megatron code needs it.
+
+What differs from a GPU run (also in docs/cpu.md):
+  * tensors megatron asks to put "on cuda" stay on the CPU;
+  * streams and events are no-ops (CPU work is synchronous);
+  * the model-parallel RNG streams live in the CPU generator: :class:`CpuRNGStatesTracker` swaps the
+    CPU generator state exactly where megatron's tracker swaps the CUDA one, so dropout is still
+    different across TP ranks and identical across DP replicas.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from megatron.core.tensor_parallel import random as mcore_random
+from torch.overrides import TorchFunctionMode
+
+from megatron_rlhf.runtime.logging import get_logger
+
+logger = get_logger(__name__)
+
+SUPPORTED_MEGATRON_CORE_VERSION = "0.16.1"
+
+_state: dict[str, Any] = {"applied": False, "mode": None}
+
+
+def check_megatron_core_version() -> None:
+    """Refuse a megatron-core other than the one the CPU patches were written for.
+
+    Raises:
+        RuntimeError: naming the installed and the supported version.
+    """
+    from megatron.core import package_info
+
+    installed = package_info.__version__
+    if installed != SUPPORTED_MEGATRON_CORE_VERSION:
+        raise RuntimeError(
+            f"megatron-core {installed} is installed but megatron_rlhf supports "
+            f"{SUPPORTED_MEGATRON_CORE_VERSION}: run "
+            f"`pip install megatron-core=={SUPPORTED_MEGATRON_CORE_VERSION}`"
+        )
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # A bare int means "CUDA device index" to torch factory functions.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Turns every request for a CUDA tensor into a CPU tensor.
+
+    Needed for the literal ``device="cuda"`` allocations and ``.cuda()`` calls spread through
+    megatron-core (pipeline schedules' token counters, optimizer found-inf flags, gradient
+    clipping, default causal masks, checkpoint exchange buffers, ...).
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+class _NoOpStream:
+    """Stands in for ``torch.cuda.Stream``: CPU work is already ordered."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _NoOpEvent:
+        return event or _NoOpEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _NoOpEvent:
+    """Stands in for ``torch.cuda.Event``; timing falls back to the host clock."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._time = 0.0
+
+    def record(self, stream: Any = None) -> None:
+        self._time = time.perf_counter()
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: _NoOpEvent) -> float:
+        return (end._time - self._time) * 1000.0
+
+
+_DEFAULT_STREAM = _NoOpStream()
+
+
+def _patch_torch_cuda() -> None:
+    """Give ``torch.cuda``'s device, stream and RNG functions CPU meanings.
+
+    ``torch.cuda.is_available()`` stays False, so torch itself and megatron's feature checks still
+    see a machine without CUDA.
+    """
+    cuda = torch.cuda
+    # GlobalMemoryBuffer, rotary embeddings, the inference contexts and many more allocate on
+    # torch.cuda.current_device().
+    cuda.current_device = lambda: "cpu"
+    cuda.set_device = lambda device: None
+    cuda.synchronize = lambda device=None: None
+    cuda.empty_cache = lambda: None
+    # Streams and events: the pipeline schedules, DDP's communication stream, the resharding copy
+    # services.
+    cuda.Stream = _NoOpStream
+    cuda.Event = _NoOpEvent
+    cuda.current_stream = lambda device=None: _DEFAULT_STREAM
+    cuda.default_stream = lambda device=None: _DEFAULT_STREAM
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    # Memory statistics in megatron's reports.
+    cuda.memory_allocated = lambda device=None: 0
+    cuda.max_memory_allocated = lambda device=None: 0
+    cuda.memory_reserved = lambda device=None: 0
+    cuda.max_memory_reserved = lambda device=None: 0
+    # torch.manual_seed itself calls torch.cuda.manual_seed_all; the CPU generator is already
+    # seeded by then.
+    cuda.manual_seed = lambda seed: None
+    cuda.manual_seed_all = lambda seed: None
+    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
+    # Activation recomputation (CheckpointFunction) saves and restores "the CUDA RNG state" through
+    # these two helpers so that dropout replays identically; on CPU that state is the CPU one.
+    mcore_random._get_cuda_rng_state = (
+        lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    )
+    mcore_random._set_cuda_rng_state = (
+        lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    )
+
+
+def apply_cpu_compat() -> bool:
+    """Make megatron-core usable without CUDA; idempotent.
+
+    Returns:
+        True when the compatibility layer is active (no CUDA), False on a CUDA machine, where
+        nothing is changed.
+
+    Raises:
+        RuntimeError: the installed megatron-core is not the supported version.
+    """
+    check_megatron_core_version()
+    if torch.cuda.is_available():
+        return False
+    if _state["applied"]:
+        return True
+    _patch_torch_cuda()
+    mode = _CudaToCpuMode()
+    mode.__enter__()
+    _state.update(applied=True, mode=mode)
+    _install_cpu_rng_tracker()
+    logger.debug("megatron-core CPU compatibility layer active")
+    return True
+
+
+def cpu_compat_active() -> bool:
+    """Whether :func:`apply_cpu_compat` has patched this process."""
+    return bool(_state["applied"])
+
+
+class CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):
+    """megatron's RNG tracker with the CPU generator in place of the CUDA one.
+
+    ``fork(name)`` swaps the process's CPU generator to the named stream and back, which is what
+    megatron's tracker does with the CUDA generator; dropout inside tensor-parallel regions
+    therefore draws from a per-TP-rank stream, as on GPU.
+    """
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise ValueError(f"RNG seed {seed} is already tracked")
+        if name in self.states_:
+            raise ValueError(f"RNG state {name!r} is already tracked")
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
+        if name not in self.states_:
+            raise KeyError(f"RNG state {name!r} is not tracked; seed it first")
+        outer_state = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer_state)
+
+
+def _install_cpu_rng_tracker() -> None:
+    # Every megatron module reaches the tracker through get_cuda_rng_tracker(), which returns this
+    # module global once it is marked initialised.
+    mcore_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+def seed_model_parallel_rng(seed: int, tp_rank: int, ep_rank: int = 0, etp_rank: int = 0) -> None:
+    """Seed megatron's model-parallel RNG streams for this rank, on CPU or GPU.
+
+    Uses megatron's own seed layout (``model_parallel_cuda_manual_seed``): the default stream gets
+    ``seed``, the tensor-parallel stream ``seed + 2718 + tp_rank``.
+    """
+    if cpu_compat_active():
+        tracker = mcore_random._CUDA_RNG_STATE_TRACKER
+        tracker.reset()
+        tracker.add(mcore_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+        tracker.add(mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+        tracker.add(
+            mcore_random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank
+        )
+        return
+    mcore_random.model_parallel_cuda_manual_seed(
+        seed, tp_rank=tp_rank, ep_rank=ep_rank, etp_rank=etp_rank, force_reset_rng=True
+    )
