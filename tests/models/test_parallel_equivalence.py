@@ -7,39 +7,13 @@ All four layouts run inside one 4-rank gloo job; every layout sees the same two 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.distributed as dist
-from megatron.core.hyper_comm_grid import HyperCommGrid
-from megatron.core.process_groups_config import ProcessGroupCollection
 
+from tests.model_fixtures import TinyArch, whole_world_groups
 from tests.multirank import run_on_ranks
-
-
-@dataclass
-class TinyArch:
-    num_layers: int = 4
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    num_query_groups: int = 2
-    ffn_hidden_size: int = 128
-    vocab_size: int = 250  # not a multiple of 128 * tp: exercises vocabulary padding
-    seq_length: int = 32
-
-
-def _groups(tp: int, pp: int) -> ProcessGroupCollection:
-    world = dist.get_world_size()
-    grid = HyperCommGrid([tp, 1, world // (tp * pp), pp], ["tp", "cp", "dp", "pp"])
-    pgs = {name: grid.create_pg(dims) for name, dims in {
-        "tp": "tp", "cp": "cp", "dp": "dp", "pp": "pp", "tp_cp": ["tp", "cp"],
-        "dp_cp": ["cp", "dp"], "mp": ["tp", "pp"]}.items()}
-    pp_ranks = grid.get_rank_enum("pp")
-    pgs["embd"], _ = dist.new_subgroups_by_enumeration(
-        [sorted({r[0], r[-1]}) for r in pp_ranks])
-    pgs["pos_embd"], _ = dist.new_subgroups_by_enumeration([[r[0]] for r in pp_ranks])
-    return ProcessGroupCollection(**pgs)
 
 
 def _microbatches() -> list[dict[str, torch.Tensor]]:
@@ -60,7 +34,7 @@ def _layout_loss_and_grads(tp: int, pp: int) -> tuple[float, dict[str, torch.Ten
     from megatron_rlhf.models.schedule import run_microbatches
     from megatron_rlhf.models.weights import gather_full_state, init_weights
 
-    pgc = _groups(tp, pp)
+    pgc = whole_world_groups(tp, pp)
     arch = TinyArch()
     model = build_gpt_model(arch, ModelBuildOptions(), pgc)
     init_weights(model, pgc, seed=11)

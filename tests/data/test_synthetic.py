@@ -1,0 +1,108 @@
+"""The synthetic task: rule bounds and values, preference order, determinism, public schema."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from megatron_rlhf.data import ReaderConfig, read_records
+from megatron_rlhf.data.synthetic import (
+    FILLER_WORDS,
+    PROMPT_TEMPLATES,
+    RULE_MIN_WORDS,
+    TOPICS,
+    SyntheticTaskConfig,
+    generate_records,
+    main,
+    rule_score,
+    topic_of,
+    write_task_jsonl,
+)
+
+CONFIG = SyntheticTaskConfig(seed=5, num_train=600, num_test=50)
+
+
+def test_every_pair_prefers_chosen_by_the_rule() -> None:
+    records = generate_records(CONFIG) + generate_records(CONFIG, "test")
+    for record in records:
+        assert set(record) == {"prompt", "response", "chosen", "rejected"}
+        assert record["response"] == record["chosen"]
+        assert topic_of(record["prompt"]) in TOPICS
+        assert rule_score(record["prompt"], record["chosen"]) > rule_score(
+            record["prompt"], record["rejected"])
+
+
+def test_scores_leave_headroom_for_ppo() -> None:
+    records = generate_records(CONFIG)
+    chosen = [rule_score(r["prompt"], r["chosen"]) for r in records]
+    rejected = [rule_score(r["prompt"], r["rejected"]) for r in records]
+    assert 0.5 < sum(chosen) / len(chosen) < 0.8
+    assert 0.2 < sum(rejected) / len(rejected) < 0.45
+    assert {topic_of(r["prompt"]) for r in records} == set(TOPICS)
+
+
+def test_rule_values() -> None:
+    prompt = "Write about the ocean:"
+    assert rule_score(prompt, "wave tide shell reef fish boat sand coral.") == 1.0
+    assert rule_score(prompt, "Wave, TIDE! shell reef fish boat sand coral whale shore") == 1.0
+    assert rule_score(prompt, "wave tide shell reef pan oven star moon.") == 0.5
+    assert rule_score(prompt, "wave tide") == 2 / RULE_MIN_WORDS
+    assert rule_score(prompt, "") == 0.0
+    assert rule_score(prompt, "tree moss leaf bark fern pine owl deer") == 0.0
+    assert rule_score("Topic: forest. Answer:", "tree moss leaf bark fern pine owl deer") == 1.0
+    assert rule_score("Say anything:", "wave tide shell reef fish boat sand coral") == 0.0
+
+
+def test_rule_is_bounded_on_random_text() -> None:
+    rng = random.Random(0)
+    vocabulary = [w for words in TOPICS.values() for w in words] + list(FILLER_WORDS) + ["#", "42"]
+    for _ in range(500):
+        prompt = rng.choice(PROMPT_TEMPLATES).format(
+            topic=rng.choice(sorted(TOPICS)), hint1="x", hint2="y")
+        response = " ".join(rng.choice(vocabulary) for _ in range(rng.randint(0, 30)))
+        assert 0.0 <= rule_score(prompt, response) <= 1.0
+
+
+def test_generation_is_deterministic_by_seed(tmp_path: Path) -> None:
+    assert generate_records(CONFIG) == generate_records(CONFIG)
+    other = SyntheticTaskConfig(seed=6, num_train=600, num_test=50)
+    assert generate_records(other) != generate_records(CONFIG)
+    assert generate_records(CONFIG, "test") != generate_records(CONFIG)[:50]
+    first = write_task_jsonl(tmp_path / "a", CONFIG)
+    second = write_task_jsonl(tmp_path / "b", CONFIG)
+    for split in ("train", "test"):
+        assert first[split].read_bytes() == second[split].read_bytes()
+
+
+def test_written_files_load_with_the_public_readers(tmp_path: Path) -> None:
+    paths = write_task_jsonl(tmp_path, CONFIG)
+    records, summary = read_records(paths["test"], ReaderConfig(on_bad_record="error"))
+    assert summary.num_kept == 50
+    lines = paths["test"].read_text(encoding="utf-8").splitlines()
+    assert [json.loads(line)["prompt"] for line in lines] == [r.prompt for r in records]
+
+
+def test_command_line_writes_files(tmp_path: Path) -> None:
+    main([str(tmp_path), "--seed", "5", "--num-train", "600", "--num-test", "50"])
+    assert (tmp_path / "train.jsonl").read_bytes() == write_task_jsonl(
+        tmp_path / "api", CONFIG)["train"].read_bytes()
+
+
+def test_topic_vocabularies_do_not_overlap() -> None:
+    words = [w for topic_words in TOPICS.values() for w in topic_words]
+    assert len(words) == len(set(words))
+    assert not set(words) & set(FILLER_WORDS)
+    assert not set(TOPICS) & (set(words) | set(FILLER_WORDS))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"num_train": -1}, "num_train"), ({"min_response_words": 0}, "min_response_words"),
+     ({"min_response_words": 9, "max_response_words": 8}, "max_response_words")],
+)
+def test_config_validation(kwargs: dict[str, int], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SyntheticTaskConfig(**kwargs)
