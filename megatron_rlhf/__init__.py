@@ -1,0 +1,12 @@
+"""megatron_rlhf: distributed RLHF (PPO) on Megatron-Core with adaptive model placement."""
+
+import warnings
+
+# megatron-core announces at import time every optional GPU extra it did not find (Transformer
+# Engine, Apex, ...). On CPU that is expected and says nothing about a run; the extras are checked
+# where they are actually needed.
+warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|apex|transformer_engine).*")
+warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"megatron\.core.*")
+warnings.filterwarnings("ignore", message=r".*torch\.jit\.script_method.*is deprecated.*")
+
+__version__ = "0.1.0"

@@ -35,4 +35,9 @@ def whole_world_groups(tp: int, pp: int) -> ProcessGroupCollection:
     pp_ranks = grid.get_rank_enum("pp")
     pgs["embd"], _ = dist.new_subgroups_by_enumeration([sorted({r[0], r[-1]}) for r in pp_ranks])
     pgs["pos_embd"], _ = dist.new_subgroups_by_enumeration([[r[0]] for r in pp_ranks])
+    # A dense model: expert parallelism of one, its groups the dense ones.
+    pgs["ep"], _ = dist.new_subgroups_by_enumeration([[r] for r in range(world)])
+    pgs.update(expt_dp=pgs["dp"], tp_ep_pp=pgs["mp"])
+    # One distributed-optimizer instance spans the whole model: gradient norms reduce over it.
+    pgs["intra_dist_opt"] = grid.create_pg(["tp", "cp", "dp", "pp"])
     return ProcessGroupCollection(**pgs)

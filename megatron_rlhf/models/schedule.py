@@ -18,7 +18,9 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_model_config
 
 Batch = dict[str, torch.Tensor]
-LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict[str, Any]]]
+# (output, batch) -> (loss, metrics), or (loss_sum, num_tokens, metrics) when the model's config
+# has calculate_per_token_loss=True (megatron then divides gradients by the global token count).
+LossFn = Callable[[torch.Tensor, Batch], tuple]
 
 
 def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -44,11 +46,10 @@ def model_inputs(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 
 def _loss_with_safe_metrics(loss_fn: LossFn, output: torch.Tensor, batch: Batch):
-    loss, metrics = loss_fn(output, batch)
-    # megatron divides the returned loss by the number of micro-batches *in place*; metrics that
-    # alias it would silently change.
-    return loss, {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
-                  for k, v in metrics.items()}
+    *losses, metrics = loss_fn(output, batch)
+    # megatron scales the returned loss *in place*; metrics that alias it would silently change.
+    return *losses, {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                     for k, v in metrics.items()}
 
 
 def _forward_step(loss_fn: LossFn, data_iterator, model):
@@ -74,8 +75,9 @@ def run_microbatches(
         pg_collection: the model's process groups.
         microbatches: each with ``input_ids`` and ``attention_mask`` ``[b, s]`` and whatever
             ``loss_fn`` reads.
-        loss_fn: ``(output, batch) -> (loss, metrics)``; megatron scales the loss by
-            ``1 / len(microbatches)`` before the backward pass.
+        loss_fn: ``(output, batch) -> (loss, metrics)``, megatron scaling the loss by
+            ``1 / len(microbatches)`` before the backward pass; or, for models built with
+            ``calculate_per_token_loss``, ``(loss_sum, num_tokens, metrics)``.
         forward_only: skip the backward pass.
 
     Returns:

@@ -17,8 +17,10 @@ What differs from a GPU run (also in docs/cpu.md):
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 import torch
@@ -72,11 +74,26 @@ class _CudaToCpuMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return _tensor_type_name(args[0], caller=sys._getframe(1))
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs = {**kwargs, "device": "cpu"}
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)
+
+
+def _tensor_type_name(tensor: torch.Tensor, caller: FrameType) -> str:
+    """``tensor.type()``, with CUDA names for megatron's optimizers.
+
+    megatron's (distributed) optimizers sort parameters by ``param.type()`` and accept only
+    ``torch.cuda.*Tensor`` names. Only callers inside ``megatron.core.optimizer`` get the CUDA
+    name; everything else sees the true CPU name.
+    """
+    name = torch.Tensor.type(tensor)
+    if caller.f_globals.get("__name__", "").startswith("megatron.core.optimizer"):
+        return name.replace("torch.", "torch.cuda.", 1)
+    return name
 
 
 class _NoOpStream:

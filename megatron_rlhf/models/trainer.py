@@ -1,0 +1,169 @@
+"""A trainable model: megatron DDP (or the distributed optimizer), LR schedule, train steps.
+
+    trainer = ModelTrainer(model, pg_collection, OptimizerSettings(lr=1e-5))
+    metrics = trainer.train_step(microbatches, loss_fn)   # loss_fn -> (loss_sum, tokens, metrics)
+
+Losses are summed over tokens and megatron divides the gradients by the number of loss tokens of
+the whole step (all micro-batches, all DP replicas: ``calculate_per_token_loss``). A token-mean
+loss therefore gives the same update whatever the DP size and micro-batch split, which is what
+makes results independent of the placement.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from megatron_rlhf.models.schedule import Batch, LossFn, run_microbatches
+
+_SCHEDULES = ("constant", "linear", "cosine")
+
+
+@dataclass
+class OptimizerSettings:
+    """Optimizer, gradient and learning-rate settings of one trainable model.
+
+    Attributes:
+        lr: peak learning rate.
+        min_lr: learning rate at the end of the decay.
+        weight_decay: decoupled weight decay (AdamW).
+        adam_beta1: Adam beta1.
+        adam_beta2: Adam beta2.
+        adam_eps: Adam epsilon.
+        clip_grad: global gradient-norm clip (0 disables).
+        lr_warmup_steps: linear warm-up steps.
+        lr_decay_steps: steps of the decay after warm-up (0: as long as the run).
+        lr_schedule: ``constant``, ``linear`` or ``cosine``.
+        distributed_optimizer: shard optimizer state over DP (megatron's distributed optimizer,
+            ZeRO-1); False keeps plain DDP with replicated optimizer state.
+    """
+
+    lr: float = 1e-5
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    lr_warmup_steps: int = 0
+    lr_decay_steps: int = 0
+    lr_schedule: str = "constant"
+    distributed_optimizer: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"optimizer.lr={self.lr} must be positive")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"optimizer.min_lr={self.min_lr} must be in [0, lr={self.lr}]")
+        if self.clip_grad < 0:
+            raise ValueError(f"optimizer.clip_grad={self.clip_grad} must be >= 0 (0 disables)")
+        if self.lr_schedule not in _SCHEDULES:
+            raise ValueError(f"optimizer.lr_schedule={self.lr_schedule!r} is not one of {_SCHEDULES}")
+        if self.lr_warmup_steps < 0 or self.lr_decay_steps < 0:
+            raise ValueError("optimizer.lr_warmup_steps and lr_decay_steps must be >= 0")
+
+
+class ModelTrainer:
+    """Owns the DDP wrapper, optimizer and LR scheduler of one model on this rank."""
+
+    def __init__(self, model: torch.nn.Module, pg_collection: ProcessGroupCollection,
+                 settings: OptimizerSettings, total_steps: int = 1) -> None:
+        self.pg_collection = pg_collection
+        self.settings = settings
+        config = model.config
+        config.calculate_per_token_loss = True
+        config.finalize_model_grads_func = finalize_model_grads
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            use_distributed_optimizer=settings.distributed_optimizer,
+            overlap_grad_reduce=False,
+            check_for_nan_in_grad=False,
+        )
+        self.module = DistributedDataParallel(config, ddp_config, model, pg_collection=pg_collection)
+        config.no_sync_func = self.module.no_sync
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=settings.lr,
+                min_lr=settings.min_lr,
+                weight_decay=settings.weight_decay,
+                adam_beta1=settings.adam_beta1,
+                adam_beta2=settings.adam_beta2,
+                adam_eps=settings.adam_eps,
+                clip_grad=settings.clip_grad,
+                use_distributed_optimizer=settings.distributed_optimizer,
+                bf16=config.bf16,
+                params_dtype=config.params_dtype,
+            ),
+            [self.module],
+            use_gloo_process_groups=False,
+            pg_collection=pg_collection,
+        )
+        decay_steps = settings.lr_decay_steps or max(1, total_steps - settings.lr_warmup_steps)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if settings.lr_warmup_steps else settings.lr,
+            max_lr=settings.lr,
+            min_lr=settings.min_lr if settings.lr_schedule != "constant" else settings.lr,
+            lr_warmup_steps=settings.lr_warmup_steps,
+            lr_decay_steps=settings.lr_warmup_steps + decay_steps,
+            lr_decay_style=settings.lr_schedule,
+            start_wd=settings.weight_decay,
+            end_wd=settings.weight_decay,
+            wd_incr_steps=1,
+            wd_incr_style="constant",
+        )
+        self.steps = 0
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The bare model (inside the DDP wrapper)."""
+        return self.module.module
+
+    def train_step(self, microbatches: list[Batch], loss_fn: LossFn) -> dict[str, Any]:
+        """One optimizer step over ``microbatches`` (this rank's share of the step's batch).
+
+        Args:
+            microbatches: inputs for :func:`run_microbatches`.
+            loss_fn: ``(output, batch) -> (loss_sum, num_loss_tokens, metrics)``.
+
+        Returns:
+            ``{"metrics": [per-micro-batch metrics on the last PP stage], "grad_norm": float,
+            "lr": float, "update_successful": bool}``.
+        """
+        self.module.train()
+        self.module.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        metrics = run_microbatches(self.module, self.pg_collection, microbatches, loss_fn,
+                                   forward_only=False)
+        update_successful, grad_norm, _ = self.optimizer.step()
+        lr = self.optimizer.param_groups[0]["lr"]
+        if update_successful:
+            self.scheduler.step(increment=1)
+            self.steps += 1
+        return {
+            "metrics": metrics,
+            "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
+            "lr": lr,
+            "update_successful": bool(update_successful),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Scheduler and step counter (optimizer state goes through sharded checkpoints)."""
+        return {"scheduler": self.scheduler.state_dict(), "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.steps = int(state["steps"])
