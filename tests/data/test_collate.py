@@ -46,8 +46,10 @@ def test_prompt_limit_is_enforced(tokenizer: Tokenizer) -> None:
 
 
 def test_sft_loss_mask_covers_exactly_the_response(tokenizer: Tokenizer) -> None:
-    examples = [SFTExample("Topic: farm. Answer:", "cow hay barn."),
-                SFTExample("Write about the space:", "moon.")]
+    examples = [
+        SFTExample("Topic: farm. Answer:", "cow hay barn."),
+        SFTExample("Write about the space:", "moon."),
+    ]
     batch = collate_sft(examples, tokenizer, max_length=64)
     for row, example in enumerate(examples):
         ids = batch.input_ids[row]
@@ -74,8 +76,10 @@ def test_sft_truncates_the_response_and_refuses_overlong_prompts(tokenizer: Toke
 
 
 def test_preference_batches_share_length(tokenizer: Tokenizer) -> None:
-    examples = [RMExample("Topic: city. Answer:", "bus road tower train.", "pan."),
-                RMExample("Write about the ocean:", "wave.", "comet star moon orbit sun probe.")]
+    examples = [
+        RMExample("Topic: city. Answer:", "bus road tower train.", "pan."),
+        RMExample("Write about the ocean:", "wave.", "comet star moon orbit sun probe."),
+    ]
     batch = collate_preferences(examples, tokenizer, max_length=64)
     assert batch.chosen.input_ids.shape == batch.rejected.input_ids.shape
     chosen = batch.chosen.input_ids[0][batch.chosen.loss_mask[0] == 1].tolist()
@@ -85,14 +89,21 @@ def test_preference_batches_share_length(tokenizer: Tokenizer) -> None:
 
 
 def test_datasets_feed_a_dataloader(tokenizer: Tokenizer) -> None:
-    records = [PreferenceRecord(p, response="wave.", chosen="wave.", rejected="pan.")
-               for p in PROMPTS]
+    records = [
+        PreferenceRecord(p, response="wave.", chosen="wave.", rejected="pan.") for p in PROMPTS
+    ]
     assert [SFTDataset(records)[i].response for i in range(3)] == ["wave."] * 3
-    loader = DataLoader(RMDataset(records), batch_size=2,
-                        collate_fn=partial(collate_preferences, tokenizer=tokenizer, max_length=32))
+    loader = DataLoader(
+        RMDataset(records),
+        batch_size=2,
+        collate_fn=partial(collate_preferences, tokenizer=tokenizer, max_length=32),
+    )
     assert [b.chosen.input_ids.shape[0] for b in loader] == [2, 1]
-    loader = DataLoader(PromptDataset(records), batch_size=3,
-                        collate_fn=partial(collate_prompts, tokenizer=tokenizer))
+    loader = DataLoader(
+        PromptDataset(records),
+        batch_size=3,
+        collate_fn=partial(collate_prompts, tokenizer=tokenizer),
+    )
     (batch,) = list(loader)
     assert batch.input_ids.shape[0] == 3
     with pytest.raises(ValueError, match="has no 'chosen'"):

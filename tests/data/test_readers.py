@@ -23,8 +23,12 @@ from megatron_rlhf.data import (
 )
 from megatron_rlhf.models.tokenizer import Tokenizer
 
-GOOD = {"prompt": "Write about the ocean:", "response": "wave tide.", "chosen": "wave tide.",
-        "rejected": "pan oven."}
+GOOD = {
+    "prompt": "Write about the ocean:",
+    "response": "wave tide.",
+    "chosen": "wave tide.",
+    "rejected": "pan oven.",
+}
 
 
 def _write_jsonl(path: Path, lines: list[bytes]) -> Path:
@@ -102,8 +106,11 @@ def test_counts_and_examples_per_reason(tmp_path: Path) -> None:
     assert len(records) == 1
     assert summary.counts == {"invalid_json": 7, "not_a_string": 2}
     assert [(e.reason, e.line) for e in summary.examples] == [
-        ("invalid_json", 2), ("invalid_json", 3), ("invalid_json", 4),
-        ("not_a_string", 9), ("not_a_string", 10),
+        ("invalid_json", 2),
+        ("invalid_json", 3),
+        ("invalid_json", 4),
+        ("not_a_string", 9),
+        ("not_a_string", 10),
     ]
 
 
@@ -116,7 +123,11 @@ def test_configurable_field_names_and_optional_fields(tmp_path: Path) -> None:
     )
     (read,), summary = read_records(path, config)
     assert (read.prompt, read.chosen, read.rejected, read.response) == (
-        record["question"], "cow hay.", "sun.", None)
+        record["question"],
+        "cow hay.",
+        "sun.",
+        None,
+    )
     with pytest.raises(ValueError, match="add 'response' to reader.required"):
         SFTDataset([read])
     _, strict = read_records(path, ReaderConfig(fields=FieldNames(prompt="question")))
@@ -124,19 +135,28 @@ def test_configurable_field_names_and_optional_fields(tmp_path: Path) -> None:
 
 
 def test_parquet_good_and_bad_rows(tmp_path: Path) -> None:
-    table = pa.table({
-        "prompt": ["Write about the city:", None, "Topic: farm. Answer:", "Topic: space. Answer:"],
-        "response": ["bus road.", "x.", "", "moon star."],
-        "chosen": ["bus road.", "x.", "cow.", "moon star."],
-        "rejected": ["fish.", "y.", "sun.", "pan."],
-    })
+    table = pa.table(
+        {
+            "prompt": [
+                "Write about the city:",
+                None,
+                "Topic: farm. Answer:",
+                "Topic: space. Answer:",
+            ],
+            "response": ["bus road.", "x.", "", "moon star."],
+            "chosen": ["bus road.", "x.", "cow.", "moon star."],
+            "rejected": ["fish.", "y.", "sun.", "pan."],
+        }
+    )
     path = tmp_path / "data.parquet"
     pq.write_table(table, path)
     records, summary = read_records(path, ReaderConfig())
     assert [r.prompt for r in records] == ["Write about the city:", "Topic: space. Answer:"]
     assert summary.counts == {"missing_field": 1, "empty_text": 1}
     assert [(e.line, e.unit, e.field) for e in summary.examples] == [
-        (2, "row", "prompt"), (3, "row", "response")]
+        (2, "row", "prompt"),
+        (3, "row", "response"),
+    ]
     with pytest.raises(DataError, match=r"data\.parquet row 2, field 'prompt': missing_field"):
         read_records(path, ReaderConfig(on_bad_record="error"))
 

@@ -56,8 +56,10 @@ def test_adding_and_shuffling_records_moves_no_one() -> None:
 
 def test_same_prompt_same_portion_and_seed_matters() -> None:
     config = SplitConfig()
-    twins = [PreferenceRecord("shared prompt", response="a"),
-             PreferenceRecord("shared prompt", response="b")]
+    twins = [
+        PreferenceRecord("shared prompt", response="a"),
+        PreferenceRecord("shared prompt", response="b"),
+    ]
     assert len({portion_of(r.prompt, config) for r in twins}) == 1
     records = _records(400)
     assert _portions(records, SplitConfig(seed=0)) != _portions(records, SplitConfig(seed=1))
@@ -78,8 +80,10 @@ def test_fractions_summing_slightly_under_one_lose_no_record() -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "text"),
-    [({"sft": 0.5, "rm": 0.5, "ppo": 0.5}, "sum to 1"), ({"sft": 1.2, "rm": -0.2, "ppo": 0.0},
-                                                         ">= 0")],
+    [
+        ({"sft": 0.5, "rm": 0.5, "ppo": 0.5}, "sum to 1"),
+        ({"sft": 1.2, "rm": -0.2, "ppo": 0.0}, ">= 0"),
+    ],
 )
 def test_split_config_validation(kwargs: dict[str, float], text: str) -> None:
     with pytest.raises(ValueError, match=text):

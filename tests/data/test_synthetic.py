@@ -12,6 +12,7 @@ from megatron_rlhf.data import ReaderConfig, read_records
 from megatron_rlhf.data.synthetic import (
     FILLER_WORDS,
     PROMPT_TEMPLATES,
+    RULE_MAX_REPEATS,
     RULE_MIN_WORDS,
     TOPICS,
     SyntheticTaskConfig,
@@ -32,7 +33,8 @@ def test_every_pair_prefers_chosen_by_the_rule() -> None:
         assert record["response"] == record["chosen"]
         assert topic_of(record["prompt"]) in TOPICS
         assert rule_score(record["prompt"], record["chosen"]) > rule_score(
-            record["prompt"], record["rejected"])
+            record["prompt"], record["rejected"]
+        )
 
 
 def test_scores_leave_headroom_for_ppo() -> None:
@@ -50,6 +52,8 @@ def test_rule_values() -> None:
     assert rule_score(prompt, "Wave, TIDE! shell reef fish boat sand coral whale shore") == 1.0
     assert rule_score(prompt, "wave tide shell reef pan oven star moon.") == 0.5
     assert rule_score(prompt, "wave tide") == 2 / RULE_MIN_WORDS
+    assert rule_score(prompt, " ".join(["wave"] * 8)) == RULE_MAX_REPEATS / 8
+    assert rule_score(prompt, "wave wave wave tide tide tide shell shell") == 6 / 8
     assert rule_score(prompt, "") == 0.0
     assert rule_score(prompt, "tree moss leaf bark fern pine owl deer") == 0.0
     assert rule_score("Topic: forest. Answer:", "tree moss leaf bark fern pine owl deer") == 1.0
@@ -61,7 +65,8 @@ def test_rule_is_bounded_on_random_text() -> None:
     vocabulary = [w for words in TOPICS.values() for w in words] + list(FILLER_WORDS) + ["#", "42"]
     for _ in range(500):
         prompt = rng.choice(PROMPT_TEMPLATES).format(
-            topic=rng.choice(sorted(TOPICS)), hint1="x", hint2="y")
+            topic=rng.choice(sorted(TOPICS)), hint1="x", hint2="y"
+        )
         response = " ".join(rng.choice(vocabulary) for _ in range(rng.randint(0, 30)))
         assert 0.0 <= rule_score(prompt, response) <= 1.0
 
@@ -87,8 +92,9 @@ def test_written_files_load_with_the_public_readers(tmp_path: Path) -> None:
 
 def test_command_line_writes_files(tmp_path: Path) -> None:
     main([str(tmp_path), "--seed", "5", "--num-train", "600", "--num-test", "50"])
-    assert (tmp_path / "train.jsonl").read_bytes() == write_task_jsonl(
-        tmp_path / "api", CONFIG)["train"].read_bytes()
+    assert (tmp_path / "train.jsonl").read_bytes() == write_task_jsonl(tmp_path / "api", CONFIG)[
+        "train"
+    ].read_bytes()
 
 
 def test_topic_vocabularies_do_not_overlap() -> None:
@@ -100,8 +106,11 @@ def test_topic_vocabularies_do_not_overlap() -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),
-    [({"num_train": -1}, "num_train"), ({"min_response_words": 0}, "min_response_words"),
-     ({"min_response_words": 9, "max_response_words": 8}, "max_response_words")],
+    [
+        ({"num_train": -1}, "num_train"),
+        ({"min_response_words": 0}, "min_response_words"),
+        ({"min_response_words": 9, "max_response_words": 8}, "max_response_words"),
+    ],
 )
 def test_config_validation(kwargs: dict[str, int], field: str) -> None:
     with pytest.raises(ValueError, match=field):

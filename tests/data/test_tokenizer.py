@@ -59,7 +59,9 @@ def test_train_cached_trains_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         Tokenizer.train_cached(SHIPPED_CORPUS, 400, tmp_path)
 
 
-def test_from_config_uses_model_path_or_shipped_corpus(tmp_path: Path, tokenizer: Tokenizer) -> None:
+def test_from_config_uses_model_path_or_shipped_corpus(
+    tmp_path: Path, tokenizer: Tokenizer
+) -> None:
     cached = Tokenizer.from_config(TokenizerConfig(cache_dir=str(tmp_path)))
     assert cached.fingerprint == tokenizer.fingerprint
     loaded = Tokenizer.from_config(TokenizerConfig(model_path=tokenizer.source))
@@ -112,7 +114,9 @@ def test_decode_rejects_out_of_range_ids(tokenizer: Tokenizer) -> None:
         tokenizer.decode([5, 512])
 
 
-def test_same_tokenizer_passes_and_mismatch_names_both(tmp_path: Path, tokenizer: Tokenizer) -> None:
+def test_same_tokenizer_passes_and_mismatch_names_both(
+    tmp_path: Path, tokenizer: Tokenizer
+) -> None:
     check_same_tokenizer(tokenizer, Tokenizer.load(tokenizer.source), ("actor", "reward model"))
     other = Tokenizer.train(SHIPPED_CORPUS, 300, tmp_path / "rm.model")
     with pytest.raises(ValueError) as err:

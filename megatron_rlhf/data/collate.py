@@ -1,0 +1,162 @@
+"""Tokenise and pad batches: left-padded prompts for generation, right-padded SFT and RM sequences.
+
+Conventions: ids and masks are ``torch.long`` tensors of shape ``[batch, length]``; an attention
+mask is 1 on real tokens and 0 on padding; padding uses ``tokenizer.pad_id``. Prompts start with
+BOS; SFT and RM sequences are ``BOS prompt response EOS``. Use with a DataLoader through
+``functools.partial(collate_sft, tokenizer=tok, max_length=256)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron_rlhf.data.datasets import RMExample, SFTExample
+from megatron_rlhf.models.tokenizer import Tokenizer
+
+
+@dataclass
+class PromptBatch:
+    """Left-padded prompts, so every prompt ends at the last column where generation starts."""
+
+    input_ids: torch.Tensor
+    """``[batch, length]`` BOS + prompt ids, padding on the left."""
+    attention_mask: torch.Tensor
+    """``[batch, length]`` 1 on prompt tokens, 0 on padding."""
+
+
+@dataclass
+class SFTBatch:
+    """Right-padded prompt+response sequences."""
+
+    input_ids: torch.Tensor
+    """``[batch, length]`` BOS + prompt + response + EOS, padding on the right."""
+    attention_mask: torch.Tensor
+    """``[batch, length]`` 1 on real tokens, 0 on padding."""
+    loss_mask: torch.Tensor
+    """``[batch, length]`` 1 on response tokens and their EOS (the tokens to predict), else 0.
+    Aligned with ``input_ids``: the logits at position ``t - 1`` predict the token at ``t``."""
+
+
+@dataclass
+class PreferenceBatch:
+    """Chosen and rejected sequences of the same prompts, padded to one common length."""
+
+    chosen: SFTBatch
+    rejected: SFTBatch
+
+
+def collate_prompts(
+    prompts: Sequence[str], tokenizer: Tokenizer, max_prompt_tokens: int | None = None
+) -> PromptBatch:
+    """Tokenise prompts with BOS and left-pad them.
+
+    Args:
+        prompts: prompt texts.
+        tokenizer: the shared tokenizer.
+        max_prompt_tokens: refuse prompts longer than this (BOS not counted); None: no limit.
+
+    Returns:
+        The padded ids and attention mask.
+
+    Raises:
+        ValueError: for an empty batch or a prompt over ``max_prompt_tokens``.
+    """
+    if not prompts:
+        raise ValueError("collate_prompts got an empty batch")
+    sequences = []
+    for index, prompt in enumerate(prompts):
+        ids = tokenizer.encode(prompt)
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+            raise ValueError(
+                f"prompt {index} has {len(ids)} tokens > max_prompt_tokens({max_prompt_tokens}); "
+                "set reader.max_prompt_tokens to drop such records when reading"
+            )
+        sequences.append([tokenizer.bos_id] + ids)
+    length = max(len(ids) for ids in sequences)
+    input_ids = torch.full((len(sequences), length), tokenizer.pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    for row, ids in enumerate(sequences):
+        input_ids[row, length - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[row, length - len(ids) :] = 1
+    return PromptBatch(input_ids=input_ids, attention_mask=attention_mask)
+
+
+def _prompt_response_ids(
+    prompt: str, response: str, tokenizer: Tokenizer, max_length: int
+) -> tuple[list[int], int]:
+    """Return ``BOS prompt response EOS`` cut to ``max_length`` and the prompt part's length."""
+    prompt_ids = tokenizer.encode(prompt, add_bos=True)
+    if len(prompt_ids) >= max_length:
+        raise ValueError(
+            f"prompt of {len(prompt_ids)} tokens (BOS included) leaves no room for a response in "
+            f"max_length({max_length}); raise max_length or lower reader.max_prompt_tokens"
+        )
+    ids = prompt_ids + tokenizer.encode(response, add_eos=True)
+    # Long responses lose their tail (and EOS): the prompt is what conditions the response.
+    return ids[:max_length], len(prompt_ids)
+
+
+def _right_pad(
+    sequences: list[tuple[list[int], int]], pad_id: int, length: int | None = None
+) -> SFTBatch:
+    length = length if length is not None else max(len(ids) for ids, _ in sequences)
+    input_ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    loss_mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    for row, (ids, prompt_length) in enumerate(sequences):
+        input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[row, : len(ids)] = 1
+        loss_mask[row, prompt_length : len(ids)] = 1
+    return SFTBatch(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask)
+
+
+def collate_sft(examples: Sequence[SFTExample], tokenizer: Tokenizer, max_length: int) -> SFTBatch:
+    """Tokenise (prompt, response) pairs and right-pad them, masking the loss to the response.
+
+    Args:
+        examples: SFT pairs.
+        tokenizer: the shared tokenizer.
+        max_length: longest sequence; longer responses are cut at the end.
+
+    Returns:
+        Ids, attention mask and loss mask.
+
+    Raises:
+        ValueError: for an empty batch, or a prompt that fills ``max_length`` by itself.
+    """
+    if not examples:
+        raise ValueError("collate_sft got an empty batch")
+    return _right_pad(
+        [_prompt_response_ids(e.prompt, e.response, tokenizer, max_length) for e in examples],
+        tokenizer.pad_id,
+    )
+
+
+def collate_preferences(
+    examples: Sequence[RMExample], tokenizer: Tokenizer, max_length: int
+) -> PreferenceBatch:
+    """Tokenise (prompt, chosen, rejected) triples into two right-padded batches of equal length.
+
+    Args:
+        examples: RM triples.
+        tokenizer: the shared tokenizer.
+        max_length: longest sequence; longer responses are cut at the end.
+
+    Returns:
+        The chosen and the rejected batch; row ``i`` of each holds example ``i``.
+
+    Raises:
+        ValueError: for an empty batch, or a prompt that fills ``max_length`` by itself.
+    """
+    if not examples:
+        raise ValueError("collate_preferences got an empty batch")
+    chosen = [_prompt_response_ids(e.prompt, e.chosen, tokenizer, max_length) for e in examples]
+    rejected = [_prompt_response_ids(e.prompt, e.rejected, tokenizer, max_length) for e in examples]
+    length = max(len(ids) for ids, _ in chosen + rejected)
+    return PreferenceBatch(
+        chosen=_right_pad(chosen, tokenizer.pad_id, length),
+        rejected=_right_pad(rejected, tokenizer.pad_id, length),
+    )

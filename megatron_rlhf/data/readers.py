@@ -1,0 +1,270 @@
+"""Readers for local JSONL and Parquet preference files (prompt/response/chosen/rejected).
+
+Every record is checked; a bad one is classified by one of :data:`BAD_REASONS` and, by the
+``on_bad_record`` policy, either counted and skipped or refused with a :class:`DataError` that names
+file, line (JSONL) or row (Parquet), field and reason. Problems with a whole file (missing, not
+Parquet, unknown extension) always raise :class:`DataError`. Whitespace-only JSONL lines are
+ignored, not counted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from megatron_rlhf.data.config import RECORD_FIELDS, ReaderConfig
+from megatron_rlhf.models.tokenizer import Tokenizer
+from megatron_rlhf.runtime.logging import get_logger
+
+logger = get_logger(__name__)
+
+BAD_REASONS = (
+    "invalid_utf8",
+    "invalid_json",
+    "not_an_object",
+    "missing_field",
+    "not_a_string",
+    "empty_text",
+    "prompt_too_long",
+)
+"""Why a record can be refused, in the order the checks run."""
+
+_JSONL_SUFFIXES = (".jsonl", ".json")
+_PARQUET_SUFFIXES = (".parquet", ".pq")
+_PARQUET_BATCH_ROWS = 4096
+
+
+class DataError(ValueError):
+    """A data file or record that cannot be used; the message says where and how to fix it."""
+
+
+@dataclass(frozen=True)
+class PreferenceRecord:
+    """One checked record; fields not in ``ReaderConfig.required`` may be None."""
+
+    prompt: str
+    response: str | None = None
+    chosen: str | None = None
+    rejected: str | None = None
+
+
+@dataclass(frozen=True)
+class BadRecord:
+    """Where a bad record is and why it was refused."""
+
+    reason: str
+    """One of :data:`BAD_REASONS`."""
+    path: str
+    """The file."""
+    line: int
+    """1-based line (JSONL) or row (Parquet) number."""
+    unit: str
+    """``line`` or ``row``."""
+    field: str | None
+    """The offending column, when one is to blame."""
+    detail: str
+    """A short human-readable explanation."""
+
+    def describe(self) -> str:
+        """One line: ``file line N, field 'x': reason (detail)``."""
+        where = f"{self.path} {self.unit} {self.line}"
+        if self.field is not None:
+            where += f", field {self.field!r}"
+        return f"{where}: {self.reason} ({self.detail})"
+
+
+@dataclass
+class ReadSummary:
+    """What reading one file produced: record counts, bad counts per reason, first examples."""
+
+    path: str
+    num_read: int = 0
+    """Records seen (bad ones included, blank lines excluded)."""
+    num_kept: int = 0
+    """Records that passed every check."""
+    counts: dict[str, int] = field(default_factory=dict)
+    """Bad records per reason."""
+    examples: list[BadRecord] = field(default_factory=list)
+    """The first ``max_examples`` bad records of each reason."""
+
+    @property
+    def num_bad(self) -> int:
+        """Bad records of every reason."""
+        return sum(self.counts.values())
+
+    def format(self) -> str:
+        """A multi-line report for logs."""
+        lines = [f"{self.path}: kept {self.num_kept} of {self.num_read} records"]
+        lines += [f"  {reason}: {count}" for reason, count in sorted(self.counts.items())]
+        lines += [f"  e.g. {bad.describe()}" for bad in self.examples]
+        return "\n".join(lines)
+
+
+def _text_fields(config: ReaderConfig) -> dict[str, str]:
+    return {name: getattr(config.fields, name) for name in RECORD_FIELDS}
+
+
+def _check_row(
+    row: dict[str, Any], config: ReaderConfig, tokenizer: Tokenizer | None
+) -> PreferenceRecord | tuple[str, str, str]:
+    """Return the record, or ``(reason, column, detail)`` for the first failed check."""
+    values: dict[str, str | None] = {}
+    for name, column in _text_fields(config).items():
+        value = row.get(column)
+        if name not in config.required:
+            values[name] = value if isinstance(value, str) and value.strip() else None
+        elif value is None:
+            return "missing_field", column, f"no {name}: key {column!r} absent or null"
+        elif not isinstance(value, str):
+            return "not_a_string", column, f"expected text, got {type(value).__name__}"
+        elif not value.strip():
+            return "empty_text", column, f"the {name} is empty or whitespace"
+        else:
+            values[name] = value
+    prompt = values["prompt"]
+    if config.max_prompt_tokens is not None and tokenizer is not None:
+        num_tokens = len(tokenizer.encode(prompt))
+        if num_tokens > config.max_prompt_tokens:
+            return (
+                "prompt_too_long",
+                config.fields.prompt,
+                f"{num_tokens} tokens > max_prompt_tokens({config.max_prompt_tokens})",
+            )
+    return PreferenceRecord(**values)
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | tuple[str, str]]]:
+    """Yield ``(line, row)`` or ``(line, (reason, detail))`` for every non-blank line."""
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield number, ("invalid_utf8", f"byte {err.start}: {err.reason}")
+                continue
+            if not text.strip():
+                continue
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as err:
+                yield number, ("invalid_json", f"column {err.colno}: {err.msg}")
+                continue
+            if not isinstance(value, dict):
+                yield number, ("not_an_object", f"a JSON {type(value).__name__}, not an object")
+                continue
+            yield number, value
+
+
+def _parquet_rows(path: Path, columns: list[str]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield ``(row, values)`` for the configured columns that exist in the file."""
+    try:
+        parquet = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as err:
+        raise DataError(f"{path} is not a readable Parquet file: {err}") from err
+    present = [name for name in columns if name in parquet.schema_arrow.names]
+    batches = parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=present)
+    number = 0
+    while True:
+        try:
+            batch = next(batches, None)
+        except pa.ArrowException as err:
+            raise DataError(f"{path}: cannot read rows after row {number}: {err}") from err
+        if batch is None:
+            return
+        for values in batch.to_pylist():
+            number += 1
+            yield number, values
+
+
+class _Tally:
+    """Applies the bad-record policy and fills the summary."""
+
+    def __init__(self, path: Path, config: ReaderConfig) -> None:
+        self.config = config
+        self.summary = ReadSummary(path=str(path))
+
+    def bad(self, bad: BadRecord) -> None:
+        if self.config.on_bad_record == "error":
+            raise DataError(
+                f"bad record at {bad.describe()}. Fix the file, or set "
+                "reader.on_bad_record=skip to drop such records"
+            )
+        count = self.summary.counts.get(bad.reason, 0)
+        self.summary.counts[bad.reason] = count + 1
+        if count < self.config.max_examples:
+            self.summary.examples.append(bad)
+
+
+def read_records(
+    path: str | os.PathLike[str], config: ReaderConfig, tokenizer: Tokenizer | None = None
+) -> tuple[list[PreferenceRecord], ReadSummary]:
+    """Read and check one JSONL or Parquet file.
+
+    Args:
+        path: a ``.jsonl``/``.json`` (one JSON object per line) or ``.parquet`` file.
+        config: column names, required fields, bad-record policy and prompt token limit.
+        tokenizer: encodes prompts for the ``max_prompt_tokens`` check; required when it is set.
+
+    Returns:
+        The good records in file order, and the summary of what was read and refused.
+
+    Raises:
+        DataError: for an unusable file, or for the first bad record when
+            ``on_bad_record == "error"``.
+        ValueError: if ``max_prompt_tokens`` is set without a tokenizer.
+    """
+    file = Path(path)
+    if config.max_prompt_tokens is not None and tokenizer is None:
+        raise ValueError(
+            f"max_prompt_tokens({config.max_prompt_tokens}) needs a tokenizer; pass tokenizer= "
+            "or set max_prompt_tokens=None"
+        )
+    if not file.is_file():
+        raise DataError(f"data file {file} does not exist")
+    suffix = file.suffix.lower()
+    if suffix in _JSONL_SUFFIXES:
+        rows, unit = _jsonl_rows(file), "line"
+    elif suffix in _PARQUET_SUFFIXES:
+        rows, unit = _parquet_rows(file, list(_text_fields(config).values())), "row"
+    else:
+        raise DataError(
+            f"{file}: unknown extension {suffix!r}; use {_JSONL_SUFFIXES + _PARQUET_SUFFIXES}"
+        )
+    tally = _Tally(file, config)
+    records = []
+    for number, row in rows:
+        tally.summary.num_read += 1
+        if isinstance(row, tuple):
+            reason, detail = row
+            tally.bad(BadRecord(reason, str(file), number, unit, None, detail))
+            continue
+        checked = _check_row(row, config, tokenizer)
+        if isinstance(checked, tuple):
+            reason, column, detail = checked
+            tally.bad(BadRecord(reason, str(file), number, unit, column, detail))
+            continue
+        records.append(checked)
+    tally.summary.num_kept = len(records)
+    if tally.summary.num_bad:
+        logger.warning("skipped %d bad records\n%s", tally.summary.num_bad, tally.summary.format())
+    return records, tally.summary
+
+
+def read_files(
+    paths: list[str], config: ReaderConfig, tokenizer: Tokenizer | None = None
+) -> tuple[list[PreferenceRecord], list[ReadSummary]]:
+    """Read several files with :func:`read_records`, concatenating records in order."""
+    records: list[PreferenceRecord] = []
+    summaries = []
+    for path in paths:
+        file_records, summary = read_records(path, config, tokenizer)
+        records.extend(file_records)
+        summaries.append(summary)
+    return records, summaries

@@ -1,0 +1,240 @@
+"""The shipped synthetic learning task: "stay on the prompt's topic".
+
+Every prompt names one of eight topics (ocean, forest, kitchen, ...), each with twelve topic words.
+The hidden rule rewards a response by the share of its words that belong to the prompt's topic:
+
+    rule_score = on_topic_words / max(num_words, RULE_MIN_WORDS)
+
+where each distinct topic word counts at most ``RULE_MAX_REPEATS`` times, so repeating one word
+does not pay and a high score needs several different topic words. The rule is computed on DECODED
+TEXT (lower-cased ``[a-z]+`` words), so it does not depend on the tokenizer and serves directly as
+a Python-callable rule reward. It is smooth (one word moves it by at most 1/8), bounded in [0, 1],
+and needs the prompt: another topic's words score zero. Short answers are penalised because the
+denominator is at least ``RULE_MIN_WORDS``.
+
+Reference responses mix topic words, neutral filler and other topics' words at a random on-topic
+rate, so a model fine-tuned on them scores about 0.6 and reinforcement learning has room to reach
+1 (docs/data.md records a measured 2-layer, hidden-64 run).
+
+Write the task as JSONL in the public preference schema (prompt/response/chosen/rejected, with
+``response == chosen`` as in Dahoas/rm-static)::
+
+    python -m megatron_rlhf.data.synthetic OUT_DIR [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_rlhf.runtime.logging import get_logger, setup_logging
+
+logger = get_logger(__name__)
+
+RULE_MIN_WORDS = 8
+"""Denominator floor of the rule: a response needs at least this many words to reach 1.0."""
+RULE_MAX_REPEATS = 2
+"""Occurrences of one topic word that count as on topic; further repeats count as off topic."""
+
+# fmt: off
+TOPICS: dict[str, tuple[str, ...]] = {
+    "ocean": ("wave", "tide", "shell", "reef", "fish", "boat", "sand", "coral", "whale", "shore",
+              "foam", "crab"),
+    "forest": ("tree", "moss", "leaf", "bark", "fern", "pine", "owl", "deer", "root", "trail",
+               "branch", "acorn"),
+    "kitchen": ("pan", "spoon", "bread", "oven", "knife", "soup", "plate", "flour", "butter",
+                "kettle", "bowl", "sugar"),
+    "space": ("star", "orbit", "moon", "comet", "rocket", "planet", "galaxy", "crater", "meteor",
+              "sun", "probe", "nebula"),
+    "music": ("drum", "song", "piano", "violin", "melody", "rhythm", "chord", "guitar", "flute",
+              "tempo", "choir", "bass"),
+    "city": ("road", "tower", "bus", "train", "street", "bridge", "subway", "taxi", "market",
+             "park", "office", "traffic"),
+    "farm": ("barn", "wheat", "cow", "tractor", "hay", "goat", "field", "corn", "pig", "sheep",
+             "fence", "plow"),
+    "weather": ("rain", "cloud", "storm", "snow", "wind", "thunder", "fog", "frost", "breeze",
+                "hail", "drizzle", "sunshine"),
+}
+
+FILLER_WORDS: tuple[str, ...] = (
+    "the", "a", "and", "very", "with", "some", "many", "is", "of", "in", "bright", "quiet", "old",
+    "new", "small", "big", "soft", "warm", "cold", "good", "more", "then", "again", "really",
+)
+
+PROMPT_TEMPLATES: tuple[str, ...] = (
+    "Write about the {topic}:",
+    "Tell me something about the {topic}.",
+    "Describe the {topic} in a few words:",
+    "List words about the {topic}, like {hint1} and {hint2}:",
+    "Topic: {topic}. Answer:",
+    "What do you think of when you hear {topic}? Words like {hint1}:",
+)
+# fmt: on
+
+_WORD_RE = re.compile(r"[a-z]+")
+_TOPIC_WORDS = {topic: frozenset(words) for topic, words in TOPICS.items()}
+
+
+def _words(text: str) -> list[str]:
+    return _WORD_RE.findall(text.lower())
+
+
+def topic_of(prompt_text: str) -> str | None:
+    """Return the first topic name that appears as a word of the prompt, or None."""
+    for word in _words(prompt_text):
+        if word in _TOPIC_WORDS:
+            return word
+    return None
+
+
+def rule_score(prompt_text: str, response_text: str) -> float:
+    """The hidden rule: share of the response's words that belong to the prompt's topic.
+
+    Args:
+        prompt_text: the prompt; its topic is the first topic name among its words.
+        response_text: the decoded response text (special tokens already stripped).
+
+    Returns:
+        ``on_topic / max(num_words, RULE_MIN_WORDS)`` in [0, 1], each topic word counted at most
+        ``RULE_MAX_REPEATS`` times; 0.0 for a prompt without a topic.
+    """
+    topic = topic_of(prompt_text)
+    if topic is None:
+        return 0.0
+    words = _words(response_text)
+    counts = Counter(word for word in words if word in _TOPIC_WORDS[topic])
+    on_topic = sum(min(count, RULE_MAX_REPEATS) for count in counts.values())
+    return on_topic / max(len(words), RULE_MIN_WORDS)
+
+
+@dataclass
+class SyntheticTaskConfig:
+    """How much of the synthetic task to generate, and from which seed."""
+
+    seed: int = 0
+    """Seed of the generator; the same seed gives byte-identical files."""
+    num_train: int = 2000
+    """Records in ``train.jsonl``."""
+    num_test: int = 200
+    """Records in ``test.jsonl`` (drawn from an independent stream of the same seed)."""
+    min_response_words: int = 8
+    """Shortest generated response, in words."""
+    max_response_words: int = 16
+    """Longest generated response, in words."""
+
+    def __post_init__(self) -> None:
+        if self.num_train < 0 or self.num_test < 0:
+            raise ValueError(
+                f"num_train({self.num_train}) and num_test({self.num_test}) must be >= 0"
+            )
+        if not 1 <= self.min_response_words <= self.max_response_words:
+            raise ValueError(
+                f"need 1 <= min_response_words({self.min_response_words}) <= "
+                f"max_response_words({self.max_response_words}); raise max_response_words"
+            )
+
+
+def _prompt(rng: random.Random, topic: str) -> str:
+    hint1, hint2 = rng.sample(TOPICS[topic], 2)
+    template = rng.choice(PROMPT_TEMPLATES)
+    return template.format(topic=topic, hint1=hint1, hint2=hint2)
+
+
+def _response(rng: random.Random, topic: str, config: SyntheticTaskConfig) -> str:
+    """Draw a response whose on-topic rate is itself random, so rule scores spread over [0, 1]."""
+    on_topic_rate = rng.uniform(0.05, 0.95)
+    other_topics = [name for name in TOPICS if name != topic]
+    words = []
+    for _ in range(rng.randint(config.min_response_words, config.max_response_words)):
+        if rng.random() < on_topic_rate:
+            words.append(rng.choice(TOPICS[topic]))
+        elif rng.random() < 0.5:
+            words.append(rng.choice(FILLER_WORDS))
+        else:
+            words.append(rng.choice(TOPICS[rng.choice(other_topics)]))
+    return " ".join(words) + "."
+
+
+def _record(rng: random.Random, config: SyntheticTaskConfig) -> dict[str, str]:
+    topic = rng.choice(sorted(TOPICS))
+    prompt = _prompt(rng, topic)
+    first = _response(rng, topic, config)
+    second = _response(rng, topic, config)
+    while rule_score(prompt, second) == rule_score(prompt, first):
+        second = _response(rng, topic, config)
+    chosen, rejected = sorted((first, second), key=lambda text: -rule_score(prompt, text))
+    return {"prompt": prompt, "response": chosen, "chosen": chosen, "rejected": rejected}
+
+
+def generate_records(config: SyntheticTaskConfig, split: str = "train") -> list[dict[str, str]]:
+    """Generate one split of the task.
+
+    Args:
+        config: sizes and seed.
+        split: ``"train"`` or ``"test"``; each has its own stream derived from the seed.
+
+    Returns:
+        Records with ``prompt``, ``response``, ``chosen`` and ``rejected``; ``response == chosen``
+        and ``rule_score(prompt, chosen) > rule_score(prompt, rejected)`` for every record.
+
+    Raises:
+        ValueError: for an unknown split.
+    """
+    sizes = {"train": config.num_train, "test": config.num_test}
+    if split not in sizes:
+        raise ValueError(f"split({split!r}) must be one of {sorted(sizes)}")
+    rng = random.Random(f"megatron_rlhf.synthetic:{config.seed}:{split}")
+    return [_record(rng, config) for _ in range(sizes[split])]
+
+
+def write_task_jsonl(
+    out_dir: str | os.PathLike[str], config: SyntheticTaskConfig
+) -> dict[str, Path]:
+    """Write ``train.jsonl`` and ``test.jsonl`` into ``out_dir`` (each atomically).
+
+    Args:
+        out_dir: target directory, created if missing.
+        config: sizes and seed.
+
+    Returns:
+        The written path per split name.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for split in ("train", "test"):
+        lines = [
+            json.dumps(record, ensure_ascii=False) for record in generate_records(config, split)
+        ]
+        path = out / f"{split}.jsonl"
+        fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{split}.", suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write("".join(line + "\n" for line in lines))
+        os.replace(tmp, path)
+        paths[split] = path
+        logger.info("wrote %d synthetic records to %s", len(lines), path)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line: write the task as JSONL files."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-train", type=int, default=SyntheticTaskConfig.num_train)
+    parser.add_argument("--num-test", type=int, default=SyntheticTaskConfig.num_test)
+    args = parser.parse_args(argv)
+    setup_logging()
+    config = SyntheticTaskConfig(seed=args.seed, num_train=args.num_train, num_test=args.num_test)
+    write_task_jsonl(args.out_dir, config)
+
+
+if __name__ == "__main__":
+    main()
