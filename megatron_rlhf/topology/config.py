@@ -1,0 +1,173 @@
+"""How the user asks for a placement: a named strategy or a ratio list, plus parallelism.
+
+    PlacementConfig(strategy="separation", tp=8)
+    PlacementConfig(strategy="custom", ratios=[1, 1, 0.5, 0.5])
+    PlacementConfig(strategy="interleaving", tp=2, parallel={"ref": ParallelOverride(tp=1)})
+
+The run configuration embeds one ``PlacementConfig``; ``plan_placement`` turns it into ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_rlhf.topology.models import ACTOR, CRITIC, REF, REWARD, ROLES
+
+FLATTENING = "flattening"
+INTERLEAVING = "interleaving"
+INTERLEAVING2 = "interleaving2"
+SEPARATION = "separation"
+HETERO_SEPARATION = "hetero-separation"
+CUSTOM = "custom"
+
+STRATEGIES = (FLATTENING, INTERLEAVING, INTERLEAVING2, SEPARATION, HETERO_SEPARATION, CUSTOM)
+
+RATIO_ROLES = (ACTOR, CRITIC, REF, REWARD)
+"""Order of the entries of a ratio list."""
+
+PRESET_RATIOS: dict[str, tuple[float, float, float, float]] = {
+    FLATTENING: (1.0, 1.0, 1.0, 1.0),
+    INTERLEAVING: (1.0, 1.0, 0.5, 0.5),
+    INTERLEAVING2: (0.5, 0.5, 0.5, 0.5),
+}
+"""Ratio lists of the single-region presets, over ``RATIO_ROLES``."""
+
+DISJOINT_ROLES: dict[str, tuple[tuple[str, str], ...]] = {
+    INTERLEAVING: ((REF, REWARD),),
+    INTERLEAVING2: ((REF, REWARD), (ACTOR, CRITIC)),
+}
+"""Pairs a strategy promises to run side by side, hence on disjoint devices."""
+
+SEPARATED = (SEPARATION, HETERO_SEPARATION)
+
+
+@dataclass
+class ParallelOverride:
+    """Per-role parallelism that replaces the placement-wide defaults.
+
+    Attributes:
+        tp: tensor-parallel size, or None for the default.
+        pp: pipeline-parallel size, or None for the default.
+        distributed_optimizer: shard optimizer state over DP, or None for the default.
+    """
+
+    tp: int | None = None
+    pp: int | None = None
+    distributed_optimizer: bool | None = None
+
+
+@dataclass
+class PlacementConfig:
+    """A placement request, validated on construction.
+
+    Attributes:
+        strategy: one of ``STRATEGIES``. ``custom`` takes ``ratios``.
+        ratios: fraction of devices per model over ``[actor, critic, ref, reward]``, each in
+            (0, 1]; only with ``strategy="custom"``. Under AC-Share the critic entry is unused.
+        train_fraction: under ``separation``, the fraction of nodes (of devices on a one-node
+            cluster) that hold the trainable actor and critic; the rest hold the shadows, ref
+            and reward.
+        ac_share: the critic is a value head on the actor (AC-Share): no critic and no shadow
+            critic are placed.
+        tp: default tensor-parallel size of every model.
+        pp: default pipeline-parallel size of every model except the shadows, which default to
+            ``pp=1`` (generation wants no pipeline bubbles).
+        distributed_optimizer: default for the trainable models.
+        parallel: per-role overrides, keyed by role name (``shadow_actor`` included); plain
+            mappings (as read from YAML) are turned into ``ParallelOverride``.
+        train_pool: under ``hetero-separation``, the pool kind for actor and critic; default the
+            fastest pool other than the inference pool.
+        inference_pool: under ``hetero-separation``, the pool kind for the inference-only
+            models; default the slowest pool (the last of equals).
+    """
+
+    strategy: str = FLATTENING
+    ratios: list[float] | None = None
+    train_fraction: float = 0.5
+    ac_share: bool = False
+    tp: int = 1
+    pp: int = 1
+    distributed_optimizer: bool = True
+    parallel: dict[str, ParallelOverride] = field(default_factory=dict)
+    train_pool: str | None = None
+    inference_pool: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(
+                f"placement.strategy={self.strategy!r} is unknown: choose one of {STRATEGIES}"
+            )
+        self._check_ratios()
+        if not 0.0 < self.train_fraction < 1.0:
+            raise ValueError(
+                f"placement.train_fraction={self.train_fraction} must be in (0, 1), e.g. 0.5"
+            )
+        for name in ("tp", "pp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"placement.{name}={value!r} must be an integer >= 1")
+        self.parallel = {role: _override(role, o) for role, o in self.parallel.items()}
+        unknown = sorted(set(self.parallel) - set(ROLES))
+        if unknown:
+            raise ValueError(
+                f"placement.parallel has unknown roles {unknown}: use roles from {ROLES}"
+            )
+        if (self.train_pool or self.inference_pool) and self.strategy != HETERO_SEPARATION:
+            raise ValueError(
+                f"placement.train_pool/inference_pool are set but strategy={self.strategy!r}: "
+                f"they only apply to strategy={HETERO_SEPARATION!r}"
+            )
+
+    def _check_ratios(self) -> None:
+        if self.strategy != CUSTOM:
+            if self.ratios is not None:
+                raise ValueError(
+                    f"placement.ratios={self.ratios} is set but strategy={self.strategy!r}: "
+                    f"set strategy={CUSTOM!r} or drop the ratios"
+                )
+            return
+        if self.ratios is None or len(self.ratios) != len(RATIO_ROLES):
+            raise ValueError(
+                f"placement.ratios={self.ratios} must give {len(RATIO_ROLES)} ratios for "
+                f"{list(RATIO_ROLES)}, e.g. [1, 1, 0.5, 0.5]"
+            )
+        for role, ratio in zip(RATIO_ROLES, self.ratios, strict=True):
+            if not 0.0 < ratio <= 1.0:
+                raise ValueError(
+                    f"placement.ratios: {role} ratio {ratio} must be in (0, 1]: a model needs "
+                    "some devices and cannot have more than all of them"
+                )
+
+    @property
+    def separated(self) -> bool:
+        """Whether the strategy places inference-only shadow copies of actor and critic."""
+        return self.strategy in SEPARATED
+
+    def role_ratios(self) -> dict[str, float]:
+        """Ratio per role for the single-region strategies; empty under separation."""
+        if self.strategy == CUSTOM:
+            return dict(zip(RATIO_ROLES, self.ratios or (), strict=True))
+        return dict(zip(RATIO_ROLES, PRESET_RATIOS.get(self.strategy, ()), strict=False))
+
+    def to_dict(self) -> dict:
+        """JSON-ready description."""
+        return {
+            "strategy": self.strategy, "ratios": self.ratios,
+            "train_fraction": self.train_fraction, "ac_share": self.ac_share,
+            "tp": self.tp, "pp": self.pp, "distributed_optimizer": self.distributed_optimizer,
+            "parallel": {role: vars(o).copy() for role, o in sorted(self.parallel.items())},
+            "train_pool": self.train_pool, "inference_pool": self.inference_pool,
+        }
+
+
+def _override(role: str, value: ParallelOverride | dict) -> ParallelOverride:
+    """A ``ParallelOverride`` from itself or from a plain mapping read from YAML."""
+    if isinstance(value, ParallelOverride):
+        return value
+    unknown = sorted(set(value) - {"tp", "pp", "distributed_optimizer"})
+    if unknown:
+        raise ValueError(
+            f"placement.parallel[{role!r}] has unknown keys {unknown}: use tp, pp, "
+            "distributed_optimizer"
+        )
+    return ParallelOverride(**value)

@@ -1,0 +1,215 @@
+"""What is placed: the PPO roles, their architectures, parallelism and rough memory needs.
+
+    spec = ModelSpec("actor", arch_preset("llama-65b"), trainable=True, tp=8, pp=2)
+    spec.bytes_per_device(dp=4)   # weights + grads + sharded Adam state, per device
+
+Architecture presets are for planning (parameter counts, divisibility checks): ``tiny`` and
+``small`` are CPU-sized GPTs, ``llama-7b/13b/33b/65b`` carry the public LLaMA numbers.
+
+Vocabulary sizes need not divide TP: Megatron pads the vocabulary to a multiple of
+``make_vocab_size_divisible_by * tp`` (128 * tp here), so the plan counts the padded size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+ACTOR = "actor"
+CRITIC = "critic"
+REF = "ref"
+REWARD = "reward"
+SHADOW_ACTOR = "shadow_actor"
+SHADOW_CRITIC = "shadow_critic"
+
+ROLES = (ACTOR, CRITIC, REF, REWARD, SHADOW_ACTOR, SHADOW_CRITIC)
+"""Every role, in the order the plan lists (and places) them."""
+
+TRAINABLE_ROLES = (ACTOR, CRITIC)
+VALUE_HEAD_ROLES = (CRITIC, REWARD, SHADOW_CRITIC)
+"""Roles whose output layer is a scalar head instead of the vocabulary projection."""
+
+SHADOW_OF = {SHADOW_ACTOR: ACTOR, SHADOW_CRITIC: CRITIC}
+"""Inference-only copy -> the trainable model whose weights it receives."""
+
+VOCAB_DIVISIBLE_BY = 128
+"""Megatron's default ``make_vocab_size_divisible_by``."""
+
+_ADAM_STATE_BYTES = 12
+"""fp32 master weights + Adam's two moments, bytes per parameter."""
+
+_GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """Transformer architecture numbers needed for planning.
+
+    Attributes:
+        name: preset name, or any label for a custom architecture.
+        num_layers: transformer layers.
+        hidden_size: model width.
+        num_attention_heads: attention heads.
+        vocab_size: tokenizer vocabulary (unpadded).
+        seq_length: maximum sequence length.
+        ffn_hidden_size: MLP width.
+        gated_mlp: SwiGLU MLP (three matrices, LLaMA) instead of two (GPT).
+    """
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int
+    seq_length: int
+    ffn_hidden_size: int
+    gated_mlp: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
+                     "seq_length", "ffn_hidden_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"arch {self.name!r}: {name}={value!r} must be an integer >= 1")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"arch {self.name!r}: num_attention_heads({self.num_attention_heads}) does not "
+                f"divide hidden_size({self.hidden_size}): choose a divisor of hidden_size"
+            )
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """Vocabulary size after Megatron's padding to a multiple of ``128 * tp``."""
+        multiple = VOCAB_DIVISIBLE_BY * tp
+        return math.ceil(self.vocab_size / multiple) * multiple
+
+    def num_params(self, tp: int = 1, value_head: bool = False) -> int:
+        """Parameter count with untied input/output embeddings.
+
+        Args:
+            tp: tensor-parallel size, which sets the vocabulary padding.
+            value_head: the output layer is a scalar head (critic, reward) instead of the
+                vocabulary projection.
+        """
+        h = self.hidden_size
+        attention = 4 * h * h + 4 * h
+        mlp = (3 if self.gated_mlp else 2) * h * self.ffn_hidden_size
+        per_layer = attention + mlp + 2 * h
+        embedding = self.padded_vocab_size(tp) * h
+        output = h if value_head else embedding
+        return self.num_layers * per_layer + embedding + output + h
+
+
+ARCH_PRESETS: dict[str, ArchSpec] = {
+    arch.name: arch
+    for arch in (
+        ArchSpec("tiny", 2, 64, 4, 512, 128, 256),
+        ArchSpec("small", 4, 128, 4, 512, 128, 512),
+        ArchSpec("llama-7b", 32, 4096, 32, 32000, 2048, 11008, gated_mlp=True),
+        ArchSpec("llama-13b", 40, 5120, 40, 32000, 2048, 13824, gated_mlp=True),
+        ArchSpec("llama-33b", 60, 6656, 52, 32000, 2048, 17920, gated_mlp=True),
+        ArchSpec("llama-65b", 80, 8192, 64, 32000, 2048, 22016, gated_mlp=True),
+    )
+}
+
+
+def arch_preset(arch: str | ArchSpec) -> ArchSpec:
+    """Look an architecture up by preset name (an ``ArchSpec`` passes through).
+
+    Raises:
+        ValueError: unknown preset name.
+    """
+    if isinstance(arch, ArchSpec):
+        return arch
+    if arch not in ARCH_PRESETS:
+        raise ValueError(f"model preset {arch!r} is unknown: choose one of {list(ARCH_PRESETS)}")
+    return ARCH_PRESETS[arch]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model to place: role, architecture, trainability and parallelism.
+
+    DP is not part of the spec: it is derived from the devices the placement gives the model,
+    ``dp = devices / (tp * pp)``.
+
+    Attributes:
+        role: one of ``ROLES``.
+        arch: architecture numbers.
+        trainable: holds gradients and optimizer state (actor, critic).
+        tp: tensor-parallel size (inside one node).
+        pp: pipeline-parallel size.
+        distributed_optimizer: shard the optimizer state over DP (Megatron's distributed
+            optimizer, ZeRO-1 style); only meaningful when trainable.
+        bytes_per_param: bytes of one weight (2 for bf16).
+    """
+
+    role: str
+    arch: ArchSpec
+    trainable: bool
+    tp: int = 1
+    pp: int = 1
+    distributed_optimizer: bool = True
+    bytes_per_param: int = 2
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"model role {self.role!r} is unknown: choose one of {ROLES}")
+        for name in ("tp", "pp", "bytes_per_param"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{self.role}.{name}={value!r} must be an integer >= 1")
+        heads, layers = self.arch.num_attention_heads, self.arch.num_layers
+        if heads % self.tp:
+            raise ValueError(
+                f"{self.role}.tp({self.tp}) does not divide num_attention_heads({heads}) of "
+                f"{self.arch.name!r}: choose tp in {divisors_text(heads)}"
+            )
+        if layers % self.pp:
+            raise ValueError(
+                f"{self.role}.pp({self.pp}) does not divide num_layers({layers}) of "
+                f"{self.arch.name!r}: choose pp in {divisors_text(layers)}"
+            )
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Devices in one replica: ``tp * pp``."""
+        return self.tp * self.pp
+
+    def num_params(self) -> int:
+        """Parameter count, with vocabulary padding for this TP and the role's output head."""
+        return self.arch.num_params(self.tp, value_head=self.role in VALUE_HEAD_ROLES)
+
+    def bytes_per_device(self, dp: int) -> float:
+        """Rough lower bound of the memory one device needs for this model's states.
+
+        Inference models hold their weights, ``params / (tp * pp) * bytes_per_param``. Trainable
+        models add gradients (``bytes_per_param``) and 12 bytes of fp32 master weights and Adam
+        moments per parameter, divided by ``dp`` with the distributed optimizer: in bf16 that is
+        ``params / (tp * pp) * (4 + 12 / dp)`` bytes, 16 bytes per parameter without sharding.
+        Activations, the KV cache and framework buffers are not counted.
+
+        Args:
+            dp: data-parallel size of the model.
+        """
+        shard = self.num_params() / self.model_parallel_size
+        if not self.trainable:
+            return shard * self.bytes_per_param
+        optimizer = _ADAM_STATE_BYTES / dp if self.distributed_optimizer else _ADAM_STATE_BYTES
+        return shard * (2 * self.bytes_per_param + optimizer)
+
+    def gib_per_device(self, dp: int) -> float:
+        """``bytes_per_device`` in GiB."""
+        return self.bytes_per_device(dp) / _GIB
+
+    def to_dict(self) -> dict:
+        """JSON-ready description."""
+        return {
+            "role": self.role, "arch": self.arch.name, "trainable": self.trainable,
+            "tp": self.tp, "pp": self.pp, "distributed_optimizer": self.distributed_optimizer,
+            "num_params": self.num_params(),
+        }
+
+
+def divisors_text(n: int) -> str:
+    """The divisors of ``n`` as ``{1,2,4,8}``, for error messages that suggest a fix."""
+    return "{" + ",".join(str(d) for d in range(1, n + 1) if n % d == 0) + "}"

@@ -1,0 +1,62 @@
+"""Every process group of 16x8 plans, built in one process on the fake backend (topology only)."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from megatron_rlhf.topology import ClusterSpec, PlacementConfig, plan_placement
+from megatron_rlhf.topology.groups import build_process_groups
+from tests.topology.groups_check import check_rank_groups, expected_groups
+
+CLUSTER = ClusterSpec.homogeneous(16, 8)
+CONFIGS = [
+    (PlacementConfig("separation", tp=8), "llama-65b"),
+    (PlacementConfig("interleaving", tp=2, pp=4, ac_share=True), "llama-7b"),
+    (PlacementConfig("interleaving2", tp=4, pp=2), "llama-13b"),
+]
+
+
+@pytest.fixture
+def fake_world(monkeypatch: pytest.MonkeyPatch):
+    """``start(rank)`` makes this process rank ``rank`` of a fake 128-rank world."""
+    monkeypatch.setenv("WORLD_SIZE", str(CLUSTER.world_size))
+
+    def start(rank: int) -> None:
+        dist.init_process_group("fake", rank=rank, world_size=CLUSTER.world_size,
+                                store=FakeStore())
+
+    yield start
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_every_rank_of_16x8_plans_gets_the_planned_groups(fake_world) -> None:
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    plans = [plan_placement(CLUSTER, config, model) for config, model in CONFIGS]
+    expected = [expected_groups(plan) for plan in plans]
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True)
+    checked = 0
+    for rank in range(CLUSTER.world_size):
+        fake_world(rank)
+        for plan, members in zip(plans, expected, strict=True):
+            groups = build_process_groups(plan, timeout=datetime.timedelta(seconds=60))
+            checked += check_rank_groups(plan, members, groups)
+            for pgs in filter(None, groups.values()):
+                found = ProcessGroupCollection.setup_process_groups_for_ddp(pgs, None, ddp_config)
+                assert found["dp_group"] is pgs.dp and found["inter_dist_opt_group"] is None
+        dist.destroy_process_group()
+    assert checked > 128 * 3 * 19
+
+
+def test_plan_must_match_the_world(fake_world) -> None:
+    fake_world(0)
+    small = plan_placement(ClusterSpec.homogeneous(1, 8), PlacementConfig(), "tiny")
+    with pytest.raises(ValueError, match="the plan covers 8 ranks but the default process group "
+                                         "has 128"):
+        build_process_groups(small)
