@@ -11,11 +11,14 @@ makes results independent of the placement.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -74,6 +77,33 @@ class OptimizerSettings:
             raise ValueError("optimizer.lr_warmup_steps and lr_decay_steps must be >= 0")
 
 
+@contextlib.contextmanager
+def _default_group_gathers_scoped_to(scope: dist.ProcessGroup) -> Iterator[None]:
+    """Scope megatron's default-group ``all_gather_object`` calls to one model's ranks.
+
+    ``get_megatron_optimizer`` aligns parameter groups with an ``all_gather_object`` over the
+    default group into a world-sized list. With models on disjoint ranks (interleaving,
+    separation) the other ranks are building other models at that moment, so the collective must
+    only span this model's ranks; the world-sized list is padded with this rank's own entry (the
+    alignment only takes the union of the gathered keys).
+    """
+    original = dist.all_gather_object
+
+    def scoped(object_list: list, obj: Any, group: dist.ProcessGroup | None = None) -> None:
+        if group is not None:
+            original(object_list, obj, group=group)
+            return
+        gathered: list = [None] * scope.size()
+        original(gathered, obj, group=scope)
+        object_list[:] = gathered + [obj] * (len(object_list) - len(gathered))
+
+    dist.all_gather_object = scoped
+    try:
+        yield
+    finally:
+        dist.all_gather_object = original
+
+
 class ModelTrainer:
     """Owns the DDP wrapper, optimizer and LR scheduler of one model on this rank."""
 
@@ -92,24 +122,8 @@ class ModelTrainer:
         )
         self.module = DistributedDataParallel(config, ddp_config, model, pg_collection=pg_collection)
         config.no_sync_func = self.module.no_sync
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=settings.lr,
-                min_lr=settings.min_lr,
-                weight_decay=settings.weight_decay,
-                adam_beta1=settings.adam_beta1,
-                adam_beta2=settings.adam_beta2,
-                adam_eps=settings.adam_eps,
-                clip_grad=settings.clip_grad,
-                use_distributed_optimizer=settings.distributed_optimizer,
-                bf16=config.bf16,
-                params_dtype=config.params_dtype,
-            ),
-            [self.module],
-            use_gloo_process_groups=False,
-            pg_collection=pg_collection,
-        )
+        with _default_group_gathers_scoped_to(pg_collection.intra_dist_opt):
+            self.optimizer = self._build_optimizer(config, settings)
         decay_steps = settings.lr_decay_steps or max(1, total_steps - settings.lr_warmup_steps)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
@@ -125,6 +139,26 @@ class ModelTrainer:
             wd_incr_style="constant",
         )
         self.steps = 0
+
+    def _build_optimizer(self, config, settings: OptimizerSettings):
+        return get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=settings.lr,
+                min_lr=settings.min_lr,
+                weight_decay=settings.weight_decay,
+                adam_beta1=settings.adam_beta1,
+                adam_beta2=settings.adam_beta2,
+                adam_eps=settings.adam_eps,
+                clip_grad=settings.clip_grad,
+                use_distributed_optimizer=settings.distributed_optimizer,
+                bf16=config.bf16,
+                params_dtype=config.params_dtype,
+            ),
+            [self.module],
+            use_gloo_process_groups=False,
+            pg_collection=self.pg_collection,
+        )
 
     @property
     def model(self) -> torch.nn.Module:

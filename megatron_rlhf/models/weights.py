@@ -61,7 +61,7 @@ def shard_rules(model: GPTModel) -> Iterator[tuple[str, torch.nn.Parameter, Shar
             partition_dim=int(param.partition_dim) if is_tp else None,
             glu_halves=is_tp and name.endswith("mlp.linear_fc1.weight")
             and model.config.gated_linear_unit,
-            vocab_rows=model.real_vocab_size if name in _VOCAB_PARALLEL else None,
+            vocab_rows=model.real_vocab_size if is_tp and name in _VOCAB_PARALLEL else None,
         )
 
 

@@ -54,6 +54,8 @@ class ArchSpec:
         seq_length: maximum sequence length.
         ffn_hidden_size: MLP width.
         gated_mlp: SwiGLU MLP (three matrices, LLaMA) instead of two (GPT).
+        num_query_groups: key/value heads (grouped-query attention); 0 means one per attention
+            head (multi-head attention).
     """
 
     name: str
@@ -64,8 +66,16 @@ class ArchSpec:
     seq_length: int
     ffn_hidden_size: int
     gated_mlp: bool = False
+    num_query_groups: int = 0
 
     def __post_init__(self) -> None:
+        if self.num_query_groups == 0:
+            object.__setattr__(self, "num_query_groups", self.num_attention_heads)
+        if self.num_query_groups < 1 or self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"arch {self.name!r}: num_query_groups({self.num_query_groups}) must divide "
+                f"num_attention_heads({self.num_attention_heads})"
+            )
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
                      "seq_length", "ffn_hidden_size"):
             value = getattr(self, name)
@@ -102,8 +112,8 @@ class ArchSpec:
 ARCH_PRESETS: dict[str, ArchSpec] = {
     arch.name: arch
     for arch in (
-        ArchSpec("tiny", 2, 64, 4, 512, 128, 256),
-        ArchSpec("small", 4, 128, 4, 512, 128, 512),
+        ArchSpec("tiny", 2, 64, 4, 512, 128, 256, gated_mlp=True),
+        ArchSpec("small", 4, 128, 4, 512, 128, 512, gated_mlp=True),
         ArchSpec("llama-7b", 32, 4096, 32, 32000, 2048, 11008, gated_mlp=True),
         ArchSpec("llama-13b", 40, 5120, 40, 32000, 2048, 13824, gated_mlp=True),
         ArchSpec("llama-33b", 60, 6656, 52, 32000, 2048, 17920, gated_mlp=True),
@@ -163,6 +173,12 @@ class ModelSpec:
             raise ValueError(
                 f"{self.role}.tp({self.tp}) does not divide num_attention_heads({heads}) of "
                 f"{self.arch.name!r}: choose tp in {divisors_text(heads)}"
+            )
+        groups = self.arch.num_query_groups
+        if groups % self.tp:
+            raise ValueError(
+                f"{self.role}.tp({self.tp}) does not divide num_query_groups({groups}) of "
+                f"{self.arch.name!r}: choose tp in {divisors_text(groups)}"
             )
         if layers % self.pp:
             raise ValueError(

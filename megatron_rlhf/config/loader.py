@@ -1,0 +1,76 @@
+"""Load a typed run configuration from YAML with inheritance and dotted overrides.
+
+    config = load_config(RunConfig, "examples/ppo_tiny.yaml", ["rollout.ppo_epochs=2"])
+
+A YAML file may name a ``base:`` file (relative to itself) whose values it overrides; chains are
+followed. Values are merged onto the dataclass defaults with OmegaConf's structured configs, so an
+unknown key or a value of the wrong type is refused with the key's dotted name, and each
+dataclass's ``__post_init__`` then checks the meaning of the values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import is_dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+T = TypeVar("T")
+BASE_KEY = "base"
+
+
+class ConfigError(ValueError):
+    """A configuration file or override that cannot be used; the message says which and why."""
+
+
+def _read_yaml_chain(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"{path}: 'base:' chain loops back to itself via {list(seen)}")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        node = OmegaConf.load(path)
+    except Exception as error:  # noqa: BLE001 - YAML parser errors have many types
+        raise ConfigError(f"{path}: not valid YAML: {error}") from error
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    base = node.pop(BASE_KEY, None)
+    if base is None:
+        return node
+    return OmegaConf.merge(_read_yaml_chain(path.parent / str(base), (*seen, path)), node)
+
+
+def load_config(schema: type[T], path: str | Path | None = None,
+                overrides: list[str] | None = None) -> T:
+    """Build a ``schema`` instance from defaults, a YAML file and ``a.b=c`` overrides.
+
+    Raises:
+        ConfigError: unreadable YAML, an unknown key, a badly typed value or an override not of
+            the form ``a.b=c``; ``ValueError`` from a dataclass's own validation passes through.
+    """
+    if not is_dataclass(schema):
+        raise TypeError(f"{schema!r} is not a dataclass")
+    merged = OmegaConf.structured(schema)
+    source = "defaults"
+    try:
+        if path is not None:
+            source = str(path)
+            merged = OmegaConf.merge(merged, _read_yaml_chain(Path(path)))
+        for item in overrides or []:
+            source = f"override {item!r}"
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} must look like section.key=value")
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as error:
+        key = getattr(error, "full_key", None) or "?"
+        reason = str(error.msg).splitlines()[0]
+        raise ConfigError(f"{source}: invalid config key {key!r}: {reason}") from None
+
+
+def to_yaml(config: Any) -> str:
+    """The resolved configuration as YAML (for the run directory)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(config))

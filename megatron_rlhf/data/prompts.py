@@ -1,0 +1,53 @@
+"""The prompts of each PPO step, as a pure function of the step number.
+
+Every rank builds the same ``PromptStream`` and asks it for step ``k``'s batch, so no prompt data
+is broadcast, and resuming at step ``k`` needs nothing but ``k``. Each pass over the prompts is a
+fresh seeded permutation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class PromptStream:
+    """Batches of tokenised prompts, by step.
+
+    Args:
+        prompts: token ids of every prompt (each non-empty).
+        batch_size: prompts per step.
+        seed: seed of the per-pass permutations.
+
+    Raises:
+        ValueError: no prompts, an empty prompt, or a batch larger than the prompt set.
+    """
+
+    def __init__(self, prompts: Sequence[Sequence[int]], batch_size: int, seed: int) -> None:
+        if not prompts:
+            raise ValueError("the prompt set is empty; check the data paths and the PPO split")
+        empty = [i for i, p in enumerate(prompts) if not p]
+        if empty:
+            raise ValueError(f"prompts {empty[:5]} are empty after tokenisation; drop them")
+        if batch_size > len(prompts):
+            raise ValueError(f"rollout.prompts_per_step({batch_size}) exceeds the "
+                             f"{len(prompts)} prompts available; lower it or add prompts")
+        self.prompts = [list(p) for p in prompts]
+        self.batch_size = batch_size
+        self.seed = seed
+        self.batches_per_pass = len(self.prompts) // batch_size
+
+    def batch(self, step: int) -> tuple[list[list[int]], list[int]]:
+        """Step ``step``'s prompts and their sample ids (unique over the run).
+
+        The sample id keys a prompt's sampling noise; it is ``step * batch_size + i``, so the same
+        prompt drawn in two passes gets different noise.
+        """
+        pass_index, position = divmod(step, self.batches_per_pass)
+        order = torch.randperm(len(self.prompts),
+                               generator=torch.Generator().manual_seed(self.seed + pass_index))
+        start = position * self.batch_size
+        chosen = order[start:start + self.batch_size].tolist()
+        ids = [step * self.batch_size + i for i in range(self.batch_size)]
+        return [self.prompts[i] for i in chosen], ids

@@ -1,0 +1,98 @@
+"""From a ``RunConfig`` to a ready ``PPOEngine``: plan, groups, models, trainers, weight sync.
+
+The plan is computed and validated before any process group exists, so a placement that cannot
+work fails on every rank with the same message before distributed work starts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch.distributed as dist
+
+from megatron_rlhf.engine.config import RunConfig
+from megatron_rlhf.engine.engine import PPOEngine
+from megatron_rlhf.engine.workers import ModelWorker
+from megatron_rlhf.models.gpt import ModelBuildOptions, build_gpt_model
+from megatron_rlhf.models.trainer import ModelTrainer
+from megatron_rlhf.models.weights import init_weights
+from megatron_rlhf.refit import build_weight_sync
+from megatron_rlhf.runtime.logging import get_logger
+from megatron_rlhf.topology.cluster import ClusterSpec, DevicePool
+from megatron_rlhf.topology.groups import build_process_groups
+from megatron_rlhf.topology.models import (
+    ACTOR,
+    SHADOW_ACTOR,
+    SHADOW_OF,
+    TRAINABLE_ROLES,
+    VALUE_HEAD_ROLES,
+)
+from megatron_rlhf.topology.placement import plan_placement
+from megatron_rlhf.topology.plan import PlacementPlan
+
+logger = get_logger(__name__)
+
+
+def cluster_from_environment(pools: list[DevicePool] | None = None) -> ClusterSpec:
+    """The configured pools, or one pool shaped like torchrun's world (nodes x local ranks)."""
+    if pools:
+        return ClusterSpec(tuple(pools))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return ClusterSpec((DevicePool("local", nodes=world // local, devices_per_node=local),))
+
+
+def make_plan(config: RunConfig, cluster: ClusterSpec) -> PlacementPlan:
+    """Validate and plan the placement (pure; raises ValueError naming the field)."""
+    plan = plan_placement(cluster, config.placement, config.models.arch)
+    for role in plan.roles:
+        micro = config.rollout.micro_batch_size
+        dp = plan[role].dp
+        if config.rollout.prompts_per_step % (dp * micro):
+            raise ValueError(
+                f"rollout.prompts_per_step({config.rollout.prompts_per_step}) must be a multiple "
+                f"of {role}'s dp({dp}) x rollout.micro_batch_size({micro})")
+        minibatch = config.rollout.prompts_per_step // config.rollout.num_minibatches
+        if role in TRAINABLE_ROLES and minibatch % (dp * micro):
+            raise ValueError(
+                f"a mini-batch of {minibatch} rows does not split into {role}'s dp({dp}) x "
+                f"micro_batch_size({micro}); lower rollout.num_minibatches or micro_batch_size")
+    return plan
+
+
+def _head(role: str, ac_share: bool) -> str:
+    if role in VALUE_HEAD_ROLES:
+        return "scalar"
+    return "lm+scalar" if ac_share and role in (ACTOR, SHADOW_ACTOR) else "lm"
+
+
+def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int, pad_id: int) -> PPOEngine:
+    """Build this rank's models and the engine. Collective: every rank calls it."""
+    groups = build_process_groups(
+        plan, timeout=datetime.timedelta(seconds=config.runtime.distributed.timeout_s))
+    rank = dist.get_rank()
+    workers: dict[str, ModelWorker] = {}
+    total_updates = (config.steps * config.rollout.ppo_epochs * config.rollout.num_minibatches)
+    for role in plan.roles_on(rank):
+        pgc = groups[role]
+        options = ModelBuildOptions(head=_head(role, config.placement.ac_share),
+                                    params_dtype=config.models.params_dtype)
+        model = build_gpt_model(plan[role].spec.arch, options, pgc, seed=config.runtime.seed)
+        init_weights(model, pgc, seed=config.models.init_seed)
+        trainer = None
+        if role in TRAINABLE_ROLES:
+            settings = config.actor_optimizer if role == ACTOR else config.critic_optimizer
+            trainer = ModelTrainer(model, pgc, settings, total_steps=total_updates)
+        workers[role] = ModelWorker(role, model, pgc, trainer, config.rollout.micro_batch_size)
+    weight_syncs = {}
+    for shadow, source in SHADOW_OF.items():
+        if shadow in plan.models:
+            src, dst = workers.get(source), workers.get(shadow)
+            weight_syncs[source] = build_weight_sync(
+                src.model if src else None, groups[source], plan[source],
+                dst.model if dst else None, groups[shadow], plan[shadow])
+    engine = PPOEngine(plan, workers, weight_syncs, config.rollout.max_prompt_length,
+                       config.generation, eos_id, pad_id)
+    engine.sync_weights()
+    return engine

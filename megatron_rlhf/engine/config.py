@@ -1,0 +1,141 @@
+"""The configuration of a PPO run: one typed dataclass per component, composed in ``RunConfig``.
+
+YAML files in ``examples/`` are thin instances of ``RunConfig``; ``megatron_rlhf.config`` loads
+them (with inheritance and dotted overrides) and every dataclass validates itself on construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_rlhf.algorithms import PPOAlgorithmConfig
+from megatron_rlhf.data import ReaderConfig, SplitConfig, SyntheticTaskConfig
+from megatron_rlhf.generation import GenerationConfig
+from megatron_rlhf.models.tokenizer import TokenizerConfig
+from megatron_rlhf.models.trainer import OptimizerSettings
+from megatron_rlhf.runtime.bootstrap import RuntimeConfig
+from megatron_rlhf.topology.cluster import DevicePool
+from megatron_rlhf.topology.config import PlacementConfig
+
+
+@dataclass
+class ModelsConfig:
+    """Which networks the four roles are.
+
+    Attributes:
+        arch: architecture preset name (``tiny``, ``small``, ``llama-7b``, ...).
+        init_seed: seed of the layout-independent initialisation when no checkpoint is given.
+        actor_checkpoint: checkpoint directory of the initial policy (SFT), or empty.
+        reward_checkpoint: checkpoint directory of the reward model, or empty.
+        critic_from_reward: initialise the critic from the reward model (InstructGPT); else from
+            ``init_seed``.
+        params_dtype: ``float32`` (CPU) or ``bfloat16`` (GPU).
+    """
+
+    arch: str = "tiny"
+    init_seed: int = 1234
+    actor_checkpoint: str = ""
+    reward_checkpoint: str = ""
+    critic_from_reward: bool = True
+    params_dtype: str = "float32"
+
+
+@dataclass
+class RolloutConfig:
+    """Shapes of one PPO step.
+
+    Attributes:
+        prompts_per_step: prompts generated per step (the experience batch); a multiple of every
+            model's DP size and of ``num_minibatches``.
+        max_prompt_length: prompts are left-padded (and must fit) to this many tokens.
+        micro_batch_size: rows per forward/backward micro-batch on one DP replica.
+        ppo_epochs: passes over the experience per step.
+        num_minibatches: optimizer steps per epoch (each over ``prompts_per_step /
+            num_minibatches`` rows).
+    """
+
+    prompts_per_step: int = 8
+    max_prompt_length: int = 16
+    micro_batch_size: int = 2
+    ppo_epochs: int = 1
+    num_minibatches: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_step", "max_prompt_length", "micro_batch_size", "ppo_epochs",
+                     "num_minibatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rollout.{name}={getattr(self, name)} must be >= 1")
+        if self.prompts_per_step % self.num_minibatches:
+            raise ValueError(f"rollout.prompts_per_step({self.prompts_per_step}) is not a multiple "
+                             f"of rollout.num_minibatches({self.num_minibatches})")
+
+
+@dataclass
+class RewardConfig:
+    """How a response is scored.
+
+    Attributes:
+        model_weight: weight of the reward model's score.
+        rule: a rule-based reward added to it: ``synthetic`` (the shipped task's rule, on decoded
+            text) or ``none``.
+        rule_weight: weight of the rule's score.
+    """
+
+    model_weight: float = 1.0
+    rule: str = "none"
+    rule_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.rule not in ("none", "synthetic"):
+            raise ValueError(f"reward.rule={self.rule!r}: use 'synthetic' or 'none'")
+        if self.rule == "none" and self.model_weight == 0:
+            raise ValueError("reward.model_weight=0 with reward.rule='none' leaves no reward; "
+                             "set a rule or a non-zero model_weight")
+
+
+@dataclass
+class ClusterConfig:
+    """The devices; empty ``pools`` means one pool shaped like torchrun's world.
+
+    Attributes:
+        pools: device pools in rank order (several for heterogeneous separation).
+    """
+
+    pools: list[DevicePool] = field(default_factory=list)
+
+
+@dataclass
+class PromptsConfig:
+    """Where the PPO prompts come from.
+
+    Attributes:
+        paths: JSONL/Parquet preference files; empty means the shipped synthetic task.
+        reader: field names and bad-record policy for ``paths``.
+        split: SFT/RM/PPO fractions; PPO uses the ``ppo`` portion.
+        synthetic: size and seed of the synthetic task when ``paths`` is empty.
+    """
+
+    paths: list[str] = field(default_factory=list)
+    reader: ReaderConfig = field(default_factory=ReaderConfig)
+    split: SplitConfig = field(default_factory=SplitConfig)
+    synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
+
+
+@dataclass
+class RunConfig:
+    """Everything a PPO run needs; the tiny CPU default runs on 4 ranks."""
+
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    models: ModelsConfig = field(default_factory=ModelsConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    prompts: PromptsConfig = field(default_factory=PromptsConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    algorithm: PPOAlgorithmConfig = field(default_factory=PPOAlgorithmConfig)
+    actor_optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    critic_optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    steps: int = 10
+    run_dir: str = "runs/ppo"

@@ -1,0 +1,197 @@
+"""The execution engine: PPO's operators on placed models, with the data movement around them.
+
+Every rank runs the same sequence of engine calls (SPMD, as under torchrun). An operator bound to
+a model runs on that model's ranks only; before it runs, the engine moves the rows each DP
+replica needs onto all of the replica's ranks, and its results stay on the replica's last
+pipeline stage until the next operator asks for them elsewhere. Ranks that hold no part of a
+model skip its compute and only take part in the transfers, so models on disjoint ranks
+(interleaving) compute at the same time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.engine.batch import (
+    DistBatch,
+    merge,
+    replica_input_layout,
+    replica_output_layout,
+)
+from megatron_rlhf.engine.transfer import RowLayout
+from megatron_rlhf.engine.workers import ModelWorker
+from megatron_rlhf.generation import GenerationConfig, GenerationOutput
+from megatron_rlhf.refit import WeightSync
+from megatron_rlhf.topology.models import ACTOR, CRITIC, REF, REWARD, SHADOW_ACTOR, SHADOW_CRITIC
+from megatron_rlhf.topology.plan import PlacementPlan
+
+RuleReward = Callable[[list[int], list[int]], float]
+"""(prompt token ids, response token ids) -> rule score of the response."""
+
+
+class PPOEngine:
+    """Operators of a PPO step over a placement plan.
+
+    Args:
+        plan: the placement (identical on every rank).
+        workers: this rank's model parts, by role.
+        weight_syncs: trainable role -> the sync of its weights into its shadow (collective;
+            empty when no shadows are placed).
+        prompt_length: ``P``, the fixed padded prompt width.
+        generation: sampling settings; ``R = max_new_tokens`` is the fixed response width.
+        eos_id: end-of-sequence token id.
+        pad_id: padding token id.
+    """
+
+    def __init__(self, plan: PlacementPlan, workers: dict[str, ModelWorker],
+                 weight_syncs: dict[str, WeightSync], prompt_length: int,
+                 generation: GenerationConfig, eos_id: int, pad_id: int) -> None:
+        self.plan = plan
+        self.workers = workers
+        self.weight_syncs = weight_syncs
+        self.prompt_length = prompt_length
+        self.generation = generation
+        self.eos_id = eos_id
+        self.pad_id = pad_id
+        self.rank = dist.get_rank()
+        self._node_of = lambda r: plan.cluster.locate(r).node
+
+    # ----------------------------------------------------------------- roles
+    @property
+    def policy_for_inference(self) -> str:
+        """The model that generates and computes old log-probs: the shadow actor if placed."""
+        return SHADOW_ACTOR if SHADOW_ACTOR in self.plan.models else ACTOR
+
+    @property
+    def critic_for_inference(self) -> str:
+        """The model that computes values (the actor itself under AC-Share)."""
+        if CRITIC not in self.plan.models:
+            return self.policy_for_inference
+        return SHADOW_CRITIC if SHADOW_CRITIC in self.plan.models else CRITIC
+
+    @property
+    def trainable_roles(self) -> tuple[str, ...]:
+        """The roles that are trained (actor, and the critic unless AC-Share)."""
+        return tuple(r for r in (ACTOR, CRITIC) if r in self.plan.models)
+
+    def trainer_layout(self, batch_size: int) -> RowLayout:
+        """Every rank of every trainable model holds every experience row."""
+        ranks = sorted({r for role in self.trainable_roles for r in self.plan[role].ranks})
+        return RowLayout.replicated(batch_size, ranks)
+
+    def rollout_schema(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Fields of a rollout batch with their fixed per-row shapes."""
+        p, r = self.prompt_length, self.generation.max_new_tokens
+        return {"input_ids": (torch.int64, (p + r,)), "attention_mask": (torch.int64, (p + r,)),
+                "response_mask": (torch.int64, (r,)), "gen_logprobs": (torch.float32, (r,))}
+
+    # ------------------------------------------------------------ generation
+    def generate_sequences(self, prompts: Sequence[Sequence[int]],
+                           prompt_indices: Sequence[int]) -> DistBatch:
+        """Each DP replica of the generating model samples responses for its share of prompts.
+
+        Every rank passes the whole prompt list; no prompt data is moved.
+        """
+        role = self.policy_for_inference
+        layout = replica_input_layout(self.plan[role], len(prompts))
+        rows = layout.held_by(self.rank)
+        fields = None
+        if rows is not None:
+            start, end = rows
+            output = self.workers[role].generate(
+                prompts[start:end], prompt_indices[start:end], self.generation, self.eos_id,
+                self.pad_id)
+            fields = self._fixed_width(output)
+        return DistBatch(layout, self.rollout_schema(), fields)
+
+    def _fixed_width(self, output: GenerationOutput) -> dict[str, torch.Tensor]:
+        """Re-pad a generation output to the fixed ``P`` prompt and ``R`` response widths."""
+        p, r = self.prompt_length, self.generation.max_new_tokens
+        if output.prompt_length > p:
+            raise ValueError(f"a prompt has {output.prompt_length} tokens, more than "
+                             f"rollout.max_prompt_length={p}; raise it or truncate prompts")
+        b, r_out = output.response_mask.shape
+        ids = torch.full((b, p + r), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(b, p + r, dtype=torch.long)
+        ids[:, p - output.prompt_length:p + r_out] = output.input_ids
+        mask[:, p - output.prompt_length:p + r_out] = output.attention_mask
+        response_mask = torch.zeros(b, r, dtype=torch.long)
+        response_mask[:, :r_out] = output.response_mask
+        logprobs = torch.zeros(b, r)
+        logprobs[:, :r_out] = output.response_logprobs
+        return {"input_ids": ids, "attention_mask": mask, "response_mask": response_mask,
+                "gen_logprobs": logprobs}
+
+    # ------------------------------------------------------------ experience
+    def make_experience(self, rollout: DistBatch, temperature: float,
+                        rule_reward: RuleReward | None = None) -> DistBatch:
+        """Old log-probs, reference log-probs, values and scores of a rollout, on the trainers.
+
+        The inputs of all four forward passes are moved first, then each model computes on its
+        own ranks, so models on disjoint ranks run at the same time. Scores come as the reward
+        model's ``rm_scores`` and the rule's ``rule_scores`` (zero without a rule).
+        """
+        p, r = self.prompt_length, self.generation.max_new_tokens
+        passes = [
+            (self.policy_for_inference, {"old_logprobs": (r,)},
+             lambda w, f: {"old_logprobs": w.compute_log_prob(f, p, temperature)}),
+            (REF, {"ref_logprobs": (r,)},
+             lambda w, f: {"ref_logprobs": w.compute_log_prob(f, p, temperature)}),
+            (self.critic_for_inference, {"values": (r,)},
+             lambda w, f: {"values": w.compute_values(f, p)}),
+            (REWARD, {"rm_scores": (), "rule_scores": ()},
+             lambda w, f: self._scores(w, f, rule_reward)),
+        ]
+        inputs = rollout.select(["input_ids", "attention_mask"])
+        staged = [inputs.moved_to(replica_input_layout(self.plan[role], rollout.batch_size),
+                                  self._node_of) for role, _, _ in passes]
+        outputs = []
+        for (role, shapes, compute), staged_inputs in zip(passes, staged, strict=True):
+            results = None
+            if staged_inputs.fields is not None:
+                results = compute(self.workers[role], staged_inputs.fields)
+                if any(value is None for value in results.values()):
+                    results = None  # a pipeline stage without outputs
+            outputs.append(DistBatch(
+                replica_output_layout(self.plan[role], rollout.batch_size),
+                {name: (torch.float32, shape) for name, shape in shapes.items()}, results))
+        return merge([rollout, *outputs], self.trainer_layout(rollout.batch_size), self._node_of)
+
+    def _scores(self, worker: ModelWorker, fields: dict[str, torch.Tensor],
+                rule_reward: RuleReward | None) -> dict[str, torch.Tensor | None]:
+        rm_scores = worker.compute_scores(fields)
+        if rm_scores is None:
+            return {"rm_scores": None, "rule_scores": None}
+        rule_scores = torch.zeros_like(rm_scores)
+        if rule_reward is not None:
+            p = self.prompt_length
+            ids, mask = fields["input_ids"], fields["attention_mask"].bool()
+            rule_scores = torch.tensor(
+                [rule_reward(ids[i, :p][mask[i, :p]].tolist(), ids[i, p:][mask[i, p:]].tolist())
+                 for i in range(len(ids))], dtype=rm_scores.dtype)
+        return {"rm_scores": rm_scores, "rule_scores": rule_scores}
+
+    # -------------------------------------------------------------- training
+    def update(self, role: str, experience: DistBatch, minibatch_rows: torch.Tensor,
+               loss_fn) -> dict:
+        """One optimizer step of ``role`` (held by this rank) on experience rows.
+
+        Every trainer rank holds all experience rows; DP replica ``d`` trains on the ``d``-th
+        share of the mini-batch, so no data moves.
+        """
+        worker = self.workers[role]
+        model = self.plan[role]
+        dp_rank = worker.pg_collection.dp.rank()
+        share = len(minibatch_rows) // model.dp
+        rows = minibatch_rows[dp_rank * share:(dp_rank + 1) * share]
+        fields = {name: tensor[rows] for name, tensor in experience.fields.items()}
+        return worker.train(fields, loss_fn)
+
+    def sync_weights(self) -> None:
+        """Copy trained weights into the shadows (no-op without shadows). Collective."""
+        for role in self.trainable_roles:
+            if role in self.weight_syncs:
+                self.weight_syncs[role].sync()

@@ -1,0 +1,66 @@
+"""From raw experience (log-probs, values, scores) to advantages and returns.
+
+Runs on every trainer rank over the whole experience batch, identically, so advantage whitening
+and score normalisation see the full batch whatever the placement.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rlhf.algorithms import (
+    KLController,
+    PPOAlgorithmConfig,
+    RunningMoments,
+    compute_gae_advantage_return,
+    compute_token_level_rewards,
+    kl_penalty,
+    masked_mean,
+    masked_whiten,
+    mean_sequence_kl,
+    normalize_scores,
+)
+
+
+def compute_advantages(fields: dict[str, torch.Tensor], config: PPOAlgorithmConfig,
+                       kl_controller: KLController, score_moments: RunningMoments,
+                       reward_model_weight: float, rule_weight: float
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """Add ``advantages`` and ``returns`` to an experience batch; update the KL controller.
+
+    Args:
+        fields: ``old_logprobs``, ``ref_logprobs``, ``values``, ``response_mask`` ``[B, R]``,
+            ``rm_scores`` and ``rule_scores`` ``[B]``.
+        config: PPO settings.
+        kl_controller: its current coefficient weighs the KL penalty; it is then updated with
+            this batch's KL.
+        score_moments: running score statistics (used with ``reward_norm="running"``).
+        reward_model_weight: weight of the reward model's score in the sequence score.
+        rule_weight: weight of the rule-based score.
+
+    Returns:
+        The fields with ``advantages``, ``returns`` and ``kl`` added, and step metrics.
+    """
+    mask = fields["response_mask"]
+    kl = kl_penalty(fields["old_logprobs"], fields["ref_logprobs"], mask, config.kl_estimator)
+    raw_scores = reward_model_weight * fields["rm_scores"] + rule_weight * fields["rule_scores"]
+    scores = normalize_scores(raw_scores, config.reward_norm, score_moments)
+    kl_coef = kl_controller.value
+    rewards = compute_token_level_rewards(scores, kl, mask, kl_coef, config.reward_clip)
+    sequence_kl = mean_sequence_kl(kl, mask).item()
+    kl_controller.update(sequence_kl, n_steps=mask.shape[0])
+    advantages, returns = compute_gae_advantage_return(rewards, fields["values"], mask,
+                                                       config.gamma, config.lam)
+    if config.whiten_advantages:
+        advantages = masked_whiten(advantages, mask, config.whiten_shift_mean)
+    metrics = {
+        "reward_mean": raw_scores.mean().item(),
+        "rm_score": fields["rm_scores"].mean().item(),
+        "rule_score": fields["rule_scores"].mean().item(),
+        "kl": sequence_kl,
+        "kl_coef": kl_coef,
+        "response_length": mask.sum(dim=1).float().mean().item(),
+        "values_mean": masked_mean(fields["values"], mask).item(),
+        "returns_mean": masked_mean(returns, mask).item(),
+    }
+    return {**fields, "advantages": advantages, "returns": returns, "kl": kl}, metrics

@@ -1,0 +1,136 @@
+"""One rank's part of one model, and the operators it runs locally.
+
+A ``ModelWorker`` knows nothing about other models or where its inputs came from: it receives
+this replica's rows (already moved by the engine), runs megatron's schedule over micro-batches
+and returns this replica's results. The ``PPOEngine`` does the data movement around it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from megatron_rlhf.generation import GenerationConfig, GenerationOutput, generate_sequences
+from megatron_rlhf.models.gpt import split_policy_value
+from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
+from megatron_rlhf.models.schedule import Batch, run_microbatches
+from megatron_rlhf.models.trainer import ModelTrainer
+
+Fields = dict[str, torch.Tensor]
+
+
+def split_microbatches(fields: Fields, micro_batch_size: int) -> list[Fields]:
+    """Consecutive micro-batches of at most ``micro_batch_size`` rows (the last may be smaller
+    only if the rows do not divide; callers keep them divisible so shapes match)."""
+    rows = next(iter(fields.values())).shape[0]
+    return [{k: v[i:i + micro_batch_size] for k, v in fields.items()}
+            for i in range(0, rows, micro_batch_size)]
+
+
+class ModelWorker:
+    """This rank's stage/shard of one model, with its trainer when the model is trainable.
+
+    Args:
+        role: the PPO role.
+        model: this rank's GPTModel part.
+        pg_collection: the model's groups.
+        trainer: optimizer wrapper for trainable roles.
+        micro_batch_size: rows per forward/backward micro-batch.
+    """
+
+    def __init__(self, role: str, model: torch.nn.Module, pg_collection: ProcessGroupCollection,
+                 trainer: ModelTrainer | None, micro_batch_size: int) -> None:
+        self.role = role
+        self.model = model
+        self.pg_collection = pg_collection
+        self.trainer = trainer
+        self.micro_batch_size = micro_batch_size
+
+    @property
+    def is_output_stage(self) -> bool:
+        """Whether this rank holds the last pipeline stage (where outputs appear)."""
+        return self.pg_collection.pp.rank() == self.pg_collection.pp.size() - 1
+
+    @property
+    def head(self) -> str:
+        """``lm``, ``scalar`` or ``lm+scalar``."""
+        return self.model.head_kind
+
+    def _module(self) -> torch.nn.Module:
+        return self.trainer.module if self.trainer is not None else self.model
+
+    def forward(self, fields: Fields, output_fn: Callable[[torch.Tensor, Batch], torch.Tensor]
+                ) -> torch.Tensor | None:
+        """Forward-only pass; ``output_fn(model_output, micro_batch)`` picks each row's result.
+
+        Returns:
+            The concatenated per-row results on the last pipeline stage, None on other stages.
+        """
+        per_token_loss = self.model.config.calculate_per_token_loss
+
+        def loss_fn(output: torch.Tensor, batch: Batch):
+            result = output_fn(output, batch).detach()
+            zero = output.new_zeros(())
+            if per_token_loss:
+                return zero, torch.ones((), dtype=torch.int), {"result": result}
+            return zero, {"result": result}
+
+        module = self._module()
+        module.eval()
+        with torch.no_grad():
+            metrics = run_microbatches(module, self.pg_collection,
+                                       split_microbatches(fields, self.micro_batch_size),
+                                       loss_fn, forward_only=True)
+        if not self.is_output_stage:
+            return None
+        return torch.cat([m["result"] for m in metrics])
+
+    def token_logprobs(self, output: torch.Tensor, batch: Batch, prompt_len: int,
+                       temperature: float, with_entropy: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (and entropy) of the response tokens ``[b, R]`` from a model output."""
+        logits = split_policy_value(output)[0] if self.head == "lm+scalar" else output
+        response = batch["input_ids"][:, prompt_len:]
+        return vocab_parallel_logprobs(
+            logits[:, prompt_len - 1:-1], response, self.pg_collection.tp,
+            self.model.real_vocab_size, temperature, with_entropy)
+
+    def token_values(self, output: torch.Tensor, prompt_len: int) -> torch.Tensor:
+        """Values ``[b, R]``: the value of the state before each response token."""
+        values = split_policy_value(output)[1] if self.head == "lm+scalar" else output[..., 0]
+        return values[:, prompt_len - 1:-1].float()
+
+    def compute_log_prob(self, fields: Fields, prompt_len: int, temperature: float
+                         ) -> torch.Tensor | None:
+        """Log-probs ``[b, R]`` of the response tokens under this model."""
+        return self.forward(fields, lambda out, batch: self.token_logprobs(
+            out, batch, prompt_len, temperature)[0])
+
+    def compute_values(self, fields: Fields, prompt_len: int) -> torch.Tensor | None:
+        """Critic values ``[b, R]``."""
+        return self.forward(fields, lambda out, batch: self.token_values(out, prompt_len))
+
+    def compute_scores(self, fields: Fields) -> torch.Tensor | None:
+        """Reward-model score ``[b]``: the scalar head at each sequence's last real token."""
+        def last_token_value(out: torch.Tensor, batch: Batch) -> torch.Tensor:
+            mask = batch["attention_mask"]
+            positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+            last = (positions * mask).argmax(dim=1)
+            return out[torch.arange(out.shape[0]), last, 0].float()
+
+        return self.forward(fields, last_token_value)
+
+    def generate(self, prompts: Sequence[Sequence[int]], prompt_indices: Sequence[int],
+                 config: GenerationConfig, eos_id: int, pad_id: int) -> GenerationOutput:
+        """Sample one response per prompt (every TP rank returns the same tokens)."""
+        return generate_sequences(self._module(), self.pg_collection, prompts, prompt_indices,
+                                  config, eos_id, pad_id)
+
+    def train(self, fields: Fields, loss_fn) -> dict[str, Any]:
+        """One optimizer step over this replica's rows of a mini-batch."""
+        if self.trainer is None:
+            raise RuntimeError(f"{self.role} is not trainable")
+        return self.trainer.train_step(split_microbatches(fields, self.micro_batch_size), loss_fn)

@@ -1,0 +1,76 @@
+"""Run PPO with adaptive model placement.
+
+CPU, tiny models, 4 gloo ranks (the default configuration)::
+
+    torchrun --nproc-per-node 4 tools/run_ppo.py
+    torchrun --nproc-per-node 4 tools/run_ppo.py --placement interleaving --steps 20
+
+GPU cluster (16 nodes of 8 GPUs), Llama-7B, separation with TP=8 shadows::
+
+    torchrun --nnodes 16 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 \\
+        tools/run_ppo.py --config examples/ppo_llama7b.yaml --placement separation --tp 8
+
+Any field of the configuration can be overridden as ``section.key=value`` after the flags, e.g.
+``rollout.ppo_epochs=2 generation.temperature=0.7``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from megatron_rlhf.config.loader import ConfigError, load_config
+from megatron_rlhf.engine.config import RunConfig
+from megatron_rlhf.topology.config import STRATEGIES
+
+DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "examples" / "ppo_tiny.yaml")
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--config", default=DEFAULT_CONFIG, help="YAML run configuration")
+    parser.add_argument("--placement", choices=STRATEGIES, help="placement strategy")
+    parser.add_argument("--ratios", type=float, nargs=4, metavar=("ACTOR", "CRITIC", "REF", "REWARD"),
+                        help="custom placement ratios (implies --placement custom)")
+    parser.add_argument("--tp", type=int, help="tensor-parallel size of every model")
+    parser.add_argument("--pp", type=int, help="pipeline-parallel size of the trained models")
+    parser.add_argument("--ac-share", action="store_true", help="critic is a head on the actor")
+    parser.add_argument("--steps", type=int, help="PPO steps")
+    parser.add_argument("--seed", type=int, help="seed of every RNG")
+    parser.add_argument("--run-dir", help="where metrics, config and plan are written")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    args = parser.parse_args(argv)
+    flags = {"placement.strategy": args.placement, "placement.tp": args.tp,
+             "placement.pp": args.pp, "steps": args.steps, "runtime.seed": args.seed,
+             "run_dir": args.run_dir}
+    overrides = [f"{key}={value}" for key, value in flags.items() if value is not None]
+    if args.ratios:
+        overrides += ["placement.strategy=custom", f"placement.ratios=[{','.join(map(str, args.ratios))}]"]
+    if args.ac_share:
+        overrides.append("placement.ac_share=true")
+    return args, overrides + args.overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_args(argv)
+    try:
+        config = load_config(RunConfig, args.config, overrides)
+    except (ConfigError, ValueError) as error:
+        print(f"run_ppo: bad configuration: {error}", file=sys.stderr)
+        return 2
+    from megatron_rlhf.engine.runner import run_ppo
+
+    try:
+        run_dir = run_ppo(config)
+    except ValueError as error:
+        print(f"run_ppo: {error}", file=sys.stderr)
+        return 2
+    print(f"run_ppo: done; metrics in {run_dir / 'metrics.jsonl'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
