@@ -1,1 +1,42 @@
+"""Batched, KV-cached sampling from Megatron-Core GPT models under tensor parallelism.
 
+Map of the files (details in docs/generation.md):
+
+- ``config.py``: ``GenerationConfig``.
+- ``sampling.py``: counter-based noise keyed by (seed, prompt index, step), temperature / top-k /
+  top-p filtering, inverse-CDF sampling; pure tensor functions.
+- ``forward.py``: next-token logits with megatron's ``StaticInferenceContext`` (KV cache) or by
+  full recomputation.
+- ``generate.py``: ``generate_sequences`` and its ``GenerationOutput``.
+"""
+
+from __future__ import annotations
+
+from megatron_rlhf.generation.config import GenerationConfig
+from megatron_rlhf.generation.forward import CachedNextTokenLogits, RecomputeNextTokenLogits
+from megatron_rlhf.generation.generate import GenerationOutput, generate_sequences, left_pad
+from megatron_rlhf.generation.sampling import (
+    SampledTokens,
+    inverse_cdf_sample,
+    sample_tokens,
+    sampling_logprobs,
+    sampling_uniform,
+    sampling_uniforms,
+    top_k_top_p_keep,
+)
+
+__all__ = [
+    "CachedNextTokenLogits",
+    "GenerationConfig",
+    "GenerationOutput",
+    "RecomputeNextTokenLogits",
+    "SampledTokens",
+    "generate_sequences",
+    "inverse_cdf_sample",
+    "left_pad",
+    "sample_tokens",
+    "sampling_logprobs",
+    "sampling_uniform",
+    "sampling_uniforms",
+    "top_k_top_p_keep",
+]

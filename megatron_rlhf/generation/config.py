@@ -1,0 +1,64 @@
+"""Settings of one generation call, validated when constructed."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass
+class GenerationConfig:
+    """How responses are sampled.
+
+    The filters apply in the order temperature, top-k, top-p; ``greedy`` ignores all three when
+    choosing a token (``temperature`` still sets the policy log-probs, see
+    :class:`~megatron_rlhf.generation.generate.GenerationOutput`).
+    """
+
+    max_new_tokens: int = 64
+    """Most response tokens per prompt, >= 0; a prompt also stops at the model's ``seq_length``."""
+    temperature: float = 1.0
+    """Softmax temperature, > 0: logits are divided by it before filtering and sampling."""
+    top_k: int = 0
+    """Keep only the ``top_k`` most likely tokens, >= 0; 0 disables the filter."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest most-likely set whose probability reaches ``top_p``,
+    in (0, 1]; 1 disables the filter."""
+    greedy: bool = False
+    """Take the most likely token (ties: the lowest id) instead of sampling."""
+    seed: int = 0
+    """Seed of the sampling noise, >= 0; a prompt's noise depends on (seed, prompt index, step)
+    only, never on the rank, the replica or the batch it is generated in."""
+    stop_at_eos: bool = True
+    """Stop a sequence after it emits ``eos_id`` (the EOS token is part of the response)."""
+    use_kv_cache: bool = True
+    """Decode with megatron's static KV cache; False recomputes the whole sequence every step
+    (the reference path, much slower)."""
+
+    def __post_init__(self) -> None:
+        """Checks every field.
+
+        Raises:
+            ValueError: naming the field, its value and what to set instead.
+        """
+        _require(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0,
+                 f"generation.max_new_tokens={self.max_new_tokens!r} must be an int >= 0")
+        _require(math.isfinite(self.temperature) and self.temperature > 0,
+                 f"generation.temperature={self.temperature} must be > 0; "
+                 "for argmax decoding set greedy=True instead")
+        _require(isinstance(self.top_k, int) and self.top_k >= 0,
+                 f"generation.top_k={self.top_k!r} must be an int >= 0 (0 disables it)")
+        _require(0.0 < self.top_p <= 1.0,
+                 f"generation.top_p={self.top_p} must be in (0, 1] (1 disables it)")
+        _require(isinstance(self.seed, int) and self.seed >= 0,
+                 f"generation.seed={self.seed!r} must be an int >= 0")
+
+    @property
+    def filters_distribution(self) -> bool:
+        """Whether top-k or top-p changes the distribution tokens are sampled from."""
+        return self.top_k > 0 or self.top_p < 1.0

@@ -1,0 +1,239 @@
+"""``generate_sequences``: batched autoregressive sampling from a Megatron-Core GPT model.
+
+    out = generate_sequences(model, pg_collection, prompts, prompt_indices,
+                             GenerationConfig(max_new_tokens=128, temperature=1.0, seed=step),
+                             eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+
+Layout of one batch of ``b`` prompts, longest prompt ``P``, response budget ``R``::
+
+    input_ids       [b, P + R]   prompt left-padded to P | response right-padded to R
+    attention_mask  [b, P + R]   1 on real prompt and response tokens
+    prompt_mask     [b, P]       1 on real prompt tokens
+    response_mask   [b, R]       1 on generated tokens (EOS included)
+
+Parallelism: every TP rank of the model calls this with the same prompts and gets the same tokens
+(the last position's logits are all-gathered over TP and sampled identically everywhere). Each DP
+replica generates the prompts it is given. Sampling noise depends only on (seed, prompt index,
+step), so a prompt gets the same response on any rank, replica or batch. PP > 1 is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from megatron_rlhf.generation.config import GenerationConfig
+from megatron_rlhf.generation.forward import CachedNextTokenLogits, RecomputeNextTokenLogits
+from megatron_rlhf.generation.sampling import sample_tokens, sampling_uniforms
+
+
+@dataclass
+class GenerationOutput:
+    """Prompts and responses of one batch, in the order of the prompts given.
+
+    Padding positions hold ``pad_id`` in ``input_ids`` and 0 in the masks and log-probs.
+    """
+
+    input_ids: torch.Tensor
+    """``[b, P + R]`` int64: left-padded prompt, then right-padded response."""
+    attention_mask: torch.Tensor
+    """``[b, P + R]`` int64: 1 on real (prompt or response) tokens."""
+    prompt_mask: torch.Tensor
+    """``[b, P]`` int64: 1 on real prompt tokens."""
+    response_mask: torch.Tensor
+    """``[b, R]`` int64: 1 on generated tokens, EOS included."""
+    response_logprobs: torch.Tensor
+    """``[b, R]`` float32: log-probability of each generated token under the distribution it was
+    actually drawn from (temperature, then top-k, then top-p, renormalised); 0 for greedy (a point
+    mass)."""
+    response_policy_logprobs: torch.Tensor
+    """``[b, R]`` float32: log-probability under ``softmax(logits / temperature)`` over the real
+    vocabulary, without top-k/top-p; what a full forward at that temperature (PPO's old
+    log-probs) computes, up to rounding. Equal to ``response_logprobs`` when nothing filters."""
+    prompt_lengths: torch.Tensor
+    """``[b]`` int64: real prompt tokens."""
+    response_lengths: torch.Tensor
+    """``[b]`` int64: generated tokens."""
+
+    @property
+    def prompt_length(self) -> int:
+        """``P``, the padded prompt width."""
+        return self.prompt_mask.shape[1]
+
+    @property
+    def responses(self) -> torch.Tensor:
+        """``[b, R]`` the response part of ``input_ids``."""
+        return self.input_ids[:, self.prompt_length:]
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int,
+             device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists into ``(input_ids, attention_mask)``, each ``[b, longest]`` int64."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        if prompt:
+            ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+            mask[row, width - len(prompt):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _check_inputs(prompts: Sequence[Sequence[int]], prompt_indices: Sequence[int],
+                  config: GenerationConfig, eos_id: int | None, pad_id: int,
+                  vocab_size: int, seq_length: int) -> None:
+    """Raise ValueError for anything ``generate_sequences`` cannot honour."""
+    if not prompts:
+        raise ValueError("prompts is empty; pass at least one prompt")
+    if len(prompt_indices) != len(prompts):
+        raise ValueError(f"got {len(prompts)} prompts but {len(prompt_indices)} prompt_indices; "
+                         "pass one index per prompt")
+    for row, (prompt, index) in enumerate(zip(prompts, prompt_indices, strict=True)):
+        if index < 0:
+            raise ValueError(f"prompt_indices[{row}]={index} must be >= 0")
+        if not prompt:
+            raise ValueError(f"prompt {row} (index {index}) is empty; every prompt needs at "
+                             "least one token (a BOS token, for example)")
+        if len(prompt) > seq_length:
+            raise ValueError(f"prompt {row} (index {index}) has {len(prompt)} tokens, more than "
+                             f"the model's seq_length ({seq_length}); truncate it")
+        if min(prompt) < 0 or max(prompt) >= vocab_size:
+            raise ValueError(f"prompt {row} (index {index}) holds token ids outside "
+                             f"[0, {vocab_size})")
+    if not 0 <= pad_id < vocab_size:
+        raise ValueError(f"pad_id={pad_id} must be a token id in [0, {vocab_size}); it is fed to "
+                         "the model (masked) after a sequence stops")
+    if config.stop_at_eos and eos_id is None:
+        raise ValueError("generation.stop_at_eos=True needs eos_id; pass eos_id or set "
+                         "stop_at_eos=False")
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside wrappers such as megatron's DDP (they expose it as ``.module``)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _check_attention_takes_padding_masks(model: torch.nn.Module) -> None:
+    """Refuse Transformer Engine attention, which ignores the per-sequence padding masks.
+
+    TE's fused attention applies its own ``causal`` (prefill) or ``no_mask`` (decode) mask type
+    and disregards the boolean mask megatron passes, so left-padded prompts would attend to padding.
+    """
+    for module in model.modules():
+        if type(module).__name__ == "TEDotProductAttention":
+            raise ValueError("generation needs megatron's local attention (left-padded batches "
+                             "rely on explicit padding masks, which TE's causal attention "
+                             "ignores); build the model with use_transformer_engine=False")
+
+
+def _has_value_channel(model: torch.nn.Module) -> bool:
+    """Whether the model's output carries a value channel; refuses models without an LM head."""
+    head = getattr(model, "head_kind", "lm")
+    if head == "scalar":
+        raise ValueError("generation needs a model with an LM head; this one has head='scalar'")
+    return head == "lm+scalar"
+
+
+def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollection,
+                       prompts: Sequence[Sequence[int]], prompt_indices: Sequence[int],
+                       config: GenerationConfig, eos_id: int | None,
+                       pad_id: int) -> GenerationOutput:
+    """Generate one response per prompt.
+
+    A prompt's response stops after EOS (when ``config.stop_at_eos``), after
+    ``config.max_new_tokens`` tokens, or when prompt + response reach the model's ``seq_length``;
+    a prompt of exactly ``seq_length`` tokens therefore gets an empty response. The loop ends
+    when every sequence has stopped; ``R`` is the longest response.
+
+    Args:
+        model: this rank's TP shard of a GPT model with an LM head (``lm`` or ``lm+scalar``),
+            possibly wrapped (megatron DDP); its train/eval mode is restored on return.
+        pg_collection: the model's process groups; every TP rank must pass the same prompts.
+        prompts: token ids of each prompt, at least one token each.
+        prompt_indices: a global, non-negative id per prompt that keys its sampling noise (give
+            several samples of one prompt different ids).
+        config: sampling settings.
+        eos_id: the end-of-sequence token (None only with ``stop_at_eos=False``).
+        pad_id: fills padding positions; must be a valid token id.
+
+    Returns:
+        The batch, on the model's device.
+
+    Raises:
+        ValueError: PP > 1, an empty prompt list or prompt, a prompt longer than ``seq_length``,
+            token ids outside the vocabulary, a missing ``eos_id``, a scalar-head model, a
+            model with Transformer Engine attention.
+    """
+    if pg_collection.pp.size() > 1:
+        raise ValueError(f"generation does not support pp>1 (got pp={pg_collection.pp.size()}); "
+                         "use a shadow actor with pp=1 (separation)")
+    core = _unwrap(model)
+    _check_attention_takes_padding_masks(core)
+    has_value_channel = _has_value_channel(core)
+    vocab_size = getattr(core, "real_vocab_size", core.vocab_size)
+    seq_length = core.max_sequence_length
+    _check_inputs(prompts, prompt_indices, config, eos_id, pad_id, vocab_size, seq_length)
+    device = next(model.parameters()).device
+    input_ids, attention_mask = left_pad(prompts, pad_id, device)
+    budgets = torch.tensor([min(config.max_new_tokens, seq_length - len(p)) for p in prompts],
+                           device=device)
+    max_new = int(budgets.max())
+    if config.use_kv_cache:
+        next_logits = CachedNextTokenLogits(model, len(prompts), input_ids.shape[1] + max_new,
+                                            vocab_size)
+    else:
+        next_logits = RecomputeNextTokenLogits(model, pg_collection, vocab_size, has_value_channel)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return _decode_loop(next_logits, input_ids, attention_mask, budgets, max_new,
+                                list(prompt_indices), config, eos_id, pad_id)
+    finally:
+        model.train(was_training)
+
+
+def _decode_loop(next_logits: CachedNextTokenLogits | RecomputeNextTokenLogits,
+                 input_ids: torch.Tensor, attention_mask: torch.Tensor, budgets: torch.Tensor,
+                 max_new: int, prompt_indices: list[int], config: GenerationConfig,
+                 eos_id: int | None, pad_id: int) -> GenerationOutput:
+    """Sample up to ``max_new`` tokens per row and assemble the output."""
+    b, prompt_width = input_ids.shape
+    device = input_ids.device
+    prompt_mask = attention_mask.clone()
+    stopped = budgets <= 0
+    logprobs = torch.zeros(b, max_new, dtype=torch.float32, device=device)
+    policy_logprobs = torch.zeros_like(logprobs)
+    for step in range(max_new):
+        if bool(stopped.all()):
+            break
+        logits = next_logits(input_ids, attention_mask)
+        sampled = sample_tokens(logits, sampling_uniforms(config.seed, prompt_indices, step,
+                                                          device), config)
+        active = ~stopped
+        token = torch.where(active, sampled.tokens, pad_id)
+        logprobs[:, step] = torch.where(active, sampled.logprobs, 0.0)
+        policy_logprobs[:, step] = torch.where(active, sampled.policy_logprobs, 0.0)
+        input_ids = torch.cat([input_ids, token[:, None]], dim=1)
+        attention_mask = torch.cat([attention_mask, active.long()[:, None]], dim=1)
+        stopped = stopped | (budgets <= step + 1)
+        if config.stop_at_eos:
+            stopped = stopped | (active & (token == eos_id))
+    # Every step that ran gave at least one sequence a token: R is the longest response.
+    steps = input_ids.shape[1] - prompt_width
+    response_mask = attention_mask[:, prompt_width:]
+    return GenerationOutput(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        prompt_mask=prompt_mask,
+        response_mask=response_mask,
+        response_logprobs=logprobs[:, :steps],
+        response_policy_logprobs=policy_logprobs[:, :steps],
+        prompt_lengths=prompt_mask.sum(dim=1),
+        response_lengths=response_mask.sum(dim=1),
+    )

@@ -1,0 +1,190 @@
+"""generate_sequences on a tiny model in one process: KV cache, log-probs, seeding, edge cases."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_rlhf.generation import GenerationConfig, GenerationOutput, generate_sequences
+from tests.generation.helpers import build_tiny, make_prompts
+
+EOS, PAD = 249, 0
+LENGTHS = [5, 1, 12, 7, 3]
+
+
+def _generate(tiny, prompts, config, indices=None, eos_id=EOS) -> GenerationOutput:
+    model, pgc = tiny
+    indices = list(range(len(prompts))) if indices is None else indices
+    return generate_sequences(model, pgc, prompts, indices, config, eos_id=eos_id, pad_id=PAD)
+
+
+def _responses(out: GenerationOutput) -> list[list[int]]:
+    return [row[:n].tolist() for row, n in zip(out.responses, out.response_lengths, strict=True)]
+
+
+def _full_forward_logprobs(tiny, out: GenerationOutput, temperature: float) -> torch.Tensor:
+    """``[b, R]`` log-probs of the response tokens from one forward over prompt + response."""
+    from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
+    from megatron_rlhf.models.schedule import model_inputs
+
+    model, pgc = tiny
+    with torch.no_grad():
+        logits = model(*model_inputs({"input_ids": out.input_ids,
+                                      "attention_mask": out.attention_mask}))
+    logprobs, _ = vocab_parallel_logprobs(logits[:, :-1], out.input_ids[:, 1:], pgc.tp,
+                                          model.real_vocab_size, temperature)
+    return logprobs[:, out.prompt_length - 1:] * out.response_mask
+
+
+@pytest.mark.parametrize("head", ["lm", "lm+scalar"])
+def test_kv_cache_greedy_equals_recomputation(tiny, head: str) -> None:
+    model_and_groups = tiny if head == "lm" else build_tiny(head)
+    prompts = make_prompts(LENGTHS)
+    config = GenerationConfig(max_new_tokens=16, greedy=True, stop_at_eos=False)
+    cached = _generate(model_and_groups, prompts, config)
+    recomputed = _generate(model_and_groups, prompts,
+                           GenerationConfig(max_new_tokens=16, greedy=True, stop_at_eos=False,
+                                            use_kv_cache=False))
+    assert torch.equal(cached.input_ids, recomputed.input_ids)
+    assert cached.input_ids.shape == (5, 12 + 16)
+    assert cached.response_lengths.tolist() == [16] * 5
+    torch.testing.assert_close(cached.response_policy_logprobs,
+                               recomputed.response_policy_logprobs, rtol=0, atol=1e-5)
+
+
+def test_layout_masks_and_padding(tiny) -> None:
+    prompts = make_prompts(LENGTHS)
+    out = _generate(tiny, prompts, GenerationConfig(max_new_tokens=4, greedy=True,
+                                                    stop_at_eos=False))
+    assert out.prompt_length == 12
+    assert out.prompt_lengths.tolist() == LENGTHS
+    for row, prompt in enumerate(prompts):
+        pad = 12 - len(prompt)
+        assert out.input_ids[row, pad:12].tolist() == prompt
+        assert out.input_ids[row, :pad].tolist() == [PAD] * pad
+        assert out.prompt_mask[row].tolist() == [0] * pad + [1] * len(prompt)
+    assert torch.equal(out.attention_mask, torch.cat([out.prompt_mask, out.response_mask], 1))
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_train_eval_mode_is_restored(tiny, training: bool) -> None:
+    tiny[0].train(training)
+    _generate(tiny, [[1, 2, 3]], GenerationConfig(max_new_tokens=2))
+    assert tiny[0].training is training
+
+
+def test_logprobs_equal_one_full_forward(tiny) -> None:
+    prompts = make_prompts(LENGTHS, seed=1)
+    plain = _generate(tiny, prompts, GenerationConfig(max_new_tokens=20, temperature=0.7, seed=3))
+    reference = _full_forward_logprobs(tiny, plain, temperature=0.7)
+    torch.testing.assert_close(plain.response_policy_logprobs, reference, rtol=0, atol=1e-4)
+    torch.testing.assert_close(plain.response_logprobs, reference, rtol=0, atol=1e-4)
+
+    filtered = _generate(tiny, prompts, GenerationConfig(max_new_tokens=20, temperature=0.7,
+                                                         top_k=50, top_p=0.9, seed=3))
+    reference = _full_forward_logprobs(tiny, filtered, temperature=0.7)
+    torch.testing.assert_close(filtered.response_policy_logprobs, reference, rtol=0, atol=1e-4)
+    real = filtered.response_mask.bool()
+    assert torch.all(filtered.response_logprobs[real] > reference[real])
+    assert torch.all(filtered.response_logprobs[~real] == 0)
+
+
+def test_same_seed_same_samples_other_seed_other_samples(tiny) -> None:
+    prompts = make_prompts(LENGTHS, seed=2)
+    first = _generate(tiny, prompts, GenerationConfig(max_new_tokens=12, seed=5))
+    again = _generate(tiny, prompts, GenerationConfig(max_new_tokens=12, seed=5))
+    other = _generate(tiny, prompts, GenerationConfig(max_new_tokens=12, seed=6))
+    assert torch.equal(first.input_ids, again.input_ids)
+    assert torch.equal(first.response_logprobs, again.response_logprobs)
+    assert not torch.equal(first.input_ids, other.input_ids)
+
+
+@pytest.mark.parametrize("use_kv_cache", [True, False])
+def test_batch_split_and_order_do_not_change_samples(tiny, use_kv_cache: bool) -> None:
+    prompts = make_prompts([4, 9, 2, 6, 11, 3], seed=3)
+    indices = [100, 7, 42, 3, 55, 8]
+    config = GenerationConfig(max_new_tokens=10, temperature=1.0, top_p=0.95, seed=9,
+                              use_kv_cache=use_kv_cache)
+    whole = _responses(_generate(tiny, prompts, config, indices))
+    first = _responses(_generate(tiny, prompts[:2], config, indices[:2]))
+    rest = _responses(_generate(tiny, prompts[:1:-1], config, indices[:1:-1]))
+    assert whole == first + rest[::-1]
+
+
+def test_top_k_1_equals_greedy(tiny) -> None:
+    prompts = make_prompts(LENGTHS, seed=4)
+    greedy = _generate(tiny, prompts, GenerationConfig(max_new_tokens=8, greedy=True))
+    top1 = _generate(tiny, prompts, GenerationConfig(max_new_tokens=8, top_k=1, seed=1))
+    assert torch.equal(greedy.input_ids, top1.input_ids)
+
+
+def test_all_sequences_stop_at_once_and_early_stops_are_padded(tiny) -> None:
+    prompt = make_prompts([6], seed=5)[0]
+    free = _generate(tiny, [prompt] * 3, GenerationConfig(max_new_tokens=10, greedy=True,
+                                                          stop_at_eos=False))
+    tokens = free.responses[0].tolist()
+    step = next(t for t in range(2, 10) if tokens[t] not in tokens[:t])
+    stopped = _generate(tiny, [prompt] * 3, GenerationConfig(max_new_tokens=10, greedy=True),
+                        eos_id=tokens[step])
+    assert stopped.responses.shape == (3, step + 1)
+    assert stopped.response_lengths.tolist() == [step + 1] * 3
+    assert stopped.responses[0].tolist() == tokens[: step + 1]
+
+    mixed = _generate(tiny, [prompt, make_prompts([6], seed=6)[0]],
+                      GenerationConfig(max_new_tokens=10, greedy=True), eos_id=tokens[step])
+    length = mixed.response_lengths[0].item()
+    assert length == step + 1 and mixed.response_lengths[1] > length
+    assert torch.all(mixed.responses[0, length:] == PAD)
+    assert torch.all(mixed.response_mask[0, length:] == 0)
+    assert torch.all(mixed.response_policy_logprobs[0, length:] == 0)
+
+
+def test_prompt_at_seq_length_gets_empty_response(tiny) -> None:
+    seq_length = tiny[0].max_sequence_length
+    prompts = make_prompts([seq_length, seq_length - 3, 4], seed=7)
+    out = _generate(tiny, prompts, GenerationConfig(max_new_tokens=5, greedy=True,
+                                                    stop_at_eos=False))
+    assert out.response_lengths.tolist() == [0, 3, 5]
+    assert out.input_ids.shape == (3, seq_length + 5)
+    alone = _generate(tiny, prompts[:1], GenerationConfig(max_new_tokens=5, stop_at_eos=False))
+    assert alone.responses.shape == (1, 0)
+    with pytest.raises(ValueError, match="more than the model's seq_length"):
+        _generate(tiny, make_prompts([seq_length + 1]), GenerationConfig())
+
+
+def test_max_new_tokens_zero_gives_empty_responses(tiny) -> None:
+    out = _generate(tiny, make_prompts(LENGTHS), GenerationConfig(max_new_tokens=0))
+    assert out.input_ids.shape == (5, 12)
+    assert out.response_mask.shape == out.response_logprobs.shape == (5, 0)
+    assert out.response_lengths.tolist() == [0] * 5
+
+
+@pytest.mark.parametrize("prompts, indices, match", [
+    ([], [], "prompts is empty"),
+    ([[1, 2], []], [0, 1], "prompt 1 \\(index 1\\) is empty"),
+    ([[1, 2]], [0, 1], "one index per prompt"),
+    ([[1, 2]], [-1], "prompt_indices\\[0\\]=-1"),
+    ([[1, 250]], [0], "outside \\[0, 250\\)"),
+])
+def test_bad_inputs_are_refused(tiny, prompts, indices, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _generate(tiny, prompts, GenerationConfig(), indices)
+
+
+def test_missing_eos_and_pipeline_parallelism_are_refused(tiny) -> None:
+    with pytest.raises(ValueError, match="stop_at_eos=True needs eos_id"):
+        _generate(tiny, [[1, 2]], GenerationConfig(), eos_id=None)
+    two_stages = SimpleNamespace(pp=SimpleNamespace(size=lambda: 2))
+    with pytest.raises(ValueError, match="does not support pp>1.*shadow actor with pp=1"):
+        generate_sequences(tiny[0], two_stages, [[1]], [0], GenerationConfig(), EOS, PAD)
+
+
+def test_transformer_engine_attention_is_refused(tiny) -> None:
+    class TEDotProductAttention(torch.nn.Module):
+        pass
+
+    with pytest.raises(ValueError, match="use_transformer_engine=False"):
+        generate_sequences(torch.nn.Sequential(TEDotProductAttention()), tiny[1], [[1]], [0],
+                           GenerationConfig(), EOS, PAD)
