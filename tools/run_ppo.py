@@ -17,6 +17,7 @@ Any field of the configuration can be overridden as ``section.key=value`` after 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -68,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"run_ppo: {error}", file=sys.stderr)
         return 2
-    print(f"run_ppo: done; metrics in {run_dir / 'metrics.jsonl'}", file=sys.stderr)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"run_ppo: done; metrics in {run_dir / 'metrics.jsonl'}", file=sys.stderr)
     return 0
 
 
