@@ -1,0 +1,497 @@
+"""Model checkpoints in megatron-core's distributed format, written atomically, read safely.
+
+    save_model_checkpoint(model, pg_collection, "ckpt/actor", {"role": "actor", "step": 100})
+    info = read_checkpoint_info("ckpt/actor")                  # no process group needed
+    load_model_checkpoint(model, pg_collection, "ckpt/actor")  # at any TP/PP
+
+A checkpoint is megatron's ``torch_dist`` format (tensors by global shape, so it loads at any
+TP/PP) plus ``megatron_rlhf.json`` (format and megatron-core versions, :class:`ModelDescription`,
+saved TP/PP, the caller's metadata, every file's size). Every rank writes into
+``<dir>.tmp-<random>``; rank 0 writes the JSON last and renames the directory, so ``<dir>`` is
+complete or absent. docs/models.md describes the layout.
+
+Two megatron paths are replaced (see each class): its save strategy forks writer processes,
+which hangs on CPU (:class:`InProcessSaveStrategy`); its loader unpickles ``.metadata`` and
+ShardedObjects without restriction (allow-list unpickler, ``weights_only=True``).
+
+Collectives: megatron's ``dist_checkpointing.save``/``load`` work on the default (world) group, so
+every rank of the job calls these functions. Replica ids come from the model's own ``dp_cp`` group;
+nothing reads megatron's global parallel state. Optimizer or RNG state joins the model under its
+own top-level key through :func:`save_sharded_checkpoint` / :func:`load_sharded_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import secrets
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
+from enum import Enum
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from megatron.core import dist_checkpointing, package_info
+from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedStateDict, ShardedTensor
+from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
+from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
+from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+from megatron.core.models.gpt import GPTModel
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from megatron_rlhf.models.gpt import ModelBuildOptions, PolicyValueHead
+
+FORMAT_VERSION = 1
+INFO_FILE = "megatron_rlhf.json"
+_MODEL_KEY = "model"
+# Numbers that decide what the weights mean; seq_length only bounds the positions used.
+_MUST_MATCH = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+               "ffn_hidden_size", "vocab_size", "head", "tie_embeddings", "norm_epsilon",
+               "rotary_base")
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """Everything needed to rebuild a model that a checkpoint's weights fit.
+
+    The first seven fields are the :class:`~megatron_rlhf.models.gpt.Architecture` numbers (so a
+    description can be passed to ``build_gpt_model``, with :meth:`build_options`); the others are
+    the ``ModelBuildOptions`` that change what the weights compute: ``head`` (``lm``, ``scalar``,
+    ``lm+scalar``), ``tie_embeddings``, ``norm_epsilon`` (RMSNorm), ``rotary_base`` (RoPE theta)
+    and ``params_dtype`` (``float32`` or ``bfloat16``).
+    """
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    ffn_hidden_size: int
+    vocab_size: int
+    seq_length: int
+    head: str = "lm"
+    tie_embeddings: bool = False
+    norm_epsilon: float = 1e-5
+    rotary_base: int = 10000
+    params_dtype: str = "float32"
+
+    @classmethod
+    def from_model(cls, model: GPTModel) -> ModelDescription:
+        """Read the description off a model built by ``build_gpt_model`` (any stage, any shard)."""
+        config = model.config
+        return cls(
+            num_layers=config.num_layers, hidden_size=config.hidden_size,
+            num_attention_heads=config.num_attention_heads,
+            num_query_groups=config.num_query_groups, ffn_hidden_size=config.ffn_hidden_size,
+            vocab_size=model.real_vocab_size, seq_length=model.max_sequence_length,
+            head=model.head_kind, tie_embeddings=model.share_embeddings_and_output_weights,
+            norm_epsilon=config.layernorm_epsilon, rotary_base=model.rotary_base,
+            params_dtype=str(config.params_dtype).removeprefix("torch."),
+        )
+
+    def build_options(self) -> ModelBuildOptions:
+        """The ``ModelBuildOptions`` that rebuild this model (dropout 0, local layer spec)."""
+        return ModelBuildOptions(head=self.head, tie_embeddings=self.tie_embeddings,
+                                 norm_epsilon=self.norm_epsilon, rotary_base=self.rotary_base,
+                                 params_dtype=self.params_dtype)
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """The contents of a checkpoint's ``megatron_rlhf.json``.
+
+    Attributes:
+        model: what the weights are.
+        tp_size, pp_size: the layout the checkpoint was saved with (it loads at any layout).
+        metadata: the caller's metadata, stored verbatim (``role`` and anything else).
+        files: size in bytes of every other file, checked before loading.
+        megatron_core_version: megatron-core that wrote the shards.
+        format_version: version of this layout.
+    """
+
+    model: ModelDescription
+    tp_size: int
+    pp_size: int
+    metadata: dict[str, Any]
+    files: dict[str, int] = field(default_factory=dict)
+    megatron_core_version: str = package_info.__version__
+    format_version: int = FORMAT_VERSION
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str) -> CheckpointInfo:
+        """Parse and type-check ``megatron_rlhf.json`` read from ``source`` (named in errors)."""
+        if _field(data, "format_version", int, source) != FORMAT_VERSION:
+            raise ValueError(f"{source}: format_version={data['format_version']}, but this code "
+                             f"reads version {FORMAT_VERSION}; use a matching release")
+        values = _typed_fields(cls, data, source)
+        if not isinstance(values["metadata"].get("role"), str):
+            raise ValueError(f"{source}: metadata.role is missing or not a string")
+        return cls(**values | {"model": ModelDescription(**_typed_fields(
+            ModelDescription, values["model"], f"{source} (model)"))})
+
+
+_KINDS = {"int": int, "str": str, "bool": bool, "float": float, "ModelDescription": dict,
+          "dict[str, Any]": dict, "dict[str, int]": dict}
+
+
+def _typed_fields(cls: type, data: Mapping[str, Any], source: str) -> dict[str, Any]:
+    return {spec.name: _field(data, spec.name, _KINDS[str(spec.type)], source)
+            for spec in fields(cls)}
+
+
+def _field(data: Mapping[str, Any], name: str, kind: type[_T], source: str) -> _T:
+    if not isinstance(data, Mapping) or name not in data:
+        raise ValueError(f"{source}: field {name!r} is missing")
+    value = data[name]
+    if kind is float and type(value) is int:
+        value = float(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ValueError(f"{source}: field {name!r}={value!r} is not of type {kind.__name__}")
+    return value
+
+
+class InProcessSaveStrategy(SaveShardedStrategy):
+    """megatron's ``torch_dist`` format, written synchronously by the calling process.
+
+    megatron's ``TorchDistSaveShardedStrategy`` writes through ``FileSystemWriterAsync.
+    write_preloaded_data_multiproc`` even for a synchronous save with ``thread_count=1``: a
+    spawn-context ``multiprocessing.Manager`` (refused in daemonic test ranks; re-runs a launcher
+    without a ``__main__`` guard), then writers forked after gloo and OpenMP threads exist, which
+    hang on CPU. Same key mapping (main replicas only) and planner here, so the same files, written
+    by torch's ``FileSystemWriter`` in this process; ``thread_count > 1`` adds threads only.
+    """
+
+    def __init__(self, thread_count: int = 1) -> None:
+        super().__init__("torch_dist", 1)
+        self.thread_count = thread_count
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> None:
+        """Write this rank's main-replica shards; collective over the default group."""
+        flat, _, _ = mcore_torch._replace_state_dict_keys_with_sharded_keys(
+            sharded_state_dict, keep_only_main_replica=True)
+        dcp.save(mcore_torch.mcore_to_pyt_state_dict(flat, is_loading=False),
+                 storage_writer=FileSystemWriter(checkpoint_dir, thread_count=self.thread_count),
+                 planner=mcore_torch.MCoreSavePlanner(flatten_state_dict=False,
+                                                      can_run_decentralized_global_plan=False))
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP ``.metadata``, which torch's ``FileSystemReader`` reads with ``pickle.load``:
+    only torch.distributed.checkpoint dataclasses and enums, ``torch.Size``, dtypes, layouts and
+    paths may be named, so a crafted file cannot run code."""
+
+    _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
+                    "torch.distributed.checkpoint.filesystem")
+    _GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"),
+                ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+                ("collections", "OrderedDict")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module in self._DCP_MODULES:
+            obj = super().find_class(module, name)
+            if hasattr(obj, "__dataclass_fields__") or (isinstance(obj, type)
+                                                         and issubclass(obj, Enum)):
+                return obj
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+
+
+def read_dcp_metadata(directory: str | Path) -> Metadata:
+    """Read a checkpoint's torch.distributed.checkpoint ``.metadata`` without running code.
+
+    Raises:
+        ValueError: the file is missing, truncated, or names a global outside the allow-list.
+    """
+    path = Path(directory) / ".metadata"
+    try:
+        with open(path, "rb") as stream:
+            metadata = _MetadataUnpickler(stream).load()
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError) as exc:
+        raise ValueError(f"checkpoint metadata {path} cannot be read safely: {exc}") from exc
+    if not isinstance(metadata, Metadata):
+        raise ValueError(f"{path} holds a {type(metadata).__name__}, not checkpoint Metadata")
+    return metadata
+
+
+class _SafeMetadataReader(FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = read_dcp_metadata(self.path)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _WeightsOnlyLoadPlanner(mcore_torch.MCoreLoadPlanner):
+    """megatron's load planner on a flat state dict, unpickling ShardedObjects (``_extra_state``)
+    with ``weights_only=True`` where torch's default planner passes ``weights_only=False``."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(flatten_state_dict=False, **kwargs)
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        # set_up_planner may copy state_dict; the caller reads original_state_dict.
+        self.original_state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+
+class _SafeLoadStrategy(mcore_torch.TorchDistLoadShardedStrategy):
+    """megatron's ``TorchDistLoadShardedStrategy.load`` with the safe reader and planner
+    (tensors themselves are read by torch with ``weights_only=True``)."""
+
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> dict:
+        tensors = [t for t in nested_values(sharded_state_dict) if isinstance(t, ShardedTensor)]
+        flat, flat_mapping, rename_mapping = (
+            mcore_torch._replace_state_dict_keys_with_sharded_keys(sharded_state_dict))
+        pyt_state_dict = mcore_torch.mcore_to_pyt_state_dict(flat, is_loading=True)
+        planner = _WeightsOnlyLoadPlanner(
+            shapes_validation_sharded_tensors=[t for t in tensors if not t.allow_shape_mismatch],
+            allow_shape_mismatch_sharded_tensors={t.key: t for t in tensors
+                                                  if t.allow_shape_mismatch})
+        dcp.load(pyt_state_dict, storage_reader=_SafeMetadataReader(checkpoint_dir),
+                 planner=planner)
+        state = {k: mcore_torch._unwrap_pyt_sharded_tensor(v) for k, v in pyt_state_dict.items()}
+        state = mcore_torch._replace_sharded_keys_with_state_dict_keys(state, flat_mapping,
+                                                                       rename_mapping)
+        mcore_torch._restore_dict_types(state, sharded_state_dict)
+        return state
+
+
+class _WeightsOnlyCommonLoadStrategy(TorchCommonLoadStrategy):
+    """``common.pt`` with ``weights_only=True`` said explicitly (megatron relies on the default)."""
+
+    def load_common(self, checkpoint_dir: str | Path) -> dict:
+        return torch.load(Path(checkpoint_dir) / "common.pt", map_location="cpu",
+                          weights_only=True)
+
+
+def model_sharded_state_dict(model: GPTModel,
+                             pg_collection: ProcessGroupCollection) -> ShardedStateDict:
+    """megatron's sharded state dict of this rank's model part, with groups passed explicitly.
+
+    Two paths of megatron-core 0.16.1's ``LanguageModule.sharded_state_dict`` are taken over:
+    the AC-Share head (``lm+scalar``) wraps the LM head where megatron expects ``output_layer``
+    itself, so the LM head is saved under megatron's usual key ``output_layer.weight`` and the
+    value head, replicated, under ``output_layer.value_head.weight``; and the last pipeline
+    stage's copy of a tied embedding reads its DP rank from megatron's global parallel state, so
+    that replica is built here from the model's ``dp_cp`` group.
+    """
+    metadata = {"dp_cp_group": pg_collection.dp_cp}
+    head = model.output_layer if model.post_process else None
+    policy_value = head if isinstance(head, PolicyValueHead) else None
+    tied = model.share_embeddings_and_output_weights
+    tied_copy = tied and model.post_process and not model.pre_process
+    if policy_value is not None:
+        model.output_layer = policy_value.lm_head
+    model.share_embeddings_and_output_weights = tied and not tied_copy
+    try:
+        sharded = model.sharded_state_dict(metadata=metadata)
+    finally:
+        model.share_embeddings_and_output_weights = tied
+        if policy_value is not None:
+            model.output_layer = policy_value
+    if tied_copy:
+        sharded["output_layer.weight"] = make_tp_sharded_tensor_for_checkpoint(
+            tensor=model.output_layer.weight, key="embedding.word_embeddings.weight",
+            replica_id=(1, 0, pg_collection.dp_cp.rank()), allow_shape_mismatch=True,
+            tp_group=pg_collection.tp, dp_cp_group=pg_collection.dp_cp)
+    if policy_value is not None:
+        sharded["output_layer.lm_head.weight"] = sharded.pop("output_layer.weight")
+        sharded.update(make_sharded_tensors_for_checkpoint(
+            policy_value.value_head.state_dict(keep_vars=True), "output_layer.value_head.",
+            tp_group=pg_collection.tp, dp_cp_group=pg_collection.dp_cp))
+    return sharded
+
+
+def _on_rank0(fn: Callable[[], _T]) -> _T:
+    """Run ``fn`` on global rank 0 and hand its result, or its failure, to every rank."""
+    box: list[Any] = [(None, None)]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = (fn(), None)
+        except Exception as exc:  # the other ranks wait in the broadcast below: tell them
+            box[0] = (None, exc)
+    dist.broadcast_object_list(box, src=0)
+    value, error = box[0]
+    if error is not None:
+        raise error
+    return value
+
+
+def _make_temp_dir(final: Path) -> str:
+    if final.exists():
+        raise FileExistsError(f"checkpoint directory {final} already exists; choose a new "
+                              "directory or delete it first")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    temp = final.with_name(f"{final.name}.tmp-{secrets.token_hex(4)}")
+    temp.mkdir()
+    return str(temp)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def _publish(temp: Path, final: Path, info: CheckpointInfo) -> dict[str, int]:
+    files = {str(p.relative_to(temp)): p.stat().st_size for p in sorted(temp.rglob("*"))
+             if p.is_file()}
+    with open(temp / INFO_FILE, "w") as stream:
+        json.dump(asdict(replace(info, files=files)), stream, indent=2, sort_keys=True)
+        stream.flush()
+        os.fsync(stream.fileno())
+    _fsync_dir(temp)
+    os.rename(temp, final)
+    _fsync_dir(final.parent)
+    return files
+
+
+def save_sharded_checkpoint(sharded_state_dict: ShardedStateDict, directory: str | Path,
+                            info: CheckpointInfo) -> CheckpointInfo:
+    """Write a sharded state dict atomically, ``megatron_rlhf.json`` last; return ``info`` with
+    the written files' sizes. Collective over the default group; rank 0's ``info`` is written.
+
+    Raises:
+        OSError: ``directory`` already exists (FileExistsError) or cannot be written.
+    """
+    final = Path(directory).absolute()
+    temp = Path(_on_rank0(lambda: _make_temp_dir(final)))
+    dist_checkpointing.save(sharded_state_dict, str(temp), sharded_strategy=InProcessSaveStrategy())
+    return replace(info, files=_on_rank0(lambda: _publish(temp, final, info)))
+
+
+def save_model_checkpoint(model: GPTModel, pg_collection: ProcessGroupCollection,
+                          directory: str | Path, metadata: Mapping[str, Any]) -> CheckpointInfo:
+    """Save this model (every rank its part) as a checkpoint loadable at any TP/PP.
+
+    Collective over the default group: every rank of the job calls it with the same arguments.
+
+    Args:
+        model: this rank's part of the model.
+        pg_collection: the model's process groups.
+        directory: the checkpoint directory to create; it must not exist.
+        metadata: JSON-serialisable facts stored verbatim; must hold ``role`` (a string).
+
+    Returns:
+        The checkpoint's info, as written to ``megatron_rlhf.json``.
+
+    Raises:
+        ValueError: ``metadata`` has no string ``role`` or is not JSON-serialisable.
+        OSError: the directory exists or cannot be written.
+    """
+    try:
+        json.dumps(dict(metadata))
+    except TypeError as exc:
+        raise ValueError(f"checkpoint metadata must be JSON-serialisable: {exc}") from exc
+    if not isinstance(metadata.get("role"), str):
+        raise ValueError(f"checkpoint metadata needs a string 'role', got {dict(metadata)!r}")
+    info = CheckpointInfo(model=ModelDescription.from_model(model), tp_size=pg_collection.tp.size(),
+                          pp_size=pg_collection.pp.size(), metadata=dict(metadata))
+    return save_sharded_checkpoint(
+        {_MODEL_KEY: model_sharded_state_dict(model, pg_collection)}, directory, info)
+
+
+def read_checkpoint_info(directory: str | Path) -> CheckpointInfo:
+    """Read and check a checkpoint's ``megatron_rlhf.json`` and file sizes; no process group.
+
+    Raises:
+        FileNotFoundError: the directory does not exist (an unfinished save is mentioned).
+        ValueError: the info file is missing or malformed, or a file is missing or truncated.
+    """
+    path = Path(directory)
+    if not path.is_dir():
+        unfinished = sorted(path.parent.glob(f"{path.name}.tmp-*")) if path.parent.is_dir() else []
+        hint = f"; {unfinished[0]} is an unfinished save" if unfinished else ""
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist{hint}")
+    info_path = path / INFO_FILE
+    if not info_path.is_file():
+        raise ValueError(f"{path} is not a complete megatron_rlhf checkpoint: {INFO_FILE} is "
+                         "missing (it is written last; the save did not finish)")
+    try:
+        info = CheckpointInfo.from_dict(json.loads(info_path.read_text()), str(info_path))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{info_path} is not JSON ({exc}); the checkpoint is corrupted") from exc
+    for name, size in info.files.items():
+        found = (path / name).stat().st_size if (path / name).is_file() else None
+        if found != size:
+            raise ValueError(f"checkpoint {path} is corrupted: {name} has "
+                             f"{'no file' if found is None else f'{found} bytes'}, "
+                             f"the save wrote {size} bytes")
+    return info
+
+
+def _check_keys(sharded_state_dict: ShardedStateDict, path: Path) -> None:
+    stored = read_dcp_metadata(path).state_dict_metadata
+    for item in nested_values(sharded_state_dict):
+        key = item.unique_key if isinstance(item, ShardedObject) else getattr(item, "key", None)
+        if key is not None and key not in stored:
+            raise ValueError(f"checkpoint {path} has no entry {key!r} that the model needs; it "
+                             f"holds {len(stored)} entries such as {sorted(stored)[:4]}")
+
+
+def load_sharded_checkpoint(sharded_state_dict: ShardedStateDict,
+                            directory: str | Path) -> dict[str, Any]:
+    """Load the parts of a checkpoint that ``sharded_state_dict`` asks for, at its layout.
+
+    Collective over the default group. Entries not asked for are ignored (a model can be read
+    out of a checkpoint that also holds optimizer state).
+
+    Raises:
+        ValueError: an entry is missing, or the files cannot be read (corruption).
+    """
+    path = Path(directory)
+    _check_keys(sharded_state_dict, path)
+    try:
+        return dist_checkpointing.load(sharded_state_dict, str(path),
+                                       sharded_strategy=_SafeLoadStrategy(),
+                                       common_strategy=_WeightsOnlyCommonLoadStrategy())
+    except (CheckpointingException, CheckpointException, pickle.UnpicklingError,
+            EOFError) as exc:
+        raise ValueError(f"checkpoint {path} could not be read: {exc}") from exc
+
+
+def _check_same_model(saved: ModelDescription, model: ModelDescription, directory: str) -> None:
+    for name in _MUST_MATCH:
+        ours, theirs = getattr(model, name), getattr(saved, name)
+        if ours != theirs:
+            raise ValueError(f"checkpoint {directory} holds a model with {name}={theirs!r} but "
+                             f"the model to load into has {name}={ours!r}; build it from "
+                             "read_checkpoint_info(...).model")
+
+
+def load_model_checkpoint(model: GPTModel, pg_collection: ProcessGroupCollection,
+                          directory: str | Path) -> CheckpointInfo:
+    """Load a model checkpoint into this rank's part of ``model``, whatever TP/PP it was saved at.
+
+    Collective over the default group.
+
+    Returns:
+        The checkpoint's info (role, caller metadata, saved layout).
+
+    Raises:
+        FileNotFoundError: the directory does not exist.
+        ValueError: the checkpoint is incomplete or corrupted, or describes another model.
+    """
+    info = read_checkpoint_info(directory)
+    _check_same_model(info.model, ModelDescription.from_model(model), str(directory))
+    loaded = load_sharded_checkpoint({_MODEL_KEY: model_sharded_state_dict(model, pg_collection)},
+                                     directory)
+    model.load_state_dict(loaded[_MODEL_KEY], strict=True)
+    return info

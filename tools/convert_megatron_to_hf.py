@@ -1,0 +1,75 @@
+"""Export a megatron_rlhf model checkpoint (LM head) as a Hugging Face Llama checkpoint.
+
+    # one process loads the whole model (any saved TP/PP), rank 0 writes the files
+    python tools/convert_megatron_to_hf.py --ckpt ckpt/actor --out llama-out
+    # a model too large for one process: load it split, e.g. TP=2 on two gloo ranks
+    torchrun --nproc-per-node 2 tools/convert_megatron_to_hf.py --ckpt ckpt/actor \
+        --out llama-out --tp 2
+    # on a GPU node the same command line uses NCCL, one GPU per rank
+
+Writes ``config.json`` and ``model.safetensors`` (in the checkpoint's dtype) that
+``LlamaForCausalLM.from_pretrained`` reads. When the checkpoint came from
+tools/convert_hf_to_megatron.py, the original config.json's other fields (token ids, ...) are kept.
+The full tensors are gathered on every rank, so each rank needs host memory for the whole model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+import torch.distributed as dist  # noqa: E402
+
+from megatron_rlhf.models.checkpoint import (  # noqa: E402
+    load_model_checkpoint,
+    read_checkpoint_info,
+)
+from megatron_rlhf.models.gpt import build_gpt_model  # noqa: E402
+from megatron_rlhf.models.hf_llama import (  # noqa: E402
+    full_state_to_hf,
+    save_hf_checkpoint,
+    world_process_groups,
+)
+from megatron_rlhf.models.weights import gather_full_state  # noqa: E402
+from megatron_rlhf.runtime.bootstrap import RuntimeConfig, initialize_runtime  # noqa: E402
+from megatron_rlhf.runtime.distributed import destroy_distributed  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ckpt", type=Path, required=True, help="megatron_rlhf checkpoint")
+    parser.add_argument("--out", type=Path, required=True,
+                        help="directory for config.json and model.safetensors")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size to load at")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to load at")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Export; every rank runs this (collective)."""
+    args = parse_args(argv)
+    if (args.out / "model.safetensors").exists():
+        raise FileExistsError(f"{args.out} already holds a model; choose an empty directory")
+    initialize_runtime(RuntimeConfig())
+    info = read_checkpoint_info(args.ckpt)
+    description = info.model
+    pg_collection = world_process_groups(args.tp, args.pp)
+    model = build_gpt_model(description, description.build_options(), pg_collection)
+    load_model_checkpoint(model, pg_collection, args.ckpt)
+    full_state = gather_full_state(model, pg_collection)
+    if dist.get_rank() == 0:
+        hf_state = full_state_to_hf(full_state, description)
+        save_hf_checkpoint(args.out, description, hf_state, info.metadata.get("hf_config"))
+        print(f"wrote {args.out} ({len(hf_state)} tensors, {description.params_dtype}) "
+              f"from {args.ckpt} (role {info.metadata['role']})")
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    finally:
+        destroy_distributed()
