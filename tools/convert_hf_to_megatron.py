@@ -31,11 +31,11 @@ from megatron_rlhf.models.hf_llama import (  # noqa: E402
     hf_to_full_state,
     load_hf_state,
     read_hf_config,
-    world_process_groups,
 )
 from megatron_rlhf.models.weights import load_full_state  # noqa: E402
 from megatron_rlhf.runtime.bootstrap import RuntimeConfig, initialize_runtime  # noqa: E402
 from megatron_rlhf.runtime.distributed import destroy_distributed  # noqa: E402
+from megatron_rlhf.topology.groups import build_model_process_groups
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     initialize_runtime(RuntimeConfig())
     description, config = read_hf_config(args.hf_dir)
-    pg_collection = world_process_groups(args.tp, args.pp)
+    pg_collection = build_model_process_groups(description.model_spec("actor", args.tp, args.pp))
     model = build_gpt_model(description, description.build_options(), pg_collection)
     full_state = hf_to_full_state(load_hf_state(args.hf_dir), description, str(args.hf_dir))
     load_full_state(model, pg_collection, full_state)

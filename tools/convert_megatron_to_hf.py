@@ -31,11 +31,11 @@ from megatron_rlhf.models.gpt import build_gpt_model  # noqa: E402
 from megatron_rlhf.models.hf_llama import (  # noqa: E402
     full_state_to_hf,
     save_hf_checkpoint,
-    world_process_groups,
 )
 from megatron_rlhf.models.weights import gather_full_state  # noqa: E402
 from megatron_rlhf.runtime.bootstrap import RuntimeConfig, initialize_runtime  # noqa: E402
 from megatron_rlhf.runtime.distributed import destroy_distributed  # noqa: E402
+from megatron_rlhf.topology.groups import build_model_process_groups
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     initialize_runtime(RuntimeConfig())
     info = read_checkpoint_info(args.ckpt)
     description = info.model
-    pg_collection = world_process_groups(args.tp, args.pp)
+    pg_collection = build_model_process_groups(description.model_spec("actor", args.tp, args.pp))
     model = build_gpt_model(description, description.build_options(), pg_collection)
     load_model_checkpoint(model, pg_collection, args.ckpt)
     full_state = gather_full_state(model, pg_collection)

@@ -50,6 +50,7 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemReader, 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from megatron_rlhf.models.gpt import ModelBuildOptions, PolicyValueHead
+from megatron_rlhf.topology.models import ArchSpec, ModelSpec
 
 FORMAT_VERSION = 1
 INFO_FILE = "megatron_rlhf.json"
@@ -84,6 +85,13 @@ class ModelDescription:
     norm_epsilon: float = 1e-5
     rotary_base: int = 10000
     params_dtype: str = "float32"
+
+    def model_spec(self, role: str, tp: int = 1, pp: int = 1) -> ModelSpec:
+        """A topology ``ModelSpec`` of this model at a TP/PP layout (validates divisibility)."""
+        arch = ArchSpec("checkpoint", self.num_layers, self.hidden_size, self.num_attention_heads,
+                        self.vocab_size, self.seq_length, self.ffn_hidden_size, gated_mlp=True,
+                        num_query_groups=self.num_query_groups)
+        return ModelSpec(role, arch, trainable=False, tp=tp, pp=pp)
 
     @classmethod
     def from_model(cls, model: GPTModel) -> ModelDescription:

@@ -35,9 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from megatron.core.hyper_comm_grid import HyperCommGrid
-from megatron.core.process_groups_config import ProcessGroupCollection
 from safetensors.torch import load_file, save_file
 
 from megatron_rlhf.models.checkpoint import ModelDescription
@@ -285,26 +282,3 @@ def save_hf_checkpoint(out_dir: str | Path, description: ModelDescription,
               str(out / "model.safetensors"), metadata={"format": "pt"})
     config = hf_config(description, base_config)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
-def world_process_groups(tp: int, pp: int) -> ProcessGroupCollection:
-    """Process groups of one model spread over every rank (DP = world / (tp * pp)).
-
-    For conversion jobs, where one model is the whole job. Collective over the default group.
-
-    Raises:
-        ValueError: ``tp * pp`` does not divide the world size.
-    """
-    world = dist.get_world_size()
-    if tp < 1 or pp < 1 or world % (tp * pp):
-        raise ValueError(f"tp({tp}) * pp({pp}) must divide the number of ranks ({world}); "
-                         f"launch with torchrun --nproc-per-node {tp * pp}")
-    grid = HyperCommGrid([tp, 1, world // (tp * pp), pp], ["tp", "cp", "dp", "pp"])
-    groups = {name: grid.create_pg(dims) for name, dims in {
-        "tp": "tp", "cp": "cp", "dp": "dp", "pp": "pp", "tp_cp": ["tp", "cp"],
-        "dp_cp": ["cp", "dp"], "mp": ["tp", "pp"]}.items()}
-    pp_ranks = grid.get_rank_enum("pp")
-    groups["embd"], _ = dist.new_subgroups_by_enumeration([sorted({r[0], r[-1]})
-                                                            for r in pp_ranks])
-    groups["pos_embd"], _ = dist.new_subgroups_by_enumeration([[r[0]] for r in pp_ranks])
-    return ProcessGroupCollection(**groups)

@@ -26,6 +26,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.topology.grid import DIM_NAMES
+from megatron_rlhf.topology.models import ModelSpec
 from megatron_rlhf.topology.plan import ModelPlacement, PlacementPlan
 
 logger = get_logger(__name__)
@@ -107,6 +108,28 @@ def build_process_groups(plan: PlacementPlan,
         collections[role], worlds[role] = _model_groups(plan[role], factory)
     logger.info("built %d process groups for %s", factory.count, ", ".join(plan.roles))
     return RankProcessGroups(plan, collections, worlds)
+
+
+def build_model_process_groups(spec: ModelSpec,
+                               timeout: datetime.timedelta | float | None = None
+                               ) -> ProcessGroupCollection:
+    """Groups of one model spread over every rank (DP = world / (tp * pp)).
+
+    For jobs that train or convert a single model (SFT, reward-model training, checkpoint
+    conversion). Collective over the default group.
+
+    Raises:
+        ValueError: ``tp * pp`` does not divide the world size.
+    """
+    world = dist.get_world_size()
+    if world % spec.model_parallel_size:
+        raise ValueError(f"{spec.role}: tp({spec.tp}) * pp({spec.pp}) must divide the number of "
+                         f"ranks ({world}); launch with a multiple of {spec.model_parallel_size}")
+    if isinstance(timeout, int | float):
+        timeout = datetime.timedelta(seconds=timeout)
+    collection, _ = _model_groups(ModelPlacement(spec, 0, world, 1.0),
+                                  _GroupFactory(dist.get_rank(), timeout))
+    return collection
 
 
 class _GroupFactory:
