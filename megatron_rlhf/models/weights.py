@@ -166,7 +166,8 @@ def gather_full_state(model: GPTModel, pg_collection: ProcessGroupCollection,
             tensor = param.grad if tensor is None else tensor
             if tensor is None:
                 tensor = torch.zeros_like(param)
-        tensor = tensor.detach().contiguous().float()
+        # A copy: replicated tensors would otherwise alias the live parameters.
+        tensor = tensor.detach().float().clone()
         shards = [tensor]
         if rule.partition_dim is not None and tp_group.size() > 1:
             shards = [torch.empty_like(tensor) for _ in range(tp_group.size())]

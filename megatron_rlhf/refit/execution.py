@@ -1,0 +1,83 @@
+"""Execute a refit plan with megatron-core's resharding executor and copy services.
+
+A :class:`~megatron_rlhf.refit.planner.RefitPlan` is turned into this rank's megatron
+``ReshardPlan`` (``TransferOp`` send and receive lists sharing ``task_id``s) and run by
+``megatron.core.resharding.execute_reshard_plan`` through a ``CopyService``: batched
+point-to-point sends and receives (``dist.batch_isend_irecv``), same-rank copies matched by task
+id. Padded vocabulary rows, which no source holds, are zeroed afterwards.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.resharding import ReshardPlan, TransferOp, execute_reshard_plan
+from megatron.core.resharding.copy_services.base import CopyService
+from megatron.core.resharding.copy_services.gloo_copy_service import GlooCopyService
+from megatron.core.resharding.copy_services.nccl_copy_service import NCCLCopyService
+
+from megatron_rlhf.refit.layout import box_slices
+from megatron_rlhf.refit.planner import RefitPlan, ZeroFill
+
+COPY_BACKENDS = ("nccl", "gloo")
+"""Copy services by megatron's backend name (``nvshmem`` needs NVSHMEM on GPUs; pass an instance).
+
+``nccl`` is megatron's ``NCCLCopyService``: ``batch_isend_irecv`` on the default process group,
+whatever its backend (NCCL on GPUs, gloo on CPU). ``gloo`` is ``GlooCopyService``: a separate
+gloo group over the world, with GPU tensors staged through host memory.
+"""
+
+
+def make_copy_service(backend: str | CopyService) -> CopyService:
+    """A megatron copy service by backend name, or ``backend`` itself if it is one.
+
+    ``"gloo"`` creates a process group over the world: collective, so every rank must call this
+    at the same point.
+
+    Raises:
+        ValueError: an unknown backend name.
+    """
+    if isinstance(backend, CopyService):
+        return backend
+    if backend == "nccl":
+        return NCCLCopyService()
+    if backend == "gloo":
+        return GlooCopyService()
+    raise ValueError(f"refit copy_service={backend!r} is unknown: choose one of {COPY_BACKENDS} "
+                     "or pass a megatron CopyService instance")
+
+
+def rank_reshard_plan(plan: RefitPlan, rank: int) -> ReshardPlan:
+    """This rank's sends and receives as megatron ``TransferOp``s (task id = transfer index)."""
+    sends = [TransferOp(param_name=t.src_name, peer_rank=t.dst_rank, is_send=True,
+                        my_slice=box_slices(t.src_box), peer_slice=box_slices(t.dst_box),
+                        task_id=t.task_id)
+             for t in plan.sends(rank)]
+    receives = [TransferOp(param_name=t.dst_name, peer_rank=t.src_rank, is_send=False,
+                           my_slice=box_slices(t.dst_box), peer_slice=box_slices(t.src_box),
+                           task_id=t.task_id)
+                for t in plan.receives(rank)]
+    return ReshardPlan(send_ops=sends, recv_ops=receives)
+
+
+def execute(reshard_plan: ReshardPlan, zero_fills: list[ZeroFill],
+            src_module: torch.nn.Module | None, dst_module: torch.nn.Module | None,
+            service: CopyService) -> None:
+    """Run this rank's part of a refit; collective over the default process group.
+
+    Args:
+        reshard_plan: from :func:`rank_reshard_plan`.
+        zero_fills: this rank's padding regions (``RefitPlan.zero_fills_on``).
+        src_module: this rank's part of the source model, None if it holds none.
+        dst_module: this rank's part of the destination model, None if it holds none.
+        service: the copy service (the same kind on every rank).
+    """
+    # megatron's executor looks parameters up by name; a rank without a side passes an empty module.
+    src_module = torch.nn.Module() if src_module is None else src_module
+    dst_module = torch.nn.Module() if dst_module is None else dst_module
+    execute_reshard_plan(reshard_plan, src_module, dst_module, service=service)
+    if not zero_fills:
+        return
+    params = dict(dst_module.named_parameters())
+    with torch.no_grad():
+        for fill in zero_fills:
+            params[fill.local_name].data[box_slices(fill.box)].zero_()
