@@ -25,6 +25,7 @@ from megatron_rlhf.engine.transfer import RowLayout
 from megatron_rlhf.engine.workers import ModelWorker
 from megatron_rlhf.generation import GenerationConfig, GenerationOutput
 from megatron_rlhf.refit import WeightSync
+from megatron_rlhf.topology.config import HETERO_SEPARATION
 from megatron_rlhf.topology.models import ACTOR, CRITIC, REF, REWARD, SHADOW_ACTOR, SHADOW_CRITIC
 from megatron_rlhf.topology.plan import PlacementPlan
 
@@ -89,19 +90,53 @@ class PPOEngine:
                 "response_mask": (torch.int64, (r,)), "gen_logprobs": (torch.float32, (r,))}
 
     # ------------------------------------------------------------ generation
+    def generation_replicas(self) -> list[tuple[str, list[int], float]]:
+        """``(role, ranks, speed)`` of every DP replica that generates.
+
+        The generating model's replicas, and under hetero-separation also the trainable actor's
+        (idle during generation; pp=1 only), each weighted by its pool's relative speed.
+        """
+        roles = [self.policy_for_inference]
+        if self.plan.config.strategy == HETERO_SEPARATION and self.plan[ACTOR].pp == 1:
+            roles.append(ACTOR)
+        replicas = []
+        for role in roles:
+            model = self.plan[role]
+            for d in range(model.dp):
+                ranks = model.replica_ranks(d)
+                speed = self.plan.cluster.pools[self.plan.cluster.locate(ranks[0]).pool_index]
+                replicas.append((role, ranks, speed.relative_speed))
+        return replicas
+
+    def generation_layout(self, batch_size: int) -> tuple[RowLayout, dict[int, str]]:
+        """Rows per generating replica, in proportion to its speed; and each rank's role."""
+        replicas = self.generation_replicas()
+        total = sum(speed for _, _, speed in replicas)
+        ideal = [batch_size * speed / total for _, _, speed in replicas]
+        counts = [int(x) for x in ideal]
+        by_remainder = sorted(range(len(ideal)), key=lambda i: (counts[i] - ideal[i], i))
+        for i in by_remainder[:batch_size - sum(counts)]:
+            counts[i] += 1
+        rows, roles, start = {}, {}, 0
+        for (role, ranks, _), count in zip(replicas, counts, strict=True):
+            for rank in ranks:
+                rows[rank], roles[rank] = (start, start + count), role
+            start += count
+        return RowLayout(batch_size, rows), roles
+
     def generate_sequences(self, prompts: Sequence[Sequence[int]],
                            prompt_indices: Sequence[int]) -> DistBatch:
-        """Each DP replica of the generating model samples responses for its share of prompts.
+        """Each generating DP replica samples responses for its share of the prompts.
 
-        Every rank passes the whole prompt list; no prompt data is moved.
+        Every rank passes the whole prompt list; no prompt data is moved. Sampling is keyed by
+        prompt index, so the split does not change any response.
         """
-        role = self.policy_for_inference
-        layout = replica_input_layout(self.plan[role], len(prompts))
+        layout, roles = self.generation_layout(len(prompts))
         rows = layout.held_by(self.rank)
         fields = None
-        if rows is not None:
+        if rows is not None and rows[1] > rows[0]:
             start, end = rows
-            output = self.workers[role].generate(
+            output = self.workers[roles[self.rank]].generate(
                 prompts[start:end], prompt_indices[start:end], self.generation, self.eos_id,
                 self.pad_id)
             fields = self._fixed_width(output)

@@ -45,6 +45,9 @@ def _global_name(model: GPTModel, local_name: str) -> str:
     if local_name == "output_layer.weight" and model.share_embeddings_and_output_weights:
         # With PP > 1 the last stage keeps its own copy of the tied embedding.
         return "embedding.word_embeddings.weight"
+    if local_name == "output_layer.lm_head.weight":
+        # AC-Share's LM head is the same tensor as a plain actor's: same name, same init.
+        return "output_layer.weight"
     match = _LAYER_RE.match(local_name)
     if match is None:
         return local_name

@@ -1,8 +1,8 @@
 """The PPO math does not change with the placement.
 
-With the same seed and synchronous execution, flattening, interleaving, interleaving2 and
-separation give the same per-step rewards, KL and losses on 4 gloo ranks, for AC-NonShare and
-AC-Share. Each strategy moves data differently (separation also resyncs shadows every step), so
+With the same seed and synchronous execution, flattening, interleaving, interleaving2,
+separation and heterogeneous separation (generation split between pools by speed) give the same
+per-step rewards, KL and losses on 4 gloo ranks, for AC-NonShare and AC-Share. Each strategy moves data differently (separation also resyncs shadows every step), so
 any routing or sync mistake shows up as a metric mismatch.
 """
 
@@ -12,7 +12,7 @@ import pytest
 
 from tests.multirank import run_on_ranks
 
-STRATEGIES = ("flattening", "interleaving", "interleaving2", "separation")
+STRATEGIES = ("flattening", "interleaving", "interleaving2", "separation", "hetero-separation")
 COMPARED = ("reward_mean", "rm_score", "rule_score", "kl", "policy_loss", "value_loss",
             "response_length", "actor/pg_clipfrac", "actor/grad_norm")
 
@@ -34,7 +34,13 @@ def _run_strategies(ac_share: bool, steps: int) -> dict[str, list[dict[str, floa
     from megatron_rlhf.engine.ppo import PPOTrainer
     from megatron_rlhf.generation import GenerationConfig
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
+    from megatron_rlhf.topology.cluster import DevicePool
     from megatron_rlhf.topology.config import PlacementConfig
+
+    # Two pools of 2 ranks; the slower one holds the inference models, and the actor on the fast
+    # pool generates twice the rows of each shadow replica.
+    hetero_pools = [DevicePool("fast", 1, 2, relative_speed=1.0),
+                    DevicePool("slow", 1, 2, relative_speed=0.5)]
 
     initialize_runtime()
     prompts_gen = torch.Generator().manual_seed(0)
@@ -53,7 +59,8 @@ def _run_strategies(ac_share: bool, steps: int) -> dict[str, list[dict[str, floa
         config.algorithm.entropy_coef = 0.01
         config.actor_optimizer.lr = 1e-3
         config.critic_optimizer.lr = 1e-3
-        plan = make_plan(config, cluster_from_environment())
+        pools = hetero_pools if strategy == "hetero-separation" else None
+        plan = make_plan(config, cluster_from_environment(pools))
         engine = build_engine(config, plan, eos_id=3, pad_id=0)
         trainer = PPOTrainer(engine, config.algorithm, config.rollout, config.reward, seed=5,
                              rule_reward=_even_token_share)

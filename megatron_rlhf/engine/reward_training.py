@@ -1,0 +1,138 @@
+"""Pairwise (Bradley-Terry) training of the scalar-head reward model on preference triples.
+
+    result = run_reward_training(load_config(RMConfig, "examples/rm_tiny.yaml"))
+
+A sequence's score is the scalar head at its last real token, as the PPO reward stage reads it.
+For a pair the loss is ``-log sigmoid(r_chosen - r_rejected)``, summed over pairs with the pair
+count as its normaliser, so the update is the pair mean whatever the DP size; accuracy is the
+share of pairs with ``r_chosen > r_rejected``. ``model.init_checkpoint`` may name an SFT
+checkpoint: its trunk is loaded and the scalar head starts fresh. See :mod:`engine.supervised`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from megatron_rlhf.data import RMDataset, RMExample, collate_preferences
+from megatron_rlhf.engine.supervised import (
+    Objective,
+    SupervisedConfig,
+    TrainingResult,
+    run_supervised,
+)
+from megatron_rlhf.engine.workers import split_microbatches
+from megatron_rlhf.models.checkpoint import (
+    ModelDescription,
+    load_model_checkpoint,
+    load_sharded_checkpoint,
+    model_sharded_state_dict,
+    read_checkpoint_info,
+)
+from megatron_rlhf.models.schedule import Batch, LossFn
+from megatron_rlhf.models.tokenizer import Tokenizer
+from megatron_rlhf.runtime.logging import get_logger
+from megatron_rlhf.topology.models import REWARD
+
+logger = get_logger(__name__)
+
+_CHECKPOINT_MODEL_KEY = "model"
+"""Top-level key under which ``models/checkpoint.py`` stores a model's tensors."""
+_MAY_DIFFER = ("head", "seq_length", "params_dtype")
+"""Description fields in which an SFT checkpoint may differ from the reward model it starts."""
+
+
+@dataclass
+class RMConfig(SupervisedConfig):
+    """A reward-model run (fields as :class:`SupervisedConfig`; batch sizes count pairs); trains
+    on the ``rm`` data portion."""
+
+    out_dir: str = "runs/rm"
+
+
+def preference_microbatches(examples: Sequence[RMExample], tokenizer: Tokenizer, max_length: int,
+                            micro_batch_size: int) -> list[Batch]:
+    """Micro-batches of ``micro_batch_size`` pairs: rows ``[chosen_0..m-1; rejected_0..m-1]``."""
+    batch = collate_preferences(examples, tokenizer, max_length)
+    chosen, rejected = (
+        split_microbatches({"input_ids": side.input_ids, "attention_mask": side.attention_mask},
+                           micro_batch_size)
+        for side in (batch.chosen, batch.rejected))
+    return [{key: torch.cat([c[key], r[key]]) for key in c}
+            for c, r in zip(chosen, rejected, strict=True)]
+
+
+def last_token_scores(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Each row's value at its last real token: ``[b, s]`` values, ``[b, s]`` mask -> ``[b]``."""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    last = (positions * attention_mask).argmax(dim=1)
+    return values[torch.arange(values.shape[0], device=values.device), last]
+
+
+def pairwise_loss(tp_group: dist.ProcessGroup, real_vocab_size: int) -> LossFn:
+    """Bradley-Terry loss over the pairs of a :func:`preference_microbatches` micro-batch.
+
+    The loss function maps the scalar-head output ``[2m, s, 1]`` and the batch to
+    ``(loss_sum, pairs, {"loss_sum", "accuracy_sum", "margin_sum", "count"})``. The scalar head
+    is replicated over TP and has no vocabulary, so both arguments are unused.
+    """
+
+    def loss_fn(output: torch.Tensor, batch: Batch) -> tuple:
+        scores = last_token_scores(output[..., 0].float(), batch["attention_mask"])
+        chosen, rejected = scores.chunk(2)
+        margin = chosen - rejected
+        loss_sum = F.softplus(-margin).sum()
+        pairs = torch.tensor(margin.shape[0], dtype=torch.int, device=margin.device)
+        return loss_sum, pairs, {"loss_sum": loss_sum, "accuracy_sum": (margin > 0).sum(),
+                                 "margin_sum": margin.detach().sum(), "count": pairs}
+
+    return loss_fn
+
+
+def load_trunk(model: torch.nn.Module, pg_collection: ProcessGroupCollection,
+               directory: str) -> None:
+    """Load a checkpoint into ``model``: whole if it has a scalar head, else its trunk only.
+
+    An SFT (``lm``-head) checkpoint gives every weight but the output layer, which keeps its
+    initialisation. Collective over the default group; any saved TP/PP loads.
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``directory``.
+        ValueError: the checkpoint holds another trunk, or cannot be read.
+    """
+    saved = read_checkpoint_info(directory).model
+    if saved.head == model.head_kind:
+        load_model_checkpoint(model, pg_collection, directory)
+        return
+    ours = ModelDescription.from_model(model)
+    differences = {name: (getattr(saved, name), value) for name, value in vars(ours).items()
+                   if name not in _MAY_DIFFER and getattr(saved, name) != value}
+    if differences:
+        raise ValueError(f"checkpoint {directory} holds another trunk, (saved, model): "
+                         f"{differences}; set model.arch to the checkpoint's architecture")
+    trunk = {key: value for key, value in model_sharded_state_dict(model, pg_collection).items()
+             if not key.startswith("output_layer.")}
+    loaded = load_sharded_checkpoint({_CHECKPOINT_MODEL_KEY: trunk}, directory)
+    missing, unexpected = model.load_state_dict(loaded[_CHECKPOINT_MODEL_KEY], strict=False)
+    not_loaded = [key for key in missing if not key.startswith("output_layer.")] + unexpected
+    if not_loaded:
+        raise ValueError(f"checkpoint {directory} does not fill the trunk: {not_loaded[:4]}")
+    logger.info("loaded the trunk of %s (%r head); the %r head is new", directory, saved.head,
+                ours.head)
+
+
+RM_OBJECTIVE = Objective(name="rm", role=REWARD, head="scalar", portion="rm",
+                         make_examples=RMDataset, microbatches=preference_microbatches,
+                         loss_fn=pairwise_loss,
+                         metric_keys=("loss_sum", "accuracy_sum", "margin_sum", "count"),
+                         load_checkpoint=load_trunk)
+
+
+def run_reward_training(config: RMConfig) -> TrainingResult:
+    """Train the reward model as configured; every rank calls it (see :func:`run_supervised`)."""
+    return run_supervised(config, RM_OBJECTIVE)

@@ -1,0 +1,77 @@
+"""Supervised fine-tuning of the actor on (prompt, response) pairs.
+
+    result = run_sft(load_config(SFTConfig, "examples/sft_tiny.yaml"))
+
+The loss is the negative log-likelihood of the response tokens and their EOS only (the prompt is
+context), summed with the token count as its normaliser: the trainer divides by the step's global
+token count, so it is a token mean that does not depend on the DP size or micro-batch split. The
+result is an ``lm``-head checkpoint for the ``actor`` role. ``model.init_checkpoint`` (e.g. a
+converted Hugging Face model) is loaded whole. See :mod:`engine.supervised` for the loop and data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.data import SFTDataset, SFTExample, collate_sft
+from megatron_rlhf.engine.supervised import (
+    Objective,
+    SupervisedConfig,
+    TrainingResult,
+    run_supervised,
+)
+from megatron_rlhf.engine.workers import split_microbatches
+from megatron_rlhf.models.checkpoint import load_model_checkpoint
+from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
+from megatron_rlhf.models.schedule import Batch, LossFn
+from megatron_rlhf.models.tokenizer import Tokenizer
+from megatron_rlhf.topology.models import ACTOR
+
+
+@dataclass
+class SFTConfig(SupervisedConfig):
+    """An SFT run (fields as :class:`SupervisedConfig`); trains on the ``sft`` data portion."""
+
+    out_dir: str = "runs/sft"
+
+
+def sft_microbatches(examples: Sequence[SFTExample], tokenizer: Tokenizer, max_length: int,
+                     micro_batch_size: int) -> list[Batch]:
+    """Right-padded ``input_ids``, ``attention_mask`` and ``loss_mask`` micro-batches."""
+    batch = collate_sft(examples, tokenizer, max_length)
+    return split_microbatches({"input_ids": batch.input_ids,
+                               "attention_mask": batch.attention_mask,
+                               "loss_mask": batch.loss_mask}, micro_batch_size)
+
+
+def sft_loss(tp_group: dist.ProcessGroup, real_vocab_size: int) -> LossFn:
+    """Summed response-token NLL with its token count, from vocabulary-parallel logits.
+
+    The loss function maps logits ``[b, s, v_local]`` and a batch to ``(nll_sum, tokens,
+    {"loss_sum", "count"})``; position ``t - 1`` predicts the token at ``t``.
+    """
+
+    def loss_fn(logits: torch.Tensor, batch: Batch) -> tuple:
+        logprobs, _ = vocab_parallel_logprobs(logits[:, :-1], batch["input_ids"][:, 1:], tp_group,
+                                              real_vocab_size)
+        mask = batch["loss_mask"][:, 1:]
+        nll_sum = -(logprobs * mask).sum()
+        tokens = mask.sum().int()
+        return nll_sum, tokens, {"loss_sum": nll_sum, "count": tokens}
+
+    return loss_fn
+
+
+SFT_OBJECTIVE = Objective(name="sft", role=ACTOR, head="lm", portion="sft",
+                          make_examples=SFTDataset, microbatches=sft_microbatches,
+                          loss_fn=sft_loss, metric_keys=("loss_sum", "count"),
+                          load_checkpoint=load_model_checkpoint)
+
+
+def run_sft(config: SFTConfig) -> TrainingResult:
+    """Fine-tune the actor as configured; every rank calls it (see :func:`run_supervised`)."""
+    return run_supervised(config, SFT_OBJECTIVE)

@@ -1,0 +1,399 @@
+"""Supervised training of one model over every rank: the loop SFT and reward-model training share.
+
+    result = run_supervised(config, SFT_OBJECTIVE)   # or RM_OBJECTIVE (engine/reward_training.py)
+
+They differ only in an :class:`Objective` (data portion, head, micro-batches, loss). A step takes
+``global_batch_size`` examples of a per-epoch shuffle seeded by ``runtime.seed``; DP replica ``d``
+takes the d-th share. Losses are sums with a count (response tokens, pairs) and the trainer divides
+the gradients by the step's global count, so updates do not depend on DP size or micro-batching.
+Whatever can be refused (config, layout, data, an existing checkpoint) is refused before any
+process group exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from megatron_rlhf.config.loader import to_yaml
+from megatron_rlhf.data.config import DataConfig, ReaderConfig, SplitConfig
+from megatron_rlhf.data.readers import PreferenceRecord, read_files
+from megatron_rlhf.data.splits import load_splits
+from megatron_rlhf.data.synthetic import SyntheticTaskConfig, write_task_jsonl
+from megatron_rlhf.engine.build import cluster_from_environment
+from megatron_rlhf.models.checkpoint import save_model_checkpoint
+from megatron_rlhf.models.gpt import ModelBuildOptions, build_gpt_model
+from megatron_rlhf.models.schedule import Batch, LossFn, run_microbatches
+from megatron_rlhf.models.tokenizer import Tokenizer, TokenizerConfig
+from megatron_rlhf.models.trainer import ModelTrainer, OptimizerSettings
+from megatron_rlhf.models.weights import init_weights
+from megatron_rlhf.runtime.bootstrap import RuntimeConfig, initialize_runtime
+from megatron_rlhf.runtime.logging import get_logger, setup_logging
+from megatron_rlhf.runtime.metrics import MetricsWriter
+from megatron_rlhf.topology.cluster import ClusterSpec
+from megatron_rlhf.topology.config import PlacementConfig
+from megatron_rlhf.topology.groups import build_process_groups
+from megatron_rlhf.topology.models import ArchSpec, ModelSpec, arch_preset
+from megatron_rlhf.topology.plan import ModelPlacement, PlacementPlan
+
+logger = get_logger(__name__)
+
+CHECKPOINT_DIR = "checkpoint"
+TOKENIZER_FILE = "tokenizer.model"
+
+
+@dataclass
+class SupervisedDataConfig:
+    """Where training and held-out examples come from.
+
+    Attributes:
+        paths: JSONL/Parquet files in the rm-static schema; training uses the objective's portion
+            of their split. Empty: the synthetic task, written to ``<out_dir>/data``.
+        eval_paths: held-out files, evaluated whole. Empty: the synthetic task's ``test.jsonl``,
+            or with ``paths`` an ``eval_fraction`` of the training portion, chosen by prompt.
+        eval_fraction: the held-out share of the training portion (see ``eval_paths``).
+        reader: field names and bad-record policy.
+        split: SFT/RM/PPO fractions of ``paths``.
+        synthetic: size and seed of the synthetic task.
+    """
+
+    paths: list[str] = field(default_factory=list)
+    eval_paths: list[str] = field(default_factory=list)
+    eval_fraction: float = 0.05
+    reader: ReaderConfig = field(default_factory=ReaderConfig)
+    split: SplitConfig = field(default_factory=SplitConfig)
+    synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise ValueError(f"data.eval_fraction={self.eval_fraction} must be in (0, 1), e.g. 0.05")
+
+
+@dataclass
+class SupervisedModelConfig:
+    """The trained network and its layout.
+
+    Attributes:
+        arch: architecture preset (``tiny``, ``small``, ``llama-7b``, ...).
+        tp: tensor-parallel size.
+        pp: pipeline-parallel size; DP is what remains of the launched ranks.
+        params_dtype: ``float32`` (CPU) or ``bfloat16`` (GPU).
+        init_seed: seed of the layout-independent initialisation.
+        init_checkpoint: checkpoint to start from, or empty. The objective decides how it loads
+            (a reward model takes an SFT checkpoint's trunk and keeps its new head).
+    """
+
+    arch: str = "tiny"
+    tp: int = 1
+    pp: int = 1
+    params_dtype: str = "float32"
+    init_seed: int = 1234
+    init_checkpoint: str = ""
+
+    def __post_init__(self) -> None:
+        arch_preset(self.arch)
+        if self.tp < 1 or self.pp < 1:
+            raise ValueError(f"model.tp={self.tp} and model.pp={self.pp} must be >= 1")
+        ModelBuildOptions(params_dtype=self.params_dtype)
+
+
+@dataclass
+class SupervisedTrainConfig:
+    """Batch shapes, run length and evaluation cadence.
+
+    Attributes:
+        global_batch_size: examples (pairs for RM) per optimizer step over all replicas; a
+            multiple of ``dp * micro_batch_size``.
+        micro_batch_size: examples per forward/backward pass on one replica.
+        epochs: passes over the training examples (a partial last batch is dropped).
+        max_steps: stop after this many steps; 0: ``epochs`` decide.
+        max_length: longest sequence (BOS prompt response EOS, in tokens; longer responses are
+            cut), at most the architecture's ``seq_length``.
+        eval_interval: evaluate every this many steps and after the last; 0: after the last.
+    """
+
+    global_batch_size: int = 16
+    micro_batch_size: int = 4
+    epochs: int = 1
+    max_steps: int = 0
+    max_length: int = 64
+    eval_interval: int = 20
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if value < int(name not in ("max_steps", "eval_interval")):
+                raise ValueError(f"train.{name}={value} is too small: >= 1 (0 allowed for "
+                                 "max_steps and eval_interval)")
+
+
+@dataclass
+class SupervisedConfig:
+    """Everything one supervised run needs; ``SFTConfig`` and ``RMConfig`` set the defaults.
+
+    Attributes:
+        runtime: seed (also of the data order), logging and distributed start-up.
+        data: training and held-out examples.
+        tokenizer: the shared tokenizer (copied to ``<out_dir>/tokenizer.model``).
+        model: architecture, layout and initial weights.
+        optimizer: AdamW and learning-rate schedule.
+        train: batch shapes and run length.
+        out_dir: ``config.yaml``, ``metrics.jsonl``, ``tokenizer.model``, ``checkpoint/`` (and
+            ``data/`` for the synthetic task); must not hold a checkpoint yet.
+    """
+
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    data: SupervisedDataConfig = field(default_factory=SupervisedDataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    model: SupervisedModelConfig = field(default_factory=SupervisedModelConfig)
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    train: SupervisedTrainConfig = field(default_factory=SupervisedTrainConfig)
+    out_dir: str = "runs/supervised"
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What makes a supervised task; the loop is shared.
+
+    Attributes:
+        name: ``sft`` or ``rm`` (logs, checkpoint metadata).
+        role: the PPO role trained (``actor``, ``reward``).
+        head: its head (``lm``, ``scalar``).
+        portion: the split portion trained on (``sft``, ``rm``).
+        make_examples: records -> a dataset (``SFTDataset``, ``RMDataset``).
+        microbatches: ``(examples, tokenizer, max_length, micro_batch_size)`` -> micro-batches
+            of one common length.
+        loss_fn: ``(tp_group, real_vocab_size) -> ((output, batch) -> (sum, count, metrics))``.
+        metric_keys: the metrics, summed over a step or the held-out set; ``<x>_sum`` is
+            reported as ``<x> = sum / count``.
+        load_checkpoint: ``(model, pg_collection, directory)``: load ``model.init_checkpoint``.
+    """
+
+    name: str
+    role: str
+    head: str
+    portion: str
+    make_examples: Callable[[list[PreferenceRecord]], Sequence[Any]]
+    microbatches: Callable[[Sequence[Any], Tokenizer, int, int], list[Batch]]
+    loss_fn: Callable[[dist.ProcessGroup, int], LossFn]
+    metric_keys: tuple[str, ...]
+    load_checkpoint: Callable[[torch.nn.Module, ProcessGroupCollection, str], Any]
+
+
+@dataclass
+class TrainingResult:
+    """The run directory and per-step metrics (``eval_*`` when evaluated); equal on all ranks."""
+
+    out_dir: Path
+    history: list[dict[str, float]]
+
+
+def _held_out(prompt: str, data: SupervisedDataConfig) -> bool:
+    digest = hashlib.sha256(f"heldout:{data.split.seed}\x00{prompt}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < data.eval_fraction
+
+
+def load_examples(config: SupervisedConfig, objective: Objective, tokenizer: Tokenizer
+                  ) -> tuple[list[Any], list[Any]]:
+    """Training and held-out examples of ``objective``; logs each file's read summary.
+
+    Raises:
+        DataError: an unusable file, or a bad record under ``on_bad_record=error``.
+    """
+    data = config.data
+    paths, eval_paths = list(data.paths), list(data.eval_paths)
+    if not paths:
+        # Every rank writes the same bytes atomically: no barrier, and no shared disk needed.
+        written = write_task_jsonl(Path(config.out_dir) / "data", data.synthetic)
+        paths, eval_paths = [str(written["train"])], eval_paths or [str(written["test"])]
+    splits, summaries = load_splits(DataConfig(paths, data.reader, data.split), tokenizer)
+    train = getattr(splits, objective.portion)
+    if eval_paths:
+        held_out, eval_summaries = read_files(eval_paths, data.reader, tokenizer)
+        summaries += eval_summaries
+    else:
+        held_out = [record for record in train if _held_out(record.prompt, data)]
+        train = [record for record in train if not _held_out(record.prompt, data)]
+    logger.info("%s", "\n".join(summary.format() for summary in summaries))
+    datasets = objective.make_examples(train), objective.make_examples(held_out)
+    return tuple([dataset[i] for i in range(len(dataset))] for dataset in datasets)
+
+
+def plan_single_model(cluster: ClusterSpec, role: str, arch: ArchSpec, tp: int, pp: int,
+                      distributed_optimizer: bool) -> PlacementPlan:
+    """One trainable model on every rank of ``cluster`` (pure; ValueError if tp/pp do not fit
+    the architecture, the world or the node size)."""
+    spec = ModelSpec(role, arch, trainable=True, tp=tp, pp=pp,
+                     distributed_optimizer=distributed_optimizer)
+    world = cluster.world_size
+    if world % (tp * pp):
+        raise ValueError(f"model.tp({tp}) x model.pp({pp}) = {tp * pp} does not divide the "
+                         f"{world} launched ranks; launch a multiple of {tp * pp} ranks")
+    for pool in cluster.pools:
+        if pool.devices_per_node % tp:
+            raise ValueError(f"model.tp({tp}) does not divide devices_per_node"
+                             f"({pool.devices_per_node}); a TP group must stay inside a node")
+    return PlacementPlan(cluster, PlacementConfig(tp=tp, pp=pp),
+                         {role: ModelPlacement(spec, 0, world, 1.0)})
+
+
+def _reduce(per_microbatch: list[dict[str, Any]], keys: tuple[str, ...],
+            pg_collection: ProcessGroupCollection, device: torch.device) -> dict[str, float]:
+    """Sum metrics over micro-batches and replicas onto every rank (default-group collective);
+    only last pipeline stages have metrics, equal over TP, so TP rank 0 contributes."""
+    totals = torch.zeros(len(keys), dtype=torch.float64, device=device)
+    if pg_collection.tp.rank() == 0:
+        for metrics in per_microbatch:
+            totals += torch.stack([torch.as_tensor(metrics[k], dtype=torch.float64, device=device)
+                                   for k in keys])
+    dist.all_reduce(totals)
+    sums = dict(zip(keys, totals.tolist(), strict=True))
+    count = max(sums["count"], 1.0)
+    return {key.removesuffix("_sum"): value / count for key, value in sums.items()
+            if key.endswith("_sum")}
+
+
+def _check_run(config: SupervisedConfig, objective: Objective, arch: ArchSpec,
+               tokenizer: Tokenizer, dp: int, num_train: int, num_held_out: int
+               ) -> tuple[int, int]:
+    """Refuse what cannot run; return the steps and the held-out examples evaluated (equal
+    micro-batches on every replica: the remainder of ``dp * micro_batch_size`` is dropped)."""
+    train, unit = config.train, dp * config.train.micro_batch_size
+    if tokenizer.vocab_size > arch.vocab_size:
+        raise ValueError(f"tokenizer has {tokenizer.vocab_size} pieces but model.arch="
+                         f"{arch.name!r} embeds {arch.vocab_size}: use a smaller vocabulary")
+    if train.max_length > arch.seq_length:
+        raise ValueError(f"train.max_length({train.max_length}) exceeds model.arch="
+                         f"{arch.name!r}'s seq_length({arch.seq_length}): lower it")
+    if train.global_batch_size % unit:
+        raise ValueError(f"train.global_batch_size({train.global_batch_size}) is not a multiple "
+                         f"of dp({dp}) x train.micro_batch_size({train.micro_batch_size})")
+    if num_train < train.global_batch_size or num_held_out < unit:
+        raise ValueError(f"{num_train} training and {num_held_out} held-out {objective.name} "
+                         f"examples do not fill train.global_batch_size({train.global_batch_size})"
+                         f" and dp x micro_batch_size({unit}): add records, raise data.split."
+                         f"{objective.portion} or set data.eval_paths")
+    steps = num_train // train.global_batch_size * train.epochs
+    return min(steps, train.max_steps or steps), num_held_out // unit * unit
+
+
+class _Batches:
+    """This replica's micro-batches: each training step's, and the held-out set's."""
+
+    def __init__(self, config: SupervisedConfig, objective: Objective, tokenizer: Tokenizer,
+                 train: list[Any], held_out: list[Any], dp: tuple[int, int],
+                 device: torch.device) -> None:
+        self.config, self.objective, self.tokenizer = config, objective, tokenizer
+        self.train, self.dp, self.device = train, dp, device
+        self.steps_per_epoch = len(train) // config.train.global_batch_size
+        self.held_out = self._replica(held_out)
+
+    def _replica(self, examples: list[Any]) -> list[Batch]:
+        share = len(examples) // self.dp[0]
+        mine = examples[self.dp[1] * share:(self.dp[1] + 1) * share]
+        micro = self.objective.microbatches(mine, self.tokenizer, self.config.train.max_length,
+                                            self.config.train.micro_batch_size)
+        return [{k: v.to(self.device) for k, v in batch.items()} for batch in micro]
+
+    def step(self, step: int) -> list[Batch]:
+        """Micro-batches of training step ``step``."""
+        epoch, index = divmod(step, self.steps_per_epoch)
+        order = random.Random(f"{self.config.runtime.seed}:{epoch}").sample(
+            range(len(self.train)), len(self.train))
+        size = self.config.train.global_batch_size
+        return self._replica([self.train[i] for i in order[index * size:(index + 1) * size]])
+
+
+def _build(config: SupervisedConfig, objective: Objective, plan: PlacementPlan,
+           total_steps: int) -> tuple[ModelTrainer, ProcessGroupCollection]:
+    pgc = build_process_groups(plan, config.runtime.distributed.timeout_s)[objective.role]
+    arch = plan[objective.role].spec.arch
+    options = ModelBuildOptions(head=objective.head, params_dtype=config.model.params_dtype)
+    model = build_gpt_model(arch, options, pgc, seed=config.runtime.seed)
+    init_weights(model, pgc, seed=config.model.init_seed)
+    if config.model.init_checkpoint:
+        # Before the trainer exists: the optimizer copies the weights it starts from.
+        objective.load_checkpoint(model, pgc, config.model.init_checkpoint)
+    return ModelTrainer(model, pgc, config.optimizer, total_steps=total_steps), pgc
+
+
+def run_supervised(config: SupervisedConfig, objective: Objective) -> TrainingResult:
+    """Train ``objective`` as configured and save the final checkpoint. Every rank calls it.
+
+    Raises:
+        DataError: unusable data (see :func:`load_examples`).
+        ValueError: a config, layout, data shape or existing checkpoint that cannot work;
+            raised on every rank before any process group exists.
+    """
+    setup_logging(config.runtime.log_level, config.runtime.log_all_ranks)
+    if (Path(config.out_dir) / CHECKPOINT_DIR).exists():
+        raise ValueError(f"{config.out_dir} already holds a {CHECKPOINT_DIR}/: choose another "
+                         "out_dir or delete it")
+    tokenizer = Tokenizer.from_config(config.tokenizer)
+    arch = arch_preset(config.model.arch)
+    plan = plan_single_model(cluster_from_environment(), objective.role, arch, config.model.tp,
+                             config.model.pp, config.optimizer.distributed_optimizer)
+    placement = plan[objective.role]
+    train, held_out = load_examples(config, objective, tokenizer)
+    total_steps, num_evaluated = _check_run(config, objective, arch, tokenizer, placement.dp,
+                                            len(train), len(held_out))
+    initialize_runtime(config.runtime)
+    device = torch.device(torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
+    batches = _Batches(config, objective, tokenizer, train, held_out[:num_evaluated],
+                       (placement.dp, placement.coords(dist.get_rank()).dp), device)
+    trainer, pgc = _build(config, objective, plan, total_steps)
+    out = Path(config.out_dir)
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(to_yaml(config))
+        shutil.copyfile(tokenizer.source, out / TOKENIZER_FILE)
+        # metrics.jsonl is appended to: a fresh run replaces the metrics of an unfinished one.
+        (out / "metrics.jsonl").unlink(missing_ok=True)
+    logger.info("%s: %d steps of %d of %d examples, tp=%d pp=%d dp=%d, %d held-out examples",
+                objective.name, total_steps, config.train.global_batch_size, len(train),
+                placement.tp, placement.pp, placement.dp, num_evaluated)
+    history = _train_loop(config, objective, trainer, pgc, batches, total_steps, device)
+    save_model_checkpoint(trainer.model, pgc, out / CHECKPOINT_DIR, {
+        "role": objective.role, "task": objective.name, "steps": total_steps,
+        "tokenizer": TOKENIZER_FILE, "tokenizer_fingerprint": tokenizer.fingerprint})
+    logger.info("%s: checkpoint written to %s", objective.name, out / CHECKPOINT_DIR)
+    return TrainingResult(out, history)
+
+
+def _train_loop(config: SupervisedConfig, objective: Objective, trainer: ModelTrainer,
+                pgc: ProcessGroupCollection, batches: _Batches, total_steps: int,
+                device: torch.device) -> list[dict[str, float]]:
+    loss_fn, keys = objective.loss_fn(pgc.tp, trainer.model.real_vocab_size), objective.metric_keys
+    interval = config.train.eval_interval
+    writer = MetricsWriter(config.out_dir, total_steps, progress=False)
+    history = []
+    try:
+        for step in range(total_steps):
+            start = time.perf_counter()
+            result = trainer.train_step(batches.step(step), loss_fn)
+            record = _reduce(result["metrics"], keys, pgc, device)
+            record.update(grad_norm=result["grad_norm"], lr=result["lr"],
+                          step_seconds=time.perf_counter() - start)
+            if step == total_steps - 1 or (interval and (step + 1) % interval == 0):
+                trainer.module.eval()
+                with torch.no_grad():
+                    metrics = run_microbatches(trainer.module, pgc, batches.held_out, loss_fn,
+                                               forward_only=True)
+                record.update({f"eval_{k}": v for k, v in
+                               _reduce(metrics, keys, pgc, device).items()})
+                logger.info("%s step %d/%d: %s", objective.name, step + 1, total_steps,
+                            ", ".join(f"{k}={v:.4g}" for k, v in sorted(record.items())))
+            writer.write(step, record)
+            history.append(record)
+    finally:
+        writer.close()
+    return history
