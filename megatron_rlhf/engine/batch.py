@@ -41,10 +41,15 @@ class DistBatch:
         """This rank's row range, or None."""
         return self.layout.held_by(dist.get_rank())
 
-    def moved_to(self, target: RowLayout, node_of=lambda rank: 0) -> DistBatch:
-        """The same batch under ``target`` (collective over every rank of the job)."""
+    def moved_to(self, target: RowLayout, node_of=lambda rank: 0,
+                  pending_sends: list | None = None) -> DistBatch:
+        """The same batch under ``target`` (every rank of the job calls it).
+
+        With ``pending_sends`` this rank's sends stay in flight (see ``execute_transfers``).
+        """
         plan = plan_transfers(self.layout, target, node_of)
-        fields = execute_transfers(plan, self.layout, target, self.fields, self.schema)
+        fields = execute_transfers(plan, self.layout, target, self.fields, self.schema,
+                                   pending_sends)
         return DistBatch(target, self.schema, fields)
 
     def select(self, names: list[str]) -> DistBatch:
@@ -56,16 +61,28 @@ class DistBatch:
         return DistBatch(self.layout, {n: self.schema[n] for n in names}, fields)
 
 
-def merge(batches: list[DistBatch], target: RowLayout, node_of=lambda rank: 0) -> DistBatch:
+def merge(batches: list[DistBatch], target: RowLayout, node_of=lambda rank: 0,
+          pending_sends: list | None = None) -> DistBatch:
     """Move several batches of the same rows to ``target`` and join their fields."""
     schema: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     fields: dict[str, torch.Tensor] | None = None
     for batch in batches:
-        moved = batch.moved_to(target, node_of)
+        moved = batch.moved_to(target, node_of, pending_sends)
         schema.update(moved.schema)
         if moved.fields is not None:
             fields = {**(fields or {}), **moved.fields}
     return DistBatch(target, schema, fields)
+
+
+def concat(parts: list[DistBatch]) -> DistBatch:
+    """Stack batches that hold consecutive row chunks under the same replicated layout."""
+    ranks = sorted(parts[0].layout.rows)
+    rows = sum(part.batch_size for part in parts)
+    fields = None
+    if parts[0].fields is not None:
+        fields = {name: torch.cat([part.fields[name] for part in parts])
+                  for name in parts[0].schema}
+    return DistBatch(RowLayout.replicated(rows, ranks), parts[0].schema, fields)
 
 
 def replica_input_layout(model: ModelPlacement, batch_size: int) -> RowLayout:

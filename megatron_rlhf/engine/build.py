@@ -46,13 +46,19 @@ def cluster_from_environment(pools: list[DevicePool] | None = None) -> ClusterSp
 def make_plan(config: RunConfig, cluster: ClusterSpec) -> PlacementPlan:
     """Validate and plan the placement (pure; raises ValueError naming the field)."""
     plan = plan_placement(cluster, config.placement, config.models.arch)
+    rollout = config.rollout
+    if rollout.async_rollout and not config.placement.separated:
+        raise ValueError(f"rollout.async_rollout=true needs shadows to generate while the actor "
+                         f"trains: set placement.strategy to separation or hetero-separation "
+                         f"(not {config.placement.strategy!r})")
+    chunk = rollout.prompts_per_step // rollout.pipeline_chunks
     for role in plan.roles:
-        micro = config.rollout.micro_batch_size
+        micro = rollout.micro_batch_size
         dp = plan[role].dp
-        if config.rollout.prompts_per_step % (dp * micro):
+        if chunk % (dp * micro):
             raise ValueError(
-                f"rollout.prompts_per_step({config.rollout.prompts_per_step}) must be a multiple "
-                f"of {role}'s dp({dp}) x rollout.micro_batch_size({micro})")
+                f"a chunk of {chunk} prompts (rollout.prompts_per_step / pipeline_chunks) must "
+                f"be a multiple of {role}'s dp({dp}) x rollout.micro_batch_size({micro})")
         minibatch = config.rollout.prompts_per_step // config.rollout.num_minibatches
         if role in TRAINABLE_ROLES and minibatch % (dp * micro):
             raise ValueError(

@@ -52,6 +52,13 @@ class RolloutConfig:
         ppo_epochs: passes over the experience per step.
         num_minibatches: optimizer steps per epoch (each over ``prompts_per_step /
             num_minibatches`` rows).
+        pipeline_chunks: the prompts of a step go through generation and experience in this
+            many chunks, so that scoring chunk i overlaps generating chunk i+1 where the models
+            sit on different ranks. Results do not depend on it.
+        async_rollout: separation only: the shadows generate step k + max_staleness while the
+            trainable models train on step k (off-policy by that many steps).
+        max_staleness: steps between producing experience and training on it when
+            ``async_rollout`` is on.
     """
 
     prompts_per_step: int = 8
@@ -59,15 +66,21 @@ class RolloutConfig:
     micro_batch_size: int = 2
     ppo_epochs: int = 1
     num_minibatches: int = 1
+    pipeline_chunks: int = 1
+    async_rollout: bool = False
+    max_staleness: int = 1
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "max_prompt_length", "micro_batch_size", "ppo_epochs",
-                     "num_minibatches"):
+                     "num_minibatches", "pipeline_chunks", "max_staleness"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name}={getattr(self, name)} must be >= 1")
         if self.prompts_per_step % self.num_minibatches:
             raise ValueError(f"rollout.prompts_per_step({self.prompts_per_step}) is not a multiple "
                              f"of rollout.num_minibatches({self.num_minibatches})")
+        if self.prompts_per_step % self.pipeline_chunks:
+            raise ValueError(f"rollout.prompts_per_step({self.prompts_per_step}) is not a multiple "
+                             f"of rollout.pipeline_chunks({self.pipeline_chunks})")
 
 
 @dataclass
@@ -139,3 +152,5 @@ class RunConfig:
     critic_optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     steps: int = 10
     run_dir: str = "runs/ppo"
+    trace: bool = False
+    """Record a per-rank timeline into ``<run_dir>/timeline.json`` (Chrome trace format)."""

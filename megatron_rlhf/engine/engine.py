@@ -25,6 +25,7 @@ from megatron_rlhf.engine.transfer import RowLayout
 from megatron_rlhf.engine.workers import ModelWorker
 from megatron_rlhf.generation import GenerationConfig, GenerationOutput
 from megatron_rlhf.refit import WeightSync
+from megatron_rlhf.runtime.tracing import trace_span
 from megatron_rlhf.topology.config import HETERO_SEPARATION
 from megatron_rlhf.topology.models import ACTOR, CRITIC, REF, REWARD, SHADOW_ACTOR, SHADOW_CRITIC
 from megatron_rlhf.topology.plan import PlacementPlan
@@ -59,6 +60,7 @@ class PPOEngine:
         self.pad_id = pad_id
         self.rank = dist.get_rank()
         self._node_of = lambda r: plan.cluster.locate(r).node
+        self._pending_sends: list = []
 
     # ----------------------------------------------------------------- roles
     @property
@@ -125,7 +127,7 @@ class PPOEngine:
         return RowLayout(batch_size, rows), roles
 
     def generate_sequences(self, prompts: Sequence[Sequence[int]],
-                           prompt_indices: Sequence[int]) -> DistBatch:
+                           prompt_indices: Sequence[int], chunk: int = 0) -> DistBatch:
         """Each generating DP replica samples responses for its share of the prompts.
 
         Every rank passes the whole prompt list; no prompt data is moved. Sampling is keyed by
@@ -136,9 +138,10 @@ class PPOEngine:
         fields = None
         if rows is not None and rows[1] > rows[0]:
             start, end = rows
-            output = self.workers[roles[self.rank]].generate(
-                prompts[start:end], prompt_indices[start:end], self.generation, self.eos_id,
-                self.pad_id)
+            with trace_span("generate", roles[self.rank], chunk):
+                output = self.workers[roles[self.rank]].generate(
+                    prompts[start:end], prompt_indices[start:end], self.generation, self.eos_id,
+                    self.pad_id)
             fields = self._fixed_width(output)
         return DistBatch(layout, self.rollout_schema(), fields)
 
@@ -162,12 +165,14 @@ class PPOEngine:
 
     # ------------------------------------------------------------ experience
     def make_experience(self, rollout: DistBatch, temperature: float,
-                        rule_reward: RuleReward | None = None) -> DistBatch:
+                        rule_reward: RuleReward | None = None, chunk: int = 0) -> DistBatch:
         """Old log-probs, reference log-probs, values and scores of a rollout, on the trainers.
 
         The inputs of all four forward passes are moved first, then each model computes on its
         own ranks, so models on disjoint ranks run at the same time. Scores come as the reward
-        model's ``rm_scores`` and the rule's ``rule_scores`` (zero without a rule).
+        model's ``rm_scores`` and the rule's ``rule_scores`` (zero without a rule). Sends are
+        left in flight (``finish_transfers`` waits for them), so a rank that only produced the
+        rollout goes straight on to its next chunk.
         """
         p, r = self.prompt_length, self.generation.max_new_tokens
         passes = [
@@ -181,19 +186,31 @@ class PPOEngine:
              lambda w, f: self._scores(w, f, rule_reward)),
         ]
         inputs = rollout.select(["input_ids", "attention_mask"])
-        staged = [inputs.moved_to(replica_input_layout(self.plan[role], rollout.batch_size),
-                                  self._node_of) for role, _, _ in passes]
+        with trace_span("transfer", "experience-inputs", chunk):
+            staged = [inputs.moved_to(replica_input_layout(self.plan[role], rollout.batch_size),
+                                      self._node_of, self._pending_sends)
+                      for role, _, _ in passes]
         outputs = []
         for (role, shapes, compute), staged_inputs in zip(passes, staged, strict=True):
             results = None
             if staged_inputs.fields is not None:
-                results = compute(self.workers[role], staged_inputs.fields)
+                with trace_span("experience", role, chunk):
+                    results = compute(self.workers[role], staged_inputs.fields)
                 if any(value is None for value in results.values()):
                     results = None  # a pipeline stage without outputs
             outputs.append(DistBatch(
                 replica_output_layout(self.plan[role], rollout.batch_size),
                 {name: (torch.float32, shape) for name, shape in shapes.items()}, results))
-        return merge([rollout, *outputs], self.trainer_layout(rollout.batch_size), self._node_of)
+        with trace_span("transfer", "experience-outputs", chunk):
+            return merge([rollout, *outputs], self.trainer_layout(rollout.batch_size),
+                         self._node_of, self._pending_sends)
+
+    def finish_transfers(self) -> None:
+        """Wait for this rank's sends still in flight."""
+        with trace_span("transfer", "wait-sends"):
+            for request, _ in self._pending_sends:
+                request.wait()
+        self._pending_sends.clear()
 
     def _scores(self, worker: ModelWorker, fields: dict[str, torch.Tensor],
                 rule_reward: RuleReward | None) -> dict[str, torch.Tensor | None]:

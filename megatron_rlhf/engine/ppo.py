@@ -1,23 +1,48 @@
-"""One PPO step, written in terms of models and operators (no ranks, groups or transfers).
+"""The PPO algorithm, written in terms of models and operators (no ranks, groups or transfers).
 
-    trainer = PPOTrainer(engine, config.algorithm, config.rollout, temperature)
+    trainer = PPOTrainer(engine, config.algorithm, config.rollout, config.reward, seed,
+                         prompts=prompt_stream.batch)
     for step in range(steps):
-        metrics = trainer.step(prompts, prompt_indices, step)
+        metrics = trainer.step(step)
+
+A step *produces* experience (generate, score, advantages) and *consumes* it (train actor and
+critic, then sync the shadows). Synchronously, step k consumes what it just produced. In the
+asynchronous mode (separation), step k trains on experience produced ``max_staleness`` steps
+earlier while the shadows already generate step ``k + max_staleness``: the trainable models and
+the shadows hold disjoint ranks, so the two halves run at the same time. The behaviour log-probs
+recorded by the shadow are the ones PPO's importance ratio uses, so the update stays correct
+off-policy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from megatron_rlhf.algorithms import PPOAlgorithmConfig, RunningMoments, build_kl_controller
+from megatron_rlhf.engine.batch import DistBatch, concat
 from megatron_rlhf.engine.config import RewardConfig, RolloutConfig
 from megatron_rlhf.engine.engine import PPOEngine, RuleReward
 from megatron_rlhf.engine.experience import compute_advantages
 from megatron_rlhf.engine.losses import actor_loss_fn, critic_loss_fn
+from megatron_rlhf.runtime.tracing import trace_span
 from megatron_rlhf.topology.models import ACTOR, CRITIC
+
+PromptSource = Callable[[int], tuple[Sequence[Sequence[int]], Sequence[int]]]
+"""step -> (prompts, their sample ids)."""
+
+
+@dataclass
+class Experience:
+    """One step's experience on the trainer ranks, with the metrics of producing it."""
+
+    step: int
+    batch: DistBatch
+    metrics: dict[str, float]
 
 
 class PPOTrainer:
@@ -26,40 +51,80 @@ class PPOTrainer:
     Args:
         engine: operators over the placed models.
         algorithm: PPO settings.
-        rollout: batch shapes, epochs and mini-batches.
+        rollout: batch shapes, epochs, mini-batches, pipelining and asynchrony.
         reward: weights of the reward model's and the rule's scores.
         seed: seed of the mini-batch shuffling (identical on every rank).
+        prompts: the prompts of each step.
+        total_steps: steps of the run; nothing is produced for steps at or past it.
         rule_reward: the rule-based reward, if any.
     """
 
     def __init__(self, engine: PPOEngine, algorithm: PPOAlgorithmConfig, rollout: RolloutConfig,
-                 reward: RewardConfig, seed: int, rule_reward: RuleReward | None = None) -> None:
+                 reward: RewardConfig, seed: int, prompts: PromptSource, total_steps: int,
+                 rule_reward: RuleReward | None = None) -> None:
         self.engine = engine
         self.algorithm = algorithm
         self.rollout = rollout
         self.reward = reward
         self.seed = seed
+        self.prompts = prompts
+        self.total_steps = total_steps
         self.rule_reward = rule_reward
         self.kl_controller = build_kl_controller(algorithm)
         self.score_moments = RunningMoments()
+        self._queue: deque[Experience] = deque()
 
-    def step(self, prompts: Sequence[Sequence[int]], prompt_indices: Sequence[int],
-             step: int) -> dict[str, float]:
-        """Generate, score, and train actor and critic on one batch of prompts.
+    @property
+    def staleness(self) -> int:
+        """Steps between producing experience and training on it (0: synchronous)."""
+        return self.rollout.max_staleness if self.rollout.async_rollout else 0
 
-        Returns:
-            Step metrics (identical on every rank).
+    def step(self, step: int) -> dict[str, float]:
+        """Run PPO step ``step``; returns its metrics (identical on every rank)."""
+        if not self._queue:
+            # Synchronous steps, or the first asynchronous one: produce what is trained on now
+            # and what the shadows run ahead with.
+            for ahead in range(max(1, self.staleness)):
+                if step + ahead < self.total_steps:
+                    self._queue.append(self.produce(step + ahead))
+        experience = self._queue.popleft()
+        train_sums = self.consume(experience)
+        if self.staleness and step + self.staleness < self.total_steps:
+            # Shadows generate ahead while the trainers above were busy; then both meet here.
+            self._queue.append(self.produce(step + self.staleness))
+        with trace_span("sync_weights"):
+            self.engine.sync_weights()
+        return _share_metrics(experience.metrics, train_sums)
+
+    def produce(self, step: int) -> Experience:
+        """Generate and score step ``step``'s prompts; advantages on the trainer ranks.
+
+        The prompts go through in ``rollout.pipeline_chunks`` chunks: a generating rank starts on
+        chunk ``i + 1`` while the experience models score chunk ``i``.
         """
         engine = self.engine
-        temperature = engine.generation.temperature
-        rollout = engine.generate_sequences(prompts, prompt_indices)
-        experience = engine.make_experience(rollout, temperature, self.rule_reward)
+        prompts, ids = self.prompts(step)
+        size = len(prompts) // self.rollout.pipeline_chunks
+        parts = []
+        for chunk, start in enumerate(range(0, len(prompts), size)):
+            rollout = engine.generate_sequences(prompts[start:start + size],
+                                                ids[start:start + size], chunk)
+            parts.append(engine.make_experience(rollout, engine.generation.temperature,
+                                                self.rule_reward, chunk))
+        engine.finish_transfers()
+        batch = concat(parts)
         metrics: dict[str, float] = {}
-        if experience.fields is not None:
-            experience.fields, metrics = compute_advantages(
-                experience.fields, self.algorithm, self.kl_controller, self.score_moments,
-                self.reward.model_weight, self.reward.rule_weight)
+        if batch.fields is not None:
+            with trace_span("advantages"):
+                batch.fields, metrics = compute_advantages(
+                    batch.fields, self.algorithm, self.kl_controller, self.score_moments,
+                    self.reward.model_weight, self.reward.rule_weight)
+        return Experience(step, batch, metrics)
 
+    def consume(self, experience: Experience) -> dict[str, float]:
+        """Train actor and critic on an experience batch; returns this rank's loss sums."""
+        engine = self.engine
+        temperature = engine.generation.temperature
         loss_fns = {}
         if ACTOR in engine.workers:
             loss_fns[ACTOR] = actor_loss_fn(engine.workers[ACTOR], engine.prompt_length,
@@ -68,12 +133,12 @@ class PPOTrainer:
             loss_fns[CRITIC] = critic_loss_fn(engine.workers[CRITIC], engine.prompt_length,
                                               self.algorithm)
         train_sums: dict[str, float] = {}
-        for rows in self._minibatches(len(prompts), step):
+        for rows in self._minibatches(experience.batch.batch_size, experience.step):
             for role, loss_fn in loss_fns.items():
-                result = engine.update(role, experience, rows, loss_fn)
+                with trace_span("train", role):
+                    result = engine.update(role, experience.batch, rows, loss_fn)
                 _accumulate(train_sums, role, result, engine.workers[role])
-        engine.sync_weights()
-        return _share_metrics(metrics, train_sums)
+        return train_sums
 
     def _minibatches(self, batch_size: int, step: int) -> list[torch.Tensor]:
         """Row indices of every mini-batch of the step: a fresh permutation per epoch."""

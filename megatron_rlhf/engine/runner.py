@@ -23,6 +23,7 @@ from megatron_rlhf.models.tokenizer import Tokenizer
 from megatron_rlhf.runtime.bootstrap import initialize_runtime
 from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.runtime.metrics import MetricsWriter
+from megatron_rlhf.runtime.tracing import configure_tracing, write_chrome_trace
 from megatron_rlhf.topology.models import arch_preset
 
 logger = get_logger(__name__)
@@ -72,17 +73,21 @@ def run_ppo(config: RunConfig) -> Path:
         (run_dir / "config.yaml").write_text(to_yaml(config))
         (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
     engine = build_engine(config, plan, tokenizer.eos_id, tokenizer.pad_id)
+    tracer = configure_tracing(config.trace)
     trainer = PPOTrainer(engine, config.algorithm, config.rollout, config.reward,
-                         config.runtime.seed, rule_reward_for(config, tokenizer))
+                         config.runtime.seed, prompts.batch, config.steps,
+                         rule_reward_for(config, tokenizer))
     writer = MetricsWriter(run_dir, config.steps)
     try:
         for step in range(config.steps):
             start = time.perf_counter()
-            batch, ids = prompts.batch(step)
-            metrics = trainer.step(batch, ids, step)
+            metrics = trainer.step(step)
             seconds = time.perf_counter() - start
-            metrics.update(step_seconds=seconds, samples_per_s=len(batch) / seconds)
+            metrics.update(step_seconds=seconds,
+                           samples_per_s=config.rollout.prompts_per_step / seconds)
             writer.write(step, metrics)
     finally:
         writer.close()
+    if config.trace:
+        write_chrome_trace(tracer, run_dir / "timeline.json")
     return run_dir

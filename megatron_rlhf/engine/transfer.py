@@ -105,7 +105,7 @@ def plan_transfers(source: RowLayout, target: RowLayout,
 def execute_transfers(plan: list[Transfer], source: RowLayout, target: RowLayout,
                       fields: Mapping[str, torch.Tensor] | None,
                       schema: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
-                      ) -> dict[str, torch.Tensor] | None:
+                      pending_sends: list | None = None) -> dict[str, torch.Tensor] | None:
     """Run ``plan`` on this rank: send what it holds, receive what it needs.
 
     Every rank of the job calls this with the same plan (ranks in neither layout return at once).
@@ -115,6 +115,9 @@ def execute_transfers(plan: list[Transfer], source: RowLayout, target: RowLayout
         plan: from :func:`plan_transfers` for ``source`` and ``target``.
         fields: this rank's rows of each field (``source.held_by(rank)`` rows), or None.
         schema: every field's dtype and per-row shape, known to all ranks.
+        pending_sends: if given, this rank's sends are left in flight and their work handles
+            appended here (with the tensors they read), so the rank can go on computing; the
+            caller waits on them later. Receives always complete before returning.
 
     Returns:
         This rank's rows of every field under ``target``, or None if it needs none.
@@ -127,6 +130,7 @@ def execute_transfers(plan: list[Transfer], source: RowLayout, target: RowLayout
         outputs = {name: torch.empty((rows, *shape), dtype=dtype)
                    for name, (dtype, shape) in schema.items()}
     ops: list[dist.P2POp] = []
+    sends: list[torch.Tensor] = []
     for transfer in plan:
         if transfer.src == rank and transfer.dst == rank:
             for name in schema:
@@ -135,12 +139,17 @@ def execute_transfers(plan: list[Transfer], source: RowLayout, target: RowLayout
         elif transfer.src == rank:
             for name in schema:
                 chunk = fields[name][transfer.start - mine_src[0]:transfer.end - mine_src[0]]
-                ops.append(dist.P2POp(dist.isend, chunk.contiguous(), transfer.dst))
+                sends.append(chunk.contiguous())
+                ops.append(dist.P2POp(dist.isend, sends[-1], transfer.dst))
         elif transfer.dst == rank:
             for name in schema:
                 view = outputs[name][transfer.start - mine_dst[0]:transfer.end - mine_dst[0]]
                 ops.append(dist.P2POp(dist.irecv, view, transfer.src))
     if ops:
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
+        requests = dist.batch_isend_irecv(ops)
+        for op, request in zip(ops, requests, strict=True):
+            if pending_sends is not None and op.op is dist.isend:
+                pending_sends.append((request, op.tensor))
+            else:
+                request.wait()
     return outputs

@@ -62,11 +62,11 @@ def _run_strategies(ac_share: bool, steps: int) -> dict[str, list[dict[str, floa
         pools = hetero_pools if strategy == "hetero-separation" else None
         plan = make_plan(config, cluster_from_environment(pools))
         engine = build_engine(config, plan, eos_id=3, pad_id=0)
-        trainer = PPOTrainer(engine, config.algorithm, config.rollout, config.reward, seed=5,
-                             rule_reward=_even_token_share)
-        results[strategy] = [
-            trainer.step(prompts[16 * s:16 * (s + 1)], list(range(16 * s, 16 * (s + 1))), s)
-            for s in range(steps)]
+        trainer = PPOTrainer(
+            engine, config.algorithm, config.rollout, config.reward, seed=5,
+            prompts=lambda s: (prompts[16 * s:16 * (s + 1)], list(range(16 * s, 16 * (s + 1)))),
+            total_steps=steps, rule_reward=_even_token_share)
+        results[strategy] = [trainer.step(s) for s in range(steps)]
     return results
 
 

@@ -1,0 +1,121 @@
+"""Per-rank timelines of a run: which stage of which model ran when, as Chrome trace events.
+
+    tracer = configure_tracing(enabled=True)
+    with trace_span("generate", model="shadow_actor", microbatch=0):
+        ...
+    write_chrome_trace(tracer, "run/timeline.json")   # collective: rank 0 writes all ranks
+
+With tracing off, ``trace_span`` returns one shared ``nullcontext``: no clock reads, no records.
+The JSON loads in chrome://tracing or Perfetto (one process row per rank) and
+``tools/plot_timeline.py`` draws it as a PNG.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch.distributed as dist
+
+_NULL = contextlib.nullcontext()
+
+
+@dataclass
+class Span:
+    """One interval of work on this rank, in wall-clock seconds (comparable across ranks)."""
+
+    stage: str
+    model: str
+    microbatch: int
+    start: float
+    end: float
+
+
+@dataclass
+class Tracer:
+    """Collects this rank's spans."""
+
+    enabled: bool = False
+    spans: list[Span] = field(default_factory=list)
+
+    @contextlib.contextmanager
+    def _span(self, stage: str, model: str, microbatch: int) -> Iterator[None]:
+        start = time.time()
+        try:
+            yield
+        finally:
+            self.spans.append(Span(stage, model, microbatch, start, time.time()))
+
+    def span(self, stage: str, model: str = "", microbatch: int = -1):
+        """A context manager timing one stage (a no-op when disabled)."""
+        if not self.enabled:
+            return _NULL
+        return self._span(stage, model, microbatch)
+
+    def seconds_by_stage(self) -> dict[str, float]:
+        """Total seconds per stage on this rank."""
+        totals: dict[str, float] = {}
+        for span in self.spans:
+            totals[span.stage] = totals.get(span.stage, 0.0) + span.end - span.start
+        return totals
+
+    def busy_seconds(self) -> float:
+        """Seconds covered by at least one span (nested spans counted once)."""
+        busy, cursor = 0.0, float("-inf")
+        for span in sorted(self.spans, key=lambda s: s.start):
+            start = max(span.start, cursor)
+            if span.end > start:
+                busy += span.end - start
+                cursor = span.end
+        return busy
+
+
+_tracer = Tracer()
+
+
+def configure_tracing(enabled: bool) -> Tracer:
+    """Start a fresh process-wide tracer (enabled or not) and return it."""
+    global _tracer
+    _tracer = Tracer(enabled=enabled)
+    return _tracer
+
+
+def get_tracer() -> Tracer:
+    """The process-wide tracer."""
+    return _tracer
+
+
+def trace_span(stage: str, model: str = "", microbatch: int = -1):
+    """Time a stage on the process-wide tracer; free when tracing is off."""
+    return _tracer.span(stage, model, microbatch)
+
+
+def chrome_trace_events(spans_by_rank: list[list[dict]]) -> list[dict]:
+    """Chrome trace "complete" events, one process id per rank, microseconds from the first."""
+    origin = min((span["start"] for spans in spans_by_rank for span in spans), default=0.0)
+    events = []
+    for rank, spans in enumerate(spans_by_rank):
+        events.append({"name": "process_name", "ph": "M", "pid": rank,
+                       "args": {"name": f"rank {rank}"}})
+        for span in spans:
+            events.append({
+                "name": f"{span['stage']}" + (f" {span['model']}" if span["model"] else ""),
+                "cat": span["stage"], "ph": "X", "pid": rank, "tid": 0,
+                "ts": (span["start"] - origin) * 1e6, "dur": (span["end"] - span["start"]) * 1e6,
+                "args": {"model": span["model"], "microbatch": span["microbatch"]},
+            })
+    return events
+
+
+def write_chrome_trace(tracer: Tracer, path: str | Path) -> None:
+    """Gather every rank's spans and write one Chrome trace file on rank 0 (collective)."""
+    spans = [asdict(span) for span in tracer.spans]
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, spans)
+    if dist.get_rank() == 0:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps({"traceEvents": chrome_trace_events(gathered)}))
