@@ -1,0 +1,256 @@
+"""Automatic placement: enumerate candidate placements, predict each, rank by samples/s.
+
+    ranked = auto_place(homogeneous_cluster("A100-80GB", 4, 8), "llama-13b",
+                        RolloutSpec(batch=1024, prompt_length=256, generation_length=256))
+    best = ranked[0].config            # a PlacementConfig, ready for plan_placement / run_ppo
+    explain_choice(ranked)             # why the best one wins
+
+Candidates: for every TP (a divisor of the node size that divides the heads and query groups of
+every model) and PP (a divisor of the layers, at most ``max_pp``): the presets flattening,
+interleaving and interleaving2; custom ratio vectors from a grid; separation for each
+``train_fraction`` and shadow TP; hetero-separation (when the cluster has two or more pools) for
+each shadow TP. Requests the placement refuses are skipped; identical plans are kept once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from megatron_rlhf.planner.hardware import HardwareProfile
+from megatron_rlhf.planner.predict import STAGES, StepPrediction, predict_step
+from megatron_rlhf.planner.workload import RolloutSpec
+from megatron_rlhf.topology.cluster import ClusterSpec
+from megatron_rlhf.topology.config import (
+    CUSTOM,
+    FLATTENING,
+    HETERO_SEPARATION,
+    INTERLEAVING,
+    INTERLEAVING2,
+    SEPARATION,
+    ParallelOverride,
+    PlacementConfig,
+)
+from megatron_rlhf.topology.models import ArchSpec, arch_preset
+from megatron_rlhf.topology.placement import plan_placement
+from megatron_rlhf.topology.plan import PlacementPlan
+
+ArchLike = str | ArchSpec
+DEFAULT_RATIO_GRID = ((1.0, 1.0, 0.25, 0.25), (1.0, 1.0, 0.5, 0.25), (1.0, 1.0, 0.25, 0.5),
+                      (0.5, 0.5, 0.25, 0.25))
+"""Custom ratio vectors over [actor, critic, ref, reward] tried besides the presets."""
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Which candidates ``auto_place`` tries.
+
+    Attributes:
+        strategies: strategies to try (``custom`` means the ratio grid); None for all that apply.
+        tps: TP sizes to try; None for every valid one.
+        pps: PP sizes to try; None for the divisors of the layers up to ``max_pp``.
+        max_pp: largest PP tried when ``pps`` is None.
+        train_fractions: separation splits tried.
+        ratio_grid: custom ratio vectors tried.
+        ac_share: plan with AC-Share (no critic).
+        distributed_optimizer: shard optimizer state over DP (never costs time, saves memory).
+    """
+
+    strategies: tuple[str, ...] | None = None
+    tps: tuple[int, ...] | None = None
+    pps: tuple[int, ...] | None = None
+    max_pp: int = 8
+    train_fractions: tuple[float, ...] = (0.25, 0.5, 0.75)
+    ratio_grid: tuple[tuple[float, float, float, float], ...] = DEFAULT_RATIO_GRID
+    ac_share: bool = False
+    distributed_optimizer: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_pp < 1:
+            raise ValueError(f"search.max_pp={self.max_pp} must be >= 1")
+        for name in ("tps", "pps"):
+            values = getattr(self, name)
+            if values is not None and (not values or min(values) < 1):
+                raise ValueError(f"search.{name}={values} must list sizes >= 1, or be None")
+
+
+@dataclass(frozen=True)
+class RankedCandidate:
+    """One candidate placement with its prediction.
+
+    Attributes:
+        rank: 1 for the best.
+        label: short description (``describe``), e.g. ``separation(8/16 train) tp=4 pp=1
+            shadow_tp=2``.
+        config: the placement request (give it to ``plan_placement`` or ``run_ppo``).
+        plan: the plan it gives.
+        prediction: the predicted step.
+    """
+
+    rank: int
+    label: str
+    config: PlacementConfig
+    plan: PlacementPlan
+    prediction: StepPrediction
+
+    def to_dict(self) -> dict:
+        """JSON-ready summary (keys documented in ``docs/planner.md``)."""
+        p = self.prediction
+        return {"rank": self.rank, "label": self.label, "placement": self.config.to_dict(),
+                "feasible": p.feasible, "samples_per_s": round(p.samples_per_s, 4),
+                "step_seconds": round(p.step_seconds, 4) if p.feasible else None,
+                "bottleneck": p.bottleneck,
+                "stage_seconds": {k: round(v, 4) for k, v in p.stage_seconds.items()},
+                "problems": list(p.problems)}
+
+
+def _archs(models: ArchLike | Mapping[str, ArchLike]) -> list[ArchSpec]:
+    if isinstance(models, str | ArchSpec):
+        return [arch_preset(models)]
+    return [arch_preset(arch) for arch in models.values()]
+
+
+def parallel_sizes(cluster: ClusterSpec, archs: list[ArchSpec],
+                   space: SearchSpace) -> tuple[list[int], list[int]]:
+    """The TP and PP sizes to try: TP divides every node size, heads and query groups; PP
+    divides every model's layers and is at most ``space.max_pp``."""
+    node = math.gcd(*(pool.devices_per_node for pool in cluster.pools))
+    heads = math.gcd(*(math.gcd(a.num_attention_heads, a.num_query_groups) for a in archs))
+    tps = [t for t in range(1, node + 1) if node % t == 0 and heads % t == 0]
+    layers = math.gcd(*(a.num_layers for a in archs))
+    pps = [p for p in range(1, min(space.max_pp, layers) + 1) if layers % p == 0]
+    return ([t for t in tps if space.tps is None or t in space.tps],
+            [p for p in pps if space.pps is None or p in space.pps])
+
+
+def candidate_configs(cluster: ClusterSpec, archs: list[ArchSpec],
+                      space: SearchSpace) -> list[PlacementConfig]:
+    """Every placement request of the search space, before planning."""
+    tps, pps = parallel_sizes(cluster, archs, space)
+
+    def wanted(strategy: str) -> bool:
+        return space.strategies is None or strategy in space.strategies
+
+    common = {"ac_share": space.ac_share, "distributed_optimizer": space.distributed_optimizer}
+    shadow_roles = ("shadow_actor",) if space.ac_share else ("shadow_actor", "shadow_critic")
+    found: list[PlacementConfig] = []
+    for tp in tps:
+        for pp in pps:
+            found += [PlacementConfig(strategy, tp=tp, pp=pp, **common)
+                      for strategy in (FLATTENING, INTERLEAVING, INTERLEAVING2)
+                      if wanted(strategy)]
+            if wanted(CUSTOM):
+                found += [PlacementConfig(CUSTOM, ratios=list(r), tp=tp, pp=pp, **common)
+                          for r in space.ratio_grid]
+            for shadow_tp in tps:
+                shadows = {role: ParallelOverride(tp=shadow_tp) for role in shadow_roles}
+                if wanted(SEPARATION):
+                    found += [PlacementConfig(SEPARATION, train_fraction=f, tp=tp, pp=pp,
+                                              parallel=dict(shadows), **common)
+                              for f in space.train_fractions]
+                if len(cluster.pools) > 1 and wanted(HETERO_SEPARATION):
+                    found.append(PlacementConfig(HETERO_SEPARATION, tp=tp, pp=pp,
+                                                 parallel=dict(shadows), **common))
+    return found
+
+
+def describe(plan: PlacementPlan) -> str:
+    """A short label of a plan: strategy (ratios, or the devices that train), tp, pp, shadow tp.
+
+    E.g. ``flattening tp=4 pp=1``, ``custom[1, 1, 0.25, 0.25] tp=2 pp=1``,
+    ``separation(8/16 train) tp=4 pp=2 shadow_tp=2``.
+    """
+    config, actor = plan.config, plan["actor"]
+    name = config.strategy
+    if config.strategy == CUSTOM:
+        name += "[" + ", ".join(f"{r:g}" for r in config.ratios or ()) + "]"
+    elif config.strategy == SEPARATION:
+        name += f"({actor.size}/{plan.world_size} train)"
+    label = f"{name} tp={actor.tp} pp={actor.pp}"
+    if "shadow_actor" in plan.models:
+        label += f" shadow_tp={plan['shadow_actor'].tp}"
+    return label
+
+
+@contextmanager
+def _quiet_planner() -> Iterator[None]:
+    """Silence the placement's crowding warnings while searching: the cost model prices the
+    offloading they announce."""
+    placement_logger = logging.getLogger("megatron_rlhf.topology.placement")
+    level = placement_logger.level
+    placement_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        placement_logger.setLevel(level)
+
+
+def _signature(plan: PlacementPlan) -> tuple:
+    return tuple((role, m.rank_offset, m.size, m.tp, m.pp) for role, m in plan.models.items())
+
+
+def auto_place(cluster: ClusterSpec, models: ArchLike | Mapping[str, ArchLike],
+               rollout: RolloutSpec,
+               profiles: Mapping[str, HardwareProfile] | HardwareProfile | None = None,
+               space: SearchSpace | None = None) -> list[RankedCandidate]:
+    """Rank every candidate placement by predicted samples/s, best first.
+
+    Args:
+        cluster: the devices.
+        models: one architecture for all models, or one per role (as ``plan_placement``).
+        rollout: the step's shapes.
+        profiles: device profiles (``hardware.resolve_profiles``).
+        space: the candidates to try; default ``SearchSpace()``.
+
+    Returns:
+        Feasible candidates by decreasing samples/s, then those that do not fit in memory.
+        Empty when the placement refuses every candidate.
+    """
+    space = space or SearchSpace()
+    scored: list[tuple[str, PlacementConfig, PlacementPlan, StepPrediction]] = []
+    seen: set[tuple] = set()
+    with _quiet_planner():
+        for config in candidate_configs(cluster, _archs(models), space):
+            try:
+                plan = plan_placement(cluster, config, models)
+            except ValueError:
+                continue
+            if _signature(plan) in seen:
+                continue
+            seen.add(_signature(plan))
+            scored.append((describe(plan), config, plan, predict_step(plan, rollout, profiles)))
+    scored.sort(key=lambda c: (not c[3].feasible, -c[3].samples_per_s))
+    return [RankedCandidate(i + 1, *c) for i, c in enumerate(scored)]
+
+
+def explain_choice(ranked: list[RankedCandidate]) -> str:
+    """One sentence on why the best candidate wins over the best one of another strategy."""
+    if not ranked:
+        return "no candidate placement is valid on this cluster: see plan_placement's errors"
+    best = ranked[0]
+    if not best.prediction.feasible:
+        return (f"no candidate fits in memory; for example {best.label}: "
+                f"{best.prediction.problems[0]}")
+    prediction = best.prediction
+    others = [c for c in ranked[1:] if c.prediction.feasible]
+    rival = next((c for c in others if c.config.strategy != best.config.strategy),
+                 others[0] if others else None)
+    text = f"{best.label} wins with {prediction.samples_per_s:.3g} samples/s"
+    if rival is not None:
+        ratio = prediction.samples_per_s / rival.prediction.samples_per_s
+        text += f", {ratio:.2f}x {rival.label} ({rival.prediction.samples_per_s:.3g})"
+        gains = {s: rival.prediction.stage_seconds[s] - prediction.stage_seconds[s]
+                 for s in STAGES}
+        stage = max(gains, key=gains.__getitem__)
+        if gains[stage] > 0.05 * rival.prediction.step_seconds:
+            text += (f": {stage} takes {prediction.stage_seconds[stage]:.3g} s against "
+                     f"{rival.prediction.stage_seconds[stage]:.3g} s")
+    if prediction.pipelined:
+        text += (f"; generation overlaps training, so a step takes "
+                 f"{prediction.step_seconds:.3g} s instead of "
+                 f"{prediction.synchronous_step_seconds:.3g} s")
+    return (f"{text}; its bottleneck is {prediction.bottleneck} "
+            f"({prediction.bottleneck_share:.0%} of the critical work)")

@@ -1,0 +1,423 @@
+"""Every formula of the planner: parameters, FLOPs, memory, communication and stage times.
+
+Pure arithmetic on architecture numbers, a device profile and link bandwidths; ``planner.predict``
+applies it to a placement plan. Units inside this module: bytes, seconds, FLOPs, bytes/s.
+
+Assumptions shared by all formulas (each function adds its own):
+
+- Weights, gradients, activations and the KV cache are bf16 (2 bytes); the optimizer keeps fp32
+  master weights and Adam's two moments (12 bytes per parameter); logits are fp32.
+- A dense transformer: per token and layer, the matrix multiplies cost 2 FLOPs per parameter
+  forward (4 backward); attention scores and weighting cost ``4 * hidden * context`` FLOPs.
+  The input embedding is a lookup (no FLOPs). Norms, softmax and element-wise ops are not counted.
+- Compute runs at ``profile.flops_per_s`` (peak x MFU), decoding reads memory at
+  ``profile.hbm_bytes_per_s``, every layer call costs ``profile.layer_latency_s`` on top.
+- Collectives follow the alpha-beta model with NCCL's bus bandwidth: a ring all-reduce moves
+  ``2 (n-1)/n`` of the message through the slowest link of the group, a reduce-scatter or
+  all-gather ``(n-1)/n``; latency grows with ``log2 n`` (tree algorithms for small messages).
+- Communication is not overlapped with compute (an upper bound on time).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from megatron_rlhf.planner.hardware import HardwareProfile
+from megatron_rlhf.topology.models import ArchSpec
+
+BF16 = 2
+"""Bytes of one weight, gradient, activation or KV-cache element."""
+FP32 = 4
+"""Bytes of one logit (and of one experience field: log-prob, value, reward, advantage)."""
+ADAM_STATE_BYTES = 12
+"""fp32 master weight + Adam's first and second moment, bytes per parameter."""
+ADAM_UPDATE_BYTES = 32
+"""Memory traffic of one Adam update per parameter: read and write 12 bytes of state, read the
+bf16 gradient, write the bf16 weight (12 + 12 + 2 + 2, rounded up for the fp32 gradient cast)."""
+ROLLOUT_BYTES_PER_TOKEN = 20
+"""Generation output per token moved to the experience models: int64 token, int64 mask,
+fp32 sampling log-prob."""
+EXPERIENCE_BYTES_PER_TOKEN = 36
+"""Experience per token moved to the trainers: int64 token and mask, and five fp32 fields
+(old log-prob, ref log-prob, value, advantage, return)."""
+
+
+# --------------------------------------------------------------------------- sizes and FLOPs
+def matmul_params(arch: ArchSpec, value_head: bool = False) -> int:
+    """Parameters that take part in matrix multiplies: all but the input embedding (a lookup).
+
+    Uses Megatron's vocabulary padding at ``tp=1``; the output layer is the vocabulary projection,
+    or ``hidden`` weights for a scalar value head (critic, reward).
+    """
+    return arch.num_params(1, value_head) - arch.padded_vocab_size(1) * arch.hidden_size
+
+
+def forward_flops(arch: ArchSpec, tokens: float, mean_context: float,
+                  value_head: bool = False) -> float:
+    """FLOPs of a forward pass over ``tokens`` tokens that each attend ``mean_context`` tokens.
+
+    ``tokens * (2 * matmul_params + 4 * layers * hidden * mean_context)``; for whole causal
+    sequences of length ``s`` the mean context is ``s / 2``. Backward costs twice the forward.
+    """
+    attention = 4 * arch.num_layers * arch.hidden_size * mean_context
+    return tokens * (2 * matmul_params(arch, value_head) + attention)
+
+
+def kv_dim(arch: ArchSpec) -> int:
+    """Width of the keys (or values) of one layer: ``num_query_groups * head_dim``."""
+    return arch.num_query_groups * (arch.hidden_size // arch.num_attention_heads)
+
+
+# --------------------------------------------------------------------------- memory
+@dataclass(frozen=True)
+class StateBytes:
+    """Model states on one device.
+
+    Attributes:
+        weights: bf16 parameters.
+        grads: bf16 gradients (trainable models).
+        optimizer: fp32 master weights and Adam moments (trainable models).
+    """
+
+    weights: float
+    grads: float = 0.0
+    optimizer: float = 0.0
+
+    @property
+    def total(self) -> float:
+        """Sum of the three."""
+        return self.weights + self.grads + self.optimizer
+
+
+def state_bytes(params: float, tp: int, pp: int, dp: int, trainable: bool,
+                distributed_optimizer: bool) -> StateBytes:
+    """Weights, gradients and optimizer state on one device (ZeRO paper, Rajbhandari et al.).
+
+    With ``psi = params / (tp * pp)`` on a device: weights ``2 psi``; a trainable model adds
+    gradients ``2 psi`` and optimizer state ``12 psi`` under DDP (ZeRO-0), or ``12 psi / dp``
+    under Megatron's distributed optimizer (ZeRO-1: optimizer state sharded over DP).
+    """
+    psi = params / (tp * pp)
+    if not trainable:
+        return StateBytes(BF16 * psi)
+    optimizer = ADAM_STATE_BYTES * psi / (dp if distributed_optimizer else 1)
+    return StateBytes(BF16 * psi, BF16 * psi, optimizer)
+
+
+def layer_activation_bytes(arch: ArchSpec, seq: int, micro_batch: int, tp: int) -> float:
+    """Activations one layer keeps for its backward pass, one device (no sequence parallelism).
+
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation") adapted to LLaMA-style layers
+    (RMSNorm, no dropout, flash attention, so no ``seq^2`` score matrix is stored), bf16 elements:
+    replicated over TP: both norm inputs and both norm outputs (``4 h``); split by TP: q, k, v
+    (``h + 2 kv_dim``), the attention output (``h``), and the MLP's ``3 ffn`` (gate, up, SwiGLU
+    output; ``2 ffn`` for a GeLU MLP). Total ``2 s b (4 h + (2 h + 2 kv_dim + k ffn) / tp)``.
+    """
+    h, ffn = arch.hidden_size, arch.ffn_hidden_size
+    mlp = (3 if arch.gated_mlp else 2) * ffn
+    per_token = 4 * h + (2 * h + 2 * kv_dim(arch) + mlp) / tp
+    return BF16 * seq * micro_batch * per_token
+
+
+def logits_bytes(arch: ArchSpec, tokens: float, tp: int, training: bool) -> float:
+    """fp32 logits over the TP-split vocabulary; training also keeps their gradient (x2)."""
+    return (2 if training else 1) * FP32 * tokens * arch.padded_vocab_size(tp) / tp
+
+
+def training_activation_bytes(arch: ArchSpec, seq: int, micro_batch: int, tp: int, pp: int,
+                              microbatches: int, checkpointing: bool, value_head: bool) -> float:
+    """Peak activation memory of one training device (first pipeline stage, 1F1B schedule).
+
+    Under 1F1B the first stage holds ``min(microbatches, pp)`` micro-batches in flight, each for
+    its ``layers / pp`` layers. With full activation checkpointing a layer keeps only its input
+    (``2 s b h``) and one layer at a time is recomputed. The logits (and their gradient) of one
+    micro-batch are added unless the output is a value head.
+    """
+    layers = arch.num_layers // pp
+    in_flight = min(microbatches, pp)
+    layer = layer_activation_bytes(arch, seq, micro_batch, tp)
+    if checkpointing:
+        stored = in_flight * layers * BF16 * seq * micro_batch * arch.hidden_size + layer
+    else:
+        stored = in_flight * layers * layer
+    logits = 0.0 if value_head else logits_bytes(arch, seq * micro_batch, tp, training=True)
+    return stored + logits
+
+
+def forward_activation_bytes(arch: ArchSpec, seq: int, micro_batch: int, tp: int,
+                             value_head: bool) -> float:
+    """Working memory of a forward-only pass: one layer's activations plus the fp32 logits."""
+    logits = 0.0 if value_head else logits_bytes(arch, seq * micro_batch, tp, training=False)
+    return layer_activation_bytes(arch, seq, micro_batch, tp) + logits
+
+
+def kv_cache_bytes(arch: ArchSpec, tp: int, pp: int, sequences: float, context: float) -> float:
+    """KV cache on one device: keys and values of ``layers / pp`` layers, ``kv_dim / tp`` wide.
+
+    ``2 * (layers / pp) * (kv_dim / tp) * context * sequences * 2`` bytes.
+    """
+    return 2 * (arch.num_layers / pp) * (kv_dim(arch) / tp) * context * sequences * BF16
+
+
+# --------------------------------------------------------------------------- communication
+@dataclass(frozen=True)
+class Link:
+    """The bandwidth one participant of a collective gets, and the per-call latency.
+
+    Attributes:
+        bytes_per_s: bus bandwidth per participant, bytes/s.
+        latency_s: fixed cost of one call.
+    """
+
+    bytes_per_s: float
+    latency_s: float
+
+
+def group_link(intra_node_gbps: float, inter_node_gbps: float, spans_nodes: bool,
+               groups_sharing_node: int, profile: HardwareProfile) -> Link:
+    """Bandwidth of a communication group.
+
+    A group inside one node uses the device's NVLink bandwidth. A group that spans nodes is
+    limited by the node's network, shared by the groups of the same model that communicate at
+    the same time from that node (e.g. with ``tp=8``, the 8 DP groups of a node share its NICs).
+    Gbit/s figures are turned into bytes/s and scaled by ``profile.link_efficiency``.
+    """
+    intra = intra_node_gbps * 1e9 / 8
+    bandwidth = min(intra, inter_node_gbps * 1e9 / 8 / groups_sharing_node) if spans_nodes \
+        else intra
+    return Link(bandwidth * profile.link_efficiency, profile.collective_latency_s)
+
+
+def _latency(n: int, link: Link) -> float:
+    return link.latency_s * max(1.0, math.log2(n))
+
+
+def allreduce_seconds(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-reduce of ``nbytes`` over ``n`` participants: ``2 (n-1)/n * nbytes / bw``."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / link.bytes_per_s + _latency(n, link)
+
+
+def reduce_scatter_seconds(nbytes: float, n: int, link: Link) -> float:
+    """Reduce-scatter (or all-gather) of an ``nbytes`` buffer: ``(n-1)/n * nbytes / bw``."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) / n * nbytes / link.bytes_per_s + _latency(n, link)
+
+
+all_gather_seconds = reduce_scatter_seconds
+"""An all-gather moves the same volume as a reduce-scatter."""
+
+
+def p2p_seconds(nbytes: float, link: Link) -> float:
+    """One point-to-point transfer: ``latency + nbytes / bw``."""
+    return link.latency_s + nbytes / link.bytes_per_s
+
+
+def grad_sync_seconds(params: float, tp: int, pp: int, dp: int, distributed_optimizer: bool,
+                      link: Link) -> float:
+    """Gradient reduction of one optimizer step over the DP group.
+
+    DDP all-reduces the bf16 gradients of a device (``2 params / (tp pp)`` bytes). The
+    distributed optimizer (ZeRO-1) reduce-scatters them and all-gathers the updated bf16
+    weights: the same volume, in two collectives. Not overlapped with the backward pass.
+    """
+    grads = BF16 * params / (tp * pp)
+    if not distributed_optimizer:
+        return allreduce_seconds(grads, dp, link)
+    return reduce_scatter_seconds(grads, dp, link) + all_gather_seconds(grads, dp, link)
+
+
+def pipeline_bubble_fraction(pp: int, microbatches: int) -> float:
+    """Idle share of a 1F1B (or GPipe) pipeline: ``(pp - 1) / (m + pp - 1)``."""
+    return (pp - 1) / (microbatches + pp - 1)
+
+
+# --------------------------------------------------------------------------- stage costs
+@dataclass(frozen=True)
+class Cost:
+    """Seconds of one piece of work, split by what limits it.
+
+    Attributes:
+        compute: FLOP-bound time.
+        memory: device-memory-bandwidth-bound time (decoding).
+        comm: collectives and transfers.
+        overhead: fixed per-layer latencies.
+        offload: moving model states between device and host.
+    """
+
+    compute: float = 0.0
+    memory: float = 0.0
+    comm: float = 0.0
+    overhead: float = 0.0
+    offload: float = 0.0
+
+    @property
+    def total(self) -> float:
+        """Sum of the parts."""
+        return sum(getattr(self, field.name) for field in fields(self))
+
+    def __add__(self, other: Cost) -> Cost:
+        return Cost(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def scaled(self, factor: float) -> Cost:
+        """Every part times ``factor``."""
+        return Cost(*(getattr(self, field.name) * factor for field in fields(self)))
+
+
+@dataclass(frozen=True)
+class ModelEnv:
+    """One placed model on one pool, as the stage formulas see it.
+
+    Attributes:
+        arch: architecture.
+        tp: tensor-parallel size.
+        pp: pipeline-parallel size.
+        dp: data-parallel size (participants of the gradient reduction).
+        value_head: the output is a scalar head (critic, reward).
+        profile: the device.
+        tp_link: bandwidth of a TP group (inside a node).
+        pp_link: bandwidth between consecutive pipeline stages.
+        dp_link: bandwidth of a DP group.
+    """
+
+    arch: ArchSpec
+    tp: int
+    pp: int
+    dp: int
+    value_head: bool
+    profile: HardwareProfile
+    tp_link: Link
+    pp_link: Link
+    dp_link: Link
+
+    @property
+    def params(self) -> int:
+        """Parameters, with Megatron's vocabulary padding for this TP."""
+        return self.arch.num_params(self.tp, self.value_head)
+
+    def slot_cost(self, tokens: float, context: float, passes: int, tp_collectives: int) -> Cost:
+        """One micro-batch of ``tokens`` on one pipeline stage.
+
+        ``passes`` forward-equivalents of compute and per-layer latency (1 forward-only, 3 for
+        forward+backward, 4 with recomputation); ``tp_collectives`` all-reduces of the
+        activations per layer (2 forward, 2 backward, 2 recomputation); one activation
+        send to the next stage per forward or backward pass when ``pp > 1``.
+        """
+        layers = self.arch.num_layers / self.pp
+        flops = passes * forward_flops(self.arch, tokens, context, self.value_head)
+        compute = flops / (self.tp * self.pp * self.profile.flops_per_s)
+        activation = BF16 * tokens * self.arch.hidden_size
+        comm = tp_collectives * layers * allreduce_seconds(activation, self.tp, self.tp_link)
+        if self.pp > 1:
+            comm += min(passes, 2) * p2p_seconds(activation, self.pp_link)
+        overhead = passes * layers * self.profile.layer_latency_s
+        return Cost(compute=compute, comm=comm, overhead=overhead)
+
+
+def forward_cost(env: ModelEnv, rows: int, seq: int, micro_batch: int) -> Cost:
+    """A forward-only pass (log-probs, values, rewards) over ``rows`` sequences on one replica.
+
+    ``m = ceil(rows / micro_batch)`` micro-batches go through the pipeline in ``m + pp - 1``
+    slots (the bubble of ``pipeline_bubble_fraction``); each slot is one micro-batch on one stage.
+    """
+    if rows == 0:
+        return Cost()
+    micro_batch = min(micro_batch, rows)
+    microbatches = math.ceil(rows / micro_batch)
+    slot = env.slot_cost(micro_batch * seq, seq / 2, passes=1, tp_collectives=2)
+    return slot.scaled(microbatches + env.pp - 1)
+
+
+def training_cost(env: ModelEnv, rows: int, seq: int, micro_batch: int, optimizer_steps: int,
+                  checkpointing: bool, distributed_optimizer: bool) -> Cost:
+    """Training over ``rows`` sequences per replica, split into ``optimizer_steps`` steps.
+
+    Per optimizer step: ``m + pp - 1`` slots of forward+backward (``6 N`` FLOPs per token, 8 N
+    with recomputation), the DP gradient reduction (``grad_sync_seconds``) and the Adam update
+    (``ADAM_UPDATE_BYTES`` per local parameter at HBM speed, sharded over DP with the
+    distributed optimizer).
+    """
+    rows_per_step = math.ceil(rows / optimizer_steps)
+    micro_batch = min(micro_batch, rows_per_step)
+    microbatches = math.ceil(rows_per_step / micro_batch)
+    passes, collectives = (4, 6) if checkpointing else (3, 4)
+    slot = env.slot_cost(micro_batch * seq, seq / 2, passes, collectives)
+    pipeline = slot.scaled(microbatches + env.pp - 1)
+    sync = grad_sync_seconds(env.params, env.tp, env.pp, env.dp, distributed_optimizer,
+                             env.dp_link)
+    local = env.params / (env.tp * env.pp) / (env.dp if distributed_optimizer else 1)
+    update = ADAM_UPDATE_BYTES * local / env.profile.hbm_bytes_per_s
+    return (pipeline + Cost(comm=sync, memory=update)).scaled(optimizer_steps)
+
+
+def decode_step_cost(env: ModelEnv, sequences: int, context: float) -> Cost:
+    """One decode step: every sequence of a replica produces one token.
+
+    Each pipeline stage in turn (no pipelining inside one generation batch) reads its weights
+    (``2 params / (tp pp)`` bytes per device) and the KV cache at ``context`` tokens, and does
+    ``2 params / (tp pp)`` FLOPs per sequence plus attention. The stage time is the roofline
+    ``max(bytes / HBM bandwidth, FLOPs / compute)``; a layer does 2 TP all-reduces of
+    ``sequences x hidden`` activations and costs ``layer_latency_s``.
+    """
+    arch, tp, pp = env.arch, env.tp, env.pp
+    weights = BF16 * env.params / (tp * pp)
+    kv = kv_cache_bytes(arch, tp, pp, sequences, context)
+    flops = forward_flops(arch, sequences, context, env.value_head) / (tp * pp)
+    memory_s = (weights + kv) / env.profile.hbm_bytes_per_s
+    compute_s = flops / env.profile.flops_per_s
+    bound = Cost(memory=pp * memory_s) if memory_s >= compute_s else Cost(compute=pp * compute_s)
+    activation = BF16 * sequences * arch.hidden_size
+    comm = 2 * arch.num_layers * allreduce_seconds(activation, tp, env.tp_link)
+    comm += (pp - 1) * p2p_seconds(activation, env.pp_link)
+    return bound + Cost(comm=comm, overhead=arch.num_layers * env.profile.layer_latency_s)
+
+
+def generation_cost(env: ModelEnv, rows: int, prompt: int, new_tokens: int,
+                    max_sequences: int) -> Cost:
+    """Generation of ``rows`` responses on one replica, at most ``max_sequences`` at a time.
+
+    ``ceil(rows / max_sequences)`` rounds (the KV cache bounds a round); each round prefills its
+    prompts (compute-bound, like a forward pass over ``prompt`` tokens per sequence, one
+    micro-batch, pipeline stages in turn) and then decodes ``new_tokens`` steps at the mean
+    context ``prompt + new_tokens / 2``.
+    """
+    if rows == 0:
+        return Cost()
+    rounds = math.ceil(rows / max_sequences)
+    sequences = math.ceil(rows / rounds)
+    prefill = env.slot_cost(sequences * prompt, prompt / 2, passes=1, tp_collectives=2)
+    prefill = prefill.scaled(env.pp)
+    decode = decode_step_cost(env, sequences, prompt + new_tokens / 2).scaled(new_tokens)
+    return (prefill + decode).scaled(rounds)
+
+
+def transfer_seconds(nbytes: float, link: Link) -> float:
+    """Rows moved between two models' ranks: one point-to-point batch through ``link``."""
+    return p2p_seconds(nbytes, link)
+
+
+def weight_sync_seconds(params: float, shadow_tp: int, shadow_pp: int, shadow_devices: int,
+                        receiving_nodes: int, sending_nodes: int, link: Link) -> float:
+    """Copy trained bf16 weights into a shadow with another layout (resharding).
+
+    Every shadow device receives its shard, ``2 params / (tp_s pp_s)`` bytes, so ``dp_s`` full
+    copies leave the trainer. Across nodes the busiest node NIC sets the time: a receiving node
+    takes ``shadow_devices / receiving_nodes`` shards, a sending node sends
+    ``dp_s * 2 params / sending_nodes``. ``link`` is the per-node network (or, when trainer and
+    shadow share nodes, one device's NVLink with ``receiving_nodes = shadow_devices``).
+    """
+    shard = BF16 * params / (shadow_tp * shadow_pp)
+    received = shard * shadow_devices / receiving_nodes
+    sent = shard * shadow_devices / sending_nodes
+    return link.latency_s + max(received, sent) / link.bytes_per_s
+
+
+def offload_seconds(state: StateBytes, trainable: bool, profile: HardwareProfile) -> float:
+    """Swap a model's states in before a stage and, if they changed, out after it (PCIe).
+
+    Frozen models are only copied in (the host keeps a clean copy); trainable ones both ways.
+    """
+    return (2 if trainable else 1) * state.total / profile.host_bytes_per_s

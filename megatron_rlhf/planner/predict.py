@@ -1,0 +1,327 @@
+"""Predict one PPO step of a placement plan: samples/s, seconds per stage, memory, bottleneck.
+
+    plan = plan_placement(homogeneous_cluster("A100-80GB", 2, 8),
+                          PlacementConfig("interleaving", tp=4), "llama-13b")
+    prediction = predict_step(plan, RolloutSpec(batch=1024, prompt_length=256))
+    prediction.samples_per_s, prediction.stage_seconds, prediction.bottleneck
+
+The step is the engine's program: generation on the generating models; transfers of the rollout
+to the experience models; their forward passes (policy log-probs, values, ref log-probs,
+rewards); transfers of the experience to the trainers; training of actor and critic; weight sync
+into the shadows. ``planner.schedule`` decides what runs side by side from the ranks each task
+needs; the formulas are in ``planner.cost_model``, the memory checks in ``planner.memory``.
+
+Overlap per strategy: flattening runs everything in turn; interleaving runs ref || reward;
+interleaving2 also actor-train || critic-train; separation and hetero-separation (with
+``rollout.overlap``) generate and score rollout k+1 on the inference devices while the trainers
+train on rollout k, so the step is the busier side plus the weight sync; hetero-separation also
+generates on the trainers' pool, with batch shares by ``relative_speed``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+
+from megatron_rlhf.planner import cost_model as cm
+from megatron_rlhf.planner.hardware import HardwareProfile, resolve_profiles
+from megatron_rlhf.planner.memory import (
+    MemoryReport,
+    RoleMemory,
+    experience_roles,
+    generating_roles,
+    generation_rows,
+    plan_memory,
+    pool_of_replicas,
+)
+from megatron_rlhf.planner.schedule import Schedule, Task, schedule
+from megatron_rlhf.planner.workload import RolloutSpec
+from megatron_rlhf.topology.models import SHADOW_OF, TRAINABLE_ROLES, VALUE_HEAD_ROLES
+from megatron_rlhf.topology.plan import ModelPlacement, PlacementPlan
+
+GENERATION, EXPERIENCE, TRAINING, TRANSFER, SYNC = (
+    "generation", "experience", "training", "transfer", "sync")
+STAGES = (GENERATION, EXPERIENCE, TRAINING, TRANSFER, SYNC)
+BOTTLENECKS = ("memory", "generation", "communication", "compute")
+"""memory: offloading, or the plan does not fit; generation: decode and prefill; communication:
+collectives, transfers and weight sync; compute: experience and training passes."""
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """The predicted cost of one PPO step.
+
+    Attributes:
+        feasible: the plan fits in memory; otherwise ``problems`` says why and times are 0.
+        samples_per_s: prompts (with their responses) per second.
+        step_seconds: seconds per step (pipelined when ``pipelined``, else synchronous).
+        synchronous_step_seconds: the step with no overlap between consecutive steps.
+        pipelined: consecutive steps overlap (separation strategies with ``rollout.overlap``).
+        stage_seconds: wall-clock seconds during which each stage runs (synchronous schedule).
+        tasks: every task with its start, seconds and breakdown.
+        bottleneck: one of ``BOTTLENECKS``: what most of the critical work waits on.
+        bottleneck_share: its share of the critical work.
+        memory: the memory report (per model, peak, largest batch).
+        problems: why the plan cannot run, each with a fix.
+    """
+
+    feasible: bool
+    samples_per_s: float
+    step_seconds: float
+    synchronous_step_seconds: float
+    pipelined: bool
+    stage_seconds: dict[str, float]
+    tasks: tuple[dict, ...]
+    bottleneck: str
+    bottleneck_share: float
+    memory: MemoryReport
+    problems: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        """JSON-ready description; the keys are documented in ``docs/planner.md``."""
+        memory = self.memory
+        feasible = self.feasible
+        return {
+            "feasible": feasible,
+            "samples_per_s": round(self.samples_per_s, 4),
+            "step_seconds": round(self.step_seconds, 4) if feasible else None,
+            "synchronous_step_seconds": (round(self.synchronous_step_seconds, 4) if feasible
+                                         else None),
+            "pipelined": self.pipelined,
+            "stage_seconds": {k: round(v, 4) for k, v in self.stage_seconds.items()},
+            "bottleneck": self.bottleneck,
+            "bottleneck_share": round(self.bottleneck_share, 3),
+            "memory_gib": {role: _role_memory_dict(m) for role, m in memory.roles.items()},
+            "peak_gib_per_device": round(memory.peak_gib, 2),
+            "usable_gib_per_device": round(memory.usable_gib, 2),
+            "largest_batch": memory.largest_batch,
+            "largest_micro_batch": dict(memory.largest_micro_batch),
+            "sequences_per_round": dict(memory.sequences_per_round),
+            "tasks": list(self.tasks),
+            "problems": list(self.problems),
+        }
+
+
+def _role_memory_dict(memory: RoleMemory) -> dict:
+    values = {f.name: round(getattr(memory, f.name), 3) for f in fields(memory)
+              if f.name != "offloaded"}
+    return {**values, "total": round(memory.total, 3), "offloaded": memory.offloaded}
+
+
+def predict_step(plan: PlacementPlan, rollout: RolloutSpec,
+                 profiles: Mapping[str, HardwareProfile] | HardwareProfile | None = None
+                 ) -> StepPrediction:
+    """Predict one PPO step of ``plan``.
+
+    Args:
+        plan: a validated placement (``plan_placement``).
+        rollout: the step's shapes.
+        profiles: device profiles (see ``hardware.resolve_profiles``); default: the shipped
+            profile named like each pool's kind.
+
+    Returns:
+        The prediction; an infeasible plan gives ``feasible=False``, zero throughput, the
+        ``memory`` bottleneck and the reasons in ``problems``.
+
+    Raises:
+        ValueError: a pool has no profile.
+    """
+    hardware = resolve_profiles(plan.cluster, profiles)
+    memory = plan_memory(plan, rollout, hardware)
+    if memory.problems:
+        return StepPrediction(False, 0.0, math.inf, math.inf, False, {}, (), "memory", 1.0,
+                              memory, tuple(memory.problems))
+    result = schedule(build_tasks(plan, rollout, hardware, memory))
+    pipelined = rollout.overlap and plan.config.separated
+    step = result.period if pipelined else result.makespan
+    chain = result.busiest if pipelined else result.critical
+    bottleneck, share = _bottleneck([result.tasks[i] for i in chain])
+    return StepPrediction(
+        feasible=True, samples_per_s=rollout.batch / step, step_seconds=step,
+        synchronous_step_seconds=result.makespan, pipelined=pipelined,
+        stage_seconds=_stage_seconds(result), tasks=_task_rows(result),
+        bottleneck=bottleneck, bottleneck_share=share, memory=memory,
+    )
+
+
+class _Context:
+    """What building the tasks needs: the plan, shapes, profiles and memory decisions."""
+
+    def __init__(self, plan: PlacementPlan, rollout: RolloutSpec,
+                 hardware: tuple[HardwareProfile, ...], memory: MemoryReport) -> None:
+        self.plan, self.rollout, self.hardware, self.memory = plan, rollout, hardware, memory
+
+    def profile_of(self, rank: int) -> HardwareProfile:
+        """The profile of the pool holding global ``rank``."""
+        return self.hardware[self.plan.cluster.locate(rank).pool_index]
+
+    def env(self, role: str, pool: int) -> cm.ModelEnv:
+        """``role``'s model as the stage formulas see it, on the devices of ``pool``."""
+        model = self.plan[role]
+        profile = self.hardware[pool]
+        spec = self.plan.cluster.pools[pool]
+        tp_link = cm.group_link(spec.intra_node_gbps, spec.inter_node_gbps, False, 1, profile)
+        return cm.ModelEnv(model.spec.arch, model.tp, model.pp, model.dp,
+                           role in VALUE_HEAD_ROLES, profile, tp_link,
+                           self.group_link(model, "pp"), self.group_link(model, "dp"))
+
+    def group_link(self, model: ModelPlacement, dim: str) -> cm.Link:
+        """Link of the model's first ``dim`` group, shared by the groups on the same node."""
+        cluster = self.plan.cluster
+        group = model.group_ranks(dim)[0]
+        nodes = [cluster.locate(rank).node for rank in group]
+        pools = [cluster.pools[cluster.locate(rank).pool_index] for rank in group]
+        members_here = nodes.count(nodes[0])
+        model_here = sum(1 for rank in model.ranks if cluster.locate(rank).node == nodes[0])
+        return cm.group_link(min(p.intra_node_gbps for p in pools),
+                             min(p.inter_node_gbps for p in pools), len(set(nodes)) > 1,
+                             max(1, model_here // members_here), self.profile_of(group[0]))
+
+    def link_between(self, ranks_a: list[range], ranks_b: list[range]) -> tuple[cm.Link, bool]:
+        """Link between two sets of ranks; True when they all lie on one node."""
+        cluster = self.plan.cluster
+        ranks = [rank for block in ranks_a + ranks_b for rank in (block.start, block.stop - 1)]
+        nodes = {cluster.locate(rank).node for rank in ranks}
+        pools = [cluster.pools[cluster.locate(rank).pool_index] for rank in ranks]
+        one_node = len(nodes) == 1
+        gbps = min(p.intra_node_gbps if one_node else p.inter_node_gbps for p in pools)
+        profile = self.profile_of(ranks[0])
+        return cm.Link(gbps * 1e9 / 8 * profile.link_efficiency,
+                       profile.collective_latency_s), one_node
+
+    def per_pool(self, role: str, cost: Callable[[cm.ModelEnv, int], cm.Cost]) -> cm.Cost:
+        """The slowest pool's cost of ``role``, each replica with an even share of the batch."""
+        rows = math.ceil(self.rollout.batch / self.plan[role].dp)
+        costs = [cost(self.env(role, pool), rows) for pool in pool_of_replicas(self.plan, role)]
+        return max(costs, key=lambda c: c.total) + self.offload(role)
+
+    def offload(self, role: str) -> cm.Cost:
+        """Swap-in/out of ``role`` around a stage when its devices cannot hold everything."""
+        if role not in self.memory.offloaded:
+            return cm.Cost()
+        model = self.plan[role]
+        state = cm.state_bytes(model.spec.num_params(), model.tp, model.pp, model.dp,
+                               model.spec.trainable, model.spec.distributed_optimizer)
+        profile = self.profile_of(model.ranks.start)
+        return cm.Cost(offload=cm.offload_seconds(state, model.spec.trainable, profile))
+
+
+def build_tasks(plan: PlacementPlan, rollout: RolloutSpec, hardware: tuple[HardwareProfile, ...],
+                memory: MemoryReport) -> list[Task]:
+    """The step's tasks in program order, with their costs and dependencies.
+
+    Each stage first moves its inputs to every model of the stage, then runs the models, so
+    that models on disjoint ranks (ref and reward under interleaving) can run side by side.
+    """
+    ctx = _Context(plan, rollout, hardware, memory)
+    seq, mbs = rollout.sequence_length, rollout.micro_batch_size
+    tasks: list[Task] = []
+
+    def add(task: Task) -> int:
+        tasks.append(task)
+        return len(tasks) - 1
+
+    generators = generating_roles(plan)
+    sources = tuple(plan[role].ranks for role in generators)
+    gen = add(Task(f"{GENERATION}:{'+'.join(generators)}", GENERATION, sources,
+                   _generation_cost(ctx)))
+    payload = rollout.batch * seq * cm.ROLLOUT_BYTES_PER_TOKEN
+    inputs = {role: _transfer(ctx, "+".join(generators), role, sources, payload, (gen,))
+              for role in experience_roles(plan)}
+    inputs = {role: (add(task),) if task else (gen,) for role, task in inputs.items()}
+    scored = [add(Task(f"{EXPERIENCE}:{role}", EXPERIENCE, (plan[role].ranks,),
+                       ctx.per_pool(role, lambda env, rows: cm.forward_cost(env, rows, seq, mbs)),
+                       deps)) for role, deps in inputs.items()]
+    sources = tuple(tasks[i].ranges[0] for i in scored)
+    payload = rollout.batch * seq * cm.EXPERIENCE_BYTES_PER_TOKEN
+    inputs = {role: _transfer(ctx, "experience", role, sources, payload, tuple(scored))
+              for role in TRAINABLE_ROLES if role in plan.models}
+    inputs = {role: (add(task),) if task else tuple(scored) for role, task in inputs.items()}
+    trained = {}
+    for role, deps in inputs.items():
+        distributed = plan[role].spec.distributed_optimizer
+        cost = ctx.per_pool(role, lambda env, rows, d=distributed: cm.training_cost(
+            env, rows, seq, mbs, rollout.optimizer_steps, rollout.activation_checkpointing, d))
+        trained[role] = add(Task(f"{TRAINING}:{role}", TRAINING, (plan[role].ranks,), cost,
+                                 deps))
+    for shadow, trainer in SHADOW_OF.items():
+        if shadow in plan.models:
+            add(_sync(ctx, trainer, shadow, (trained[trainer],)))
+    return tasks
+
+
+def _generation_cost(ctx: _Context) -> cm.Cost:
+    """The slowest generating replica group (role, pool), each with its speed-weighted rows."""
+    rollout = ctx.rollout
+    costs = []
+    for role, per_pool in generation_rows(ctx.plan, rollout.batch).items():
+        for pool, rows in per_pool.items():
+            costs.append(cm.generation_cost(
+                ctx.env(role, pool), rows, rollout.prompt_length, rollout.generation_length,
+                ctx.memory.sequences_per_round[role]) + ctx.offload(role))
+    return max(costs, key=lambda c: c.total)
+
+
+def _transfer(ctx: _Context, source: str, role: str, sources: tuple[range, ...],
+              payload: float, deps: tuple[int, ...]) -> Task | None:
+    """Rows moved from ``sources`` to ``role``; None when they already sit on its ranks."""
+    target = ctx.plan[role].ranks
+    if all(block == target for block in sources):
+        return None
+    link, _ = ctx.link_between(list(sources), [target])
+    return Task(f"{TRANSFER}:{source}->{role}", TRANSFER, (*sources, target),
+                cm.Cost(comm=cm.transfer_seconds(payload, link)), deps)
+
+
+def _sync(ctx: _Context, trainer: str, shadow: str, deps: tuple[int, ...]) -> Task:
+    """Weight sync of ``trainer`` into ``shadow`` (``cost_model.weight_sync_seconds``): per
+    device over NVLink when both sit on one node, else per node over the network."""
+    source, target = ctx.plan[trainer], ctx.plan[shadow]
+    link, one_node = ctx.link_between([source.ranks], [target.ranks])
+    cluster = ctx.plan.cluster
+    if one_node:
+        receivers, senders = target.size, source.size
+    else:
+        receivers, senders = (len({cluster.locate(r).node for r in m.ranks})
+                              for m in (target, source))
+    seconds = cm.weight_sync_seconds(target.spec.num_params(), target.tp, target.pp,
+                                     target.size, receivers, senders, link)
+    return Task(f"{SYNC}:{trainer}->{shadow}", SYNC, (source.ranks, target.ranks),
+                cm.Cost(comm=seconds), deps)
+
+
+def _stage_seconds(result: Schedule) -> dict[str, float]:
+    """Per stage, the length of the union of its tasks' intervals."""
+    seconds = {}
+    for stage in STAGES:
+        spans = sorted((result.start[i], result.end[i]) for i, task in enumerate(result.tasks)
+                       if task.stage == stage)
+        total, reach = 0.0, -math.inf
+        for begin, finish in spans:
+            total += max(0.0, finish - max(begin, reach))
+            reach = max(reach, finish)
+        seconds[stage] = total
+    return seconds
+
+
+def _task_rows(result: Schedule) -> tuple[dict, ...]:
+    return tuple(
+        {"name": task.name, "stage": task.stage, "start_s": round(result.start[i], 4),
+         "seconds": round(task.cost.total, 4),
+         **{f"{f.name}_s": round(getattr(task.cost, f.name), 4) for f in fields(task.cost)}}
+        for i, task in enumerate(result.tasks))
+
+
+def _bottleneck(tasks: list[Task]) -> tuple[str, float]:
+    """The category with the most seconds among ``tasks`` (the critical work), and its share."""
+    seconds = dict.fromkeys(BOTTLENECKS, 0.0)
+    for task in tasks:
+        cost = task.cost
+        seconds["memory"] += cost.offload
+        seconds["communication"] += cost.comm
+        work = cost.compute + cost.memory + cost.overhead
+        seconds["generation" if task.stage == GENERATION else "compute"] += work
+    total = sum(seconds.values())
+    name = max(BOTTLENECKS, key=lambda key: seconds[key])
+    return name, seconds[name] / total if total else 0.0

@@ -1,0 +1,1 @@
+"""Tests of the cost model and automatic placement (pure Python, no process group)."""

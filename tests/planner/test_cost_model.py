@@ -1,0 +1,127 @@
+"""The cost model's arithmetic against hand-computed cases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from megatron_rlhf.planner import cost_model as cm
+from megatron_rlhf.topology import ModelSpec, arch_preset
+from tests.planner.helpers import ROUND
+
+LLAMA7B = arch_preset("llama-7b")
+TINY = arch_preset("tiny")
+LINK_100 = cm.Link(bytes_per_s=100e9, latency_s=0.0)
+
+
+def _env(arch=LLAMA7B, tp=1, pp=1, dp=1, link=LINK_100, value_head=False) -> cm.ModelEnv:
+    return cm.ModelEnv(arch, tp, pp, dp, value_head, ROUND, link, link, link)
+
+
+def test_llama_7b_parameter_count_matches_the_published_model() -> None:
+    # LLaMA-7B has 6,738,415,616 weights; the planner's ArchSpec also counts 4 h biases per layer.
+    assert LLAMA7B.num_params() == 6_738_415_616 + 32 * 4 * 4096
+    assert cm.matmul_params(LLAMA7B) == LLAMA7B.num_params() - 32000 * 4096
+    # A value head replaces the 32000 x 4096 output projection by 4096 weights.
+    assert cm.matmul_params(LLAMA7B, value_head=True) == (
+        cm.matmul_params(LLAMA7B) - 32000 * 4096 + 4096)
+
+
+def test_forward_flops_is_two_per_weight_plus_attention() -> None:
+    # tiny: 2 layers, h=64; 100 tokens attending 10 tokens each.
+    expected = 100 * (2 * cm.matmul_params(TINY) + 4 * 2 * 64 * 10)
+    assert cm.forward_flops(TINY, 100, 10) == expected
+
+
+def test_state_bytes_follow_the_zero_paper() -> None:
+    params = 2e9  # psi = 1e9 per device with tp=2
+    frozen = cm.state_bytes(params, tp=2, pp=1, dp=4, trainable=False,
+                            distributed_optimizer=True)
+    ddp = cm.state_bytes(params, tp=2, pp=1, dp=4, trainable=True, distributed_optimizer=False)
+    zero1 = cm.state_bytes(params, tp=2, pp=1, dp=4, trainable=True, distributed_optimizer=True)
+    assert frozen.total == 2e9                      # 2 psi
+    assert ddp.total == 16e9                        # (2 + 2 + 12) psi
+    assert zero1.total == pytest.approx(7e9)        # (2 + 2 + 12 / 4) psi
+    spec = ModelSpec("actor", LLAMA7B, trainable=True, tp=2, pp=2)
+    assert cm.state_bytes(spec.num_params(), 2, 2, 4, True, True).total == pytest.approx(
+        spec.bytes_per_device(dp=4))
+
+
+def test_activation_and_kv_cache_formulas() -> None:
+    # tiny (h=64, 4 heads, ffn=256, SwiGLU), s=128, b=2, tp=1: 2 s b (4h + 2h + 2h + 3 ffn).
+    assert cm.layer_activation_bytes(TINY, 128, 2, 1) == 2 * 128 * 2 * (256 + 128 + 128 + 768)
+    # llama-7b, tp=2, pp=2, one sequence of 512: K and V of 16 layers, 2048 wide, bf16.
+    assert cm.kv_cache_bytes(LLAMA7B, 2, 2, 1, 512) == 2 * 16 * 2048 * 512 * 2
+    checkpointed = cm.training_activation_bytes(TINY, 128, 2, 1, 1, 4, True, value_head=True)
+    assert checkpointed == 2 * 2 * 128 * 2 * 64 + cm.layer_activation_bytes(TINY, 128, 2, 1)
+
+
+def test_collectives_follow_the_ring_formulas() -> None:
+    assert cm.allreduce_seconds(1e9, 8, LINK_100) == pytest.approx(2 * 7 / 8 * 1e9 / 100e9)
+    assert cm.reduce_scatter_seconds(1e9, 8, LINK_100) == pytest.approx(7 / 8 * 1e9 / 100e9)
+    assert cm.allreduce_seconds(1e9, 1, LINK_100) == 0.0
+    latency = cm.Link(100e9, 1e-5)
+    assert cm.allreduce_seconds(0, 8, latency) == pytest.approx(3e-5)  # log2(8) hops
+    # ZeRO-1 reduce-scatter + all-gather moves as much as the DDP all-reduce.
+    ddp = cm.grad_sync_seconds(4e9, 2, 1, 8, False, LINK_100)
+    zero1 = cm.grad_sync_seconds(4e9, 2, 1, 8, True, LINK_100)
+    assert ddp == pytest.approx(zero1) == pytest.approx(2 * 7 / 8 * 4e9 / 100e9)
+
+
+def test_group_link_shares_the_node_network() -> None:
+    inside = cm.group_link(2400, 1600, False, 8, ROUND)
+    across = cm.group_link(2400, 1600, True, 8, ROUND)
+    assert inside.bytes_per_s == 300e9
+    assert across.bytes_per_s == pytest.approx(1600e9 / 8 / 8)  # 8 DP groups share the NICs
+
+
+def test_pipeline_bubble_and_slots() -> None:
+    assert cm.pipeline_bubble_fraction(4, 12) == pytest.approx(3 / 15)
+    assert cm.pipeline_bubble_fraction(1, 5) == 0.0
+    # 48 rows, micro-batch 4: 12 micro-batches in 12 + 1 slots on 2 stages (twice the devices),
+    # so the time is half the one-stage time divided by (1 - bubble) = 12 / 13.
+    flat, piped = _env(TINY), _env(TINY, pp=2)
+    ideal = cm.forward_cost(flat, 48, 64, 4).compute / 2
+    assert cm.forward_cost(piped, 48, 64, 4).compute == pytest.approx(
+        ideal / (1 - cm.pipeline_bubble_fraction(2, 12)))
+
+
+def test_decode_step_reads_the_weights_and_the_kv_cache() -> None:
+    weights_s = 2 * LLAMA7B.num_params() / 1e12   # 13.5 GB at 1 TB/s
+    assert cm.decode_step_cost(_env(), 1, 0).total == pytest.approx(weights_s)
+    kv_s = 2 * 32 * 4096 * 1000 * 8 * 2 / 1e12    # 8 sequences at context 1000
+    step = cm.decode_step_cost(_env(), 8, 1000)
+    assert step.memory == pytest.approx(weights_s + kv_s) and step.compute == 0.0
+    # A batch large enough becomes compute-bound.
+    assert cm.decode_step_cost(_env(), 4096, 10).compute > 0
+
+
+def test_generation_runs_in_rounds_bounded_by_the_kv_cache() -> None:
+    env = _env(TINY)
+    one_round = cm.generation_cost(env, 8, 16, 32, max_sequences=8)
+    two_rounds = cm.generation_cost(env, 8, 16, 32, max_sequences=4)
+    half = cm.generation_cost(env, 4, 16, 32, max_sequences=4)
+    assert two_rounds.total == pytest.approx(2 * half.total)
+    assert one_round.total < two_rounds.total
+
+
+def test_training_is_three_forward_passes_plus_the_adam_update() -> None:
+    env = _env(TINY)
+    forward = cm.forward_flops(TINY, 8 * 64, 32) / 100e12
+    update = cm.ADAM_UPDATE_BYTES * TINY.num_params() / 1e12
+    cost = cm.training_cost(env, 8, 64, 8, 1, checkpointing=False, distributed_optimizer=True)
+    assert cost.total == pytest.approx(3 * forward + update)
+    recompute = cm.training_cost(env, 8, 64, 8, 2, checkpointing=True,
+                                 distributed_optimizer=True)
+    assert recompute.compute == pytest.approx(4 * forward)  # 2 steps of half the rows
+
+
+def test_weight_sync_and_offload() -> None:
+    # 1e9 params into a tp=2 shadow of 8 devices on 1 node, from 2 trainer nodes.
+    seconds = cm.weight_sync_seconds(1e9, 2, 1, 8, 1, 2, LINK_100)
+    assert seconds == pytest.approx(8 * 2e9 / 2 / 100e9)   # the receiving node takes 8 shards
+    state = cm.StateBytes(1e9, 1e9, 6e9)
+    assert cm.offload_seconds(state, True, ROUND) == pytest.approx(2 * 8e9 / 10e9)
+    assert cm.offload_seconds(state, False, ROUND) == pytest.approx(8e9 / 10e9)
+    assert math.isclose(cm.Cost(1, 2, 3, 4, 5).total, 15)

@@ -1,0 +1,104 @@
+"""Whole-step predictions: overlap per strategy, memory decisions, infeasible plans."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_rlhf.planner import RolloutSpec, homogeneous_cluster, predict_step
+from megatron_rlhf.topology import ClusterSpec, DevicePool, PlacementConfig, plan_placement
+
+A100_1X8 = homogeneous_cluster("A100-80GB", 1, 8)
+ROLLOUT = RolloutSpec(batch=256, prompt_length=256, generation_length=256)
+
+
+def _predict(strategy: str, model: str = "llama-7b", cluster: ClusterSpec = A100_1X8,
+             rollout: RolloutSpec = ROLLOUT, **config):
+    plan = plan_placement(cluster, PlacementConfig(strategy, **config), model)
+    return predict_step(plan, rollout)
+
+
+def _tasks(prediction) -> dict[str, dict]:
+    return {task["name"]: task for task in prediction.tasks}
+
+
+def test_flattening_runs_every_model_in_turn() -> None:
+    p = _predict("flattening", tp=2)
+    tasks = _tasks(p)
+    assert p.feasible and not p.pipelined and p.bottleneck in ("compute", "generation")
+    assert p.samples_per_s == pytest.approx(ROLLOUT.batch / p.step_seconds)
+    assert tasks["experience:reward"]["start_s"] >= (
+        tasks["experience:ref"]["start_s"] + tasks["experience:ref"]["seconds"])
+    assert set(p.stage_seconds) == {"generation", "experience", "training", "transfer", "sync"}
+    assert p.stage_seconds["sync"] == 0.0
+    json.dumps(p.to_dict(), allow_nan=False)
+
+
+def test_interleaving_runs_ref_and_reward_side_by_side() -> None:
+    tasks = _tasks(_predict("interleaving", tp=2))
+    assert tasks["experience:ref"]["start_s"] == tasks["experience:reward"]["start_s"]
+
+
+def test_interleaving2_trains_actor_and_critic_side_by_side() -> None:
+    tasks = _tasks(_predict("interleaving2", tp=2))
+    assert tasks["training:actor"]["start_s"] == tasks["training:critic"]["start_s"]
+
+
+def test_separation_overlaps_generation_with_training() -> None:
+    p = _predict("separation", tp=2)
+    assert p.pipelined and "sync:actor->shadow_actor" in _tasks(p)
+    assert p.step_seconds < p.synchronous_step_seconds
+    sync = _predict("separation", tp=2, rollout=RolloutSpec(batch=256, overlap=False))
+    assert not sync.pipelined and sync.step_seconds == pytest.approx(sync.synchronous_step_seconds)
+
+
+def test_crowded_devices_offload_and_pay_for_it() -> None:
+    p = _predict("flattening", model="llama-33b", tp=4, pp=2)
+    assert p.feasible and p.memory.offloaded
+    assert any(task["offload_s"] > 0 for task in p.tasks)
+    assert p.memory.peak_gib <= p.memory.usable_gib
+
+
+def test_kv_cache_bounds_the_generation_round() -> None:
+    p = _predict("flattening", tp=2, rollout=RolloutSpec(batch=1024))
+    per_round = p.memory.sequences_per_round["actor"]
+    assert 0 < per_round < 1024 // 4          # 4 replicas, more rows than one round holds
+    assert p.memory.largest_batch == per_round * 4
+    assert p.memory.roles["actor"].kv_cache > 0
+
+
+def test_an_oversized_micro_batch_is_infeasible_with_the_fix() -> None:
+    rollout = RolloutSpec(batch=64, prompt_length=2048, generation_length=2048,
+                          micro_batch_size=64)
+    p = _predict("flattening", tp=8, rollout=rollout)
+    assert not p.feasible and p.samples_per_s == 0 and p.bottleneck == "memory"
+    assert any("lower rollout.micro_batch_size" in problem for problem in p.problems)
+    assert json.loads(json.dumps(p.to_dict(), allow_nan=False))["step_seconds"] is None
+
+
+def test_hetero_separation_generates_on_both_pools_by_relative_speed() -> None:
+    cluster = ClusterSpec((
+        DevicePool("A100-80GB", 1, 8, memory_gib=80, relative_speed=1.0),
+        DevicePool("V100-32GB", 2, 4, memory_gib=32, relative_speed=0.4),
+    ))
+    p = _predict("hetero-separation", cluster=cluster, tp=4)
+    assert "generation:shadow_actor+actor" in _tasks(p)
+    assert p.memory.sequences_per_round.keys() == {"shadow_actor", "actor"}
+
+
+def test_ac_share_places_no_critic() -> None:
+    p = _predict("flattening", tp=2, ac_share=True)
+    assert not any("critic" in name for name in _tasks(p))
+
+
+def test_rollout_reads_a_run_config_by_attribute() -> None:
+    run = SimpleNamespace(
+        rollout=SimpleNamespace(prompts_per_step=8, max_prompt_length=16, micro_batch_size=2,
+                                ppo_epochs=2, num_minibatches=4),
+        generation=SimpleNamespace(max_new_tokens=64))
+    rollout = RolloutSpec.from_run_config(run, activation_checkpointing=True)
+    assert (rollout.batch, rollout.sequence_length, rollout.optimizer_steps) == (8, 80, 8)
+    with pytest.raises(ValueError, match="not a multiple of num_minibatches"):
+        RolloutSpec(batch=10, num_minibatches=4)

@@ -1,0 +1,37 @@
+"""The list schedule: side by side on disjoint ranks, in turn on shared ones."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_rlhf.planner.cost_model import Cost
+from megatron_rlhf.planner.schedule import Task, schedule
+
+
+def test_disjoint_tasks_overlap_and_the_critical_chain_is_found() -> None:
+    tasks = [
+        Task("a", "experience", (range(0, 4),), Cost(compute=1.0)),
+        Task("b", "experience", (range(4, 8),), Cost(compute=2.0)),
+        Task("c", "training", (range(0, 8),), Cost(compute=1.0), deps=(0, 1)),
+    ]
+    result = schedule(tasks)
+    assert result.start == (0.0, 0.0, 2.0)
+    assert result.makespan == 3.0
+    assert result.critical == (1, 2)
+    assert result.period == 3.0 and set(result.busiest) == {1, 2}
+
+
+def test_period_is_the_busiest_block_when_steps_may_overlap() -> None:
+    tasks = [
+        Task("generate", "generation", (range(4, 8),), Cost(memory=3.0)),
+        Task("train", "training", (range(0, 4),), Cost(compute=2.0), deps=(0,)),
+        Task("sync", "sync", (range(0, 4), range(4, 8)), Cost(comm=0.5), deps=(1,)),
+    ]
+    result = schedule(tasks)
+    assert result.makespan == pytest.approx(5.5)
+    assert result.period == pytest.approx(3.5)  # the generating block: 3 + 0.5
+
+
+def test_a_dependency_on_a_later_task_is_refused() -> None:
+    with pytest.raises(ValueError, match="depends on a later task"):
+        schedule([Task("a", "sync", (range(0, 1),), Cost(), deps=(0,))])

@@ -1,0 +1,75 @@
+"""tools/plan_placement.py --predict/--auto and tools/calibrate.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_rlhf.planner import load_profile
+
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+
+
+def _tool(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_tool", TOOLS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_predict_prints_samples_stages_memory_and_largest_batch(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    tool = _tool("plan_placement")
+    tool.main(["--nodes", "2", "--placement", "separation", "--tp", "4", "--model", "llama-13b",
+               "--predict", "--batch", "512"])
+    out = capsys.readouterr().out
+    for text in ("samples/s", "generation", "memory per device", "largest rollout batch",
+                 "pipelined"):
+        assert text in out
+    tool.main(["--nodes", "1", "--placement", "flattening", "--tp", "2", "--model", "llama-7b",
+               "--predict", "--json", "--batch", "64"])
+    body = json.loads(capsys.readouterr().out)
+    assert set(body) == {"plan", "rollout", "prediction"}
+    assert {"samples_per_s", "stage_seconds", "memory_gib", "largest_batch",
+            "bottleneck"} <= set(body["prediction"])
+
+
+def test_auto_ranks_candidates_as_text_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    tool = _tool("plan_placement")
+    tool.main(["--nodes", "1", "--gpus-per-node", "4", "--model", "llama-7b", "--auto",
+               "--batch", "64", "--top", "3"])
+    out = capsys.readouterr().out
+    assert out.splitlines()[1].lstrip().startswith("1 ") and "why:" in out
+    tool.main(["--nodes", "1", "--gpus-per-node", "4", "--model", "llama-7b", "--auto",
+               "--batch", "64", "--json"])
+    body = json.loads(capsys.readouterr().out)
+    assert body["best"] == body["candidates"][0] and body["reason"]
+
+
+def test_profile_flag_and_unknown_kind(capsys: pytest.CaptureFixture[str]) -> None:
+    tool = _tool("plan_placement")
+    tool.main(["--nodes", "1", "--kind", "cpu-box", "--memory-gib", "64", "--tp", "2",
+               "--model", "llama-7b", "--predict", "--batch", "32", "--profile", "H100-80GB"])
+    assert "samples/s" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        tool.main(["--nodes", "1", "--kind", "cpu-box", "--model", "tiny", "--predict"])
+    assert exit_info.value.code == 2
+    assert "has no hardware profile" in capsys.readouterr().err
+
+
+def test_calibrate_writes_a_loadable_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    tool = _tool("calibrate")
+    # The 2-process collective benchmark is replaced by fixed samples: 1 ms latency, 1 GB/s.
+    monkeypatch.setattr(tool, "measure_collectives",
+                        lambda backend: [(4096, 1e-3), (2**20, 2**20 / 1e9), (2**24, 2**24 / 1e9)])
+    out = tmp_path / "cpu.json"
+    tool.main(["--name", "cpu-test", "--out", str(out), "--copy-mib", "4"])
+    line = json.loads(capsys.readouterr().out)
+    profile = load_profile(out)
+    assert line["name"] == profile.name == "cpu-test"
+    assert profile.collective_latency_s == 1e-3 and profile.intra_node_gbps == pytest.approx(8)
+    assert profile.peak_tflops > 0 and profile.hbm_gb_per_s > 0 and profile.layer_latency_s > 0

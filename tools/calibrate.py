@@ -1,0 +1,168 @@
+"""Measure this machine and write a hardware profile for the planner's cost model.
+
+    python tools/calibrate.py --name cpu-local --out runs/profiles/cpu-local.json
+    python tools/calibrate.py --name H100-measured --out h100.json      # on a GPU node
+    python tools/plan_placement.py ... --predict --profile runs/profiles/cpu-local.json
+
+Measures: dense matmul throughput (fp32 on CPU, bf16 on GPU), memory copy bandwidth, host copy
+bandwidth (pinned host-to-device on GPU), the latency of one small transformer layer, and the
+all-reduce bus bandwidth of a 2-process group spawned here (NCCL with 2+ GPUs, else gloo) at a
+few sizes. Writes a ``HardwareProfile`` JSON and prints one JSON line. About 20-60 s.
+
+With ``--ranks N`` on a CPU, the profile describes one of N ranks sharing this machine (as the
+gloo tests and CPU benchmarks run them, one thread each): compute and copy rates are measured on
+one thread and scaled by ``min(1, cores / N)``, the layer latency by its inverse.
+
+Measured peaks are what a collective, a copy or a large matmul achieves, so the profile's
+efficiencies default to 1.0 for links and memory and to 0.5 for compute (a model step reaches
+about half of a large matmul's rate); tune them with ``megatron_rlhf.planner.evaluate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+from megatron_rlhf.planner.hardware import HardwareProfile  # noqa: E402
+from megatron_rlhf.runtime.distributed import free_port  # noqa: E402
+
+COLLECTIVE_BYTES = (2**12, 2**20, 2**24)
+
+
+def _timed(fn, repeats: int, sync) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs, after one warm-up."""
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times)
+
+
+def measure_matmul(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...],
+                   sync) -> float:
+    """Best dense ``n x n @ n x n`` throughput over ``sizes``, TFLOP/s."""
+    best = 0.0
+    for n in sizes:
+        a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+        best = max(best, 2 * n**3 / _timed(lambda a=a, b=b: a @ b, 3, sync) / 1e12)
+    return best
+
+
+def measure_copy(device: torch.device, nbytes: int, sync) -> float:
+    """Device memory bandwidth of a large copy (read + write), GB/s."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _timed(lambda: dst.copy_(src), 5, sync) / 1e9
+
+
+def measure_host(device: torch.device, nbytes: int, sync) -> float:
+    """Host-to-device bandwidth from pinned memory, GB/s (the copy bandwidth on CPU)."""
+    if device.type != "cuda":
+        return measure_copy(device, nbytes, sync) / 2
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return nbytes / _timed(lambda: dst.copy_(host, non_blocking=True), 5, sync) / 1e9
+
+
+def measure_layer_latency(device: torch.device, dtype: torch.dtype, sync) -> float:
+    """Seconds of one forward of a tiny transformer layer: the fixed cost of a layer call."""
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 256, dropout=0.0, batch_first=True)
+    layer = layer.to(device=device, dtype=dtype).eval()
+    x = torch.randn(1, 8, 64, device=device, dtype=dtype)
+    with torch.no_grad():
+        return _timed(lambda: layer(x), 20, sync)
+
+
+def _collective_worker(rank: int, port: int, backend: str, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=2)
+    try:
+        sync = torch.cuda.synchronize if backend == "nccl" else (lambda: None)
+        samples = []
+        for nbytes in COLLECTIVE_BYTES:
+            tensor = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+            samples.append((nbytes, _timed(lambda t=tensor: dist.all_reduce(t), 5, sync)))
+        if rank == 0:
+            results.put(samples)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_collectives(backend: str) -> list[tuple[int, float]]:
+    """(bytes, seconds) of a 2-rank all-reduce at each of ``COLLECTIVE_BYTES``."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    mp.start_processes(_collective_worker, args=(free_port(), backend, results), nprocs=2,
+                       join=True, start_method="spawn")
+    return results.get(timeout=10)
+
+
+def fit_links(samples: list[tuple[int, float]]) -> tuple[float, float]:
+    """(latency s, bus bandwidth bytes/s) of a 2-rank all-reduce: the smallest message's time,
+    and the best ``2 (n-1)/n * bytes / t`` (= bytes / t for n = 2) of the larger ones."""
+    latency = min(samples)[1]
+    bandwidth = max(nbytes / seconds for nbytes, seconds in samples[1:])
+    return latency, bandwidth
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--name", default="cpu-local", help="profile name (= the pool kind)")
+    parser.add_argument("--out", type=Path, default=Path("calibrated-profile.json"))
+    parser.add_argument("--compute-efficiency", type=float, default=0.5)
+    parser.add_argument("--copy-mib", type=int, default=256, help="size of the copy test")
+    parser.add_argument("--ranks", type=int, default=0,
+                        help="CPU only: ranks that will share this machine, one thread each")
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    share = 1.0
+    if args.ranks and not cuda:
+        torch.set_num_threads(1)
+        share = min(1.0, (os.cpu_count() or 1) / args.ranks)
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sizes = (2048, 4096, 8192) if cuda else (256, 512, 1024)
+    backend = "nccl" if cuda and torch.cuda.device_count() >= 2 else "gloo"
+    latency, bus = fit_links(measure_collectives(backend))
+    memory = (torch.cuda.get_device_properties(0).total_memory if cuda
+              else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    profile = HardwareProfile(
+        name=args.name, peak_tflops=share * measure_matmul(device, dtype, sizes, sync),
+        hbm_gb_per_s=share * measure_copy(device, args.copy_mib * 2**20, sync),
+        memory_gib=memory / 2**30, intra_node_gbps=bus * 8 / 1e9, inter_node_gbps=bus * 8 / 1e9,
+        host_gb_per_s=measure_host(device, args.copy_mib * 2**20, sync),
+        compute_efficiency=args.compute_efficiency, memory_efficiency=1.0, link_efficiency=1.0,
+        layer_latency_s=measure_layer_latency(device, dtype, sync) / share,
+        collective_latency_s=latency,
+        source=f"tools/calibrate.py on {torch.cuda.get_device_name(0) if cuda else 'CPU'} "
+               f"({os.cpu_count()} cores, {args.ranks or 1} ranks sharing it), {backend} "
+               "all-reduce of 2 local processes; "
+               "inter_node_gbps is the local figure: set it for a real network",
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
+    print(json.dumps({"out": str(args.out), **profile.to_dict()}))
+
+
+if __name__ == "__main__":
+    main()
