@@ -12,17 +12,18 @@ checkpoint: its trunk is loaded and the scalar head starts fresh. See :mod:`engi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megatron_rlhf.data import RMDataset, RMExample, collate_preferences
+from megatron_rlhf.data import ReaderConfig, RMDataset, RMExample, collate_preferences
 from megatron_rlhf.engine.supervised import (
     Objective,
     SupervisedConfig,
+    SupervisedDataConfig,
     TrainingResult,
     run_supervised,
 )
@@ -49,9 +50,11 @@ _MAY_DIFFER = ("head", "seq_length", "params_dtype")
 
 @dataclass
 class RMConfig(SupervisedConfig):
-    """A reward-model run (fields as :class:`SupervisedConfig`; batch sizes count pairs); trains
-    on the ``rm`` data portion."""
+    """A reward-model run (fields as :class:`SupervisedConfig`; batch sizes count pairs) on the
+    ``rm`` data portion; records need a prompt, a chosen and a rejected response."""
 
+    data: SupervisedDataConfig = field(default_factory=lambda: SupervisedDataConfig(
+        reader=ReaderConfig(required=["prompt", "chosen", "rejected"])))
     out_dir: str = "runs/rm"
 
 

@@ -12,15 +12,16 @@ converted Hugging Face model) is loaded whole. See :mod:`engine.supervised` for 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.data import SFTDataset, SFTExample, collate_sft
+from megatron_rlhf.data import ReaderConfig, SFTDataset, SFTExample, collate_sft
 from megatron_rlhf.engine.supervised import (
     Objective,
     SupervisedConfig,
+    SupervisedDataConfig,
     TrainingResult,
     run_supervised,
 )
@@ -34,8 +35,11 @@ from megatron_rlhf.topology.models import ACTOR
 
 @dataclass
 class SFTConfig(SupervisedConfig):
-    """An SFT run (fields as :class:`SupervisedConfig`); trains on the ``sft`` data portion."""
+    """An SFT run (fields as :class:`SupervisedConfig`) on the ``sft`` data portion; records
+    need only a prompt and a response."""
 
+    data: SupervisedDataConfig = field(default_factory=lambda: SupervisedDataConfig(
+        reader=ReaderConfig(required=["prompt", "response"])))
     out_dir: str = "runs/sft"
 
 

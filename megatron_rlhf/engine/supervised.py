@@ -17,7 +17,7 @@ import random
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +41,8 @@ from megatron_rlhf.runtime.bootstrap import RuntimeConfig, initialize_runtime
 from megatron_rlhf.runtime.logging import get_logger, setup_logging
 from megatron_rlhf.runtime.metrics import MetricsWriter
 from megatron_rlhf.topology.cluster import ClusterSpec
-from megatron_rlhf.topology.config import PlacementConfig
-from megatron_rlhf.topology.groups import build_process_groups
+from megatron_rlhf.topology.groups import build_model_process_groups
 from megatron_rlhf.topology.models import ArchSpec, ModelSpec, arch_preset
-from megatron_rlhf.topology.plan import ModelPlacement, PlacementPlan
 
 logger = get_logger(__name__)
 
@@ -76,7 +74,7 @@ class SupervisedDataConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 < self.eval_fraction < 1.0:
-            raise ValueError(f"data.eval_fraction={self.eval_fraction} must be in (0, 1), e.g. 0.05")
+            raise ValueError(f"data.eval_fraction={self.eval_fraction} must be in (0, 1)")
 
 
 @dataclass
@@ -131,9 +129,9 @@ class SupervisedTrainConfig:
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
-            if value < int(name not in ("max_steps", "eval_interval")):
-                raise ValueError(f"train.{name}={value} is too small: >= 1 (0 allowed for "
-                                 "max_steps and eval_interval)")
+            minimum = 0 if name in ("max_steps", "eval_interval") else 1
+            if value < minimum:
+                raise ValueError(f"train.{name}={value} must be >= {minimum}")
 
 
 @dataclass
@@ -191,7 +189,7 @@ class Objective:
 
 @dataclass
 class TrainingResult:
-    """The run directory and per-step metrics (``eval_*`` when evaluated); equal on all ranks."""
+    """The run directory and per-step metrics, the same on every rank but ``step_seconds``."""
 
     out_dir: Path
     history: list[dict[str, float]]
@@ -204,57 +202,59 @@ def _held_out(prompt: str, data: SupervisedDataConfig) -> bool:
 
 def load_examples(config: SupervisedConfig, objective: Objective, tokenizer: Tokenizer
                   ) -> tuple[list[Any], list[Any]]:
-    """Training and held-out examples of ``objective``; logs each file's read summary.
+    """Training and held-out examples of ``objective``; logs one line per file (the readers
+    warn about bad records in detail).
 
     Raises:
         DataError: an unusable file, or a bad record under ``on_bad_record=error``.
     """
-    data = config.data
+    data, room = config.data, config.train.max_length - 2
+    # BOS and one response token must fit after the prompt: longer prompts are bad records.
+    reader = replace(data.reader, max_prompt_tokens=min(data.reader.max_prompt_tokens or room,
+                                                        room))
     paths, eval_paths = list(data.paths), list(data.eval_paths)
     if not paths:
         # Every rank writes the same bytes atomically: no barrier, and no shared disk needed.
         written = write_task_jsonl(Path(config.out_dir) / "data", data.synthetic)
         paths, eval_paths = [str(written["train"])], eval_paths or [str(written["test"])]
-    splits, summaries = load_splits(DataConfig(paths, data.reader, data.split), tokenizer)
+    splits, summaries = load_splits(DataConfig(paths, reader, data.split), tokenizer)
     train = getattr(splits, objective.portion)
     if eval_paths:
-        held_out, eval_summaries = read_files(eval_paths, data.reader, tokenizer)
+        held_out, eval_summaries = read_files(eval_paths, reader, tokenizer)
         summaries += eval_summaries
     else:
         held_out = [record for record in train if _held_out(record.prompt, data)]
         train = [record for record in train if not _held_out(record.prompt, data)]
-    logger.info("%s", "\n".join(summary.format() for summary in summaries))
+    logger.info("kept %s", ", ".join(f"{s.num_kept} of {s.num_read} records of {s.path}"
+                                     for s in summaries))
     datasets = objective.make_examples(train), objective.make_examples(held_out)
     return tuple([dataset[i] for i in range(len(dataset))] for dataset in datasets)
 
 
-def plan_single_model(cluster: ClusterSpec, role: str, arch: ArchSpec, tp: int, pp: int,
-                      distributed_optimizer: bool) -> PlacementPlan:
-    """One trainable model on every rank of ``cluster`` (pure; ValueError if tp/pp do not fit
-    the architecture, the world or the node size)."""
-    spec = ModelSpec(role, arch, trainable=True, tp=tp, pp=pp,
-                     distributed_optimizer=distributed_optimizer)
-    world = cluster.world_size
-    if world % (tp * pp):
-        raise ValueError(f"model.tp({tp}) x model.pp({pp}) = {tp * pp} does not divide the "
-                         f"{world} launched ranks; launch a multiple of {tp * pp} ranks")
+def data_parallel_size(spec: ModelSpec, cluster: ClusterSpec) -> int:
+    """DP of one model spread over every rank of ``cluster``.
+
+    Raises:
+        ValueError: tp * pp does not divide the ranks, or tp the ranks of a node.
+    """
+    mp, world = spec.model_parallel_size, cluster.world_size
+    if world % mp:
+        raise ValueError(f"model.tp({spec.tp}) x model.pp({spec.pp}) = {mp} does not divide the "
+                         f"{world} launched ranks: launch a multiple of {mp}")
     for pool in cluster.pools:
-        if pool.devices_per_node % tp:
-            raise ValueError(f"model.tp({tp}) does not divide devices_per_node"
-                             f"({pool.devices_per_node}); a TP group must stay inside a node")
-    return PlacementPlan(cluster, PlacementConfig(tp=tp, pp=pp),
-                         {role: ModelPlacement(spec, 0, world, 1.0)})
+        if pool.devices_per_node % spec.tp:
+            raise ValueError(f"model.tp({spec.tp}) does not divide the {pool.devices_per_node} "
+                             "ranks of a node: a TP group must stay inside a node")
+    return world // mp
 
 
 def _reduce(per_microbatch: list[dict[str, Any]], keys: tuple[str, ...],
             pg_collection: ProcessGroupCollection, device: torch.device) -> dict[str, float]:
     """Sum metrics over micro-batches and replicas onto every rank (default-group collective);
     only last pipeline stages have metrics, equal over TP, so TP rank 0 contributes."""
-    totals = torch.zeros(len(keys), dtype=torch.float64, device=device)
-    if pg_collection.tp.rank() == 0:
-        for metrics in per_microbatch:
-            totals += torch.stack([torch.as_tensor(metrics[k], dtype=torch.float64, device=device)
-                                   for k in keys])
+    mine = per_microbatch if pg_collection.tp.rank() == 0 else []
+    rows = [[float(metrics[key]) for key in keys] for metrics in mine]
+    totals = torch.tensor(rows, dtype=torch.float64, device=device).reshape(-1, len(keys)).sum(0)
     dist.all_reduce(totals)
     sums = dict(zip(keys, totals.tolist(), strict=True))
     count = max(sums["count"], 1.0)
@@ -279,8 +279,8 @@ def _check_run(config: SupervisedConfig, objective: Objective, arch: ArchSpec,
                          f"of dp({dp}) x train.micro_batch_size({train.micro_batch_size})")
     if num_train < train.global_batch_size or num_held_out < unit:
         raise ValueError(f"{num_train} training and {num_held_out} held-out {objective.name} "
-                         f"examples do not fill train.global_batch_size({train.global_batch_size})"
-                         f" and dp x micro_batch_size({unit}): add records, raise data.split."
+                         f"examples do not fill global_batch_size({train.global_batch_size}) and "
+                         f"dp x micro_batch_size({unit}): add records, raise data.split."
                          f"{objective.portion} or set data.eval_paths")
     steps = num_train // train.global_batch_size * train.epochs
     return min(steps, train.max_steps or steps), num_held_out // unit * unit
@@ -294,7 +294,6 @@ class _Batches:
                  device: torch.device) -> None:
         self.config, self.objective, self.tokenizer = config, objective, tokenizer
         self.train, self.dp, self.device = train, dp, device
-        self.steps_per_epoch = len(train) // config.train.global_batch_size
         self.held_out = self._replica(held_out)
 
     def _replica(self, examples: list[Any]) -> list[Batch]:
@@ -306,19 +305,18 @@ class _Batches:
 
     def step(self, step: int) -> list[Batch]:
         """Micro-batches of training step ``step``."""
-        epoch, index = divmod(step, self.steps_per_epoch)
+        size = self.config.train.global_batch_size
+        epoch, index = divmod(step, len(self.train) // size)
         order = random.Random(f"{self.config.runtime.seed}:{epoch}").sample(
             range(len(self.train)), len(self.train))
-        size = self.config.train.global_batch_size
         return self._replica([self.train[i] for i in order[index * size:(index + 1) * size]])
 
 
-def _build(config: SupervisedConfig, objective: Objective, plan: PlacementPlan,
+def _build(config: SupervisedConfig, objective: Objective, spec: ModelSpec,
            total_steps: int) -> tuple[ModelTrainer, ProcessGroupCollection]:
-    pgc = build_process_groups(plan, config.runtime.distributed.timeout_s)[objective.role]
-    arch = plan[objective.role].spec.arch
+    pgc = build_model_process_groups(spec, config.runtime.distributed.timeout_s)
     options = ModelBuildOptions(head=objective.head, params_dtype=config.model.params_dtype)
-    model = build_gpt_model(arch, options, pgc, seed=config.runtime.seed)
+    model = build_gpt_model(spec.arch, options, pgc, seed=config.runtime.seed)
     init_weights(model, pgc, seed=config.model.init_seed)
     if config.model.init_checkpoint:
         # Before the trainer exists: the optimizer copies the weights it starts from.
@@ -340,17 +338,17 @@ def run_supervised(config: SupervisedConfig, objective: Objective) -> TrainingRe
                          "out_dir or delete it")
     tokenizer = Tokenizer.from_config(config.tokenizer)
     arch = arch_preset(config.model.arch)
-    plan = plan_single_model(cluster_from_environment(), objective.role, arch, config.model.tp,
-                             config.model.pp, config.optimizer.distributed_optimizer)
-    placement = plan[objective.role]
+    spec = ModelSpec(objective.role, arch, trainable=True, tp=config.model.tp, pp=config.model.pp,
+                     distributed_optimizer=config.optimizer.distributed_optimizer)
+    dp = data_parallel_size(spec, cluster_from_environment())
     train, held_out = load_examples(config, objective, tokenizer)
-    total_steps, num_evaluated = _check_run(config, objective, arch, tokenizer, placement.dp,
-                                            len(train), len(held_out))
+    total_steps, num_evaluated = _check_run(config, objective, arch, tokenizer, dp, len(train),
+                                            len(held_out))
     initialize_runtime(config.runtime)
     device = torch.device(torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
+    trainer, pgc = _build(config, objective, spec, total_steps)
     batches = _Batches(config, objective, tokenizer, train, held_out[:num_evaluated],
-                       (placement.dp, placement.coords(dist.get_rank()).dp), device)
-    trainer, pgc = _build(config, objective, plan, total_steps)
+                       (dp, pgc.dp.rank()), device)
     out = Path(config.out_dir)
     if dist.get_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -360,7 +358,7 @@ def run_supervised(config: SupervisedConfig, objective: Objective) -> TrainingRe
         (out / "metrics.jsonl").unlink(missing_ok=True)
     logger.info("%s: %d steps of %d of %d examples, tp=%d pp=%d dp=%d, %d held-out examples",
                 objective.name, total_steps, config.train.global_batch_size, len(train),
-                placement.tp, placement.pp, placement.dp, num_evaluated)
+                spec.tp, spec.pp, dp, num_evaluated)
     history = _train_loop(config, objective, trainer, pgc, batches, total_steps, device)
     save_model_checkpoint(trainer.model, pgc, out / CHECKPOINT_DIR, {
         "role": objective.role, "task": objective.name, "steps": total_steps,
@@ -374,8 +372,7 @@ def _train_loop(config: SupervisedConfig, objective: Objective, trainer: ModelTr
                 device: torch.device) -> list[dict[str, float]]:
     loss_fn, keys = objective.loss_fn(pgc.tp, trainer.model.real_vocab_size), objective.metric_keys
     interval = config.train.eval_interval
-    writer = MetricsWriter(config.out_dir, total_steps, progress=False)
-    history = []
+    writer, history = MetricsWriter(config.out_dir, total_steps, progress=False), []
     try:
         for step in range(total_steps):
             start = time.perf_counter()
