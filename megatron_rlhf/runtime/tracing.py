@@ -63,10 +63,11 @@ class Tracer:
             totals[span.stage] = totals.get(span.stage, 0.0) + span.end - span.start
         return totals
 
-    def busy_seconds(self) -> float:
-        """Seconds covered by at least one span (nested spans counted once)."""
+    def busy_seconds(self, stages: set[str] | None = None) -> float:
+        """Seconds covered by at least one span of ``stages`` (all stages when None)."""
         busy, cursor = 0.0, float("-inf")
-        for span in sorted(self.spans, key=lambda s: s.start):
+        chosen = [s for s in self.spans if stages is None or s.stage in stages]
+        for span in sorted(chosen, key=lambda s: s.start):
             start = max(span.start, cursor)
             if span.end > start:
                 busy += span.end - start

@@ -1,0 +1,225 @@
+"""Every placement on 4 CPU ranks at one tiny configuration: speed, stage times, idle, memory.
+
+    python benchmarks/placements.py                  # all placements, one JSON line each
+    python benchmarks/placements.py --steps 6 --memory-budget-gib 2
+
+Each placement runs under torchrun (4 gloo ranks, all placements in this one invocation). Per
+placement it prints samples/s (measured steps after a warm-up step, batch
+B), seconds per stage (mean over ranks of the traced stage time per step), the idle fraction of
+each rank (1 - time in compute stages / wall time; waiting inside transfers and weight sync
+counts as idle), the peak resident memory of each rank, the bytes of model state (weights,
+gradient buffers, optimizer state) each rank holds, measured from its tensors, and the largest
+rollout batch that fits ``--memory-budget-gib`` per rank: (budget - model state) / the bytes a
+rollout row adds on that rank (KV cache of the generating replicas, divided over their DP size,
+plus the experience rows every trainer rank keeps), minimised over ranks.
+
+A last line compares the planner's prediction with the measurement: predicted and measured
+ranking of the placements (Kendall tau) and predicted/measured stage times, using a profile of
+this machine measured by ``tools/calibrate.py --ranks 4`` (or ``--profile``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+COMPUTE_STAGES = {"generate", "experience", "advantages", "train"}
+PLANNER_STAGES = {"generate": "generation", "experience": "experience", "train": "training",
+                  "transfer": "transfer", "sync_weights": "sync"}
+PLACEMENTS = {
+    "flattening": ["placement.strategy=flattening"],
+    "interleaving": ["placement.strategy=interleaving"],
+    "interleaving2": ["placement.strategy=interleaving2"],
+    "separation": ["placement.strategy=separation"],
+    "separation-async": ["placement.strategy=separation", "rollout.async_rollout=true"],
+}
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One placement on this torchrun world; rank 0 writes the per-rank figures to ``--out``."""
+    import torch.distributed as dist
+
+    from megatron_rlhf.config.loader import load_config
+    from megatron_rlhf.engine.build import build_engine, cluster_from_environment, make_plan
+    from megatron_rlhf.engine.config import RunConfig
+    from megatron_rlhf.engine.ppo import PPOTrainer
+    from megatron_rlhf.engine.runner import load_prompts, rule_reward_for
+    from megatron_rlhf.models.tokenizer import Tokenizer
+    from megatron_rlhf.runtime.bootstrap import initialize_runtime
+    from megatron_rlhf.runtime.tracing import configure_tracing
+
+    overrides = PLACEMENTS[args.placement] + [
+        f"rollout.prompts_per_step={args.batch}", f"steps={args.steps + 1}", "runtime.log_level=WARNING"]
+    config = load_config(RunConfig, REPO / "examples" / "ppo_tiny.yaml", overrides)
+    tokenizer = Tokenizer.from_config(config.tokenizer)
+    prompts = load_prompts(config, tokenizer)
+    plan = make_plan(config, cluster_from_environment(config.cluster.pools))
+    initialize_runtime(config.runtime)
+    engine = build_engine(config, plan, tokenizer.eos_id, tokenizer.pad_id)
+    trainer = PPOTrainer(engine, config.algorithm, config.rollout, config.reward,
+                         config.runtime.seed, prompts.batch, config.steps,
+                         rule_reward_for(config, tokenizer))
+    trainer.step(0)  # warm-up: first-touch allocations, optimizer state
+    dist.barrier()
+    tracer = configure_tracing(True)
+    start = time.time()
+    for step in range(1, config.steps):
+        trainer.step(step)
+    dist.barrier()
+    wall = time.time() - start
+    mine = {"stage_seconds": tracer.seconds_by_stage(),
+            "busy": tracer.busy_seconds(COMPUTE_STAGES),
+            "model_state_bytes": model_state_bytes(engine),
+            "row_bytes": row_bytes(engine, config),
+            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "roles": list(plan.roles_on(dist.get_rank()))}
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps({"wall": wall, "steps": args.steps,
+                                              "batch": args.batch, "ranks": gathered}))
+
+
+def model_state_bytes(engine) -> int:
+    """Bytes of the distinct storages behind this rank's weights, gradients and optimizer state."""
+    storages: dict[int, int] = {}
+
+    def add(tensor) -> None:
+        if tensor is not None and hasattr(tensor, "untyped_storage"):
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+
+    for worker in engine.workers.values():
+        for param in worker.model.parameters():
+            add(param)
+            add(getattr(param, "main_grad", None))
+        if worker.trainer is not None:
+            for state in worker.trainer.optimizer.optimizer.state.values():
+                for value in state.values():
+                    add(value)
+    return sum(storages.values())
+
+
+def row_bytes(engine, config) -> float:
+    """Bytes one more rollout row costs this rank: KV cache share plus kept experience rows."""
+    p, r = config.rollout.max_prompt_length, config.generation.max_new_tokens
+    total = 0.0
+    for role in engine.workers:
+        placement = engine.plan[role]
+        if role == engine.policy_for_inference:
+            arch, kv_heads = placement.spec.arch, placement.spec.arch.num_query_groups
+            per_layer = 2 * kv_heads * (arch.hidden_size // arch.num_attention_heads) * 4
+            total += (arch.num_layers // placement.pp) * per_layer // placement.tp * (p + r) \
+                / placement.dp
+    if any(role in engine.workers for role in engine.trainable_roles):
+        # ids and masks (int64) over P+R, response mask (int64) and 8 float32 fields over R.
+        total += 2 * 8 * (p + r) + 8 * r + 8 * 4 * r
+    return total
+
+
+def run_placement(name: str, batch: int, steps: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", "4", __file__, "--worker", "--placement", name,
+                   "--batch", str(batch), "--steps", str(steps), "--out", str(out)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+        if done.returncode != 0:
+            errors = [line for line in done.stderr.splitlines()
+                      if "Error" in line or "error" in line or "what()" in line]
+            raise RuntimeError(f"{name} at batch {batch} failed:\n" + "\n".join(errors[-20:]))
+        return json.loads(out.read_text())
+
+
+def summarise(name: str, run: dict, budget_gib: float) -> dict:
+    """One JSON line for a placement."""
+    ranks = run["ranks"]
+    stages = sorted({stage for r in ranks for stage in r["stage_seconds"]})
+    per_step = {s: round(sum(r["stage_seconds"].get(s, 0.0) for r in ranks)
+                         / len(ranks) / run["steps"], 4) for s in stages}
+    budget = budget_gib * 2**30
+    fits = [int((budget - r["model_state_bytes"]) / r["row_bytes"]) for r in ranks if r["row_bytes"]]
+    return {
+        "placement": name,
+        "samples_per_s": round(run["batch"] * run["steps"] / run["wall"], 2),
+        "seconds_per_step": round(run["wall"] / run["steps"], 3),
+        "stage_seconds_per_step": per_step,
+        "idle_fraction": [round(1 - r["busy"] / run["wall"], 3) for r in ranks],
+        "roles": [r["roles"] for r in ranks],
+        "peak_rss_gib": [round(r["peak_rss_gib"], 3) for r in ranks],
+        "model_state_mib": [round(r["model_state_bytes"] / 2**20, 2) for r in ranks],
+        "max_batch_at_budget": min(fits),
+        "memory_budget_gib": budget_gib,
+    }
+
+
+def planner_comparison(results: dict[str, dict], batch: int, profile_path: Path) -> dict:
+    """Predicted against measured samples/s ranking and stage times, on this machine's profile."""
+    from megatron_rlhf.config.loader import load_config
+    from megatron_rlhf.engine.build import make_plan
+    from megatron_rlhf.engine.config import RunConfig
+    from megatron_rlhf.planner import RolloutSpec, compare_rankings, load_profile, predict_step
+    from megatron_rlhf.topology.cluster import ClusterSpec, DevicePool
+
+    profile = load_profile(profile_path)
+    cluster = ClusterSpec((DevicePool(profile.name, nodes=1, devices_per_node=4),))
+    predicted, stage_ratios = {}, {}
+    for name, measured in results.items():
+        config = load_config(RunConfig, REPO / "examples" / "ppo_tiny.yaml",
+                             PLACEMENTS[name] + [f"rollout.prompts_per_step={batch}"])
+        rollout = RolloutSpec.from_run_config(config, overlap=config.rollout.async_rollout)
+        prediction = predict_step(make_plan(config, cluster), rollout, profile)
+        predicted[name] = prediction.samples_per_s
+        stage_ratios[name] = {
+            PLANNER_STAGES[k]: round(prediction.stage_seconds.get(PLANNER_STAGES[k], 0.0) / v, 2)
+            for k, v in measured["stage_seconds_per_step"].items()
+            if k in PLANNER_STAGES and v > 0}
+    report = compare_rankings(predicted, {n: r["samples_per_s"] for n, r in results.items()})
+    return {"comparison": "planner_vs_measured", "profile": str(profile_path),
+            "predicted_samples_per_s": {k: round(v, 2) for k, v in predicted.items()},
+            "predicted_order": report.predicted_order, "measured_order": report.measured_order,
+            "kendall_tau": round(report.kendall_tau, 3), "same_order": report.same_order,
+            "predicted_over_measured_stage_seconds": stage_ratios}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--placement", choices=sorted(PLACEMENTS), help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=16, help="rollout batch B")
+    parser.add_argument("--steps", type=int, default=4, help="measured steps after a warm-up")
+    parser.add_argument("--memory-budget-gib", type=float, default=0.01,
+                        help="per-rank memory budget for the largest-batch estimate")
+    parser.add_argument("--profile", type=Path,
+                        help="planner profile of this machine (default: measure one now)")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    results = {}
+    for name in PLACEMENTS:
+        results[name] = summarise(name, run_placement(name, args.batch, args.steps),
+                                  args.memory_budget_gib)
+        print(json.dumps(results[name]), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        profile = args.profile or Path(tmp) / "cpu-local.json"
+        if args.profile is None:
+            subprocess.run([sys.executable, str(REPO / "tools" / "calibrate.py"), "--ranks", "4",
+                            "--out", str(profile)], check=True, cwd=REPO,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        print(json.dumps(planner_comparison(results, args.batch, profile)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
