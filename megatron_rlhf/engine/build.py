@@ -14,6 +14,7 @@ import torch.distributed as dist
 from megatron_rlhf.engine.config import RunConfig
 from megatron_rlhf.engine.engine import PPOEngine
 from megatron_rlhf.engine.workers import ModelWorker
+from megatron_rlhf.models.checkpoint import load_model_checkpoint, read_checkpoint_info
 from megatron_rlhf.models.gpt import ModelBuildOptions, build_gpt_model
 from megatron_rlhf.models.trainer import ModelTrainer
 from megatron_rlhf.models.weights import init_weights
@@ -23,6 +24,9 @@ from megatron_rlhf.topology.cluster import ClusterSpec, DevicePool
 from megatron_rlhf.topology.groups import build_process_groups
 from megatron_rlhf.topology.models import (
     ACTOR,
+    CRITIC,
+    REF,
+    REWARD,
     SHADOW_ACTOR,
     SHADOW_OF,
     TRAINABLE_ROLES,
@@ -73,12 +77,41 @@ def _head(role: str, ac_share: bool) -> str:
     return "lm+scalar" if ac_share and role in (ACTOR, SHADOW_ACTOR) else "lm"
 
 
+def initial_checkpoints(config: RunConfig) -> dict[str, str]:
+    """Role -> checkpoint directory its initial weights come from (roles absent: fresh init)."""
+    models = config.models
+    sources = {}
+    if models.actor_checkpoint:
+        sources.update({ACTOR: models.actor_checkpoint, REF: models.actor_checkpoint})
+    if models.reward_checkpoint:
+        sources[REWARD] = models.reward_checkpoint
+        if models.critic_from_reward and not config.placement.ac_share:
+            sources[CRITIC] = models.reward_checkpoint
+    return sources
+
+
+def check_checkpoint_tokenizers(config: RunConfig, tokenizer_fingerprint: str) -> None:
+    """Refuse initial checkpoints trained with another tokenizer (before any process group).
+
+    Raises:
+        ValueError: naming the checkpoint, the role and the fix.
+    """
+    for role, directory in initial_checkpoints(config).items():
+        recorded = read_checkpoint_info(directory).metadata.get("tokenizer_fingerprint")
+        if recorded is not None and recorded != tokenizer_fingerprint:
+            raise ValueError(
+                f"{role} checkpoint {directory} was trained with another tokenizer "
+                f"(fingerprint {recorded[:12]}..., this run's is {tokenizer_fingerprint[:12]}...); "
+                "use the tokenizer.model saved next to that checkpoint (tokenizer.model_path)")
+
+
 def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int, pad_id: int) -> PPOEngine:
     """Build this rank's models and the engine. Collective: every rank calls it."""
     groups = build_process_groups(
         plan, timeout=datetime.timedelta(seconds=config.runtime.distributed.timeout_s))
     rank = dist.get_rank()
     workers: dict[str, ModelWorker] = {}
+    models = {}
     total_updates = (config.steps * config.rollout.ppo_epochs * config.rollout.num_minibatches)
     for role in plan.roles_on(rank):
         pgc = groups[role]
@@ -86,11 +119,18 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int, pad_id: in
                                     params_dtype=config.models.params_dtype)
         model = build_gpt_model(plan[role].spec.arch, options, pgc, seed=config.runtime.seed)
         init_weights(model, pgc, seed=config.models.init_seed)
+        models[role] = model
+    # Every rank takes part in each load (megatron's dist_checkpointing is collective).
+    for role, directory in initial_checkpoints(config).items():
+        if role in plan.models:
+            load_model_checkpoint(models.get(role), groups[role], directory, new_head=True)
+    for role, model in models.items():
         trainer = None
         if role in TRAINABLE_ROLES:
             settings = config.actor_optimizer if role == ACTOR else config.critic_optimizer
-            trainer = ModelTrainer(model, pgc, settings, total_steps=total_updates)
-        workers[role] = ModelWorker(role, model, pgc, trainer, config.rollout.micro_batch_size)
+            trainer = ModelTrainer(model, groups[role], settings, total_steps=total_updates)
+        workers[role] = ModelWorker(role, model, groups[role], trainer,
+                                    config.rollout.micro_batch_size)
     weight_syncs = {}
     for shadow, source in SHADOW_OF.items():
         if shadow in plan.models:

@@ -29,11 +29,7 @@ from megatron_rlhf.engine.supervised import (
 )
 from megatron_rlhf.engine.workers import split_microbatches
 from megatron_rlhf.models.checkpoint import (
-    ModelDescription,
     load_model_checkpoint,
-    load_sharded_checkpoint,
-    model_sharded_state_dict,
-    read_checkpoint_info,
 )
 from megatron_rlhf.models.schedule import Batch, LossFn
 from megatron_rlhf.models.tokenizer import Tokenizer
@@ -99,34 +95,15 @@ def pairwise_loss(tp_group: dist.ProcessGroup, real_vocab_size: int) -> LossFn:
 
 def load_trunk(model: torch.nn.Module, pg_collection: ProcessGroupCollection,
                directory: str) -> None:
-    """Load a checkpoint into ``model``: whole if it has a scalar head, else its trunk only.
+    """Load a checkpoint into the reward model: whole if it has a scalar head, else its trunk.
 
     An SFT (``lm``-head) checkpoint gives every weight but the output layer, which keeps its
     initialisation. Collective over the default group; any saved TP/PP loads.
-
-    Raises:
-        FileNotFoundError: no checkpoint at ``directory``.
-        ValueError: the checkpoint holds another trunk, or cannot be read.
     """
-    saved = read_checkpoint_info(directory).model
-    if saved.head == model.head_kind:
-        load_model_checkpoint(model, pg_collection, directory)
-        return
-    ours = ModelDescription.from_model(model)
-    differences = {name: (getattr(saved, name), value) for name, value in vars(ours).items()
-                   if name not in _MAY_DIFFER and getattr(saved, name) != value}
-    if differences:
-        raise ValueError(f"checkpoint {directory} holds another trunk, (saved, model): "
-                         f"{differences}; set model.arch to the checkpoint's architecture")
-    trunk = {key: value for key, value in model_sharded_state_dict(model, pg_collection).items()
-             if not key.startswith("output_layer.")}
-    loaded = load_sharded_checkpoint({_CHECKPOINT_MODEL_KEY: trunk}, directory)
-    missing, unexpected = model.load_state_dict(loaded[_CHECKPOINT_MODEL_KEY], strict=False)
-    not_loaded = [key for key in missing if not key.startswith("output_layer.")] + unexpected
-    if not_loaded:
-        raise ValueError(f"checkpoint {directory} does not fill the trunk: {not_loaded[:4]}")
-    logger.info("loaded the trunk of %s (%r head); the %r head is new", directory, saved.head,
-                ours.head)
+    info = load_model_checkpoint(model, pg_collection, directory, new_head=True)
+    if info.model.head != model.head_kind:
+        logger.info("loaded the trunk of %s (%r head); the %r head is new", directory,
+                    info.model.head, model.head_kind)
 
 
 RM_OBJECTIVE = Objective(name="rm", role=REWARD, head="scalar", portion="rm",

@@ -448,7 +448,7 @@ def read_checkpoint_info(directory: str | Path) -> CheckpointInfo:
 def _check_keys(sharded_state_dict: ShardedStateDict, path: Path) -> None:
     stored = read_dcp_metadata(path).state_dict_metadata
     for item in nested_values(sharded_state_dict):
-        key = item.unique_key if isinstance(item, ShardedObject) else getattr(item, "key", None)
+        key = _stored_key(item)
         if key is not None and key not in stored:
             raise ValueError(f"checkpoint {path} has no entry {key!r} that the model needs; it "
                              f"holds {len(stored)} entries such as {sorted(stored)[:4]}")
@@ -475,8 +475,11 @@ def load_sharded_checkpoint(sharded_state_dict: ShardedStateDict,
         raise ValueError(f"checkpoint {path} could not be read: {exc}") from exc
 
 
-def _check_same_model(saved: ModelDescription, model: ModelDescription, directory: str) -> None:
+def _check_same_model(saved: ModelDescription, model: ModelDescription, directory: str,
+                      new_head: bool = False) -> None:
     for name in _MUST_MATCH:
+        if new_head and name == "head":
+            continue
         ours, theirs = getattr(model, name), getattr(saved, name)
         if ours != theirs:
             raise ValueError(f"checkpoint {directory} holds a model with {name}={theirs!r} but "
@@ -484,22 +487,48 @@ def _check_same_model(saved: ModelDescription, model: ModelDescription, director
                              "read_checkpoint_info(...).model")
 
 
-def load_model_checkpoint(model: GPTModel, pg_collection: ProcessGroupCollection,
-                          directory: str | Path) -> CheckpointInfo:
+def load_model_checkpoint(model: GPTModel | None, pg_collection: ProcessGroupCollection | None,
+                          directory: str | Path, new_head: bool = False) -> CheckpointInfo:
     """Load a model checkpoint into this rank's part of ``model``, whatever TP/PP it was saved at.
 
-    Collective over the default group.
+    Collective over the default group: ranks that hold no part of the model (a placement where
+    it lives on other ranks) call it with ``model=None`` and only take part in the collectives.
+
+    Args:
+        model: this rank's part, or None.
+        pg_collection: the model's groups (None with ``model=None``).
+        directory: the checkpoint.
+        new_head: the model may carry another head than the checkpoint (an LM checkpoint into a
+            critic, a reward model or an AC-Share actor): every trunk weight is loaded, output
+            weights the checkpoint has under the same name too (the LM head of AC-Share), and
+            the rest of the head keeps its initialisation.
 
     Returns:
         The checkpoint's info (role, caller metadata, saved layout).
 
     Raises:
         FileNotFoundError: the directory does not exist.
-        ValueError: the checkpoint is incomplete or corrupted, or describes another model.
+        ValueError: the checkpoint is incomplete or corrupted, or describes another model (or
+            another trunk, with ``new_head``).
     """
     info = read_checkpoint_info(directory)
-    _check_same_model(info.model, ModelDescription.from_model(model), str(directory))
-    loaded = load_sharded_checkpoint({_MODEL_KEY: model_sharded_state_dict(model, pg_collection)},
-                                     directory)
-    model.load_state_dict(loaded[_MODEL_KEY], strict=True)
+    if model is None:
+        load_sharded_checkpoint({}, directory)
+        return info
+    _check_same_model(info.model, ModelDescription.from_model(model), str(directory), new_head)
+    wanted = model_sharded_state_dict(model, pg_collection)
+    if new_head and info.model.head != model.head_kind:
+        stored = read_dcp_metadata(Path(directory)).state_dict_metadata
+        wanted = {key: value for key, value in wanted.items()
+                  if not key.startswith("output_layer.") or _stored_key(value) in stored}
+    loaded = load_sharded_checkpoint({_MODEL_KEY: wanted}, directory)
+    missing, unexpected = model.load_state_dict(loaded[_MODEL_KEY], strict=False)
+    not_loaded = [k for k in missing if not (new_head and k.startswith("output_layer."))]
+    if not_loaded or unexpected:
+        raise ValueError(f"checkpoint {directory} does not fill the model: missing "
+                         f"{not_loaded[:4]}, unexpected {unexpected[:4]}")
     return info
+
+
+def _stored_key(item: Any) -> str | None:
+    return item.unique_key if isinstance(item, ShardedObject) else getattr(item, "key", None)

@@ -197,3 +197,39 @@ def test_info_file_errors_name_the_problem(tmp_path: Path) -> None:
     _expect_error(lambda: read_checkpoint_info(ckpt), ValueError, "'model' is missing")
     (ckpt / INFO_FILE).write_text(json.dumps({"format_version": 9}))
     _expect_error(lambda: read_checkpoint_info(ckpt), ValueError, "format_version=9")
+
+
+def _load_on_a_subset(directory: str) -> float:
+    """Interleaving on 2 ranks puts ref on rank 0 only; rank 1 joins the load with no model."""
+    from megatron_rlhf.models.checkpoint import load_model_checkpoint, save_model_checkpoint
+    from megatron_rlhf.models.gpt import ModelBuildOptions, build_gpt_model
+    from megatron_rlhf.models.weights import gather_full_state, init_weights
+    from megatron_rlhf.runtime.bootstrap import initialize_runtime
+    from megatron_rlhf.topology.cluster import ClusterSpec
+    from megatron_rlhf.topology.config import PlacementConfig
+    from megatron_rlhf.topology.groups import build_process_groups
+    from megatron_rlhf.topology.placement import plan_placement
+
+    initialize_runtime()
+    everywhere = whole_world_groups(2, 1)
+    saved = build_gpt_model(_ARCH, ModelBuildOptions(), everywhere)
+    init_weights(saved, everywhere, seed=5)
+    save_model_checkpoint(saved, everywhere, f"{directory}/ckpt", {"role": "actor"})
+    expected = gather_full_state(saved, everywhere)
+    plan = plan_placement(ClusterSpec.homogeneous(1, 2), PlacementConfig("interleaving"), _ARCH)
+    groups = build_process_groups(plan)
+    model = None
+    if groups["ref"] is not None:
+        model = build_gpt_model(_ARCH, ModelBuildOptions(), groups["ref"])
+        init_weights(model, groups["ref"], seed=6)
+    load_model_checkpoint(model, groups["ref"], f"{directory}/ckpt")
+    if model is None:
+        return -1.0
+    got = gather_full_state(model, groups["ref"])
+    return max((got[name] - expected[name]).abs().max().item() for name in expected)
+
+
+@pytest.mark.multirank
+def test_ranks_without_the_model_join_a_load(tmp_path) -> None:
+    assert run_on_ranks(_load_on_a_subset, world_size=2, args=(str(tmp_path),),
+                        timeout_s=180) == [0.0, -1.0]
