@@ -8,6 +8,7 @@ import warnings
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|apex|transformer_engine).*")
 warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"megatron\.core.*")
 warnings.filterwarnings("ignore", message=r".*torch\.jit\.script_method.*is deprecated.*")
+warnings.filterwarnings("ignore", message=r".*full scope is deprecated.*")
 # megatron's distributed optimizer still calls the deprecated all_gather_into_tensor alias.
 warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*is deprecated.*",
                         category=FutureWarning)

@@ -25,66 +25,26 @@ overridden as ``section.key=value`` after the flags.
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from pathlib import Path
 
-from megatron_rlhf.config.loader import load_config
-from megatron_rlhf.data import DataError
+from supervised_cli import overrides_from, parser_for, run
+
 from megatron_rlhf.engine.reward_training import RMConfig, run_reward_training
-from megatron_rlhf.runtime.distributed import destroy_distributed
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "examples" / "rm_tiny.yaml")
 PROG = "train_reward_model"
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("--config", default=DEFAULT_CONFIG, help="YAML run configuration")
-    parser.add_argument("--data", action="append", metavar="FILE",
-                        help="a JSONL/Parquet file, repeatable (default: the synthetic task)")
+def main(argv: list[str] | None = None) -> int:
+    parser = parser_for(PROG, __doc__, DEFAULT_CONFIG)
     parser.add_argument("--init-from", help="SFT checkpoint whose trunk starts the model, or none")
-    parser.add_argument("--tp", type=int, help="tensor-parallel size")
-    parser.add_argument("--pp", type=int, help="pipeline-parallel size")
-    parser.add_argument("--steps", type=int, help="stop after this many optimizer steps")
-    parser.add_argument("--seed", type=int, help="seed of every RNG and of the data order")
-    parser.add_argument("--out-dir", help="run directory (must not hold a checkpoint)")
-    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = parser.parse_args(argv)
     init = None if args.init_from is None else "''" if args.init_from == "none" else args.init_from
-    flags = {"model.tp": args.tp, "model.pp": args.pp, "train.max_steps": args.steps,
-             "runtime.seed": args.seed, "out_dir": args.out_dir,
-             "model.init_checkpoint": init,
-             "data.paths": f"[{','.join(args.data)}]" if args.data else None}
-    overrides = [f"{key}={value}" for key, value in flags.items() if value is not None]
-    return args, overrides + args.overrides
-
-
-def main(argv: list[str] | None = None) -> int:
-    args, overrides = parse_args(argv)
-    try:
-        config = load_config(RMConfig, args.config, overrides)
-    except ValueError as error:
-        print(f"{PROG}: bad configuration: {error}", file=sys.stderr)
-        return 2
-    try:
-        result = run_reward_training(config)
-    except DataError as error:
-        print(f"{PROG}: bad data: {error}", file=sys.stderr)
-        return 2
-    except (ValueError, FileNotFoundError, FileExistsError) as error:
-        print(f"{PROG}: {error}", file=sys.stderr)
-        return 2
-    finally:
-        destroy_distributed()
-    if os.environ.get("RANK", "0") == "0":
-        last = result.history[-1]
-        print(f"{PROG}: done; held-out pairwise accuracy {last['eval_accuracy']:.3f}, checkpoint "
-              f"in {result.out_dir / 'checkpoint'}", file=sys.stderr)
-    return 0
+    overrides = overrides_from(args, {"model.init_checkpoint": init})
+    return run(PROG, RMConfig, args.config, overrides, run_reward_training,
+               lambda result: ("held-out pairwise accuracy "
+                            f"{result.history[-1]['eval_accuracy']:.3f}"))
 
 
 if __name__ == "__main__":

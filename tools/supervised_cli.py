@@ -1,0 +1,67 @@
+"""The command line shared by tools/train_sft.py and tools/train_reward_model.py.
+
+Both take the same flags (config, data files, layout, steps, seed, output directory and
+``section.key=value`` overrides), run one supervised objective and exit 2 with a one-line message
+on bad configuration or data; only the reward model adds ``--init-from``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from megatron_rlhf.config.loader import load_config
+from megatron_rlhf.data import DataError
+from megatron_rlhf.runtime.distributed import destroy_distributed
+
+
+def parser_for(prog: str, doc: str, default_config: str) -> argparse.ArgumentParser:
+    """The common flags; a tool may add its own before parsing."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=doc.split("\n\n", 1)[1])
+    parser.add_argument("--config", default=default_config, help="YAML run configuration")
+    parser.add_argument("--data", action="append", metavar="FILE",
+                        help="a JSONL/Parquet file, repeatable (default: the synthetic task)")
+    parser.add_argument("--tp", type=int, help="tensor-parallel size")
+    parser.add_argument("--pp", type=int, help="pipeline-parallel size")
+    parser.add_argument("--steps", type=int, help="stop after this many optimizer steps")
+    parser.add_argument("--seed", type=int, help="seed of every RNG and of the data order")
+    parser.add_argument("--out-dir", help="run directory (must not hold a checkpoint)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    return parser
+
+
+def overrides_from(args: argparse.Namespace, extra: dict[str, Any] | None = None) -> list[str]:
+    """The flags as ``key=value`` overrides, then the free overrides."""
+    flags = {"model.tp": args.tp, "model.pp": args.pp, "train.max_steps": args.steps,
+             "runtime.seed": args.seed, "out_dir": args.out_dir,
+             "data.paths": f"[{','.join(args.data)}]" if args.data else None, **(extra or {})}
+    return [f"{key}={value}" for key, value in flags.items() if value is not None] + args.overrides
+
+
+def run(prog: str, schema: type, config_path: str, overrides: list[str],
+        train: Callable[[Any], Any], summary: Callable[[Any], str]) -> int:
+    """Load, run and report; 2 on bad configuration or data, 0 on success."""
+    try:
+        config = load_config(schema, config_path, overrides)
+    except ValueError as error:
+        print(f"{prog}: bad configuration: {error}", file=sys.stderr)
+        return 2
+    try:
+        result = train(config)
+    except DataError as error:
+        print(f"{prog}: bad data: {error}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, FileExistsError) as error:
+        print(f"{prog}: {error}", file=sys.stderr)
+        return 2
+    finally:
+        destroy_distributed()
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{prog}: done; {summary(result)}, checkpoint in {result.out_dir / 'checkpoint'}",
+              file=sys.stderr)
+    return 0
