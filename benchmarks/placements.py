@@ -205,7 +205,12 @@ def main() -> None:
                         help="planner profile of this machine (default: measure one now)")
     args = parser.parse_args()
     if args.worker:
-        worker(args)
+        from megatron_rlhf.runtime.distributed import destroy_distributed
+
+        try:
+            worker(args)
+        finally:
+            destroy_distributed()
         return
     results = {}
     for name in PLACEMENTS:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.engine.pipeline import run_pipeline
+from megatron_rlhf.runtime.distributed import destroy_distributed
 from megatron_rlhf.topology.config import STRATEGIES
 
 
@@ -63,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as error:
         print(f"run_pipeline: {error}", file=sys.stderr)
         return 2
+    finally:
+        destroy_distributed()
     if os.environ.get("RANK", "0") == "0":
         from plot_curves import plot, read_metrics
 
