@@ -12,6 +12,14 @@ GPU cluster (16 nodes of 8 GPUs), Llama-7B, separation with TP=8 shadows::
 
 Any field of the configuration can be overridden as ``section.key=value`` after the flags, e.g.
 ``rollout.ppo_epochs=2 generation.temperature=0.7``.
+
+Checkpoints and resume (a preempted job, SIGTERM, saves after its current step and exits 0)::
+
+    torchrun --nproc-per-node 4 tools/run_ppo.py --save-dir ckpt --save-interval 5
+    torchrun --nproc-per-node 4 tools/run_ppo.py --save-dir ckpt --resume
+
+Exit status: 0 done (or preempted and saved), 1 a rank failed (the message names it and its
+stage) or NaN/Inf with faults.on_nan=stop, 2 bad configuration, data or checkpoint.
 """
 
 from __future__ import annotations
@@ -42,16 +50,23 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--steps", type=int, help="PPO steps")
     parser.add_argument("--seed", type=int, help="seed of every RNG")
     parser.add_argument("--run-dir", help="where metrics, config and plan are written")
+    parser.add_argument("--save-dir", help="where resumable checkpoints are written")
+    parser.add_argument("--save-interval", type=int, help="save every N steps (and at the end)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest valid checkpoint in --save-dir")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = parser.parse_args(argv)
     flags = {"placement.strategy": args.placement, "placement.tp": args.tp,
              "placement.pp": args.pp, "steps": args.steps, "runtime.seed": args.seed,
-             "run_dir": args.run_dir}
+             "run_dir": args.run_dir, "checkpoint.save_dir": args.save_dir,
+             "checkpoint.save_interval": args.save_interval}
     overrides = [f"{key}={value}" for key, value in flags.items() if value is not None]
     if args.ratios:
         overrides += ["placement.strategy=custom", f"placement.ratios=[{','.join(map(str, args.ratios))}]"]
     if args.ac_share:
         overrides.append("placement.ac_share=true")
+    if args.resume:
+        overrides.append("checkpoint.resume=true")
     return args, overrides + args.overrides
 
 
@@ -63,12 +78,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"run_ppo: bad configuration: {error}", file=sys.stderr)
         return 2
     from megatron_rlhf.engine.runner import run_ppo
+    from megatron_rlhf.runtime.distributed import destroy_distributed
+    from megatron_rlhf.runtime.faults import NonFiniteError, RankFailure
 
+    # An undestroyed gloo group at interpreter exit can abort the process ("terminate called
+    # without an active exception") after a successful run.
     try:
         run_dir = run_ppo(config)
-    except ValueError as error:
+    except (ValueError, FileNotFoundError) as error:
         print(f"run_ppo: {error}", file=sys.stderr)
         return 2
+    except (RankFailure, NonFiniteError) as error:
+        print(f"run_ppo: rank {os.environ.get('RANK', '0')}: {error}", file=sys.stderr)
+        return 1
+    finally:
+        destroy_distributed()
     if os.environ.get("RANK", "0") == "0":
         print(f"run_ppo: done; metrics in {run_dir / 'metrics.jsonl'}", file=sys.stderr)
     return 0

@@ -7,6 +7,8 @@ fresh seeded permutation.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
 
 import torch
@@ -19,6 +21,11 @@ class PromptStream:
         prompts: token ids of every prompt (each non-empty).
         batch_size: prompts per step.
         seed: seed of the per-pass permutations.
+
+    Attributes:
+        fingerprint: digest of everything that decides step ``k``'s batch (prompts, batch size,
+            seed); a checkpoint records it, so a resumed run can tell whether it reads the same
+            data at the same position.
 
     Raises:
         ValueError: no prompts, an empty prompt, or a batch larger than the prompt set.
@@ -37,6 +44,8 @@ class PromptStream:
         self.batch_size = batch_size
         self.seed = seed
         self.batches_per_pass = len(self.prompts) // batch_size
+        self.fingerprint = hashlib.sha256(
+            json.dumps([self.prompts, batch_size, seed]).encode()).hexdigest()[:16]
 
     def batch(self, step: int) -> tuple[list[list[int]], list[int]]:
         """Step ``step``'s prompts and their sample ids (unique over the run).

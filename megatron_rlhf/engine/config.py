@@ -14,6 +14,7 @@ from megatron_rlhf.generation import GenerationConfig
 from megatron_rlhf.models.tokenizer import TokenizerConfig
 from megatron_rlhf.models.trainer import OptimizerSettings
 from megatron_rlhf.runtime.bootstrap import RuntimeConfig
+from megatron_rlhf.runtime.faults import FaultConfig
 from megatron_rlhf.topology.cluster import DevicePool
 from megatron_rlhf.topology.config import PlacementConfig
 
@@ -135,6 +136,42 @@ class PromptsConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Resumable checkpoints of the whole run (docs/reliability.md).
+
+    Attributes:
+        save_dir: where checkpoints are written, one ``step_<k>`` directory each (``k`` steps
+            done); empty: no checkpoints. With it, the run also saves after its last step and
+            when preempted (SIGTERM).
+        save_interval: also save after every this many steps (0: only at the end or on SIGTERM).
+        keep_last: complete checkpoints kept (0: all); older ones are removed only after a newer
+            one is complete.
+        resume: continue from the latest valid checkpoint in ``save_dir``.
+        resume_from: continue from this checkpoint directory instead (a ``step_<k>`` directory).
+    """
+
+    save_dir: str = ""
+    save_interval: int = 0
+    keep_last: int = 2
+    resume: bool = False
+    resume_from: str = ""
+
+    def __post_init__(self) -> None:
+        if self.save_interval < 0:
+            raise ValueError(f"checkpoint.save_interval={self.save_interval} must be >= 0 "
+                             "(0 saves only at the end and on SIGTERM)")
+        if self.keep_last < 0:
+            raise ValueError(f"checkpoint.keep_last={self.keep_last} must be >= 0 (0 keeps all)")
+        if self.save_interval and not self.save_dir:
+            raise ValueError(f"checkpoint.save_interval={self.save_interval} needs a "
+                             "checkpoint.save_dir (--save-dir) to write to")
+        if self.resume and not self.resume_from and not self.save_dir:
+            raise ValueError("checkpoint.resume (--resume) looks for the latest checkpoint in "
+                             "checkpoint.save_dir; set --save-dir, or name one with "
+                             "checkpoint.resume_from=PATH")
+
+
+@dataclass
 class RunConfig:
     """Everything a PPO run needs; the tiny CPU default runs on 4 ranks."""
 
@@ -150,6 +187,8 @@ class RunConfig:
     algorithm: PPOAlgorithmConfig = field(default_factory=PPOAlgorithmConfig)
     actor_optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     critic_optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    faults: FaultConfig = field(default_factory=FaultConfig)
     steps: int = 10
     run_dir: str = "runs/ppo"
     trace: bool = False

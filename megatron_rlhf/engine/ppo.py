@@ -16,9 +16,11 @@ off-policy.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,8 +31,12 @@ from megatron_rlhf.engine.config import RewardConfig, RolloutConfig
 from megatron_rlhf.engine.engine import PPOEngine, RuleReward
 from megatron_rlhf.engine.experience import compute_advantages
 from megatron_rlhf.engine.losses import actor_loss_fn, critic_loss_fn
+from megatron_rlhf.runtime.faults import NonFiniteError
+from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.runtime.tracing import trace_span
-from megatron_rlhf.topology.models import ACTOR, CRITIC
+from megatron_rlhf.topology.models import ACTOR, CRITIC, REF, REWARD
+
+logger = get_logger(__name__)
 
 PromptSource = Callable[[int], tuple[Sequence[Sequence[int]], Sequence[int]]]
 """step -> (prompts, their sample ids)."""
@@ -57,11 +63,14 @@ class PPOTrainer:
         prompts: the prompts of each step.
         total_steps: steps of the run; nothing is produced for steps at or past it.
         rule_reward: the rule-based reward, if any.
+        on_nan: NaN/Inf in experience, losses or gradients: ``skip`` (no update from it; the
+            step's metrics get ``skipped=1``) or ``stop`` (raise :class:`NonFiniteError` on every
+            rank after the step, which applied no update from the bad values either).
     """
 
     def __init__(self, engine: PPOEngine, algorithm: PPOAlgorithmConfig, rollout: RolloutConfig,
                  reward: RewardConfig, seed: int, prompts: PromptSource, total_steps: int,
-                 rule_reward: RuleReward | None = None) -> None:
+                 rule_reward: RuleReward | None = None, on_nan: str = "stop") -> None:
         self.engine = engine
         self.algorithm = algorithm
         self.rollout = rollout
@@ -70,6 +79,7 @@ class PPOTrainer:
         self.prompts = prompts
         self.total_steps = total_steps
         self.rule_reward = rule_reward
+        self.on_nan = on_nan
         self.kl_controller = build_kl_controller(algorithm)
         self.score_moments = RunningMoments()
         self._queue: deque[Experience] = deque()
@@ -94,7 +104,26 @@ class PPOTrainer:
             self._queue.append(self.produce(step + self.staleness))
         with trace_span("sync_weights"):
             self.engine.sync_weights()
-        return _share_metrics(experience.metrics, train_sums)
+        return self._apply_nan_policy(_share_metrics(experience.metrics, train_sums), step)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The algorithm's own state: KL controller and running score moments.
+
+        Experience produced ahead (asynchronous mode) is not included: a resumed run produces it
+        again with the resumed weights.
+        """
+        return {"kl_controller": self.kl_controller.state_dict(),
+                "score_moments": self.score_moments.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.kl_controller.load_state_dict(state["kl_controller"])
+        self.score_moments.load_state_dict(state["score_moments"])
+
+    @property
+    def experience_in_flight(self) -> int:
+        """Steps of experience produced ahead and not yet trained on."""
+        return len(self._queue)
 
     def produce(self, step: int) -> Experience:
         """Generate and score step ``step``'s prompts; advantages on the trainer ranks.
@@ -115,15 +144,56 @@ class PPOTrainer:
         batch = concat(parts)
         metrics: dict[str, float] = {}
         if batch.fields is not None:
+            before = self.state_dict()
             with trace_span("advantages"):
                 batch.fields, metrics = compute_advantages(
                     batch.fields, self.algorithm, self.kl_controller, self.score_moments,
                     self.reward.model_weight, self.reward.rule_weight)
+            bad = self._nonfinite_experience(batch.fields)
+            if bad:
+                self.load_state_dict(before)  # the KL controller must not learn from NaNs
+                metrics.update(bad)
         return Experience(step, batch, metrics)
 
+    def _nonfinite_experience(self, fields: dict[str, torch.Tensor]) -> dict[str, float]:
+        """``nonfinite/<field>``: count of NaN/Inf values of each model output that has any."""
+        counts = {}
+        for name in _EXPERIENCE_SOURCES:
+            bad = int((~torch.isfinite(fields[name])).sum())
+            if bad:
+                counts[f"nonfinite/{name}"] = float(bad)
+        return counts
+
+    def _sources(self) -> dict[str, str]:
+        """Which model produced each experience field and metric."""
+        policy, critic = self.engine.policy_for_inference, self.engine.critic_for_inference
+        return {"old_logprobs": policy, "ref_logprobs": REF, "values": critic,
+                "rm_scores": REWARD, "rule_scores": "rule reward", "rm_score": REWARD,
+                "rule_score": "rule reward", "reward_mean": REWARD, "kl": f"{policy} and {REF}",
+                "kl_coef": "KL controller", "values_mean": critic, "returns_mean": critic,
+                "policy_loss": ACTOR, "value_loss": CRITIC}
+
+    def _apply_nan_policy(self, metrics: dict[str, float], step: int) -> dict[str, float]:
+        """Name every non-finite value of the (shared, identical) metrics; skip or stop."""
+        problems = nonfinite_report(metrics, self._sources())
+        if not problems:
+            return metrics
+        message = f"step {step}: " + "; ".join(problems)
+        if self.on_nan == "stop":
+            raise NonFiniteError(f"{message}. No update was applied from these values; find the "
+                                 "cause (learning rate, data, reward model) or set "
+                                 "faults.on_nan=skip to skip such steps")
+        logger.warning("%s; the step's training was skipped (faults.on_nan=skip)", message)
+        return {**metrics, "skipped": 1.0}
+
     def consume(self, experience: Experience) -> dict[str, float]:
-        """Train actor and critic on an experience batch; returns this rank's loss sums."""
+        """Train actor and critic on an experience batch; returns this rank's loss sums.
+
+        Experience with NaN/Inf model outputs is not trained on.
+        """
         engine = self.engine
+        if any(key.startswith("nonfinite/") for key in experience.metrics):
+            return {}
         temperature = engine.generation.temperature
         loss_fns = {}
         if ACTOR in engine.workers:
@@ -149,6 +219,32 @@ class PPOTrainer:
                 self.seed * 100_003 + step * 101 + epoch))
             minibatches += [order[start:start + size] for start in range(0, batch_size, size)]
         return minibatches
+
+
+_EXPERIENCE_SOURCES = ("old_logprobs", "ref_logprobs", "values", "rm_scores", "rule_scores")
+
+
+def nonfinite_report(metrics: dict[str, float], sources: dict[str, str]) -> list[str]:
+    """Descriptions of the non-finite values among step metrics, naming model and stage.
+
+    ``nonfinite/<field>`` counts (bad model outputs) are reported instead of the experience
+    metrics derived from them; ``actor/...`` and ``critic/...`` (losses, gradient norms: a skipped
+    update reports a NaN norm) are the training stage.
+    """
+    causes = [f"{int(value)} NaN/Inf values in {key[10:]} (model {sources[key[10:]]!r}, stage "
+              "'experience')" for key, value in metrics.items() if key.startswith("nonfinite/")]
+    training, derived = [], []
+    for key, value in metrics.items():
+        if not isinstance(value, float) or math.isfinite(value) or key.startswith("nonfinite/"):
+            continue
+        role, _, name = key.partition("/")
+        if name:
+            what = "gradients" if name == "grad_norm" else name
+            training.append(f"non-finite {what} (model {role!r}, stage 'training')")
+        elif key not in ("policy_loss", "value_loss"):  # those copy actor/... and critic/...
+            derived.append(f"{key}={value} (model {sources.get(key, '?')!r}, stage "
+                           "'experience')")
+    return causes + training + ([] if causes else derived)
 
 
 def _accumulate(sums: dict[str, float], role: str, result: dict, worker) -> None:

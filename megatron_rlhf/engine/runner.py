@@ -1,13 +1,17 @@
 """A whole PPO run: config -> tokenizer and prompts -> plan -> engine -> steps -> metrics.
 
-Everything that can be refused (config values, placement, data) is checked before the first
-process group is created.
+Everything that can be refused (config values, placement, data, checkpoints to start or resume
+from) is checked before the first process group is created. The run saves resumable checkpoints
+(``checkpoint.*``), stops after the current step and saves on SIGTERM, and every rank records its
+stage for the fault tracker, so a rank that dies, raises or hangs is named by the others
+(docs/reliability.md).
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import torch.distributed as dist
@@ -15,12 +19,31 @@ import torch.distributed as dist
 from megatron_rlhf.config.loader import to_yaml
 from megatron_rlhf.data import DataConfig, generate_records, load_splits, rule_score
 from megatron_rlhf.data.prompts import PromptStream
-from megatron_rlhf.engine.build import build_engine, cluster_from_environment, make_plan
+from megatron_rlhf.engine.build import (
+    build_engine,
+    check_checkpoint_tokenizers,
+    cluster_from_environment,
+    make_plan,
+)
+from megatron_rlhf.engine.checkpoint_store import select_checkpoint
+from megatron_rlhf.engine.checkpointing import (
+    RunState,
+    check_compatible,
+    load_rl_checkpoint,
+    resume_candidates,
+    save_rl_checkpoint,
+)
 from megatron_rlhf.engine.config import RunConfig
 from megatron_rlhf.engine.engine import RuleReward
 from megatron_rlhf.engine.ppo import PPOTrainer
 from megatron_rlhf.models.tokenizer import Tokenizer
 from megatron_rlhf.runtime.bootstrap import initialize_runtime
+from megatron_rlhf.runtime.faults import (
+    PreemptionWatcher,
+    install_fault_tracker,
+    stage,
+    uninstall_fault_tracker,
+)
 from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.runtime.metrics import MetricsWriter
 from megatron_rlhf.runtime.tracing import configure_tracing, write_chrome_trace
@@ -56,38 +79,108 @@ def rule_reward_for(config: RunConfig, tokenizer: Tokenizer) -> RuleReward | Non
     return lambda prompt, response: rule_score(tokenizer.decode(prompt), tokenizer.decode(response))
 
 
-def run_ppo(config: RunConfig) -> Path:
-    """Run PPO as configured; returns the run directory. Every rank calls it."""
+def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
+    """Run PPO as configured; returns the run directory. Every rank calls it.
+
+    Args:
+        config: the run.
+        skip_state: pieces of ``checkpointing.STATE_PIECES`` not restored on resume (a debug
+            hook for the tests that show each piece is needed).
+
+    Raises:
+        ValueError, FileNotFoundError: bad configuration, data or checkpoints (before any
+            distributed work where possible).
+        RankFailure: another rank failed, hung or disagrees (named in the message).
+        NonFiniteError: NaN/Inf with ``faults.on_nan=stop``.
+    """
     tokenizer = Tokenizer.from_config(config.tokenizer)
     arch = arch_preset(config.models.arch)
     if tokenizer.vocab_size > arch.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} pieces but models.arch="
                          f"{arch.name!r} embeds {arch.vocab_size}; use a smaller tokenizer "
                          "vocab_size or a larger architecture")
+    check_checkpoint_tokenizers(config, tokenizer.fingerprint)
+    candidates = resume_candidates(config.checkpoint)
     prompts = load_prompts(config, tokenizer)
     plan = make_plan(config, cluster_from_environment(config.cluster.pools))
     initialize_runtime(config.runtime)
+    install_fault_tracker(config.faults, config.runtime.distributed.timeout_s)
     run_dir = Path(config.run_dir)
-    if dist.get_rank() == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(config))
-        (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
-    engine = build_engine(config, plan, tokenizer.eos_id, tokenizer.pad_id)
-    tracer = configure_tracing(config.trace)
-    trainer = PPOTrainer(engine, config.algorithm, config.rollout, config.reward,
-                         config.runtime.seed, prompts.batch, config.steps,
-                         rule_reward_for(config, tokenizer))
-    writer = MetricsWriter(run_dir, config.steps)
     try:
-        for step in range(config.steps):
-            start = time.perf_counter()
-            metrics = trainer.step(step)
-            seconds = time.perf_counter() - start
+        with stage("setup", signature=_shape_signature(config)):
+            resume_from = select_checkpoint(candidates) if candidates else None
+            if resume_from is not None:
+                check_compatible(resume_from, config, tokenizer.fingerprint)
+            if dist.get_rank() == 0:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                (run_dir / "config.yaml").write_text(to_yaml(config))
+                (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
+            engine = build_engine(config, plan, tokenizer.eos_id, tokenizer.pad_id)
+            trainer = PPOTrainer(engine, config.algorithm, config.rollout, config.reward,
+                                 config.runtime.seed, prompts.batch, config.steps,
+                                 rule_reward_for(config, tokenizer), on_nan=config.faults.on_nan)
+            run = RunState(engine, trainer, prompts, config, tokenizer.fingerprint)
+        start = 0
+        if resume_from is not None:
+            with stage("checkpoint/load"):
+                start = load_rl_checkpoint(run, resume_from, skip_state)
+        _train(run, start, run_dir)
+    finally:
+        uninstall_fault_tracker()
+    return run_dir
+
+
+def _shape_signature(config: RunConfig) -> tuple[str, ...]:
+    """Settings that decide the number and shape of every collective: ranks must agree."""
+    rollout = config.rollout
+    return (f"rollout.prompts_per_step={rollout.prompts_per_step}",
+            f"rollout.max_prompt_length={rollout.max_prompt_length}",
+            f"rollout.micro_batch_size={rollout.micro_batch_size}",
+            f"rollout.ppo_epochs={rollout.ppo_epochs}",
+            f"rollout.num_minibatches={rollout.num_minibatches}",
+            f"rollout.pipeline_chunks={rollout.pipeline_chunks}",
+            f"generation.max_new_tokens={config.generation.max_new_tokens}",
+            f"steps={config.steps}", f"placement={config.placement}")
+
+
+def _train(run: RunState, start: int, run_dir: Path) -> None:
+    """Steps ``start`` to ``config.steps``; checkpoints by interval, at the end and on SIGTERM."""
+    config = run.config
+    if dist.get_rank() == 0:
+        _drop_metrics_from(run_dir / "metrics.jsonl", start)
+    tracer = configure_tracing(config.trace)
+    writer = MetricsWriter(run_dir, config.steps)
+    preemption = PreemptionWatcher()
+    try:
+        for step in range(start, config.steps):
+            begin = time.perf_counter()
+            with stage(f"step {step}", signature=(step, run.prompts.fingerprint)):
+                metrics = run.trainer.step(step)
+                stop = preemption.requested()
+            seconds = time.perf_counter() - begin
             metrics.update(step_seconds=seconds,
                            samples_per_s=config.rollout.prompts_per_step / seconds)
             writer.write(step, metrics)
+            if config.checkpoint.save_dir and (
+                    stop or step + 1 == config.steps or (config.checkpoint.save_interval and (
+                        step + 1) % config.checkpoint.save_interval == 0)):
+                with stage("checkpoint/save"):
+                    save_rl_checkpoint(run, step + 1)
+            if stop:
+                logger.warning("stopping after step %d on SIGTERM%s", step, "" if config.checkpoint
+                               .save_dir else " (no checkpoint.save_dir: nothing was saved)")
+                break
     finally:
+        preemption.close()
         writer.close()
     if config.trace:
         write_chrome_trace(tracer, run_dir / "timeline.json")
-    return run_dir
+
+
+def _drop_metrics_from(path: Path, step: int) -> None:
+    """Keep only the records of steps before ``step`` (a resumed run writes the rest again)."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines(keepends=True)
+            if line.strip() and json.loads(line)["step"] < step]
+    path.write_text("".join(kept))

@@ -19,18 +19,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
     finalize_model_grads,
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_rlhf.models.schedule import Batch, LossFn, run_microbatches
 
 _SCHEDULES = ("constant", "linear", "cosine")
+_OPTIMIZER_CHECKPOINT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 @dataclass
@@ -174,15 +177,20 @@ class ModelTrainer:
 
         Returns:
             ``{"metrics": [per-micro-batch metrics on the last PP stage], "grad_norm": float,
-            "lr": float, "update_successful": bool}``.
+            "lr": float, "update_successful": bool}``. NaN or Inf in any gradient of the model
+            (on any of its ranks) skips the update: ``update_successful`` is False and the
+            weights, optimizer state and LR schedule are left as they were.
         """
         self.module.train()
         self.module.zero_grad_buffer()
         self.optimizer.zero_grad()
         metrics = run_microbatches(self.module, self.pg_collection, microbatches, loss_fn,
                                    forward_only=False)
-        update_successful, grad_norm, _ = self.optimizer.step()
         lr = self.optimizer.param_groups[0]["lr"]
+        if not self._gradients_finite():
+            return {"metrics": metrics, "grad_norm": math.nan, "lr": lr,
+                    "update_successful": False}
+        update_successful, grad_norm, _ = self.optimizer.step()
         if update_successful:
             self.scheduler.step(increment=1)
             self.steps += 1
@@ -193,6 +201,16 @@ class ModelTrainer:
             "update_successful": bool(update_successful),
         }
 
+    def _gradients_finite(self) -> bool:
+        """Whether every gradient of the model is finite, agreed over the model's ranks."""
+        found = torch.zeros(1, device=self.module.buffers[0].grad_data.device)
+        for buffer in self.module.buffers + self.module.expert_parallel_buffers:
+            if not torch.isfinite(buffer.grad_data).all():
+                found.fill_(1.0)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX,
+                        group=self.optimizer.get_grad_stats_parallel_group())
+        return found.item() == 0
+
     def state_dict(self) -> dict[str, Any]:
         """Scheduler and step counter (optimizer state goes through sharded checkpoints)."""
         return {"scheduler": self.scheduler.state_dict(), "steps": self.steps}
@@ -201,3 +219,67 @@ class ModelTrainer:
         """Restore what :meth:`state_dict` returned."""
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps = int(state["steps"])
+
+    def _inner_optimizers(self) -> list:
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
+    def optimizer_sharded_state_dict(self, model_sharded_state_dict: ShardedStateDict,
+                                     is_loading: bool = False) -> ShardedStateDict:
+        """The optimizer state as megatron sharded tensors keyed like the model's parameters.
+
+        The distributed optimizer uses megatron's ``fully_reshardable`` format (each parameter's
+        Adam moments and fp32 copy with the parameter's own sharding, gathered over DP on save),
+        so the state loads at any TP/PP/DP; megatron's default ``fully_sharded_model_space``
+        needs flattened ShardedTensors, which megatron-core 0.16.1 no longer accepts.
+        Collective over the model's DP group on save.
+        """
+        if is_loading:
+            for inner in self._inner_optimizers():
+                _init_adam_state(inner.optimizer)
+        return {index: inner.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading,
+                                                metadata=_OPTIMIZER_CHECKPOINT_METADATA)
+                for index, inner in enumerate(self._inner_optimizers())}
+
+    def load_optimizer_state(self, state: dict[int, Any]) -> None:
+        """Load what :meth:`optimizer_sharded_state_dict` described, as read from a checkpoint.
+
+        megatron-core 0.16.1's ``load_parameter_state_from_fully_reshardable`` fails with torch's
+        Adam, which keeps a per-parameter ``step`` tensor the loaded state does not carry, and its
+        ``load_state_dict`` gives every parameter the same ``step`` tensor, which Adam then
+        increments once per parameter. Both are worked around here: the parameter state is loaded
+        with ``step`` set aside, and each parameter gets its own copy of the step.
+        """
+        for index, inner in enumerate(self._inner_optimizers()):
+            if not isinstance(inner, DistributedOptimizer):
+                inner.load_state_dict(state[index])
+                continue
+            common = {k: v for k, v in state[index].items() if k != "param_state"}
+            inner.load_state_dict(common)
+            steps = {param: s.pop("step") for param, s in inner.optimizer.state.items()
+                     if "step" in s}
+            inner.load_parameter_state_from_fully_reshardable(state[index]["param_state"])
+            for param, step in steps.items():
+                inner.optimizer.state[param]["step"] = step.clone()
+
+    def reload_main_params(self) -> None:
+        """Copy the model's weights into the optimizer's main (fp32) copies, after loading
+        weights without optimizer state."""
+        self.optimizer.reload_model_params()
+
+
+def _init_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give torch Adam's parameters the state its first step creates (step 0, zero moments).
+
+    megatron's distributed optimizer reads a per-parameter ``step`` when it builds the state dict
+    to load into, which a torch Adam that never stepped (a fresh run being resumed) lacks.
+    """
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state[param]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(param,
+                                                       memory_format=torch.preserve_format)

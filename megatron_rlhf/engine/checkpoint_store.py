@@ -1,0 +1,244 @@
+"""A directory of step checkpoints: atomic writes, a manifest of checksums, verification, pruning.
+
+    temp = shared_temp_dir(save_dir / "step_00000004")   # every rank; stale temps removed
+    ... every rank writes its files under temp ...
+    publish(temp, final, step=4, keep_last=2)            # every rank: hash, manifest, rename
+    path = select_checkpoint(complete_checkpoints(save_dir)[::-1])   # newest that verifies
+
+A checkpoint is complete when its directory carries no suffix: files are written into
+``step_<k>.tmp-<hex>``, every rank hashes a share of them, rank 0 writes ``manifest.json`` (size and
+sha256 of every other file) last, fsyncs and renames. A killed save leaves only the ``.tmp-``
+directory, which is never picked and is removed by the next save. Older checkpoints are removed
+only after the rename.
+
+This module knows nothing about what the files hold (see ``engine.checkpointing``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.runtime.logging import get_logger
+
+logger = get_logger(__name__)
+
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
+_NAME = re.compile(r"^step_(\d{8})$")
+_T = TypeVar("_T")
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step count in a ``step_<k>`` directory name.
+
+    Raises:
+        ValueError: not a ``step_<8 digits>`` name.
+    """
+    match = _NAME.match(path.name)
+    if match is None:
+        raise ValueError(f"{path} is not a checkpoint directory (step_<8 digits>)")
+    return int(match.group(1))
+
+
+def complete_checkpoints(save_dir: str | Path) -> list[Path]:
+    """Complete checkpoints in ``save_dir`` (renamed, with a manifest), oldest first."""
+    root = Path(save_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _NAME.match(p.name) and (p / MANIFEST).is_file()]
+    return sorted(found, key=checkpoint_step)
+
+
+def unfinished_saves(save_dir: str | Path) -> list[Path]:
+    """Temporary directories of saves that did not finish."""
+    return sorted(Path(save_dir).glob("step_*.tmp-*"))
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """``manifest.json`` of a checkpoint, type-checked.
+
+    Raises:
+        ValueError: missing, not JSON, another format version, or malformed.
+    """
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path / MANIFEST} cannot be read: {error}") from error
+    if not isinstance(manifest, dict) or manifest.get("format_version") != MANIFEST_VERSION:
+        raise ValueError(f"{path / MANIFEST}: not a format_version={MANIFEST_VERSION} manifest")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(
+            isinstance(v, dict) and isinstance(v.get("size"), int)
+            and isinstance(v.get("sha256"), str) for v in files.values()):
+        raise ValueError(f"{path / MANIFEST}: 'files' must map names to size and sha256")
+    return manifest
+
+
+def verify_checkpoint(path: Path, shard: int = 0, num_shards: int = 1) -> list[str]:
+    """Problems of a checkpoint against its manifest: every file's size, and the sha256 of the
+    files in share ``shard`` of ``num_shards`` (ranks split the hashing). [] if it is sound."""
+    try:
+        files = read_manifest(path)["files"]
+    except ValueError as error:
+        return [str(error)]
+    problems = []
+    for index, (name, expected) in enumerate(sorted(files.items())):
+        file = path / name
+        if not file.is_file() or file.stat().st_size != expected["size"]:
+            problems.append(f"{name} is missing or not {expected['size']} bytes")
+        elif index % num_shards == shard and sha256(file) != expected["sha256"]:
+            problems.append(f"{name} does not match its sha256 (corrupted)")
+    return problems
+
+
+def first_valid(candidates: list[Path], verify: Callable[[Path], list[str]]) -> Path:
+    """The first candidate without problems; each one skipped is logged with its problems.
+
+    Raises:
+        ValueError: every candidate has problems (all are named).
+    """
+    rejected = []
+    for path in candidates:
+        problems = verify(path)
+        if not problems:
+            return path
+        logger.warning("skipping checkpoint %s: %s", path, "; ".join(problems))
+        rejected.append(f"{path}: {'; '.join(problems)}")
+    raise ValueError("no valid checkpoint to resume from:\n  " + "\n  ".join(rejected)
+                     + "\nstart without --resume, or restore the files from a copy")
+
+
+def select_checkpoint(candidates: list[Path]) -> Path:
+    """The first candidate whose files match its manifest; collective (ranks share hashing)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def verify(path: Path) -> list[str]:
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, verify_checkpoint(path, rank, world))
+        return sorted({problem for problems in gathered for problem in problems})
+
+    return first_valid(candidates, verify)
+
+
+def read_torch_file(path: Path) -> Any:
+    """A ``torch.save`` file of tensors and plain containers, read without running pickled code.
+
+    Raises:
+        ValueError: unreadable, truncated, or naming anything but tensors and plain values.
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - pickle and zip errors have many types
+        raise ValueError(f"{path} cannot be read safely ({type(error).__name__}: "
+                         f"{str(error).splitlines()[0][:200]}); the checkpoint is corrupted or "
+                         "was not written by megatron_rlhf") from error
+
+
+def shared_temp_dir(final: Path) -> Path:
+    """Create ``<final>.tmp-<hex>`` on rank 0 (removing killed saves' temps); every rank gets
+    its path. Collective."""
+    def make() -> str:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        for stale in unfinished_saves(final.parent):  # no other save runs: these were killed
+            shutil.rmtree(stale, ignore_errors=True)
+        temp = final.with_name(f"{final.name}.tmp-{secrets.token_hex(4)}")
+        temp.mkdir()
+        return str(temp)
+
+    return Path(on_rank0(make))
+
+
+def publish(temp: Path, final: Path, step: int, keep_last: int) -> None:
+    """Hash every file of ``temp`` (each rank a share), write the manifest, rename ``temp`` to
+    ``final`` and prune; collective, after every rank has written its files."""
+    dist.barrier()
+    names = on_rank0(lambda: sorted(str(p.relative_to(temp)) for p in temp.rglob("*")
+                                    if p.is_file()))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shares: list = [None] * world
+    dist.all_gather_object(shares, hash_files(temp, names[rank::world]))
+    files = {name: entry for share in shares for name, entry in share.items()}
+    on_rank0(lambda: commit(temp, final, step, files, keep_last))
+
+
+def hash_files(root: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of each named file under ``root``."""
+    return {name: {"size": (root / name).stat().st_size, "sha256": sha256(root / name)}
+            for name in names}
+
+
+def sha256(path: Path) -> str:
+    """Hex sha256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def commit(temp: Path, final: Path, step: int, files: dict[str, dict[str, Any]],
+           keep_last: int) -> None:
+    """Rank 0's part of :func:`publish`: write the manifest of ``files`` (from
+    :func:`hash_files`), fsync, rename ``temp`` to ``final`` (replacing an older ``final``),
+    prune."""
+    manifest = {"format_version": MANIFEST_VERSION, "step": step, "files": files}
+    with open(temp / MANIFEST, "w") as stream:
+        json.dump(manifest, stream, indent=1, sort_keys=True)
+        stream.flush()
+        os.fsync(stream.fileno())
+    _fsync_dir(temp)
+    replaced = None
+    if final.exists():  # a resumed run saves again over a step of the abandoned timeline
+        replaced = final.with_name(f"{final.name}.replaced-{secrets.token_hex(4)}")
+        os.rename(final, replaced)
+    os.rename(temp, final)
+    _fsync_dir(final.parent)
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
+    prune(final, keep_last)
+
+
+def prune(newest: Path, keep_last: int) -> None:
+    """Remove checkpoints after ``newest`` (a timeline abandoned by resuming from an earlier
+    step) and all but the ``keep_last`` newest up to it (0 keeps all)."""
+    complete = complete_checkpoints(newest.parent)
+    later = [p for p in complete if checkpoint_step(p) > checkpoint_step(newest)]
+    earlier = [p for p in complete if checkpoint_step(p) < checkpoint_step(newest)]
+    doomed = later + (earlier[:max(0, len(earlier) - keep_last + 1)] if keep_last else [])
+    for path in doomed:
+        logger.info("removing checkpoint %s", path)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def on_rank0(fn: Callable[[], _T]) -> _T:
+    """Run ``fn`` on rank 0 and give every rank its result (or raise its error everywhere)."""
+    box: list[Any] = [(None, None)]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = (fn(), None)
+        except Exception as error:  # the other ranks wait in the broadcast: tell them
+            box[0] = (None, error)
+    dist.broadcast_object_list(box, src=0)
+    value, error = box[0]
+    if error is not None:
+        raise error
+    return value

@@ -1,0 +1,358 @@
+"""Resumable checkpoints of a whole PPO run (docs/reliability.md).
+
+    candidates = resume_candidates(config.checkpoint)    # before init: [] or complete ones
+    path = checkpoint_store.select_checkpoint(candidates)  # every rank: newest that verifies
+    check_compatible(path, config, tokenizer_fingerprint)
+    step = load_rl_checkpoint(run, path)                 # every rank; shadows re-synced
+    ...
+    save_rl_checkpoint(run, step)                        # every rank
+
+One checkpoint, ``<save_dir>/step_00000004`` (4 steps done; the data position is the step)::
+
+    manifest.json        written last: size and sha256 of every other file
+    rl_state.json        step, KL controller, score moments, each trained model's LR scheduler and
+                         update count, prompt and tokenizer fingerprints, world size, plan, config
+    optimizer_common.pt  per trained model: optimizer hyper-parameters and Adam's step
+    actor/, critic/      megatron dist checkpoints of weights + optimizer state, keyed by global
+                         tensor shapes, so they load at any placement and TP/PP/DP
+    rng/rank_00003.pt    each rank's Python, numpy, torch (CUDA) and megatron-tracker RNG states
+
+Writes are atomic, verified against the manifest on load, and pruned only after a newer
+checkpoint is complete (``engine.checkpoint_store``). Everything is loaded without running pickled
+code (JSON, ``torch.load(weights_only=True)``, models.checkpoint's safe loader).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Collection
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge
+from megatron.core.dist_checkpointing.utils import extract_nonpersistent, extract_sharded_base
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+from megatron_rlhf.data.prompts import PromptStream
+from megatron_rlhf.engine.checkpoint_store import (
+    MANIFEST,
+    complete_checkpoints,
+    publish,
+    read_torch_file,
+    shared_temp_dir,
+    unfinished_saves,
+)
+from megatron_rlhf.engine.config import CheckpointConfig, RunConfig
+from megatron_rlhf.engine.engine import PPOEngine
+from megatron_rlhf.engine.ppo import PPOTrainer
+from megatron_rlhf.models.checkpoint import (
+    CheckpointInfo,
+    ModelDescription,
+    load_sharded_checkpoint,
+    model_sharded_state_dict,
+    read_checkpoint_info,
+    save_sharded_checkpoint,
+)
+from megatron_rlhf.runtime.logging import get_logger
+from megatron_rlhf.topology.models import ACTOR, CRITIC
+
+logger = get_logger(__name__)
+
+FORMAT_VERSION = 1
+RL_STATE = "rl_state.json"
+OPTIMIZER_COMMON = "optimizer_common.pt"
+STATE_PIECES = ("optimizer", "scheduler", "kl_controller", "data_position", "rng")
+"""What a checkpoint restores besides the weights; ``load_rl_checkpoint(skip=...)`` leaves any of
+them out (a debug hook: the resume tests show that each one is needed)."""
+# Settings that must not change across a resume, and those that may without a word (the
+# tokenizer is compared by fingerprint, the placement is resharded on load).
+_MUST_MATCH = ("models.arch", "models.params_dtype", "placement.ac_share")
+_MAY_CHANGE = ("steps", "run_dir", "trace", "checkpoint.", "faults.", "placement.", "cluster.",
+               "runtime.distributed.", "runtime.log_", "tokenizer.")
+
+
+@dataclass
+class RunState:
+    """The live objects of a run that a checkpoint captures."""
+
+    engine: PPOEngine
+    trainer: PPOTrainer
+    prompts: PromptStream
+    config: RunConfig
+    tokenizer_fingerprint: str
+
+
+# ------------------------------------------------------------------ choosing and checking
+
+
+def resume_candidates(config: CheckpointConfig) -> list[Path]:
+    """The checkpoints a run may resume from, newest first ([] for a fresh run). No process
+    group needed: it runs before any distributed work.
+
+    Raises:
+        FileNotFoundError: resuming was asked for and there is nothing to resume from.
+    """
+    if config.resume_from:
+        path = Path(config.resume_from)
+        if not (path / MANIFEST).is_file():
+            what = "does not exist" if not path.exists() else f"has no {MANIFEST} (incomplete)"
+            raise FileNotFoundError(f"checkpoint.resume_from={path} {what}; name a complete "
+                                    "step_<k> directory of a save dir")
+        return [path]
+    if not config.resume:
+        return []
+    candidates = complete_checkpoints(config.save_dir)[::-1]
+    unfinished = unfinished_saves(config.save_dir)
+    for path in unfinished:
+        logger.warning("ignoring %s: an unfinished save (the run stopped while writing it)", path)
+    if not candidates:
+        raise FileNotFoundError(
+            f"--resume: no complete checkpoint in checkpoint.save_dir={config.save_dir} "
+            f"({len(unfinished)} unfinished saves); start without --resume, or point --save-dir "
+            "at the directory the run saved to")
+    return candidates
+
+
+def check_compatible(path: Path, config: RunConfig, tokenizer_fingerprint: str) -> None:
+    """Refuse a resume with another model, tokenizer or AC-Share; warn about other changes.
+
+    Raises:
+        ValueError: naming the setting, both values and the fix.
+    """
+    state = read_rl_state(path)
+    if state["tokenizer_fingerprint"] != tokenizer_fingerprint:
+        raise ValueError(f"checkpoint {path} was trained with another tokenizer (sha256 "
+                         f"{state['tokenizer_fingerprint'][:12]}, this run's is "
+                         f"{tokenizer_fingerprint[:12]}); resume with the run's tokenizer.* "
+                         "settings or start a new run")
+    saved, ours = _flatten(state["config"]), _flatten(_config_dict(config))
+    changed = sorted(k for k in saved.keys() | ours.keys() if saved.get(k) != ours.get(k))
+    for key in changed:
+        if key.startswith(_MUST_MATCH):
+            raise ValueError(f"checkpoint {path} was saved with {key}={saved.get(key)!r}; this "
+                             f"run has {ours.get(key)!r}. Resume with the checkpoint's value, or "
+                             "start a new run in another --save-dir")
+    noted = [f"{k}: {saved.get(k)!r} -> {ours.get(k)!r}" for k in changed
+             if not k.startswith(_MAY_CHANGE)]
+    if noted:
+        logger.warning("resuming %s with changed settings (results will differ from the "
+                       "uninterrupted run): %s", path, "; ".join(noted))
+
+
+def read_rl_state(path: Path) -> dict[str, Any]:
+    """``rl_state.json`` of a checkpoint.
+
+    Raises:
+        ValueError: missing, not JSON, or another format version.
+    """
+    try:
+        state = json.loads((path / RL_STATE).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path / RL_STATE} cannot be read: {error}") from error
+    if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path / RL_STATE}: not format_version={FORMAT_VERSION}; use the "
+                         "release that wrote it")
+    return state
+
+
+# ------------------------------------------------------------------------------ saving
+
+
+def save_rl_checkpoint(run: RunState, step: int) -> Path:
+    """Write the run's state after ``step`` steps into ``<save_dir>/step_<step>``; collective.
+
+    Returns:
+        The complete checkpoint directory.
+    """
+    config = run.config.checkpoint
+    final = Path(config.save_dir).absolute() / f"step_{step:08d}"
+    roles = _trained_roles(run.engine)
+    states = {role: _role_state(run.engine, role, is_loading=False) for role in roles}
+    hosts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, _host_state(run, {r: s[1] for r, s in states.items()}))
+    if run.trainer.experience_in_flight:
+        logger.warning("checkpoint %s leaves out %d steps of asynchronous experience; a resumed "
+                       "run generates them again with the resumed weights", final.name,
+                       run.trainer.experience_in_flight)
+    temp = shared_temp_dir(final)
+    for role in roles:
+        holder = next(h["roles"][role] for h in hosts if role in h["roles"])
+        info = CheckpointInfo(model=ModelDescription(**holder["description"]),
+                              tp_size=run.engine.plan[role].tp, pp_size=run.engine.plan[role].pp,
+                              metadata={"role": role, "step": step})
+        save_sharded_checkpoint(states[role][0], temp / role, info)
+    rank = dist.get_rank()
+    (temp / "rng").mkdir(exist_ok=True)
+    torch.save(_rng_state(), temp / "rng" / f"rank_{rank:05d}.pt")
+    if rank == 0:
+        _write_run_files(temp, run, step, hosts, roles)
+    publish(temp, final, step, config.keep_last)
+    logger.info("saved checkpoint %s", final)
+    return final
+
+
+def _trained_roles(engine: PPOEngine) -> list[str]:
+    return [role for role in (ACTOR, CRITIC) if role in engine.plan.models]
+
+
+def _role_state(engine: PPOEngine, role: str, is_loading: bool,
+                with_optimizer: bool = True) -> tuple[dict, dict, dict]:
+    """This rank's state of a trained model, split as megatron's loader splits it: sharded
+    tensors (the dist checkpoint), common values (identical on the model's ranks: rank 0 saves
+    them) and this rank's local values (never saved); empty where the rank holds none of it."""
+    worker = engine.workers.get(role)
+    if worker is None:
+        return {}, {}, {}
+    model_sd = model_sharded_state_dict(worker.model, worker.pg_collection)
+    state = {"model": model_sd}
+    if with_optimizer:
+        state["optimizer"] = worker.trainer.optimizer_sharded_state_dict(model_sd, is_loading)
+    sharded, rest = extract_sharded_base(state)
+    local, common = extract_nonpersistent(rest)
+    return sharded, common, dict_list_map_inplace(lambda value: value.unwrap(), local)
+
+
+def _host_state(run: RunState, commons: dict[str, dict]) -> dict[str, Any]:
+    """What rank 0 needs from this rank to write the run files."""
+    roles = {}
+    for role, common in commons.items():
+        worker = run.engine.workers.get(role)
+        if worker is not None:
+            roles[role] = {"description": asdict(ModelDescription.from_model(worker.model)),
+                           "trainer": worker.trainer.state_dict(),
+                           "optimizer_common": common.get("optimizer", {})}
+    return {"roles": roles, "ppo": run.trainer.state_dict() if roles else None}
+
+
+def _write_run_files(temp: Path, run: RunState, step: int, hosts: list[dict],
+                     roles: list[str]) -> None:
+    holders = {role: next(h["roles"][role] for h in hosts if role in h["roles"])
+               for role in roles}
+    state = {
+        "format_version": FORMAT_VERSION, "step": step,
+        "ppo": next(h["ppo"] for h in hosts if h["ppo"] is not None),
+        "trainers": {role: holder["trainer"] for role, holder in holders.items()},
+        "prompts_fingerprint": run.prompts.fingerprint,
+        "tokenizer_fingerprint": run.tokenizer_fingerprint,
+        "world_size": dist.get_world_size(), "plan": run.engine.plan.to_dict(),
+        "config": _config_dict(run.config),
+    }
+    (temp / RL_STATE).write_text(json.dumps(state, indent=1, sort_keys=True))
+    torch.save({role: holder["optimizer_common"] for role, holder in holders.items()},
+               temp / OPTIMIZER_COMMON)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_rl_checkpoint(run: RunState, path: Path, skip: Collection[str] = ()) -> int:
+    """Restore a run's state from a checkpoint, at this run's placement; collective.
+
+    Weights and optimizer state are resharded to this run's TP/PP/DP; shadows are rebuilt by
+    weight sync; RNG states are restored where the world size and plan are the ones saved.
+
+    Args:
+        run: the freshly built run.
+        path: a complete, verified checkpoint.
+        skip: pieces of ``STATE_PIECES`` to leave out (debug hook).
+
+    Returns:
+        The step to continue from.
+
+    Raises:
+        ValueError: the checkpoint lacks a model this run trains, or holds another model.
+    """
+    unknown = set(skip) - set(STATE_PIECES)
+    if unknown:
+        raise ValueError(f"unknown state pieces {sorted(unknown)}; choose from {STATE_PIECES}")
+    state = read_rl_state(path)
+    commons = read_torch_file(path / OPTIMIZER_COMMON)
+    for role in _trained_roles(run.engine):
+        if role not in state["trainers"]:
+            raise ValueError(f"checkpoint {path} holds no {role} (saved with placement.ac_share="
+                             f"{state['config']['placement']['ac_share']}); resume with that")
+        _load_role(run.engine, role, path, commons[role], state["trainers"][role], skip)
+    if "kl_controller" not in skip:
+        run.trainer.load_state_dict(state["ppo"])
+    if state["prompts_fingerprint"] != run.prompts.fingerprint:
+        logger.warning("checkpoint %s was saved with other prompts (rollout.prompts_per_step, "
+                       "prompts.*, runtime.seed): step %d's batch differs from the original "
+                       "run's", path, state["step"])
+    run.engine.sync_weights()
+    if "rng" not in skip:
+        _restore_rng(path, state, run.engine)
+    logger.info("resumed from %s after %d steps", path, state["step"])
+    return 0 if "data_position" in skip else int(state["step"])
+
+
+def _load_role(engine: PPOEngine, role: str, path: Path, common: dict, trainer_state: dict,
+               skip: Collection[str]) -> None:
+    info = read_checkpoint_info(path / role)
+    worker = engine.workers.get(role)
+    if worker is not None:
+        ours = ModelDescription.from_model(worker.model)
+        differ = [f"{k}={v!r} (ours {getattr(ours, k)!r})" for k, v in asdict(info.model).items()
+                  if getattr(ours, k) != v]
+        if differ:
+            raise ValueError(f"checkpoint {path / role} holds another model: {', '.join(differ)}"
+                             "; resume with the checkpoint's models.* settings")
+    with_optimizer = "optimizer" not in skip
+    sharded, _, local = _role_state(engine, role, is_loading=True, with_optimizer=with_optimizer)
+    loaded = load_sharded_checkpoint(sharded, path / role)
+    if worker is None:
+        return
+    worker.model.load_state_dict(loaded["model"], strict=True)
+    if with_optimizer:
+        worker.trainer.load_optimizer_state(
+            merge(merge(loaded["optimizer"], common), local.get("optimizer", {})))
+    else:
+        worker.trainer.reload_main_params()
+    if "scheduler" not in skip:
+        worker.trainer.load_state_dict(trainer_state)
+
+
+def _rng_state() -> dict[str, Any]:
+    name, keys, position, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": (name, torch.from_numpy(keys.astype(np.int64)), position, has_gauss,
+                       cached),
+             "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _restore_rng(path: Path, state: dict, engine: PPOEngine) -> None:
+    """Restore this rank's RNG streams if it is the same rank of the same layout."""
+    same_plan = json.loads(json.dumps(engine.plan.to_dict())) == state["plan"]
+    if state["world_size"] != dist.get_world_size() or not same_plan:
+        logger.warning("not restoring RNG states: %s was saved with another world size or "
+                       "placement; the run continues correctly but not bit-exactly", path)
+        return
+    saved = read_torch_file(path / "rng" / f"rank_{dist.get_rank():05d}.pt")
+    version, internal, gauss = saved["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, position, has_gauss, cached = saved["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, cached))
+    torch.set_rng_state(saved["torch"])
+    if "cuda" in saved and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(saved["cuda"])
+    get_cuda_rng_tracker().set_states(saved["tracker"])
+
+
+def _config_dict(config: RunConfig) -> dict[str, Any]:
+    return json.loads(json.dumps(asdict(config)))
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        flat: dict[str, Any] = {}
+        for key, value in tree.items():
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        return flat
+    return {prefix[:-1]: tree}

@@ -1,0 +1,304 @@
+"""Fault detection for a distributed run: who stopped where, ranks that disagree, preemption.
+
+    tracker = install_fault_tracker(FaultConfig(), timeout_s=600)   # after init_distributed
+    with stage("step", signature=(step, rows)):                        # every rank (checked)
+        with stage("experience/reward"):                               # rank-local marker
+            ...
+    if preemption.requested():                                         # collective, per step
+        ...
+
+Every rank records its current stage (name, start time, pid, host) in the job's TCP store at each
+stage boundary. A collective that fails (a peer died: "connection closed"; a peer hangs: the
+process-group timeout) raises inside some stage; the rank that catches it marks itself as a
+victim, waits ``grace_s`` for the other victims to do the same, then reads every rank's record
+and raises :class:`RankFailure` naming the ranks that did not fail that way: the rank that raised
+(and its error), the rank whose process is gone, or the rank still sitting in its stage.
+
+``stage(name, signature=...)`` with a signature is a collective over the default group: every
+rank all-gathers a fixed-size digest of (stage count, name, signature), so ranks that are about to
+run different collectives (different micro-batch counts, shapes) fail with a message naming them
+instead of deadlocking. Stages without a signature only record.
+
+Without an installed tracker (unit tests, tools) ``stage`` is a shared no-op context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import signal
+import socket
+import time
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+from megatron_rlhf.runtime.logging import get_logger
+
+logger = get_logger(__name__)
+
+_NAN_POLICIES = ("skip", "stop")
+_KEY = "megatron_rlhf/fault/{rank}"
+_NULL = contextlib.nullcontext()
+# Substrings of the errors gloo, NCCL and the store raise when a peer is gone or late.
+_COLLECTIVE_ERRORS = ("timed out", "timeout", "connection closed", "connection reset",
+                      "broken pipe", "remote worker", "peer", "nccl", "gloo")
+
+
+@dataclass
+class FaultConfig:
+    """How failures are detected and handled.
+
+    Attributes:
+        check_consistency: at each checked stage boundary, all-gather a digest of the stage and
+            its signature and stop with a clear error when ranks disagree (one tiny collective
+            per boundary).
+        on_nan: NaN/Inf in rewards, values, log-probs, losses or gradients: ``skip`` the step's
+            training (no update is applied; the KL controller is left as it was) or ``stop`` the
+            run with an error naming the model and stage.
+        grace_s: seconds a rank that saw a collective fail waits for the other ranks to report,
+            before it names the ranks that stopped; a failure surfaces within the process-group
+            timeout (``runtime.distributed.timeout_s``) plus this.
+    """
+
+    check_consistency: bool = True
+    on_nan: str = "stop"
+    grace_s: float = 3.0
+
+    def __post_init__(self) -> None:
+        if self.on_nan not in _NAN_POLICIES:
+            raise ValueError(f"faults.on_nan={self.on_nan!r}: use one of {_NAN_POLICIES}")
+        if self.grace_s < 0:
+            raise ValueError(f"faults.grace_s={self.grace_s} must be >= 0")
+
+
+class RankFailure(RuntimeError):
+    """Another rank failed, hung or disagrees; the message names it and its stage."""
+
+
+class NonFiniteError(RuntimeError):
+    """NaN or Inf in a model's outputs, losses or gradients (``faults.on_nan=stop``)."""
+
+
+def is_collective_error(error: BaseException) -> bool:
+    """Whether ``error`` is how a collective reports a dead, late or disagreeing peer."""
+    if isinstance(error, dist.DistError):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(s in text for s in _COLLECTIVE_ERRORS)
+
+
+def _digest(*parts: Any) -> int:
+    """A stable 31-bit digest of ``repr`` of the parts (same on every rank and run)."""
+    return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
+
+
+class FaultTracker:
+    """This rank's stage records in the job's store, and the diagnosis of failures.
+
+    Args:
+        config: detection settings.
+        store: the job's key-value store (torchrun's, or the default group's).
+    """
+
+    def __init__(self, config: FaultConfig, store: dist.Store) -> None:
+        self.config = config
+        self.store = store
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.stage_name = "start"
+        self.since = time.time()
+        self.checked = 0
+        self._host = socket.gethostname()
+        self._publish("running")
+
+    def _publish(self, status: str, detail: str = "") -> None:
+        record = {"stage": self.stage_name, "since": self.since, "status": status,
+                  "detail": detail[:500], "pid": os.getpid(), "host": self._host}
+        with contextlib.suppress(Exception):  # a dead store must not hide the real error
+            self.store.set(_KEY.format(rank=self.rank), json.dumps(record))
+
+    @contextlib.contextmanager
+    def stage(self, name: str, signature: Sequence[Any] | None = None) -> Iterator[None]:
+        """Record ``name`` as this rank's stage (checked across ranks if ``signature`` is given).
+
+        Raises:
+            RankFailure: another rank stopped or disagrees (the message names it).
+        """
+        outer = (self.stage_name, self.since)
+        self.stage_name, self.since = name, time.time()
+        self._publish("running")
+        try:
+            if signature is not None and self.config.check_consistency:
+                self._check_consistency(name, tuple(signature))
+            yield
+        except RankFailure:
+            raise
+        except Exception as error:
+            if is_collective_error(error):
+                raise self.diagnose(error) from error
+            self._publish("raised", f"{type(error).__name__}: {error}")
+            raise
+        self.stage_name, self.since = outer
+
+    def _check_consistency(self, name: str, signature: tuple) -> None:
+        self.checked += 1
+        mine = torch.tensor([self.checked, _digest(name), _digest(signature)], dtype=torch.int64,
+                            device=_collective_device())
+        gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(gathered, mine)
+        if all(torch.equal(g, gathered[0]) for g in gathered):
+            return
+        described: list = [None] * self.world_size
+        dist.all_gather_object(described, (self.checked, name, signature))
+        groups: dict[tuple, list[int]] = {}
+        for rank, item in enumerate(described):
+            groups.setdefault(item, []).append(rank)
+        lines = [f"ranks {ranks}: stage #{count} {stage!r} with {sig}"
+                 for (count, stage, sig), ranks in groups.items()]
+        self._publish("failed", "ranks disagree")
+        raise RankFailure("ranks disagree at a stage boundary and would deadlock in the next "
+                          "collective:\n  " + "\n  ".join(lines) + "\ncheck that every rank "
+                          "runs the same configuration, data and code")
+
+    def diagnose(self, error: BaseException) -> RankFailure:
+        """Name the ranks that stopped, after waiting ``grace_s`` for the other victims."""
+        self._publish("failed", f"{type(error).__name__}: {error}")
+        deadline = time.time() + self.config.grace_s
+        records = self._read_records()
+        while time.time() < deadline and any(
+                r is None or r["status"] == "running" for r in records.values()):
+            time.sleep(0.2)
+            records = self._read_records()
+        culprits = [_describe(rank, record) for rank, record in records.items()
+                    if rank != self.rank and (record is None or record["status"] != "failed")]
+        if not culprits:
+            culprits = ["no other rank reported a failure of its own (all saw collectives "
+                        "fail); the first error above is the cause"]
+        first = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
+        return RankFailure("; ".join(culprits) + f". Rank {self.rank} was in stage "
+                           f"{self.stage_name!r} when a collective failed: {first}")
+
+    def _read_records(self) -> dict[int, dict | None]:
+        records: dict[int, dict | None] = {}
+        for rank in range(self.world_size):
+            key = _KEY.format(rank=rank)
+            try:
+                records[rank] = json.loads(self.store.get(key)) if self.store.check([key]) else None
+            except Exception:  # noqa: BLE001 - the store host itself may be the dead rank
+                records[rank] = {"status": "unknown", "stage": "?", "since": time.time(),
+                                 "detail": "the job's store is unreachable (its host, rank 0 "
+                                           "or the launcher, is probably gone)",
+                                 "pid": -1, "host": ""}
+        return records
+
+
+def _collective_device() -> torch.device:
+    """Where the default group's collectives take tensors (NCCL: this rank's GPU)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _describe(rank: int, record: dict | None) -> str:
+    if record is None:
+        return f"rank {rank} never reported a stage (it did not start or died at once)"
+    ago = time.time() - record["since"]
+    where = f"in stage {record['stage']!r}"
+    if record["status"] == "raised":
+        return f"rank {rank} raised {record['detail']} {where}"
+    if record["status"] == "unknown":
+        return f"rank {rank}: {record['detail']}"
+    return f"rank {rank} stopped {where} {ago:.0f} s ago ({_process_state(record)})"
+
+
+def _process_state(record: dict) -> str:
+    """Whether the rank's process still exists, when it ran on this host."""
+    if record["host"] != socket.gethostname():
+        return f"pid {record['pid']} on {record['host']}: killed, crashed or hung"
+    if _pid_gone(record["pid"]):
+        return f"pid {record['pid']} is gone: killed or crashed"
+    return f"pid {record['pid']} is alive but not in the collective: hung or slow"
+
+
+def _pid_gone(pid: int) -> bool:
+    """Whether process ``pid`` of this host has exited (a zombie counts as exited)."""
+    if os.path.isdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except OSError:
+            return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+_tracker: FaultTracker | None = None
+
+
+def install_fault_tracker(config: FaultConfig, timeout_s: float) -> FaultTracker:
+    """Start tracking this rank's stages (collective-free; call after ``init_distributed``).
+
+    Also sets the default group's collective timeout to ``timeout_s``, for a group that another
+    component created with a different one.
+    """
+    global _tracker
+    distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), None)
+    _tracker = FaultTracker(config, distributed_c10d._get_default_store())
+    return _tracker
+
+
+def uninstall_fault_tracker() -> None:
+    """Stop tracking (``stage`` becomes a no-op again)."""
+    global _tracker
+    _tracker = None
+
+
+def stage(name: str, signature: Sequence[Any] | None = None):
+    """``FaultTracker.stage`` on the installed tracker; a no-op context without one.
+
+    With a ``signature`` (and ``faults.check_consistency``) this is a collective over the default
+    group: call it where every rank runs the same code (SPMD).
+    """
+    if _tracker is None:
+        return _NULL
+    return _tracker.stage(name, signature)
+
+
+class PreemptionWatcher:
+    """Turns SIGTERM into a stop that every rank agrees on at a step boundary.
+
+    The handler only sets a flag; :meth:`requested` all-reduces it (MAX) over the default group,
+    so one signalled rank is enough and all ranks stop after the same step.
+    """
+
+    def __init__(self) -> None:
+        self.signalled = False
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signalled = True
+        logger.warning("SIGTERM received: finishing the current step, then saving and exiting")
+
+    def requested(self) -> bool:
+        """Whether any rank was signalled (collective over the default group)."""
+        flag = torch.tensor([1 if self.signalled else 0], dtype=torch.int32,
+                            device=_collective_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def close(self) -> None:
+        """Restore the previous SIGTERM handler."""
+        signal.signal(signal.SIGTERM, self._previous)

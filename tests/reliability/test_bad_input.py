@@ -1,0 +1,170 @@
+"""Bad input is refused before any distributed work, with a message naming the problem and the
+fix: contradictory checkpoint and fault settings, unknown placements, resuming with nothing to
+resume from or with another model or tokenizer, a reward model trained with another tokenizer,
+corrupted run state, empty or over-long prompts; and the exit status of tools/run_ppo.py says
+which kind of failure ended a run."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+
+from megatron_rlhf.config.loader import load_config
+from megatron_rlhf.data.prompts import PromptStream
+from megatron_rlhf.engine.build import check_checkpoint_tokenizers
+from megatron_rlhf.engine.checkpointing import check_compatible, read_rl_state
+from megatron_rlhf.engine.config import CheckpointConfig, RunConfig
+from megatron_rlhf.engine.ppo import nonfinite_report
+from megatron_rlhf.models.checkpoint import INFO_FILE, CheckpointInfo, ModelDescription
+from megatron_rlhf.runtime.faults import FaultConfig, RankFailure
+from tools import run_ppo as run_ppo_tool
+
+TINY = "examples/ppo_tiny.yaml"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["placement.strategy=bogus"], "placement.strategy='bogus' is unknown: choose one of"),
+    (["checkpoint.save_interval=5"], "checkpoint.save_interval=5 needs a checkpoint.save_dir "
+                                     "(--save-dir)"),
+    (["checkpoint.resume=true"], "checkpoint.resume (--resume) looks for the latest checkpoint "
+                                 "in checkpoint.save_dir; set --save-dir"),
+    (["checkpoint.keep_last=-1"], "checkpoint.keep_last=-1 must be >= 0 (0 keeps all)"),
+    (["faults.on_nan=ignore"], "faults.on_nan='ignore': use one of ('skip', 'stop')"),
+    (["faults.grace_s=-1"], "faults.grace_s=-1.0 must be >= 0"),
+])
+def test_contradictory_settings_name_the_field_and_the_fix(overrides: list[str],
+                                                           message: str) -> None:
+    with pytest.raises(ValueError) as error:
+        load_config(RunConfig, TINY, overrides)
+    assert message in str(error.value)
+
+
+def _tool(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str]:
+    code = run_ppo_tool.main(argv)
+    return code, capsys.readouterr().err
+
+
+def test_the_tool_exits_2_on_bad_input_before_distributed_work(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    code, err = _tool(["--resume"], capsys)
+    assert code == 2 and "bad configuration: checkpoint.resume (--resume)" in err
+    code, err = _tool(["--resume", "--save-dir", str(tmp_path / "empty")], capsys)
+    assert code == 2 and "--resume: no complete checkpoint in checkpoint.save_dir=" in err
+    code, err = _tool(["rollout.max_prompt_length=2"], capsys)
+    assert code == 2 and "prompts are longer than rollout.max_prompt_length=2 tokens" in err
+    with pytest.raises(SystemExit) as error:
+        run_ppo_tool.parse_args(["--placement", "sideways"])
+    assert error.value.code == 2
+    assert "invalid choice: 'sideways'" in capsys.readouterr().err
+
+
+def test_the_tool_exits_1_when_a_rank_fails(monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture) -> None:
+    from megatron_rlhf.engine import runner
+
+    def failing_run(config):
+        raise RankFailure("rank 2 stopped in stage 'step 3' 31 s ago (pid 7 is gone)")
+
+    monkeypatch.setattr(runner, "run_ppo", failing_run)
+    code, err = _tool([], capsys)
+    assert code == 1 and "rank 2 stopped in stage 'step 3'" in err
+
+
+def test_empty_prompts_are_refused() -> None:
+    with pytest.raises(ValueError, match="the prompt set is empty; check the data paths"):
+        PromptStream([], batch_size=1, seed=0)
+    with pytest.raises(ValueError, match=r"prompts \[1\] are empty after tokenisation; drop them"):
+        PromptStream([[5, 6], [], [7]], batch_size=1, seed=0)
+    with pytest.raises(ValueError, match=r"rollout.prompts_per_step\(4\) exceeds the 2 prompts"):
+        PromptStream([[5], [6]], batch_size=4, seed=0)
+
+
+def _rl_state(path: Path, config: RunConfig, fingerprint: str = "abc123") -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    state = {"format_version": 1, "tokenizer_fingerprint": fingerprint,
+             "config": json.loads(json.dumps(asdict(config)))}
+    (path / "rl_state.json").write_text(json.dumps(state))
+    return path
+
+
+def test_resume_refuses_another_model_or_tokenizer_and_warns_of_other_changes(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    saved = RunConfig()
+    path = _rl_state(tmp_path / "step_00000004", saved)
+    check_compatible(path, saved, "abc123")
+    other_arch = replace(saved, models=replace(saved.models, arch="small"))
+    with pytest.raises(ValueError, match="was saved with models.arch='tiny'; this run has "
+                       "'small'. Resume with the checkpoint's value, or start a new run"):
+        check_compatible(path, other_arch, "abc123")
+    with pytest.raises(ValueError, match="trained with another tokenizer .*sha256 abc123, this "
+                       "run's is def456"):
+        check_compatible(path, saved, "def456")
+    logger = logging.getLogger("megatron_rlhf.engine.checkpointing")
+    logger.addHandler(caplog.handler)
+    try:
+        check_compatible(path, replace(saved, steps=99), "abc123")  # may change silently
+        assert not caplog.records
+        changed = replace(saved, rollout=replace(saved.rollout, ppo_epochs=3))
+        check_compatible(path, changed, "abc123")
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert "rollout.ppo_epochs: 1 -> 3" in caplog.text
+
+
+def test_corrupted_run_state_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "rl_state.json").write_text('{"format_version": 1')
+    with pytest.raises(ValueError, match="rl_state.json cannot be read"):
+        read_rl_state(tmp_path)
+    (tmp_path / "rl_state.json").write_text('{"format_version": 7}')
+    with pytest.raises(ValueError, match="not format_version=1; use the release that wrote it"):
+        read_rl_state(tmp_path)
+
+
+def _model_checkpoint(path: Path, fingerprint: str) -> Path:
+    path.mkdir(parents=True)
+    info = CheckpointInfo(model=ModelDescription(2, 64, 4, 4, 128, 512, 64, head="scalar"),
+                          tp_size=1, pp_size=1,
+                          metadata={"role": "reward", "tokenizer_fingerprint": fingerprint})
+    (path / INFO_FILE).write_text(json.dumps(asdict(info)))
+    return path
+
+
+def test_a_reward_model_trained_with_another_tokenizer_is_refused(tmp_path: Path) -> None:
+    reward = _model_checkpoint(tmp_path / "rm", "f" * 64)
+    config = RunConfig()
+    config.models.reward_checkpoint = str(reward)
+    with pytest.raises(ValueError, match=r"reward checkpoint .*rm was trained with another "
+                       r"tokenizer \(fingerprint ffffffffffff\.\.\., this run's is "
+                       r"000000000000\.\.\.\); use the tokenizer.model saved next to that"):
+        check_checkpoint_tokenizers(config, "0" * 64)
+    check_checkpoint_tokenizers(config, "f" * 64)
+    config.models.reward_checkpoint = str(tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="checkpoint directory .*missing does not exist"):
+        check_checkpoint_tokenizers(config, "f" * 64)
+    config.models.reward_checkpoint = str(_model_checkpoint(tmp_path / "bad", "f" * 64))
+    (tmp_path / "bad" / INFO_FILE).write_text("{")
+    with pytest.raises(ValueError, match="is not JSON .*; the checkpoint is corrupted"):
+        check_checkpoint_tokenizers(config, "f" * 64)
+
+
+def test_nonfinite_metrics_name_the_model_and_the_stage() -> None:
+    sources = {"rm_scores": "reward", "values": "shadow_critic", "kl": "actor and ref"}
+    nan = float("nan")
+    assert nonfinite_report({"kl": 0.1, "actor/pg_loss": 0.2}, sources) == []
+    assert nonfinite_report({"nonfinite/rm_scores": 3.0, "reward_mean": nan, "kl": nan},
+                            sources) == ["3 NaN/Inf values in rm_scores (model 'reward', stage "
+                                         "'experience')"]
+    assert nonfinite_report({"actor/grad_norm": nan, "policy_loss": nan, "kl": float("inf")},
+                            sources) == [
+        "non-finite gradients (model 'actor', stage 'training')",
+        "kl=inf (model 'actor and ref', stage 'experience')"]
+
+
+def test_fault_config_defaults_stop_on_nan_and_check_consistency() -> None:
+    config = FaultConfig()
+    assert config.on_nan == "stop" and config.check_consistency
+    assert CheckpointConfig().keep_last == 2

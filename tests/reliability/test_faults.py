@@ -1,0 +1,125 @@
+"""A rank that raises, dies or hangs inside a stage makes every other rank stop, within the
+process-group timeout, with an error naming that rank and its stage; ranks that disagree at a
+checked stage boundary get a clear error instead of a deadlock.
+
+The workload is a loop of collectives inside stages (no models), so each case costs a few seconds;
+tests/reliability/test_resume.py covers the same machinery inside real PPO runs. A disagreement
+leaves the process group usable, so that case runs first in the same processes as the raise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.multirank import MultiRankError, run_on_ranks
+
+TIMEOUT_S = 5.0
+GRACE_S = 2.0
+VICTIM = 2
+
+
+def _collective_loops(kinds: list[str], out_dir: str) -> None:
+    """Run :func:`_collective_loop` for each kind in turn."""
+    from megatron_rlhf.runtime.faults import FaultConfig, install_fault_tracker
+
+    install_fault_tracker(FaultConfig(grace_s=GRACE_S), timeout_s=TIMEOUT_S)
+    for kind in kinds:
+        _collective_loop(kind, out_dir)
+
+
+def _collective_loop(kind: str, out_dir: str) -> None:
+    """Three checked steps of collectives; rank VICTIM misbehaves in step 1. Each rank writes
+    what happened to ``out_dir/<kind>-<rank>.json`` (a killed rank cannot return a value)."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_rlhf.runtime.faults import RankFailure, stage
+
+    rank = dist.get_rank()
+    start = time.monotonic()
+    outcome: dict = {"status": "finished"}
+    try:
+        for step in range(3):
+            signature = (step, 99) if kind == "disagree" and rank == 1 and step == 1 else (step,)
+            with stage(f"step {step}", signature=signature):
+                with stage("work/inject"):
+                    if rank == VICTIM and step == 1:
+                        _misbehave(kind, out_dir)
+                with stage("work/all_reduce"):
+                    dist.all_reduce(torch.ones(8))
+    except RankFailure as failure:
+        outcome = {"status": "rank_failure", "message": str(failure)}
+    except ValueError as error:
+        outcome = {"status": "raised", "message": str(error)}
+    outcome["seconds"] = time.monotonic() - start
+    Path(out_dir, f"{kind}-{rank}.json").write_text(json.dumps(outcome))
+
+
+def _misbehave(kind: str, out_dir: str) -> None:
+    if kind == "raise":
+        raise ValueError("injected failure")
+    if kind == "kill":
+        os.kill(os.getpid(), 9)
+    if kind == "hang":  # until the other ranks have given up on this one (or 30 s)
+        deadline = time.monotonic() + 30
+        while len(list(Path(out_dir).glob("hang-*.json"))) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os._exit(0)
+
+
+def _outcomes(kinds: list[str], tmp_path: Path) -> dict[str, dict[int, dict]]:
+    try:
+        run_on_ranks(_collective_loops, world_size=4, args=(kinds, str(tmp_path)), timeout_s=60)
+    except MultiRankError as error:
+        if kinds[-1] not in ("kill", "hang"):  # only a killed or hung rank may fail to report
+            raise
+        assert f"rank {VICTIM}" in str(error)
+    return {kind: {int(p.stem.rsplit("-", 1)[1]): json.loads(p.read_text())
+                   for p in tmp_path.glob(f"{kind}-*.json")} for kind in kinds}
+
+
+@pytest.fixture(scope="module")
+def disagree_then_raise(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, dict]]:
+    return _outcomes(["disagree", "raise"], tmp_path_factory.mktemp("faults"))
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("kind, expected", [
+    ("raise", "rank 2 raised ValueError: injected failure in stage 'work/inject'"),
+    ("kill", "rank 2 stopped in stage 'work/inject'"),
+    ("hang", "rank 2 stopped in stage 'work/inject'"),
+])
+def test_other_ranks_name_the_failed_rank_and_stage(kind: str, expected: str, tmp_path: Path,
+                                                    request: pytest.FixtureRequest) -> None:
+    if kind == "raise":
+        outcomes = request.getfixturevalue("disagree_then_raise")[kind]
+    else:
+        outcomes = _outcomes([kind], tmp_path)[kind]
+    for rank in (0, 1, 3):
+        outcome = outcomes[rank]
+        assert outcome["status"] == "rank_failure", (rank, outcome)
+        assert expected in outcome["message"], (rank, outcome["message"])
+        assert outcome["seconds"] < TIMEOUT_S + GRACE_S + 3, (rank, outcome)
+    if kind == "kill":
+        assert "is gone: killed or crashed" in outcomes[0]["message"]
+    if kind == "hang":
+        assert "alive but not in the collective" in outcomes[0]["message"]
+    if kind == "raise":
+        assert outcomes[VICTIM]["status"] == "raised"
+
+
+@pytest.mark.multirank
+def test_ranks_that_disagree_stop_with_the_same_clear_error(
+        disagree_then_raise: dict[str, dict[int, dict]]) -> None:
+    outcomes = disagree_then_raise["disagree"]
+    messages = {outcomes[rank]["message"] for rank in range(4)}
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert "ranks disagree" in message
+    assert "ranks [0, 2, 3]: stage #2 'step 1' with (1,)" in message
+    assert "ranks [1]: stage #2 'step 1' with (1, 99)" in message
