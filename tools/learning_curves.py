@@ -19,8 +19,8 @@ from pathlib import Path
 from plot_curves import plot, read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
-HETERO_POOLS = ("cluster.pools=[{kind:fast,nodes:1,devices_per_node:2,relative_speed:1.0},"
-                "{kind:slow,nodes:1,devices_per_node:2,relative_speed:0.5}]")
+HETERO_POOLS = ("cluster.pools=[{kind: fast, nodes: 1, devices_per_node: 2, relative_speed: 1.0},"
+                "{kind: slow, nodes: 1, devices_per_node: 2, relative_speed: 0.5}]")
 PLACEMENTS = {
     "flattening": ["--placement", "flattening"],
     "interleaving": ["--placement", "interleaving"],

@@ -105,8 +105,14 @@ def check_checkpoint_tokenizers(config: RunConfig, tokenizer_fingerprint: str) -
                 "use the tokenizer.model saved next to that checkpoint (tokenizer.model_path)")
 
 
-def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int, pad_id: int) -> PPOEngine:
-    """Build this rank's models and the engine. Collective: every rank calls it."""
+def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int, pad_id: int,
+                 load_initial: bool = True) -> PPOEngine:
+    """Build this rank's models and the engine. Collective: every rank calls it.
+
+    Args:
+        load_initial: load the configured SFT/reward checkpoints; a resumed run skips them
+            because its RL checkpoint overwrites the weights.
+    """
     groups = build_process_groups(
         plan, timeout=datetime.timedelta(seconds=config.runtime.distributed.timeout_s))
     rank = dist.get_rank()
@@ -116,12 +122,13 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int, pad_id: in
     for role in plan.roles_on(rank):
         pgc = groups[role]
         options = ModelBuildOptions(head=_head(role, config.placement.ac_share),
-                                    params_dtype=config.models.params_dtype)
+                                    params_dtype=config.models.params_dtype,
+                                    dropout=config.models.dropout)
         model = build_gpt_model(plan[role].spec.arch, options, pgc, seed=config.runtime.seed)
         init_weights(model, pgc, seed=config.models.init_seed)
         models[role] = model
     # Every rank takes part in each load (megatron's dist_checkpointing is collective).
-    for role, directory in initial_checkpoints(config).items():
+    for role, directory in (initial_checkpoints(config) if load_initial else {}).items():
         if role in plan.models:
             load_model_checkpoint(models.get(role), groups[role], directory, new_head=True)
     for role, model in models.items():

@@ -31,6 +31,8 @@ class ModelsConfig:
         critic_from_reward: initialise the critic from the reward model (InstructGPT); else from
             ``init_seed``.
         params_dtype: ``float32`` (CPU) or ``bfloat16`` (GPU).
+        dropout: hidden and attention dropout of every model (PPO usually runs with 0; with
+            dropout the log-probs of the experience and training passes differ by noise).
     """
 
     arch: str = "tiny"
@@ -39,6 +41,7 @@ class ModelsConfig:
     reward_checkpoint: str = ""
     critic_from_reward: bool = True
     params_dtype: str = "float32"
+    dropout: float = 0.0
 
 
 @dataclass

@@ -115,7 +115,8 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
                 run_dir.mkdir(parents=True, exist_ok=True)
                 (run_dir / "config.yaml").write_text(to_yaml(config))
                 (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
-            engine = build_engine(config, plan, tokenizer.eos_id, tokenizer.pad_id)
+            engine = build_engine(config, plan, tokenizer.eos_id, tokenizer.pad_id,
+                                  load_initial=resume_from is None)
             trainer = PPOTrainer(engine, config.algorithm, config.rollout, config.reward,
                                  config.runtime.seed, prompts.batch, config.steps,
                                  rule_reward_for(config, tokenizer), on_nan=config.faults.on_nan)

@@ -5,7 +5,8 @@
         ...
     write_chrome_trace(tracer, "run/timeline.json")   # collective: rank 0 writes all ranks
 
-With tracing off, ``trace_span`` returns one shared ``nullcontext``: no clock reads, no records.
+With tracing off (and no fault tracker installed), ``trace_span`` returns one shared
+``nullcontext``: no clock reads, no records.
 The JSON loads in chrome://tracing or Perfetto (one process row per rank) and
 ``tools/plot_timeline.py`` draws it as a PNG.
 """
@@ -20,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch.distributed as dist
+
+from megatron_rlhf.runtime import faults
 
 _NULL = contextlib.nullcontext()
 
@@ -91,8 +94,18 @@ def get_tracer() -> Tracer:
 
 
 def trace_span(stage: str, model: str = "", microbatch: int = -1):
-    """Time a stage on the process-wide tracer; free when tracing is off."""
-    return _tracer.span(stage, model, microbatch)
+    """Time a stage on the process-wide tracer and mark it as this rank's current stage for
+    fault reports (``runtime.faults``); free when neither is active."""
+    marker = faults.stage(f"{stage}/{model}" if model else stage)
+    if not _tracer.enabled:
+        return marker
+    return _both(marker, _tracer.span(stage, model, microbatch))
+
+
+@contextlib.contextmanager
+def _both(first, second) -> Iterator[None]:
+    with first, second:
+        yield
 
 
 def chrome_trace_events(spans_by_rank: list[list[dict]]) -> list[dict]:

@@ -19,8 +19,7 @@ checkpoint. Job 2, in one set of processes:
 * a rank with another rollout.ppo_epochs (different micro-batch counts) is refused on every rank
   with an error naming the rank and the setting.
 
-The runs use dropout 0.1 (patched into the model builder here; RunConfig has no dropout field) so
-that the RNG streams matter, an adaptive KL controller, running score normalisation and a linear LR
+The runs use dropout 0.1 (models.dropout) so that the RNG streams matter, an adaptive KL controller, running score normalisation and a linear LR
 warm-up, so that each piece of state changes the numbers.
 """
 
@@ -55,7 +54,7 @@ def _config(root: str, name: str, **checkpoint):
     config = RunConfig(
         runtime=RuntimeConfig(seed=7, distributed=DistributedConfig(timeout_s=60)),
         placement=PlacementConfig(strategy="separation"),
-        models=ModelsConfig(arch="tiny", init_seed=9),
+        models=ModelsConfig(arch="tiny", init_seed=9, dropout=_DROPOUT[0]),
         rollout=RolloutConfig(prompts_per_step=8, max_prompt_length=16, micro_batch_size=2,
                               ppo_epochs=1, num_minibatches=2),
         generation=GenerationConfig(max_new_tokens=6, seed=3),
@@ -72,14 +71,14 @@ def _config(root: str, name: str, **checkpoint):
     return config
 
 
+_DROPOUT = [0.0]
+
+
 def _patch(dropout: float) -> dict:
-    """Dropout in every model, and the engine of the last run kept in the returned dict."""
-    import functools
+    """Dropout of the runs that follow, and the engine of the last run kept in the returned dict."""
+    from megatron_rlhf.engine import runner
 
-    from megatron_rlhf.engine import build, runner
-    from megatron_rlhf.models.gpt import ModelBuildOptions
-
-    build.ModelBuildOptions = functools.partial(ModelBuildOptions, dropout=dropout)
+    _DROPOUT[0] = dropout
     captured: dict = {}
     if not hasattr(runner, "_original_build_engine"):
         runner._original_build_engine = runner.build_engine
