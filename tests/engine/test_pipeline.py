@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +28,7 @@ def test_pipeline_chains_sft_rm_and_ppo(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert "reward model: step" in done.stdout and (run_dir / "curves.png").stat().st_size > 0
     sft = [json.loads(line) for line in (run_dir / "sft" / "metrics.jsonl").open()]
-    assert sft[-1]["step"] == 12 and sft[-1]["loss"] < sft[0]["loss"]
+    assert len(sft) == 12 and sft[-1]["loss"] < sft[0]["loss"]
     ppo = [json.loads(line) for line in (run_dir / "ppo" / "metrics.jsonl").open()]
     assert [r["step"] for r in ppo] == [0, 1, 2]
     for key in ("reward_mean", "rm_score", "rule_score", "kl", "policy_loss", "value_loss",
@@ -48,5 +49,7 @@ def test_pipeline_refuses_a_bad_data_file_without_a_traceback(tmp_path: Path) ->
     done = _torchrun("tools/run_pipeline.py", "--run-dir", str(tmp_path / "run"), "--data",
                      str(bad), timeout=200)
     assert done.returncode != 0
-    assert "Traceback" not in done.stderr.split("ChildFailedError")[0]
-    assert "bad.jsonl" in done.stderr
+    # One clear line per rank, naming the file and line; no Python traceback from our code
+    # (torchrun's own report of the failed workers follows it).
+    assert "run_pipeline: " in done.stderr and "bad.jsonl" in done.stderr
+    assert re.search(r'(megatron_rlhf|tools)/\S+\.py", line', done.stderr) is None
