@@ -32,18 +32,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-
-@dataclass
-class BenchArch:
-    """Architecture numbers (``megatron_rlhf.models.gpt.Architecture``)."""
-
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    ffn_hidden_size: int
-    vocab_size: int
-    seq_length: int
+from megatron_rlhf.topology.models import ArchSpec
 
 
 @dataclass
@@ -51,7 +40,7 @@ class BenchCase:
     """One measured configuration."""
 
     name: str
-    arch: BenchArch
+    arch: ArchSpec
     batch: int
     prompt_len: int
     new_tokens: int
@@ -59,10 +48,12 @@ class BenchCase:
     repeats: int
 
 
-TINY = BenchArch(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                 ffn_hidden_size=128, vocab_size=250, seq_length=64)
-LARGER = BenchArch(num_layers=8, hidden_size=512, num_attention_heads=8, num_query_groups=4,
-                   ffn_hidden_size=1408, vocab_size=8192, seq_length=256)
+TINY = ArchSpec("tiny-bench", num_layers=4, hidden_size=64, num_attention_heads=4,
+                num_query_groups=2, ffn_hidden_size=128, vocab_size=250, seq_length=64,
+                gated_mlp=True)
+LARGER = ArchSpec("larger-bench", num_layers=8, hidden_size=512, num_attention_heads=8,
+                  num_query_groups=4, ffn_hidden_size=1408, vocab_size=8192, seq_length=256,
+                  gated_mlp=True)
 
 
 def _cases(quick: bool) -> list[BenchCase]:
@@ -165,7 +156,8 @@ def run_case(case: BenchCase) -> dict:
     if short != case.new_tokens:
         same = _best_time(model, pgc, prompts, short, True, repeats)
         fields["kv_cache_tokens_per_s_same_length"] = round(case.batch * short / same, 1)
-    return {**asdict(case.arch), **fields}
+    arch = {k: v for k, v in asdict(case.arch).items() if k not in ("name", "gated_mlp")}
+    return {**arch, **fields}
 
 
 def main() -> None:
