@@ -41,7 +41,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="YAML run configuration")
-    parser.add_argument("--placement", choices=STRATEGIES, help="placement strategy")
+    parser.add_argument("--placement", choices=(*STRATEGIES, "auto"),
+                        help="placement strategy; auto: the planner's best for this cluster")
+    parser.add_argument("--profile", help="hardware profile for --placement auto (a shipped name "
+                        "or a tools/calibrate.py JSON; default: the profile of each pool's kind)")
     parser.add_argument("--ratios", type=float, nargs=4, metavar=("ACTOR", "CRITIC", "REF", "REWARD"),
                         help="custom placement ratios (implies --placement custom)")
     parser.add_argument("--tp", type=int, help="tensor-parallel size of every model")
@@ -56,7 +59,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                         help="continue from the latest valid checkpoint in --save-dir")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = parser.parse_args(argv)
-    flags = {"placement.strategy": args.placement, "placement.tp": args.tp,
+    strategy = None if args.placement == "auto" else args.placement
+    flags = {"placement.strategy": strategy, "placement.tp": args.tp,
              "placement.pp": args.pp, "steps": args.steps, "runtime.seed": args.seed,
              "run_dir": args.run_dir, "checkpoint.save_dir": args.save_dir,
              "checkpoint.save_interval": args.save_interval}
@@ -70,10 +74,25 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     return args, overrides + args.overrides
 
 
+def auto_placement(config: RunConfig, profile: str | None) -> RunConfig:
+    """The planner's best placement for this job (see megatron_rlhf/engine/auto.py)."""
+    from megatron_rlhf.engine.auto import choose_placement
+    from megatron_rlhf.engine.build import cluster_from_environment
+
+    chosen, reason = choose_placement(config, cluster_from_environment(config.cluster.pools),
+                                      profile)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"run_ppo: placement auto -> {chosen.placement.strategy}: {reason}",
+              file=sys.stderr)
+    return chosen
+
+
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)
     try:
         config = load_config(RunConfig, args.config, overrides)
+        if args.placement == "auto":
+            config = auto_placement(config, args.profile)
     except (ConfigError, ValueError) as error:
         print(f"run_ppo: bad configuration: {error}", file=sys.stderr)
         return 2

@@ -1,0 +1,49 @@
+"""``--placement auto``: let the planner choose the placement of a run.
+
+The planner ranks candidate placements (presets, separation splits, TP/PP choices) by predicted
+samples/s for this cluster, these models and this rollout; the best one the engine accepts (its
+batch shapes must split over every model's DP size) replaces the configured placement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_rlhf.engine.build import make_plan
+from megatron_rlhf.engine.config import RunConfig
+from megatron_rlhf.planner import RolloutSpec, auto_place, explain_choice, load_profile
+from megatron_rlhf.topology.cluster import ClusterSpec
+
+
+def choose_placement(config: RunConfig, cluster: ClusterSpec,
+                     profile: str | None = None) -> tuple[RunConfig, str]:
+    """The run configuration with the planner's best placement, and why it won.
+
+    Args:
+        config: the run; its placement's ``ac_share`` is kept.
+        cluster: the devices of the job.
+        profile: a hardware profile name or JSON path for every pool; None uses the shipped
+            profile named like each pool's kind.
+
+    Raises:
+        ValueError: no profile for a pool (run tools/calibrate.py), or no candidate the engine
+            accepts.
+    """
+    profiles = load_profile(profile) if profile else None
+    rollout = RolloutSpec.from_run_config(config, overlap=config.rollout.async_rollout)
+    ranked = auto_place(cluster, config.models.arch, rollout, profiles)
+    rejected = []
+    for candidate in ranked:
+        if not candidate.prediction.feasible:
+            continue
+        placement = dataclasses.replace(candidate.config, ac_share=config.placement.ac_share)
+        chosen = dataclasses.replace(config, placement=placement)
+        try:
+            make_plan(chosen, cluster)
+        except ValueError as error:
+            rejected.append(f"{candidate.label}: {error}")
+            continue
+        return chosen, explain_choice(ranked[candidate.rank - 1:])
+    reasons = "; ".join(rejected[:3]) or explain_choice(ranked)
+    raise ValueError(f"placement=auto found no placement this run can use ({reasons}); "
+                     "choose one with --placement or adjust rollout sizes")
