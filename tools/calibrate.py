@@ -9,9 +9,11 @@ bandwidth (pinned host-to-device on GPU), the latency of one small transformer l
 all-reduce bus bandwidth of a 2-process group spawned here (NCCL with 2+ GPUs, else gloo) at a
 few sizes. Writes a ``HardwareProfile`` JSON and prints one JSON line. About 20-60 s.
 
-With ``--ranks N`` on a CPU, the profile describes one of N ranks sharing this machine (as the
-gloo tests and CPU benchmarks run them, one thread each): compute and copy rates are measured on
-one thread and scaled by ``min(1, cores / N)``, the layer latency by its inverse.
+With ``--ranks N`` on a CPU, the profile describes ranks that share this machine's cores (as the
+gloo tests and CPU benchmarks run them, one thread each): rates are measured on one thread (a
+rank running alone) and ``host_cores`` records the cores, so the planner slows ranks down while
+more of them are busy than there are cores. The layer latency is measured on megatron's own
+transformer layer through this package's model builder.
 
 Measured peaks are what a collective, a copy or a large matmul achieves, so the profile's
 efficiencies default to 1.0 for links and memory and to 0.5 for compute (a model step reaches
@@ -80,12 +82,30 @@ def measure_host(device: torch.device, nbytes: int, sync) -> float:
 
 
 def measure_layer_latency(device: torch.device, dtype: torch.dtype, sync) -> float:
-    """Seconds of one forward of a tiny transformer layer: the fixed cost of a layer call."""
-    layer = torch.nn.TransformerEncoderLayer(64, 4, 256, dropout=0.0, batch_first=True)
-    layer = layer.to(device=device, dtype=dtype).eval()
-    x = torch.randn(1, 8, 64, device=device, dtype=dtype)
-    with torch.no_grad():
-        return _timed(lambda: layer(x), 20, sync)
+    """Seconds one megatron transformer layer adds to a tiny model's forward.
+
+    The fixed cost of a layer call (Python, megatron's modules, kernel launches) as the engine
+    pays it: the forward time of a 6-layer minus a 2-layer tiny GPTModel, per layer. Runs in a
+    world of one process.
+    """
+    from megatron_rlhf.models.gpt import ModelBuildOptions, build_gpt_model
+    from megatron_rlhf.models.schedule import model_inputs
+    from megatron_rlhf.runtime.bootstrap import initialize_runtime
+    from megatron_rlhf.topology.groups import build_model_process_groups
+    from megatron_rlhf.topology.models import ArchSpec, ModelSpec
+
+    initialize_runtime()
+    seconds = {}
+    for layers in (2, 6):
+        arch = ArchSpec("calibration", layers, 64, 4, 256, 64, 256, gated_mlp=True)
+        pgc = build_model_process_groups(ModelSpec("actor", arch, trainable=False))
+        options = ModelBuildOptions(params_dtype=str(dtype).removeprefix("torch."))
+        model = build_gpt_model(arch, options, pgc).to(device).eval()
+        ids = torch.randint(0, arch.vocab_size, (2, 16), device=device)
+        inputs = model_inputs({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+        with torch.no_grad():
+            seconds[layers] = _timed(lambda model=model, inputs=inputs: model(*inputs), 10, sync)
+    return max(1e-6, (seconds[6] - seconds[2]) / 4)
 
 
 def _collective_worker(rank: int, port: int, backend: str, results) -> None:
@@ -134,10 +154,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="CPU only: ranks that will share this machine, one thread each")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
-    share = 1.0
+    shared_cores = 0.0
     if args.ranks and not cuda:
         torch.set_num_threads(1)
-        share = min(1.0, (os.cpu_count() or 1) / args.ranks)
+        shared_cores = float(os.cpu_count() or 1)
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -147,13 +167,13 @@ def main(argv: list[str] | None = None) -> None:
     memory = (torch.cuda.get_device_properties(0).total_memory if cuda
               else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     profile = HardwareProfile(
-        name=args.name, peak_tflops=share * measure_matmul(device, dtype, sizes, sync),
-        hbm_gb_per_s=share * measure_copy(device, args.copy_mib * 2**20, sync),
+        name=args.name, peak_tflops=measure_matmul(device, dtype, sizes, sync),
+        hbm_gb_per_s=measure_copy(device, args.copy_mib * 2**20, sync),
         memory_gib=memory / 2**30, intra_node_gbps=bus * 8 / 1e9, inter_node_gbps=bus * 8 / 1e9,
         host_gb_per_s=measure_host(device, args.copy_mib * 2**20, sync),
         compute_efficiency=args.compute_efficiency, memory_efficiency=1.0, link_efficiency=1.0,
-        layer_latency_s=measure_layer_latency(device, dtype, sync) / share,
-        collective_latency_s=latency,
+        layer_latency_s=measure_layer_latency(device, dtype, sync),
+        collective_latency_s=latency, host_cores=shared_cores,
         source=f"tools/calibrate.py on {torch.cuda.get_device_name(0) if cuda else 'CPU'} "
                f"({os.cpu_count()} cores, {args.ranks or 1} ranks sharing it), {backend} "
                "all-reduce of 2 local processes; "

@@ -50,6 +50,9 @@ class HardwareProfile:
         layer_latency_s: fixed cost of running one transformer layer once (kernel launches,
             framework overhead), whatever its size; dominates decoding of small batches.
         collective_latency_s: fixed cost of one collective or point-to-point call.
+        host_cores: 0 when every device has its own compute (GPUs); for CPU ranks, the cores
+            the ranks of one node share: rates are per rank running alone, and the schedule
+            slows ranks down when more of them are busy than there are cores.
         usable_memory_fraction: share of ``memory_gib`` that models may use (the rest: CUDA
             context, communication buffers, fragmentation).
         source: where the numbers come from (specification sheet, calibration run).
@@ -67,6 +70,7 @@ class HardwareProfile:
     link_efficiency: float = 0.7
     layer_latency_s: float = 2e-4
     collective_latency_s: float = 8e-6
+    host_cores: float = 0.0
     usable_memory_fraction: float = 0.9
     source: str = ""
 
@@ -77,8 +81,8 @@ class HardwareProfile:
             if field.name in ("name", "source"):
                 continue
             value = getattr(self, field.name)
-            if not isinstance(value, int | float) or value < 0 or (
-                    value == 0 and not field.name.endswith("latency_s")):
+            may_be_zero = field.name.endswith("latency_s") or field.name == "host_cores"
+            if not isinstance(value, int | float) or value < 0 or (value == 0 and not may_be_zero):
                 raise ValueError(f"profile {self.name!r}: {field.name}={value!r} must be positive")
             if field.name in _FRACTIONS and value > 1:
                 raise ValueError(

@@ -35,7 +35,7 @@ from megatron_rlhf.planner.memory import (
     plan_memory,
     pool_of_replicas,
 )
-from megatron_rlhf.planner.schedule import Schedule, Task, schedule
+from megatron_rlhf.planner.schedule import Schedule, SharedHost, Task, schedule
 from megatron_rlhf.planner.workload import RolloutSpec
 from megatron_rlhf.topology.models import SHADOW_OF, TRAINABLE_ROLES, VALUE_HEAD_ROLES
 from megatron_rlhf.topology.plan import ModelPlacement, PlacementPlan
@@ -132,7 +132,10 @@ def predict_step(plan: PlacementPlan, rollout: RolloutSpec,
     if memory.problems:
         return StepPrediction(False, 0.0, math.inf, math.inf, False, {}, (), "memory", 1.0,
                               memory, tuple(memory.problems))
-    result = schedule(build_tasks(plan, rollout, hardware, memory))
+    hosts = [SharedHost(range(node.first_rank, node.first_rank + node.size),
+                        hardware[node.pool_index].host_cores)
+             for node in plan.cluster.nodes() if hardware[node.pool_index].host_cores > 0]
+    result = schedule(build_tasks(plan, rollout, hardware, memory), hosts)
     pipelined = rollout.overlap and plan.config.separated
     step = result.period if pipelined else result.makespan
     chain = result.busiest if pipelined else result.critical

@@ -6,6 +6,12 @@ it needs is free. So models on disjoint ranks run side by side (ref || reward un
 actor training || critic training under interleaving2) and models sharing ranks run in turn
 (everything under flattening), with no strategy-specific rule.
 
+Ranks that share a host's cores (CPU ranks, ``HardwareProfile.host_cores``) slow each other
+down: a task runs at ``min(1, cores / busy ranks of its host)`` of its rate, where the busy ranks
+are counted over the task's time (time-weighted). Since slowing tasks moves the overlaps, the
+schedule is recomputed a few times with the slowdowns of the previous pass. Devices with their
+own compute (GPUs) pass no hosts and are scheduled once.
+
 Two step times come out of one schedule:
 
 - ``makespan``: the synchronous step, the end of the last task.
@@ -16,9 +22,13 @@ Two step times come out of one schedule:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from megatron_rlhf.planner.cost_model import Cost
+
+CONTENTION_PASSES = 4
+"""Schedules computed when hosts are shared; the slowdowns settle within a few."""
 
 
 @dataclass(frozen=True)
@@ -69,12 +79,57 @@ def _atoms(tasks: list[Task]) -> list[range]:
     return [range(a, b) for a, b in zip(cuts, cuts[1:], strict=False)]
 
 
-def schedule(tasks: list[Task]) -> Schedule:
+@dataclass(frozen=True)
+class SharedHost:
+    """Ranks whose compute comes from the same ``cores`` (one CPU host)."""
+
+    ranks: range
+    cores: float
+
+
+def schedule(tasks: list[Task], hosts: Sequence[SharedHost] = ()) -> Schedule:
     """Run the tasks in program order on their ranks; see the module docstring.
+
+    Args:
+        tasks: the step's tasks in program order.
+        hosts: hosts whose ranks share cores; empty when every rank has its own compute.
 
     Raises:
         ValueError: a task depends on a later task.
     """
+    result = _list_schedule(tasks)
+    for _ in range(CONTENTION_PASSES if hosts else 0):
+        slowed = [replace(task, cost=task.cost.scaled(_slowdown(i, result, hosts)))
+                  for i, task in enumerate(tasks)]
+        result = _list_schedule(slowed)
+    return result
+
+
+def _slowdown(index: int, result: Schedule, hosts: Sequence[SharedHost]) -> float:
+    """How much slower task ``index`` ran for the busy ranks on its hosts (>= 1)."""
+    task, begin, finish = result.tasks[index], result.start[index], result.end[index]
+    if finish <= begin:
+        return 1.0
+    factor = 1.0
+    for host in hosts:
+        if not any(_overlap(r, host.ranks) for r in task.ranges):
+            continue
+        busy = 0.0
+        for other, s, e in zip(result.tasks, result.start, result.end, strict=True):
+            shared = min(finish, e) - max(begin, s)
+            if shared > 0:
+                ranks = sum(_overlap(r, host.ranks) for r in other.ranges)
+                busy += ranks * shared / (finish - begin)
+        factor = max(factor, busy / host.cores)
+    return factor
+
+
+def _overlap(a: range, b: range) -> int:
+    return max(0, min(a.stop, b.stop) - max(a.start, b.start))
+
+
+def _list_schedule(tasks: list[Task]) -> Schedule:
+    """One list-schedule pass with the tasks' costs as given."""
     atoms = _atoms(tasks)
     covered = [[a for a, atom in enumerate(atoms)
                 if any(r.start <= atom.start and atom.stop <= r.stop for r in task.ranges)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_rlhf.planner.cost_model import Cost
-from megatron_rlhf.planner.schedule import Task, schedule
+from megatron_rlhf.planner.schedule import SharedHost, Task, schedule
 
 
 def test_disjoint_tasks_overlap_and_the_critical_chain_is_found() -> None:
@@ -35,3 +35,19 @@ def test_period_is_the_busiest_block_when_steps_may_overlap() -> None:
 def test_a_dependency_on_a_later_task_is_refused() -> None:
     with pytest.raises(ValueError, match="depends on a later task"):
         schedule([Task("a", "sync", (range(0, 1),), Cost(), deps=(0,))])
+
+
+def test_ranks_sharing_cores_slow_each_other_only_while_busy_together() -> None:
+    # 4 ranks on a 2-core host: actor and critic train side by side on ranks 0-1 and 2-3 (4 busy
+    # ranks on 2 cores: each runs at half speed), then a lone sync on ranks 0-1 (full speed).
+    host = [SharedHost(range(0, 4), cores=2.0)]
+    tasks = [Task("training:actor", "training", (range(0, 2),), Cost(compute=1.0)),
+             Task("training:critic", "training", (range(2, 4),), Cost(compute=1.0)),
+             Task("sync:actor", "sync", (range(0, 2),), Cost(comm=0.5), deps=(0, 1))]
+    result = schedule(tasks, host)
+    assert result.end[0] == pytest.approx(2.0) and result.end[1] == pytest.approx(2.0)
+    assert result.end[2] - result.start[2] == pytest.approx(0.5)
+    assert result.makespan == pytest.approx(2.5)
+    # With a core per rank nothing slows down.
+    assert schedule(tasks, [SharedHost(range(0, 4), cores=4.0)]).makespan == pytest.approx(1.5)
+    assert schedule(tasks).makespan == pytest.approx(1.5)
