@@ -400,19 +400,28 @@ def transfer_seconds(nbytes: float, link: Link) -> float:
 
 
 def weight_sync_seconds(params: float, shadow_tp: int, shadow_pp: int, shadow_devices: int,
-                        receiving_nodes: int, sending_nodes: int, link: Link) -> float:
+                        receiving_nodes: int, sending_nodes: int, link: Link,
+                        tensors: int = 1) -> float:
     """Copy trained bf16 weights into a shadow with another layout (resharding).
 
     Every shadow device receives its shard, ``2 params / (tp_s pp_s)`` bytes, so ``dp_s`` full
     copies leave the trainer. Across nodes the busiest node NIC sets the time: a receiving node
     takes ``shadow_devices / receiving_nodes`` shards, a sending node sends
     ``dp_s * 2 params / sending_nodes``. ``link`` is the per-node network (or, when trainer and
-    shadow share nodes, one device's NVLink with ``receiving_nodes = shadow_devices``).
+    shadow share nodes, one device's NVLink with ``receiving_nodes = shadow_devices``). The refit
+    moves every parameter tensor of a shadow device's shard as its own message, so each of the
+    ``tensors`` pays the link latency (this dominates for small models).
     """
     shard = BF16 * params / (shadow_tp * shadow_pp)
     received = shard * shadow_devices / receiving_nodes
     sent = shard * shadow_devices / sending_nodes
-    return link.latency_s + max(received, sent) / link.bytes_per_s
+    return tensors * link.latency_s + max(received, sent) / link.bytes_per_s
+
+
+def parameter_tensors(arch: ArchSpec, pp: int) -> int:
+    """Parameter tensors on one pipeline stage of a megatron GPT (6 per layer: the QKV, output,
+    two MLP matrices and two norms; plus the embedding, final norm and output layer)."""
+    return math.ceil(6 * arch.num_layers / pp) + 3
 
 
 def offload_seconds(state: StateBytes, trainable: bool, profile: HardwareProfile) -> float:

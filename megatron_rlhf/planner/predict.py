@@ -289,7 +289,8 @@ def _sync(ctx: _Context, trainer: str, shadow: str, deps: tuple[int, ...]) -> Ta
         receivers, senders = (len({cluster.locate(r).node for r in m.ranks})
                               for m in (target, source))
     seconds = cm.weight_sync_seconds(target.spec.num_params(), target.tp, target.pp,
-                                     target.size, receivers, senders, link)
+                                     target.size, receivers, senders, link,
+                                     cm.parameter_tensors(target.spec.arch, target.pp))
     return Task(f"{SYNC}:{trainer}->{shadow}", SYNC, (source.ranks, target.ranks),
                 cm.Cost(comm=seconds), deps)
 
