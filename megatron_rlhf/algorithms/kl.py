@@ -88,7 +88,25 @@ def mean_sequence_kl(kl: torch.Tensor, response_mask: torch.Tensor) -> torch.Ten
     return masked_sum(kl, response_mask, dim=-1).mean()
 
 
-class FixedKLController:
+class _CoefficientState:
+    """Checkpoint state shared by the controllers: the coefficient (the rest is config)."""
+
+    value: float
+
+    def state_dict(self) -> dict[str, float]:
+        """Returns the coefficient, for checkpoints."""
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        """Restores the coefficient saved by ``state_dict``.
+
+        Args:
+            state: A dict with key ``value``.
+        """
+        self.value = float(state["value"])
+
+
+class FixedKLController(_CoefficientState):
     """A KL coefficient that never changes.
 
     Args:
@@ -106,20 +124,8 @@ class FixedKLController:
             n_steps: Number of sequences in the batch (unused).
         """
 
-    def state_dict(self) -> dict[str, float]:
-        """Returns the coefficient, for checkpoints."""
-        return {"value": self.value}
 
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        """Restores the coefficient saved by ``state_dict``.
-
-        Args:
-            state: A dict with key ``value``.
-        """
-        self.value = float(state["value"])
-
-
-class AdaptiveKLController:
+class AdaptiveKLController(_CoefficientState):
     """Proportional controller that drives the observed KL towards a target (Ziegler et al.).
 
     Each update multiplies the coefficient by ``1 + e * n_steps / horizon`` where
@@ -145,18 +151,6 @@ class AdaptiveKLController:
         """
         proportional_error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + proportional_error * n_steps / self.horizon
-
-    def state_dict(self) -> dict[str, float]:
-        """Returns the coefficient, for checkpoints (target and horizon come from config)."""
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        """Restores the coefficient saved by ``state_dict``.
-
-        Args:
-            state: A dict with key ``value``.
-        """
-        self.value = float(state["value"])
 
 
 KLController = FixedKLController | AdaptiveKLController
