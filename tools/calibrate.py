@@ -12,8 +12,8 @@ few sizes. Writes a ``HardwareProfile`` JSON and prints one JSON line. About 20-
 With ``--ranks N`` on a CPU, the profile describes ranks that share this machine's cores (as the
 gloo tests and CPU benchmarks run them, one thread each): rates are measured on one thread (a
 rank running alone) and ``host_cores`` records the cores, so the planner slows ranks down while
-more of them are busy than there are cores. The layer latency is measured on megatron's own
-transformer layer through this package's model builder.
+more of them are busy than there are cores. The layer and optimizer-step latencies are measured on
+megatron's own layer, schedule, DDP and optimizer through this package's builder and trainer.
 
 Measured peaks are what a collective, a copy or a large matmul achieves, so the profile's
 efficiencies default to 1.0 for links and memory and to 0.5 for compute (a model step reaches
@@ -81,31 +81,43 @@ def measure_host(device: torch.device, nbytes: int, sync) -> float:
     return nbytes / _timed(lambda: dst.copy_(host, non_blocking=True), 5, sync) / 1e9
 
 
-def measure_layer_latency(device: torch.device, dtype: torch.dtype, sync) -> float:
-    """Seconds one megatron transformer layer adds to a tiny model's forward.
+def measure_call_latencies(device: torch.device, dtype: torch.dtype, sync) -> tuple[float, float]:
+    """Fixed costs of the engine's calls, as it pays them: (per layer call, per optimizer step).
 
-    The fixed cost of a layer call (Python, megatron's modules, kernel launches) as the engine
-    pays it: the forward time of a 6-layer minus a 2-layer tiny GPTModel, per layer. Runs in a
-    world of one process.
+    The layer latency is the forward time of a 6-layer minus a 2-layer tiny GPTModel, per layer;
+    the step latency is one training step of the 2-layer model (megatron schedule, DDP, the
+    distributed optimizer) minus three forward passes (forward + a backward of about two). Both
+    run through this package's builder and trainer in a world of one process.
     """
     from megatron_rlhf.models.gpt import ModelBuildOptions, build_gpt_model
     from megatron_rlhf.models.schedule import model_inputs
+    from megatron_rlhf.models.trainer import ModelTrainer, OptimizerSettings
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
     from megatron_rlhf.topology.groups import build_model_process_groups
     from megatron_rlhf.topology.models import ArchSpec, ModelSpec
 
     initialize_runtime()
-    seconds = {}
+    options = ModelBuildOptions(params_dtype=str(dtype).removeprefix("torch."))
+    forward, models = {}, {}
     for layers in (2, 6):
         arch = ArchSpec("calibration", layers, 64, 4, 256, 64, 256, gated_mlp=True)
-        pgc = build_model_process_groups(ModelSpec("actor", arch, trainable=False))
-        options = ModelBuildOptions(params_dtype=str(dtype).removeprefix("torch."))
-        model = build_gpt_model(arch, options, pgc).to(device).eval()
+        pgc = build_model_process_groups(ModelSpec("actor", arch, trainable=True))
+        models[layers] = (build_gpt_model(arch, options, pgc).to(device), pgc)
         ids = torch.randint(0, arch.vocab_size, (2, 16), device=device)
-        inputs = model_inputs({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        inputs = model_inputs(batch)
+        model = models[layers][0].eval()
         with torch.no_grad():
-            seconds[layers] = _timed(lambda model=model, inputs=inputs: model(*inputs), 10, sync)
-    return max(1e-6, (seconds[6] - seconds[2]) / 4)
+            forward[layers] = _timed(lambda model=model, inputs=inputs: model(*inputs), 10, sync)
+    model, pgc = models[2]
+    trainer = ModelTrainer(model, pgc, OptimizerSettings(lr=1e-6))
+
+    def loss_fn(output, micro):
+        total = output.float().mean()
+        return total, torch.ones((), dtype=torch.int, device=device), {}
+
+    step = _timed(lambda: trainer.train_step([batch], loss_fn), 10, sync)
+    return max(1e-6, (forward[6] - forward[2]) / 4), max(0.0, step - 3 * forward[2])
 
 
 def _collective_worker(rank: int, port: int, backend: str, results) -> None:
@@ -164,6 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes = (2048, 4096, 8192) if cuda else (256, 512, 1024)
     backend = "nccl" if cuda and torch.cuda.device_count() >= 2 else "gloo"
     latency, bus = fit_links(measure_collectives(backend))
+    layer_latency, step_latency = measure_call_latencies(device, dtype, sync)
     memory = (torch.cuda.get_device_properties(0).total_memory if cuda
               else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     profile = HardwareProfile(
@@ -172,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
         memory_gib=memory / 2**30, intra_node_gbps=bus * 8 / 1e9, inter_node_gbps=bus * 8 / 1e9,
         host_gb_per_s=measure_host(device, args.copy_mib * 2**20, sync),
         compute_efficiency=args.compute_efficiency, memory_efficiency=1.0, link_efficiency=1.0,
-        layer_latency_s=measure_layer_latency(device, dtype, sync),
+        layer_latency_s=layer_latency, step_latency_s=step_latency,
         collective_latency_s=latency, host_cores=shared_cores,
         source=f"tools/calibrate.py on {torch.cuda.get_device_name(0) if cuda else 'CPU'} "
                f"({os.cpu_count()} cores, {args.ranks or 1} ranks sharing it), {backend} "

@@ -336,9 +336,9 @@ def training_cost(env: ModelEnv, rows: int, seq: int, micro_batch: int, optimize
     """Training over ``rows`` sequences per replica, split into ``optimizer_steps`` steps.
 
     Per optimizer step: ``m + pp - 1`` slots of forward+backward (``6 N`` FLOPs per token, 8 N
-    with recomputation), the DP gradient reduction (``grad_sync_seconds``) and the Adam update
+    with recomputation), the DP gradient reduction (``grad_sync_seconds``), the Adam update
     (``ADAM_UPDATE_BYTES`` per local parameter at HBM speed, sharded over DP with the
-    distributed optimizer).
+    distributed optimizer) and the fixed ``profile.step_latency_s`` of the step's calls.
     """
     rows_per_step = math.ceil(rows / optimizer_steps)
     micro_batch = min(micro_batch, rows_per_step)
@@ -350,7 +350,8 @@ def training_cost(env: ModelEnv, rows: int, seq: int, micro_batch: int, optimize
                              env.dp_link)
     local = env.params / (env.tp * env.pp) / (env.dp if distributed_optimizer else 1)
     update = ADAM_UPDATE_BYTES * local / env.profile.hbm_bytes_per_s
-    return (pipeline + Cost(comm=sync, memory=update)).scaled(optimizer_steps)
+    fixed = Cost(comm=sync, memory=update, overhead=env.profile.step_latency_s)
+    return (pipeline + fixed).scaled(optimizer_steps)
 
 
 def decode_step_cost(env: ModelEnv, sequences: int, context: float) -> Cost:

@@ -50,6 +50,8 @@ class HardwareProfile:
         layer_latency_s: fixed cost of running one transformer layer once (kernel launches,
             framework overhead), whatever its size; dominates decoding of small batches.
         collective_latency_s: fixed cost of one collective or point-to-point call.
+        step_latency_s: fixed cost of one optimizer step of a model beyond its passes (zeroing
+            gradient buffers, the reduction and optimizer calls), per step.
         host_cores: 0 when every device has its own compute (GPUs); for CPU ranks, the cores
             the ranks of one node share: rates are per rank running alone, and the schedule
             slows ranks down when more of them are busy than there are cores.
@@ -70,6 +72,7 @@ class HardwareProfile:
     link_efficiency: float = 0.7
     layer_latency_s: float = 2e-4
     collective_latency_s: float = 8e-6
+    step_latency_s: float = 1e-3
     host_cores: float = 0.0
     usable_memory_fraction: float = 0.9
     source: str = ""

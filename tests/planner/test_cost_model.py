@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -115,6 +116,10 @@ def test_training_is_three_forward_passes_plus_the_adam_update() -> None:
     recompute = cm.training_cost(env, 8, 64, 8, 2, checkpointing=True,
                                  distributed_optimizer=True)
     assert recompute.compute == pytest.approx(4 * forward)  # 2 steps of half the rows
+    # Each optimizer step also pays the profile's fixed step latency.
+    slow = dataclasses.replace(env, profile=dataclasses.replace(env.profile, step_latency_s=0.01))
+    stepped = cm.training_cost(slow, 8, 64, 8, 2, checkpointing=True, distributed_optimizer=True)
+    assert stepped.overhead - recompute.overhead == pytest.approx(2 * 0.01)
 
 
 def test_weight_sync_and_offload() -> None:
