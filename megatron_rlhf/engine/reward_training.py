@@ -27,7 +27,7 @@ from megatron_rlhf.engine.supervised import (
     TrainingResult,
     run_supervised,
 )
-from megatron_rlhf.engine.workers import split_microbatches
+from megatron_rlhf.engine.workers import last_token_scores, split_microbatches
 from megatron_rlhf.models.checkpoint import (
     load_model_checkpoint,
 )
@@ -64,13 +64,6 @@ def preference_microbatches(examples: Sequence[RMExample], tokenizer: Tokenizer,
         for side in (batch.chosen, batch.rejected))
     return [{key: torch.cat([c[key], r[key]]) for key in c}
             for c, r in zip(chosen, rejected, strict=True)]
-
-
-def last_token_scores(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Each row's value at its last real token: ``[b, s]`` values, ``[b, s]`` mask -> ``[b]``."""
-    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-    last = (positions * attention_mask).argmax(dim=1)
-    return values[torch.arange(values.shape[0], device=values.device), last]
 
 
 def pairwise_loss(tp_group: dist.ProcessGroup, real_vocab_size: int) -> LossFn:

@@ -30,6 +30,13 @@ def split_microbatches(fields: Fields, micro_batch_size: int) -> list[Fields]:
             for i in range(0, rows, micro_batch_size)]
 
 
+def last_token_scores(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Each row's value at its last real token: ``[b, s]`` values, ``[b, s]`` mask -> ``[b]``."""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    last = (positions * attention_mask).argmax(dim=1)
+    return values[torch.arange(values.shape[0], device=values.device), last]
+
+
 class ModelWorker:
     """This rank's stage/shard of one model, with its trainer when the model is trainable.
 
@@ -115,13 +122,8 @@ class ModelWorker:
 
     def compute_scores(self, fields: Fields) -> torch.Tensor | None:
         """Reward-model score ``[b]``: the scalar head at each sequence's last real token."""
-        def last_token_value(out: torch.Tensor, batch: Batch) -> torch.Tensor:
-            mask = batch["attention_mask"]
-            positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
-            last = (positions * mask).argmax(dim=1)
-            return out[torch.arange(out.shape[0]), last, 0].float()
-
-        return self.forward(fields, last_token_value)
+        return self.forward(fields, lambda out, batch: last_token_scores(
+            out[..., 0], batch["attention_mask"]).float())
 
     def generate(self, prompts: Sequence[Sequence[int]], prompt_indices: Sequence[int],
                  config: GenerationConfig, eos_id: int, pad_id: int) -> GenerationOutput:
