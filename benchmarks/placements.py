@@ -1,11 +1,13 @@
 """Every placement on 4 CPU ranks at one tiny configuration: speed, stage times, idle, memory.
 
     python benchmarks/placements.py                  # all placements, one JSON line each
-    python benchmarks/placements.py --steps 6 --memory-budget-gib 2
+    python benchmarks/placements.py --steps 6 --repeats 5 --memory-budget-gib 2
 
-Each placement runs under torchrun (4 gloo ranks, all placements in this one invocation). Per
-placement it prints samples/s (measured steps after a warm-up step, batch
-B), seconds per stage (mean over ranks of the traced stage time per step), the idle fraction of
+Each placement runs under torchrun (4 gloo ranks), ``--repeats`` times, the placements taking
+turns so that a slow spell of the machine touches all of them. Per placement it prints the
+median samples/s over the runs (measured steps after a warm-up step, batch B) with the lowest and
+highest, and from the median run: seconds per stage and step (see ``stage_seconds``), the
+idle fraction of
 each rank (1 - time in compute stages / wall time; waiting inside transfers and weight sync
 counts as idle), the peak resident memory of each rank, the bytes of model state (weights,
 gradient buffers, optimizer state) each rank holds, measured from its tensors, and the largest
@@ -14,8 +16,10 @@ rollout row adds on that rank (KV cache of the generating replicas, divided over
 plus the experience rows every trainer rank keeps), minimised over ranks.
 
 A last line compares the planner's prediction with the measurement: predicted and measured
-ranking of the placements (Kendall tau) and predicted/measured stage times, using a profile of
-this machine measured by ``tools/calibrate.py --ranks 4`` (or ``--profile``).
+ranking of the placements (Kendall tau; the pairs closer than the run-to-run spread, which the
+measurement cannot order; whether every other pair is predicted in the measured order) and
+predicted/measured stage times, using a profile of this machine measured by
+``tools/calibrate.py --ranks 4`` (or ``--profile``).
 """
 
 from __future__ import annotations
@@ -30,10 +34,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from megatron_rlhf.planner.schedule import covered_seconds
+
 REPO = Path(__file__).resolve().parent.parent
 COMPUTE_STAGES = {"generate", "experience", "advantages", "train"}
 PLANNER_STAGES = {"generate": "generation", "experience": "experience", "train": "training",
                   "transfer": "transfer", "sync_weights": "sync"}
+SLOWEST_RANK_STAGES = {"generate", "experience", "advantages"}
 PLACEMENTS = {
     "flattening": ["placement.strategy=flattening"],
     "interleaving": ["placement.strategy=interleaving"],
@@ -79,6 +86,7 @@ def worker(args: argparse.Namespace) -> None:
             "busy": tracer.busy_seconds(COMPUTE_STAGES),
             "model_state_bytes": model_state_bytes(engine),
             "row_bytes": row_bytes(engine, config),
+            "spans": [(span.stage, span.model, span.start, span.end) for span in tracer.spans],
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             "roles": list(plan.roles_on(dist.get_rank()))}
     gathered: list = [None] * dist.get_world_size()
@@ -141,17 +149,50 @@ def run_placement(name: str, batch: int, steps: int) -> dict:
         return json.loads(out.read_text())
 
 
-def summarise(name: str, run: dict, budget_gib: float) -> dict:
-    """One JSON line for a placement."""
+def stage_seconds(ranks: list[dict]) -> dict[str, float]:
+    """Seconds of each stage, comparable with the planner's time of the stage's tasks.
+
+    Generation and experience passes do not wait for other ranks (TP 1 here): the stage takes as
+    long as its slowest rank (the union of that rank's spans), as the planner prices the slowest
+    replica. Training, transfers and weight sync meet other ranks in collectives, and a rank that
+    gets there first waits inside its span (a shadow waits in the weight sync while the trainers
+    train): each occurrence (the k-th span of a stage and model on every rank that has one) runs
+    from the last rank's arrival to the last rank's exit, which leaves the waiting out; the stage
+    takes the union of its occurrences (actor and critic training side by side count once).
+    """
+    seconds: dict[str, float] = {}
+    for stage in sorted({name for rank in ranks for name, _, _, _ in rank["spans"]}):
+        if stage in SLOWEST_RANK_STAGES:
+            seconds[stage] = max(covered_seconds((begin, end) for name, _, begin, end
+                                                 in rank["spans"] if name == stage)
+                                 for rank in ranks)
+            continue
+        occurrences: dict[tuple[str, int], list[tuple[float, float]]] = {}
+        for rank in ranks:
+            counts: dict[str, int] = {}
+            for name, model, begin, end in rank["spans"]:
+                if name == stage:
+                    k = counts[model] = counts.get(model, -1) + 1
+                    occurrences.setdefault((model, k), []).append((begin, end))
+        seconds[stage] = covered_seconds((max(b for b, _ in spans), max(e for _, e in spans))
+                                         for spans in occurrences.values())
+    return seconds
+
+
+def summarise(name: str, runs: list[dict], budget_gib: float) -> dict:
+    """One JSON line for a placement: the median run's figures and the spread of samples/s."""
+    rates = [run["batch"] * run["steps"] / run["wall"] for run in runs]
+    run = runs[sorted(range(len(runs)), key=rates.__getitem__)[len(runs) // 2]]
     ranks = run["ranks"]
-    stages = sorted({stage for r in ranks for stage in r["stage_seconds"]})
-    per_step = {s: round(sum(r["stage_seconds"].get(s, 0.0) for r in ranks)
-                         / len(ranks) / run["steps"], 4) for s in stages}
+    per_step = {stage: round(seconds / run["steps"], 4)
+                for stage, seconds in stage_seconds(ranks).items()}
     budget = budget_gib * 2**30
     fits = [int((budget - r["model_state_bytes"]) / r["row_bytes"]) for r in ranks if r["row_bytes"]]
     return {
         "placement": name,
         "samples_per_s": round(run["batch"] * run["steps"] / run["wall"], 2),
+        "samples_per_s_range": [round(min(rates), 2), round(max(rates), 2)],
+        "runs": len(runs),
         "seconds_per_step": round(run["wall"] / run["steps"], 3),
         "stage_seconds_per_step": per_step,
         "idle_fraction": [round(1 - r["busy"] / run["wall"], 3) for r in ranks],
@@ -161,6 +202,15 @@ def summarise(name: str, run: dict, budget_gib: float) -> dict:
         "max_batch_at_budget": min(fits),
         "memory_budget_gib": budget_gib,
     }
+
+
+def run_to_run_spread(results: dict[str, dict]) -> float:
+    """The measurement's noise: the median over placements of (highest - lowest) / median
+    samples/s of its runs. Placements closer than this are ties (``compare_rankings``)."""
+    spreads = sorted((high - low) / result["samples_per_s"]
+                     for result in results.values()
+                     for low, high in [result["samples_per_s_range"]])
+    return spreads[len(spreads) // 2]
 
 
 def planner_comparison(results: dict[str, dict], batch: int, profile_path: Path) -> dict:
@@ -184,11 +234,15 @@ def planner_comparison(results: dict[str, dict], batch: int, profile_path: Path)
             PLANNER_STAGES[k]: round(prediction.stage_seconds.get(PLANNER_STAGES[k], 0.0) / v, 2)
             for k, v in measured["stage_seconds_per_step"].items()
             if k in PLANNER_STAGES and v > 0}
-    report = compare_rankings(predicted, {n: r["samples_per_s"] for n, r in results.items()})
+    tolerance = run_to_run_spread(results)
+    report = compare_rankings(predicted, {n: r["samples_per_s"] for n, r in results.items()},
+                              tolerance)
     return {"comparison": "planner_vs_measured", "profile": str(profile_path),
             "predicted_samples_per_s": {k: round(v, 2) for k, v in predicted.items()},
             "predicted_order": report.predicted_order, "measured_order": report.measured_order,
             "kendall_tau": round(report.kendall_tau, 3), "same_order": report.same_order,
+            "tie_tolerance": round(tolerance, 3), "ties": [list(pair) for pair in report.ties],
+            "separable_agree": report.separable_agree,
             "predicted_over_measured_stage_seconds": stage_ratios}
 
 
@@ -199,6 +253,7 @@ def main() -> None:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=16, help="rollout batch B")
     parser.add_argument("--steps", type=int, default=4, help="measured steps after a warm-up")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each placement")
     parser.add_argument("--memory-budget-gib", type=float, default=0.01,
                         help="per-rank memory budget for the largest-batch estimate")
     parser.add_argument("--profile", type=Path,
@@ -212,10 +267,15 @@ def main() -> None:
         finally:
             destroy_distributed()
         return
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: give 1 or more runs per placement")
+    runs: dict[str, list[dict]] = {name: [] for name in PLACEMENTS}
+    for _ in range(args.repeats):
+        for name in PLACEMENTS:
+            runs[name].append(run_placement(name, args.batch, args.steps))
     results = {}
     for name in PLACEMENTS:
-        results[name] = summarise(name, run_placement(name, args.batch, args.steps),
-                                  args.memory_budget_gib)
+        results[name] = summarise(name, runs[name], args.memory_budget_gib)
         print(json.dumps(results[name]), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         profile = args.profile or Path(tmp) / "cpu-local.json"

@@ -5,15 +5,17 @@
     python tools/plan_placement.py ... --predict --profile runs/profiles/cpu-local.json
 
 Measures: dense matmul throughput (fp32 on CPU, bf16 on GPU), memory copy bandwidth, host copy
-bandwidth (pinned host-to-device on GPU), the latency of one small transformer layer, and the
+bandwidth (pinned host-to-device on GPU), the latency of one small transformer layer, of a model
+call and of an optimizer step, and the
 all-reduce bus bandwidth of a 2-process group spawned here (NCCL with 2+ GPUs, else gloo) at a
 few sizes. Writes a ``HardwareProfile`` JSON and prints one JSON line. About 20-60 s.
 
 With ``--ranks N`` on a CPU, the profile describes ranks that share this machine's cores (as the
 gloo tests and CPU benchmarks run them, one thread each): rates are measured on one thread (a
 rank running alone) and ``host_cores`` records the cores, so the planner slows ranks down while
-more of them are busy than there are cores. The layer and optimizer-step latencies are measured on
-megatron's own layer, schedule, DDP and optimizer through this package's builder and trainer.
+more of them are busy than there are cores. The layer, call and optimizer-step latencies are
+measured on megatron's own layer, schedule, DDP and optimizer through this package's builder,
+generator and trainer.
 
 Measured peaks are what a collective, a copy or a large matmul achieves, so the profile's
 efficiencies default to 1.0 for links and memory and to 0.5 for compute (a model step reaches
@@ -39,11 +41,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from megatron_rlhf.planner.hardware import HardwareProfile  # noqa: E402
 from megatron_rlhf.runtime.distributed import free_port  # noqa: E402
 
-COLLECTIVE_BYTES = (2**12, 2**20, 2**24)
+COLLECTIVE_BYTES = (2**8, 2**20, 2**24)
+LATENCY_REPEATS = 500
+"""Timed calls of the smallest all-reduce. Their mean is the latency: on a shared CPU a call
+usually takes ~0.3 ms but one in ten waits a scheduler tick (~4 ms), and a run pays the mean."""
 
 
-def _timed(fn, repeats: int, sync) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs, after one warm-up."""
+def _timed(fn, repeats: int, sync, statistic=statistics.median) -> float:
+    """Median (or ``statistic``) seconds of ``fn()`` over ``repeats`` runs, after one warm-up."""
     fn()
     sync()
     times = []
@@ -52,7 +57,7 @@ def _timed(fn, repeats: int, sync) -> float:
         fn()
         sync()
         times.append(time.perf_counter() - begin)
-    return statistics.median(times)
+    return statistic(times)
 
 
 def measure_matmul(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...],
@@ -81,14 +86,19 @@ def measure_host(device: torch.device, nbytes: int, sync) -> float:
     return nbytes / _timed(lambda: dst.copy_(host, non_blocking=True), 5, sync) / 1e9
 
 
-def measure_call_latencies(device: torch.device, dtype: torch.dtype, sync) -> tuple[float, float]:
-    """Fixed costs of the engine's calls, as it pays them: (per layer call, per optimizer step).
+def measure_call_latencies(device: torch.device, dtype: torch.dtype,
+                           sync) -> tuple[float, float, float]:
+    """Fixed costs of the engine's calls, as it pays them: (per layer, per model call, per
+    optimizer step).
 
     The layer latency is the forward time of a 6-layer minus a 2-layer tiny GPTModel, per layer;
-    the step latency is one training step of the 2-layer model (megatron schedule, DDP, the
-    distributed optimizer) minus three forward passes (forward + a backward of about two). Both
-    run through this package's builder and trainer in a world of one process.
+    the call latency is what a decode step of the 2-layer model (our KV-cached generation: one
+    model call and the sampling) costs beyond its 2 layers; the step latency is one training step
+    of the 2-layer model (megatron schedule, DDP, the distributed optimizer) minus three forward
+    passes (forward + a backward of about two). All run through this package's builder,
+    generator and trainer in a world of one process.
     """
+    from megatron_rlhf.generation import GenerationConfig, generate_sequences
     from megatron_rlhf.models.gpt import ModelBuildOptions, build_gpt_model
     from megatron_rlhf.models.schedule import model_inputs
     from megatron_rlhf.models.trainer import ModelTrainer, OptimizerSettings
@@ -109,15 +119,21 @@ def measure_call_latencies(device: torch.device, dtype: torch.dtype, sync) -> tu
         model = models[layers][0].eval()
         with torch.no_grad():
             forward[layers] = _timed(lambda model=model, inputs=inputs: model(*inputs), 10, sync)
+    layer = max(1e-6, (forward[6] - forward[2]) / 4)
     model, pgc = models[2]
-    trainer = ModelTrainer(model, pgc, OptimizerSettings(lr=1e-6))
+    new_tokens = 12
+    generation = GenerationConfig(max_new_tokens=new_tokens, stop_at_eos=False)
+    prompts = [list(range(5, 13))] * 4
+    decode = _timed(lambda: generate_sequences(model, pgc, prompts, range(4), generation, None, 0),
+                    5, sync) / (new_tokens + 1)  # the prefill is one more model call
+    trainer = ModelTrainer(model.train(), pgc, OptimizerSettings(lr=1e-6))
 
     def loss_fn(output, micro):
         total = output.float().mean()
         return total, torch.ones((), dtype=torch.int, device=device), {}
 
     step = _timed(lambda: trainer.train_step([batch], loss_fn), 10, sync)
-    return max(1e-6, (forward[6] - forward[2]) / 4), max(0.0, step - 3 * forward[2])
+    return layer, max(0.0, decode - 2 * layer), max(0.0, step - 3 * forward[2])
 
 
 def _collective_worker(rank: int, port: int, backend: str, results) -> None:
@@ -132,7 +148,10 @@ def _collective_worker(rank: int, port: int, backend: str, results) -> None:
         samples = []
         for nbytes in COLLECTIVE_BYTES:
             tensor = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-            samples.append((nbytes, _timed(lambda t=tensor: dist.all_reduce(t), 5, sync)))
+            latency = nbytes == COLLECTIVE_BYTES[0]
+            samples.append((nbytes, _timed(lambda t=tensor: dist.all_reduce(t),
+                                           LATENCY_REPEATS if latency else 5, sync,
+                                           statistics.mean if latency else statistics.median)))
         if rank == 0:
             results.put(samples)
     finally:
@@ -176,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes = (2048, 4096, 8192) if cuda else (256, 512, 1024)
     backend = "nccl" if cuda and torch.cuda.device_count() >= 2 else "gloo"
     latency, bus = fit_links(measure_collectives(backend))
-    layer_latency, step_latency = measure_call_latencies(device, dtype, sync)
+    layer_latency, call_latency, step_latency = measure_call_latencies(device, dtype, sync)
     memory = (torch.cuda.get_device_properties(0).total_memory if cuda
               else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     profile = HardwareProfile(
@@ -185,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
         memory_gib=memory / 2**30, intra_node_gbps=bus * 8 / 1e9, inter_node_gbps=bus * 8 / 1e9,
         host_gb_per_s=measure_host(device, args.copy_mib * 2**20, sync),
         compute_efficiency=args.compute_efficiency, memory_efficiency=1.0, link_efficiency=1.0,
-        layer_latency_s=layer_latency, step_latency_s=step_latency,
+        layer_latency_s=layer_latency, call_latency_s=call_latency, step_latency_s=step_latency,
         collective_latency_s=latency, host_cores=shared_cores,
         source=f"tools/calibrate.py on {torch.cuda.get_device_name(0) if cuda else 'CPU'} "
                f"({os.cpu_count()} cores, {args.ranks or 1} ranks sharing it), {backend} "

@@ -11,7 +11,8 @@ Assumptions shared by all formulas (each function adds its own):
   forward (4 backward); attention scores and weighting cost ``4 * hidden * context`` FLOPs.
   The input embedding is a lookup (no FLOPs). Norms, softmax and element-wise ops are not counted.
 - Compute runs at ``profile.flops_per_s`` (peak x MFU), decoding reads memory at
-  ``profile.hbm_bytes_per_s``, every layer call costs ``profile.layer_latency_s`` on top.
+  ``profile.hbm_bytes_per_s``, every layer call costs ``profile.layer_latency_s`` on top, and
+  every model call (forward or backward pass, decode step) ``profile.call_latency_s``.
 - Collectives follow the alpha-beta model with NCCL's bus bandwidth: a ring all-reduce moves
   ``2 (n-1)/n`` of the message through the slowest link of the group, a reduce-scatter or
   all-gather ``(n-1)/n``; latency grows with ``log2 n`` (tree algorithms for small messages).
@@ -38,6 +39,10 @@ bf16 gradient, write the bf16 weight (12 + 12 + 2 + 2, rounded up for the fp32 g
 ROLLOUT_BYTES_PER_TOKEN = 20
 """Generation output per token moved to the experience models: int64 token, int64 mask,
 fp32 sampling log-prob."""
+STEP_ALLREDUCES = 3
+"""Small all-reduces over the DP group in every optimizer step besides the gradient reduction:
+the loss's token count (megatron's ``finalize_model_grads``), the gradient norm for clipping, and
+the check that every rank's gradients are finite. Latency-bound."""
 EXPERIENCE_BYTES_PER_TOKEN = 36
 """Experience per token moved to the trainers: int64 token and mask, and five fp32 fields
 (old log-prob, ref log-prob, value, advantage, return)."""
@@ -301,10 +306,10 @@ class ModelEnv:
     def slot_cost(self, tokens: float, context: float, passes: int, tp_collectives: int) -> Cost:
         """One micro-batch of ``tokens`` on one pipeline stage.
 
-        ``passes`` forward-equivalents of compute and per-layer latency (1 forward-only, 3 for
-        forward+backward, 4 with recomputation); ``tp_collectives`` all-reduces of the
-        activations per layer (2 forward, 2 backward, 2 recomputation); one activation
-        send to the next stage per forward or backward pass when ``pp > 1``.
+        ``passes`` forward-equivalents of compute, per-layer and per-call latency (1
+        forward-only, 3 for forward+backward, 4 with recomputation); ``tp_collectives``
+        all-reduces of the activations per layer (2 forward, 2 backward, 2 recomputation); one
+        activation send to the next stage per forward or backward pass when ``pp > 1``.
         """
         layers = self.arch.num_layers / self.pp
         flops = passes * forward_flops(self.arch, tokens, context, self.value_head)
@@ -313,7 +318,7 @@ class ModelEnv:
         comm = tp_collectives * layers * allreduce_seconds(activation, self.tp, self.tp_link)
         if self.pp > 1:
             comm += min(passes, 2) * p2p_seconds(activation, self.pp_link)
-        overhead = passes * layers * self.profile.layer_latency_s
+        overhead = passes * (layers * self.profile.layer_latency_s + self.profile.call_latency_s)
         return Cost(compute=compute, comm=comm, overhead=overhead)
 
 
@@ -336,7 +341,8 @@ def training_cost(env: ModelEnv, rows: int, seq: int, micro_batch: int, optimize
     """Training over ``rows`` sequences per replica, split into ``optimizer_steps`` steps.
 
     Per optimizer step: ``m + pp - 1`` slots of forward+backward (``6 N`` FLOPs per token, 8 N
-    with recomputation), the DP gradient reduction (``grad_sync_seconds``), the Adam update
+    with recomputation), the DP gradient reduction (``grad_sync_seconds``) and
+    ``STEP_ALLREDUCES`` small all-reduces over DP, the Adam update
     (``ADAM_UPDATE_BYTES`` per local parameter at HBM speed, sharded over DP with the
     distributed optimizer) and the fixed ``profile.step_latency_s`` of the step's calls.
     """
@@ -348,6 +354,7 @@ def training_cost(env: ModelEnv, rows: int, seq: int, micro_batch: int, optimize
     pipeline = slot.scaled(microbatches + env.pp - 1)
     sync = grad_sync_seconds(env.params, env.tp, env.pp, env.dp, distributed_optimizer,
                              env.dp_link)
+    sync += STEP_ALLREDUCES * allreduce_seconds(FP32, env.dp, env.dp_link)
     local = env.params / (env.tp * env.pp) / (env.dp if distributed_optimizer else 1)
     update = ADAM_UPDATE_BYTES * local / env.profile.hbm_bytes_per_s
     fixed = Cost(comm=sync, memory=update, overhead=env.profile.step_latency_s)
@@ -361,7 +368,8 @@ def decode_step_cost(env: ModelEnv, sequences: int, context: float) -> Cost:
     (``2 params / (tp pp)`` bytes per device) and the KV cache at ``context`` tokens, and does
     ``2 params / (tp pp)`` FLOPs per sequence plus attention. The stage time is the roofline
     ``max(bytes / HBM bandwidth, FLOPs / compute)``; a layer does 2 TP all-reduces of
-    ``sequences x hidden`` activations and costs ``layer_latency_s``.
+    ``sequences x hidden`` activations and costs ``layer_latency_s``; the step (one model call
+    and the sampling) costs ``call_latency_s``.
     """
     arch, tp, pp = env.arch, env.tp, env.pp
     weights = BF16 * env.params / (tp * pp)
@@ -373,7 +381,8 @@ def decode_step_cost(env: ModelEnv, sequences: int, context: float) -> Cost:
     activation = BF16 * sequences * arch.hidden_size
     comm = 2 * arch.num_layers * allreduce_seconds(activation, tp, env.tp_link)
     comm += (pp - 1) * p2p_seconds(activation, env.pp_link)
-    return bound + Cost(comm=comm, overhead=arch.num_layers * env.profile.layer_latency_s)
+    overhead = arch.num_layers * env.profile.layer_latency_s + env.profile.call_latency_s
+    return bound + Cost(comm=comm, overhead=overhead)
 
 
 def generation_cost(env: ModelEnv, rows: int, prompt: int, new_tokens: int,
@@ -401,8 +410,7 @@ def transfer_seconds(nbytes: float, link: Link) -> float:
 
 
 def weight_sync_seconds(params: float, shadow_tp: int, shadow_pp: int, shadow_devices: int,
-                        receiving_nodes: int, sending_nodes: int, link: Link,
-                        tensors: int = 1) -> float:
+                        receiving_nodes: int, sending_nodes: int, link: Link) -> float:
     """Copy trained bf16 weights into a shadow with another layout (resharding).
 
     Every shadow device receives its shard, ``2 params / (tp_s pp_s)`` bytes, so ``dp_s`` full
@@ -410,19 +418,13 @@ def weight_sync_seconds(params: float, shadow_tp: int, shadow_pp: int, shadow_de
     takes ``shadow_devices / receiving_nodes`` shards, a sending node sends
     ``dp_s * 2 params / sending_nodes``. ``link`` is the per-node network (or, when trainer and
     shadow share nodes, one device's NVLink with ``receiving_nodes = shadow_devices``). The refit
-    moves every parameter tensor of a shadow device's shard as its own message, so each of the
-    ``tensors`` pays the link latency (this dominates for small models).
+    posts the sends and receives of every parameter tensor at once, so the link latency is paid
+    about once (measured on CPU: a sync costs a few all-reduce latencies, not one per tensor).
     """
     shard = BF16 * params / (shadow_tp * shadow_pp)
     received = shard * shadow_devices / receiving_nodes
     sent = shard * shadow_devices / sending_nodes
-    return tensors * link.latency_s + max(received, sent) / link.bytes_per_s
-
-
-def parameter_tensors(arch: ArchSpec, pp: int) -> int:
-    """Parameter tensors on one pipeline stage of a megatron GPT (6 per layer: the QKV, output,
-    two MLP matrices and two norms; plus the embedding, final norm and output layer)."""
-    return math.ceil(6 * arch.num_layers / pp) + 3
+    return link.latency_s + max(received, sent) / link.bytes_per_s
 
 
 def offload_seconds(state: StateBytes, trainable: bool, profile: HardwareProfile) -> float:

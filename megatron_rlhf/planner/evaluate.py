@@ -5,6 +5,8 @@
     report = compare_rankings({"flattening": 2.0, "separation": 2.6},     # predicted samples/s
                               {"flattening": 1.1, "separation": 1.5})     # measured samples/s
     report.same_order, report.kendall_tau
+    report = compare_rankings(predicted, measured, tie_tolerance=0.05)  # 5% run-to-run spread
+    report.ties, report.separable_agree  # pairs closer than 5%; every other pair in order
 """
 
 from __future__ import annotations
@@ -51,9 +53,12 @@ class RankingComparison:
     Attributes:
         predicted_order: names by decreasing predicted samples/s.
         measured_order: names by decreasing measured samples/s.
-        kendall_tau: rank correlation in [-1, 1] (1: same order).
+        kendall_tau: rank correlation in [-1, 1] over all pairs (1: same order).
         same_order: the two orders are identical.
         ratios: predicted / measured samples/s per name.
+        ties: pairs the measurement cannot order: their measured samples/s differ by less than
+            the tie tolerance.
+        separable_agree: the prediction orders every pair that is not a tie as measured.
     """
 
     predicted_order: tuple[str, ...]
@@ -61,29 +66,43 @@ class RankingComparison:
     kendall_tau: float
     same_order: bool
     ratios: dict[str, float]
+    ties: tuple[tuple[str, str], ...] = ()
+    separable_agree: bool = False
 
 
-def compare_rankings(predicted: Mapping[str, float],
-                     measured: Mapping[str, float]) -> RankingComparison:
+def compare_rankings(predicted: Mapping[str, float], measured: Mapping[str, float],
+                     tie_tolerance: float = 0.0) -> RankingComparison:
     """Compare the ranking of placements by predicted and by measured samples/s.
 
     Args:
         predicted: samples/s per placement name.
-        measured: samples/s per placement name, the same names.
+        measured: samples/s per placement name (e.g. the median of repeated runs), same names.
+        tie_tolerance: two placements whose measured samples/s differ by less than this share
+            of the larger are a tie that no prediction can get wrong; set it to the measurement's
+            run-to-run spread.
 
     Raises:
-        ValueError: the names differ, or fewer than two are given.
+        ValueError: the names differ, fewer than two are given, or the tolerance is outside
+            [0, 1).
     """
     if set(predicted) != set(measured) or len(predicted) < 2:
         raise ValueError(f"predicted {sorted(predicted)} and measured {sorted(measured)} must "
                          "name the same two or more placements")
+    if not 0 <= tie_tolerance < 1:
+        raise ValueError(f"tie_tolerance={tie_tolerance} must be in [0, 1): a share of the "
+                         "larger measurement")
     names = sorted(predicted)
     concordant = discordant = 0
+    ties, disagree = [], []
     for i, a in enumerate(names):
         for b in names[i + 1:]:
             sign = (predicted[a] - predicted[b]) * (measured[a] - measured[b])
             concordant += sign > 0
             discordant += sign < 0
+            if abs(measured[a] - measured[b]) < tie_tolerance * max(measured[a], measured[b]):
+                ties.append((a, b))
+            elif sign <= 0:
+                disagree.append((a, b))
     pairs = len(names) * (len(names) - 1) / 2
     predicted_order = tuple(sorted(names, key=lambda n: -predicted[n]))
     measured_order = tuple(sorted(names, key=lambda n: -measured[n]))
@@ -92,4 +111,6 @@ def compare_rankings(predicted: Mapping[str, float],
         kendall_tau=(concordant - discordant) / pairs,
         same_order=predicted_order == measured_order,
         ratios={n: predicted[n] / measured[n] for n in names if measured[n] > 0},
+        ties=tuple(ties), separable_agree=not disagree,
     )
+

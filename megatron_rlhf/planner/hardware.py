@@ -49,6 +49,8 @@ class HardwareProfile:
         link_efficiency: fraction of a link's bandwidth a collective reaches (bus bandwidth).
         layer_latency_s: fixed cost of running one transformer layer once (kernel launches,
             framework overhead), whatever its size; dominates decoding of small batches.
+        call_latency_s: fixed cost of one model call beyond its layers (embedding, final norm,
+            output layer; for a decode step also the sampling), per forward or backward pass.
         collective_latency_s: fixed cost of one collective or point-to-point call.
         step_latency_s: fixed cost of one optimizer step of a model beyond its passes (zeroing
             gradient buffers, the reduction and optimizer calls), per step.
@@ -71,6 +73,7 @@ class HardwareProfile:
     memory_efficiency: float = 0.6
     link_efficiency: float = 0.7
     layer_latency_s: float = 2e-4
+    call_latency_s: float = 2e-4
     collective_latency_s: float = 8e-6
     step_latency_s: float = 1e-3
     host_cores: float = 0.0

@@ -35,7 +35,7 @@ from megatron_rlhf.planner.memory import (
     plan_memory,
     pool_of_replicas,
 )
-from megatron_rlhf.planner.schedule import Schedule, SharedHost, Task, schedule
+from megatron_rlhf.planner.schedule import Schedule, SharedHost, Task, covered_seconds, schedule
 from megatron_rlhf.planner.workload import RolloutSpec
 from megatron_rlhf.topology.models import SHADOW_OF, TRAINABLE_ROLES, VALUE_HEAD_ROLES
 from megatron_rlhf.topology.plan import ModelPlacement, PlacementPlan
@@ -230,19 +230,25 @@ def build_tasks(plan: PlacementPlan, rollout: RolloutSpec, hardware: tuple[Hardw
     gen = add(Task(f"{GENERATION}:{'+'.join(generators)}", GENERATION, sources,
                    _generation_cost(ctx)))
     payload = rollout.batch * seq * cm.ROLLOUT_BYTES_PER_TOKEN
-    inputs = {role: _transfer(ctx, "+".join(generators), role, sources, payload, (gen,))
+    inputs = {role: _transfer(ctx, f"{'+'.join(generators)}->{role}", sources,
+                              (plan[role].ranks,), payload, (gen,))
               for role in experience_roles(plan)}
     inputs = {role: (add(task),) if task else (gen,) for role, task in inputs.items()}
     scored = [add(Task(f"{EXPERIENCE}:{role}", EXPERIENCE, (plan[role].ranks,),
                        ctx.per_pool(role, lambda env, rows: cm.forward_cost(env, rows, seq, mbs)),
                        deps)) for role, deps in inputs.items()]
     sources = tuple(tasks[i].ranges[0] for i in scored)
+    trainers = [role for role in TRAINABLE_ROLES if role in plan.models]
+    targets = tuple(sorted({plan[role].ranks for role in trainers}, key=lambda r: r.start))
     payload = rollout.batch * seq * cm.EXPERIENCE_BYTES_PER_TOKEN
-    inputs = {role: _transfer(ctx, "experience", role, sources, payload, tuple(scored))
-              for role in TRAINABLE_ROLES if role in plan.models}
-    inputs = {role: (add(task),) if task else tuple(scored) for role, task in inputs.items()}
+    # Every trainer rank holds every row (advantages are whitened over the whole batch), so a
+    # trainer with DP replicas gathers the rows its other replicas scored.
+    gather = any(plan[role].dp > 1 for role in trainers)
+    merged = _transfer(ctx, "experience->trainers", sources, targets, payload, tuple(scored),
+                       gather)
+    deps = (add(merged),) if merged else tuple(scored)
     trained = {}
-    for role, deps in inputs.items():
+    for role in trainers:
         distributed = plan[role].spec.distributed_optimizer
         cost = ctx.per_pool(role, lambda env, rows, d=distributed: cm.training_cost(
             env, rows, seq, mbs, rollout.optimizer_steps, rollout.activation_checkpointing, d))
@@ -266,14 +272,14 @@ def _generation_cost(ctx: _Context) -> cm.Cost:
     return max(costs, key=lambda c: c.total)
 
 
-def _transfer(ctx: _Context, source: str, role: str, sources: tuple[range, ...],
-              payload: float, deps: tuple[int, ...]) -> Task | None:
-    """Rows moved from ``sources`` to ``role``; None when they already sit on its ranks."""
-    target = ctx.plan[role].ranks
-    if all(block == target for block in sources):
+def _transfer(ctx: _Context, name: str, sources: tuple[range, ...], targets: tuple[range, ...],
+              payload: float, deps: tuple[int, ...], gather: bool = False) -> Task | None:
+    """Rows moved from ``sources`` to ``targets``; None when they already sit there (and no
+    ``gather`` between replicas is needed)."""
+    if not gather and set(sources) <= set(targets) and len(targets) == 1:
         return None
-    link, _ = ctx.link_between(list(sources), [target])
-    return Task(f"{TRANSFER}:{source}->{role}", TRANSFER, (*sources, target),
+    link, _ = ctx.link_between(list(sources), list(targets))
+    return Task(f"{TRANSFER}:{name}", TRANSFER, (*sources, *targets),
                 cm.Cost(comm=cm.transfer_seconds(payload, link)), deps)
 
 
@@ -289,24 +295,16 @@ def _sync(ctx: _Context, trainer: str, shadow: str, deps: tuple[int, ...]) -> Ta
         receivers, senders = (len({cluster.locate(r).node for r in m.ranks})
                               for m in (target, source))
     seconds = cm.weight_sync_seconds(target.spec.num_params(), target.tp, target.pp,
-                                     target.size, receivers, senders, link,
-                                     cm.parameter_tensors(target.spec.arch, target.pp))
+                                     target.size, receivers, senders, link)
     return Task(f"{SYNC}:{trainer}->{shadow}", SYNC, (source.ranks, target.ranks),
                 cm.Cost(comm=seconds), deps)
 
 
 def _stage_seconds(result: Schedule) -> dict[str, float]:
     """Per stage, the length of the union of its tasks' intervals."""
-    seconds = {}
-    for stage in STAGES:
-        spans = sorted((result.start[i], result.end[i]) for i, task in enumerate(result.tasks)
-                       if task.stage == stage)
-        total, reach = 0.0, -math.inf
-        for begin, finish in spans:
-            total += max(0.0, finish - max(begin, reach))
-            reach = max(reach, finish)
-        seconds[stage] = total
-    return seconds
+    return {stage: covered_seconds((result.start[i], result.end[i])
+                                   for i, task in enumerate(result.tasks) if task.stage == stage)
+            for stage in STAGES}
 
 
 def _task_rows(result: Schedule) -> tuple[dict, ...]:

@@ -8,9 +8,11 @@ actor training || critic training under interleaving2) and models sharing ranks 
 
 Ranks that share a host's cores (CPU ranks, ``HardwareProfile.host_cores``) slow each other
 down: a task runs at ``min(1, cores / busy ranks of its host)`` of its rate, where the busy ranks
-are counted over the task's time (time-weighted). Since slowing tasks moves the overlaps, the
-schedule is recomputed a few times with the slowdowns of the previous pass. Devices with their
-own compute (GPUs) pass no hosts and are scheduled once.
+are counted over the task's time (time-weighted). A rank waiting in a gloo collective counts as
+busy: on a shared CPU a collective's latency grows with the busy ranks as compute does (a
+4-rank all-reduce on 2 cores takes about 4x a 2-rank one). Since slowing tasks moves the
+overlaps, the schedule is recomputed a few times with the slowdowns of the previous pass.
+Devices with their own compute (GPUs) pass no hosts and are scheduled once.
 
 Two step times come out of one schedule:
 
@@ -18,11 +20,14 @@ Two step times come out of one schedule:
 - ``period``: the busy time of the busiest block of ranks. It is the step time of a pipelined
   steady state in which the work of consecutive steps overlaps wherever ranks are idle, which is
   what separation allows (the shadows generate rollout k+1 while the trainers train on rollout k).
+  On shared hosts every block works at once in that steady state, so the period is also at
+  least the step's rank-seconds on a host over its cores.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from megatron_rlhf.planner.cost_model import Cost
@@ -61,7 +66,8 @@ class Schedule:
         critical: indices of the chain of tasks that sets the makespan, first to last.
         busiest: indices of the tasks on the busiest block of ranks.
         makespan: end of the last task (the synchronous step).
-        period: busy seconds of the busiest block of ranks (the pipelined step).
+        period: the pipelined step: busy seconds of the busiest block of ranks, or on shared
+            hosts at least the step's rank-seconds on a host over its cores.
     """
 
     tasks: tuple[Task, ...]
@@ -97,12 +103,20 @@ def schedule(tasks: list[Task], hosts: Sequence[SharedHost] = ()) -> Schedule:
     Raises:
         ValueError: a task depends on a later task.
     """
-    result = _list_schedule(tasks)
+    result = alone = _list_schedule(tasks)
     for _ in range(CONTENTION_PASSES if hosts else 0):
         slowed = [replace(task, cost=task.cost.scaled(_slowdown(i, result, hosts)))
                   for i, task in enumerate(tasks)]
         result = _list_schedule(slowed)
-    return result
+    period = max([alone.period] + [_host_seconds(tasks, host) for host in hosts])
+    return replace(result, period=period)
+
+
+def _host_seconds(tasks: list[Task], host: SharedHost) -> float:
+    """Seconds the host's cores need for one step's work: rank-seconds over cores."""
+    work = sum(task.cost.total * sum(_overlap(r, host.ranks) for r in task.ranges)
+               for task in tasks)
+    return work / host.cores
 
 
 def _slowdown(index: int, result: Schedule, hosts: Sequence[SharedHost]) -> float:
@@ -122,6 +136,15 @@ def _slowdown(index: int, result: Schedule, hosts: Sequence[SharedHost]) -> floa
                 busy += ranks * shared / (finish - begin)
         factor = max(factor, busy / host.cores)
     return factor
+
+
+def covered_seconds(spans: Iterable[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals: the wall-clock time some of them run."""
+    total, reach = 0.0, -math.inf
+    for begin, finish in sorted(spans):
+        total += max(0.0, finish - max(begin, reach))
+        reach = max(reach, finish)
+    return total
 
 
 def _overlap(a: range, b: range) -> int:

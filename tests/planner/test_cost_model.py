@@ -122,10 +122,32 @@ def test_training_is_three_forward_passes_plus_the_adam_update() -> None:
     assert stepped.overhead - recompute.overhead == pytest.approx(2 * 0.01)
 
 
+def test_model_calls_and_small_step_collectives_pay_their_latencies() -> None:
+    # tiny has 2 layers; 1 ms per layer call and 3 ms per model call, nothing else costs time.
+    slow = dataclasses.replace(ROUND, peak_tflops=1e9, hbm_gb_per_s=1e9, layer_latency_s=1e-3,
+                               call_latency_s=3e-3)
+    env = cm.ModelEnv(TINY, 1, 1, 1, False, slow, LINK_100, LINK_100, LINK_100)
+    # A forward micro-batch: 2 layer calls and one model call; forward+backward: 3 of each.
+    assert cm.forward_cost(env, 4, 16, 4).overhead == pytest.approx(2e-3 + 3e-3)
+    assert cm.training_cost(env, 4, 16, 4, 1, False, False).overhead == pytest.approx(
+        3 * (2e-3 + 3e-3))
+    # A decode step: its 2 layers and one call (model and sampling), per new token.
+    assert cm.decode_step_cost(env, 4, 20).overhead == pytest.approx(2e-3 + 3e-3)
+    # With DP 4 over a 1 ms link, an optimizer step adds 3 latency-bound all-reduces (2 ms each:
+    # log2 4 latencies) to the reduce-scatter and all-gather of the gradients.
+    link = cm.Link(bytes_per_s=1e30, latency_s=1e-3)
+    dp4 = cm.ModelEnv(TINY, 1, 1, 4, False, ROUND, link, link, link)
+    comm = cm.training_cost(dp4, 8, 16, 2, 1, False, True).comm
+    assert comm == pytest.approx((2 + cm.STEP_ALLREDUCES) * 2e-3)
+    assert cm.training_cost(_env(TINY), 8, 16, 2, 1, False, True).comm == 0.0  # DP 1
+
+
 def test_weight_sync_and_offload() -> None:
     # 1e9 params into a tp=2 shadow of 8 devices on 1 node, from 2 trainer nodes.
     seconds = cm.weight_sync_seconds(1e9, 2, 1, 8, 1, 2, LINK_100)
     assert seconds == pytest.approx(8 * 2e9 / 2 / 100e9)   # the receiving node takes 8 shards
+    slow = cm.Link(bytes_per_s=100e9, latency_s=0.01)        # the latency is paid once
+    assert cm.weight_sync_seconds(1e9, 2, 1, 8, 1, 2, slow) == pytest.approx(seconds + 0.01)
     state = cm.StateBytes(1e9, 1e9, 6e9)
     assert cm.offload_seconds(state, True, ROUND) == pytest.approx(2 * 8e9 / 10e9)
     assert cm.offload_seconds(state, False, ROUND) == pytest.approx(8e9 / 10e9)

@@ -12,6 +12,7 @@ from megatron_rlhf.planner import (
     predict_step,
     within_factor,
 )
+from megatron_rlhf.planner.schedule import covered_seconds
 from megatron_rlhf.topology import PlacementConfig, plan_placement
 
 
@@ -36,3 +37,26 @@ def test_ranking_agreement_counts_concordant_pairs() -> None:
     assert not report.same_order and report.ratios["a"] == 2.0
     with pytest.raises(ValueError, match="same two or more"):
         compare_rankings({"a": 1.0}, {"b": 1.0})
+
+
+def test_measurements_closer_than_the_tolerance_are_ties() -> None:
+    predicted = {"a": 3.0, "b": 2.0, "c": 1.0}
+    measured = {"a": 1.0, "b": 1.04, "c": 0.5}  # a and b swapped, 4% apart
+    report = compare_rankings(predicted, measured, tie_tolerance=0.05)
+    assert report.ties == (("a", "b"),)
+    assert report.separable_agree and not report.same_order
+    assert report.kendall_tau == pytest.approx(1 / 3)
+    # A tighter measurement makes the swap a real disagreement.
+    report = compare_rankings(predicted, measured, tie_tolerance=0.03)
+    assert report.ties == () and not report.separable_agree
+    # Without a tolerance nothing is a tie: agreement means the same order.
+    assert not compare_rankings(predicted, measured).separable_agree
+    # A predicted tie does not order a pair the measurement separates.
+    assert not compare_rankings({"a": 1.0, "b": 1.0}, {"a": 1.0, "b": 2.0}).separable_agree
+    with pytest.raises(ValueError, match="tie_tolerance"):
+        compare_rankings(predicted, measured, tie_tolerance=-0.1)
+
+
+def test_covered_seconds_is_the_union_of_intervals() -> None:
+    assert covered_seconds([]) == 0.0
+    assert covered_seconds([(0.0, 1.0), (0.5, 2.0), (3.0, 3.5), (3.1, 3.2)]) == pytest.approx(2.5)

@@ -102,3 +102,15 @@ def test_rollout_reads_a_run_config_by_attribute() -> None:
     assert (rollout.batch, rollout.sequence_length, rollout.optimizer_steps) == (8, 80, 8)
     with pytest.raises(ValueError, match="not a multiple of num_minibatches"):
         RolloutSpec(batch=10, num_minibatches=4)
+
+
+def test_trainers_gather_every_experience_row_once() -> None:
+    # Flattening: the models sit on the same ranks, but each of the 4 DP replicas scored a
+    # quarter of the rows and every trainer rank needs all of them (one gather for both trainers).
+    flat = _tasks(_predict("flattening", tp=2))
+    gathers = [name for name in flat if name.startswith("transfer:")]
+    assert gathers == ["transfer:experience->trainers"]
+    assert flat["training:actor"]["start_s"] >= flat["transfer:experience->trainers"]["start_s"]
+    # One replica per trainer on the ranks that scored everything: nothing moves.
+    single = _tasks(_predict("flattening", tp=8))
+    assert not [name for name in single if name.startswith("transfer:")]

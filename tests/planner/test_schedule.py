@@ -51,3 +51,16 @@ def test_ranks_sharing_cores_slow_each_other_only_while_busy_together() -> None:
     # With a core per rank nothing slows down.
     assert schedule(tasks, [SharedHost(range(0, 4), cores=4.0)]).makespan == pytest.approx(1.5)
     assert schedule(tasks).makespan == pytest.approx(1.5)
+
+
+def test_pipelined_steps_on_a_shared_host_are_bound_by_its_cores() -> None:
+    # Separation on one 2-core host of 4 ranks: shadows generate on 2-3 while trainers train on
+    # 0-1. With a core per rank the pipelined step is the busier block (2 s); with 2 cores both
+    # blocks' work (2 ranks x 1.5 s + 2 ranks x 2 s = 7 rank-seconds) needs 3.5 s of the cores.
+    tasks = [Task("generation", "generation", (range(2, 4),), Cost(compute=1.5)),
+             Task("training", "training", (range(0, 2),), Cost(compute=2.0), deps=(0,))]
+    assert schedule(tasks).period == pytest.approx(2.0)
+    assert schedule(tasks, [SharedHost(range(0, 4), cores=4.0)]).period == pytest.approx(2.0)
+    shared = schedule(tasks, [SharedHost(range(0, 4), cores=2.0)])
+    assert shared.period == pytest.approx(3.5)
+    assert shared.makespan == pytest.approx(3.5)  # in turn, each block alone on 2 cores
