@@ -237,7 +237,9 @@ def planner_comparison(results: dict[str, dict], batch: int, profile_path: Path)
     tolerance = run_to_run_spread(results)
     report = compare_rankings(predicted, {n: r["samples_per_s"] for n, r in results.items()},
                               tolerance)
+    figures = {k: v for k, v in profile.to_dict().items() if k != "source"}
     return {"comparison": "planner_vs_measured", "profile": str(profile_path),
+            "profile_figures": figures,
             "predicted_samples_per_s": {k: round(v, 2) for k, v in predicted.items()},
             "predicted_order": report.predicted_order, "measured_order": report.measured_order,
             "kendall_tau": round(report.kendall_tau, 3), "same_order": report.same_order,

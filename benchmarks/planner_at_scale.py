@@ -1,0 +1,99 @@
+"""The planner's predictions at scale: the tables of docs/planner.md, from one command.
+
+    python benchmarks/planner_at_scale.py            # both tables, markdown (~1 min on 2 cores)
+    python benchmarks/planner_at_scale.py --json     # one JSON line per cell instead
+
+Table 1: LLaMA 7B-65B (actor, critic, ref and reward the same size) on 1x8 to 16x8 A100-80GB,
+the best candidate of flattening, interleaving, interleaving2 and separation each
+(``auto_place`` with ``SearchSpace(strategies=(s,))``). Table 2: DeepSpeed-Chat's step-3 setting
+(actor and ref LLaMA of the size nearest their OPT actor, critic and reward OPT-350M-shaped,
+flattening) on 8 and 64 A100-80GB, to hold against their published times. The rollout is
+DeepSpeed-Chat's benchmark: 1024 prompts per step, 256 prompt + 256 response tokens, one PPO
+epoch and mini-batch, micro-batch 4, no activation checkpointing, distributed optimizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from megatron_rlhf.planner import RolloutSpec, SearchSpace, auto_place, homogeneous_cluster
+from megatron_rlhf.topology.models import ArchSpec
+
+ROLLOUT = RolloutSpec(batch=1024, prompt_length=256, generation_length=256, micro_batch_size=4)
+MODELS = ("llama-7b", "llama-13b", "llama-33b", "llama-65b")
+NODES = (1, 2, 4, 16)
+STRATEGIES = ("flattening", "interleaving", "interleaving2", "separation")
+OPT_350M = ArchSpec("opt-350m", 24, 1024, 16, 50272, 2048, 4096)
+DEEPSPEED_CHAT = (
+    # (their actor, our actor, GPUs, their step-3 time in hours for 264,292 samples)
+    ("OPT-13B", "llama-13b", 8, 9.0),
+    ("OPT-13B", "llama-13b", 64, 1.25),
+    ("OPT-30B", "llama-33b", 8, 18.0),
+    ("OPT-30B", "llama-33b", 64, 4.0),
+    ("OPT-66B", "llama-65b", 8, 2.1 * 24),
+    ("OPT-66B", "llama-65b", 64, 7.5),
+)
+DEEPSPEED_CHAT_SAMPLES = 264_292
+
+
+def best_cell(nodes: int, models, strategy: str) -> dict:
+    """The best candidate of ``strategy``: samples/s, label and bottleneck, or why none runs."""
+    ranked = auto_place(homogeneous_cluster("A100-80GB", nodes, 8), models, ROLLOUT,
+                        space=SearchSpace(strategies=(strategy,)))
+    if not ranked:
+        return {"result": "refused"}
+    best = ranked[0]
+    if not best.prediction.feasible:
+        return {"result": "OOM", "label": best.label}
+    return {"result": round(best.prediction.samples_per_s, 2), "label": best.label,
+            "bottleneck": best.prediction.bottleneck}
+
+
+def _text(cell: dict) -> str:
+    if isinstance(cell["result"], str):
+        return cell["result"]
+    return f"{cell['result']:.2f} ({cell['label']}; {cell['bottleneck']})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="one JSON line per cell")
+    args = parser.parse_args()
+    rows = []
+    for model in MODELS:
+        for nodes in NODES:
+            cells = {s: best_cell(nodes, model, s) for s in STRATEGIES}
+            rows.append((model, nodes, cells))
+            if args.json:
+                for strategy, cell in cells.items():
+                    print(json.dumps({"table": "at_scale", "model": model,
+                                      "cluster": f"{nodes}x8", "strategy": strategy, **cell}))
+    comparison = []
+    for theirs, ours, gpus, hours in DEEPSPEED_CHAT:
+        models = {"actor": ours, "ref": ours, "critic": OPT_350M, "reward": OPT_350M}
+        cell = best_cell(gpus // 8, models, "flattening")
+        measured = DEEPSPEED_CHAT_SAMPLES / (hours * 3600)
+        ratio = cell["result"] / measured if not isinstance(cell["result"], str) else None
+        comparison.append((theirs, ours, gpus, hours, measured, cell, ratio))
+        if args.json:
+            print(json.dumps({"table": "deepspeed_chat", "actor": theirs, "ours": ours,
+                              "gpus": gpus, "measured_samples_per_s": round(measured, 2),
+                              **cell, "predicted_over_measured": ratio and round(ratio, 2)}))
+    if args.json:
+        return
+    print("| model | cluster | " + " | ".join(STRATEGIES) + " |")
+    print("|---|---|" + "---|" * len(STRATEGIES))
+    for model, nodes, cells in rows:
+        print(f"| {model} | {nodes}x8 | " + " | ".join(_text(cells[s]) for s in STRATEGIES) + " |")
+    print()
+    print("| actor (theirs / ours) | GPUs | DeepSpeed-Chat time | measured samples/s | "
+          "predicted samples/s | predicted / measured |")
+    print("|---|---|---|---|---|---|")
+    for theirs, ours, gpus, hours, measured, cell, ratio in comparison:
+        print(f"| {theirs} / {ours} | {gpus} x A100-80GB | {hours:g} h | {measured:.2f} | "
+              f"{_text(cell)} | {f'{ratio:.2f}' if ratio else '-'} |")
+
+
+if __name__ == "__main__":
+    main()
