@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "placements.py"
+from tests.scripts import load_script
 
 
 def _benchmark():
-    spec = importlib.util.spec_from_file_location("placements_benchmark", BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/placements.py")
 
 
 def test_stage_seconds_leave_out_waiting_for_other_ranks() -> None:

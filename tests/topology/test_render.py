@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -11,16 +10,12 @@ import pytest
 
 from megatron_rlhf.topology import PlacementConfig, plan_placement
 from megatron_rlhf.topology.render import format_summary, format_table, render_svg
+from tests.scripts import load_script
 from tests.topology.helpers import CLUSTERS, HETERO
-
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "plan_placement.py"
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("plan_placement_tool", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools/plan_placement.py")
 
 
 def test_table_lists_every_device_with_its_grid_ranks() -> None:

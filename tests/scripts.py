@@ -1,0 +1,18 @@
+"""Load a script of the repository (``tools/``, ``benchmarks/``) as a module to test its parts."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script(relative_path: str) -> ModuleType:
+    """Import ``REPO / relative_path`` under a name of its own (scripts are not a package)."""
+    path = REPO / relative_path
+    spec = importlib.util.spec_from_file_location(f"{path.parent.name}_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
