@@ -336,9 +336,10 @@ def forward_cost(env: ModelEnv, rows: int, seq: int, micro_batch: int) -> Cost:
     return slot.scaled(microbatches + env.pp - 1)
 
 
-def training_cost(env: ModelEnv, rows: int, seq: int, micro_batch: int, optimizer_steps: int,
-                  checkpointing: bool, distributed_optimizer: bool) -> Cost:
-    """Training over ``rows`` sequences per replica, split into ``optimizer_steps`` steps.
+def training_cost(env: ModelEnv, rows: int, seq: int, micro_batch: int, minibatches: int,
+                  checkpointing: bool, distributed_optimizer: bool, epochs: int = 1) -> Cost:
+    """Training on ``rows`` sequences per replica: ``epochs`` passes over them, each split into
+    ``minibatches`` optimizer steps.
 
     Per optimizer step: ``m + pp - 1`` slots of forward+backward (``6 N`` FLOPs per token, 8 N
     with recomputation), the DP gradient reduction (``grad_sync_seconds``) and
@@ -346,7 +347,7 @@ def training_cost(env: ModelEnv, rows: int, seq: int, micro_batch: int, optimize
     (``ADAM_UPDATE_BYTES`` per local parameter at HBM speed, sharded over DP with the
     distributed optimizer) and the fixed ``profile.step_latency_s`` of the step's calls.
     """
-    rows_per_step = math.ceil(rows / optimizer_steps)
+    rows_per_step = math.ceil(rows / minibatches)
     micro_batch = min(micro_batch, rows_per_step)
     microbatches = math.ceil(rows_per_step / micro_batch)
     passes, collectives = (4, 6) if checkpointing else (3, 4)
@@ -358,7 +359,7 @@ def training_cost(env: ModelEnv, rows: int, seq: int, micro_batch: int, optimize
     local = env.params / (env.tp * env.pp) / (env.dp if distributed_optimizer else 1)
     update = ADAM_UPDATE_BYTES * local / env.profile.hbm_bytes_per_s
     fixed = Cost(comm=sync, memory=update, overhead=env.profile.step_latency_s)
-    return (pipeline + fixed).scaled(optimizer_steps)
+    return (pipeline + fixed).scaled(minibatches * epochs)
 
 
 def decode_step_cost(env: ModelEnv, sequences: int, context: float) -> Cost:

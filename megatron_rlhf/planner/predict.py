@@ -251,7 +251,8 @@ def build_tasks(plan: PlacementPlan, rollout: RolloutSpec, hardware: tuple[Hardw
     for role in trainers:
         distributed = plan[role].spec.distributed_optimizer
         cost = ctx.per_pool(role, lambda env, rows, d=distributed: cm.training_cost(
-            env, rows, seq, mbs, rollout.optimizer_steps, rollout.activation_checkpointing, d))
+            env, rows, seq, mbs, rollout.num_minibatches, rollout.activation_checkpointing, d,
+            rollout.ppo_epochs))
         trained[role] = add(Task(f"{TRAINING}:{role}", TRAINING, (plan[role].ranks,), cost,
                                  deps))
     for shadow, trainer in SHADOW_OF.items():

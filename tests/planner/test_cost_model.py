@@ -116,6 +116,12 @@ def test_training_is_three_forward_passes_plus_the_adam_update() -> None:
     recompute = cm.training_cost(env, 8, 64, 8, 2, checkpointing=True,
                                  distributed_optimizer=True)
     assert recompute.compute == pytest.approx(4 * forward)  # 2 steps of half the rows
+    # Every epoch trains on every row again: two epochs of 2 mini-batches are 4 optimizer steps
+    # of half the rows each, twice one epoch's cost (not 4 steps of a quarter of the rows).
+    twice = cm.training_cost(env, 8, 64, 8, 2, checkpointing=True, distributed_optimizer=True,
+                             epochs=2)
+    assert twice.total == pytest.approx(2 * recompute.total)
+    assert twice.compute == pytest.approx(8 * forward)
     # Each optimizer step also pays the profile's fixed step latency.
     slow = dataclasses.replace(env, profile=dataclasses.replace(env.profile, step_latency_s=0.01))
     stepped = cm.training_cost(slow, 8, 64, 8, 2, checkpointing=True, distributed_optimizer=True)
