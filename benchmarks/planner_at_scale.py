@@ -1,6 +1,6 @@
 """The planner's predictions at scale: the tables of docs/planner.md, from one command.
 
-    python benchmarks/planner_at_scale.py            # both tables, markdown (~1 min on 2 cores)
+    python benchmarks/planner_at_scale.py            # both tables, markdown (about 4 s on 2 cores)
     python benchmarks/planner_at_scale.py --json     # one JSON line per cell instead
 
 Table 1: LLaMA 7B-65B (actor, critic, ref and reward the same size) on 1x8 to 16x8 A100-80GB,
