@@ -16,8 +16,8 @@ rollout row adds on that rank (KV cache of the generating replicas, divided over
 plus the experience rows every trainer rank keeps), minimised over ranks.
 
 A last line compares the planner's prediction with the measurement: predicted and measured
-ranking of the placements (Kendall tau; the pairs closer than the run-to-run spread, which the
-measurement cannot order; whether every other pair is predicted in the measured order) and
+ranking of the placements (Kendall tau; the pairs whose runs overlap, which the measurement
+cannot order; whether every other pair is predicted in the measured order) and
 predicted/measured stage times, using a profile of this machine measured by
 ``tools/calibrate.py --ranks 4`` (or ``--profile``).
 """
@@ -180,7 +180,8 @@ def stage_seconds(ranks: list[dict]) -> dict[str, float]:
 
 
 def summarise(name: str, runs: list[dict], budget_gib: float) -> dict:
-    """One JSON line for a placement: the median run's figures and the spread of samples/s."""
+    """One JSON line for a placement: the median run's figures (the upper middle one for an even
+    count of runs) and the lowest and highest samples/s."""
     rates = [run["batch"] * run["steps"] / run["wall"] for run in runs]
     run = runs[sorted(range(len(runs)), key=rates.__getitem__)[len(runs) // 2]]
     ranks = run["ranks"]
@@ -204,15 +205,6 @@ def summarise(name: str, runs: list[dict], budget_gib: float) -> dict:
     }
 
 
-def run_to_run_spread(results: dict[str, dict]) -> float:
-    """The measurement's noise: the median over placements of (highest - lowest) / median
-    samples/s of its runs. Placements closer than this are ties (``compare_rankings``)."""
-    spreads = sorted((high - low) / result["samples_per_s"]
-                     for result in results.values()
-                     for low, high in [result["samples_per_s_range"]])
-    return spreads[len(spreads) // 2]
-
-
 def planner_comparison(results: dict[str, dict], batch: int, profile_path: Path) -> dict:
     """Predicted against measured samples/s ranking and stage times, on this machine's profile."""
     from megatron_rlhf.config.loader import load_config
@@ -234,16 +226,15 @@ def planner_comparison(results: dict[str, dict], batch: int, profile_path: Path)
             PLANNER_STAGES[k]: round(prediction.stage_seconds.get(PLANNER_STAGES[k], 0.0) / v, 2)
             for k, v in measured["stage_seconds_per_step"].items()
             if k in PLANNER_STAGES and v > 0}
-    tolerance = run_to_run_spread(results)
     report = compare_rankings(predicted, {n: r["samples_per_s"] for n, r in results.items()},
-                              tolerance)
+                              {n: tuple(r["samples_per_s_range"]) for n, r in results.items()})
     figures = {k: v for k, v in profile.to_dict().items() if k != "source"}
     return {"comparison": "planner_vs_measured", "profile": str(profile_path),
             "profile_figures": figures,
             "predicted_samples_per_s": {k: round(v, 2) for k, v in predicted.items()},
             "predicted_order": report.predicted_order, "measured_order": report.measured_order,
             "kendall_tau": round(report.kendall_tau, 3), "same_order": report.same_order,
-            "tie_tolerance": round(tolerance, 3), "ties": [list(pair) for pair in report.ties],
+            "ties": [list(pair) for pair in report.ties],
             "separable_agree": report.separable_agree,
             "predicted_over_measured_stage_seconds": stage_ratios}
 

@@ -12,7 +12,7 @@ Assumptions shared by all formulas (each function adds its own):
   The input embedding is a lookup (no FLOPs). Norms, softmax and element-wise ops are not counted.
 - Compute runs at ``profile.flops_per_s`` (peak x MFU), decoding reads memory at
   ``profile.hbm_bytes_per_s``, every layer call costs ``profile.layer_latency_s`` on top, and
-  every model call (forward or backward pass, decode step) ``profile.call_latency_s``.
+  every model call ``profile.call_latency_s`` (per forward-equivalent; a decode step once).
 - Collectives follow the alpha-beta model with NCCL's bus bandwidth: a ring all-reduce moves
   ``2 (n-1)/n`` of the message through the slowest link of the group, a reduce-scatter or
   all-gather ``(n-1)/n``; latency grows with ``log2 n`` (tree algorithms for small messages).
@@ -36,16 +36,20 @@ ADAM_STATE_BYTES = 12
 ADAM_UPDATE_BYTES = 32
 """Memory traffic of one Adam update per parameter: read and write 12 bytes of state, read the
 bf16 gradient, write the bf16 weight (12 + 12 + 2 + 2, rounded up for the fp32 gradient cast)."""
-ROLLOUT_BYTES_PER_TOKEN = 20
-"""Generation output per token moved to the experience models: int64 token, int64 mask,
-fp32 sampling log-prob."""
+ROLLOUT_BYTES_PER_TOKEN = 16
+"""Generation output per token moved to the experience models: int64 token, int64 mask."""
+ROLLOUT_FIELDS = 2
+"""Fields of that move (token ids, attention mask): one message each."""
 STEP_ALLREDUCES = 3
 """Small all-reduces over the DP group in every optimizer step besides the gradient reduction:
 the loss's token count (megatron's ``finalize_model_grads``), the gradient norm for clipping, and
 the check that every rank's gradients are finite. Latency-bound."""
 EXPERIENCE_BYTES_PER_TOKEN = 36
-"""Experience per token moved to the trainers: int64 token and mask, and five fp32 fields
-(old log-prob, ref log-prob, value, advantage, return)."""
+"""Experience per token moved to the trainers: int64 token and mask, and about five fields of
+4 bytes (response mask, sampling, old and ref log-probs, value; scores are one per row)."""
+EXPERIENCE_FIELDS = 9
+"""Fields of that move: token ids, attention mask, response mask, sampling log-probs, old and
+ref log-probs, values, reward-model and rule scores; one message each."""
 
 
 # --------------------------------------------------------------------------- sizes and FLOPs
@@ -392,8 +396,8 @@ def generation_cost(env: ModelEnv, rows: int, prompt: int, new_tokens: int,
 
     ``ceil(rows / max_sequences)`` rounds (the KV cache bounds a round); each round prefills its
     prompts (compute-bound, like a forward pass over ``prompt`` tokens per sequence, one
-    micro-batch, pipeline stages in turn) and then decodes ``new_tokens`` steps at the mean
-    context ``prompt + new_tokens / 2``.
+    micro-batch, pipeline stages in turn), which samples the first token, and then decodes the
+    other ``new_tokens - 1`` in as many steps at the mean context ``prompt + new_tokens / 2``.
     """
     if rows == 0:
         return Cost()
@@ -401,13 +405,18 @@ def generation_cost(env: ModelEnv, rows: int, prompt: int, new_tokens: int,
     sequences = math.ceil(rows / rounds)
     prefill = env.slot_cost(sequences * prompt, prompt / 2, passes=1, tp_collectives=2)
     prefill = prefill.scaled(env.pp)
-    decode = decode_step_cost(env, sequences, prompt + new_tokens / 2).scaled(new_tokens)
+    decode = decode_step_cost(env, sequences, prompt + new_tokens / 2).scaled(new_tokens - 1)
     return (prefill + decode).scaled(rounds)
 
 
-def transfer_seconds(nbytes: float, link: Link) -> float:
-    """Rows moved between two models' ranks: one point-to-point batch through ``link``."""
-    return p2p_seconds(nbytes, link)
+def transfer_seconds(nbytes: float, fields: int, link: Link) -> float:
+    """Rows of ``fields`` fields moved between two models' ranks through ``link``.
+
+    The engine sends every field of a row range as its own message; the messages to different
+    peers overlap, those of different fields are paid one after another: ``fields * latency +
+    nbytes / bw`` (measured on 4 gloo ranks, a step's 9-field gather costs about 9 latencies).
+    """
+    return fields * link.latency_s + nbytes / link.bytes_per_s
 
 
 def weight_sync_seconds(params: float, shadow_tp: int, shadow_pp: int, shadow_devices: int,
@@ -420,7 +429,7 @@ def weight_sync_seconds(params: float, shadow_tp: int, shadow_pp: int, shadow_de
     ``dp_s * 2 params / sending_nodes``. ``link`` is the per-node network (or, when trainer and
     shadow share nodes, one device's NVLink with ``receiving_nodes = shadow_devices``). The refit
     posts the sends and receives of every parameter tensor at once, so the link latency is paid
-    about once (measured on CPU: a sync costs a few all-reduce latencies, not one per tensor).
+    once, not once per tensor (measured on CPU: a sync of ~30 tensors costs 1-3 latencies).
     """
     shard = BF16 * params / (shadow_tp * shadow_pp)
     received = shard * shadow_devices / receiving_nodes

@@ -5,8 +5,10 @@
     report = compare_rankings({"flattening": 2.0, "separation": 2.6},     # predicted samples/s
                               {"flattening": 1.1, "separation": 1.5})     # measured samples/s
     report.same_order, report.kendall_tau
-    report = compare_rankings(predicted, measured, tie_tolerance=0.05)  # 5% run-to-run spread
-    report.ties, report.separable_agree  # pairs closer than 5%; every other pair in order
+    report = compare_rankings({"flattening": 2.0, "separation": 2.6},
+                              {"flattening": 1.1, "separation": 1.5},     # medians of runs
+                              measured_range={"flattening": (1.0, 1.2), "separation": (1.3, 1.6)})
+    report.ties, report.separable_agree  # pairs whose runs overlap; every other pair in order
 """
 
 from __future__ import annotations
@@ -56,8 +58,8 @@ class RankingComparison:
         kendall_tau: rank correlation in [-1, 1] over all pairs (1: same order).
         same_order: the two orders are identical.
         ratios: predicted / measured samples/s per name.
-        ties: pairs the measurement cannot order: their measured samples/s differ by less than
-            the tie tolerance.
+        ties: pairs the measurement cannot order: their runs overlap (the lowest of one is below
+            the highest of the other); empty when no ranges are given.
         separable_agree: the prediction orders every pair that is not a tie as measured.
     """
 
@@ -71,26 +73,31 @@ class RankingComparison:
 
 
 def compare_rankings(predicted: Mapping[str, float], measured: Mapping[str, float],
-                     tie_tolerance: float = 0.0) -> RankingComparison:
+                     measured_range: Mapping[str, tuple[float, float]] | None = None
+                     ) -> RankingComparison:
     """Compare the ranking of placements by predicted and by measured samples/s.
 
     Args:
         predicted: samples/s per placement name.
         measured: samples/s per placement name (e.g. the median of repeated runs), same names.
-        tie_tolerance: two placements whose measured samples/s differ by less than this share
-            of the larger are a tie that no prediction can get wrong; set it to the measurement's
-            run-to-run spread.
+        measured_range: optional (lowest, highest) measured samples/s per name over repeated
+            runs. Two placements whose runs overlap are a tie: the measurement does not order
+            them, so neither order of the prediction is checked against it.
 
     Raises:
-        ValueError: the names differ, fewer than two are given, or the tolerance is outside
-            [0, 1).
+        ValueError: the names differ, fewer than two are given, or a range misses a name or
+            does not contain its measurement.
     """
     if set(predicted) != set(measured) or len(predicted) < 2:
         raise ValueError(f"predicted {sorted(predicted)} and measured {sorted(measured)} must "
                          "name the same two or more placements")
-    if not 0 <= tie_tolerance < 1:
-        raise ValueError(f"tie_tolerance={tie_tolerance} must be in [0, 1): a share of the "
-                         "larger measurement")
+    spread = dict(measured_range or {})
+    if spread and set(spread) != set(measured):
+        raise ValueError(f"measured_range names {sorted(spread)}; it must name "
+                         f"{sorted(measured)}")
+    outside = [n for n, (low, high) in spread.items() if not low <= measured[n] <= high]
+    if outside:
+        raise ValueError(f"measured samples/s of {outside} lie outside their measured_range")
     names = sorted(predicted)
     concordant = discordant = 0
     ties, disagree = [], []
@@ -99,7 +106,7 @@ def compare_rankings(predicted: Mapping[str, float], measured: Mapping[str, floa
             sign = (predicted[a] - predicted[b]) * (measured[a] - measured[b])
             concordant += sign > 0
             discordant += sign < 0
-            if abs(measured[a] - measured[b]) < tie_tolerance * max(measured[a], measured[b]):
+            if spread and max(spread[a][0], spread[b][0]) <= min(spread[a][1], spread[b][1]):
                 ties.append((a, b))
             elif sign <= 0:
                 disagree.append((a, b))

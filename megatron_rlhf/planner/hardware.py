@@ -50,7 +50,8 @@ class HardwareProfile:
         layer_latency_s: fixed cost of running one transformer layer once (kernel launches,
             framework overhead), whatever its size; dominates decoding of small batches.
         call_latency_s: fixed cost of one model call beyond its layers (embedding, final norm,
-            output layer; for a decode step also the sampling), per forward or backward pass.
+            output layer; for a decode step also the sampling), per forward-equivalent pass
+            (a backward counts two, as for ``layer_latency_s``).
         collective_latency_s: fixed cost of one collective or point-to-point call.
         step_latency_s: fixed cost of one optimizer step of a model beyond its passes (zeroing
             gradient buffers, the reduction and optimizer calls), per step.

@@ -230,22 +230,29 @@ def build_tasks(plan: PlacementPlan, rollout: RolloutSpec, hardware: tuple[Hardw
     gen = add(Task(f"{GENERATION}:{'+'.join(generators)}", GENERATION, sources,
                    _generation_cost(ctx)))
     payload = rollout.batch * seq * cm.ROLLOUT_BYTES_PER_TOKEN
-    inputs = {role: _transfer(ctx, f"{'+'.join(generators)}->{role}", sources,
-                              (plan[role].ranks,), payload, (gen,))
-              for role in experience_roles(plan)}
-    inputs = {role: (add(task),) if task else (gen,) for role, task in inputs.items()}
+    inputs = {}
+    for role in experience_roles(plan):
+        # A scorer laid out as the one generator (same ranks, same replicas) finds its rows there.
+        in_place = (len(generators) == 1 and plan[role].ranks == plan[generators[0]].ranks
+                    and plan[role].dp == plan[generators[0]].dp)
+        task = None if in_place else _transfer(
+            ctx, f"{'+'.join(generators)}->{role}", sources, (plan[role].ranks,), payload,
+            cm.ROLLOUT_FIELDS, (gen,))
+        inputs[role] = (add(task),) if task else (gen,)
     scored = [add(Task(f"{EXPERIENCE}:{role}", EXPERIENCE, (plan[role].ranks,),
                        ctx.per_pool(role, lambda env, rows: cm.forward_cost(env, rows, seq, mbs)),
                        deps)) for role, deps in inputs.items()]
-    sources = tuple(tasks[i].ranges[0] for i in scored)
     trainers = [role for role in TRAINABLE_ROLES if role in plan.models]
+    # Every trainer rank holds every row (advantages are whitened over the whole batch): rows
+    # move unless one block of ranks holds every scorer and trainer as a single whole replica.
+    involved = [plan[role] for role in (*experience_roles(plan), *trainers)]
+    in_place = (len({m.ranks for m in involved}) == 1
+                and all(m.dp == 1 and m.pp == 1 for m in involved))
     targets = tuple(sorted({plan[role].ranks for role in trainers}, key=lambda r: r.start))
-    payload = rollout.batch * seq * cm.EXPERIENCE_BYTES_PER_TOKEN
-    # Every trainer rank holds every row (advantages are whitened over the whole batch), so a
-    # trainer with DP replicas gathers the rows its other replicas scored.
-    gather = any(plan[role].dp > 1 for role in trainers)
-    merged = _transfer(ctx, "experience->trainers", sources, targets, payload, tuple(scored),
-                       gather)
+    merged = None if in_place else _transfer(
+        ctx, "experience->trainers", tuple(tasks[i].ranges[0] for i in scored), targets,
+        rollout.batch * seq * cm.EXPERIENCE_BYTES_PER_TOKEN, cm.EXPERIENCE_FIELDS,
+        tuple(scored))
     deps = (add(merged),) if merged else tuple(scored)
     trained = {}
     for role in trainers:
@@ -274,14 +281,12 @@ def _generation_cost(ctx: _Context) -> cm.Cost:
 
 
 def _transfer(ctx: _Context, name: str, sources: tuple[range, ...], targets: tuple[range, ...],
-              payload: float, deps: tuple[int, ...], gather: bool = False) -> Task | None:
-    """Rows moved from ``sources`` to ``targets``; None when they already sit there (and no
-    ``gather`` between replicas is needed)."""
-    if not gather and set(sources) <= set(targets) and len(targets) == 1:
-        return None
+              payload: float, fields: int, deps: tuple[int, ...]) -> Task:
+    """Rows of ``fields`` fields (``payload`` bytes) moved from ``sources`` to ``targets``."""
     link, _ = ctx.link_between(list(sources), list(targets))
-    return Task(f"{TRANSFER}:{name}", TRANSFER, (*sources, *targets),
-                cm.Cost(comm=cm.transfer_seconds(payload, link)), deps)
+    ranges = tuple(dict.fromkeys((*sources, *targets)))  # each block once
+    return Task(f"{TRANSFER}:{name}", TRANSFER, ranges,
+                cm.Cost(comm=cm.transfer_seconds(payload, fields, link)), deps)
 
 
 def _sync(ctx: _Context, trainer: str, shadow: str, deps: tuple[int, ...]) -> Task:

@@ -66,8 +66,10 @@ class Schedule:
         critical: indices of the chain of tasks that sets the makespan, first to last.
         busiest: indices of the tasks on the busiest block of ranks.
         makespan: end of the last task (the synchronous step).
-        period: the pipelined step: busy seconds of the busiest block of ranks, or on shared
-            hosts at least the step's rank-seconds on a host over its cores.
+        period: the pipelined step: busy seconds of the busiest block of ranks with every task
+            at its own rate (in the steady state the hosts' sharing is the next bound), and on
+            shared hosts at least the step's rank-seconds on a host over its cores. ``busiest``
+            and the times above come from the schedule slowed by sharing.
     """
 
     tasks: tuple[Task, ...]
@@ -114,8 +116,7 @@ def schedule(tasks: list[Task], hosts: Sequence[SharedHost] = ()) -> Schedule:
 
 def _host_seconds(tasks: list[Task], host: SharedHost) -> float:
     """Seconds the host's cores need for one step's work: rank-seconds over cores."""
-    work = sum(task.cost.total * sum(_overlap(r, host.ranks) for r in task.ranges)
-               for task in tasks)
+    work = sum(task.cost.total * _ranks_on(task, host) for task in tasks)
     return work / host.cores
 
 
@@ -126,14 +127,13 @@ def _slowdown(index: int, result: Schedule, hosts: Sequence[SharedHost]) -> floa
         return 1.0
     factor = 1.0
     for host in hosts:
-        if not any(_overlap(r, host.ranks) for r in task.ranges):
+        if not _ranks_on(task, host):
             continue
         busy = 0.0
         for other, s, e in zip(result.tasks, result.start, result.end, strict=True):
             shared = min(finish, e) - max(begin, s)
             if shared > 0:
-                ranks = sum(_overlap(r, host.ranks) for r in other.ranges)
-                busy += ranks * shared / (finish - begin)
+                busy += _ranks_on(other, host) * shared / (finish - begin)
         factor = max(factor, busy / host.cores)
     return factor
 
@@ -147,8 +147,9 @@ def covered_seconds(spans: Iterable[tuple[float, float]]) -> float:
     return total
 
 
-def _overlap(a: range, b: range) -> int:
-    return max(0, min(a.stop, b.stop) - max(a.start, b.start))
+def _ranks_on(task: Task, host: SharedHost) -> int:
+    """Distinct ranks of ``task`` on ``host`` (a task's blocks may overlap)."""
+    return len({rank for block in task.ranges for rank in block if rank in host.ranks})
 
 
 def _list_schedule(tasks: list[Task]) -> Schedule:

@@ -39,22 +39,30 @@ def test_ranking_agreement_counts_concordant_pairs() -> None:
         compare_rankings({"a": 1.0}, {"b": 1.0})
 
 
-def test_measurements_closer_than_the_tolerance_are_ties() -> None:
+def test_placements_whose_runs_overlap_are_ties() -> None:
     predicted = {"a": 3.0, "b": 2.0, "c": 1.0}
-    measured = {"a": 1.0, "b": 1.04, "c": 0.5}  # a and b swapped, 4% apart
-    report = compare_rankings(predicted, measured, tie_tolerance=0.05)
+    measured = {"a": 1.0, "b": 1.1, "c": 0.5}  # a and b swapped, but their runs overlap
+    spread = {"a": (0.9, 1.2), "b": (1.0, 1.3), "c": (0.4, 0.6)}
+    report = compare_rankings(predicted, measured, spread)
     assert report.ties == (("a", "b"),)
     assert report.separable_agree and not report.same_order
     assert report.kendall_tau == pytest.approx(1 / 3)
-    # A tighter measurement makes the swap a real disagreement.
-    report = compare_rankings(predicted, measured, tie_tolerance=0.03)
+    # Runs that do not overlap make the swap a real disagreement.
+    narrow = {"a": (0.95, 1.05), "b": (1.08, 1.12), "c": (0.4, 0.6)}
+    report = compare_rankings(predicted, measured, narrow)
     assert report.ties == () and not report.separable_agree
-    # Without a tolerance nothing is a tie: agreement means the same order.
+    # Without ranges nothing is a tie: agreement means the same order.
     assert not compare_rankings(predicted, measured).separable_agree
     # A predicted tie does not order a pair the measurement separates.
     assert not compare_rankings({"a": 1.0, "b": 1.0}, {"a": 1.0, "b": 2.0}).separable_agree
-    with pytest.raises(ValueError, match="tie_tolerance"):
-        compare_rankings(predicted, measured, tie_tolerance=-0.1)
+
+
+def test_measured_ranges_must_cover_every_name_and_its_median() -> None:
+    with pytest.raises(ValueError, match="measured_range names"):
+        compare_rankings({"a": 1.0, "b": 2.0}, {"a": 1.0, "b": 2.0}, {"a": (0.5, 1.5)})
+    with pytest.raises(ValueError, match="outside their measured_range"):
+        compare_rankings({"a": 1.0, "b": 2.0}, {"a": 1.0, "b": 2.0},
+                         {"a": (1.1, 1.5), "b": (1.5, 2.5)})
 
 
 def test_covered_seconds_is_the_union_of_intervals() -> None:

@@ -108,9 +108,15 @@ def test_trainers_gather_every_experience_row_once() -> None:
     # Flattening: the models sit on the same ranks, but each of the 4 DP replicas scored a
     # quarter of the rows and every trainer rank needs all of them (one gather for both trainers).
     flat = _tasks(_predict("flattening", tp=2))
-    gathers = [name for name in flat if name.startswith("transfer:")]
-    assert gathers == ["transfer:experience->trainers"]
-    assert flat["training:actor"]["start_s"] >= flat["transfer:experience->trainers"]["start_s"]
-    # One replica per trainer on the ranks that scored everything: nothing moves.
+    assert [name for name in flat if name.startswith("transfer:")] == [
+        "transfer:experience->trainers"]
+    # Separation: the shadows score on their own ranks; both trainers wait for the one gather.
+    separated = predict_step(plan_placement(A100_1X8, PlacementConfig("separation", tp=2),
+                                            "llama-7b"), ROLLOUT)
+    gather = next(t for t in separated.tasks if t["name"] == "transfer:experience->trainers")
+    for trainer in ("training:actor", "training:critic"):
+        task = _tasks(separated)[trainer]
+        assert task["start_s"] >= gather["start_s"] + gather["seconds"]
+    # One replica per model on the ranks that scored everything: nothing moves.
     single = _tasks(_predict("flattening", tp=8))
     assert not [name for name in single if name.startswith("transfer:")]

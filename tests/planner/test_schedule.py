@@ -64,3 +64,13 @@ def test_pipelined_steps_on_a_shared_host_are_bound_by_its_cores() -> None:
     shared = schedule(tasks, [SharedHost(range(0, 4), cores=2.0)])
     assert shared.period == pytest.approx(3.5)
     assert shared.makespan == pytest.approx(3.5)  # in turn, each block alone on 2 cores
+
+
+def test_a_task_over_overlapping_blocks_counts_each_rank_once() -> None:
+    # A gather lists its source blocks and its target block; here they are the same 2 ranks
+    # three times. On a 2-core host those are 2 busy ranks, not 6: no slowdown.
+    host = [SharedHost(range(0, 4), cores=2.0)]
+    gather = Task("transfer", "transfer", (range(0, 2), range(0, 2), range(0, 2)), Cost(comm=1.0))
+    result = schedule([gather], host)
+    assert result.makespan == pytest.approx(1.0)
+    assert result.period == pytest.approx(1.0)  # 2 rank-seconds over 2 cores
