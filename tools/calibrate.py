@@ -8,7 +8,7 @@ Measures: dense matmul throughput (fp32 on CPU, bf16 on GPU), memory copy bandwi
 bandwidth (pinned host-to-device on GPU), the latency of one small transformer layer, of a model
 call and of an optimizer step, and the
 all-reduce bus bandwidth of a 2-process group spawned here (NCCL with 2+ GPUs, else gloo) at a
-few sizes. Writes a ``HardwareProfile`` JSON and prints one JSON line. About 7 s on 2 CPU cores.
+few sizes. Writes a ``HardwareProfile`` JSON and prints one JSON line. About 12 s on 2 CPU cores.
 
 With ``--ranks N`` on a CPU, the profile describes ranks that share this machine's cores (as the
 gloo tests and CPU benchmarks run them, one thread each): rates are measured on one thread (a
@@ -45,6 +45,8 @@ COLLECTIVE_BYTES = (2**8, 2**20, 2**24)
 LATENCY_REPEATS = 500
 """Timed calls of the smallest all-reduce. Their mean is the latency: on a shared CPU a call
 usually takes ~0.3 ms but one in ten waits a scheduler tick (~4 ms), and a run pays the mean."""
+COLLECTIVE_PAIRS = 3
+"""Pairs of processes spawned one after another to time the all-reduces (the median is kept)."""
 
 
 def _timed(fn, repeats: int, sync, statistic=statistics.median) -> float:
@@ -159,12 +161,18 @@ def _collective_worker(rank: int, port: int, backend: str, results) -> None:
 
 
 def measure_collectives(backend: str) -> list[tuple[int, float]]:
-    """(bytes, seconds) of a 2-rank all-reduce at each of ``COLLECTIVE_BYTES``."""
+    """(bytes, seconds) of a 2-rank all-reduce at each of ``COLLECTIVE_BYTES``: the median over
+    ``COLLECTIVE_PAIRS`` freshly spawned pairs of processes (on a shared CPU one pair's mean
+    latency can be 0.4 ms and the next one's 1.6 ms, depending on where the scheduler puts them)."""
     context = mp.get_context("spawn")
-    results = context.Queue()
-    mp.start_processes(_collective_worker, args=(free_port(), backend, results), nprocs=2,
-                       join=True, start_method="spawn")
-    return results.get(timeout=10)
+    runs = []
+    for _ in range(COLLECTIVE_PAIRS):
+        results = context.Queue()
+        mp.start_processes(_collective_worker, args=(free_port(), backend, results), nprocs=2,
+                           join=True, start_method="spawn")
+        runs.append(results.get(timeout=10))
+    return [(nbytes, statistics.median(run[i][1] for run in runs))
+            for i, (nbytes, _) in enumerate(runs[0])]
 
 
 def fit_links(samples: list[tuple[int, float]]) -> tuple[float, float]:
