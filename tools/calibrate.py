@@ -44,7 +44,8 @@ from megatron_rlhf.runtime.distributed import free_port  # noqa: E402
 COLLECTIVE_BYTES = (2**8, 2**20, 2**24)
 LATENCY_REPEATS = 500
 """Timed calls of the smallest all-reduce. Their mean is the latency: on a shared CPU a call
-usually takes ~0.3 ms but one in ten waits a scheduler tick (~4 ms), and a run pays the mean."""
+usually takes ~0.3 ms but one in ten waits a scheduler tick (~4 ms), and a run pays the mean
+(``benchmarks/gloo_latency.py``)."""
 COLLECTIVE_PAIRS = 3
 """Pairs of processes spawned one after another to time the all-reduces (the median is kept)."""
 
@@ -163,7 +164,8 @@ def _collective_worker(rank: int, port: int, backend: str, results) -> None:
 def measure_collectives(backend: str) -> list[tuple[int, float]]:
     """(bytes, seconds) of a 2-rank all-reduce at each of ``COLLECTIVE_BYTES``: the median over
     ``COLLECTIVE_PAIRS`` freshly spawned pairs of processes (on a shared CPU one pair's mean
-    latency can be 0.4 ms and the next one's 1.6 ms, depending on where the scheduler puts them)."""
+    latency can differ from the next one's by a third or more, depending on where the scheduler
+    puts them: ``benchmarks/gloo_latency.py``)."""
     context = mp.get_context("spawn")
     runs = []
     for _ in range(COLLECTIVE_PAIRS):

@@ -414,7 +414,9 @@ def transfer_seconds(nbytes: float, fields: int, link: Link) -> float:
 
     The engine sends every field of a row range as its own message; the messages to different
     peers overlap, those of different fields are paid one after another: ``fields * latency +
-    nbytes / bw`` (measured on 4 gloo ranks, a step's 9-field gather costs about 9 latencies).
+    nbytes / bw``. On 4 gloo ranks sharing 2 cores the engine's 9-field gather measures about 9
+    all-reduce latencies at the host's slowdown (``benchmarks/placements.py``); an exchange of
+    bare tensors costs less (``benchmarks/gloo_latency.py``): the engine's work per field counts.
     """
     return fields * link.latency_s + nbytes / link.bytes_per_s
 
@@ -429,7 +431,8 @@ def weight_sync_seconds(params: float, shadow_tp: int, shadow_pp: int, shadow_de
     ``dp_s * 2 params / sending_nodes``. ``link`` is the per-node network (or, when trainer and
     shadow share nodes, one device's NVLink with ``receiving_nodes = shadow_devices``). The refit
     posts the sends and receives of every parameter tensor at once, so the link latency is paid
-    once, not once per tensor (measured on CPU: a sync of ~30 tensors costs 1-3 latencies).
+    once, not once per tensor (``benchmarks/placements.py`` on CPU: a sync of the tiny models'
+    ~30 tensors takes about 3 all-reduce latencies).
     """
     shard = BF16 * params / (shadow_tp * shadow_pp)
     received = shard * shadow_devices / receiving_nodes
