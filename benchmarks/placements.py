@@ -210,7 +210,13 @@ def planner_comparison(results: dict[str, dict], batch: int, profile_path: Path)
     from megatron_rlhf.config.loader import load_config
     from megatron_rlhf.engine.build import make_plan
     from megatron_rlhf.engine.config import RunConfig
-    from megatron_rlhf.planner import RolloutSpec, compare_rankings, load_profile, predict_step
+    from megatron_rlhf.planner import (
+        RolloutSpec,
+        compare_rankings,
+        compare_stage_times,
+        load_profile,
+        predict_step,
+    )
     from megatron_rlhf.topology.cluster import ClusterSpec, DevicePool
 
     profile = load_profile(profile_path)
@@ -222,10 +228,10 @@ def planner_comparison(results: dict[str, dict], batch: int, profile_path: Path)
         rollout = RolloutSpec.from_run_config(config, overlap=config.rollout.async_rollout)
         prediction = predict_step(make_plan(config, cluster), rollout, profile)
         predicted[name] = prediction.samples_per_s
-        stage_ratios[name] = {
-            PLANNER_STAGES[k]: round(prediction.stage_seconds.get(PLANNER_STAGES[k], 0.0) / v, 2)
-            for k, v in measured["stage_seconds_per_step"].items()
-            if k in PLANNER_STAGES and v > 0}
+        stages = {PLANNER_STAGES[k]: v for k, v in measured["stage_seconds_per_step"].items()
+                  if k in PLANNER_STAGES}
+        stage_ratios[name] = {k: round(v, 2)
+                              for k, v in compare_stage_times(prediction, stages).items()}
     report = compare_rankings(predicted, {n: r["samples_per_s"] for n, r in results.items()},
                               {n: tuple(r["samples_per_s_range"]) for n, r in results.items()})
     figures = {k: v for k, v in profile.to_dict().items() if k != "source"}

@@ -160,6 +160,13 @@ class _Tensors:
                              f"counterpart, e.g. {left[:4]}: not a plain LlamaForCausalLM")
 
 
+def _dims(d: ModelDescription) -> tuple[int, int, int, int, int]:
+    """(hidden, ffn, query groups, head dim, query rows per group) of a Llama model."""
+    head_dim = d.hidden_size // d.num_attention_heads
+    q_rows = d.num_attention_heads // d.num_query_groups * head_dim
+    return d.hidden_size, d.ffn_hidden_size, d.num_query_groups, head_dim, q_rows
+
+
 def _check_lm(description: ModelDescription) -> None:
     if description.head != "lm":
         raise ValueError(f"head={description.head!r}: only LM-head models map to "
@@ -175,9 +182,7 @@ def hf_to_full_state(hf_state: dict[str, torch.Tensor], description: ModelDescri
     """
     _check_lm(description)
     d, tensors = description, _Tensors(hf_state, source)
-    h, f, groups = d.hidden_size, d.ffn_hidden_size, d.num_query_groups
-    head_dim = h // d.num_attention_heads
-    q_rows = d.num_attention_heads // groups * head_dim
+    h, f, groups, head_dim, q_rows = _dims(d)
     full = {"embedding.word_embeddings.weight": tensors.take("model.embed_tokens.weight",
                                                              d.vocab_size, h),
             "decoder.final_layernorm.weight": tensors.take("model.norm.weight", h)}
@@ -215,9 +220,7 @@ def full_state_to_hf(full_state: dict[str, torch.Tensor],
     """
     _check_lm(description)
     d, tensors = description, _Tensors(full_state, "the megatron full state")
-    h, f, groups = d.hidden_size, d.ffn_hidden_size, d.num_query_groups
-    head_dim = h // d.num_attention_heads
-    q_rows = d.num_attention_heads // groups * head_dim
+    h, f, groups, head_dim, q_rows = _dims(d)
     hf = {"model.embed_tokens.weight": tensors.take("embedding.word_embeddings.weight",
                                                     d.vocab_size, h),
           "model.norm.weight": tensors.take("decoder.final_layernorm.weight", h)}

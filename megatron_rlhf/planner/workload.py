@@ -59,11 +59,6 @@ class RolloutSpec:
         """Tokens of one sample: prompt plus response."""
         return self.prompt_length + self.generation_length
 
-    @property
-    def optimizer_steps(self) -> int:
-        """Optimizer steps per PPO step and trainable model: ``ppo_epochs * num_minibatches``."""
-        return self.ppo_epochs * self.num_minibatches
-
     @classmethod
     def from_run_config(cls, run: Any, activation_checkpointing: bool = False,
                         overlap: bool = True) -> RolloutSpec:

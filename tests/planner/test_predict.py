@@ -99,7 +99,8 @@ def test_rollout_reads_a_run_config_by_attribute() -> None:
                                 ppo_epochs=2, num_minibatches=4),
         generation=SimpleNamespace(max_new_tokens=64))
     rollout = RolloutSpec.from_run_config(run, activation_checkpointing=True)
-    assert (rollout.batch, rollout.sequence_length, rollout.optimizer_steps) == (8, 80, 8)
+    assert (rollout.batch, rollout.sequence_length, rollout.ppo_epochs,
+            rollout.num_minibatches) == (8, 80, 2, 4)
     with pytest.raises(ValueError, match="not a multiple of num_minibatches"):
         RolloutSpec(batch=10, num_minibatches=4)
 
