@@ -15,7 +15,11 @@ from megatron_rlhf.engine.config import RunConfig
 from megatron_rlhf.engine.engine import PPOEngine
 from megatron_rlhf.engine.workers import ModelWorker
 from megatron_rlhf.models.checkpoint import load_model_checkpoint, read_checkpoint_info
-from megatron_rlhf.models.gpt import ModelBuildOptions, build_gpt_model
+from megatron_rlhf.models.gpt import (
+    ModelBuildOptions,
+    build_gpt_model,
+    resolve_transformer_impl,
+)
 from megatron_rlhf.models.trainer import ModelTrainer
 from megatron_rlhf.models.weights import init_weights
 from megatron_rlhf.refit import build_weight_sync
@@ -119,11 +123,15 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int, pad_id: in
     workers: dict[str, ModelWorker] = {}
     models = {}
     total_updates = (config.steps * config.rollout.ppo_epochs * config.rollout.num_minibatches)
+    # One implementation for every model: weight sync and the checkpoints the models start from
+    # map parameters by name, and TE names the fused norms differently.
+    transformer_impl = resolve_transformer_impl(config.models.transformer_impl,
+                                                needs_kv_cache=config.generation.use_kv_cache)
     for role in plan.roles_on(rank):
         pgc = groups[role]
-        options = ModelBuildOptions(head=_head(role, config.placement.ac_share),
-                                    params_dtype=config.models.params_dtype,
-                                    dropout=config.models.dropout)
+        options = ModelBuildOptions(
+            head=_head(role, config.placement.ac_share), params_dtype=config.models.params_dtype,
+            dropout=config.models.dropout, transformer_impl=transformer_impl)
         model = build_gpt_model(plan[role].spec.arch, options, pgc, seed=config.runtime.seed)
         init_weights(model, pgc, seed=config.models.init_seed)
         models[role] = model

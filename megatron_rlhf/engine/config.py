@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from megatron_rlhf.algorithms import PPOAlgorithmConfig
 from megatron_rlhf.data import ReaderConfig, SplitConfig, SyntheticTaskConfig
 from megatron_rlhf.generation import GenerationConfig
+from megatron_rlhf.models.gpt import TRANSFORMER_IMPLS, resolve_params_dtype
 from megatron_rlhf.models.tokenizer import TokenizerConfig
 from megatron_rlhf.models.trainer import OptimizerSettings
 from megatron_rlhf.runtime.bootstrap import RuntimeConfig
@@ -30,7 +31,12 @@ class ModelsConfig:
         reward_checkpoint: checkpoint directory of the reward model, or empty.
         critic_from_reward: initialise the critic from the reward model (InstructGPT); else from
             ``init_seed``.
-        params_dtype: ``float32`` (CPU) or ``bfloat16`` (GPU).
+        params_dtype: ``auto`` (``bfloat16`` with CUDA, ``float32`` on CPU), ``float32`` or
+            ``bfloat16``; ``auto`` is resolved when the config is built, so the run directory's
+            ``config.yaml`` records what ran.
+        transformer_impl: layer implementation: ``local`` (megatron's modules), ``transformer_engine``
+            or ``auto`` (TE when importable on CUDA, for models that do not decode with the KV
+            cache; see ``models.gpt.resolve_transformer_impl``).
         dropout: hidden and attention dropout of every model (PPO usually runs with 0; with
             dropout the log-probs of the experience and training passes differ by noise).
     """
@@ -40,8 +46,15 @@ class ModelsConfig:
     actor_checkpoint: str = ""
     reward_checkpoint: str = ""
     critic_from_reward: bool = True
-    params_dtype: str = "float32"
+    params_dtype: str = "auto"
+    transformer_impl: str = "auto"
     dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.params_dtype = resolve_params_dtype(self.params_dtype)
+        if self.transformer_impl not in TRANSFORMER_IMPLS:
+            raise ValueError(f"models.transformer_impl={self.transformer_impl!r}: use one of "
+                             f"{TRANSFORMER_IMPLS}")
 
 
 @dataclass

@@ -32,12 +32,13 @@ from megatron_rlhf.data.splits import load_splits
 from megatron_rlhf.data.synthetic import SyntheticTaskConfig, write_task_jsonl
 from megatron_rlhf.engine.build import cluster_from_environment
 from megatron_rlhf.models.checkpoint import save_model_checkpoint
-from megatron_rlhf.models.gpt import ModelBuildOptions, build_gpt_model
+from megatron_rlhf.models.gpt import ModelBuildOptions, build_gpt_model, resolve_params_dtype
 from megatron_rlhf.models.schedule import Batch, LossFn, run_microbatches
 from megatron_rlhf.models.tokenizer import Tokenizer, TokenizerConfig
 from megatron_rlhf.models.trainer import ModelTrainer, OptimizerSettings
 from megatron_rlhf.models.weights import init_weights
 from megatron_rlhf.runtime.bootstrap import RuntimeConfig, initialize_runtime
+from megatron_rlhf.runtime.device import compute_device
 from megatron_rlhf.runtime.logging import get_logger, setup_logging
 from megatron_rlhf.runtime.metrics import MetricsWriter
 from megatron_rlhf.topology.cluster import ClusterSpec
@@ -85,7 +86,8 @@ class SupervisedModelConfig:
         arch: architecture preset (``tiny``, ``small``, ``llama-7b``, ...).
         tp: tensor-parallel size.
         pp: pipeline-parallel size; DP is what remains of the launched ranks.
-        params_dtype: ``float32`` (CPU) or ``bfloat16`` (GPU).
+        params_dtype: ``auto`` (``bfloat16`` with CUDA, ``float32`` on CPU; resolved when the
+            config is built), ``float32`` or ``bfloat16``.
         init_seed: seed of the layout-independent initialisation.
         init_checkpoint: checkpoint to start from, or empty. The objective decides how it loads
             (a reward model takes an SFT checkpoint's trunk and keeps its new head).
@@ -94,7 +96,7 @@ class SupervisedModelConfig:
     arch: str = "tiny"
     tp: int = 1
     pp: int = 1
-    params_dtype: str = "float32"
+    params_dtype: str = "auto"
     init_seed: int = 1234
     init_checkpoint: str = ""
 
@@ -102,7 +104,7 @@ class SupervisedModelConfig:
         arch_preset(self.arch)
         if self.tp < 1 or self.pp < 1:
             raise ValueError(f"model.tp={self.tp} and model.pp={self.pp} must be >= 1")
-        ModelBuildOptions(params_dtype=self.params_dtype)
+        self.params_dtype = resolve_params_dtype(self.params_dtype)
 
 
 @dataclass
@@ -345,7 +347,7 @@ def run_supervised(config: SupervisedConfig, objective: Objective) -> TrainingRe
     total_steps, num_evaluated = _check_run(config, objective, arch, tokenizer, dp, len(train),
                                             len(held_out))
     initialize_runtime(config.runtime)
-    device = torch.device(torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
+    device = compute_device()
     trainer, pgc = _build(config, objective, spec, total_steps)
     batches = _Batches(config, objective, tokenizer, train, held_out[:num_evaluated],
                        (dp, pgc.dp.rank()), device)

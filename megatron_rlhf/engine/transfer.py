@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_rlhf.runtime.device import comm_device
+
 
 @dataclass(frozen=True)
 class RowLayout:
@@ -109,7 +111,9 @@ def execute_transfers(plan: list[Transfer], source: RowLayout, target: RowLayout
     """Run ``plan`` on this rank: send what it holds, receive what it needs.
 
     Every rank of the job calls this with the same plan (ranks in neither layout return at once).
-    Ranks are global ranks of the default process group.
+    Ranks are global ranks of the default process group. Received rows land on the device the
+    default group's backend communicates from (this rank's GPU under NCCL, the CPU under gloo);
+    rows sent from another device are staged there first.
 
     Args:
         plan: from :func:`plan_transfers` for ``source`` and ``target``.
@@ -123,11 +127,12 @@ def execute_transfers(plan: list[Transfer], source: RowLayout, target: RowLayout
         This rank's rows of every field under ``target``, or None if it needs none.
     """
     rank = dist.get_rank()
+    device = comm_device()
     mine_src, mine_dst = source.held_by(rank), target.held_by(rank)
     outputs: dict[str, torch.Tensor] | None = None
     if mine_dst is not None:
         rows = mine_dst[1] - mine_dst[0]
-        outputs = {name: torch.empty((rows, *shape), dtype=dtype)
+        outputs = {name: torch.empty((rows, *shape), dtype=dtype, device=device)
                    for name, (dtype, shape) in schema.items()}
     ops: list[dist.P2POp] = []
     sends: list[torch.Tensor] = []
@@ -139,7 +144,7 @@ def execute_transfers(plan: list[Transfer], source: RowLayout, target: RowLayout
         elif transfer.src == rank:
             for name in schema:
                 chunk = fields[name][transfer.start - mine_src[0]:transfer.end - mine_src[0]]
-                sends.append(chunk.contiguous())
+                sends.append(chunk.to(device, schema[name][0]).contiguous())
                 ops.append(dist.P2POp(dist.isend, sends[-1], transfer.dst))
         elif transfer.dst == rank:
             for name in schema:

@@ -2,7 +2,9 @@
 
 A ``ModelWorker`` knows nothing about other models or where its inputs came from: it receives
 this replica's rows (already moved by the engine), runs megatron's schedule over micro-batches
-and returns this replica's results. The ``PPOEngine`` does the data movement around it.
+and returns this replica's results. The ``PPOEngine`` does the data movement around it; the
+worker is the one place where rows are put on the model's device (they arrive on the device the
+transfers use, which is the CPU under gloo).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from megatron_rlhf.models.gpt import split_policy_value
 from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
 from megatron_rlhf.models.schedule import Batch, run_microbatches
 from megatron_rlhf.models.trainer import ModelTrainer
+from megatron_rlhf.runtime.device import model_device, to_device
 
 Fields = dict[str, torch.Tensor]
 
@@ -55,6 +58,7 @@ class ModelWorker:
         self.pg_collection = pg_collection
         self.trainer = trainer
         self.micro_batch_size = micro_batch_size
+        self.device = model_device(model)
 
     @property
     def is_output_stage(self) -> bool:
@@ -82,14 +86,14 @@ class ModelWorker:
             result = output_fn(output, batch).detach()
             zero = output.new_zeros(())
             if per_token_loss:
-                return zero, torch.ones((), dtype=torch.int), {"result": result}
+                one = torch.ones((), dtype=torch.int, device=output.device)
+                return zero, one, {"result": result}
             return zero, {"result": result}
 
         module = self._module()
         module.eval()
         with torch.no_grad():
-            metrics = run_microbatches(module, self.pg_collection,
-                                       split_microbatches(fields, self.micro_batch_size),
+            metrics = run_microbatches(module, self.pg_collection, self._microbatches(fields),
                                        loss_fn, forward_only=True)
         if not self.is_output_stage:
             return None
@@ -135,4 +139,7 @@ class ModelWorker:
         """One optimizer step over this replica's rows of a mini-batch."""
         if self.trainer is None:
             raise RuntimeError(f"{self.role} is not trainable")
-        return self.trainer.train_step(split_microbatches(fields, self.micro_batch_size), loss_fn)
+        return self.trainer.train_step(self._microbatches(fields), loss_fn)
+
+    def _microbatches(self, fields: Fields) -> list[Fields]:
+        return split_microbatches(to_device(fields, self.device), self.micro_batch_size)

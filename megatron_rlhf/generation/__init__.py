@@ -14,15 +14,22 @@ from __future__ import annotations
 
 from megatron_rlhf.generation.config import GenerationConfig
 from megatron_rlhf.generation.forward import CachedNextTokenLogits, RecomputeNextTokenLogits
-from megatron_rlhf.generation.generate import GenerationOutput, generate_sequences, left_pad
+from megatron_rlhf.generation.generate import (
+    GenerationOutput,
+    concat_outputs,
+    generate_sequences,
+    left_pad,
+)
 from megatron_rlhf.generation.sampling import (
     SampledTokens,
     inverse_cdf_sample,
+    prompt_noise_keys,
     sample_tokens,
     sampling_logprobs,
     sampling_uniform,
     sampling_uniforms,
     top_k_top_p_keep,
+    uniforms_at_step,
 )
 
 __all__ = [
@@ -31,12 +38,15 @@ __all__ = [
     "GenerationOutput",
     "RecomputeNextTokenLogits",
     "SampledTokens",
+    "concat_outputs",
     "generate_sequences",
     "inverse_cdf_sample",
     "left_pad",
+    "prompt_noise_keys",
     "sample_tokens",
     "sampling_logprobs",
     "sampling_uniform",
     "sampling_uniforms",
     "top_k_top_p_keep",
+    "uniforms_at_step",
 ]

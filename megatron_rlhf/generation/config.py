@@ -39,6 +39,14 @@ class GenerationConfig:
     use_kv_cache: bool = True
     """Decode with megatron's static KV cache; False recomputes the whole sequence every step
     (the reference path, much slower)."""
+    micro_batch_size: int = 0
+    """Prompts decoded together, >= 0 (0: all prompts of a call at once). The KV cache holds
+    ``micro_batch_size x (prompt + max_new_tokens)`` positions per layer, so this bounds
+    generation memory; results do not depend on it."""
+    stop_check_interval: int = 8
+    """Decode steps between checks whether every sequence has stopped, >= 1. Each check makes
+    the host wait for the device; up to ``stop_check_interval - 1`` steps may run after the last
+    sequence stopped (they only write padding)."""
 
     def __post_init__(self) -> None:
         """Checks every field.
@@ -57,6 +65,12 @@ class GenerationConfig:
                  f"generation.top_p={self.top_p} must be in (0, 1] (1 disables it)")
         _require(isinstance(self.seed, int) and self.seed >= 0,
                  f"generation.seed={self.seed!r} must be an int >= 0")
+        _require(isinstance(self.micro_batch_size, int) and self.micro_batch_size >= 0,
+                 f"generation.micro_batch_size={self.micro_batch_size!r} must be an int >= 0 "
+                 "(0 decodes all prompts of a call together)")
+        _require(isinstance(self.stop_check_interval, int) and self.stop_check_interval >= 1,
+                 f"generation.stop_check_interval={self.stop_check_interval!r} must be an "
+                 "int >= 1")
 
     @property
     def filters_distribution(self) -> bool:

@@ -27,7 +27,11 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_rlhf.generation.config import GenerationConfig
 from megatron_rlhf.generation.forward import CachedNextTokenLogits, RecomputeNextTokenLogits
-from megatron_rlhf.generation.sampling import sample_tokens, sampling_uniforms
+from megatron_rlhf.generation.sampling import (
+    prompt_noise_keys,
+    sample_tokens,
+    uniforms_at_step,
+)
 
 
 @dataclass
@@ -119,16 +123,18 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _check_attention_takes_padding_masks(model: torch.nn.Module) -> None:
-    """Refuse Transformer Engine attention, which ignores the per-sequence padding masks.
+    """Refuse Transformer Engine attention for KV-cached decoding.
 
-    TE's fused attention applies its own ``causal`` (prefill) or ``no_mask`` (decode) mask type
-    and disregards the boolean mask megatron passes, so left-padded prompts would attend to padding.
+    megatron-core 0.16.1 switches TE attention to ``no_mask`` for every cached decode step, so a
+    new token would attend to the left padding of its prompt. Full recomputation
+    (``use_kv_cache=False``) passes the explicit mask, which our layer spec makes TE apply.
     """
     for module in model.modules():
         if type(module).__name__ == "TEDotProductAttention":
-            raise ValueError("generation needs megatron's local attention (left-padded batches "
-                             "rely on explicit padding masks, which TE's causal attention "
-                             "ignores); build the model with use_transformer_engine=False")
+            raise ValueError("KV-cached generation needs megatron's local attention (megatron "
+                             "drops the padding mask of cached decode steps under Transformer "
+                             "Engine); build the model with models.transformer_impl=local, or "
+                             "set generation.use_kv_cache=false")
 
 
 def _has_value_channel(model: torch.nn.Module) -> bool:
@@ -147,8 +153,9 @@ def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollec
 
     A prompt's response stops after EOS (when ``config.stop_at_eos``), after
     ``config.max_new_tokens`` tokens, or when prompt + response reach the model's ``seq_length``;
-    a prompt of exactly ``seq_length`` tokens therefore gets an empty response. The loop ends
-    when every sequence has stopped; ``R`` is the longest response.
+    a prompt of exactly ``seq_length`` tokens therefore gets an empty response. ``R`` is the
+    longest response. The prompts are decoded ``config.micro_batch_size`` at a time (all at once
+    for 0), which bounds the KV cache; the result does not depend on the split.
 
     Args:
         model: this rank's TP shard of a GPT model with an LM head (``lm`` or ``lm+scalar``),
@@ -167,73 +174,123 @@ def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollec
     Raises:
         ValueError: PP > 1, an empty prompt list or prompt, a prompt longer than ``seq_length``,
             token ids outside the vocabulary, a missing ``eos_id``, a scalar-head model, a
-            model with Transformer Engine attention.
+            Transformer Engine model decoding with the KV cache.
     """
     if pg_collection.pp.size() > 1:
         raise ValueError(f"generation does not support pp>1 (got pp={pg_collection.pp.size()}); "
                          "use a shadow actor with pp=1 (separation)")
     core = _unwrap(model)
-    _check_attention_takes_padding_masks(core)
+    if config.use_kv_cache:
+        _check_attention_takes_padding_masks(core)
     has_value_channel = _has_value_channel(core)
     vocab_size = getattr(core, "real_vocab_size", core.vocab_size)
     seq_length = core.max_sequence_length
     _check_inputs(prompts, prompt_indices, config, eos_id, pad_id, vocab_size, seq_length)
+    size = config.micro_batch_size or len(prompts)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            outputs = [
+                _generate_micro_batch(model, pg_collection, prompts[i:i + size],
+                                      prompt_indices[i:i + size], config, eos_id, pad_id,
+                                      vocab_size, seq_length, has_value_channel)
+                for i in range(0, len(prompts), size)]
+    finally:
+        model.train(was_training)
+    return outputs[0] if len(outputs) == 1 else concat_outputs(outputs, pad_id)
+
+
+def _generate_micro_batch(model: torch.nn.Module, pg_collection: ProcessGroupCollection,
+                          prompts: Sequence[Sequence[int]], prompt_indices: Sequence[int],
+                          config: GenerationConfig, eos_id: int | None, pad_id: int,
+                          vocab_size: int, seq_length: int,
+                          has_value_channel: bool) -> GenerationOutput:
     device = next(model.parameters()).device
     input_ids, attention_mask = left_pad(prompts, pad_id, device)
-    budgets = torch.tensor([min(config.max_new_tokens, seq_length - len(p)) for p in prompts],
-                           device=device)
-    max_new = int(budgets.max())
+    budget_list = [min(config.max_new_tokens, seq_length - len(p)) for p in prompts]
+    budgets = torch.tensor(budget_list, device=device)
+    max_new = max(budget_list)
     if config.use_kv_cache:
         next_logits = CachedNextTokenLogits(model, len(prompts), input_ids.shape[1] + max_new,
                                             vocab_size)
     else:
         next_logits = RecomputeNextTokenLogits(model, pg_collection, vocab_size, has_value_channel)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            return _decode_loop(next_logits, input_ids, attention_mask, budgets, max_new,
-                                list(prompt_indices), config, eos_id, pad_id)
-    finally:
-        model.train(was_training)
+    noise_keys = prompt_noise_keys(config.seed, prompt_indices, device)
+    return _decode_loop(next_logits, input_ids, attention_mask, budgets, max_new, noise_keys,
+                        config, eos_id, pad_id)
 
 
 def _decode_loop(next_logits: CachedNextTokenLogits | RecomputeNextTokenLogits,
-                 input_ids: torch.Tensor, attention_mask: torch.Tensor, budgets: torch.Tensor,
-                 max_new: int, prompt_indices: list[int], config: GenerationConfig,
+                 prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, budgets: torch.Tensor,
+                 max_new: int, noise_keys: torch.Tensor, config: GenerationConfig,
                  eos_id: int | None, pad_id: int) -> GenerationOutput:
-    """Sample up to ``max_new`` tokens per row and assemble the output."""
-    b, prompt_width = input_ids.shape
-    device = input_ids.device
-    prompt_mask = attention_mask.clone()
-    stopped = budgets <= 0
+    """Sample up to ``max_new`` tokens per row and assemble the output.
+
+    Shapes stay fixed: the sequence buffers are allocated once at their final width and the
+    model reads growing views of them. The host learns whether every row has stopped only every
+    ``config.stop_check_interval`` tokens (one device sync each), so a GPU is not stalled per
+    token; steps run after the last row stopped write padding and are cut off at the end.
+    """
+    b, prompt_width = prompt_ids.shape
+    device = prompt_ids.device
+    width = prompt_width + max_new
+    input_ids = torch.full((b, width), pad_id, dtype=torch.long, device=device)
+    attention_mask = torch.zeros(b, width, dtype=torch.long, device=device)
+    input_ids[:, :prompt_width] = prompt_ids
+    attention_mask[:, :prompt_width] = prompt_mask
     logprobs = torch.zeros(b, max_new, dtype=torch.float32, device=device)
     policy_logprobs = torch.zeros_like(logprobs)
+    stopped = budgets <= 0
     for step in range(max_new):
-        if bool(stopped.all()):
+        if step % config.stop_check_interval == 0 and bool(stopped.all()):
             break
-        logits = next_logits(input_ids, attention_mask)
-        sampled = sample_tokens(logits, sampling_uniforms(config.seed, prompt_indices, step,
-                                                          device), config)
+        end = prompt_width + step
+        logits = next_logits(input_ids[:, :end], attention_mask[:, :end])
+        sampled = sample_tokens(logits, uniforms_at_step(noise_keys, step), config)
         active = ~stopped
         token = torch.where(active, sampled.tokens, pad_id)
         logprobs[:, step] = torch.where(active, sampled.logprobs, 0.0)
         policy_logprobs[:, step] = torch.where(active, sampled.policy_logprobs, 0.0)
-        input_ids = torch.cat([input_ids, token[:, None]], dim=1)
-        attention_mask = torch.cat([attention_mask, active.long()[:, None]], dim=1)
+        input_ids[:, end] = token
+        attention_mask[:, end] = active.long()
         stopped = stopped | (budgets <= step + 1)
         if config.stop_at_eos:
             stopped = stopped | (active & (token == eos_id))
-    # Every step that ran gave at least one sequence a token: R is the longest response.
-    steps = input_ids.shape[1] - prompt_width
     response_mask = attention_mask[:, prompt_width:]
+    response_lengths = response_mask.sum(dim=1)
+    steps = int(response_lengths.max()) if b else 0  # R: the longest response
     return GenerationOutput(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
+        input_ids=input_ids[:, :prompt_width + steps],
+        attention_mask=attention_mask[:, :prompt_width + steps],
         prompt_mask=prompt_mask,
-        response_mask=response_mask,
+        response_mask=response_mask[:, :steps],
         response_logprobs=logprobs[:, :steps],
         response_policy_logprobs=policy_logprobs[:, :steps],
         prompt_lengths=prompt_mask.sum(dim=1),
-        response_lengths=response_mask.sum(dim=1),
+        response_lengths=response_lengths,
     )
+
+
+def concat_outputs(outputs: Sequence[GenerationOutput], pad_id: int) -> GenerationOutput:
+    """Stack the outputs of consecutive prompt batches into one, re-padded to the widest prompt
+    (on the left) and the longest response (on the right)."""
+    prompt_width = max(out.prompt_length for out in outputs)
+    steps = max(out.response_mask.shape[1] for out in outputs)
+
+    def pad(tensor: torch.Tensor, left: int, right: int, value: float) -> torch.Tensor:
+        return torch.nn.functional.pad(tensor, (left, right), value=value)
+
+    parts = {name: [] for name in ("input_ids", "attention_mask", "prompt_mask", "response_mask",
+                                   "response_logprobs", "response_policy_logprobs")}
+    for out in outputs:
+        left, right = prompt_width - out.prompt_length, steps - out.response_mask.shape[1]
+        parts["input_ids"].append(pad(out.input_ids, left, right, pad_id))
+        parts["attention_mask"].append(pad(out.attention_mask, left, right, 0))
+        parts["prompt_mask"].append(pad(out.prompt_mask, left, 0, 0))
+        for name in ("response_mask", "response_logprobs", "response_policy_logprobs"):
+            parts[name].append(pad(getattr(out, name), 0, right, 0))
+    return GenerationOutput(
+        **{name: torch.cat(tensors) for name, tensors in parts.items()},
+        prompt_lengths=torch.cat([out.prompt_lengths for out in outputs]),
+        response_lengths=torch.cat([out.response_lengths for out in outputs]))

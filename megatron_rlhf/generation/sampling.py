@@ -37,11 +37,49 @@ def sampling_uniform(seed: int, prompt_index: int, step: int) -> float:
     return (key >> 11) * 2.0**-53
 
 
+def _as_int64(value: int) -> int:
+    """The signed 64-bit integer with the bits of unsigned ``value``."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN, _MIX1, _MIX2 = (_as_int64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9,
+                                                 0x94D049BB133111EB))
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 tensors holding unsigned 64-bit values."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix64_tensor(x: torch.Tensor) -> torch.Tensor:
+    """:func:`_splitmix64` elementwise on int64 tensors (two's-complement wrap-around is the
+    unsigned arithmetic mod 2**64)."""
+    x = x + _GOLDEN
+    x = (x ^ _shift_right(x, 30)) * _MIX1
+    x = (x ^ _shift_right(x, 27)) * _MIX2
+    return x ^ _shift_right(x, 31)
+
+
+def prompt_noise_keys(seed: int, prompt_indices: Sequence[int] | torch.Tensor,
+                      device: torch.device | str = "cpu") -> torch.Tensor:
+    """Per-prompt keys ``[b]`` (int64) from which :func:`uniforms_at_step` draws each step."""
+    indices = torch.as_tensor(prompt_indices, dtype=torch.int64, device=device)
+    return _splitmix64_tensor(indices ^ _as_int64(_splitmix64(seed)))
+
+
+def uniforms_at_step(keys: torch.Tensor, step: int) -> torch.Tensor:
+    """The ``[b]`` float64 uniforms of step ``step`` for prompts with :func:`prompt_noise_keys`.
+
+    Computed on the keys' device with no host work beyond launching the kernels, so a decode
+    loop does not copy anything to the device per token.
+    """
+    return _shift_right(_splitmix64_tensor(keys ^ step), 11).double() * 2.0**-53
+
+
 def sampling_uniforms(seed: int, prompt_indices: Sequence[int], step: int,
                       device: torch.device | str = "cpu") -> torch.Tensor:
     """:func:`sampling_uniform` for every prompt of a batch, as a ``[b]`` float64 tensor."""
-    values = [sampling_uniform(seed, index, step) for index in prompt_indices]
-    return torch.tensor(values, dtype=torch.float64, device=device)
+    return uniforms_at_step(prompt_noise_keys(seed, prompt_indices, device), step)
 
 
 def top_k_top_p_keep(sorted_probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -12,6 +12,10 @@ the head differs:
   them.
 
 No role touches megatron's global parallel state: the model gets a ``ProcessGroupCollection``.
+
+Numerics follow megatron's mixed precision (its ``Float16Module``): every parameter, norms included,
+is held in ``params_dtype`` on the rank's device, the optimizer keeps fp32 main copies, and
+whatever is reduced or compared (log-probs, values, scores, losses) is computed in fp32.
 """
 
 from __future__ import annotations
@@ -25,11 +29,66 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_rlhf.runtime.cpu_compat import seed_model_parallel_rng
+from megatron_rlhf.runtime.device import compute_device
 
 HeadKind = Literal["lm", "scalar", "lm+scalar"]
 HEAD_KINDS: tuple[str, ...] = ("lm", "scalar", "lm+scalar")
+PARAMS_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")
+TRANSFORMER_IMPLS: tuple[str, ...] = ("auto", "local", "transformer_engine")
+
+
+def resolve_params_dtype(params_dtype: str) -> str:
+    """``auto`` -> ``bfloat16`` on a CUDA machine, ``float32`` on CPU; others unchanged.
+
+    Raises:
+        ValueError: not one of :data:`PARAMS_DTYPES`.
+    """
+    if params_dtype not in PARAMS_DTYPES:
+        raise ValueError(f"params_dtype={params_dtype!r}: use one of {PARAMS_DTYPES}")
+    if params_dtype == "auto":
+        return "bfloat16" if torch.cuda.is_available() else "float32"
+    return params_dtype
+
+
+def transformer_engine_importable() -> bool:
+    """Whether Transformer Engine's PyTorch layers can be imported in this process."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except (ImportError, OSError):
+        return False
+    return True
+
+
+def resolve_transformer_impl(transformer_impl: str, needs_kv_cache: bool) -> str:
+    """The layer implementation a model is built with.
+
+    ``auto`` takes Transformer Engine when it is importable on a CUDA machine and the model does
+    not decode with the KV cache: megatron-core 0.16.1 turns TE's masking off for cached decode
+    steps (``Attention._adjust_key_value_for_inference``), which is wrong for the left-padded
+    batches our generator feeds. Otherwise ``local`` (megatron's own modules).
+
+    Raises:
+        ValueError: an unknown name, or ``transformer_engine`` where it cannot work.
+    """
+    if transformer_impl not in TRANSFORMER_IMPLS:
+        raise ValueError(f"models.transformer_impl={transformer_impl!r}: use one of "
+                         f"{TRANSFORMER_IMPLS}")
+    available = torch.cuda.is_available() and transformer_engine_importable()
+    if transformer_impl == "auto":
+        return "transformer_engine" if available and not needs_kv_cache else "local"
+    if transformer_impl == "transformer_engine":
+        if not available:
+            raise ValueError("models.transformer_impl=transformer_engine needs CUDA and an "
+                             "importable transformer_engine; use 'local' or 'auto'")
+        if needs_kv_cache:
+            raise ValueError("models.transformer_impl=transformer_engine cannot decode with the KV "
+                             "cache (megatron drops the padding mask of cached decode steps); set "
+                             "generation.use_kv_cache=false or models.transformer_impl=local")
+    return transformer_impl
 
 
 class Architecture(Protocol):
@@ -54,8 +113,11 @@ class ModelBuildOptions:
         dropout: hidden and attention dropout (PPO usually runs with 0).
         norm_epsilon: RMSNorm epsilon.
         rotary_base: base of the rotary position embedding.
-        params_dtype: ``float32`` (CPU default) or ``bfloat16`` (GPU default).
-        use_transformer_engine: use Transformer Engine layers (GPU with TE installed only).
+        params_dtype: ``float32``, ``bfloat16`` or ``auto`` (bf16 with CUDA, fp32 on CPU);
+            resolved on construction.
+        transformer_impl: ``local`` (megatron's modules) or ``transformer_engine`` (its TE
+            layer spec; CUDA with TE installed only). Resolve ``auto`` first with
+            :func:`resolve_transformer_impl`.
     """
 
     head: str = "lm"
@@ -63,8 +125,8 @@ class ModelBuildOptions:
     dropout: float = 0.0
     norm_epsilon: float = 1e-5
     rotary_base: int = 10000
-    params_dtype: str = "float32"
-    use_transformer_engine: bool = False
+    params_dtype: str = "auto"
+    transformer_impl: str = "local"
 
     def __post_init__(self) -> None:
         if self.head not in HEAD_KINDS:
@@ -73,14 +135,21 @@ class ModelBuildOptions:
             raise ValueError("model.tie_embeddings=True needs head='lm'; set tie_embeddings=False")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
-        if self.params_dtype not in ("float32", "bfloat16"):
-            raise ValueError(
-                f"model.params_dtype={self.params_dtype!r}: use 'float32' or 'bfloat16'"
-            )
+        if self.params_dtype not in PARAMS_DTYPES:
+            raise ValueError(f"model.params_dtype={self.params_dtype!r}: use one of "
+                             f"{PARAMS_DTYPES}")
+        self.params_dtype = resolve_params_dtype(self.params_dtype)
+        if self.transformer_impl not in ("local", "transformer_engine"):
+            raise ValueError(f"model.transformer_impl={self.transformer_impl!r}: use 'local' or "
+                             "'transformer_engine' (resolve 'auto' with resolve_transformer_impl)")
 
 
 class ScalarHead(torch.nn.Module):
-    """A replicated ``hidden -> 1`` projection standing where megatron expects its output layer."""
+    """A replicated ``hidden -> 1`` projection standing where megatron expects its output layer.
+
+    Its output is fp32 whatever the parameter dtype: values and scores are regressed and compared
+    across sequences, where bf16's 8-bit mantissa is too coarse.
+    """
 
     def __init__(self, hidden_size: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -88,7 +157,7 @@ class ScalarHead(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, weight: torch.Tensor | None = None,
                 runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
-        return F.linear(hidden_states, self.weight), None
+        return F.linear(hidden_states.float(), self.weight.float()), None
 
 
 class PolicyValueHead(torch.nn.Module):
@@ -104,7 +173,8 @@ class PolicyValueHead(torch.nn.Module):
         logits, _ = self.lm_head(hidden_states, weight=weight,
                                  runtime_gather_output=runtime_gather_output)
         values, _ = self.value_head(hidden_states)
-        return torch.cat([logits, values.to(logits.dtype)], dim=-1), None
+        # fp32 for the value channel's sake; the log-probs upcast the logits anyway.
+        return torch.cat([logits.float(), values], dim=-1), None
 
 
 def split_policy_value(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,16 +219,27 @@ def transformer_config(arch: Architecture, options: ModelBuildOptions,
     )
 
 
-def _layer_spec(options: ModelBuildOptions):
-    if options.use_transformer_engine:
-        if not torch.cuda.is_available():
-            raise ValueError("model.use_transformer_engine=True needs a GPU; set it to False on CPU")
+def with_explicit_attention_masks(spec: ModuleSpec) -> ModuleSpec:
+    """Make self-attention apply the boolean mask it is given instead of a built-in causal one.
+
+    Our batches are padded per sequence and every call passes a causal + key-padding mask. Under
+    megatron's local attention the mask type only names the mask; Transformer Engine's attention
+    with type ``causal`` ignores the given mask (padding would be attended), ``arbitrary`` applies
+    it.
+    """
+    spec.submodules.self_attention.params = {
+        **spec.submodules.self_attention.params, "attn_mask_type": AttnMaskType.arbitrary}
+    return spec
+
+
+def _layer_spec(options: ModelBuildOptions) -> ModuleSpec:
+    if options.transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+        return with_explicit_attention_masks(get_gpt_layer_with_transformer_engine_spec())
+    return with_explicit_attention_masks(get_gpt_layer_local_spec(normalization="RMSNorm"))
 
 
 def build_gpt_model(arch: Architecture, options: ModelBuildOptions,
@@ -196,6 +277,11 @@ def build_gpt_model(arch: Architecture, options: ModelBuildOptions,
     elif post_process and options.head == "lm+scalar":
         model.output_layer = PolicyValueHead(model.output_layer, arch.hidden_size,
                                              config.params_dtype)
+    # megatron leaves some modules on the host whatever use_cpu_initialization says (its torch
+    # norm wrapper, our scalar heads) and keeps norms in fp32: one move puts every parameter on
+    # the rank's device in params_dtype, as megatron's Float16Module does for bf16.
+    model.to(device=compute_device(), dtype=config.params_dtype)
     model.real_vocab_size = arch.vocab_size
     model.head_kind = options.head
+    model.transformer_impl = options.transformer_impl
     return model

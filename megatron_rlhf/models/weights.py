@@ -104,7 +104,9 @@ def _full_of_shards(shards: list[torch.Tensor], rule: ShardRule) -> torch.Tensor
 
 def _init_full_tensor(name: str, shape: list[int], seed: int, std: float,
                       num_layers: int) -> torch.Tensor:
-    if "layernorm" in name or name.endswith("norm.weight"):
+    # Transformer Engine fuses the pre-attention and pre-MLP norms into the following linear
+    # layers as ``linear_qkv.layer_norm_weight`` and ``linear_fc1.layer_norm_weight``.
+    if "layernorm" in name or name.endswith(("norm.weight", "layer_norm_weight")):
         return torch.ones(shape)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     if name.endswith(_SCALED_INIT):

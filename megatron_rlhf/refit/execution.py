@@ -74,6 +74,10 @@ def execute(reshard_plan: ReshardPlan, zero_fills: list[ZeroFill],
     # megatron's executor looks parameters up by name; a rank without a side passes an empty module.
     src_module = torch.nn.Module() if src_module is None else src_module
     dst_module = torch.nn.Module() if dst_module is None else dst_module
+    if torch.cuda.is_available():
+        # megatron's NCCLCopyService copies same-rank tensors on a side stream that does not
+        # wait for the current one, where the optimizer may still be writing the source weights.
+        torch.cuda.current_stream().synchronize()
     execute_reshard_plan(reshard_plan, src_module, dst_module, service=service)
     if not zero_fills:
         return

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from megatron.core import parallel_state
 
 from megatron_rlhf.runtime.cpu_compat import apply_cpu_compat, check_megatron_core_version
@@ -28,12 +29,15 @@ class RuntimeConfig:
         seed: seed of every host RNG (Python, numpy, torch); the same on every rank.
         log_level: logging level of the package logger.
         log_all_ranks: log from every rank instead of rank 0 only.
+        allow_tf32: let fp32 matrix products and convolutions on NVIDIA GPUs use TF32 tensor
+            cores (as megatron's training scripts do); no effect on CPU.
         distributed: how to join the job.
     """
 
     seed: int = 1234
     log_level: str = "INFO"
     log_all_ranks: bool = False
+    allow_tf32: bool = True
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def __post_init__(self) -> None:
@@ -47,6 +51,9 @@ def initialize_runtime(config: RuntimeConfig | None = None) -> None:
     check_megatron_core_version()
     setup_logging(config.log_level, config.log_all_ranks)
     apply_cpu_compat()
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = config.allow_tf32
+        torch.backends.cudnn.allow_tf32 = config.allow_tf32
     init_distributed(config.distributed)
     # Megatron's attention and sequence-parallel code borrows scratch tensors from this buffer; it
     # holds no parallel state.

@@ -75,10 +75,20 @@ def init_distributed(config: DistributedConfig | None = None) -> None:
             MASTER_PORT=str(free_port()),
         )
     backend = resolve_backend(config.backend)
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    kwargs = {}
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        if backend == "nccl":
+            # Binds the NCCL communicators to this GPU and creates them eagerly: lazily created
+            # ones are set up by the first collective, and a first batch_isend_irecv that only
+            # some ranks join can then hang.
+            kwargs["device_id"] = device
+            # A failed or timed-out NCCL collective raises in this process (the fault tracker
+            # names the culprit) instead of the watchdog killing it; an explicit setting wins.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     dist.init_process_group(
-        backend=backend, timeout=datetime.timedelta(seconds=config.timeout_s)
+        backend=backend, timeout=datetime.timedelta(seconds=config.timeout_s), **kwargs
     )
     logger.info("initialised %s world of %d ranks", backend, dist.get_world_size())
 

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from megatron_rlhf.runtime.device import comm_device
 from megatron_rlhf.runtime.logging import get_logger
 
 logger = get_logger(__name__)
@@ -47,9 +48,14 @@ logger = get_logger(__name__)
 _NAN_POLICIES = ("skip", "stop")
 _KEY = "megatron_rlhf/fault/{rank}"
 _NULL = contextlib.nullcontext()
-# Substrings of the errors gloo, NCCL and the store raise when a peer is gone or late.
+# Substrings of the errors gloo, NCCL and the store raise when a peer is gone or late. Not the
+# bare words "nccl" or "gloo": every NCCL error names NCCL, also one whose cause is on this rank.
 _COLLECTIVE_ERRORS = ("timed out", "timeout", "connection closed", "connection reset",
-                      "broken pipe", "remote worker", "peer", "nccl", "gloo")
+                      "broken pipe", "remote worker", "peer", "ncclremoteerror",
+                      "ncclsystemerror", "communicator was aborted", "watchdog")
+# Causes on this rank that a collective may report: they are the error, not a peer.
+_LOCAL_CAUSES = ("out of memory", "ncclinvalidusage", "ncclinvalidargument",
+                 "ncclunhandledcudaerror", "illegal memory access", "device-side assert")
 
 
 @dataclass
@@ -88,11 +94,20 @@ class NonFiniteError(RuntimeError):
 
 
 def is_collective_error(error: BaseException) -> bool:
-    """Whether ``error`` is how a collective reports a dead, late or disagreeing peer."""
-    if isinstance(error, dist.DistError):
+    """Whether ``error`` is how a collective reports a dead, late or disagreeing peer.
+
+    A network or store error always is. An error of the backend (NCCL's ``DistBackendError``
+    included) is when its text says a peer is gone or late, and is not when it names a cause on
+    this rank (out of memory, invalid usage, a CUDA fault): that one is reported as it is.
+    """
+    if isinstance(error, dist.DistNetworkError | dist.DistStoreError):
         return True
+    if not isinstance(error, RuntimeError):
+        return False
     text = str(error).lower()
-    return isinstance(error, RuntimeError) and any(s in text for s in _COLLECTIVE_ERRORS)
+    if any(cause in text for cause in _LOCAL_CAUSES):
+        return False
+    return any(s in text for s in _COLLECTIVE_ERRORS)
 
 
 def _digest(*parts: Any) -> int:
@@ -151,7 +166,7 @@ class FaultTracker:
     def _check_consistency(self, name: str, signature: tuple) -> None:
         self.checked += 1
         mine = torch.tensor([self.checked, _digest(name), _digest(signature)], dtype=torch.int64,
-                            device=_collective_device())
+                            device=comm_device())
         gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
         dist.all_gather(gathered, mine)
         if all(torch.equal(g, gathered[0]) for g in gathered):
@@ -198,13 +213,6 @@ class FaultTracker:
                                            "or the launcher, is probably gone)",
                                  "pid": -1, "host": ""}
         return records
-
-
-def _collective_device() -> torch.device:
-    """Where the default group's collectives take tensors (NCCL: this rank's GPU)."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _describe(rank: int, record: dict | None) -> str:
@@ -295,7 +303,7 @@ class PreemptionWatcher:
     def requested(self) -> bool:
         """Whether any rank was signalled (collective over the default group)."""
         flag = torch.tensor([1 if self.signalled else 0], dtype=torch.int32,
-                            device=_collective_device())
+                            device=comm_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 

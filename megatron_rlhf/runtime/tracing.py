@@ -6,7 +6,7 @@
     write_chrome_trace(tracer, "run/timeline.json")   # collective: rank 0 writes all ranks
 
 With tracing off (and no fault tracker installed), ``trace_span`` returns one shared
-``nullcontext``: no clock reads, no records.
+``nullcontext``: no clock reads, no records. On a GPU a span waits for the device at both ends.
 The JSON loads in chrome://tracing or Perfetto (one process row per rank) and
 ``tools/plot_timeline.py`` draws it as a PNG.
 """
@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from megatron_rlhf.runtime import faults
@@ -47,11 +48,11 @@ class Tracer:
 
     @contextlib.contextmanager
     def _span(self, stage: str, model: str, microbatch: int) -> Iterator[None]:
-        start = time.time()
+        start = _device_clock()
         try:
             yield
         finally:
-            self.spans.append(Span(stage, model, microbatch, start, time.time()))
+            self.spans.append(Span(stage, model, microbatch, start, _device_clock()))
 
     def span(self, stage: str, model: str = "", microbatch: int = -1):
         """A context manager timing one stage (a no-op when disabled)."""
@@ -76,6 +77,19 @@ class Tracer:
                 busy += span.end - start
                 cursor = span.end
         return busy
+
+
+def _device_clock() -> float:
+    """Wall-clock seconds once this rank's GPU has finished the work queued so far.
+
+    CUDA kernels run asynchronously: without the wait a span would measure how long the host
+    took to queue its work. Waiting at span boundaries serialises host and device, which is the
+    price of a true timeline (tracing is off by default). CUDA events would time the device
+    without the wait but give durations only, not times comparable across ranks.
+    """
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.time()
 
 
 _tracer = Tracer()

@@ -113,6 +113,34 @@ def test_batch_split_and_order_do_not_change_samples(tiny, use_kv_cache: bool) -
     assert whole == first + rest[::-1]
 
 
+def test_micro_batches_and_stop_checks_do_not_change_the_output(tiny) -> None:
+    """Decoding in micro-batches (a bounded KV cache) and checking for the end only every few
+    tokens give the same tokens and masks as one batch checked every token, and log-probs equal
+    up to rounding (other batch shapes and padding widths change the reduction order); the split
+    puts the widest prompt and the longest response in different micro-batches, so re-padding
+    is exercised."""
+    prompts = make_prompts([4, 9, 2, 6, 11, 3, 5], seed=6)
+    indices = list(range(20, 27))
+    base = dict(max_new_tokens=12, temperature=1.0, seed=4)
+    reference = _generate(tiny, prompts, GenerationConfig(**base, stop_check_interval=1),
+                          indices)
+    tokens = reference.responses[0].tolist()
+    eos = next(t for t in tokens[2:] if t != PAD)  # some rows stop early, others run to 12
+    reference = _generate(tiny, prompts, GenerationConfig(**base, stop_check_interval=1),
+                          indices, eos_id=eos)
+    assert reference.response_lengths.min() < reference.response_lengths.max()
+    for micro, interval in [(2, 1), (3, 8), (7, 5), (1, 3)]:
+        out = _generate(tiny, prompts, GenerationConfig(**base, micro_batch_size=micro,
+                                                        stop_check_interval=interval),
+                        indices, eos_id=eos)
+        for name in ("input_ids", "attention_mask", "prompt_mask", "response_mask",
+                     "prompt_lengths", "response_lengths"):
+            assert torch.equal(getattr(out, name), getattr(reference, name)), (micro, name)
+        for name in ("response_logprobs", "response_policy_logprobs"):
+            torch.testing.assert_close(getattr(out, name), getattr(reference, name), rtol=0,
+                                       atol=1e-5)
+
+
 def test_top_k_1_equals_greedy(tiny) -> None:
     prompts = make_prompts(LENGTHS, seed=4)
     greedy = _generate(tiny, prompts, GenerationConfig(max_new_tokens=8, greedy=True))
@@ -185,6 +213,6 @@ def test_transformer_engine_attention_is_refused(tiny) -> None:
     class TEDotProductAttention(torch.nn.Module):
         pass
 
-    with pytest.raises(ValueError, match="use_transformer_engine=False"):
+    with pytest.raises(ValueError, match="transformer_impl=local"):
         generate_sequences(torch.nn.Sequential(TEDotProductAttention()), tiny[1], [[1]], [0],
                            GenerationConfig(), EOS, PAD)

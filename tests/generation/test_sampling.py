@@ -10,11 +10,13 @@ import torch
 from megatron_rlhf.generation.config import GenerationConfig
 from megatron_rlhf.generation.sampling import (
     inverse_cdf_sample,
+    prompt_noise_keys,
     sample_tokens,
     sampling_logprobs,
     sampling_uniform,
     sampling_uniforms,
     top_k_top_p_keep,
+    uniforms_at_step,
 )
 
 # Powers of two: every sum below is exact in floating point.
@@ -96,7 +98,19 @@ def test_filtered_logprobs_exceed_policy_logprobs() -> None:
 
 @pytest.mark.parametrize("field, value", [("max_new_tokens", -1), ("temperature", 0.0),
                                           ("temperature", math.nan), ("top_k", -2),
-                                          ("top_p", 0.0), ("top_p", 1.5), ("seed", -1)])
+                                          ("top_p", 0.0), ("top_p", 1.5), ("seed", -1),
+                                          ("micro_batch_size", -1),
+                                          ("stop_check_interval", 0)])
 def test_config_rejects_bad_values_naming_the_field(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=f"generation.{field}="):
         GenerationConfig(**{field: value})
+
+
+def test_vectorised_uniforms_equal_the_scalar_definition_bit_for_bit() -> None:
+    # Indices past 2**31 and 2**63 - 1 exercise the signed/unsigned wrap-around of the int64 hash.
+    indices = [0, 1, 17, 2**31 + 3, 2**40 + 5, 2**62, 2**63 - 1]
+    for seed in (0, 3, 2**31 - 1, 2**62 + 7):
+        keys = prompt_noise_keys(seed, indices)
+        for step in (0, 1, 5, 4096, 2**30):
+            expected = [sampling_uniform(seed, i, step) for i in indices]
+            assert uniforms_at_step(keys, step).tolist() == expected

@@ -123,3 +123,32 @@ def test_ranks_that_disagree_stop_with_the_same_clear_error(
     assert "ranks disagree" in message
     assert "ranks [0, 2, 3]: stage #2 'step 1' with (1,)" in message
     assert "ranks [1]: stage #2 'step 1' with (1, 99)" in message
+
+
+@pytest.mark.parametrize("error, collective", [
+    (RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]"), True),
+    (RuntimeError("Timed out waiting 30000ms for recv operation to complete"), True),
+    ("backend:NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or there was a "
+     "network error, NCCL version 2.21.5\nncclRemoteError: A call failed possibly due to a "
+     "network error or a remote process exiting prematurely.", True),
+    ("backend:Watchdog caught collective operation timeout: WorkNCCL(SeqNum=12, "
+     "OpType=ALLREDUCE) ran for 600000 milliseconds before timing out.", True),
+    ("backend:NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error, NCCL version "
+     "2.21.5\nncclUnhandledCudaError: Call to CUDA function failed.\nCUDA error: out of memory",
+     False),
+    ("backend:NCCL error in: ProcessGroupNCCL.cpp:3356, invalid usage, NCCL version 2.21.5\n"
+     "ncclInvalidUsage: This usually reflects invalid usage of NCCL library.", False),
+    (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (NCCL buffers)"), False),
+    (ValueError("timeout must be positive"), False),
+])
+def test_collective_errors_are_told_from_causes_on_this_rank(error, collective: bool) -> None:
+    """A peer that is gone or late is a collective failure; an error that names NCCL but whose
+    cause is this rank's (memory, invalid usage) is reported as itself."""
+    import torch.distributed as dist
+
+    from megatron_rlhf.runtime.faults import is_collective_error
+
+    if isinstance(error, str):
+        error = dist.DistBackendError(error.removeprefix("backend:"))
+    assert is_collective_error(error) is collective
+    assert is_collective_error(dist.DistNetworkError("connection refused"))
