@@ -27,7 +27,7 @@ class MultiRankError(AssertionError):
 
 
 def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple,
-           env: dict[str, str], timeout_s: float, results: mp.Queue) -> None:
+           env: dict[str, str], timeout_s: float, backend: str, results: mp.Queue) -> None:
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -43,7 +43,7 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
     )
 
     try:
-        init_distributed(DistributedConfig(backend="gloo", timeout_s=max(5.0, timeout_s * 0.8)))
+        init_distributed(DistributedConfig(backend=backend, timeout_s=max(5.0, timeout_s * 0.8)))
         value = fn(*args)
         results.put((rank, "ok", value))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
@@ -53,8 +53,9 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
 
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (),
-                 timeout_s: float = 180.0, env: dict[str, str] | None = None) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` gloo ranks and return each rank's value.
+                 timeout_s: float = 180.0, env: dict[str, str] | None = None,
+                 backend: str = "gloo") -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` ranks (gloo by default) and return each rank's value.
 
     Args:
         fn: a module-level function (spawn pickles it by reference).
@@ -62,6 +63,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (),
         args: picklable arguments passed to ``fn`` on every rank.
         timeout_s: hard wall-clock limit for the whole call.
         env: extra environment variables for the ranks.
+        backend: ``gloo``, ``nccl`` (one GPU per rank) or ``auto``.
 
     Raises:
         MultiRankError: a rank raised, died without reporting, or was still running at the
@@ -72,7 +74,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (),
     port = free_port()
     procs = [
         ctx.Process(target=_child, args=(fn, rank, world_size, port, args, env or {}, timeout_s,
-                                         results), daemon=True)
+                                         backend, results), daemon=True)
         for rank in range(world_size)
     ]
     for proc in procs:

@@ -1,0 +1,160 @@
+"""On one CUDA device (NCCL world of one): models, the PPO data path, SFT/RM and generation.
+
+Skipped without CUDA (``tests/conftest.py``); ``scripts/gpu_check.sh`` runs them. Each test runs
+in a spawned process, so a CUDA or NCCL failure cannot take pytest down with it. Under NCCL a
+collective refuses a CPU tensor, so a PPO step that completes has handed every collective a
+device tensor; the tests add what NCCL does not check: parameters and model inputs on the GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.multirank import run_on_ranks
+
+pytestmark = pytest.mark.gpu
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _misplaced_parameters() -> list[str]:
+    import torch
+
+    from megatron_rlhf.models.gpt import HEAD_KINDS, ModelBuildOptions, build_gpt_model
+    from megatron_rlhf.runtime.bootstrap import initialize_runtime
+    from tests.model_fixtures import TinyArch, whole_world_groups
+
+    initialize_runtime()
+    wrong = []
+    for head in HEAD_KINDS:
+        model = build_gpt_model(TinyArch(), ModelBuildOptions(head=head), whole_world_groups(1, 1))
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if tensor.device.type != "cuda" or (tensor.is_floating_point()
+                                                and tensor.dtype != torch.bfloat16):
+                wrong.append(f"{head}: {name} {tensor.device} {tensor.dtype}")
+        ids = torch.randint(0, 250, (2, 8), device="cuda")
+        mask = torch.ones(2, 1, 8, 8, dtype=torch.bool, device="cuda").triu(1)
+        output = model(ids, torch.arange(8, device="cuda").expand(2, 8), mask)
+        if head != "lm" and output[..., -1].dtype != torch.float32:
+            wrong.append(f"{head}: value channel is {output.dtype}, not float32")
+    return wrong
+
+
+def test_every_built_model_lives_on_the_gpu_in_bf16() -> None:
+    assert run_on_ranks(_misplaced_parameters, 1, timeout_s=180, backend="nccl") == [[]]
+
+
+def _ppo_steps(ac_share: bool) -> tuple[list[dict[str, float]], set[str]]:
+    import torch
+
+    from megatron_rlhf.engine import workers
+    from megatron_rlhf.engine.build import build_engine, cluster_from_environment, make_plan
+    from megatron_rlhf.engine.config import ModelsConfig, RewardConfig, RolloutConfig, RunConfig
+    from megatron_rlhf.engine.ppo import PPOTrainer
+    from megatron_rlhf.generation import GenerationConfig
+    from megatron_rlhf.runtime.bootstrap import initialize_runtime
+    from megatron_rlhf.topology.config import PlacementConfig
+
+    seen: set[str] = set()
+    split = workers.split_microbatches
+
+    def recording_split(fields, micro_batch_size):
+        seen.update(f"{name}:{tensor.device.type}" for name, tensor in fields.items())
+        return split(fields, micro_batch_size)
+
+    workers.split_microbatches = recording_split
+    initialize_runtime()
+    config = RunConfig(
+        placement=PlacementConfig(strategy="flattening", ac_share=ac_share),
+        models=ModelsConfig(arch="tiny", init_seed=9),
+        rollout=RolloutConfig(prompts_per_step=16, max_prompt_length=8, micro_batch_size=4,
+                              ppo_epochs=2, num_minibatches=2),
+        generation=GenerationConfig(max_new_tokens=8, seed=3, micro_batch_size=8),
+        reward=RewardConfig(model_weight=0.5, rule="none"), steps=2)
+    assert config.models.params_dtype == "bfloat16", "auto is bf16 on CUDA"
+    plan = make_plan(config, cluster_from_environment())
+    engine = build_engine(config, plan, eos_id=3, pad_id=0)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 500, (int(n),), generator=generator).tolist()
+               for n in torch.randint(2, 9, (32,), generator=generator)]
+    trainer = PPOTrainer(engine, config.algorithm, config.rollout, config.reward, seed=5,
+                         prompts=lambda s: (prompts[16 * s:16 * s + 16], list(range(16 * s,
+                                                                                    16 * s + 16))),
+                         total_steps=2)
+    metrics = [trainer.step(step) for step in range(2)]
+    return metrics, seen
+
+
+@pytest.mark.parametrize("ac_share", [False, True], ids=["ac-nonshare", "ac-share"])
+def test_bf16_flattening_ppo_steps_keep_every_model_input_on_the_gpu(ac_share: bool) -> None:
+    metrics, seen = run_on_ranks(_ppo_steps, 1, args=(ac_share,), timeout_s=300,
+                                 backend="nccl")[0]
+    assert seen and all(entry.endswith(":cuda") for entry in seen), sorted(seen)
+    for step in metrics:
+        for key in ("reward_mean", "kl", "policy_loss", "value_loss", "actor/grad_norm"):
+            assert math.isfinite(step[key]), (key, step)
+    assert metrics[1]["kl"] != 0.0, "the second step samples from an updated policy"
+
+
+def _sft_then_rm(root: str) -> tuple[list[dict], list[dict]]:
+    from megatron_rlhf.config.loader import load_config
+    from megatron_rlhf.engine.reward_training import RMConfig, run_reward_training
+    from megatron_rlhf.engine.sft import SFTConfig, run_sft
+
+    small = ["data.synthetic.num_test=32", "train.eval_interval=0"]
+    sft = run_sft(load_config(SFTConfig, ROOT / "examples" / "sft_tiny.yaml", [
+        f"out_dir={root}/sft", "train.max_steps=20", "optimizer.lr=2.0e-3",
+        "optimizer.lr_warmup_steps=0", *small])).history
+    rm = run_reward_training(load_config(RMConfig, ROOT / "examples" / "rm_tiny.yaml", [
+        f"out_dir={root}/rm", f"model.init_checkpoint={root}/sft/checkpoint",
+        "train.max_steps=10", *small])).history
+    return sft, rm
+
+
+def test_sft_and_reward_model_steps_run_in_bf16(tmp_path: Path) -> None:
+    sft, rm = run_on_ranks(_sft_then_rm, 1, args=(str(tmp_path),), timeout_s=300,
+                           backend="nccl")[0]
+    losses = [step["loss"] for step in sft]
+    assert all(math.isfinite(x) for x in losses)
+    assert sum(losses[-5:]) / 5 < losses[0] - 0.5, losses
+    assert all(math.isfinite(step["loss"]) for step in rm)
+    assert math.isfinite(rm[-1]["eval_accuracy"])
+
+
+def _cached_and_recomputed(params_dtype: str) -> dict[str, float]:
+    import torch
+
+    from megatron_rlhf.generation import GenerationConfig, generate_sequences
+    from megatron_rlhf.models.gpt import ModelBuildOptions, build_gpt_model
+    from megatron_rlhf.models.weights import init_weights
+    from megatron_rlhf.runtime.bootstrap import RuntimeConfig, initialize_runtime
+    from tests.generation.helpers import make_prompts
+    from tests.model_fixtures import TinyArch, whole_world_groups
+
+    initialize_runtime(RuntimeConfig(allow_tf32=False))
+    pgc = whole_world_groups(1, 1)
+    model = build_gpt_model(TinyArch(), ModelBuildOptions(params_dtype=params_dtype), pgc)
+    init_weights(model, pgc, seed=11)
+    prompts = make_prompts([5, 1, 12, 7, 3, 9, 2, 6])
+    outputs = {}
+    for use_kv_cache in (True, False):
+        config = GenerationConfig(max_new_tokens=16, greedy=True, stop_at_eos=False,
+                                  use_kv_cache=use_kv_cache)
+        outputs[use_kv_cache] = generate_sequences(model, pgc, prompts, list(range(8)), config,
+                                                   eos_id=None, pad_id=0)
+    cached, recomputed = outputs[True], outputs[False]
+    return {"device": cached.input_ids.device.type,
+            "token_agreement": (cached.input_ids == recomputed.input_ids).float().mean().item(),
+            "logprob_gap": (cached.response_policy_logprobs
+                            - recomputed.response_policy_logprobs).abs().max().item()}
+
+
+def test_generation_with_and_without_kv_cache_agree_on_the_gpu() -> None:
+    fp32 = run_on_ranks(_cached_and_recomputed, 1, args=("float32",), timeout_s=180,
+                        backend="nccl")[0]
+    assert fp32["device"] == "cuda"
+    assert fp32["token_agreement"] == 1.0, fp32
+    assert fp32["logprob_gap"] < 1e-4, fp32
