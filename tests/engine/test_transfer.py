@@ -63,10 +63,15 @@ def _move_between_models() -> list[float]:
     target = RowLayout.sharded(8, [[3], [2], [1], [0]])  # a DP4 model, replicas reversed
     held = source.held_by(rank)
     mine = {k: v[held[0]:held[1]] for k, v in full.items()}
+    # A model computing in bf16 may hold a field in a narrower dtype than the schema's: the
+    # sender converts, or the receiver would read half a buffer of misinterpreted bytes.
+    mine["score"] = mine["score"].bfloat16()
+    full["score"] = full["score"].bfloat16().float()
     plan = plan_transfers(source, target)
     got = execute_transfers(plan, source, target, mine, schema)
     start, end = target.held_by(rank)
     assert torch.equal(got["ids"], full["ids"][start:end])
+    assert got["score"].dtype == torch.float32
     assert torch.equal(got["score"], full["score"][start:end])
     back = execute_transfers(plan_transfers(target, RowLayout.replicated(8, [0])), target,
                              RowLayout.replicated(8, [0]), got, schema)
@@ -76,5 +81,5 @@ def _move_between_models() -> list[float]:
 @pytest.mark.multirank
 def test_execution_moves_rows_between_layouts() -> None:
     results = run_on_ranks(_move_between_models, world_size=4, timeout_s=60)
-    assert results[0] == pytest.approx(torch.linspace(0, 1, 8).tolist())
+    assert results[0] == torch.linspace(0, 1, 8).bfloat16().float().tolist()
     assert results[1:] == [[], [], []]
