@@ -8,5 +8,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 NPROC=${NPROC:-4}
 RUN_DIR=${RUN_DIR:-runs/pipeline-$(date +%Y%m%d-%H%M%S)}
-exec .venv/bin/torchrun --standalone --nproc-per-node "$NPROC" tools/run_pipeline.py \
-  --run-dir "$RUN_DIR" "$@"
+# torch's launcher as a module: a venv that borrows the system torch (an NGC container) has no
+# .venv/bin/torchrun of its own.
+exec .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
+  tools/run_pipeline.py --run-dir "$RUN_DIR" "$@"
