@@ -1,0 +1,39 @@
+"""Every shipped PPO configuration loads, and its placement plans on the cluster it is meant for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_rlhf.config.loader import load_config
+from megatron_rlhf.engine.build import make_plan
+from megatron_rlhf.engine.config import RunConfig
+from megatron_rlhf.topology.cluster import ClusterSpec, DevicePool
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+# (config, nodes, devices per node) each PPO example is written for.
+PPO_EXAMPLES = [("ppo_tiny.yaml", 1, 4), ("ppo_pipeline.yaml", 1, 4),
+                ("ppo_llama7b.yaml", 16, 8)]
+
+
+def test_every_ppo_example_is_listed() -> None:
+    assert sorted(p.name for p in EXAMPLES.glob("ppo_*.yaml")) == sorted(
+        name for name, _, _ in PPO_EXAMPLES)
+
+
+@pytest.mark.parametrize("name, nodes, devices", PPO_EXAMPLES)
+def test_ppo_example_loads_and_plans(name: str, nodes: int, devices: int) -> None:
+    config = load_config(RunConfig, EXAMPLES / name)
+    cluster = ClusterSpec((DevicePool("A100-80GB", nodes=nodes, devices_per_node=devices),))
+    plan = make_plan(config, cluster)
+    assert {r for role in plan.roles for r in plan[role].ranks} == set(range(nodes * devices)), \
+        "every device holds a model"
+
+
+def test_llama7b_example_is_the_paper_setting() -> None:
+    config = load_config(RunConfig, EXAMPLES / "ppo_llama7b.yaml")
+    assert (config.models.arch, config.models.params_dtype) == ("llama-7b", "bfloat16")
+    assert (config.placement.strategy, config.placement.tp) == ("separation", 8)
+    plan = make_plan(config, ClusterSpec((DevicePool("A100-80GB", 16, 8),)))
+    assert plan["shadow_actor"].tp == 8 and plan["actor"].dp * plan["actor"].tp == 64

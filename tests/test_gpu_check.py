@@ -1,0 +1,49 @@
+"""The GPU check and its benchmark run on CPU too, so a slip in them cannot waste GPU time."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.scripts import REPO
+
+TINY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--query-groups", "2", "--ffn", "128",
+        "--vocab", "256", "--seq", "32", "--micro-batch", "2", "--micro-batches", "2",
+        "--train-steps", "1", "--decode-batch", "4", "--prompt", "8", "--new-tokens", "8"]
+
+
+def _run(args: list[str], tmp_path: Path, timeout: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable, "LOG_DIR": str(tmp_path),
+           "PYTHONPATH": str(REPO)}
+    return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU behaviour")
+def test_gpu_check_skips_its_gpu_parts_on_cpu_and_says_so(tmp_path: Path) -> None:
+    result = _run(["bash", "scripts/gpu_check.sh"], tmp_path, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["cuda"] is False and summary["passed"] is True
+    assert "no CUDA device" in summary["skipped"]
+    assert summary["gpu_tests"]["skipped"] >= 5 and "passed" not in summary["gpu_tests"]
+    assert list(summary["parts"]) == ["gpu_tests"]
+
+
+def test_throughput_benchmark_figures_are_consistent(tmp_path: Path) -> None:
+    result = _run([sys.executable, "benchmarks/gpu_throughput.py", *TINY], tmp_path, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    train, decode = figures["train"], figures["decode"]
+    assert train["tokens_per_step"] == 2 * 2 * 32
+    assert train["tokens_per_s"] * train["step_s"] == pytest.approx(train["tokens_per_step"])
+    # 2 layers x (attention 64x16x(4+2*2) + 4x16x64 + MLP 3x64x128) + LM head 256x64
+    assert figures["matmul_params"] == 2 * (64 * 16 * 8 + 4 * 16 * 64 + 3 * 64 * 128) + 256 * 64
+    flop = 3 * 128 * (2 * figures["matmul_params"] + 4 * 2 * 32 * 64)
+    assert train["tflops"] == pytest.approx(flop / train["step_s"] / 1e12)
+    assert decode["tokens_per_s"] == pytest.approx(4 * 8 / decode["seconds"])
