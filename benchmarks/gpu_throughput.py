@@ -16,7 +16,9 @@ Model FLOP (Narayanan et al. 2021, counted as executed, causal attention as the 
     forward per token = 2 * N_matmul + 4 * L * s * h, training = 3 x forward,
 where N_matmul counts the weights of every matrix product (attention, MLP, LM head; not the
 embedding lookup), L layers, s the sequence length, h the hidden size. MFU = achieved / the
-GPU's bf16 dense peak from its spec sheet; the measured matmul rate is reported beside it.
+GPU's bf16 dense peak from its spec sheet; the measured matmul rate is reported beside it. Each
+attention backend (``--attention``) is measured on a fresh model in the same process, so their
+ratio is not blurred by another run's conditions.
 
 Decode memory traffic per step (a lower bound: weights once, the KV cache once):
     bytes = 2 * N_matmul + 2 (K and V) * L * b * kv_len * kv_heads * head_dim * 2
@@ -54,6 +56,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--decode-batch", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--attention", default="sdpa,megatron",
+                        help="core attention backends to measure, each on a fresh model")
     return parser.parse_args()
 
 
@@ -106,31 +110,21 @@ def reset_peak() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def main() -> None:
-    args = parse_args()
+def measure(args: argparse.Namespace, arch, backend: str, device: torch.device,
+            dtype: torch.dtype, limits: dict[str, float], spec: tuple) -> dict:
+    """Training and decoding figures of one freshly built model with ``backend`` attention."""
     from megatron_rlhf.generation import GenerationConfig, generate_sequences
     from megatron_rlhf.models.gpt import ModelBuildOptions, build_gpt_model
     from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
     from megatron_rlhf.models.trainer import ModelTrainer, OptimizerSettings
-    from megatron_rlhf.runtime.bootstrap import initialize_runtime
-    from megatron_rlhf.runtime.device import compute_device
     from megatron_rlhf.topology.groups import build_model_process_groups
-    from megatron_rlhf.topology.models import ArchSpec, ModelSpec
+    from megatron_rlhf.topology.models import ModelSpec
 
-    initialize_runtime()
-    device = compute_device()
-    dtype = torch.bfloat16 if ON_GPU else torch.float32
-    limits = measured_limits(device, dtype)
-    name = torch.cuda.get_device_name() if ON_GPU else "cpu"
-    spec_flops, spec_bytes = next((v for k, v in SPEC_PEAKS.items() if k in name), (None, None))
-    arch = ArchSpec("bench-1b", num_layers=args.layers, hidden_size=args.hidden,
-                    num_attention_heads=args.heads, vocab_size=args.vocab,
-                    seq_length=max(args.seq, args.prompt + args.new_tokens),
-                    ffn_hidden_size=args.ffn, gated_mlp=True, num_query_groups=args.query_groups)
+    spec_flops, spec_bytes = spec
     pgc = build_model_process_groups(ModelSpec("actor", arch, trainable=True))
     reset_peak()
-    model = build_gpt_model(arch, ModelBuildOptions(params_dtype=str(dtype)[6:]), pgc)
-    params = sum(p.numel() for p in model.parameters())
+    model = build_gpt_model(arch, ModelBuildOptions(params_dtype=str(dtype)[6:],
+                                                    attention_backend=backend), pgc)
     memory = {"weights_gib": peak_gib()}
     trainer = ModelTrainer(model, pgc, OptimizerSettings(lr=1e-5))
     memory["weights_and_optimizer_gib"] = peak_gib()
@@ -158,6 +152,7 @@ def main() -> None:
                             generator=torch.Generator().manual_seed(1)).tolist()
     config = GenerationConfig(max_new_tokens=args.new_tokens, greedy=True, stop_at_eos=False,
                               stop_check_interval=args.new_tokens)
+
     def decode() -> None:
         generate_sequences(trainer.module, pgc, prompts, list(range(len(prompts))), config,
                            None, 0)
@@ -171,9 +166,10 @@ def main() -> None:
     kv_bytes = 2 * args.layers * args.decode_batch * mean_kv * args.query_groups * head_dim * 2
     step_bytes = 2 * n_matmul + kv_bytes
     steps_per_s = args.new_tokens / decode_s  # the prefill is included in the time: a bound
-    result = {
-        "benchmark": "gpu_throughput", "device": name, "torch": torch.__version__,
-        "params": params, "matmul_params": n_matmul,
+    del trainer, model
+    if ON_GPU:
+        torch.cuda.empty_cache()
+    return {
         "train": {"tokens_per_step": tokens, "step_s": train_s, "tokens_per_s": tokens / train_s,
                   "tflops": train_flop / train_s / 1e12,
                   "mfu_spec": train_flop / train_s / spec_flops if spec_flops else None,
@@ -186,11 +182,36 @@ def main() -> None:
                    else None,
                    "fraction_of_measured_copy": step_bytes * steps_per_s
                    / limits["copy_bytes_per_s"]},
+        "memory_gib": memory,
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    from megatron_rlhf.runtime.bootstrap import initialize_runtime
+    from megatron_rlhf.runtime.device import compute_device
+    from megatron_rlhf.topology.models import ArchSpec
+
+    initialize_runtime()
+    device = compute_device()
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    limits = measured_limits(device, dtype)
+    name = torch.cuda.get_device_name() if ON_GPU else "cpu"
+    spec = next((v for k, v in SPEC_PEAKS.items() if k in name), (None, None))
+    arch = ArchSpec("bench-1b", num_layers=args.layers, hidden_size=args.hidden,
+                    num_attention_heads=args.heads, vocab_size=args.vocab,
+                    seq_length=max(args.seq, args.prompt + args.new_tokens),
+                    ffn_hidden_size=args.ffn, gated_mlp=True, num_query_groups=args.query_groups)
+    runs = {backend: measure(args, arch, backend, device, dtype, limits, spec)
+            for backend in args.attention.split(",")}
+    result = {
+        "benchmark": "gpu_throughput", "device": name, "torch": torch.__version__,
+        "params": matmul_weights(args) + args.vocab * args.hidden, "matmul_params":
+        matmul_weights(args), "attention": runs,
         "limits": {"matmul_tflops": limits["matmul_flops"] / 1e12, "dtype": str(dtype),
                    "copy_tb_per_s": limits["copy_bytes_per_s"] / 1e12,
-                   "spec_bf16_tflops": spec_flops / 1e12 if spec_flops else None,
-                   "spec_hbm_tb_per_s": spec_bytes / 1e12 if spec_bytes else None},
-        "memory_gib": memory,
+                   "spec_bf16_tflops": spec[0] / 1e12 if spec[0] else None,
+                   "spec_hbm_tb_per_s": spec[1] / 1e12 if spec[1] else None},
     }
     print(json.dumps(result))
 

@@ -14,12 +14,19 @@ from tests.scripts import REPO
 
 TINY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--query-groups", "2", "--ffn", "128",
         "--vocab", "256", "--seq", "32", "--micro-batch", "2", "--micro-batches", "2",
-        "--train-steps", "1", "--decode-batch", "4", "--prompt", "8", "--new-tokens", "8"]
+        "--train-steps", "1", "--decode-batch", "4", "--prompt", "8", "--new-tokens", "8",
+        "--attention", "sdpa,megatron"]
+
+
+_RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+               "MASTER_PORT")
 
 
 def _run(args: list[str], tmp_path: Path, timeout: float) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHON": sys.executable, "LOG_DIR": str(tmp_path),
-           "PYTHONPATH": str(REPO)}
+    # Without the rendezvous variables a world of one set up in this pytest process leaves:
+    # the child would try to serve the same port.
+    env = {key: value for key, value in os.environ.items() if key not in _RENDEZVOUS}
+    env.update(PYTHON=sys.executable, LOG_DIR=str(tmp_path), PYTHONPATH=str(REPO))
     return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -39,7 +46,8 @@ def test_throughput_benchmark_figures_are_consistent(tmp_path: Path) -> None:
     result = _run([sys.executable, "benchmarks/gpu_throughput.py", *TINY], tmp_path, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     figures = json.loads(result.stdout.strip().splitlines()[-1])
-    train, decode = figures["train"], figures["decode"]
+    assert sorted(figures["attention"]) == ["megatron", "sdpa"]
+    train, decode = figures["attention"]["sdpa"]["train"], figures["attention"]["sdpa"]["decode"]
     assert train["tokens_per_step"] == 2 * 2 * 32
     assert train["tokens_per_s"] * train["step_s"] == pytest.approx(train["tokens_per_step"])
     # 2 layers x (attention 64x16x(4+2*2) + 4x16x64 + MLP 3x64x128) + LM head 256x64

@@ -131,7 +131,8 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int, pad_id: in
         pgc = groups[role]
         options = ModelBuildOptions(
             head=_head(role, config.placement.ac_share), params_dtype=config.models.params_dtype,
-            dropout=config.models.dropout, transformer_impl=transformer_impl)
+            dropout=config.models.dropout, transformer_impl=transformer_impl,
+            attention_backend=config.models.attention_backend)
         model = build_gpt_model(plan[role].spec.arch, options, pgc, seed=config.runtime.seed)
         init_weights(model, pgc, seed=config.models.init_seed)
         models[role] = model

@@ -11,7 +11,11 @@ from dataclasses import dataclass, field
 from megatron_rlhf.algorithms import PPOAlgorithmConfig
 from megatron_rlhf.data import ReaderConfig, SplitConfig, SyntheticTaskConfig
 from megatron_rlhf.generation import GenerationConfig
-from megatron_rlhf.models.gpt import TRANSFORMER_IMPLS, resolve_params_dtype
+from megatron_rlhf.models.gpt import (
+    ATTENTION_BACKENDS,
+    TRANSFORMER_IMPLS,
+    resolve_params_dtype,
+)
 from megatron_rlhf.models.tokenizer import TokenizerConfig
 from megatron_rlhf.models.trainer import OptimizerSettings
 from megatron_rlhf.runtime.bootstrap import RuntimeConfig
@@ -37,6 +41,9 @@ class ModelsConfig:
         transformer_impl: layer implementation: ``local`` (megatron's modules), ``transformer_engine``
             or ``auto`` (TE when importable on CUDA, for models that do not decode with the KV
             cache; see ``models.gpt.resolve_transformer_impl``).
+        attention_backend: core attention of the ``local`` implementation: ``sdpa`` (torch's
+            fused scaled-dot-product attention) or ``megatron`` (its ``DotProductAttention``,
+            which materialises the score matrix; for comparison).
         dropout: hidden and attention dropout of every model (PPO usually runs with 0; with
             dropout the log-probs of the experience and training passes differ by noise).
     """
@@ -48,6 +55,7 @@ class ModelsConfig:
     critic_from_reward: bool = True
     params_dtype: str = "auto"
     transformer_impl: str = "auto"
+    attention_backend: str = "sdpa"
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
@@ -55,6 +63,9 @@ class ModelsConfig:
         if self.transformer_impl not in TRANSFORMER_IMPLS:
             raise ValueError(f"models.transformer_impl={self.transformer_impl!r}: use one of "
                              f"{TRANSFORMER_IMPLS}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"models.attention_backend={self.attention_backend!r}: use one of "
+                             f"{ATTENTION_BACKENDS}")
 
 
 @dataclass

@@ -32,6 +32,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_rlhf.models.attention import SDPAttention
 from megatron_rlhf.runtime.cpu_compat import seed_model_parallel_rng
 from megatron_rlhf.runtime.device import compute_device
 
@@ -39,6 +40,7 @@ HeadKind = Literal["lm", "scalar", "lm+scalar"]
 HEAD_KINDS: tuple[str, ...] = ("lm", "scalar", "lm+scalar")
 PARAMS_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")
 TRANSFORMER_IMPLS: tuple[str, ...] = ("auto", "local", "transformer_engine")
+ATTENTION_BACKENDS: tuple[str, ...] = ("sdpa", "megatron")
 
 
 def resolve_params_dtype(params_dtype: str) -> str:
@@ -118,6 +120,9 @@ class ModelBuildOptions:
         transformer_impl: ``local`` (megatron's modules) or ``transformer_engine`` (its TE
             layer spec; CUDA with TE installed only). Resolve ``auto`` first with
             :func:`resolve_transformer_impl`.
+        attention_backend: core attention of the ``local`` implementation: ``sdpa`` (torch's
+            fused scaled-dot-product attention, ``models.attention``) or ``megatron`` (its
+            ``DotProductAttention``, which materialises the score matrix).
     """
 
     head: str = "lm"
@@ -127,6 +132,7 @@ class ModelBuildOptions:
     rotary_base: int = 10000
     params_dtype: str = "auto"
     transformer_impl: str = "local"
+    attention_backend: str = "sdpa"
 
     def __post_init__(self) -> None:
         if self.head not in HEAD_KINDS:
@@ -139,6 +145,9 @@ class ModelBuildOptions:
             raise ValueError(f"model.params_dtype={self.params_dtype!r}: use one of "
                              f"{PARAMS_DTYPES}")
         self.params_dtype = resolve_params_dtype(self.params_dtype)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"model.attention_backend={self.attention_backend!r}: use one of "
+                             f"{ATTENTION_BACKENDS}")
         if self.transformer_impl not in ("local", "transformer_engine"):
             raise ValueError(f"model.transformer_impl={self.transformer_impl!r}: use 'local' or "
                              "'transformer_engine' (resolve 'auto' with resolve_transformer_impl)")
@@ -239,7 +248,10 @@ def _layer_spec(options: ModelBuildOptions) -> ModuleSpec:
         )
 
         return with_explicit_attention_masks(get_gpt_layer_with_transformer_engine_spec())
-    return with_explicit_attention_masks(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    spec = with_explicit_attention_masks(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    if options.attention_backend == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
 
 
 def build_gpt_model(arch: Architecture, options: ModelBuildOptions,

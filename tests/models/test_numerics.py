@@ -108,3 +108,27 @@ def test_transformer_engine_fused_norm_weights_start_at_one() -> None:
     weight = _init_full_tensor("decoder.layers.0.mlp.linear_fc1.weight", [8, 4], seed=1,
                                std=0.02, num_layers=2)
     assert 0 < weight.std() < 0.1
+
+
+def test_sdpa_attention_equals_megatrons_on_real_tokens_with_gradients(groups) -> None:
+    """torch SDPA in megatron's spec gives megatron's local attention's outputs and gradients on
+    every real token of a left-padded GQA batch (padding rows are free to differ)."""
+    arch = TinyArch(num_attention_heads=4, num_query_groups=2)
+    batch = {"input_ids": torch.randint(0, 250, (3, 9), generator=torch.Generator().manual_seed(2)),
+             "attention_mask": torch.tensor([[0, 0, 0] + [1] * 6, [1] * 9, [0] + [1] * 8])}
+    real = batch["attention_mask"].bool()
+    results = {}
+    for backend in ("megatron", "sdpa"):
+        model = build_gpt_model(arch, ModelBuildOptions(params_dtype="float32",
+                                                        attention_backend=backend), groups)
+        init_weights(model, groups, seed=5)
+        output = model(*model_inputs(batch))
+        output[real].square().mean().backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        results[backend] = (output[real].detach(), grads)
+    torch.testing.assert_close(results["sdpa"][0], results["megatron"][0], rtol=1e-5, atol=1e-5)
+    for name, grad in results["megatron"][1].items():
+        torch.testing.assert_close(results["sdpa"][1][name], grad, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    with pytest.raises(ValueError, match="attention_backend='flash'"):
+        ModelBuildOptions(attention_backend="flash")
