@@ -190,6 +190,7 @@ def main() -> None:
     args = parse_args()
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
     from megatron_rlhf.runtime.device import compute_device
+    from megatron_rlhf.runtime.distributed import destroy_distributed
     from megatron_rlhf.topology.models import ArchSpec
 
     initialize_runtime()
@@ -214,6 +215,7 @@ def main() -> None:
                    "spec_hbm_tb_per_s": spec[1] / 1e12 if spec[1] else None},
     }
     print(json.dumps(result))
+    destroy_distributed()
 
 
 if __name__ == "__main__":
