@@ -56,6 +56,14 @@ class ModelBuildOptions:
         rotary_base: base of the rotary position embedding.
         params_dtype: ``float32`` (CPU default) or ``bfloat16`` (GPU default).
         use_transformer_engine: use Transformer Engine layers (GPU with TE installed only).
+        qkv_bias: a bias on the fused QKV projection only (Qwen2; megatron's ``add_qkv_bias``).
+        qk_norm: RMSNorm of each query and key head before RoPE (Qwen3; megatron's
+            ``qk_layernorm``).
+        head_dim: channels per attention head (megatron's ``kv_channels``); 0 means
+            ``hidden_size / num_attention_heads``.
+        rope_scaling_factor: Llama-3 RoPE frequency scaling factor (megatron's ``rope_scaling``,
+            with its fixed low/high frequency factors 1 and 4 and original context 8192); 0 means
+            no scaling.
     """
 
     head: str = "lm"
@@ -65,6 +73,10 @@ class ModelBuildOptions:
     rotary_base: int = 10000
     params_dtype: str = "float32"
     use_transformer_engine: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    head_dim: int = 0
+    rope_scaling_factor: float = 0.0
 
     def __post_init__(self) -> None:
         if self.head not in HEAD_KINDS:
@@ -77,6 +89,9 @@ class ModelBuildOptions:
             raise ValueError(
                 f"model.params_dtype={self.params_dtype!r}: use 'float32' or 'bfloat16'"
             )
+        if self.head_dim < 0 or self.rope_scaling_factor < 0:
+            raise ValueError(f"model.head_dim={self.head_dim} and model.rope_scaling_factor="
+                             f"{self.rope_scaling_factor} must be >= 0 (0: the default)")
 
 
 class ScalarHead(torch.nn.Module):
@@ -135,6 +150,9 @@ def transformer_config(arch: Architecture, options: ModelBuildOptions,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
+        add_qkv_bias=options.qkv_bias,
+        qk_layernorm=options.qk_norm,
+        kv_channels=options.head_dim or None,
         hidden_dropout=options.dropout,
         attention_dropout=options.dropout,
         params_dtype=dtype,
@@ -157,8 +175,8 @@ def _layer_spec(options: ModelBuildOptions):
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=options.qk_norm)
+    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=options.qk_norm)
 
 
 def build_gpt_model(arch: Architecture, options: ModelBuildOptions,
@@ -189,6 +207,8 @@ def build_gpt_model(arch: Architecture, options: ModelBuildOptions,
         share_embeddings_and_output_weights=options.tie_embeddings,
         position_embedding_type="rope",
         rotary_base=options.rotary_base,
+        rope_scaling=options.rope_scaling_factor > 0,
+        rope_scaling_factor=options.rope_scaling_factor or 8.0,
         pg_collection=pg_collection,
     )
     if post_process and options.head == "scalar":
@@ -197,5 +217,6 @@ def build_gpt_model(arch: Architecture, options: ModelBuildOptions,
         model.output_layer = PolicyValueHead(model.output_layer, arch.hidden_size,
                                              config.params_dtype)
     model.real_vocab_size = arch.vocab_size
+    model.rope_scaling_factor = options.rope_scaling_factor
     model.head_kind = options.head
     return model

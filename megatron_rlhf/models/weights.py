@@ -106,6 +106,8 @@ def _init_full_tensor(name: str, shape: list[int], seed: int, std: float,
                       num_layers: int) -> torch.Tensor:
     if "layernorm" in name or name.endswith("norm.weight"):
         return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     if name.endswith(_SCALED_INIT):
         std = std / (2.0 * num_layers) ** 0.5
@@ -117,9 +119,9 @@ def init_weights(model: GPTModel, pg_collection: ProcessGroupCollection, seed: i
                  std: float = 0.02) -> None:
     """Fill every parameter so that the model is identical under any TP/PP layout.
 
-    Norm weights are ones; other weights are normal(0, std), with megatron's scaled init
-    (std / sqrt(2 * layers)) for the attention and MLP output projections. Padded vocabulary rows
-    are zero.
+    Norm weights are ones, biases (Qwen2's QKV bias) zeros; other weights are normal(0, std), with
+    megatron's scaled init (std / sqrt(2 * layers)) for the attention and MLP output projections.
+    Padded vocabulary rows are zero.
     """
     tp_rank, tp_size = pg_collection.tp.rank(), pg_collection.tp.size()
     for _, param, rule in shard_rules(model):
