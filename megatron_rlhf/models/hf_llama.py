@@ -50,8 +50,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer some older checkpoints 
 _INDEX = "model.safetensors.index.json"
 
 
-def load_hf_state(hf_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Read every tensor of ``model.safetensors`` (or of the shards its index names).
+def weight_files(hf_dir: str | Path) -> list[str]:
+    """Names of the safetensors files of a checkpoint: ``model.safetensors`` or its index's shards.
 
     Raises:
         FileNotFoundError: naming the missing file.
@@ -64,11 +64,21 @@ def load_hf_state(hf_dir: str | Path) -> dict[str, torch.Tensor]:
     else:
         raise FileNotFoundError(f"{root} has neither model.safetensors nor {_INDEX}: save the "
                                 "model with save_pretrained(..., safe_serialization=True)")
-    state: dict[str, torch.Tensor] = {}
     for name in names:
         if not (root / name).is_file():
             raise FileNotFoundError(f"{root / name} (listed in {_INDEX}) does not exist")
-        state.update(load_file(root / name))
+    return names
+
+
+def load_hf_state(hf_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Read every tensor of ``model.safetensors`` (or of the shards its index names).
+
+    Raises:
+        FileNotFoundError: naming the missing file.
+    """
+    state: dict[str, torch.Tensor] = {}
+    for name in weight_files(hf_dir):
+        state.update(load_file(Path(hf_dir) / name))
     return state
 
 
@@ -141,7 +151,7 @@ def _qkv_to_megatron(tensors: _Tensors, d: ModelDescription, prefix: str,
     h, _, groups, head_dim, q_rows = _dims(d)
     cols = (h,) if kind == "weight" else ()
     parts = [tensors.take(f"{prefix}self_attn.{x}_proj.{kind}", groups * rows, *cols)
-             .reshape(groups, rows, *cols) for x, rows in zip("qkv", (q_rows, head_dim, head_dim))]
+             .reshape(groups, rows, *cols) for x, rows in zip("qkv", (q_rows, head_dim, head_dim), strict=True)]
     return torch.cat(parts, dim=1).reshape(-1, *cols)
 
 
@@ -151,7 +161,7 @@ def _qkv_to_hf(qkv: torch.Tensor, d: ModelDescription, prefix: str,
     parts = qkv.reshape(groups, q_rows + 2 * head_dim, *qkv.shape[1:]).split(
         [q_rows, head_dim, head_dim], dim=1)
     return {f"{prefix}self_attn.{x}_proj.{kind}": part.reshape(-1, *qkv.shape[1:])
-            for x, part in zip("qkv", parts)}
+            for x, part in zip("qkv", parts, strict=True)}
 
 
 def _qkv_kinds(d: ModelDescription) -> tuple[str, ...]:

@@ -36,6 +36,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 Message = dict[str, Any]
 
 
+def is_hf_tokenizer_dir(directory: str | Path) -> bool:
+    """Whether a checkpoint directory ships a ``tokenizer.json``."""
+    return (Path(directory) / "tokenizer.json").is_file()
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}

@@ -132,20 +132,28 @@ def init_weights(model: GPTModel, pg_collection: ProcessGroupCollection, seed: i
 
 @torch.no_grad()
 def load_full_state(model: GPTModel, pg_collection: ProcessGroupCollection,
-                    full_state: dict[str, torch.Tensor]) -> None:
+                    full_state: dict[str, torch.Tensor], new_head: bool = False) -> None:
     """Copy this rank's shards out of a full state.
+
+    Args:
+        new_head: the model's output head may differ from the state's (an LM into a critic, a
+            reward model into a critic, an LM into an AC-Share actor): output-layer tensors the
+            state lacks or holds in another shape keep their initialisation.
 
     Raises:
         KeyError: a parameter of the model is missing from ``full_state``.
         ValueError: a full tensor has the wrong shape.
     """
     tp_rank, tp_size = pg_collection.tp.rank(), pg_collection.tp.size()
-    for _, param, rule in shard_rules(model):
+    for local_name, param, rule in shard_rules(model):
         name = rule.global_name
-        if name not in full_state:
-            raise KeyError(f"full state has no tensor {name!r}; it has {sorted(full_state)[:8]}...")
-        full = full_state[name]
         expected = _full_shape(param.shape, rule, tp_size)
+        full = full_state.get(name)
+        if new_head and local_name.startswith("output_layer.") and (
+                full is None or list(full.shape) != expected):
+            continue
+        if full is None:
+            raise KeyError(f"full state has no tensor {name!r}; it has {sorted(full_state)[:8]}...")
         if list(full.shape) != expected:
             raise ValueError(f"{name}: full state holds shape {list(full.shape)}, "
                              f"the model expects {expected}")

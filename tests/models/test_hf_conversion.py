@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.hf_fixtures import make_hf_model
 from tests.model_fixtures import whole_world_groups
 from tests.models.test_checkpoint import full_logits
 from tests.multirank import run_on_ranks
@@ -38,17 +39,8 @@ _CASES = {
 def _make_hf_model(directory: Path, case: str) -> torch.Tensor:
     """Save a random tiny model of ``case`` to ``directory``; return its outputs on ``_batch()``
     (logits ``[b, s, vocab]``, or the score of every position ``[b, s, 1]`` for a classifier)."""
-    import transformers
-
     config_cls, model_cls, extra = _CASES[case]
-    config = getattr(transformers, config_cls)(**_SIZES, **extra)
-    torch.manual_seed(len(case))
-    model = getattr(transformers, model_cls)(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):  # ones/zeros by default: make them count
-                param.add_(torch.randn_like(param) * 0.2)
-    model.save_pretrained(directory, safe_serialization=True)
+    model = make_hf_model(directory, config_cls, model_cls, len(case), **_SIZES, **extra)
     with torch.no_grad():
         if hasattr(model, "score"):
             hidden = model.model(input_ids=_batch()["input_ids"]).last_hidden_state
