@@ -110,7 +110,8 @@ def check_checkpoint_tokenizers(sources: dict[str, ModelSource],
                 "(tokenizer.hf_dir for a Hugging Face directory, tokenizer.model_path otherwise)")
 
 
-def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int, pad_id: int,
+def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int, ...],
+                 pad_id: int,
                  load_initial: bool = True,
                  sources: dict[str, ModelSource] | None = None) -> PPOEngine:
     """Build this rank's models and the engine. Collective: every rank calls it.

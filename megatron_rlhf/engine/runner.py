@@ -133,7 +133,9 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
                 run_dir.mkdir(parents=True, exist_ok=True)
                 (run_dir / "config.yaml").write_text(to_yaml(config))
                 (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
-            engine = build_engine(config, plan, tokenizer.eos_id, tokenizer.pad_id,
+            # A Hugging Face tokenizer ends replies with any of its EOS ids (Llama-3, Qwen).
+            eos = getattr(tokenizer, "eos_ids", tokenizer.eos_id)
+            engine = build_engine(config, plan, eos, tokenizer.pad_id,
                                   load_initial=resume_from is None, sources=sources)
             trainer = PPOTrainer(engine, config.algorithm, config.rollout, config.reward,
                                  config.runtime.seed, prompts.batch, config.steps,

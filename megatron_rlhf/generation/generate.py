@@ -83,7 +83,7 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int,
 
 
 def _check_inputs(prompts: Sequence[Sequence[int]], prompt_indices: Sequence[int],
-                  config: GenerationConfig, eos_id: int | None, pad_id: int,
+                  config: GenerationConfig, eos_id: int | Sequence[int] | None, pad_id: int,
                   vocab_size: int, seq_length: int) -> None:
     """Raise ValueError for anything ``generate_sequences`` cannot honour."""
     if not prompts:
@@ -141,7 +141,7 @@ def _has_value_channel(model: torch.nn.Module) -> bool:
 
 def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollection,
                        prompts: Sequence[Sequence[int]], prompt_indices: Sequence[int],
-                       config: GenerationConfig, eos_id: int | None,
+                       config: GenerationConfig, eos_id: int | Sequence[int] | None,
                        pad_id: int) -> GenerationOutput:
     """Generate one response per prompt.
 
@@ -158,7 +158,8 @@ def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollec
         prompt_indices: a global, non-negative id per prompt that keys its sampling noise (give
             several samples of one prompt different ids).
         config: sampling settings.
-        eos_id: the end-of-sequence token (None only with ``stop_at_eos=False``).
+        eos_id: the end-of-sequence token, or several (Llama-3 and Qwen end a reply with any of
+            a few); None only with ``stop_at_eos=False``.
         pad_id: fills padding positions; must be a valid token id.
 
     Returns:
@@ -201,7 +202,7 @@ def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollec
 def _decode_loop(next_logits: CachedNextTokenLogits | RecomputeNextTokenLogits,
                  input_ids: torch.Tensor, attention_mask: torch.Tensor, budgets: torch.Tensor,
                  max_new: int, prompt_indices: list[int], config: GenerationConfig,
-                 eos_id: int | None, pad_id: int) -> GenerationOutput:
+                 eos_id: int | Sequence[int] | None, pad_id: int) -> GenerationOutput:
     """Sample up to ``max_new`` tokens per row and assemble the output."""
     b, prompt_width = input_ids.shape
     device = input_ids.device
@@ -223,7 +224,8 @@ def _decode_loop(next_logits: CachedNextTokenLogits | RecomputeNextTokenLogits,
         attention_mask = torch.cat([attention_mask, active.long()[:, None]], dim=1)
         stopped = stopped | (budgets <= step + 1)
         if config.stop_at_eos:
-            stopped = stopped | (active & (token == eos_id))
+            stopped = stopped | (active & torch.isin(token, torch.as_tensor(eos_id,
+                                                                          device=token.device)))
     # Every step that ran gave at least one sequence a token: R is the longest response.
     steps = input_ids.shape[1] - prompt_width
     response_mask = attention_mask[:, prompt_width:]

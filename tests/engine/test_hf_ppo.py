@@ -5,66 +5,29 @@ policy's logits equal our final policy's."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.hf_fixtures import make_hf_model, make_hf_tokenizer
 from tests.multirank import run_on_ranks
+from tools.make_tiny_hf import make_tiny_qwen_pair
 
-_SIZES = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
-          "rms_norm_eps": 1e-6, "initializer_range": 0.1}
+_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ppo_hf_tiny.yaml"
 _IDS = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(4))
 
 
-def _make_sources(root: Path) -> tuple[Path, Path, Path]:
-    actor, reward, tokenizer = root / "qwen-policy", root / "qwen-rm", root / "tokenizer"
-    make_hf_tokenizer(tokenizer, "qwen")
-    ids = json.loads((tokenizer / "generation_config.json").read_text())["eos_token_id"]
-    for directory, model_cls in ((actor, "Qwen2ForCausalLM"),
-                                 (reward, "Qwen2ForSequenceClassification")):
-        make_hf_model(directory, "Qwen2Config", model_cls, seed=len(model_cls), **_SIZES,
-                      num_labels=1, tie_word_embeddings=True, eos_token_id=ids[0],
-                      pad_token_id=ids[1])
-        for file in tokenizer.iterdir():  # the hub ships the same tokenizer with both models
-            shutil.copyfile(file, directory / file.name)
-    prompts = root / "prompts.jsonl"
-    turns = [[{"role": "user", "content": f"Write a short poem about the sea, number {i}."}]
-             for i in range(8)]
-    prompts.write_text("".join(json.dumps({"messages": t}) + "\n" for t in turns))
-    return actor, reward, prompts
-
-
 def _config(root: Path, actor: Path, reward: Path, prompts: Path):
-    from megatron_rlhf.data import ReaderConfig, SplitConfig
-    from megatron_rlhf.engine.config import (
-        ModelsConfig,
-        PromptsConfig,
-        RewardConfig,
-        RolloutConfig,
-        RunConfig,
-    )
-    from megatron_rlhf.generation import GenerationConfig
-    from megatron_rlhf.runtime.bootstrap import RuntimeConfig
-    from megatron_rlhf.runtime.distributed import DistributedConfig
-    from megatron_rlhf.topology.config import PlacementConfig
+    """The shipped example, pointed at this test's directories."""
+    from megatron_rlhf.config.loader import load_config
+    from megatron_rlhf.engine.config import RunConfig
 
-    config = RunConfig(
-        runtime=RuntimeConfig(seed=3, distributed=DistributedConfig(timeout_s=90)),
-        placement=PlacementConfig(strategy="flattening", tp=2),
-        models=ModelsConfig(actor_checkpoint=str(actor), reward_checkpoint=str(reward),
-                            hf_cache_dir=str(root / "cache"), export_hf=True),
-        prompts=PromptsConfig(paths=[str(prompts)], reader=ReaderConfig(required=["prompt"]),
-                              split=SplitConfig(sft=0.0, rm=0.0, ppo=1.0)),
-        rollout=RolloutConfig(prompts_per_step=4, max_prompt_length=96, micro_batch_size=2),
-        generation=GenerationConfig(max_new_tokens=6, seed=1),
-        reward=RewardConfig(model_weight=1.0), steps=2, run_dir=str(root / "run"))
-    config.actor_optimizer.lr = 1e-2
-    return config
+    return load_config(RunConfig, str(_EXAMPLE), [
+        f"models.actor_checkpoint={actor}", f"models.reward_checkpoint={reward}",
+        f"models.hf_cache_dir={root / 'cache'}", f"prompts.paths=[{prompts}]",
+        f"run_dir={root / 'run'}", "placement.strategy=flattening", "placement.tp=2",
+        "runtime.seed=3", "runtime.distributed.timeout_s=90", "actor_optimizer.lr=1e-2",
+        "generation.max_new_tokens=6"])
 
 
 def _job(root: str, actor: str, reward: str, prompts: str) -> list:
@@ -98,7 +61,7 @@ def test_ppo_from_hf_directories_exports_a_model_transformers_loads(tmp_path: Pa
         AutoTokenizer,
     )
 
-    actor, reward, prompts = _make_sources(tmp_path)
+    actor, reward, prompts = make_tiny_qwen_pair(tmp_path)
     ours = torch.tensor(run_on_ranks(_job, world_size=2, args=(
         str(tmp_path), str(actor), str(reward), str(prompts)), timeout_s=300)[0])
     export = tmp_path / "run" / "hf" / "step_00000002"

@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.hf_fixtures import make_hf_model
 from tests.model_fixtures import whole_world_groups
 from tests.models.test_checkpoint import full_logits
 from tests.multirank import run_on_ranks
+from tools.make_tiny_hf import make_hf_model
 
 _TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
 _SIZES = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.hf_fixtures import CONVERSATIONS, SENTENCES, make_hf_tokenizer
+from tools.make_tiny_hf import CONVERSATIONS, SENTENCES, make_hf_tokenizer
 
 _TEXTS = [*SENTENCES, "unseen words: zebra, quixotic", "é ü ß 中文", ""]
 

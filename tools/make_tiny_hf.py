@@ -1,10 +1,18 @@
-"""Tiny Hugging Face checkpoints built in the tests with ``transformers`` and ``tokenizers``
-(no download): a byte-level BPE tokenizer trained on a few sentences, with the special tokens and
-a chat template in the style of Llama-3 or Qwen2.5, and random tiny models."""
+"""Make tiny Hugging Face checkpoints with ``transformers`` and ``tokenizers`` (no download): a
+Qwen2.5-style policy (``Qwen2ForCausalLM``) and reward model (``Qwen2ForSequenceClassification``)
+sharing a byte-level BPE tokenizer trained on a few sentences, with Qwen's special tokens and chat
+template, and a JSONL file of conversation prompts. The tests build their models with the same
+functions (Llama-3 style too).
+
+    python tools/make_tiny_hf.py --out hf-tiny
+    torchrun --nproc-per-node 2 tools/run_ppo.py --config examples/ppo_hf_tiny.yaml --tp 2
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -92,3 +100,36 @@ def make_hf_model(directory: Path, config_cls: str, model_cls: str, seed: int,
                 param.add_(torch.randn_like(param) * 0.2)
     model.save_pretrained(directory, safe_serialization=True)
     return model
+
+
+TINY_QWEN = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "initializer_range": 0.1,
+             "tie_word_embeddings": True}
+"""A 2-layer GQA Qwen2 with tied embeddings, 128 positions."""
+
+
+def make_tiny_qwen_pair(out: Path) -> tuple[Path, Path, Path]:
+    """``out/qwen-policy``, ``out/qwen-rm`` (same tokenizer) and ``out/prompts.jsonl``."""
+    actor, reward, tokenizer = out / "qwen-policy", out / "qwen-rm", out / "tokenizer"
+    make_hf_tokenizer(tokenizer, "qwen")
+    ids = json.loads((tokenizer / "generation_config.json").read_text())["eos_token_id"]
+    for directory, model_cls in ((actor, "Qwen2ForCausalLM"),
+                                 (reward, "Qwen2ForSequenceClassification")):
+        make_hf_model(directory, "Qwen2Config", model_cls, seed=len(model_cls), **TINY_QWEN,
+                      num_labels=1, eos_token_id=ids[0], pad_token_id=ids[1])
+        for file in tokenizer.iterdir():  # the hub ships the same tokenizer with both models
+            shutil.copyfile(file, directory / file.name)
+    shutil.rmtree(tokenizer)
+    prompts = out / "prompts.jsonl"
+    turns = [[{"role": "user", "content": f"Write a short poem about the sea, number {i}."}]
+             for i in range(8)]
+    prompts.write_text("".join(json.dumps({"messages": t}) + "\n" for t in turns))
+    return actor, reward, prompts
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("hf-tiny"), help="directory to fill")
+    for path in make_tiny_qwen_pair(parser.parse_args().out):
+        print(f"wrote {path}")
