@@ -268,3 +268,22 @@ def test_bad_conversations_are_refused_by_the_policy(tmp_path: Path) -> None:
     assert summary.examples[0].field == "response"
     records, _ = read_records(path, ReaderConfig(required=["prompt", "chosen", "rejected"]))
     assert records[0].messages == (_turn("user", "Sea?"),) and records[0].response is None
+
+
+def test_prompt_limit_counts_the_chat_template_of_conversations(tmp_path: Path) -> None:
+    from megatron_rlhf.models.hf_tokenizer import HFTokenizer
+    from tools.make_tiny_hf import make_hf_tokenizer
+
+    make_hf_tokenizer(tmp_path / "tok", "qwen")
+    tokenizer = HFTokenizer.load(tmp_path / "tok")
+    turns = [_turn("user", "Sea?")]
+    templated = len(tokenizer.encode_chat(turns))
+    assert templated > 20 > len(tokenizer.encode("Sea?"))  # Qwen's template adds a system turn
+    path = _write_jsonl(tmp_path / "p.jsonl", [_json({"messages": turns}),
+                                               _json({"prompt": "Sea?"})])
+    records, summary = read_records(path, ReaderConfig(required=["prompt"], max_prompt_tokens=20),
+                                    tokenizer)
+    assert [r.prompt for r in records] == ["Sea?"] and records[0].messages is None
+    assert summary.examples[0].reason == "prompt_too_long"
+    assert summary.examples[0].field == "messages"
+    assert summary.examples[0].detail == f"{templated} tokens > max_prompt_tokens(20)"
