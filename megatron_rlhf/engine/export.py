@@ -42,7 +42,7 @@ class HFExporter:
     def __init__(self, config: RunConfig, sources: dict[str, ModelSource],
                  tokenizer: Tokenizer | HFTokenizer) -> None:
         self.base_configs = {role: source.hf_config for role, source in sources.items()
-                             if source.is_hf}
+                             if source.hf_config is not None}
         self.tokenizer_dir = tokenizer.source if isinstance(tokenizer, HFTokenizer) else None
 
     def export(self, engine: PPOEngine, directory: Path) -> None:

@@ -52,17 +52,16 @@ class ModelSource:
     Attributes:
         path: the directory.
         description: the model its weights describe.
-        hf_config: its ``config.json`` when it is a Hugging Face directory, else None.
+        is_hf: a Hugging Face directory (converted on load), else a megatron_rlhf checkpoint.
+        hf_config: the Hugging Face ``config.json`` the weights came from (the directory's own,
+            or the one a megatron_rlhf checkpoint recorded as ``hf_config``), else None; the
+            base of an export.
     """
 
     path: str
     description: ModelDescription
+    is_hf: bool = False
     hf_config: dict[str, Any] | None = None
-
-    @property
-    def is_hf(self) -> bool:
-        """A Hugging Face directory (converted on load)."""
-        return self.hf_config is not None
 
 
 def read_source(path: str) -> ModelSource:
@@ -74,8 +73,17 @@ def read_source(path: str) -> ModelSource:
     if is_hf_dir(path):
         description, hf_config = read_hf_config(path)
         weight_files(path)  # a missing weight file is named now, not after distributed setup
-        return ModelSource(path, description, hf_config)
-    return ModelSource(path, read_checkpoint_info(path).model)
+        return ModelSource(path, description, True, hf_config)
+    info = read_checkpoint_info(path)
+    return ModelSource(path, info.model, False, info.metadata.get("hf_config"))
+
+
+def arch_spec(description: ModelDescription, name: str) -> ArchSpec:
+    """The planner's architecture numbers of a checkpoint's model."""
+    d = description
+    return ArchSpec(name, d.num_layers, d.hidden_size, d.num_attention_heads, d.vocab_size,
+                    d.seq_length, d.ffn_hidden_size, gated_mlp=True,
+                    num_query_groups=d.num_query_groups)
 
 
 def initial_checkpoints(config: RunConfig) -> dict[str, str]:
@@ -128,14 +136,9 @@ def role_architectures(config: RunConfig,
     """The architecture of each base role for the planner (the preset name without sources)."""
     if not sources:
         return config.models.arch
-    archs = {}
-    for role in _BASE_ROLES:
-        d = _description(config, sources, role)
-        archs[role] = ArchSpec(f"{role}:{(sources.get(role) or sources[ACTOR]).path}",
-                               d.num_layers, d.hidden_size, d.num_attention_heads,
-                               d.vocab_size, d.seq_length, d.ffn_hidden_size, gated_mlp=True,
-                               num_query_groups=d.num_query_groups)
-    return archs
+    return {role: arch_spec(_description(config, sources, role),
+                            f"{role}:{(sources.get(role) or sources[ACTOR]).path}")
+            for role in _BASE_ROLES}
 
 
 def role_options(config: RunConfig, sources: dict[str, ModelSource],
