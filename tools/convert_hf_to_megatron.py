@@ -11,7 +11,8 @@ The checkpoint loads at any TP/PP later (load_model_checkpoint reshards); --tp/-
 the layout the conversion runs and saves at, which bounds each rank's memory. Run it with
 tp * pp ranks (a multiple works: the extra ranks are data-parallel replicas). The input must be
 ``config.json`` plus ``model.safetensors`` (or a safetensors index) as ``save_pretrained`` writes
-them, of a family docs/models.md lists (``...ForSequenceClassification`` becomes a scalar head); the original config.json is kept in the checkpoint metadata for the way back
+them, of a family docs/models.md lists (``...ForSequenceClassification`` becomes a scalar
+head); the original config.json is kept in the checkpoint metadata for the way back
 (tools/convert_megatron_to_hf.py).
 """
 

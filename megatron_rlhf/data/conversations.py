@@ -1,4 +1,4 @@
-"""Conversation-shaped preference records: ``messages`` / ``chosen`` / ``rejected`` as lists of turns.
+"""Conversation-shaped preference records: ``messages``, ``chosen``, ``rejected`` as turn lists.
 
 Two common layouts are read (turns are ``{"role": ..., "content": ...}``):
 

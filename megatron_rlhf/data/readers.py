@@ -251,7 +251,8 @@ class _Tally:
 
 
 def read_records(
-    path: str | os.PathLike[str], config: ReaderConfig, tokenizer: Tokenizer | HFTokenizer | None = None
+    path: str | os.PathLike[str], config: ReaderConfig,
+    tokenizer: Tokenizer | HFTokenizer | None = None,
 ) -> tuple[list[PreferenceRecord], ReadSummary]:
     """Read and check one JSONL or Parquet file.
 

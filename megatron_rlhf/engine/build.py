@@ -91,15 +91,15 @@ def check_checkpoint_tokenizers(sources: dict[str, ModelSource],
         ValueError: naming the checkpoint, the role and the fix.
     """
     for role, source in sources.items():
-        if tokenizer.vocab_size > source.description.vocab_size:
-            raise ValueError(f"{role} checkpoint {source.path} embeds {source.description.vocab_size}"
-                             f" tokens but the tokenizer {tokenizer.source} has "
-                             f"{tokenizer.vocab_size}; use the checkpoint's own tokenizer")
+        embedded = source.description.vocab_size
+        if tokenizer.vocab_size > embedded:
+            raise ValueError(f"{role} checkpoint {source.path} embeds {embedded} tokens but the "
+                             f"tokenizer {tokenizer.source} has {tokenizer.vocab_size}; use the "
+                             "checkpoint's own tokenizer")
         if source.is_hf:
             if not is_hf_tokenizer_dir(source.path):
                 continue
-            theirs = HFTokenizer.load(source.path)
-            recorded = theirs.fingerprint
+            recorded = HFTokenizer.load(source.path).fingerprint
         else:
             recorded = read_checkpoint_info(source.path).metadata.get("tokenizer_fingerprint")
         if recorded is not None and recorded != tokenizer.fingerprint:
@@ -111,8 +111,7 @@ def check_checkpoint_tokenizers(sources: dict[str, ModelSource],
 
 
 def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int, ...],
-                 pad_id: int,
-                 load_initial: bool = True,
+                 pad_id: int, load_initial: bool = True,
                  sources: dict[str, ModelSource] | None = None) -> PPOEngine:
     """Build this rank's models and the engine. Collective: every rank calls it.
 

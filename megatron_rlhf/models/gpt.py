@@ -1,7 +1,8 @@
 """Build the four PPO models as Megatron-Core ``GPTModel``s with their own process groups.
 
-Every role uses the same Llama-style trunk (RMSNorm, SwiGLU, rotary embeddings, no biases); only
-the head differs:
+Every role uses the same Llama-style trunk (RMSNorm, SwiGLU, rotary embeddings, no biases; the
+Hugging Face families add a QKV bias, QK-norm or Llama-3 RoPE scaling through megatron's own
+options, see ``ModelBuildOptions``); only the head differs:
 
 * ``lm``: the language-model head (actor, reference);
 * ``scalar``: one value per position (critic values; the reward model reads the value at the last

@@ -5,11 +5,10 @@
 
 Supported (each maps onto megatron-core options, no layer of our own):
 
-| ``model_type`` | architectures | what differs from plain Llama |
-|---|---|---|
-| ``llama`` | ``LlamaForCausalLM``, ``LlamaForSequenceClassification`` | Llama-3 ``rope_type: llama3`` |
-| ``qwen2`` | ``Qwen2ForCausalLM``, ``Qwen2ForSequenceClassification`` | bias on q/k/v (``add_qkv_bias``) |
-| ``qwen3`` | ``Qwen3ForCausalLM``, ``Qwen3ForSequenceClassification`` | per-head q/k RMSNorm (``qk_layernorm``) |
+    model_type  architectures (...ForCausalLM, ...ForSequenceClassification)  differs by
+    llama       Llama...                           Llama-3 ``rope_type: llama3`` (``rope_scaling``)
+    qwen2       Qwen2...                           bias on q/k/v (``add_qkv_bias``)
+    qwen3       Qwen3...                           per-head q/k RMSNorm (``qk_layernorm``)
 
 ``...ForCausalLM`` becomes head ``lm``; ``...ForSequenceClassification`` with one label becomes head
 ``scalar`` (a reward model or critic). Refused, with the field named: other model types and

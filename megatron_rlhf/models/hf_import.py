@@ -2,7 +2,7 @@
 into a cache, and loaded into a model at any TP/PP.
 
     if is_hf_dir(path):
-        entry = cached_full_state(path, "~/.cache/megatron_rlhf/converted")  # one rank, then barrier
+        entry = cached_full_state(path, "~/.cache/megatron_rlhf/converted")  # rank 0, barrier
         load_full_state(model, pg_collection, load_file(entry), new_head=...)  # any layout
 
 The cache holds the *full state* (megatron names, TP=1/PP=1 layout, see ``weights.py``) as one
@@ -31,7 +31,7 @@ _CHUNK = 1 << 24
 
 
 def is_hf_dir(path: str | Path) -> bool:
-    """A directory with ``config.json`` and no ``megatron_rlhf.json`` (a Hugging Face checkpoint)."""
+    """A directory with ``config.json`` and no ``megatron_rlhf.json``: a Hugging Face one."""
     return (Path(path) / CONFIG_FILE).is_file() and not (Path(path) / INFO_FILE).is_file()
 
 

@@ -150,8 +150,9 @@ def _qkv_to_megatron(tensors: _Tensors, d: ModelDescription, prefix: str,
     """[q; k; v] of one layer (``kind`` weight or bias), regrouped per query group."""
     h, _, groups, head_dim, q_rows = _dims(d)
     cols = (h,) if kind == "weight" else ()
+    rows_of = {"q": q_rows, "k": head_dim, "v": head_dim}
     parts = [tensors.take(f"{prefix}self_attn.{x}_proj.{kind}", groups * rows, *cols)
-             .reshape(groups, rows, *cols) for x, rows in zip("qkv", (q_rows, head_dim, head_dim), strict=True)]
+             .reshape(groups, rows, *cols) for x, rows in rows_of.items()]
     return torch.cat(parts, dim=1).reshape(-1, *cols)
 
 

@@ -1,4 +1,4 @@
-"""The tokenizer that ships with a Hugging Face checkpoint, with its special tokens and chat template.
+"""The tokenizer that ships with a Hugging Face checkpoint: special tokens and chat template.
 
     tokenizer = HFTokenizer.load("Qwen2.5-0.5B-Instruct")
     ids = tokenizer.encode_chat([{"role": "user", "content": "Hi"}])  # generation prompt appended

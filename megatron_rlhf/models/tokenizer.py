@@ -327,7 +327,8 @@ def load_tokenizer(config: TokenizerConfig) -> Tokenizer | HFTokenizer:
 
 
 def check_same_tokenizer(
-    a: Tokenizer | HFTokenizer, b: Tokenizer | HFTokenizer, names: tuple[str, str] = ("actor", "reward model")
+    a: Tokenizer | HFTokenizer, b: Tokenizer | HFTokenizer,
+    names: tuple[str, str] = ("actor", "reward model"),
 ) -> None:
     """Refuse to pair two models whose tokenizers differ (ids would mean different text).
 
