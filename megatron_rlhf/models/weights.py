@@ -149,6 +149,10 @@ def load_full_state(model: GPTModel, pg_collection: ProcessGroupCollection,
         name = rule.global_name
         expected = _full_shape(param.shape, rule, tp_size)
         full = full_state.get(name)
+        if full is None and name == "output_layer.weight":
+            # A tied source into an untied model (an AC-Share actor): the LM head starts as the
+            # embedding it was tied to.
+            full = full_state.get("embedding.word_embeddings.weight")
         if new_head and local_name.startswith("output_layer.") and (
                 full is None or list(full.shape) != expected):
             continue

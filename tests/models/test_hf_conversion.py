@@ -81,6 +81,27 @@ def _convert_check_export(hf_dir: str, logits: torch.Tensor, out: str, convert_a
 def _single_process_job(cases: list[tuple[str, torch.Tensor, str]]) -> None:
     for hf_dir, logits, out in cases:
         _convert_check_export(hf_dir, logits, out, [], [(1, 1)], [])
+    _check_ac_share_from_tied(*next(c for c in cases if c[0].endswith("llama3-tied")))
+
+
+def _check_ac_share_from_tied(hf_dir: str, logits: torch.Tensor, _out: str) -> None:
+    """An AC-Share actor (untied LM head + value head) started from a tied HF model gives its
+    logits: the LM head starts as the embedding, the value head keeps its initialisation."""
+    from dataclasses import replace
+
+    from megatron_rlhf.models.gpt import build_gpt_model
+    from megatron_rlhf.models.hf_config import read_hf_config
+    from megatron_rlhf.models.hf_llama import hf_to_full_state, load_hf_state
+    from megatron_rlhf.models.weights import load_full_state
+
+    description, _ = read_hf_config(hf_dir)
+    pgc = whole_world_groups(1, 1)
+    options = replace(description.build_options(), head="lm+scalar", tie_embeddings=False)
+    model = build_gpt_model(description, options, pgc)
+    load_full_state(model, pgc, hf_to_full_state(load_hf_state(hf_dir), description),
+                    new_head=True)
+    output = full_logits(model, pgc, _batch())
+    torch.testing.assert_close(output[..., :-1], logits, **_TOLERANCE)
 
 
 def _two_rank_job(cases: list[tuple[str, torch.Tensor, str]]) -> None:
