@@ -44,6 +44,7 @@ class HFExporter:
         self.base_configs = {role: source.hf_config for role, source in sources.items()
                              if source.hf_config is not None}
         self.tokenizer_dir = tokenizer.source if isinstance(tokenizer, HFTokenizer) else None
+        self.pad_id = tokenizer.pad_id
 
     def export(self, engine: PPOEngine, directory: Path) -> None:
         """Write ``directory/actor`` and ``directory/critic``; every rank calls it."""
@@ -60,7 +61,9 @@ class HFExporter:
                 full_state.pop(_VALUE_HEAD)
                 description = replace(description, head="lm")
             # The critic's trunk is the reward model's when it started from it, else the actor's.
-            base = self.base_configs.get(role) or self.base_configs.get(ACTOR)
+            base = dict(self.base_configs.get(role) or self.base_configs.get(ACTOR) or {})
+            if base.get("pad_token_id") is None:  # a classifier needs it for batches (Llama-3)
+                base["pad_token_id"] = self.pad_id
             save_hf_checkpoint(directory / role, description,
                                full_state_to_hf(full_state, description), base_config=base,
                                tokenizer_dir=self.tokenizer_dir)
