@@ -22,6 +22,8 @@ setup(
         "einops",
         "numpy",
         "sentencepiece",
+        "tokenizers",
+        "jinja2>=3.1.6",
         "omegaconf>=2.3",
         "tqdm",
         "tensorboard",

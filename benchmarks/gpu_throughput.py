@@ -166,9 +166,6 @@ def measure(args: argparse.Namespace, arch, backend: str, device: torch.device,
     kv_bytes = 2 * args.layers * args.decode_batch * mean_kv * args.query_groups * head_dim * 2
     step_bytes = 2 * n_matmul + kv_bytes
     steps_per_s = args.new_tokens / decode_s  # the prefill is included in the time: a bound
-    del trainer, model
-    if ON_GPU:
-        torch.cuda.empty_cache()
     return {
         "train": {"tokens_per_step": tokens, "step_s": train_s, "tokens_per_s": tokens / train_s,
                   "tflops": train_flop / train_s / 1e12,
@@ -203,8 +200,11 @@ def main() -> None:
                     num_attention_heads=args.heads, vocab_size=args.vocab,
                     seq_length=max(args.seq, args.prompt + args.new_tokens),
                     ffn_hidden_size=args.ffn, gated_mlp=True, num_query_groups=args.query_groups)
-    runs = {backend: measure(args, arch, backend, device, dtype, limits, spec)
-            for backend in args.attention.split(",")}
+    runs = {}
+    for backend in args.attention.split(","):
+        runs[backend] = measure(args, arch, backend, device, dtype, limits, spec)
+        if ON_GPU:
+            torch.cuda.empty_cache()  # the previous model is gone once measure returns
     result = {
         "benchmark": "gpu_throughput", "device": name, "torch": torch.__version__,
         "params": matmul_weights(args) + args.vocab * args.hidden, "matmul_params":

@@ -1,4 +1,4 @@
-"""Convert a Hugging Face Llama checkpoint into a megatron_rlhf checkpoint at a chosen TP/PP.
+"""Convert a Hugging Face Llama/Qwen checkpoint into a megatron_rlhf checkpoint at a chosen TP/PP.
 
     # one process, TP=1 PP=1 (CPU or one GPU)
     python tools/convert_hf_to_megatron.py --hf-dir llama-hf --out ckpt/actor --role actor
@@ -11,7 +11,8 @@ The checkpoint loads at any TP/PP later (load_model_checkpoint reshards); --tp/-
 the layout the conversion runs and saves at, which bounds each rank's memory. Run it with
 tp * pp ranks (a multiple works: the extra ranks are data-parallel replicas). The input must be
 ``config.json`` plus ``model.safetensors`` (or a safetensors index) as ``save_pretrained`` writes
-them; the original config.json is kept in the checkpoint metadata for the way back
+them, of a family docs/models.md lists (``...ForSequenceClassification`` becomes a scalar
+head); the original config.json is kept in the checkpoint metadata for the way back
 (tools/convert_megatron_to_hf.py).
 """
 
@@ -27,11 +28,8 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron_rlhf.models.checkpoint import save_model_checkpoint  # noqa: E402
 from megatron_rlhf.models.gpt import build_gpt_model  # noqa: E402
-from megatron_rlhf.models.hf_llama import (  # noqa: E402
-    hf_to_full_state,
-    load_hf_state,
-    read_hf_config,
-)
+from megatron_rlhf.models.hf_config import read_hf_config  # noqa: E402
+from megatron_rlhf.models.hf_llama import hf_to_full_state, load_hf_state  # noqa: E402
 from megatron_rlhf.models.weights import load_full_state  # noqa: E402
 from megatron_rlhf.runtime.bootstrap import RuntimeConfig, initialize_runtime  # noqa: E402
 from megatron_rlhf.runtime.distributed import destroy_distributed  # noqa: E402

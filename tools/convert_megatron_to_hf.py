@@ -1,4 +1,4 @@
-"""Export a megatron_rlhf model checkpoint (LM head) as a Hugging Face Llama checkpoint.
+"""Export a megatron_rlhf model checkpoint as a Hugging Face Llama/Qwen checkpoint.
 
     # one process loads the whole model (any saved TP/PP), rank 0 writes the files
     python tools/convert_megatron_to_hf.py --ckpt ckpt/actor --out llama-out
@@ -8,7 +8,9 @@
     # on a GPU node the same command line uses NCCL, one GPU per rank
 
 Writes ``config.json`` and ``model.safetensors`` (in the checkpoint's dtype) that
-``LlamaForCausalLM.from_pretrained`` reads. When the checkpoint came from
+``AutoModelForCausalLM`` (``lm`` head) or ``AutoModelForSequenceClassification`` (``scalar`` head)
+loads, and copies the tokenizer files of ``--tokenizer-dir`` (default: the HF directory the
+checkpoint was converted from, when it still exists). When the checkpoint came from
 tools/convert_hf_to_megatron.py, the original config.json's other fields (token ids, ...) are kept.
 The full tensors are gathered on every rank, so each rank needs host memory for the whole model.
 """
@@ -43,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ckpt", type=Path, required=True, help="megatron_rlhf checkpoint")
     parser.add_argument("--out", type=Path, required=True,
                         help="directory for config.json and model.safetensors")
+    parser.add_argument("--tokenizer-dir", type=Path,
+                        help="copy its tokenizer files (default: the checkpoint's HF source)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size to load at")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to load at")
     return parser.parse_args(argv)
@@ -62,7 +66,9 @@ def main(argv: list[str] | None = None) -> None:
     full_state = gather_full_state(model, pg_collection)
     if dist.get_rank() == 0:
         hf_state = full_state_to_hf(full_state, description)
-        save_hf_checkpoint(args.out, description, hf_state, info.metadata.get("hf_config"))
+        tokenizer_dir = args.tokenizer_dir or info.metadata.get("source")
+        save_hf_checkpoint(args.out, description, hf_state, info.metadata.get("hf_config"),
+                           tokenizer_dir=tokenizer_dir)
         print(f"wrote {args.out} ({len(hf_state)} tensors, {description.params_dtype}) "
               f"from {args.ckpt} (role {info.metadata['role']})")
     dist.barrier()

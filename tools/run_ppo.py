@@ -10,6 +10,15 @@ GPU cluster (16 nodes of 8 GPUs), Llama-7B, separation with TP=8 shadows::
     torchrun --nnodes 16 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 \\
         tools/run_ppo.py --config examples/ppo_llama7b.yaml --placement separation --tp 8
 
+From Hugging Face directories (a ...ForCausalLM policy, a ...ForSequenceClassification reward
+model; architecture, weights and tokenizer come from them, and the trained actor and critic are
+written back under <run_dir>/hf/step_<k>/; docs/models.md)::
+
+    python tools/make_tiny_hf.py --out hf-tiny
+    torchrun --nproc-per-node 2 tools/run_ppo.py --config examples/ppo_hf_tiny.yaml --tp 2
+    torchrun --nproc-per-node 8 tools/run_ppo.py models.actor_checkpoint=Qwen2.5-0.5B-Instruct \
+        models.reward_checkpoint=my-rm models.export_hf=true prompts.paths=[prefs.jsonl]
+
 Any field of the configuration can be overridden as ``section.key=value`` after the flags, e.g.
 ``rollout.ppo_epochs=2 generation.temperature=0.7``.
 

@@ -74,7 +74,7 @@ def collate_prompts(
                 f"prompt {index} has {len(ids)} tokens > max_prompt_tokens({max_prompt_tokens}); "
                 "set reader.max_prompt_tokens to drop such records when reading"
             )
-        sequences.append([tokenizer.bos_id] + ids)
+        sequences.append(([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + ids)
     length = max(len(ids) for ids in sequences)
     input_ids = torch.full((len(sequences), length), tokenizer.pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)

@@ -25,9 +25,12 @@ class FieldNames:
     """Column holding the preferred response."""
     rejected: str = "rejected"
     """Column holding the dispreferred response."""
+    messages: str = "messages"
+    """Column holding a conversation (a list of ``role``/``content`` turns), read when present
+    (see ``data/conversations.py``)."""
 
     def __post_init__(self) -> None:
-        for name in RECORD_FIELDS:
+        for name in (*RECORD_FIELDS, "messages"):
             if not getattr(self, name):
                 raise ValueError(f"fields.{name} is empty; give the column name of the {name}")
 

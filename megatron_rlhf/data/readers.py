@@ -1,4 +1,6 @@
-"""Readers for local JSONL and Parquet preference files (prompt/response/chosen/rejected).
+"""Readers for local JSONL and Parquet preference files: prompt/response/chosen/rejected as text,
+or conversation-shaped (``messages``, or ``chosen``/``rejected`` as lists of turns; see
+``data/conversations.py``).
 
 Every record is checked; a bad one is classified by one of :data:`BAD_REASONS` and, by the
 ``on_bad_record`` policy, either counted and skipped or refused with a :class:`DataError` that names
@@ -20,6 +22,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from megatron_rlhf.data.config import RECORD_FIELDS, ReaderConfig
+from megatron_rlhf.data.conversations import (
+    Conversation,
+    ConversationError,
+    is_conversation_row,
+    split_conversation,
+)
+from megatron_rlhf.models.hf_tokenizer import HFTokenizer
 from megatron_rlhf.models.tokenizer import Tokenizer
 from megatron_rlhf.runtime.logging import get_logger
 
@@ -33,6 +42,7 @@ BAD_REASONS = (
     "not_a_string",
     "empty_text",
     "prompt_too_long",
+    "bad_conversation",
 )
 """Why a record can be refused, in the order the checks run."""
 
@@ -53,6 +63,8 @@ class PreferenceRecord:
     response: str | None = None
     chosen: str | None = None
     rejected: str | None = None
+    messages: Conversation | None = None
+    """The prompt's turns for a conversation-shaped record (``prompt`` then joins their text)."""
 
 
 @dataclass(frozen=True)
@@ -111,10 +123,40 @@ def _text_fields(config: ReaderConfig) -> dict[str, str]:
     return {name: getattr(config.fields, name) for name in RECORD_FIELDS}
 
 
+def _columns(config: ReaderConfig) -> dict[str, str]:
+    return _text_fields(config) | {"messages": config.fields.messages}
+
+
+def _prompt_tokens(prompt: str, messages: Conversation | None,
+                   tokenizer: Tokenizer | HFTokenizer) -> int:
+    if messages is not None and isinstance(tokenizer, HFTokenizer) and tokenizer.has_chat_template:
+        return len(tokenizer.encode_chat(messages))
+    return len(tokenizer.encode(prompt))
+
+
+def _check_conversation(row: dict[str, Any], config: ReaderConfig
+                        ) -> PreferenceRecord | tuple[str, str, str]:
+    try:
+        turns, texts = split_conversation(row, _columns(config))
+    except ConversationError as err:
+        return "bad_conversation", err.column, err.detail
+    for name in config.required:
+        if name != "prompt" and (texts[name] is None or not texts[name].strip()):
+            column = getattr(config.fields, name)
+            return "missing_field", column, f"no {name} text in the record's turns or {column!r}"
+    prompt = "\n\n".join(turn["content"] for turn in turns)
+    return PreferenceRecord(prompt=prompt, messages=turns, **texts)
+
+
 def _check_row(
-    row: dict[str, Any], config: ReaderConfig, tokenizer: Tokenizer | None
+    row: dict[str, Any], config: ReaderConfig, tokenizer: Tokenizer | HFTokenizer | None
 ) -> PreferenceRecord | tuple[str, str, str]:
     """Return the record, or ``(reason, column, detail)`` for the first failed check."""
+    if is_conversation_row(row, _columns(config)):
+        record = _check_conversation(row, config)
+        if isinstance(record, tuple):
+            return record
+        return _check_length(record, config, tokenizer)
     values: dict[str, str | None] = {}
     for name, column in _text_fields(config).items():
         value = row.get(column)
@@ -128,16 +170,22 @@ def _check_row(
             return "empty_text", column, f"the {name} is empty or whitespace"
         else:
             values[name] = value
-    prompt = values["prompt"]
+    return _check_length(PreferenceRecord(**values), config, tokenizer)
+
+
+def _check_length(record: PreferenceRecord, config: ReaderConfig,
+                  tokenizer: Tokenizer | HFTokenizer | None
+                  ) -> PreferenceRecord | tuple[str, str, str]:
     if config.max_prompt_tokens is not None and tokenizer is not None:
-        num_tokens = len(tokenizer.encode(prompt))
+        num_tokens = _prompt_tokens(record.prompt, record.messages, tokenizer)
         if num_tokens > config.max_prompt_tokens:
+            column = config.fields.prompt if record.messages is None else config.fields.messages
             return (
                 "prompt_too_long",
-                config.fields.prompt,
+                column,
                 f"{num_tokens} tokens > max_prompt_tokens({config.max_prompt_tokens})",
             )
-    return PreferenceRecord(**values)
+    return record
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | tuple[str, str]]]:
@@ -203,7 +251,8 @@ class _Tally:
 
 
 def read_records(
-    path: str | os.PathLike[str], config: ReaderConfig, tokenizer: Tokenizer | None = None
+    path: str | os.PathLike[str], config: ReaderConfig,
+    tokenizer: Tokenizer | HFTokenizer | None = None,
 ) -> tuple[list[PreferenceRecord], ReadSummary]:
     """Read and check one JSONL or Parquet file.
 
@@ -232,7 +281,7 @@ def read_records(
     if suffix in _JSONL_SUFFIXES:
         rows, unit = _jsonl_rows(file), "line"
     elif suffix in _PARQUET_SUFFIXES:
-        rows, unit = _parquet_rows(file, list(_text_fields(config).values())), "row"
+        rows, unit = _parquet_rows(file, list(_columns(config).values())), "row"
     else:
         raise DataError(
             f"{file}: unknown extension {suffix!r}; use {_JSONL_SUFFIXES + _PARQUET_SUFFIXES}"
@@ -258,7 +307,7 @@ def read_records(
 
 
 def read_files(
-    paths: list[str], config: ReaderConfig, tokenizer: Tokenizer | None = None
+    paths: list[str], config: ReaderConfig, tokenizer: Tokenizer | HFTokenizer | None = None
 ) -> tuple[list[PreferenceRecord], list[ReadSummary]]:
     """Read several files with :func:`read_records`, concatenating records in order."""
     records: list[PreferenceRecord] = []

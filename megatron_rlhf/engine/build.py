@@ -13,13 +13,18 @@ import torch.distributed as dist
 
 from megatron_rlhf.engine.config import RunConfig
 from megatron_rlhf.engine.engine import PPOEngine
-from megatron_rlhf.engine.workers import ModelWorker
-from megatron_rlhf.models.checkpoint import load_model_checkpoint, read_checkpoint_info
-from megatron_rlhf.models.gpt import (
-    ModelBuildOptions,
-    build_gpt_model,
-    resolve_transformer_impl,
+from megatron_rlhf.engine.sources import (
+    ModelSource,
+    load_initial_weights,
+    resolve_sources,
+    role_architectures,
+    role_options,
 )
+from megatron_rlhf.engine.workers import ModelWorker
+from megatron_rlhf.models.checkpoint import read_checkpoint_info
+from megatron_rlhf.models.gpt import build_gpt_model
+from megatron_rlhf.models.hf_tokenizer import HFTokenizer, is_hf_tokenizer_dir
+from megatron_rlhf.models.tokenizer import Tokenizer
 from megatron_rlhf.models.trainer import ModelTrainer
 from megatron_rlhf.models.weights import init_weights
 from megatron_rlhf.refit import build_weight_sync
@@ -28,13 +33,8 @@ from megatron_rlhf.topology.cluster import ClusterSpec, DevicePool
 from megatron_rlhf.topology.groups import build_process_groups
 from megatron_rlhf.topology.models import (
     ACTOR,
-    CRITIC,
-    REF,
-    REWARD,
-    SHADOW_ACTOR,
     SHADOW_OF,
     TRAINABLE_ROLES,
-    VALUE_HEAD_ROLES,
 )
 from megatron_rlhf.topology.placement import plan_placement
 from megatron_rlhf.topology.plan import PlacementPlan
@@ -51,9 +51,15 @@ def cluster_from_environment(pools: list[DevicePool] | None = None) -> ClusterSp
     return ClusterSpec((DevicePool("local", nodes=world // local, devices_per_node=local),))
 
 
-def make_plan(config: RunConfig, cluster: ClusterSpec) -> PlacementPlan:
-    """Validate and plan the placement (pure; raises ValueError naming the field)."""
-    plan = plan_placement(cluster, config.placement, config.models.arch)
+def make_plan(config: RunConfig, cluster: ClusterSpec,
+              sources: dict[str, ModelSource] | None = None) -> PlacementPlan:
+    """Validate and plan the placement (pure; raises ValueError naming the field).
+
+    Args:
+        sources: the initial checkpoints (:func:`resolve_sources`), whose architectures replace
+            the ``models.arch`` preset.
+    """
+    plan = plan_placement(cluster, config.placement, role_architectures(config, sources or {}))
     rollout = config.rollout
     if rollout.async_rollout and not config.placement.separated:
         raise ValueError(f"rollout.async_rollout=true needs shadows to generate while the actor "
@@ -75,71 +81,60 @@ def make_plan(config: RunConfig, cluster: ClusterSpec) -> PlacementPlan:
     return plan
 
 
-def _head(role: str, ac_share: bool) -> str:
-    if role in VALUE_HEAD_ROLES:
-        return "scalar"
-    return "lm+scalar" if ac_share and role in (ACTOR, SHADOW_ACTOR) else "lm"
-
-
-def initial_checkpoints(config: RunConfig) -> dict[str, str]:
-    """Role -> checkpoint directory its initial weights come from (roles absent: fresh init)."""
-    models = config.models
-    sources = {}
-    if models.actor_checkpoint:
-        sources.update({ACTOR: models.actor_checkpoint, REF: models.actor_checkpoint})
-    if models.reward_checkpoint:
-        sources[REWARD] = models.reward_checkpoint
-        if models.critic_from_reward and not config.placement.ac_share:
-            sources[CRITIC] = models.reward_checkpoint
-    return sources
-
-
-def check_checkpoint_tokenizers(config: RunConfig, tokenizer_fingerprint: str) -> None:
-    """Refuse initial checkpoints trained with another tokenizer (before any process group).
+def check_checkpoint_tokenizers(sources: dict[str, ModelSource],
+                                tokenizer: Tokenizer | HFTokenizer) -> None:
+    """Refuse initial checkpoints made with another tokenizer (before any process group): a
+    megatron_rlhf checkpoint's recorded fingerprint, a Hugging Face directory's own tokenizer, and
+    a vocabulary larger than a model's embedding.
 
     Raises:
         ValueError: naming the checkpoint, the role and the fix.
     """
-    for role, directory in initial_checkpoints(config).items():
-        recorded = read_checkpoint_info(directory).metadata.get("tokenizer_fingerprint")
-        if recorded is not None and recorded != tokenizer_fingerprint:
+    for role, source in sources.items():
+        embedded = source.description.vocab_size
+        if tokenizer.vocab_size > embedded:
+            raise ValueError(f"{role} checkpoint {source.path} embeds {embedded} tokens but the "
+                             f"tokenizer {tokenizer.source} has {tokenizer.vocab_size}; use the "
+                             "checkpoint's own tokenizer")
+        if source.is_hf:
+            if not is_hf_tokenizer_dir(source.path):
+                continue
+            recorded = HFTokenizer.load(source.path).fingerprint
+        else:
+            recorded = read_checkpoint_info(source.path).metadata.get("tokenizer_fingerprint")
+        if recorded is not None and recorded != tokenizer.fingerprint:
             raise ValueError(
-                f"{role} checkpoint {directory} was trained with another tokenizer "
-                f"(fingerprint {recorded[:12]}..., this run's is {tokenizer_fingerprint[:12]}...); "
-                "use the tokenizer.model saved next to that checkpoint (tokenizer.model_path)")
+                f"{role} checkpoint {source.path} was made with another tokenizer (fingerprint "
+                f"{recorded[:12]}..., this run's {tokenizer.source} is "
+                f"{tokenizer.fingerprint[:12]}...); use the tokenizer saved with that checkpoint "
+                "(tokenizer.hf_dir for a Hugging Face directory, tokenizer.model_path otherwise)")
 
 
-def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int, pad_id: int,
-                 load_initial: bool = True) -> PPOEngine:
+def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int, ...],
+                 pad_id: int, load_initial: bool = True,
+                 sources: dict[str, ModelSource] | None = None) -> PPOEngine:
     """Build this rank's models and the engine. Collective: every rank calls it.
 
     Args:
         load_initial: load the configured SFT/reward checkpoints; a resumed run skips them
             because its RL checkpoint overwrites the weights.
+        sources: the initial checkpoints (default: read from the configuration).
     """
+    sources = resolve_sources(config) if sources is None else sources
     groups = build_process_groups(
         plan, timeout=datetime.timedelta(seconds=config.runtime.distributed.timeout_s))
     rank = dist.get_rank()
     workers: dict[str, ModelWorker] = {}
     models = {}
     total_updates = (config.steps * config.rollout.ppo_epochs * config.rollout.num_minibatches)
-    # One implementation for every model: weight sync and the checkpoints the models start from
-    # map parameters by name, and TE names the fused norms differently.
-    transformer_impl = resolve_transformer_impl(config.models.transformer_impl,
-                                                needs_kv_cache=config.generation.use_kv_cache)
     for role in plan.roles_on(rank):
         pgc = groups[role]
-        options = ModelBuildOptions(
-            head=_head(role, config.placement.ac_share), params_dtype=config.models.params_dtype,
-            dropout=config.models.dropout, transformer_impl=transformer_impl,
-            attention_backend=config.models.attention_backend)
+        options = role_options(config, sources, SHADOW_OF.get(role, role))
         model = build_gpt_model(plan[role].spec.arch, options, pgc, seed=config.runtime.seed)
         init_weights(model, pgc, seed=config.models.init_seed)
         models[role] = model
-    # Every rank takes part in each load (megatron's dist_checkpointing is collective).
-    for role, directory in (initial_checkpoints(config) if load_initial else {}).items():
-        if role in plan.models:
-            load_model_checkpoint(models.get(role), groups[role], directory, new_head=True)
+    if load_initial:
+        load_initial_weights(models, groups, plan.models, sources, config.models.hf_cache_dir)
     for role, model in models.items():
         trainer = None
         if role in TRAINABLE_ROLES:

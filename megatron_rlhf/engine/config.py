@@ -29,10 +29,13 @@ class ModelsConfig:
     """Which networks the four roles are.
 
     Attributes:
-        arch: architecture preset name (``tiny``, ``small``, ``llama-7b``, ...).
+        arch: architecture preset name (``tiny``, ``small``, ``llama-7b``, ...); ignored when
+            ``actor_checkpoint`` is given (the architecture is the checkpoint's).
         init_seed: seed of the layout-independent initialisation when no checkpoint is given.
-        actor_checkpoint: checkpoint directory of the initial policy (SFT), or empty.
-        reward_checkpoint: checkpoint directory of the reward model, or empty.
+        actor_checkpoint: checkpoint directory of the initial policy (SFT): a megatron_rlhf
+            checkpoint or a Hugging Face ``...ForCausalLM`` directory; or empty.
+        reward_checkpoint: checkpoint directory of the reward model: a megatron_rlhf checkpoint
+            or a Hugging Face ``...ForSequenceClassification`` directory; or empty.
         critic_from_reward: initialise the critic from the reward model (InstructGPT); else from
             ``init_seed``.
         params_dtype: ``auto`` (``bfloat16`` with CUDA, ``float32`` on CPU), ``float32`` or
@@ -46,6 +49,11 @@ class ModelsConfig:
             which materialises the score matrix; for comparison).
         dropout: hidden and attention dropout of every model (PPO usually runs with 0; with
             dropout the log-probs of the experience and training passes differ by noise).
+        hf_cache_dir: where Hugging Face checkpoints given as ``actor_checkpoint`` or
+            ``reward_checkpoint`` are converted to, once per checkpoint content.
+        export_hf: also write the trained actor (``lm`` head) and critic (``scalar`` head) as
+            Hugging Face directories, ``<run_dir>/hf/step_<k>/{actor,critic}``, at every
+            checkpoint save and after the last step.
     """
 
     arch: str = "tiny"
@@ -57,6 +65,8 @@ class ModelsConfig:
     transformer_impl: str = "auto"
     attention_backend: str = "sdpa"
     dropout: float = 0.0
+    hf_cache_dir: str = "~/.cache/megatron_rlhf/converted"
+    export_hf: bool = False
 
     def __post_init__(self) -> None:
         self.params_dtype = resolve_params_dtype(self.params_dtype)
@@ -154,12 +164,16 @@ class PromptsConfig:
         reader: field names and bad-record policy for ``paths``.
         split: SFT/RM/PPO fractions; PPO uses the ``ppo`` portion.
         synthetic: size and seed of the synthetic task when ``paths`` is empty.
+        chat_template: wrap each plain-text prompt as one user turn in the tokenizer's chat
+            template when it has one (Hugging Face tokenizers); conversation records
+            (``messages``) always go through the template.
     """
 
     paths: list[str] = field(default_factory=list)
     reader: ReaderConfig = field(default_factory=ReaderConfig)
     split: SplitConfig = field(default_factory=SplitConfig)
     synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
+    chat_template: bool = True
 
 
 @dataclass

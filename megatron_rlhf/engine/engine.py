@@ -44,13 +44,14 @@ class PPOEngine:
             empty when no shadows are placed).
         prompt_length: ``P``, the fixed padded prompt width.
         generation: sampling settings; ``R = max_new_tokens`` is the fixed response width.
-        eos_id: end-of-sequence token id.
+        eos_id: end-of-sequence token id, or several (a reply may end with any of them).
         pad_id: padding token id.
     """
 
     def __init__(self, plan: PlacementPlan, workers: dict[str, ModelWorker],
                  weight_syncs: dict[str, WeightSync], prompt_length: int,
-                 generation: GenerationConfig, eos_id: int, pad_id: int) -> None:
+                 generation: GenerationConfig, eos_id: int | tuple[int, ...],
+                 pad_id: int) -> None:
         self.plan = plan
         self.workers = workers
         self.weight_syncs = weight_syncs

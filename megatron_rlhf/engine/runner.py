@@ -35,8 +35,12 @@ from megatron_rlhf.engine.checkpointing import (
 )
 from megatron_rlhf.engine.config import RunConfig
 from megatron_rlhf.engine.engine import RuleReward
+from megatron_rlhf.engine.export import HFExporter
 from megatron_rlhf.engine.ppo import PPOTrainer
-from megatron_rlhf.models.tokenizer import Tokenizer
+from megatron_rlhf.engine.sources import ModelSource, resolve_sources
+from megatron_rlhf.models.hf_tokenizer import HFTokenizer, is_hf_tokenizer_dir
+from megatron_rlhf.models.prompting import encode_prompt
+from megatron_rlhf.models.tokenizer import Tokenizer, load_tokenizer
 from megatron_rlhf.runtime.bootstrap import initialize_runtime
 from megatron_rlhf.runtime.faults import (
     PreemptionWatcher,
@@ -47,23 +51,35 @@ from megatron_rlhf.runtime.faults import (
 from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.runtime.metrics import MetricsWriter
 from megatron_rlhf.runtime.tracing import configure_tracing, write_chrome_trace
-from megatron_rlhf.topology.models import arch_preset
+from megatron_rlhf.topology.models import ACTOR, arch_preset
 
 logger = get_logger(__name__)
 
 
-def load_prompts(config: RunConfig, tokenizer: Tokenizer) -> PromptStream:
+def run_tokenizer(config: RunConfig, sources: dict[str, ModelSource]) -> Tokenizer | HFTokenizer:
+    """The configured tokenizer, or the actor's own when it starts from a Hugging Face directory
+    that ships one and no tokenizer is configured."""
+    actor = sources.get(ACTOR)
+    configured = config.tokenizer.hf_dir or config.tokenizer.model_path
+    if not configured and actor is not None and actor.is_hf and is_hf_tokenizer_dir(actor.path):
+        return HFTokenizer.load(actor.path)
+    return load_tokenizer(config.tokenizer)
+
+
+def load_prompts(config: RunConfig, tokenizer: Tokenizer | HFTokenizer) -> PromptStream:
     """Tokenised PPO prompts from the configured files, or the synthetic task."""
     if config.prompts.paths:
         data = DataConfig(list(config.prompts.paths), config.prompts.reader, config.prompts.split)
         splits, summaries = load_splits(data, tokenizer)
         for summary in summaries:
             logger.info("%s", summary.format())
-        texts = [record.prompt for record in splits.ppo]
+        records = [(record.prompt, record.messages) for record in splits.ppo]
     else:
-        texts = [record["prompt"] for record in generate_records(config.prompts.synthetic)]
+        records = [(record["prompt"], None) for record in
+                   generate_records(config.prompts.synthetic)]
     limit = config.rollout.max_prompt_length
-    prompts = [tokenizer.encode(text, add_bos=True) for text in texts]
+    prompts = [encode_prompt(tokenizer, text, messages, config.prompts.chat_template)
+               for text, messages in records]
     too_long = [i for i, p in enumerate(prompts) if len(p) > limit]
     if too_long:
         raise ValueError(f"{len(too_long)} prompts are longer than rollout.max_prompt_length="
@@ -93,16 +109,18 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
         RankFailure: another rank failed, hung or disagrees (named in the message).
         NonFiniteError: NaN/Inf with ``faults.on_nan=stop``.
     """
-    tokenizer = Tokenizer.from_config(config.tokenizer)
-    arch = arch_preset(config.models.arch)
-    if tokenizer.vocab_size > arch.vocab_size:
-        raise ValueError(f"tokenizer has {tokenizer.vocab_size} pieces but models.arch="
-                         f"{arch.name!r} embeds {arch.vocab_size}; use a smaller tokenizer "
-                         "vocab_size or a larger architecture")
-    check_checkpoint_tokenizers(config, tokenizer.fingerprint)
+    sources = resolve_sources(config)
+    tokenizer = run_tokenizer(config, sources)
+    if ACTOR not in sources:
+        arch = arch_preset(config.models.arch)
+        if tokenizer.vocab_size > arch.vocab_size:
+            raise ValueError(f"tokenizer has {tokenizer.vocab_size} pieces but models.arch="
+                             f"{arch.name!r} embeds {arch.vocab_size}; use a smaller tokenizer "
+                             "vocab_size or a larger architecture")
+    check_checkpoint_tokenizers(sources, tokenizer)
     candidates = resume_candidates(config.checkpoint)
     prompts = load_prompts(config, tokenizer)
-    plan = make_plan(config, cluster_from_environment(config.cluster.pools))
+    plan = make_plan(config, cluster_from_environment(config.cluster.pools), sources)
     initialize_runtime(config.runtime)
     install_fault_tracker(config.faults, config.runtime.distributed.timeout_s)
     run_dir = Path(config.run_dir)
@@ -115,17 +133,20 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
                 run_dir.mkdir(parents=True, exist_ok=True)
                 (run_dir / "config.yaml").write_text(to_yaml(config))
                 (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
-            engine = build_engine(config, plan, tokenizer.eos_id, tokenizer.pad_id,
-                                  load_initial=resume_from is None)
+            # A Hugging Face tokenizer ends replies with any of its EOS ids (Llama-3, Qwen).
+            eos = getattr(tokenizer, "eos_ids", tokenizer.eos_id)
+            engine = build_engine(config, plan, eos, tokenizer.pad_id,
+                                  load_initial=resume_from is None, sources=sources)
             trainer = PPOTrainer(engine, config.algorithm, config.rollout, config.reward,
                                  config.runtime.seed, prompts.batch, config.steps,
                                  rule_reward_for(config, tokenizer), on_nan=config.faults.on_nan)
             run = RunState(engine, trainer, prompts, config, tokenizer.fingerprint)
+            exporter = HFExporter(config, sources, tokenizer)
         start = 0
         if resume_from is not None:
             with stage("checkpoint/load"):
                 start = load_rl_checkpoint(run, resume_from, skip_state)
-        _train(run, start, run_dir)
+        _train(run, start, run_dir, exporter)
     finally:
         uninstall_fault_tracker()
     return run_dir
@@ -144,7 +165,7 @@ def _shape_signature(config: RunConfig) -> tuple[str, ...]:
             f"steps={config.steps}", f"placement={config.placement}")
 
 
-def _train(run: RunState, start: int, run_dir: Path) -> None:
+def _train(run: RunState, start: int, run_dir: Path, exporter: HFExporter) -> None:
     """Steps ``start`` to ``config.steps``; checkpoints by interval, at the end and on SIGTERM."""
     config = run.config
     if dist.get_rank() == 0:
@@ -167,6 +188,11 @@ def _train(run: RunState, start: int, run_dir: Path) -> None:
                         step + 1) % config.checkpoint.save_interval == 0)):
                 with stage("checkpoint/save"):
                     save_rl_checkpoint(run, step + 1)
+            if config.models.export_hf and (stop or step + 1 == config.steps or (
+                    config.checkpoint.save_dir and config.checkpoint.save_interval and (
+                        step + 1) % config.checkpoint.save_interval == 0)):
+                with stage("export/hf"):
+                    exporter.export(run.engine, run_dir / "hf" / f"step_{step + 1:08d}")
             if stop:
                 logger.warning("stopping after step %d on SIGTERM%s", step, "" if config.checkpoint
                                .save_dir else " (no checkpoint.save_dir: nothing was saved)")

@@ -31,10 +31,17 @@ from megatron_rlhf.data.readers import PreferenceRecord, read_files
 from megatron_rlhf.data.splits import load_splits
 from megatron_rlhf.data.synthetic import SyntheticTaskConfig, write_task_jsonl
 from megatron_rlhf.engine.build import cluster_from_environment
+from megatron_rlhf.engine.sources import (
+    ModelSource,
+    arch_spec,
+    load_initial_weights,
+    read_source,
+)
 from megatron_rlhf.models.checkpoint import save_model_checkpoint
 from megatron_rlhf.models.gpt import ModelBuildOptions, build_gpt_model, resolve_params_dtype
+from megatron_rlhf.models.hf_tokenizer import TOKENIZER_FILES, HFTokenizer, is_hf_tokenizer_dir
 from megatron_rlhf.models.schedule import Batch, LossFn, run_microbatches
-from megatron_rlhf.models.tokenizer import Tokenizer, TokenizerConfig
+from megatron_rlhf.models.tokenizer import Tokenizer, TokenizerConfig, load_tokenizer
 from megatron_rlhf.models.trainer import ModelTrainer, OptimizerSettings
 from megatron_rlhf.models.weights import init_weights
 from megatron_rlhf.runtime.bootstrap import RuntimeConfig, initialize_runtime
@@ -90,7 +97,11 @@ class SupervisedModelConfig:
             config is built), ``float32`` or ``bfloat16``.
         init_seed: seed of the layout-independent initialisation.
         init_checkpoint: checkpoint to start from, or empty. The objective decides how it loads
-            (a reward model takes an SFT checkpoint's trunk and keeps its new head).
+            (a reward model takes an SFT checkpoint's trunk and keeps its new head). A Hugging
+            Face directory works too: its config.json replaces ``arch``, its weights are
+            converted (cached in ``hf_cache_dir``) and its tokenizer is used unless one is
+            configured.
+        hf_cache_dir: where a Hugging Face ``init_checkpoint`` is converted to, once.
     """
 
     arch: str = "tiny"
@@ -99,6 +110,7 @@ class SupervisedModelConfig:
     params_dtype: str = "auto"
     init_seed: int = 1234
     init_checkpoint: str = ""
+    hf_cache_dir: str = "~/.cache/megatron_rlhf/converted"
 
     def __post_init__(self) -> None:
         arch_preset(self.arch)
@@ -202,7 +214,7 @@ def _held_out(prompt: str, data: SupervisedDataConfig) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < data.eval_fraction
 
 
-def load_examples(config: SupervisedConfig, objective: Objective, tokenizer: Tokenizer
+def load_examples(config: SupervisedConfig, objective: Objective, tokenizer: Tokenizer | HFTokenizer
                   ) -> tuple[list[Any], list[Any]]:
     """Training and held-out examples of ``objective``; logs one line per file (the readers
     warn about bad records in detail).
@@ -265,7 +277,7 @@ def _reduce(per_microbatch: list[dict[str, Any]], keys: tuple[str, ...],
 
 
 def _check_run(config: SupervisedConfig, objective: Objective, arch: ArchSpec,
-               tokenizer: Tokenizer, dp: int, num_train: int, num_held_out: int
+               tokenizer: Tokenizer | HFTokenizer, dp: int, num_train: int, num_held_out: int
                ) -> tuple[int, int]:
     """Refuse what cannot run; return the steps and the held-out examples evaluated (equal
     micro-batches on every replica: the remainder of ``dp * micro_batch_size`` is dropped)."""
@@ -291,7 +303,8 @@ def _check_run(config: SupervisedConfig, objective: Objective, arch: ArchSpec,
 class _Batches:
     """This replica's micro-batches: each training step's, and the held-out set's."""
 
-    def __init__(self, config: SupervisedConfig, objective: Objective, tokenizer: Tokenizer,
+    def __init__(self, config: SupervisedConfig, objective: Objective,
+                 tokenizer: Tokenizer | HFTokenizer,
                  train: list[Any], held_out: list[Any], dp: tuple[int, int],
                  device: torch.device) -> None:
         self.config, self.objective, self.tokenizer = config, objective, tokenizer
@@ -314,16 +327,43 @@ class _Batches:
         return self._replica([self.train[i] for i in order[index * size:(index + 1) * size]])
 
 
-def _build(config: SupervisedConfig, objective: Objective, spec: ModelSpec,
-           total_steps: int) -> tuple[ModelTrainer, ProcessGroupCollection]:
+def _build(config: SupervisedConfig, objective: Objective, spec: ModelSpec, total_steps: int,
+           source: ModelSource | None) -> tuple[ModelTrainer, ProcessGroupCollection]:
     pgc = build_model_process_groups(spec, config.runtime.distributed.timeout_s)
-    options = ModelBuildOptions(head=objective.head, params_dtype=config.model.params_dtype)
+    # The numerics (QKV bias, QK-norm, RoPE, ...) are the starting checkpoint's.
+    base = source.description.build_options() if source is not None else ModelBuildOptions()
+    options = replace(base, head=objective.head, params_dtype=config.model.params_dtype,
+                      tie_embeddings=base.tie_embeddings and objective.head == "lm")
     model = build_gpt_model(spec.arch, options, pgc, seed=config.runtime.seed)
     init_weights(model, pgc, seed=config.model.init_seed)
-    if config.model.init_checkpoint:
-        # Before the trainer exists: the optimizer copies the weights it starts from.
-        objective.load_checkpoint(model, pgc, config.model.init_checkpoint)
+    # Before the trainer exists: the optimizer copies the weights it starts from.
+    if source is not None and source.is_hf:
+        role = objective.role
+        load_initial_weights({role: model}, {role: pgc}, [role], {role: source},
+                             config.model.hf_cache_dir)
+    elif source is not None:
+        objective.load_checkpoint(model, pgc, source.path)
     return ModelTrainer(model, pgc, config.optimizer, total_steps=total_steps), pgc
+
+
+def _start(config: SupervisedConfig) -> tuple[ModelSource | None, Tokenizer | HFTokenizer]:
+    """The checkpoint to start from and the tokenizer (a Hugging Face start's own by default)."""
+    source = read_source(config.model.init_checkpoint) if config.model.init_checkpoint else None
+    configured = config.tokenizer.hf_dir or config.tokenizer.model_path
+    if (not configured and source is not None and source.is_hf
+            and is_hf_tokenizer_dir(source.path)):
+        return source, HFTokenizer.load(source.path)
+    return source, load_tokenizer(config.tokenizer)
+
+
+def _save_tokenizer(tokenizer: Tokenizer | HFTokenizer, out: Path) -> None:
+    """Copy the tokenizer (a Hugging Face one's files) next to the checkpoint."""
+    if isinstance(tokenizer, HFTokenizer):
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer.source) / name).is_file():
+                shutil.copyfile(Path(tokenizer.source) / name, out / name)
+    else:
+        shutil.copyfile(tokenizer.source, out / TOKENIZER_FILE)
 
 
 def run_supervised(config: SupervisedConfig, objective: Objective) -> TrainingResult:
@@ -338,8 +378,9 @@ def run_supervised(config: SupervisedConfig, objective: Objective) -> TrainingRe
     if (Path(config.out_dir) / CHECKPOINT_DIR).exists():
         raise ValueError(f"{config.out_dir} already holds a {CHECKPOINT_DIR}/: choose another "
                          "out_dir or delete it")
-    tokenizer = Tokenizer.from_config(config.tokenizer)
-    arch = arch_preset(config.model.arch)
+    source, tokenizer = _start(config)
+    arch = (arch_spec(source.description, source.path) if source is not None and source.is_hf
+            else arch_preset(config.model.arch))
     spec = ModelSpec(objective.role, arch, trainable=True, tp=config.model.tp, pp=config.model.pp,
                      distributed_optimizer=config.optimizer.distributed_optimizer)
     dp = data_parallel_size(spec, cluster_from_environment())
@@ -348,23 +389,26 @@ def run_supervised(config: SupervisedConfig, objective: Objective) -> TrainingRe
                                             len(held_out))
     initialize_runtime(config.runtime)
     device = compute_device()
-    trainer, pgc = _build(config, objective, spec, total_steps)
+    trainer, pgc = _build(config, objective, spec, total_steps, source)
     batches = _Batches(config, objective, tokenizer, train, held_out[:num_evaluated],
                        (dp, pgc.dp.rank()), device)
     out = Path(config.out_dir)
     if dist.get_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(to_yaml(config))
-        shutil.copyfile(tokenizer.source, out / TOKENIZER_FILE)
+        _save_tokenizer(tokenizer, out)
         # metrics.jsonl is appended to: a fresh run replaces the metrics of an unfinished one.
         (out / "metrics.jsonl").unlink(missing_ok=True)
     logger.info("%s: %d steps of %d of %d examples, tp=%d pp=%d dp=%d, %d held-out examples",
                 objective.name, total_steps, config.train.global_batch_size, len(train),
                 spec.tp, spec.pp, dp, num_evaluated)
     history = _train_loop(config, objective, trainer, pgc, batches, total_steps, device)
-    save_model_checkpoint(trainer.model, pgc, out / CHECKPOINT_DIR, {
-        "role": objective.role, "task": objective.name, "steps": total_steps,
-        "tokenizer": TOKENIZER_FILE, "tokenizer_fingerprint": tokenizer.fingerprint})
+    metadata = {"role": objective.role, "task": objective.name, "steps": total_steps,
+                "tokenizer": "tokenizer.json" if isinstance(tokenizer, HFTokenizer)
+                else TOKENIZER_FILE, "tokenizer_fingerprint": tokenizer.fingerprint}
+    if source is not None and source.hf_config is not None:
+        metadata["hf_config"] = source.hf_config  # the base of a later Hugging Face export
+    save_model_checkpoint(trainer.model, pgc, out / CHECKPOINT_DIR, metadata)
     logger.info("%s: checkpoint written to %s", objective.name, out / CHECKPOINT_DIR)
     return TrainingResult(out, history)
 

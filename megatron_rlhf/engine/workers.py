@@ -130,7 +130,8 @@ class ModelWorker:
             out[..., 0], batch["attention_mask"]).float())
 
     def generate(self, prompts: Sequence[Sequence[int]], prompt_indices: Sequence[int],
-                 config: GenerationConfig, eos_id: int, pad_id: int) -> GenerationOutput:
+                 config: GenerationConfig, eos_id: int | tuple[int, ...],
+                 pad_id: int) -> GenerationOutput:
         """Sample one response per prompt (every TP rank returns the same tokens)."""
         return generate_sequences(self._module(), self.pg_collection, prompts, prompt_indices,
                                   config, eos_id, pad_id)

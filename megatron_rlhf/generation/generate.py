@@ -87,7 +87,7 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int,
 
 
 def _check_inputs(prompts: Sequence[Sequence[int]], prompt_indices: Sequence[int],
-                  config: GenerationConfig, eos_id: int | None, pad_id: int,
+                  config: GenerationConfig, eos_id: int | Sequence[int] | None, pad_id: int,
                   vocab_size: int, seq_length: int) -> None:
     """Raise ValueError for anything ``generate_sequences`` cannot honour."""
     if not prompts:
@@ -147,7 +147,7 @@ def _has_value_channel(model: torch.nn.Module) -> bool:
 
 def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollection,
                        prompts: Sequence[Sequence[int]], prompt_indices: Sequence[int],
-                       config: GenerationConfig, eos_id: int | None,
+                       config: GenerationConfig, eos_id: int | Sequence[int] | None,
                        pad_id: int) -> GenerationOutput:
     """Generate one response per prompt.
 
@@ -165,7 +165,8 @@ def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollec
         prompt_indices: a global, non-negative id per prompt that keys its sampling noise (give
             several samples of one prompt different ids).
         config: sampling settings.
-        eos_id: the end-of-sequence token (None only with ``stop_at_eos=False``).
+        eos_id: the end-of-sequence token, or several (Llama-3 and Qwen end a reply with any of
+            a few); None only with ``stop_at_eos=False``.
         pad_id: fills padding positions; must be a valid token id.
 
     Returns:
@@ -203,8 +204,8 @@ def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollec
 
 def _generate_micro_batch(model: torch.nn.Module, pg_collection: ProcessGroupCollection,
                           prompts: Sequence[Sequence[int]], prompt_indices: Sequence[int],
-                          config: GenerationConfig, eos_id: int | None, pad_id: int,
-                          vocab_size: int, seq_length: int,
+                          config: GenerationConfig, eos_id: int | Sequence[int] | None,
+                          pad_id: int, vocab_size: int, seq_length: int,
                           has_value_channel: bool) -> GenerationOutput:
     device = next(model.parameters()).device
     input_ids, attention_mask = left_pad(prompts, pad_id, device)
@@ -224,7 +225,7 @@ def _generate_micro_batch(model: torch.nn.Module, pg_collection: ProcessGroupCol
 def _decode_loop(next_logits: CachedNextTokenLogits | RecomputeNextTokenLogits,
                  prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, budgets: torch.Tensor,
                  max_new: int, noise_keys: torch.Tensor, config: GenerationConfig,
-                 eos_id: int | None, pad_id: int) -> GenerationOutput:
+                 eos_id: int | Sequence[int] | None, pad_id: int) -> GenerationOutput:
     """Sample up to ``max_new`` tokens per row and assemble the output.
 
     Shapes stay fixed: the sequence buffers are allocated once at their final width and the
@@ -239,6 +240,8 @@ def _decode_loop(next_logits: CachedNextTokenLogits | RecomputeNextTokenLogits,
     attention_mask = torch.zeros(b, width, dtype=torch.long, device=device)
     input_ids[:, :prompt_width] = prompt_ids
     attention_mask[:, :prompt_width] = prompt_mask
+    if config.stop_at_eos:
+        eos_ids = torch.as_tensor(eos_id, device=device)
     logprobs = torch.zeros(b, max_new, dtype=torch.float32, device=device)
     policy_logprobs = torch.zeros_like(logprobs)
     stopped = budgets <= 0
@@ -256,7 +259,7 @@ def _decode_loop(next_logits: CachedNextTokenLogits | RecomputeNextTokenLogits,
         attention_mask[:, end] = active.long()
         stopped = stopped | (budgets <= step + 1)
         if config.stop_at_eos:
-            stopped = stopped | (active & (token == eos_id))
+            stopped = stopped | (active & torch.isin(token, eos_ids))
     response_mask = attention_mask[:, prompt_width:]
     response_lengths = response_mask.sum(dim=1)
     steps = int(response_lengths.max()) if b else 0  # R: the longest response

@@ -58,7 +58,9 @@ _MODEL_KEY = "model"
 # Numbers that decide what the weights mean; seq_length only bounds the positions used.
 _MUST_MATCH = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                "ffn_hidden_size", "vocab_size", "head", "tie_embeddings", "norm_epsilon",
-               "rotary_base")
+               "rotary_base", "qkv_bias", "qk_norm", "head_dim", "rope_scaling_factor")
+# Fields added after format version 1 was released: older checkpoints take their defaults.
+_LATER_FIELDS = ("qkv_bias", "qk_norm", "head_dim", "rope_scaling_factor")
 _T = TypeVar("_T")
 
 
@@ -69,8 +71,10 @@ class ModelDescription:
     The first seven fields are the :class:`~megatron_rlhf.models.gpt.Architecture` numbers (so a
     description can be passed to ``build_gpt_model``, with :meth:`build_options`); the others are
     the ``ModelBuildOptions`` that change what the weights compute: ``head`` (``lm``, ``scalar``,
-    ``lm+scalar``), ``tie_embeddings``, ``norm_epsilon`` (RMSNorm), ``rotary_base`` (RoPE theta)
-    and ``params_dtype`` (``float32`` or ``bfloat16``).
+    ``lm+scalar``), ``tie_embeddings``, ``norm_epsilon`` (RMSNorm), ``rotary_base`` (RoPE theta),
+    ``params_dtype`` (``float32`` or ``bfloat16``), ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3),
+    ``head_dim`` (0 becomes ``hidden_size / num_attention_heads``) and ``rope_scaling_factor``
+    (Llama-3 RoPE scaling, 0 for none).
     """
 
     num_layers: int
@@ -85,6 +89,14 @@ class ModelDescription:
     norm_epsilon: float = 1e-5
     rotary_base: int = 10000
     params_dtype: str = "float32"
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    head_dim: int = 0
+    rope_scaling_factor: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
 
     def model_spec(self, role: str, tp: int = 1, pp: int = 1) -> ModelSpec:
         """A topology ``ModelSpec`` of this model at a TP/PP layout (validates divisibility)."""
@@ -105,13 +117,17 @@ class ModelDescription:
             head=model.head_kind, tie_embeddings=model.share_embeddings_and_output_weights,
             norm_epsilon=config.layernorm_epsilon, rotary_base=model.rotary_base,
             params_dtype=str(config.params_dtype).removeprefix("torch."),
+            qkv_bias=config.add_qkv_bias, qk_norm=config.qk_layernorm,
+            head_dim=config.kv_channels, rope_scaling_factor=model.rope_scaling_factor,
         )
 
     def build_options(self) -> ModelBuildOptions:
         """The ``ModelBuildOptions`` that rebuild this model (dropout 0, local layer spec)."""
         return ModelBuildOptions(head=self.head, tie_embeddings=self.tie_embeddings,
                                  norm_epsilon=self.norm_epsilon, rotary_base=self.rotary_base,
-                                 params_dtype=self.params_dtype)
+                                 params_dtype=self.params_dtype, qkv_bias=self.qkv_bias,
+                                 qk_norm=self.qk_norm, head_dim=self.head_dim,
+                                 rope_scaling_factor=self.rope_scaling_factor)
 
 
 @dataclass(frozen=True)
@@ -144,8 +160,11 @@ class CheckpointInfo:
         values = _typed_fields(cls, data, source)
         if not isinstance(values["metadata"].get("role"), str):
             raise ValueError(f"{source}: metadata.role is missing or not a string")
+        model = values["model"]
+        later = {spec.name: spec.default for spec in fields(ModelDescription)
+                 if spec.name in _LATER_FIELDS and spec.name not in model}
         return cls(**values | {"model": ModelDescription(**_typed_fields(
-            ModelDescription, values["model"], f"{source} (model)"))})
+            ModelDescription, model | later, f"{source} (model)"))})
 
 
 _KINDS = {"int": int, "str": str, "bool": bool, "float": float, "ModelDescription": dict,

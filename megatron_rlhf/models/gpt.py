@@ -1,7 +1,8 @@
 """Build the four PPO models as Megatron-Core ``GPTModel``s with their own process groups.
 
-Every role uses the same Llama-style trunk (RMSNorm, SwiGLU, rotary embeddings, no biases); only
-the head differs:
+Every role uses the same Llama-style trunk (RMSNorm, SwiGLU, rotary embeddings, no biases; the
+Hugging Face families add a QKV bias, QK-norm or Llama-3 RoPE scaling through megatron's own
+options, see ``ModelBuildOptions``); only the head differs:
 
 * ``lm``: the language-model head (actor, reference);
 * ``scalar``: one value per position (critic values; the reward model reads the value at the last
@@ -123,6 +124,14 @@ class ModelBuildOptions:
         attention_backend: core attention of the ``local`` implementation: ``sdpa`` (torch's
             fused scaled-dot-product attention, ``models.attention``) or ``megatron`` (its
             ``DotProductAttention``, which materialises the score matrix).
+        qkv_bias: a bias on the fused QKV projection only (Qwen2; megatron's ``add_qkv_bias``).
+        qk_norm: RMSNorm of each query and key head before RoPE (Qwen3; megatron's
+            ``qk_layernorm``).
+        head_dim: channels per attention head (megatron's ``kv_channels``); 0 means
+            ``hidden_size / num_attention_heads``.
+        rope_scaling_factor: Llama-3 RoPE frequency scaling factor (megatron's ``rope_scaling``,
+            with its fixed low/high frequency factors 1 and 4 and original context 8192); 0 means
+            no scaling.
     """
 
     head: str = "lm"
@@ -133,6 +142,10 @@ class ModelBuildOptions:
     params_dtype: str = "auto"
     transformer_impl: str = "local"
     attention_backend: str = "sdpa"
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    head_dim: int = 0
+    rope_scaling_factor: float = 0.0
 
     def __post_init__(self) -> None:
         if self.head not in HEAD_KINDS:
@@ -151,6 +164,9 @@ class ModelBuildOptions:
         if self.transformer_impl not in ("local", "transformer_engine"):
             raise ValueError(f"model.transformer_impl={self.transformer_impl!r}: use 'local' or "
                              "'transformer_engine' (resolve 'auto' with resolve_transformer_impl)")
+        if self.head_dim < 0 or self.rope_scaling_factor < 0:
+            raise ValueError(f"model.head_dim={self.head_dim} and model.rope_scaling_factor="
+                             f"{self.rope_scaling_factor} must be >= 0 (0: the default)")
 
 
 class ScalarHead(torch.nn.Module):
@@ -214,6 +230,9 @@ def transformer_config(arch: Architecture, options: ModelBuildOptions,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
+        add_qkv_bias=options.qkv_bias,
+        qk_layernorm=options.qk_norm,
+        kv_channels=options.head_dim or None,
         hidden_dropout=options.dropout,
         attention_dropout=options.dropout,
         params_dtype=dtype,
@@ -247,8 +266,10 @@ def _layer_spec(options: ModelBuildOptions) -> ModuleSpec:
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return with_explicit_attention_masks(get_gpt_layer_with_transformer_engine_spec())
-    spec = with_explicit_attention_masks(get_gpt_layer_local_spec(normalization="RMSNorm"))
+        return with_explicit_attention_masks(
+            get_gpt_layer_with_transformer_engine_spec(qk_layernorm=options.qk_norm))
+    spec = with_explicit_attention_masks(
+        get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=options.qk_norm))
     if options.attention_backend == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
     return spec
@@ -282,6 +303,8 @@ def build_gpt_model(arch: Architecture, options: ModelBuildOptions,
         share_embeddings_and_output_weights=options.tie_embeddings,
         position_embedding_type="rope",
         rotary_base=options.rotary_base,
+        rope_scaling=options.rope_scaling_factor > 0,
+        rope_scaling_factor=options.rope_scaling_factor or 8.0,
         pg_collection=pg_collection,
     )
     if post_process and options.head == "scalar":
@@ -294,6 +317,7 @@ def build_gpt_model(arch: Architecture, options: ModelBuildOptions,
     # the rank's device in params_dtype, as megatron's Float16Module does for bf16.
     model.to(device=compute_device(), dtype=config.params_dtype)
     model.real_vocab_size = arch.vocab_size
+    model.rope_scaling_factor = options.rope_scaling_factor
     model.head_kind = options.head
     model.transformer_impl = options.transformer_impl
     return model

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from megatron_rlhf.models.hf_tokenizer import HFTokenizer
 from megatron_rlhf.runtime.logging import get_logger
 
 logger = get_logger(__name__)
@@ -42,6 +43,11 @@ _NUM_SPECIAL = 4
 class TokenizerConfig:
     """Where a tokenizer comes from: a ``.model`` file, or a corpus trained into a cache."""
 
+    hf_dir: str | None = None
+    """A Hugging Face checkpoint directory whose ``tokenizer.json``, special tokens and chat
+    template are used (:class:`~megatron_rlhf.models.hf_tokenizer.HFTokenizer`); when set, the
+    other fields are ignored. A run whose actor starts from a Hugging Face directory uses that
+    directory's tokenizer when this is unset."""
     model_path: str | None = None
     """A trained sentencepiece ``.model`` file; when set, the training fields are ignored."""
     corpus_path: str | None = None
@@ -313,8 +319,16 @@ class Tokenizer:
         )
 
 
+def load_tokenizer(config: TokenizerConfig) -> Tokenizer | HFTokenizer:
+    """The configured tokenizer: a Hugging Face checkpoint's, or a sentencepiece model."""
+    if config.hf_dir is not None:
+        return HFTokenizer.load(config.hf_dir)
+    return Tokenizer.from_config(config)
+
+
 def check_same_tokenizer(
-    a: Tokenizer, b: Tokenizer, names: tuple[str, str] = ("actor", "reward model")
+    a: Tokenizer | HFTokenizer, b: Tokenizer | HFTokenizer,
+    names: tuple[str, str] = ("actor", "reward model"),
 ) -> None:
     """Refuse to pair two models whose tokenizers differ (ids would mean different text).
 

@@ -108,6 +108,8 @@ def _init_full_tensor(name: str, shape: list[int], seed: int, std: float,
     # layers as ``linear_qkv.layer_norm_weight`` and ``linear_fc1.layer_norm_weight``.
     if "layernorm" in name or name.endswith(("norm.weight", "layer_norm_weight")):
         return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     if name.endswith(_SCALED_INIT):
         std = std / (2.0 * num_layers) ** 0.5
@@ -119,9 +121,9 @@ def init_weights(model: GPTModel, pg_collection: ProcessGroupCollection, seed: i
                  std: float = 0.02) -> None:
     """Fill every parameter so that the model is identical under any TP/PP layout.
 
-    Norm weights are ones; other weights are normal(0, std), with megatron's scaled init
-    (std / sqrt(2 * layers)) for the attention and MLP output projections. Padded vocabulary rows
-    are zero.
+    Norm weights are ones, biases (Qwen2's QKV bias) zeros; other weights are normal(0, std), with
+    megatron's scaled init (std / sqrt(2 * layers)) for the attention and MLP output projections.
+    Padded vocabulary rows are zero.
     """
     tp_rank, tp_size = pg_collection.tp.rank(), pg_collection.tp.size()
     for _, param, rule in shard_rules(model):
@@ -132,20 +134,32 @@ def init_weights(model: GPTModel, pg_collection: ProcessGroupCollection, seed: i
 
 @torch.no_grad()
 def load_full_state(model: GPTModel, pg_collection: ProcessGroupCollection,
-                    full_state: dict[str, torch.Tensor]) -> None:
+                    full_state: dict[str, torch.Tensor], new_head: bool = False) -> None:
     """Copy this rank's shards out of a full state.
+
+    Args:
+        new_head: the model's output head may differ from the state's (an LM into a critic, a
+            reward model into a critic, an LM into an AC-Share actor): output-layer tensors the
+            state lacks or holds in another shape keep their initialisation.
 
     Raises:
         KeyError: a parameter of the model is missing from ``full_state``.
         ValueError: a full tensor has the wrong shape.
     """
     tp_rank, tp_size = pg_collection.tp.rank(), pg_collection.tp.size()
-    for _, param, rule in shard_rules(model):
+    for local_name, param, rule in shard_rules(model):
         name = rule.global_name
-        if name not in full_state:
-            raise KeyError(f"full state has no tensor {name!r}; it has {sorted(full_state)[:8]}...")
-        full = full_state[name]
         expected = _full_shape(param.shape, rule, tp_size)
+        full = full_state.get(name)
+        if full is None and name == "output_layer.weight":
+            # A tied source into an untied model (an AC-Share actor): the LM head starts as the
+            # embedding it was tied to.
+            full = full_state.get("embedding.word_embeddings.weight")
+        if new_head and local_name.startswith("output_layer.") and (
+                full is None or list(full.shape) != expected):
+            continue
+        if full is None:
+            raise KeyError(f"full state has no tensor {name!r}; it has {sorted(full_state)[:8]}...")
         if list(full.shape) != expected:
             raise ValueError(f"{name}: full state holds shape {list(full.shape)}, "
                              f"the model expects {expected}")

@@ -48,6 +48,7 @@ BAD_LINES = {
     "not_a_string": (_json({**GOOD, "rejected": 42}), "rejected"),
     "empty_text": (_json({**GOOD, "response": "  \t "}), "response"),
     "prompt_too_long": (_json({**GOOD, "prompt": "word " * 80}), "prompt"),
+    "bad_conversation": (_json({**GOOD, "chosen": [{"role": "assistant"}]}), "chosen"),
 }
 
 
@@ -206,3 +207,83 @@ def test_prompt_limit_needs_a_tokenizer(tmp_path: Path) -> None:
 def test_reader_config_validation(kwargs: dict[str, object], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         ReaderConfig(**kwargs)
+
+
+def _turn(role: str, content: str) -> dict[str, str]:
+    return {"role": role, "content": content}
+
+
+CONVERSATION_RECORDS = [
+    # HH-RLHF style: two whole conversations sharing their prompt turns.
+    {"chosen": [_turn("user", "Hi"), _turn("assistant", "Hello!"), _turn("user", "Sea?"),
+                _turn("assistant", "wave tide.")],
+     "rejected": [_turn("user", "Hi"), _turn("assistant", "Hello!"), _turn("user", "Sea?"),
+                  _turn("assistant", "pan oven.")], "response": "tide."},
+    # UltraFeedback-binarized style: a text prompt, the answers as [user, assistant] turns.
+    {"prompt": "Sea?", "chosen": [_turn("user", "Sea?"), _turn("assistant", "wave tide.")],
+     "rejected": [_turn("user", "Sea?"), _turn("assistant", "pan oven.")], "response": "tide."},
+    # A messages conversation ending with the reference answer; text preferences.
+    {"messages": [_turn("system", "Be brief."), _turn("user", "Sea?"),
+                  _turn("assistant", "tide.")], "chosen": "wave tide.", "rejected": "pan oven."},
+]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_conversation_records_give_prompt_turns_and_answers(tmp_path: Path, suffix: str) -> None:
+    path = tmp_path / f"conv{suffix}"
+    bad = {"chosen": [_turn("user", "Hi"), _turn("assistant", "a")],
+           "rejected": [_turn("user", "Bye"), _turn("assistant", "b")], "response": "c"}
+    records = [*CONVERSATION_RECORDS, bad]
+    if suffix == ".jsonl":
+        _write_jsonl(path, [_json(r) for r in records])
+    else:  # one schema for every row: text columns as strings, turns as JSON strings
+        pq.write_table(pa.Table.from_pylist([{k: v for k, v in r.items()} for r in records[:2]]),
+                       path)
+    read, summary = read_records(path, ReaderConfig())
+    first, second = read[0], read[1]
+    assert first.messages == (_turn("user", "Hi"), _turn("assistant", "Hello!"),
+                              _turn("user", "Sea?"))
+    assert (first.chosen, first.rejected, first.response) == ("wave tide.", "pan oven.", "tide.")
+    assert first.prompt == "Hi\n\nHello!\n\nSea?"
+    assert second.messages == (_turn("user", "Sea?"),) and second.chosen == "wave tide."
+    if suffix == ".jsonl":
+        third = read[2]
+        assert third.messages == (_turn("system", "Be brief."), _turn("user", "Sea?"))
+        assert (third.response, third.chosen) == ("tide.", "wave tide.")
+        assert summary.counts == {"bad_conversation": 1}
+        assert "continues another conversation" in summary.examples[0].detail
+
+
+def test_bad_conversations_are_refused_by_the_policy(tmp_path: Path) -> None:
+    ends_with_user = {"chosen": [_turn("user", "Hi")], "rejected": [_turn("user", "Hi")],
+                      "response": "x", "prompt": "Hi"}
+    path = _write_jsonl(tmp_path / "bad.jsonl", [_json(ends_with_user)])
+    with pytest.raises(DataError, match=r"bad.jsonl line 1, field 'chosen': bad_conversation "
+                                        r"\(the last turn is 'user', not the assistant's answer"):
+        read_records(path, ReaderConfig(on_bad_record="error"))
+    no_response = {"messages": [_turn("user", "Sea?")], "chosen": "a", "rejected": "b"}
+    path = _write_jsonl(tmp_path / "nr.jsonl", [_json(no_response)])
+    records, summary = read_records(path, ReaderConfig())
+    assert not records and summary.examples[0].reason == "missing_field"
+    assert summary.examples[0].field == "response"
+    records, _ = read_records(path, ReaderConfig(required=["prompt", "chosen", "rejected"]))
+    assert records[0].messages == (_turn("user", "Sea?"),) and records[0].response is None
+
+
+def test_prompt_limit_counts_the_chat_template_of_conversations(tmp_path: Path) -> None:
+    from megatron_rlhf.models.hf_tokenizer import HFTokenizer
+    from tools.make_tiny_hf import make_hf_tokenizer
+
+    make_hf_tokenizer(tmp_path / "tok", "qwen")
+    tokenizer = HFTokenizer.load(tmp_path / "tok")
+    turns = [_turn("user", "Sea?")]
+    templated = len(tokenizer.encode_chat(turns))
+    assert templated > 20 > len(tokenizer.encode("Sea?"))  # Qwen's template adds a system turn
+    path = _write_jsonl(tmp_path / "p.jsonl", [_json({"messages": turns}),
+                                               _json({"prompt": "Sea?"})])
+    records, summary = read_records(path, ReaderConfig(required=["prompt"], max_prompt_tokens=20),
+                                    tokenizer)
+    assert [r.prompt for r in records] == ["Sea?"] and records[0].messages is None
+    assert summary.examples[0].reason == "prompt_too_long"
+    assert summary.examples[0].field == "messages"
+    assert summary.examples[0].detail == f"{templated} tokens > max_prompt_tokens(20)"

@@ -160,6 +160,11 @@ def test_all_sequences_stop_at_once_and_early_stops_are_padded(tiny) -> None:
     assert stopped.response_lengths.tolist() == [step + 1] * 3
     assert stopped.responses[0].tolist() == tokens[: step + 1]
 
+    # Several end-of-reply ids (Llama-3, Qwen): any of them stops, whichever comes first.
+    several = _generate(tiny, [prompt], GenerationConfig(max_new_tokens=10, greedy=True),
+                        eos_id=(PAD + 1000, tokens[step]))
+    assert several.responses[0].tolist() == tokens[: step + 1]
+
     mixed = _generate(tiny, [prompt, make_prompts([6], seed=6)[0]],
                       GenerationConfig(max_new_tokens=10, greedy=True), eos_id=tokens[step])
     length = mixed.response_lengths[0].item()

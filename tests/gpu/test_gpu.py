@@ -125,8 +125,6 @@ def test_sft_and_reward_model_steps_run_in_bf16(tmp_path: Path) -> None:
 
 
 def _cached_and_recomputed(params_dtype: str) -> dict[str, float]:
-    import torch
-
     from megatron_rlhf.generation import GenerationConfig, generate_sequences
     from megatron_rlhf.models.gpt import ModelBuildOptions, build_gpt_model
     from megatron_rlhf.models.weights import init_weights

@@ -10,6 +10,7 @@ import json
 import logging
 from dataclasses import asdict, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -19,6 +20,7 @@ from megatron_rlhf.engine.build import check_checkpoint_tokenizers
 from megatron_rlhf.engine.checkpointing import check_compatible, read_rl_state
 from megatron_rlhf.engine.config import CheckpointConfig, RunConfig
 from megatron_rlhf.engine.ppo import nonfinite_report
+from megatron_rlhf.engine.sources import resolve_sources
 from megatron_rlhf.models.checkpoint import INFO_FILE, CheckpointInfo, ModelDescription
 from megatron_rlhf.runtime.faults import FaultConfig, RankFailure
 from tools import run_ppo as run_ppo_tool
@@ -137,18 +139,24 @@ def test_a_reward_model_trained_with_another_tokenizer_is_refused(tmp_path: Path
     reward = _model_checkpoint(tmp_path / "rm", "f" * 64)
     config = RunConfig()
     config.models.reward_checkpoint = str(reward)
-    with pytest.raises(ValueError, match=r"reward checkpoint .*rm was trained with another "
-                       r"tokenizer \(fingerprint ffffffffffff\.\.\., this run's is "
-                       r"000000000000\.\.\.\); use the tokenizer.model saved next to that"):
-        check_checkpoint_tokenizers(config, "0" * 64)
-    check_checkpoint_tokenizers(config, "f" * 64)
+    def ours(fingerprint: str, vocab_size: int = 512) -> SimpleNamespace:
+        return SimpleNamespace(fingerprint=fingerprint, source="tok.model", vocab_size=vocab_size)
+
+    with pytest.raises(ValueError, match=r"reward checkpoint .*rm was made with another "
+                       r"tokenizer \(fingerprint ffffffffffff\.\.\., this run's tok.model is "
+                       r"000000000000\.\.\.\); use the tokenizer saved with that checkpoint"):
+        check_checkpoint_tokenizers(resolve_sources(config), ours("0" * 64))
+    check_checkpoint_tokenizers(resolve_sources(config), ours("f" * 64))
+    with pytest.raises(ValueError, match=r"reward checkpoint .*rm embeds 512 tokens but the "
+                       r"tokenizer tok.model has 600; use the checkpoint's own tokenizer"):
+        check_checkpoint_tokenizers(resolve_sources(config), ours("f" * 64, 600))
     config.models.reward_checkpoint = str(tmp_path / "missing")
     with pytest.raises(FileNotFoundError, match="checkpoint directory .*missing does not exist"):
-        check_checkpoint_tokenizers(config, "f" * 64)
+        resolve_sources(config)
     config.models.reward_checkpoint = str(_model_checkpoint(tmp_path / "bad", "f" * 64))
     (tmp_path / "bad" / INFO_FILE).write_text("{")
     with pytest.raises(ValueError, match="is not JSON .*; the checkpoint is corrupted"):
-        check_checkpoint_tokenizers(config, "f" * 64)
+        resolve_sources(config)
 
 
 def test_nonfinite_metrics_name_the_model_and_the_stage() -> None:

@@ -1,0 +1,70 @@
+"""The trained actor and critic written as Hugging Face directories during a run.
+
+    exporter = HFExporter(config, sources, tokenizer)
+    exporter.export(engine, run_dir / "hf" / "step_00000010")   # collective over the world
+
+The actor becomes a ``...ForCausalLM`` (under AC-Share its value head is left out), the critic a
+``...ForSequenceClassification``; the family follows the layers (models/hf_config.py), the
+source ``config.json``'s other fields (token ids, ...) are kept, and the tokenizer files of the
+run's Hugging Face tokenizer are copied next to each model, so ``from_pretrained`` loads both.
+Each model's full state is gathered on its own ranks; its first rank writes the files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_rlhf.engine.config import RunConfig
+from megatron_rlhf.engine.engine import PPOEngine
+from megatron_rlhf.engine.sources import ModelSource
+from megatron_rlhf.models.checkpoint import ModelDescription
+from megatron_rlhf.models.hf_llama import full_state_to_hf, save_hf_checkpoint
+from megatron_rlhf.models.hf_tokenizer import HFTokenizer
+from megatron_rlhf.models.tokenizer import Tokenizer
+from megatron_rlhf.models.weights import gather_full_state
+from megatron_rlhf.topology.models import ACTOR, CRITIC
+
+_VALUE_HEAD = "output_layer.value_head.weight"
+
+
+class HFExporter:
+    """Writes the trained models of a run as Hugging Face directories.
+
+    Args:
+        config: the run (``models.export_hf``).
+        sources: the run's initial checkpoints; their ``config.json`` is the base of the export.
+        tokenizer: the run's tokenizer; a Hugging Face one's files are copied.
+    """
+
+    def __init__(self, config: RunConfig, sources: dict[str, ModelSource],
+                 tokenizer: Tokenizer | HFTokenizer) -> None:
+        self.base_configs = {role: source.hf_config for role, source in sources.items()
+                             if source.hf_config is not None}
+        self.tokenizer_dir = tokenizer.source if isinstance(tokenizer, HFTokenizer) else None
+        self.pad_id = tokenizer.pad_id
+
+    def export(self, engine: PPOEngine, directory: Path) -> None:
+        """Write ``directory/actor`` and ``directory/critic``; every rank calls it."""
+        for role in (ACTOR, CRITIC):
+            worker = engine.workers.get(role)
+            if role not in engine.plan.models or worker is None:
+                continue
+            pgc = worker.pg_collection
+            full_state = gather_full_state(worker.model, pgc)
+            if pgc.tp.rank() or pgc.pp.rank() or pgc.dp.rank():
+                continue
+            description = ModelDescription.from_model(worker.model)
+            if description.head == "lm+scalar":
+                full_state.pop(_VALUE_HEAD)
+                description = replace(description, head="lm")
+            # The critic's trunk is the reward model's when it started from it, else the actor's.
+            base = dict(self.base_configs.get(role) or self.base_configs.get(ACTOR) or {})
+            if base.get("pad_token_id") is None:  # a classifier needs it for batches (Llama-3)
+                base["pad_token_id"] = self.pad_id
+            save_hf_checkpoint(directory / role, description,
+                               full_state_to_hf(full_state, description), base_config=base,
+                               tokenizer_dir=self.tokenizer_dir)
+        dist.barrier()

@@ -1,0 +1,194 @@
+"""Where each role's initial weights and architecture come from: a megatron_rlhf checkpoint or a
+Hugging Face directory (``models.actor_checkpoint`` / ``models.reward_checkpoint``).
+
+    sources = resolve_sources(config)             # pure: config.json / megatron_rlhf.json only
+    archs = role_architectures(config, sources)   # for the placement planner
+    options = role_options(config, sources, role) # ModelBuildOptions of a role's model
+    load_initial_weights(models, groups, sources, config.models.hf_cache_dir)  # collective
+
+A role without a source of its own is built like the actor's source (the critic when it does not
+start from the reward model, the reward model when none is given), or from the ``models.arch``
+preset when the actor has no source either. A Hugging Face source is converted once into the
+cache (models/hf_import.py) and loaded at the run's TP/PP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from megatron_rlhf.engine.config import RunConfig
+from megatron_rlhf.models.checkpoint import (
+    ModelDescription,
+    load_model_checkpoint,
+    read_checkpoint_info,
+)
+from megatron_rlhf.models.gpt import ModelBuildOptions, resolve_transformer_impl
+from megatron_rlhf.models.hf_config import read_hf_config
+from megatron_rlhf.models.hf_import import cached_full_state, is_hf_dir
+from megatron_rlhf.models.hf_llama import weight_files
+from megatron_rlhf.models.weights import load_full_state
+from megatron_rlhf.topology.models import (
+    ACTOR,
+    CRITIC,
+    REF,
+    REWARD,
+    SHADOW_ACTOR,
+    VALUE_HEAD_ROLES,
+    ArchSpec,
+)
+
+_BASE_ROLES = (ACTOR, CRITIC, REF, REWARD)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """One initial checkpoint.
+
+    Attributes:
+        path: the directory.
+        description: the model its weights describe.
+        is_hf: a Hugging Face directory (converted on load), else a megatron_rlhf checkpoint.
+        hf_config: the Hugging Face ``config.json`` the weights came from (the directory's own,
+            or the one a megatron_rlhf checkpoint recorded as ``hf_config``), else None; the
+            base of an export.
+    """
+
+    path: str
+    description: ModelDescription
+    is_hf: bool = False
+    hf_config: dict[str, Any] | None = None
+
+
+def read_source(path: str) -> ModelSource:
+    """Recognise and check one checkpoint directory without loading weights.
+
+    Raises:
+        FileNotFoundError, ValueError: naming the directory and what is missing or unsupported.
+    """
+    if is_hf_dir(path):
+        description, hf_config = read_hf_config(path)
+        weight_files(path)  # a missing weight file is named now, not after distributed setup
+        return ModelSource(path, description, True, hf_config)
+    info = read_checkpoint_info(path)
+    return ModelSource(path, info.model, False, info.metadata.get("hf_config"))
+
+
+def arch_spec(description: ModelDescription, name: str) -> ArchSpec:
+    """The planner's architecture numbers of a checkpoint's model."""
+    d = description
+    return ArchSpec(name, d.num_layers, d.hidden_size, d.num_attention_heads, d.vocab_size,
+                    d.seq_length, d.ffn_hidden_size, gated_mlp=True,
+                    num_query_groups=d.num_query_groups)
+
+
+def initial_checkpoints(config: RunConfig) -> dict[str, str]:
+    """Role -> checkpoint directory its initial weights come from (roles absent: fresh init)."""
+    models = config.models
+    sources = {}
+    if models.actor_checkpoint:
+        sources.update({ACTOR: models.actor_checkpoint, REF: models.actor_checkpoint})
+    if models.reward_checkpoint:
+        sources[REWARD] = models.reward_checkpoint
+        if models.critic_from_reward and not config.placement.ac_share:
+            sources[CRITIC] = models.reward_checkpoint
+    return sources
+
+
+def resolve_sources(config: RunConfig) -> dict[str, ModelSource]:
+    """Read every configured initial checkpoint once (before any process group).
+
+    Raises:
+        FileNotFoundError, ValueError: a directory is missing, incomplete or unsupported.
+    """
+    read: dict[str, ModelSource] = {}
+    sources = {}
+    for role, path in initial_checkpoints(config).items():
+        if path not in read:
+            read[path] = read_source(path)
+        sources[role] = read[path]
+    return sources
+
+
+def role_head(role: str, ac_share: bool) -> str:
+    """The output head a role's model carries."""
+    if role in VALUE_HEAD_ROLES:
+        return "scalar"
+    return "lm+scalar" if ac_share and role in (ACTOR, SHADOW_ACTOR) else "lm"
+
+
+def _description(config: RunConfig, sources: dict[str, ModelSource],
+                 role: str) -> ModelDescription | None:
+    source = sources.get(role) or sources.get(ACTOR)
+    if source is None:
+        return None
+    head = role_head(role, config.placement.ac_share)
+    return replace(source.description, head=head,
+                   tie_embeddings=source.description.tie_embeddings and head == "lm")
+
+
+def role_architectures(config: RunConfig,
+                       sources: dict[str, ModelSource]) -> str | dict[str, ArchSpec]:
+    """The architecture of each base role for the planner (the preset name without sources)."""
+    if not sources:
+        return config.models.arch
+    return {role: arch_spec(_description(config, sources, role),
+                            f"{role}:{(sources.get(role) or sources[ACTOR]).path}")
+            for role in _BASE_ROLES}
+
+
+def role_options(config: RunConfig, sources: dict[str, ModelSource],
+                 role: str) -> ModelBuildOptions:
+    """How a role's model is built: its source's numerics, the run's head, dtype, dropout and
+    layer implementation.
+
+    Every role gets the same implementation: weight sync and the checkpoints the models start
+    from map parameters by name, and Transformer Engine names the fused norms differently.
+    """
+    description = _description(config, sources, role)
+    head = role_head(role, config.placement.ac_share)
+    base = description.build_options() if description is not None else ModelBuildOptions()
+    transformer_impl = resolve_transformer_impl(config.models.transformer_impl,
+                                                needs_kv_cache=config.generation.use_kv_cache)
+    return replace(base, head=head, params_dtype=config.models.params_dtype,
+                   dropout=config.models.dropout, transformer_impl=transformer_impl,
+                   attention_backend=config.models.attention_backend)
+
+
+def load_initial_weights(models: dict[str, Any], groups: Any, placed: Collection[str],
+                         sources: dict[str, ModelSource], cache_dir: str) -> None:
+    """Load every placed role's source into its model; collective over the world.
+
+    Args:
+        models: this rank's models (roles placed elsewhere are absent).
+        groups: the run's process groups, indexed by role.
+        placed: the roles of the plan.
+        sources: from :func:`resolve_sources`.
+        cache_dir: where Hugging Face sources are converted to (by rank 0, once).
+    """
+    hf_paths = sorted({s.path for s in sources.values() if s.is_hf})
+    box: list[Any] = [({}, None)]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ({path: str(cached_full_state(path, cache_dir)) for path in hf_paths}, None)
+        except (OSError, ValueError) as exc:  # every rank must hear of it, not wait
+            box[0] = ({}, f"{type(exc).__name__}: {exc}")
+    dist.broadcast_object_list(box, src=0)
+    cached, error = box[0]
+    if error is not None:
+        raise ValueError(f"converting a Hugging Face checkpoint failed on rank 0: {error}")
+    for role, source in sources.items():
+        model = models.get(role)
+        if role not in placed:
+            continue
+        if source.is_hf:
+            if model is not None:
+                load_full_state(model, groups[role], load_file(cached[source.path]),
+                                new_head=True)
+        else:
+            # megatron's dist_checkpointing is collective: every rank takes part in each load.
+            load_model_checkpoint(model, groups[role], source.path, new_head=True)

@@ -1,0 +1,75 @@
+"""A Hugging Face directory as a run's starting weights: recognised, fingerprinted, converted once
+into a cache, and loaded into a model at any TP/PP.
+
+    if is_hf_dir(path):
+        entry = cached_full_state(path, "~/.cache/megatron_rlhf/converted")  # rank 0, barrier
+        load_full_state(model, pg_collection, load_file(entry), new_head=...)  # any layout
+
+The cache holds the *full state* (megatron names, TP=1/PP=1 layout, see ``weights.py``) as one
+safetensors file under ``<cache>/<fingerprint>/``; the fingerprint is the sha256 of config.json
+and of every weight file's bytes, so a changed checkpoint converts again. Each entry is written to
+a temporary file and renamed, so a reader sees a complete file or none.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from megatron_rlhf.models.checkpoint import INFO_FILE
+from megatron_rlhf.models.hf_config import CONFIG_FILE, read_hf_config
+from megatron_rlhf.models.hf_llama import hf_to_full_state, load_hf_state, weight_files
+
+FULL_STATE_FILE = "full_state.safetensors"
+_CHUNK = 1 << 24
+
+
+def is_hf_dir(path: str | Path) -> bool:
+    """A directory with ``config.json`` and no ``megatron_rlhf.json``: a Hugging Face one."""
+    return (Path(path) / CONFIG_FILE).is_file() and not (Path(path) / INFO_FILE).is_file()
+
+
+def hf_fingerprint(hf_dir: str | Path) -> str:
+    """sha256 of ``config.json`` and of every weight file, in name order (reads every byte)."""
+    root = Path(hf_dir)
+    digest = hashlib.sha256()
+    for name in [CONFIG_FILE, *weight_files(root)]:
+        digest.update(name.encode())
+        with open(root / name, "rb") as stream:
+            while chunk := stream.read(_CHUNK):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def cached_full_state(hf_dir: str | Path, cache_dir: str | Path) -> Path:
+    """The converted full state of ``hf_dir`` in the cache, converting it on a miss.
+
+    Returns:
+        The path of the cached safetensors file.
+
+    Raises:
+        FileNotFoundError, ValueError: from reading and converting the checkpoint (named).
+    """
+    description, _ = read_hf_config(hf_dir)
+    entry = Path(cache_dir).expanduser() / hf_fingerprint(hf_dir)[:32] / FULL_STATE_FILE
+    if entry.is_file():
+        return entry
+    full_state = hf_to_full_state(load_hf_state(hf_dir), description, str(hf_dir))
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    fd, temp = tempfile.mkstemp(dir=entry.parent, prefix=".full_state.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file({name: t.contiguous() for name, t in full_state.items()}, temp,
+                  metadata={"source": str(Path(hf_dir).resolve()),
+                            "description": json.dumps(asdict(description))})
+        os.replace(temp, entry)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+    return entry

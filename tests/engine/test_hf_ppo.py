@@ -1,0 +1,85 @@
+"""A short PPO run started from Hugging Face directories (a Qwen2 policy and a Qwen2 reward model
+with the checkpoint's own tokenizer and chat template, conversation-shaped prompts), at TP=2 on two
+gloo ranks, exported back: transformers loads the exported policy, critic and tokenizer, and the
+policy's logits equal our final policy's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.multirank import run_on_ranks
+from tools.make_tiny_hf import make_tiny_qwen_pair
+
+_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ppo_hf_tiny.yaml"
+_IDS = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(4))
+
+
+def _config(root: Path, actor: Path, reward: Path, prompts: Path):
+    """The shipped example, pointed at this test's directories."""
+    from megatron_rlhf.config.loader import load_config
+    from megatron_rlhf.engine.config import RunConfig
+
+    return load_config(RunConfig, str(_EXAMPLE), [
+        f"models.actor_checkpoint={actor}", f"models.reward_checkpoint={reward}",
+        f"models.hf_cache_dir={root / 'cache'}", f"prompts.paths=[{prompts}]",
+        f"run_dir={root / 'run'}", "placement.strategy=flattening", "placement.tp=2",
+        "runtime.seed=3", "runtime.distributed.timeout_s=90", "actor_optimizer.lr=1e-2",
+        "generation.max_new_tokens=6"])
+
+
+def _job(root: str, actor: str, reward: str, prompts: str) -> list:
+    from megatron_rlhf.engine import runner
+    from tests.models.test_checkpoint import full_logits
+
+    captured = {}
+    build = runner.build_engine
+
+    def keep(*args, **kwargs):
+        captured["engine"] = build(*args, **kwargs)
+        return captured["engine"]
+
+    runner.build_engine = keep
+    try:
+        runner.run_ppo(_config(Path(root), Path(actor), Path(reward), Path(prompts)))
+    finally:
+        runner.build_engine = build
+    worker = captured["engine"].workers["actor"]
+    logits = full_logits(worker.model, worker.pg_collection,
+                         {"input_ids": _IDS, "attention_mask": torch.ones_like(_IDS)})
+    return logits.tolist()  # a tensor's shared memory would not outlive the rank
+
+
+@pytest.mark.multirank
+def test_ppo_from_hf_directories_exports_a_model_transformers_loads(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+    )
+
+    actor, reward, prompts = make_tiny_qwen_pair(tmp_path)
+    ours = torch.tensor(run_on_ranks(_job, world_size=2, args=(
+        str(tmp_path), str(actor), str(reward), str(prompts)), timeout_s=300)[0])
+    export = tmp_path / "run" / "hf" / "step_00000002"
+    policy = AutoModelForCausalLM.from_pretrained(export / "actor").eval()
+    with torch.no_grad():
+        theirs = policy(input_ids=_IDS).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    before, after = load_file(actor / "model.safetensors"), load_file(
+        export / "actor" / "model.safetensors")
+    assert before.keys() == after.keys()
+    assert not torch.equal(before["model.layers.0.self_attn.q_proj.bias"],
+                           after["model.layers.0.self_attn.q_proj.bias"]), "PPO did not train"
+    critic = AutoModelForSequenceClassification.from_pretrained(export / "critic")
+    assert critic.config.num_labels == 1 and critic.config.pad_token_id is not None
+    tokenizer = AutoTokenizer.from_pretrained(export / "actor")
+    message = [{"role": "user", "content": "Sea?"}]
+    assert tokenizer.apply_chat_template(message, tokenize=False) == AutoTokenizer.from_pretrained(
+        actor).apply_chat_template(message, tokenize=False)
+    assert len(list((tmp_path / "cache").glob("*/full_state.safetensors"))) == 2
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(metrics) == 2
