@@ -17,7 +17,13 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_rlhf.config.loader import to_yaml
-from megatron_rlhf.data import DataConfig, generate_records, load_splits, rule_score
+from megatron_rlhf.data import (
+    DataConfig,
+    generate_records,
+    load_splits,
+    read_files,
+    rule_score,
+)
 from megatron_rlhf.data.prompts import PromptStream
 from megatron_rlhf.engine.build import (
     build_engine,
@@ -35,6 +41,7 @@ from megatron_rlhf.engine.checkpointing import (
 )
 from megatron_rlhf.engine.config import RunConfig
 from megatron_rlhf.engine.engine import RuleReward
+from megatron_rlhf.engine.evaluation import HeldOutEvaluator, eval_metrics, hacking_report
 from megatron_rlhf.engine.ppo import PPOTrainer
 from megatron_rlhf.models.tokenizer import Tokenizer
 from megatron_rlhf.runtime.bootstrap import initialize_runtime
@@ -62,14 +69,37 @@ def load_prompts(config: RunConfig, tokenizer: Tokenizer) -> PromptStream:
         texts = [record.prompt for record in splits.ppo]
     else:
         texts = [record["prompt"] for record in generate_records(config.prompts.synthetic)]
+    return PromptStream(_encode(texts, config, tokenizer, "prompts"),
+                        config.rollout.prompts_per_step, config.runtime.seed)
+
+
+def load_eval_prompts(config: RunConfig, tokenizer: Tokenizer) -> list[list[int]]:
+    """Tokenised held-out prompts (``evaluation``), or [] when the run has none."""
+    evaluation = config.evaluation
+    if not evaluation.num_prompts:
+        return []
+    if evaluation.paths:
+        records, _ = read_files(list(evaluation.paths), config.prompts.reader, tokenizer)
+        texts = [record.prompt for record in records]
+    elif not config.prompts.paths:
+        texts = [record["prompt"] for record in generate_records(config.prompts.synthetic, "test")]
+    else:
+        logger.info("no held-out evaluation: the prompts come from files and evaluation.paths "
+                    "is empty")
+        return []
+    return _encode(texts[:evaluation.num_prompts], config, tokenizer, "held-out prompts")
+
+
+def _encode(texts: list[str], config: RunConfig, tokenizer: Tokenizer, what: str
+            ) -> list[list[int]]:
     limit = config.rollout.max_prompt_length
     prompts = [tokenizer.encode(text, add_bos=True) for text in texts]
     too_long = [i for i, p in enumerate(prompts) if len(p) > limit]
     if too_long:
-        raise ValueError(f"{len(too_long)} prompts are longer than rollout.max_prompt_length="
+        raise ValueError(f"{len(too_long)} {what} are longer than rollout.max_prompt_length="
                          f"{limit} tokens (first: #{too_long[0]}, {len(prompts[too_long[0]])} "
                          "tokens); raise the limit or set prompts.reader.max_prompt_tokens")
-    return PromptStream(prompts, config.rollout.prompts_per_step, config.runtime.seed)
+    return prompts
 
 
 def rule_reward_for(config: RunConfig, tokenizer: Tokenizer) -> RuleReward | None:
@@ -102,6 +132,7 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
     check_checkpoint_tokenizers(config, tokenizer.fingerprint)
     candidates = resume_candidates(config.checkpoint)
     prompts = load_prompts(config, tokenizer)
+    eval_prompts = load_eval_prompts(config, tokenizer)
     plan = make_plan(config, cluster_from_environment(config.cluster.pools))
     initialize_runtime(config.runtime)
     install_fault_tracker(config.faults, config.runtime.distributed.timeout_s)
@@ -121,11 +152,14 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
                                  config.runtime.seed, prompts.batch, config.steps,
                                  rule_reward_for(config, tokenizer), on_nan=config.faults.on_nan)
             run = RunState(engine, trainer, prompts, config, tokenizer.fingerprint)
+            evaluator = (HeldOutEvaluator(engine, eval_prompts, trainer.rule_reward,
+                                          tokenizer.decode, config.evaluation.log_examples)
+                         if eval_prompts else None)
         start = 0
         if resume_from is not None:
             with stage("checkpoint/load"):
                 start = load_rl_checkpoint(run, resume_from, skip_state)
-        _train(run, start, run_dir)
+        _train(run, start, run_dir, evaluator)
     finally:
         uninstall_fault_tracker()
     return run_dir
@@ -144,23 +178,36 @@ def _shape_signature(config: RunConfig) -> tuple[str, ...]:
             f"steps={config.steps}", f"placement={config.placement}")
 
 
-def _train(run: RunState, start: int, run_dir: Path) -> None:
-    """Steps ``start`` to ``config.steps``; checkpoints by interval, at the end and on SIGTERM."""
+def _train(run: RunState, start: int, run_dir: Path,
+           evaluator: HeldOutEvaluator | None) -> None:
+    """Steps ``start`` to ``config.steps``; checkpoints by interval, at the end and on SIGTERM.
+
+    Held-out evaluations (``evaluation``) go into the record of the step they precede; the one
+    after the last step is a record of its own, numbered ``config.steps``.
+    """
     config = run.config
+    first_eval: dict[str, float] = {}
     if dist.get_rank() == 0:
-        _drop_metrics_from(run_dir / "metrics.jsonl", start)
+        first_eval = eval_metrics(_drop_metrics_from(run_dir / "metrics.jsonl", start))
     tracer = configure_tracing(config.trace)
     writer = MetricsWriter(run_dir, config.steps)
     preemption = PreemptionWatcher()
+    step, stop = start, False
     try:
         for step in range(start, config.steps):
+            held_out = {}
+            if evaluator is not None and config.evaluation.due(step, start):
+                with stage(f"evaluate {step}"):
+                    held_out = evaluator.evaluate()
+                first_eval = first_eval or held_out
+                _warn_on_hacking(first_eval, held_out, step, config.evaluation.hacking_tolerance)
             begin = time.perf_counter()
             with stage(f"step {step}", signature=(step, run.prompts.fingerprint)):
                 metrics = run.trainer.step(step)
                 stop = preemption.requested()
             seconds = time.perf_counter() - begin
             metrics.update(step_seconds=seconds,
-                           samples_per_s=config.rollout.prompts_per_step / seconds)
+                           samples_per_s=config.rollout.prompts_per_step / seconds, **held_out)
             writer.write(step, metrics)
             if config.checkpoint.save_dir and (
                     stop or step + 1 == config.steps or (config.checkpoint.save_interval and (
@@ -171,6 +218,12 @@ def _train(run: RunState, start: int, run_dir: Path) -> None:
                 logger.warning("stopping after step %d on SIGTERM%s", step, "" if config.checkpoint
                                .save_dir else " (no checkpoint.save_dir: nothing was saved)")
                 break
+        if evaluator is not None and not stop:
+            with stage("evaluate final"):
+                held_out = evaluator.evaluate()
+            _warn_on_hacking(first_eval or held_out, held_out, config.steps,
+                             config.evaluation.hacking_tolerance)
+            writer.write(config.steps, held_out)
     finally:
         preemption.close()
         writer.close()
@@ -178,10 +231,22 @@ def _train(run: RunState, start: int, run_dir: Path) -> None:
         write_chrome_trace(tracer, run_dir / "timeline.json")
 
 
-def _drop_metrics_from(path: Path, step: int) -> None:
-    """Keep only the records of steps before ``step`` (a resumed run writes the rest again)."""
+def _warn_on_hacking(first: dict[str, float], current: dict[str, float], step: int,
+                     tolerance: float) -> None:
+    for line in hacking_report(first, current, tolerance):
+        logger.warning("reward hacking suspected before step %d on held-out prompts: %s",
+                       step, line)
+
+
+def _drop_metrics_from(path: Path, step: int) -> dict:
+    """Keep only the records of steps before ``step`` (a resumed run writes the rest again).
+
+    Returns:
+        The first kept record (the run's first evaluation is in it), or {}.
+    """
     if not path.is_file():
-        return
+        return {}
     kept = [line for line in path.read_text().splitlines(keepends=True)
             if line.strip() and json.loads(line)["step"] < step]
     path.write_text("".join(kept))
+    return json.loads(kept[0]) if kept else {}
