@@ -131,7 +131,8 @@ class SyntheticTaskConfig:
     contrast_fraction: float = 0.0
     """Share of pairs whose second response is an edit of the first that breaks one part of the
     rule (cut below ``RULE_MIN_WORDS`` words, padded with words off the topic, its topic words
-    redrawn from only one to three of them, or swapped for another topic's), so a reward model
+    redrawn from only one to three of them, the whole answer one to three topic words in a loop,
+    or its topic words swapped for another topic's), so a reward model
     sees what each part costs; the rest are two independent draws. 0 keeps the original stream byte for byte (the tokenizer corpus is built from it)."""
 
     def __post_init__(self) -> None:
@@ -176,7 +177,7 @@ def _contrast(rng: random.Random, topic: str, response: str) -> str:
     length alone predicts neither side of a pair.
     """
     words = response.rstrip(".").split()
-    edit = rng.choice(("cut", "pad", "repeat", "swap"))
+    edit = rng.choice(("cut", "pad", "repeat", "loop", "swap"))
     if edit == "cut":
         words = words[:rng.randint(1, RULE_MIN_WORDS - 1)]
     elif edit == "pad":
@@ -184,6 +185,10 @@ def _contrast(rng: random.Random, topic: str, response: str) -> str:
         words = words + [rng.choice(FILLER_WORDS) if rng.random() < 0.5
                          else rng.choice(TOPICS[rng.choice(other)])
                          for _ in range(rng.randint(2, 8))]
+    elif edit == "loop":
+        # The degenerate answer of a greedy decoder: a few topic words over and over.
+        kept = rng.sample(TOPICS[topic], rng.randint(1, 3))
+        words = [kept[i % len(kept)] for i in range(len(words))]
     elif edit == "repeat":
         kept = rng.sample(TOPICS[topic], rng.randint(1, 3))
         words = [rng.choice(kept) if word in _TOPIC_WORDS[topic] else word for word in words]

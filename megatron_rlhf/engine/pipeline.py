@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron_rlhf.config.loader import load_config
 from megatron_rlhf.data import SyntheticTaskConfig, write_task_jsonl
 from megatron_rlhf.engine.config import RunConfig
-from megatron_rlhf.engine.evaluation import eval_metrics, hacking_report
+from megatron_rlhf.engine.evaluation import EvalConfig, eval_metrics, hacking_report
 from megatron_rlhf.engine.reward_training import RMConfig, run_reward_training
 from megatron_rlhf.engine.runner import run_ppo
 from megatron_rlhf.engine.sft import SFTConfig, run_sft
@@ -50,8 +50,8 @@ class PipelineResult:
     without held-out prompts)."""
     kl_target: float | None
     """The adaptive KL controller's target per sequence, or None with a fixed coefficient."""
-    hacking_tolerance: float
-    """``evaluation.hacking_tolerance`` of the PPO run."""
+    evaluation: EvalConfig
+    """The PPO run's evaluation settings (its reward-hacking thresholds)."""
 
 
 def _write_data(run_dir: Path, paths: Sequence[str], task: SyntheticTaskConfig
@@ -112,7 +112,7 @@ def run_pipeline(run_dir: str | Path, data_paths: Sequence[str], ppo_overrides: 
     algorithm = ppo.algorithm
     return PipelineResult(run_dir, final, held,
                           algorithm.kl_target if algorithm.adaptive_kl else None,
-                          ppo.evaluation.hacking_tolerance)
+                          ppo.evaluation)
 
 
 def format_report(result: PipelineResult) -> str:
@@ -143,7 +143,8 @@ def format_report(result: PipelineResult) -> str:
                   if result.kl_target is not None else " (fixed coefficient)")
         lines.append(f"  KL of the final policy to the SFT model on held-out prompts: "
                      f"{held['ppo'].get('eval/sampled/kl', nan):.3f} nats per answer{target}")
-        hacking = hacking_report(held["sft"], held["ppo"], result.hacking_tolerance)
+        hacking = hacking_report(held["sft"], held["ppo"], result.evaluation.hacking_tolerance,
+                                 result.evaluation.hacking_rm_rise)
         lines += ([f"WARNING reward hacking: {line}" for line in hacking] or
                   ["reward hacking: not seen (the held-out rule score did not fall while the "
                    "reward-model score rose)"])

@@ -200,7 +200,7 @@ def _train(run: RunState, start: int, run_dir: Path,
                 with stage(f"evaluate {step}"):
                     held_out = evaluator.evaluate()
                 first_eval = first_eval or held_out
-                _warn_on_hacking(first_eval, held_out, step, config.evaluation.hacking_tolerance)
+                _warn_on_hacking(first_eval, held_out, step, config)
             begin = time.perf_counter()
             with stage(f"step {step}", signature=(step, run.prompts.fingerprint)):
                 metrics = run.trainer.step(step)
@@ -221,8 +221,7 @@ def _train(run: RunState, start: int, run_dir: Path,
         if evaluator is not None and not stop:
             with stage("evaluate final"):
                 held_out = evaluator.evaluate()
-            _warn_on_hacking(first_eval or held_out, held_out, config.steps,
-                             config.evaluation.hacking_tolerance)
+            _warn_on_hacking(first_eval or held_out, held_out, config.steps, config)
             writer.write(config.steps, held_out)
     finally:
         preemption.close()
@@ -232,8 +231,10 @@ def _train(run: RunState, start: int, run_dir: Path,
 
 
 def _warn_on_hacking(first: dict[str, float], current: dict[str, float], step: int,
-                     tolerance: float) -> None:
-    for line in hacking_report(first, current, tolerance):
+                     config: RunConfig) -> None:
+    evaluation = config.evaluation
+    for line in hacking_report(first, current, evaluation.hacking_tolerance,
+                               evaluation.hacking_rm_rise):
         logger.warning("reward hacking suspected before step %d on held-out prompts: %s",
                        step, line)
 

@@ -11,30 +11,35 @@ import pytest
 from megatron_rlhf.engine.evaluation import EvalConfig, hacking_report
 from tests.multirank import run_on_ranks
 
-FIRST = {"eval/greedy/rm_score": -3.0, "eval/greedy/rule_score": 0.30,
-         "eval/sampled/rm_score": -5.0, "eval/sampled/rule_score": 0.40}
+FIRST = {"eval/greedy/rm_score": -3.0, "eval/greedy/rm_score_std": 1.0,
+         "eval/greedy/rule_score": 0.30, "eval/sampled/rm_score": -5.0,
+         "eval/sampled/rm_score_std": 2.0, "eval/sampled/rule_score": 0.40}
 
 
 def test_hacking_report_names_the_mode_whose_scores_diverge() -> None:
     hacked = {**FIRST, "eval/sampled/rm_score": -1.0, "eval/sampled/rule_score": 0.20}
-    (line,) = hacking_report(FIRST, hacked, tolerance=0.02)
+    (line,) = hacking_report(FIRST, hacked, tolerance=0.02, rm_rise=0.5)
     assert line.startswith("sampled answers") and "-5.000 -> -1.000" in line
     assert "0.400 -> 0.200" in line
 
 
 @pytest.mark.parametrize("change", [
-    {"eval/sampled/rule_score": 0.39},                                  # within the tolerance
+    {"eval/sampled/rm_score": 0.0, "eval/sampled/rule_score": 0.39},    # rule within tolerance
+    {"eval/sampled/rm_score": -4.2, "eval/sampled/rule_score": 0.1},    # rise < 0.5 std (2.0)
     {"eval/sampled/rm_score": -6.0, "eval/sampled/rule_score": 0.1},    # both fell: no hacking
     {"eval/greedy/rm_score": 0.0, "eval/greedy/rule_score": 0.5},       # both rose: learning
 ])
 def test_hacking_report_is_silent_unless_reward_up_and_rule_down(change: dict) -> None:
-    assert hacking_report(FIRST, {**FIRST, **change}, tolerance=0.02) == []
+    assert hacking_report(FIRST, {**FIRST, **change}, tolerance=0.02, rm_rise=0.5) == []
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [({"num_prompts": -1}, "evaluation.num_prompts"),
                                                ({"interval": -2}, "evaluation.interval"),
                                                ({"hacking_tolerance": -0.1},
-                                                "evaluation.hacking_tolerance")])
+                                                "evaluation.hacking_tolerance"),
+                                               ({"hacking_rm_rise": -1.0},
+                                                "evaluation.hacking_rm_rise"),
+                                               ({"log_examples": -1}, "evaluation.log_examples")])
 def test_eval_config_names_the_bad_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         EvalConfig(**kwargs)
@@ -71,7 +76,7 @@ def _records(path: Path) -> list[dict]:
 
 
 def _assert_same_evaluation(ours: dict, again: dict) -> None:
-    assert ours.keys() == again.keys() and len(ours) == 7
+    assert ours.keys() == again.keys() and len(ours) == 9
     for key, value in ours.items():
         assert again[key] == pytest.approx(value, abs=1e-4), key
 
