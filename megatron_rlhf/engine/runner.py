@@ -192,7 +192,7 @@ def _train(run: RunState, start: int, run_dir: Path,
     tracer = configure_tracing(config.trace)
     writer = MetricsWriter(run_dir, config.steps)
     preemption = PreemptionWatcher()
-    step, stop = start, False
+    stop = False
     try:
         for step in range(start, config.steps):
             held_out = {}

@@ -63,11 +63,10 @@ def _chain_then_recompute(run_dir: Path) -> dict:
         "evaluation.interval=2", f"checkpoint.save_dir={run_dir / 'ckpt'}"],
         ["train.max_steps=12"], ["train.max_steps=6"])
     saved = run_dir / "ppo" / "config.yaml"
-    flat = ["placement.strategy=flattening", "checkpoint.keep_last=0"]
-    run_ppo(load_config(RunConfig, saved, [f"run_dir={run_dir / 'sft_again'}", "steps=0",
-                                           "checkpoint.save_dir=", *flat]))
+    flat = "placement.strategy=flattening"
+    run_ppo(load_config(RunConfig, saved, [f"run_dir={run_dir / 'sft_again'}", "steps=0", flat]))
     run_ppo(load_config(RunConfig, saved, [f"run_dir={run_dir / 'final_again'}",
-                                           "checkpoint.resume=true", *flat]))
+                                           "checkpoint.resume=true", flat]))
     return {"held_out": result.held_out, "report": format_report(result)}
 
 
@@ -93,7 +92,7 @@ def test_pipeline_evaluates_untrained_sft_and_final_policies(tmp_path: Path) -> 
     assert "rm_score" not in ppo[3]
     # The SFT model: the policy PPO starts from, so it is still the reference (KL exactly 0);
     # the same numbers come from its checkpoint evaluated with no PPO step on another placement.
-    assert held["sft"]["eval/sampled/kl"] == 0.0
+    assert held["sft"]["eval/sampled/kl"] == pytest.approx(0.0, abs=1e-6)
     (sft_again,) = _records(tmp_path / "sft_again" / "metrics.jsonl")
     _assert_same_evaluation(held["sft"], sft_again)
     # The final policy: trained (it has moved from the reference), and the same numbers come
