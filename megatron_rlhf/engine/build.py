@@ -110,8 +110,9 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int, pad_id: in
     """Build this rank's models and the engine. Collective: every rank calls it.
 
     Args:
-        load_initial: load the configured SFT/reward checkpoints; a resumed run skips them
-            because its RL checkpoint overwrites the weights.
+        load_initial: also load the trained models' configured SFT/reward checkpoints; a
+            resumed run skips those because its RL checkpoint overwrites their weights. The
+            frozen reference and reward model, which no RL checkpoint holds, always load theirs.
     """
     groups = build_process_groups(
         plan, timeout=datetime.timedelta(seconds=config.runtime.distributed.timeout_s))
@@ -128,7 +129,9 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int, pad_id: in
         init_weights(model, pgc, seed=config.models.init_seed)
         models[role] = model
     # Every rank takes part in each load (megatron's dist_checkpointing is collective).
-    for role, directory in (initial_checkpoints(config) if load_initial else {}).items():
+    initial = {role: directory for role, directory in initial_checkpoints(config).items()
+               if load_initial or role not in TRAINABLE_ROLES}
+    for role, directory in initial.items():
         if role in plan.models:
             load_model_checkpoint(models.get(role), groups[role], directory, new_head=True)
     for role, model in models.items():

@@ -94,13 +94,14 @@ def test_pipeline_evaluates_untrained_sft_and_final_policies(tmp_path: Path) -> 
     # the same numbers come from its checkpoint evaluated with no PPO step on another placement.
     assert held["sft"]["eval/sampled/kl"] == pytest.approx(0.0, abs=1e-6)
     (sft_again,) = _records(tmp_path / "sft_again" / "metrics.jsonl")
+    assert sft_again.pop("step") == 0
     _assert_same_evaluation(held["sft"], sft_again)
     # The final policy: trained (it has moved from the reference), and the same numbers come
     # from its resumable checkpoint, loaded under another placement.
     assert held["ppo"]["eval/sampled/kl"] > 0.0
-    final_again = _records(tmp_path / "final_again" / "metrics.jsonl")[-1]
-    assert final_again["step"] == 3
-    _assert_same_evaluation(held["ppo"], {k: v for k, v in final_again.items() if k != "step"})
+    (final_again,) = _records(tmp_path / "final_again" / "metrics.jsonl")
+    assert final_again.pop("step") == 3
+    _assert_same_evaluation(held["ppo"], final_again)
     # The untrained model is another network: its held-out reward-model scores differ.
     untrained = _records(tmp_path / "untrained" / "metrics.jsonl")
     assert [r["step"] for r in untrained] == [0] and held["untrained"] == {
@@ -108,3 +109,23 @@ def test_pipeline_evaluates_untrained_sft_and_final_policies(tmp_path: Path) -> 
     assert held["untrained"]["eval/greedy/rm_score"] != held["sft"]["eval/greedy/rm_score"]
     for name in ("untrained model", "SFT model (PPO start)", "PPO final (after 3 steps)"):
         assert name in out["report"]
+
+
+def test_curves_put_held_out_points_beside_the_training_ones() -> None:
+    from tests.scripts import load_script
+
+    curves = load_script("tools/run_pipeline.py").curves
+    records = [{"step": 0, "rm_score": -5.0, "rule_score": 0.4, "kl": 0.0,
+                "eval/greedy/rm_score": -4.0, "eval/greedy/rule_score": 0.3,
+                "eval/sampled/rm_score": -6.0, "eval/sampled/rule_score": 0.45,
+                "eval/sampled/kl": 0.0},
+               {"step": 1, "rm_score": -4.5, "rule_score": 0.5, "kl": 0.3},
+               {"step": 2, "eval/greedy/rm_score": -3.0, "eval/greedy/rule_score": 0.2,
+                "eval/sampled/rm_score": -5.0, "eval/sampled/rule_score": 0.6,
+                "eval/sampled/kl": 1.5}]
+    runs = curves(records)
+    assert [r["step"] for r in runs["train batches (sampled)"]] == [0, 1]
+    assert runs["held-out (sampled)"] == [
+        {"step": 0, "rm_score": -6.0, "rule_score": 0.45, "kl": 0.0},
+        {"step": 2, "rm_score": -5.0, "rule_score": 0.6, "kl": 1.5}]
+    assert [r["rule_score"] for r in runs["held-out (greedy)"]] == [0.3, 0.2]
