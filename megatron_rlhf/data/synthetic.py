@@ -13,8 +13,10 @@ and needs the prompt: another topic's words score zero. Short answers are penali
 denominator is at least ``RULE_MIN_WORDS``.
 
 Reference responses mix topic words, neutral filler and other topics' words at a random on-topic
-rate, so a model fine-tuned on them scores about 0.6 and reinforcement learning has room to reach
-1 (docs/data.md records a measured 2-layer, hidden-64 run).
+rate, so their rule scores spread over [0, 1] and reinforcement learning has room above a
+fine-tuned model (docs/quickstart.md: held-out 0.41-0.48 after SFT, 0.70-0.72 after PPO). With
+``contrast_fraction`` a share of the pairs instead set a response against an edit of itself that
+breaks one part of the rule (docs/data.md).
 
 Write the task as JSONL in the public preference schema (prompt/response/chosen/rejected, with
 ``response == chosen`` as in Dahoas/rm-static)::
@@ -132,8 +134,9 @@ class SyntheticTaskConfig:
     """Share of pairs whose second response is an edit of the first that breaks one part of the
     rule (cut below ``RULE_MIN_WORDS`` words, padded with words off the topic, its topic words
     redrawn from only one to three of them, the whole answer one to three topic words in a loop,
-    or its topic words swapped for another topic's), so a reward model
-    sees what each part costs; the rest are two independent draws. 0 keeps the original stream byte for byte (the tokenizer corpus is built from it)."""
+    or its topic words swapped for another topic's), so a reward model sees what each part
+    costs; the rest are two independent draws. 0 keeps the original stream byte for byte (the
+    tokenizer corpus is built from it)."""
 
     def __post_init__(self) -> None:
         if self.num_train < 0 or self.num_test < 0:
@@ -173,8 +176,9 @@ def _response(rng: random.Random, topic: str, config: SyntheticTaskConfig) -> st
 def _contrast(rng: random.Random, topic: str, response: str) -> str:
     """An edit of ``response`` that breaks one part of the rule, chosen at random.
 
-    Cutting makes an answer shorter and padding makes it longer, both for the worse, so that
-    length alone predicts neither side of a pair.
+    Cutting makes an answer shorter and padding makes it longer, both usually for the worse, so
+    that length alone predicts neither side of a pair. The caller orders the pair by the rule:
+    an edit is sometimes the better answer (a loop of topic words beats an off-topic answer).
     """
     words = response.rstrip(".").split()
     edit = rng.choice(("cut", "pad", "repeat", "loop", "swap"))
