@@ -36,17 +36,24 @@ def smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
-def plot(runs: dict[str, list[dict]], metrics: list[str], out: Path, window: int) -> None:
-    """Write one panel per metric with a line per run."""
+def plot(runs: dict[str, list[dict]], metrics: list[str], out: Path, window: int,
+         raw: frozenset[str] = frozenset()) -> None:
+    """Write one panel per metric with a line per run; runs named in ``raw`` (sparse points
+    such as held-out evaluations) are drawn unsmoothed, with markers."""
     fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4), squeeze=False)
     for ax, metric in zip(axes[0], metrics, strict=True):
-        for label, records in runs.items():
+        # A run keeps its colour in every panel, also where an earlier run has no points.
+        for index, (label, records) in enumerate(runs.items()):
+            color = f"C{index}"
             points = [(r["step"], r[metric]) for r in records if metric in r]
             if not points:
                 continue
             steps, values = zip(*points, strict=True)
-            line, = ax.plot(steps, smooth(list(values), window), label=label)
-            ax.plot(steps, values, color=line.get_color(), alpha=0.25, linewidth=0.8)
+            if label in raw:
+                ax.plot(steps, values, marker="o", color=color, label=label)
+                continue
+            ax.plot(steps, smooth(list(values), window), color=color, label=label)
+            ax.plot(steps, values, color=color, alpha=0.25, linewidth=0.8)
         ax.set_title(metric)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

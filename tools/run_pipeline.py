@@ -4,8 +4,10 @@
     torchrun --nproc-per-node 4 tools/run_pipeline.py --placement interleaving
     torchrun --nproc-per-node 4 tools/run_pipeline.py --data my_prefs.jsonl --run-dir runs/mine
 
-Writes ``<run-dir>/{data,sft,rm,ppo}``, a curves picture ``<run-dir>/curves.png`` (reward-model
-score, true rule score and KL per PPO step) and prints a short report. Anything after the flags
+Writes ``<run-dir>/{data,sft,rm,untrained,ppo}``, a curves picture ``<run-dir>/curves.png``
+(reward-model score, true rule score and KL per PPO step, on the training batches and on the
+held-out prompts) and prints a report comparing the untrained, SFT and final PPO policies on the
+held-out prompts. ``--seed`` seeds the synthetic task and every stage. Anything after the flags
 is a ``section.key=value`` override of the PPO configuration (examples/ppo_pipeline.yaml).
 """
 
@@ -17,7 +19,8 @@ import sys
 from pathlib import Path
 
 from megatron_rlhf.config.loader import ConfigError
-from megatron_rlhf.engine.pipeline import run_pipeline
+from megatron_rlhf.engine.evaluation import MODES
+from megatron_rlhf.engine.pipeline import format_report, run_pipeline
 from megatron_rlhf.runtime.distributed import destroy_distributed
 from megatron_rlhf.topology.config import STRATEGIES
 
@@ -33,32 +36,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ppo-steps", type=int, help="PPO steps (default: the config's)")
     parser.add_argument("--sft-steps", type=int, help="cap on SFT steps (default: its epochs)")
     parser.add_argument("--rm-steps", type=int, help="cap on reward-model steps")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the synthetic task and of every stage's runtime")
     parser.add_argument("overrides", nargs="*", help="PPO section.key=value overrides")
     return parser.parse_args(argv)
 
 
-def report(result) -> str:
-    """The closing summary: each step's last metrics and where to look."""
-    sft, rm, ppo = (result.final[k] for k in ("sft", "rm", "ppo"))
-    lines = [
-        f"run directory: {result.run_dir.resolve()}",
-        f"SFT: step {sft.get('step')}, held-out loss {sft.get('eval_loss', float('nan')):.3f}",
-        f"reward model: step {rm.get('step')}, held-out pairwise accuracy "
-        f"{rm.get('eval_accuracy', float('nan')):.3f}",
-        f"PPO: step {ppo.get('step')}, reward-model score {ppo.get('rm_score', float('nan')):.3f}, "
-        f"rule score {ppo.get('rule_score', float('nan')):.3f}, KL {ppo.get('kl', float('nan')):.3f}",
-        f"curves: {result.run_dir / 'curves.png'}",
-    ]
-    return "\n".join(lines)
+def curves(records: list[dict]) -> dict[str, list[dict]]:
+    """PPO's training metrics and its held-out evaluations as runs for ``plot_curves.plot``."""
+    runs = {"train batches (sampled)": [r for r in records if "rm_score" in r]}
+    for mode in MODES:
+        prefix = f"eval/{mode}/"
+        runs[f"held-out ({mode})"] = [
+            {"step": r["step"], **{k[len(prefix):]: v for k, v in r.items()
+                                   if k.startswith(prefix)}}
+            for r in records if f"{prefix}rm_score" in r]
+    return runs
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    overrides = [f"placement.strategy={args.placement}", *args.overrides]
+    seed = f"runtime.seed={args.seed}"
+    overrides = [f"placement.strategy={args.placement}", seed,
+                 f"prompts.synthetic.seed={args.seed}", *args.overrides]
     if args.ppo_steps is not None:
         overrides.append(f"steps={args.ppo_steps}")
-    sft = [f"train.max_steps={args.sft_steps}"] if args.sft_steps else []
-    rm = [f"train.max_steps={args.rm_steps}"] if args.rm_steps else []
+    sft = [seed, *([f"train.max_steps={args.sft_steps}"] if args.sft_steps else [])]
+    rm = [seed, *([f"train.max_steps={args.rm_steps}"] if args.rm_steps else [])]
     try:
         result = run_pipeline(args.run_dir, args.data, overrides, sft, rm)
     except (ConfigError, ValueError) as error:
@@ -69,9 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("RANK", "0") == "0":
         from plot_curves import plot, read_metrics
 
-        plot({"ppo": read_metrics(result.run_dir / "ppo")},
-             ["rm_score", "rule_score", "kl"], result.run_dir / "curves.png", window=5)
-        print(report(result))
+        runs = curves(read_metrics(result.run_dir / "ppo"))
+        plot(runs, ["rm_score", "rule_score", "kl"], result.run_dir / "curves.png", window=5,
+             raw=frozenset(label for label in runs if label.startswith("held-out")))
+        print(format_report(result))
     return 0
 
 

@@ -13,8 +13,10 @@ and needs the prompt: another topic's words score zero. Short answers are penali
 denominator is at least ``RULE_MIN_WORDS``.
 
 Reference responses mix topic words, neutral filler and other topics' words at a random on-topic
-rate, so a model fine-tuned on them scores about 0.6 and reinforcement learning has room to reach
-1 (docs/data.md records a measured 2-layer, hidden-64 run).
+rate, so their rule scores spread over [0, 1] and reinforcement learning has room above a
+fine-tuned model (docs/quickstart.md: held-out 0.41-0.48 after SFT, 0.70-0.72 after PPO). With
+``contrast_fraction`` a share of the pairs instead set a response against an edit of itself that
+breaks one part of the rule (docs/data.md).
 
 Write the task as JSONL in the public preference schema (prompt/response/chosen/rejected, with
 ``response == chosen`` as in Dahoas/rm-static)::
@@ -128,6 +130,13 @@ class SyntheticTaskConfig:
     """Shortest generated response, in words."""
     max_response_words: int = 16
     """Longest generated response, in words."""
+    contrast_fraction: float = 0.0
+    """Share of pairs whose second response is an edit of the first that breaks one part of the
+    rule (cut below ``RULE_MIN_WORDS`` words, padded with words off the topic, its topic words
+    redrawn from only one to three of them, the whole answer one to three topic words in a loop,
+    or its topic words swapped for another topic's), so a reward model sees what each part
+    costs; the rest are two independent draws. 0 keeps the original stream byte for byte (the
+    tokenizer corpus is built from it)."""
 
     def __post_init__(self) -> None:
         if self.num_train < 0 or self.num_test < 0:
@@ -139,6 +148,8 @@ class SyntheticTaskConfig:
                 f"need 1 <= min_response_words({self.min_response_words}) <= "
                 f"max_response_words({self.max_response_words}); raise max_response_words"
             )
+        if not 0.0 <= self.contrast_fraction <= 1.0:
+            raise ValueError(f"contrast_fraction({self.contrast_fraction}) must be in [0, 1]")
 
 
 def _prompt(rng: random.Random, topic: str) -> str:
@@ -162,12 +173,44 @@ def _response(rng: random.Random, topic: str, config: SyntheticTaskConfig) -> st
     return " ".join(words) + "."
 
 
+def _contrast(rng: random.Random, topic: str, response: str) -> str:
+    """An edit of ``response`` that breaks one part of the rule, chosen at random.
+
+    Cutting makes an answer shorter and padding makes it longer, both usually for the worse, so
+    that length alone predicts neither side of a pair. The caller orders the pair by the rule:
+    an edit is sometimes the better answer (a loop of topic words beats an off-topic answer).
+    """
+    words = response.rstrip(".").split()
+    edit = rng.choice(("cut", "pad", "repeat", "loop", "swap"))
+    if edit == "cut":
+        words = words[:rng.randint(1, RULE_MIN_WORDS - 1)]
+    elif edit == "pad":
+        other = [name for name in TOPICS if name != topic]
+        words = words + [rng.choice(FILLER_WORDS) if rng.random() < 0.5
+                         else rng.choice(TOPICS[rng.choice(other)])
+                         for _ in range(rng.randint(2, 8))]
+    elif edit == "loop":
+        # The degenerate answer of a greedy decoder: a few topic words over and over.
+        kept = rng.sample(TOPICS[topic], rng.randint(1, 3))
+        words = [kept[i % len(kept)] for i in range(len(words))]
+    elif edit == "repeat":
+        kept = rng.sample(TOPICS[topic], rng.randint(1, 3))
+        words = [rng.choice(kept) if word in _TOPIC_WORDS[topic] else word for word in words]
+    else:
+        other = rng.choice([name for name in TOPICS if name != topic])
+        words = [rng.choice(TOPICS[other]) if word in _TOPIC_WORDS[topic] else word
+                 for word in words]
+    return " ".join(words) + "."
+
+
 def _record(rng: random.Random, config: SyntheticTaskConfig) -> dict[str, str]:
     topic = rng.choice(sorted(TOPICS))
     prompt = _prompt(rng, topic)
     first = _response(rng, topic, config)
-    second = _response(rng, topic, config)
+    contrast = config.contrast_fraction > 0 and rng.random() < config.contrast_fraction
+    second = _contrast(rng, topic, first) if contrast else _response(rng, topic, config)
     while rule_score(prompt, second) == rule_score(prompt, first):
+        # An edit that did not change the score (no topic words to edit): draw independently.
         second = _response(rng, topic, config)
     chosen, rejected = sorted((first, second), key=lambda text: -rule_score(prompt, text))
     return {"prompt": prompt, "response": chosen, "chosen": chosen, "rejected": rejected}

@@ -116,8 +116,9 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
     """Build this rank's models and the engine. Collective: every rank calls it.
 
     Args:
-        load_initial: load the configured SFT/reward checkpoints; a resumed run skips them
-            because its RL checkpoint overwrites the weights.
+        load_initial: also load the trained models' configured SFT/reward checkpoints; a
+            resumed run skips those because its RL checkpoint overwrites their weights. The
+            frozen reference and reward model, which no RL checkpoint holds, always load theirs.
         sources: the initial checkpoints (default: read from the configuration).
     """
     sources = resolve_sources(config) if sources is None else sources
@@ -133,8 +134,9 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
         model = build_gpt_model(plan[role].spec.arch, options, pgc, seed=config.runtime.seed)
         init_weights(model, pgc, seed=config.models.init_seed)
         models[role] = model
-    if load_initial:
-        load_initial_weights(models, groups, plan.models, sources, config.models.hf_cache_dir)
+    initial = {role: source for role, source in sources.items()
+               if load_initial or role not in TRAINABLE_ROLES}
+    load_initial_weights(models, groups, plan.models, initial, config.models.hf_cache_dir)
     for role, model in models.items():
         trainer = None
         if role in TRAINABLE_ROLES:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from megatron_rlhf.algorithms import PPOAlgorithmConfig
 from megatron_rlhf.data import ReaderConfig, SplitConfig, SyntheticTaskConfig
+from megatron_rlhf.engine.evaluation import EvalConfig
 from megatron_rlhf.generation import GenerationConfig
 from megatron_rlhf.models.gpt import (
     ATTENTION_BACKENDS,
@@ -229,6 +230,7 @@ class RunConfig:
     actor_optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     critic_optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    evaluation: EvalConfig = field(default_factory=EvalConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
     steps: int = 10
     run_dir: str = "runs/ppo"

@@ -4,10 +4,16 @@ Every rank runs the three steps in order, in the same processes; each step write
 directory under ``run_dir`` (``sft/``, ``rm/``, ``ppo/``) and the next step starts from the
 previous one's checkpoint. The data is the shipped synthetic task (written to ``run_dir/data``)
 or the caller's preference files, split into SFT / RM / PPO portions by prompt.
+
+On the synthetic task the held-out prompts of ``data/test.jsonl`` measure each model the same
+way (``engine.evaluation``): the untrained policy (``untrained/``, a PPO run of zero steps from
+the initialisation), the SFT model (PPO's evaluation before its first step) and PPO's final
+policy (its evaluation after the last step).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,6 +24,7 @@ import torch.distributed as dist
 from megatron_rlhf.config.loader import load_config
 from megatron_rlhf.data import SyntheticTaskConfig, write_task_jsonl
 from megatron_rlhf.engine.config import RunConfig
+from megatron_rlhf.engine.evaluation import EvalConfig, eval_metrics, hacking_report
 from megatron_rlhf.engine.reward_training import RMConfig, run_reward_training
 from megatron_rlhf.engine.runner import run_ppo
 from megatron_rlhf.engine.sft import SFTConfig, run_sft
@@ -27,28 +34,41 @@ from megatron_rlhf.runtime.bootstrap import initialize_runtime
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
+STEPS = ("sft", "rm", "untrained", "ppo")
+"""The run directories under ``run_dir``, in the order they are written."""
+
+
 @dataclass
 class PipelineResult:
-    """Where each step wrote its run, and its last metrics."""
+    """Where each step wrote its run, its last metrics, and the held-out evaluations."""
 
     run_dir: Path
     final: dict[str, dict]
+    """Last metrics record of each of :data:`STEPS` ({} for a step that did not run)."""
+    held_out: dict[str, dict[str, float]]
+    """``untrained``, ``sft`` and ``ppo`` (final policy) -> its ``eval/...`` metrics (empty
+    without held-out prompts)."""
+    kl_target: float | None
+    """The adaptive KL controller's target per sequence, or None with a fixed coefficient."""
+    evaluation: EvalConfig
+    """The PPO run's evaluation settings (its reward-hacking thresholds)."""
 
 
-def _write_data(run_dir: Path, paths: Sequence[str]) -> tuple[list[str], list[str]]:
+def _write_data(run_dir: Path, paths: Sequence[str], task: SyntheticTaskConfig
+                ) -> tuple[list[str], list[str]]:
     """Training and held-out files: the caller's, or the synthetic task written by rank 0."""
     if paths:
         return list(paths), []
     data_dir = run_dir / "data"
     if dist.get_rank() == 0:
-        write_task_jsonl(data_dir, SyntheticTaskConfig())
+        write_task_jsonl(data_dir, task)
     dist.barrier()
     return [str(data_dir / "train.jsonl")], [str(data_dir / "test.jsonl")]
 
 
-def _last(path: Path) -> dict:
+def _records(path: Path) -> list[dict]:
     lines = path.read_text().splitlines() if path.is_file() else []
-    return json.loads(lines[-1]) if lines else {}
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def run_pipeline(run_dir: str | Path, data_paths: Sequence[str], ppo_overrides: Sequence[str],
@@ -57,7 +77,8 @@ def run_pipeline(run_dir: str | Path, data_paths: Sequence[str], ppo_overrides: 
     """SFT, reward-model training and PPO in sequence; every rank calls it."""
     run_dir = Path(run_dir)
     initialize_runtime()
-    train, held_out = _write_data(run_dir, data_paths)
+    task = load_config(RunConfig, EXAMPLES / "ppo_pipeline.yaml", ppo_overrides).prompts.synthetic
+    train, held_out = _write_data(run_dir, data_paths, task)
     data = [f"data.paths=[{','.join(train)}]"]
     if held_out:
         data.append(f"data.eval_paths=[{','.join(held_out)}]")
@@ -69,11 +90,63 @@ def run_pipeline(run_dir: str | Path, data_paths: Sequence[str], ppo_overrides: 
                      [f"out_dir={run_dir / 'rm'}", f"model.init_checkpoint={sft_checkpoint}",
                       *data, *rm_overrides])
     run_reward_training(rm)
+    evaluation = [f"evaluation.paths=[{','.join(held_out)}]"] if held_out else []
     ppo = load_config(RunConfig, EXAMPLES / "ppo_pipeline.yaml", [
         f"run_dir={run_dir / 'ppo'}", f"models.actor_checkpoint={sft_checkpoint}",
         f"models.reward_checkpoint={run_dir / 'rm' / CHECKPOINT_DIR}",
         f"tokenizer.model_path={run_dir / 'sft' / TOKENIZER_FILE}",
-        f"prompts.paths=[{','.join(train)}]", *ppo_overrides])
+        f"prompts.paths=[{','.join(train)}]", *evaluation, *ppo_overrides])
+    if held_out:
+        # The same evaluation of the policy the SFT run started from: zero PPO steps from the
+        # initialisation (models.init_seed), every other model as in the PPO run.
+        run_ppo(dataclasses.replace(ppo, steps=0, run_dir=str(run_dir / "untrained"),
+                                    models=dataclasses.replace(ppo.models, actor_checkpoint="")))
     run_ppo(ppo)
-    final = {step: _last(run_dir / step / "metrics.jsonl") for step in ("sft", "rm", "ppo")}
-    return PipelineResult(run_dir, final)
+    records = {step: _records(run_dir / step / "metrics.jsonl") for step in STEPS}
+    # PPO's last record is the evaluation after its last step, a record of its own.
+    final = {step: next((r for r in reversed(rows) if set(r) - {"step"} - set(eval_metrics(r))),
+                        {}) for step, rows in records.items()}
+    held = {"untrained": eval_metrics(records["untrained"][-1] if records["untrained"] else {}),
+            "sft": eval_metrics(records["ppo"][0] if records["ppo"] else {}),
+            "ppo": eval_metrics(records["ppo"][-1] if records["ppo"] else {})}
+    algorithm = ppo.algorithm
+    return PipelineResult(run_dir, final, held,
+                          algorithm.kl_target if algorithm.adaptive_kl else None,
+                          ppo.evaluation)
+
+
+def format_report(result: PipelineResult) -> str:
+    """The closing summary: each step's last metrics, the held-out comparison, where to look."""
+    sft, rm, ppo = (result.final[k] for k in ("sft", "rm", "ppo"))
+    nan = float("nan")
+    lines = [
+        f"run directory: {result.run_dir.resolve()}",
+        f"SFT: step {sft.get('step')}, held-out loss {sft.get('eval_loss', nan):.3f}",
+        f"reward model: step {rm.get('step')}, held-out pairwise accuracy "
+        f"{rm.get('eval_accuracy', nan):.3f}",
+    ]
+    if "rm_score" in ppo:
+        lines.append(f"PPO: step {ppo.get('step')}, reward-model score "
+                     f"{ppo['rm_score']:.3f}, rule score {ppo['rule_score']:.3f}, "
+                     f"KL {ppo['kl']:.3f}")
+    held = result.held_out
+    if held["ppo"]:
+        lines.append("held-out prompts, rule score / reward-model score (greedy | sampled):")
+        names = {"untrained": "untrained model", "sft": "SFT model (PPO start)",
+                 "ppo": f"PPO final (after {ppo.get('step', -1) + 1} steps)"}
+        for key, name in names.items():
+            lines.append(f"  {name:<28}" + " | ".join(
+                f"{held[key].get(f'eval/{mode}/rule_score', nan):.3f} / "
+                f"{held[key].get(f'eval/{mode}/rm_score', nan):.3f}"
+                for mode in ("greedy", "sampled")))
+        target = (f" (adaptive controller, target {result.kl_target:g})"
+                  if result.kl_target is not None else " (fixed coefficient)")
+        lines.append(f"  KL of the final policy to the SFT model on held-out prompts: "
+                     f"{held['ppo'].get('eval/sampled/kl', nan):.3f} nats per answer{target}")
+        hacking = hacking_report(held["sft"], held["ppo"], result.evaluation.hacking_tolerance,
+                                 result.evaluation.hacking_rm_rise)
+        lines += ([f"WARNING reward hacking: {line}" for line in hacking] or
+                  ["reward hacking: not seen (the held-out rule score did not fall while the "
+                   "reward-model score rose)"])
+    lines.append(f"curves: {result.run_dir / 'curves.png'}")
+    return "\n".join(lines)

@@ -17,7 +17,13 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_rlhf.config.loader import to_yaml
-from megatron_rlhf.data import DataConfig, generate_records, load_splits, rule_score
+from megatron_rlhf.data import (
+    DataConfig,
+    generate_records,
+    load_splits,
+    read_files,
+    rule_score,
+)
 from megatron_rlhf.data.prompts import PromptStream
 from megatron_rlhf.engine.build import (
     build_engine,
@@ -35,6 +41,7 @@ from megatron_rlhf.engine.checkpointing import (
 )
 from megatron_rlhf.engine.config import RunConfig
 from megatron_rlhf.engine.engine import RuleReward
+from megatron_rlhf.engine.evaluation import HeldOutEvaluator, eval_metrics, hacking_report
 from megatron_rlhf.engine.export import HFExporter
 from megatron_rlhf.engine.ppo import PPOTrainer
 from megatron_rlhf.engine.sources import ModelSource, resolve_sources
@@ -77,15 +84,41 @@ def load_prompts(config: RunConfig, tokenizer: Tokenizer | HFTokenizer) -> Promp
     else:
         records = [(record["prompt"], None) for record in
                    generate_records(config.prompts.synthetic)]
+    return PromptStream(_encode(records, config, tokenizer, "prompts"),
+                        config.rollout.prompts_per_step, config.runtime.seed)
+
+
+def load_eval_prompts(config: RunConfig, tokenizer: Tokenizer | HFTokenizer) -> list[list[int]]:
+    """Tokenised held-out prompts (``evaluation``), or [] when the run has none."""
+    evaluation = config.evaluation
+    if not evaluation.num_prompts:
+        return []
+    if evaluation.paths:
+        read, _ = read_files(list(evaluation.paths), config.prompts.reader, tokenizer)
+        records = [(record.prompt, record.messages) for record in read]
+    elif not config.prompts.paths:
+        records = [(record["prompt"], None)
+                   for record in generate_records(config.prompts.synthetic, "test")]
+    else:
+        logger.info("no held-out evaluation: the prompts come from files and evaluation.paths "
+                    "is empty")
+        return []
+    return _encode(records[:evaluation.num_prompts], config, tokenizer, "held-out prompts")
+
+
+def _encode(records: list[tuple[str, list | None]], config: RunConfig,
+            tokenizer: Tokenizer | HFTokenizer,
+            what: str) -> list[list[int]]:
+    """Token ids of ``(text, messages)`` prompts, through the chat template where it applies."""
     limit = config.rollout.max_prompt_length
     prompts = [encode_prompt(tokenizer, text, messages, config.prompts.chat_template)
                for text, messages in records]
     too_long = [i for i, p in enumerate(prompts) if len(p) > limit]
     if too_long:
-        raise ValueError(f"{len(too_long)} prompts are longer than rollout.max_prompt_length="
+        raise ValueError(f"{len(too_long)} {what} are longer than rollout.max_prompt_length="
                          f"{limit} tokens (first: #{too_long[0]}, {len(prompts[too_long[0]])} "
                          "tokens); raise the limit or set prompts.reader.max_prompt_tokens")
-    return PromptStream(prompts, config.rollout.prompts_per_step, config.runtime.seed)
+    return prompts
 
 
 def rule_reward_for(config: RunConfig, tokenizer: Tokenizer) -> RuleReward | None:
@@ -120,6 +153,7 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
     check_checkpoint_tokenizers(sources, tokenizer)
     candidates = resume_candidates(config.checkpoint)
     prompts = load_prompts(config, tokenizer)
+    eval_prompts = load_eval_prompts(config, tokenizer)
     plan = make_plan(config, cluster_from_environment(config.cluster.pools), sources)
     initialize_runtime(config.runtime)
     install_fault_tracker(config.faults, config.runtime.distributed.timeout_s)
@@ -142,11 +176,14 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
                                  rule_reward_for(config, tokenizer), on_nan=config.faults.on_nan)
             run = RunState(engine, trainer, prompts, config, tokenizer.fingerprint)
             exporter = HFExporter(config, sources, tokenizer)
+            evaluator = (HeldOutEvaluator(engine, eval_prompts, trainer.rule_reward,
+                                          tokenizer.decode, config.evaluation.log_examples)
+                         if eval_prompts else None)
         start = 0
         if resume_from is not None:
             with stage("checkpoint/load"):
                 start = load_rl_checkpoint(run, resume_from, skip_state)
-        _train(run, start, run_dir, exporter)
+        _train(run, start, run_dir, exporter, evaluator)
     finally:
         uninstall_fault_tracker()
     return run_dir
@@ -165,23 +202,36 @@ def _shape_signature(config: RunConfig) -> tuple[str, ...]:
             f"steps={config.steps}", f"placement={config.placement}")
 
 
-def _train(run: RunState, start: int, run_dir: Path, exporter: HFExporter) -> None:
-    """Steps ``start`` to ``config.steps``; checkpoints by interval, at the end and on SIGTERM."""
+def _train(run: RunState, start: int, run_dir: Path, exporter: HFExporter,
+           evaluator: HeldOutEvaluator | None) -> None:
+    """Steps ``start`` to ``config.steps``; checkpoints by interval, at the end and on SIGTERM.
+
+    Held-out evaluations (``evaluation``) go into the record of the step they precede; the one
+    after the last step is a record of its own, numbered ``config.steps``.
+    """
     config = run.config
+    first_eval: dict[str, float] = {}
     if dist.get_rank() == 0:
-        _drop_metrics_from(run_dir / "metrics.jsonl", start)
+        first_eval = eval_metrics(_drop_metrics_from(run_dir / "metrics.jsonl", start))
     tracer = configure_tracing(config.trace)
     writer = MetricsWriter(run_dir, config.steps)
     preemption = PreemptionWatcher()
+    stop = False
     try:
         for step in range(start, config.steps):
+            held_out = {}
+            if evaluator is not None and config.evaluation.due(step, start):
+                with stage(f"evaluate {step}"):
+                    held_out = evaluator.evaluate()
+                first_eval = first_eval or held_out
+                _warn_on_hacking(first_eval, held_out, step, config)
             begin = time.perf_counter()
             with stage(f"step {step}", signature=(step, run.prompts.fingerprint)):
                 metrics = run.trainer.step(step)
                 stop = preemption.requested()
             seconds = time.perf_counter() - begin
             metrics.update(step_seconds=seconds,
-                           samples_per_s=config.rollout.prompts_per_step / seconds)
+                           samples_per_s=config.rollout.prompts_per_step / seconds, **held_out)
             writer.write(step, metrics)
             if config.checkpoint.save_dir and (
                     stop or step + 1 == config.steps or (config.checkpoint.save_interval and (
@@ -197,6 +247,11 @@ def _train(run: RunState, start: int, run_dir: Path, exporter: HFExporter) -> No
                 logger.warning("stopping after step %d on SIGTERM%s", step, "" if config.checkpoint
                                .save_dir else " (no checkpoint.save_dir: nothing was saved)")
                 break
+        if evaluator is not None and not stop:
+            with stage("evaluate final"):
+                held_out = evaluator.evaluate()
+            _warn_on_hacking(first_eval or held_out, held_out, config.steps, config)
+            writer.write(config.steps, held_out)
     finally:
         preemption.close()
         writer.close()
@@ -204,10 +259,24 @@ def _train(run: RunState, start: int, run_dir: Path, exporter: HFExporter) -> No
         write_chrome_trace(tracer, run_dir / "timeline.json")
 
 
-def _drop_metrics_from(path: Path, step: int) -> None:
-    """Keep only the records of steps before ``step`` (a resumed run writes the rest again)."""
+def _warn_on_hacking(first: dict[str, float], current: dict[str, float], step: int,
+                     config: RunConfig) -> None:
+    evaluation = config.evaluation
+    for line in hacking_report(first, current, evaluation.hacking_tolerance,
+                               evaluation.hacking_rm_rise):
+        logger.warning("reward hacking suspected before step %d on held-out prompts: %s",
+                       step, line)
+
+
+def _drop_metrics_from(path: Path, step: int) -> dict:
+    """Keep only the records of steps before ``step`` (a resumed run writes the rest again).
+
+    Returns:
+        The first kept record (the run's first evaluation is in it), or {}.
+    """
     if not path.is_file():
-        return
+        return {}
     kept = [line for line in path.read_text().splitlines(keepends=True)
             if line.strip() and json.loads(line)["step"] < step]
     path.write_text("".join(kept))
+    return json.loads(kept[0]) if kept else {}

@@ -115,3 +115,27 @@ def test_topic_vocabularies_do_not_overlap() -> None:
 def test_config_validation(kwargs: dict[str, int], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         SyntheticTaskConfig(**kwargs)
+
+
+def test_contrast_pairs_cover_each_part_of_the_rule() -> None:
+    config = SyntheticTaskConfig(seed=5, num_train=400, num_test=0, contrast_fraction=1.0)
+    records = generate_records(config)
+    for record in records:
+        assert rule_score(record["prompt"], record["chosen"]) > rule_score(
+            record["prompt"], record["rejected"]
+        )
+    lengths = [(len(r["chosen"].split()), len(r["rejected"].split())) for r in records]
+    # Cut answers (shorter than the rule's floor) and padded ones (longer) both lose.
+    assert sum(rejected < RULE_MIN_WORDS for _, rejected in lengths) > 40
+    assert sum(rejected > chosen for chosen, rejected in lengths) > 40
+    over_repeated = [r for r in records if max(
+        r["rejected"].rstrip(".").split().count(w) for w in TOPICS[topic_of(r["prompt"])]
+    ) > RULE_MAX_REPEATS + 2]
+    assert len(over_repeated) > 40
+    swapped = [r for r in records if rule_score(r["prompt"], r["rejected"]) == 0.0]
+    assert len(swapped) > 40
+
+
+def test_contrast_fraction_must_be_a_share() -> None:
+    with pytest.raises(ValueError, match="contrast_fraction"):
+        SyntheticTaskConfig(contrast_fraction=1.5)

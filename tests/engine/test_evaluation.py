@@ -1,0 +1,131 @@
+"""Held-out evaluation: which model each number comes from, where it is recorded, and the
+reward-hacking check."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_rlhf.engine.evaluation import EvalConfig, hacking_report
+from tests.multirank import run_on_ranks
+
+FIRST = {"eval/greedy/rm_score": -3.0, "eval/greedy/rm_score_std": 1.0,
+         "eval/greedy/rule_score": 0.30, "eval/sampled/rm_score": -5.0,
+         "eval/sampled/rm_score_std": 2.0, "eval/sampled/rule_score": 0.40}
+
+
+def test_hacking_report_names_the_mode_whose_scores_diverge() -> None:
+    hacked = {**FIRST, "eval/sampled/rm_score": -1.0, "eval/sampled/rule_score": 0.20}
+    (line,) = hacking_report(FIRST, hacked, tolerance=0.02, rm_rise=0.5)
+    assert line.startswith("sampled answers") and "-5.000 -> -1.000" in line
+    assert "0.400 -> 0.200" in line
+
+
+@pytest.mark.parametrize("change", [
+    {"eval/sampled/rm_score": 0.0, "eval/sampled/rule_score": 0.39},    # rule within tolerance
+    {"eval/sampled/rm_score": -4.2, "eval/sampled/rule_score": 0.1},    # rise < 0.5 std (2.0)
+    {"eval/sampled/rm_score": -6.0, "eval/sampled/rule_score": 0.1},    # both fell: no hacking
+    {"eval/greedy/rm_score": 0.0, "eval/greedy/rule_score": 0.5},       # both rose: learning
+])
+def test_hacking_report_is_silent_unless_reward_up_and_rule_down(change: dict) -> None:
+    assert hacking_report(FIRST, {**FIRST, **change}, tolerance=0.02, rm_rise=0.5) == []
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [({"num_prompts": -1}, "evaluation.num_prompts"),
+                                               ({"interval": -2}, "evaluation.interval"),
+                                               ({"hacking_tolerance": -0.1},
+                                                "evaluation.hacking_tolerance"),
+                                               ({"hacking_rm_rise": -1.0},
+                                                "evaluation.hacking_rm_rise"),
+                                               ({"log_examples": -1}, "evaluation.log_examples")])
+def test_eval_config_names_the_bad_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        EvalConfig(**kwargs)
+
+
+def test_evaluations_fall_before_the_first_and_every_interval_th_step() -> None:
+    assert [s for s in range(7) if EvalConfig(interval=3).due(s, start=0)] == [0, 3, 6]
+    assert [s for s in range(2, 7) if EvalConfig(interval=0).due(s, start=2)] == [2]
+
+
+def _chain_then_recompute(run_dir: Path) -> dict:
+    """The pipeline, then its SFT and final-policy evaluations again from their checkpoints
+    under another placement (flattening instead of separation: no shadow actor)."""
+    from megatron_rlhf.config.loader import load_config
+    from megatron_rlhf.engine.config import RunConfig
+    from megatron_rlhf.engine.pipeline import format_report, run_pipeline
+    from megatron_rlhf.engine.runner import run_ppo
+
+    result = run_pipeline(run_dir, [], [
+        "steps=3", "rollout.prompts_per_step=8", "evaluation.num_prompts=8",
+        "evaluation.interval=2", f"checkpoint.save_dir={run_dir / 'ckpt'}"],
+        ["train.max_steps=12"], ["train.max_steps=6"])
+    saved = run_dir / "ppo" / "config.yaml"
+    flat = "placement.strategy=flattening"
+    run_ppo(load_config(RunConfig, saved, [f"run_dir={run_dir / 'sft_again'}", "steps=0", flat]))
+    run_ppo(load_config(RunConfig, saved, [f"run_dir={run_dir / 'final_again'}",
+                                           "checkpoint.resume=true", flat]))
+    return {"held_out": result.held_out, "report": format_report(result)}
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _assert_same_evaluation(ours: dict, again: dict) -> None:
+    assert ours.keys() == again.keys() and len(ours) == 9
+    for key, value in ours.items():
+        assert again[key] == pytest.approx(value, abs=1e-4), key
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_pipeline_evaluates_untrained_sft_and_final_policies(tmp_path: Path) -> None:
+    out = run_on_ranks(_chain_then_recompute, world_size=2, args=(tmp_path,), timeout_s=600)[0]
+    held = out["held_out"]
+    ppo = _records(tmp_path / "ppo" / "metrics.jsonl")
+    # Before steps 0 and 2 (evaluation.interval=2) and after the last, in a record of its own.
+    assert [r["step"] for r in ppo] == [0, 1, 2, 3]
+    assert [any(k.startswith("eval/") for k in r) for r in ppo] == [True, False, True, True]
+    assert "rm_score" not in ppo[3]
+    # The SFT model: the policy PPO starts from, so it is still the reference (KL exactly 0);
+    # the same numbers come from its checkpoint evaluated with no PPO step on another placement.
+    assert held["sft"]["eval/sampled/kl"] == pytest.approx(0.0, abs=1e-6)
+    (sft_again,) = _records(tmp_path / "sft_again" / "metrics.jsonl")
+    assert sft_again.pop("step") == 0
+    _assert_same_evaluation(held["sft"], sft_again)
+    # The final policy: trained (it has moved from the reference), and the same numbers come
+    # from its resumable checkpoint, loaded under another placement.
+    assert held["ppo"]["eval/sampled/kl"] > 0.0
+    (final_again,) = _records(tmp_path / "final_again" / "metrics.jsonl")
+    assert final_again.pop("step") == 3
+    _assert_same_evaluation(held["ppo"], final_again)
+    # The untrained model is another network: its held-out reward-model scores differ.
+    untrained = _records(tmp_path / "untrained" / "metrics.jsonl")
+    assert [r["step"] for r in untrained] == [0] and held["untrained"] == {
+        k: v for k, v in untrained[0].items() if k != "step"}
+    assert held["untrained"]["eval/greedy/rm_score"] != held["sft"]["eval/greedy/rm_score"]
+    for name in ("untrained model", "SFT model (PPO start)", "PPO final (after 3 steps)"):
+        assert name in out["report"]
+
+
+def test_curves_put_held_out_points_beside_the_training_ones() -> None:
+    from tests.scripts import load_script
+
+    curves = load_script("tools/run_pipeline.py").curves
+    records = [{"step": 0, "rm_score": -5.0, "rule_score": 0.4, "kl": 0.0,
+                "eval/greedy/rm_score": -4.0, "eval/greedy/rule_score": 0.3,
+                "eval/sampled/rm_score": -6.0, "eval/sampled/rule_score": 0.45,
+                "eval/sampled/kl": 0.0},
+               {"step": 1, "rm_score": -4.5, "rule_score": 0.5, "kl": 0.3},
+               {"step": 2, "eval/greedy/rm_score": -3.0, "eval/greedy/rule_score": 0.2,
+                "eval/sampled/rm_score": -5.0, "eval/sampled/rule_score": 0.6,
+                "eval/sampled/kl": 1.5}]
+    runs = curves(records)
+    assert [r["step"] for r in runs["train batches (sampled)"]] == [0, 1]
+    assert runs["held-out (sampled)"] == [
+        {"step": 0, "rm_score": -6.0, "rule_score": 0.45, "kl": 0.0},
+        {"step": 2, "rm_score": -5.0, "rule_score": 0.6, "kl": 1.5}]
+    assert [r["rule_score"] for r in runs["held-out (greedy)"]] == [0.3, 0.2]
