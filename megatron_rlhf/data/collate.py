@@ -2,8 +2,11 @@
 
 Conventions: ids and masks are ``torch.long`` tensors of shape ``[batch, length]``; an attention
 mask is 1 on real tokens and 0 on padding; padding uses ``tokenizer.pad_id``. Prompts start with
-BOS; SFT and RM sequences are ``BOS prompt response EOS``. Use with a DataLoader through
-``functools.partial(collate_sft, tokenizer=tok, max_length=256)``.
+BOS; SFT and RM sequences are ``BOS prompt response EOS``. With a tokenizer that has a chat
+template (a Hugging Face checkpoint's), the prompt part of SFT and RM sequences is encoded the
+way PPO prompts are (``models.prompting.encode_prompt``): a conversation through the template,
+a plain-text prompt as one user turn unless ``use_chat_template`` is False. Use with a DataLoader
+through ``functools.partial(collate_sft, tokenizer=tok, max_length=256)``.
 """
 
 from __future__ import annotations
@@ -13,7 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_rlhf.data.conversations import Conversation
 from megatron_rlhf.data.datasets import RMExample, SFTExample
+from megatron_rlhf.models.hf_tokenizer import HFTokenizer
+from megatron_rlhf.models.prompting import encode_prompt
 from megatron_rlhf.models.tokenizer import Tokenizer
 
 
@@ -85,10 +91,11 @@ def collate_prompts(
 
 
 def _prompt_response_ids(
-    prompt: str, response: str, tokenizer: Tokenizer, max_length: int
+    prompt: str, messages: Conversation | None, response: str,
+    tokenizer: Tokenizer | HFTokenizer, max_length: int, use_chat_template: bool
 ) -> tuple[list[int], int]:
     """Return ``BOS prompt response EOS`` cut to ``max_length`` and the prompt part's length."""
-    prompt_ids = tokenizer.encode(prompt, add_bos=True)
+    prompt_ids = encode_prompt(tokenizer, prompt, messages, use_chat_template)
     if len(prompt_ids) >= max_length:
         raise ValueError(
             f"prompt of {len(prompt_ids)} tokens (BOS included) leaves no room for a response in "
@@ -113,13 +120,16 @@ def _right_pad(
     return SFTBatch(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask)
 
 
-def collate_sft(examples: Sequence[SFTExample], tokenizer: Tokenizer, max_length: int) -> SFTBatch:
+def collate_sft(examples: Sequence[SFTExample], tokenizer: Tokenizer | HFTokenizer,
+                max_length: int, use_chat_template: bool = True) -> SFTBatch:
     """Tokenise (prompt, response) pairs and right-pad them, masking the loss to the response.
 
     Args:
         examples: SFT pairs.
         tokenizer: the shared tokenizer.
         max_length: longest sequence; longer responses are cut at the end.
+        use_chat_template: wrap plain-text prompts as one user turn when the tokenizer has a
+            chat template (conversations always go through it).
 
     Returns:
         Ids, attention mask and loss mask.
@@ -130,13 +140,15 @@ def collate_sft(examples: Sequence[SFTExample], tokenizer: Tokenizer, max_length
     if not examples:
         raise ValueError("collate_sft got an empty batch")
     return _right_pad(
-        [_prompt_response_ids(e.prompt, e.response, tokenizer, max_length) for e in examples],
+        [_prompt_response_ids(e.prompt, e.messages, e.response, tokenizer, max_length,
+                              use_chat_template) for e in examples],
         tokenizer.pad_id,
     )
 
 
 def collate_preferences(
-    examples: Sequence[RMExample], tokenizer: Tokenizer, max_length: int
+    examples: Sequence[RMExample], tokenizer: Tokenizer | HFTokenizer, max_length: int,
+    use_chat_template: bool = True
 ) -> PreferenceBatch:
     """Tokenise (prompt, chosen, rejected) triples into two right-padded batches of equal length.
 
@@ -144,6 +156,7 @@ def collate_preferences(
         examples: RM triples.
         tokenizer: the shared tokenizer.
         max_length: longest sequence; longer responses are cut at the end.
+        use_chat_template: as in :func:`collate_sft`.
 
     Returns:
         The chosen and the rejected batch; row ``i`` of each holds example ``i``.
@@ -153,8 +166,9 @@ def collate_preferences(
     """
     if not examples:
         raise ValueError("collate_preferences got an empty batch")
-    chosen = [_prompt_response_ids(e.prompt, e.chosen, tokenizer, max_length) for e in examples]
-    rejected = [_prompt_response_ids(e.prompt, e.rejected, tokenizer, max_length) for e in examples]
+    chosen, rejected = ([_prompt_response_ids(e.prompt, e.messages, getattr(e, side), tokenizer,
+                                              max_length, use_chat_template) for e in examples]
+                        for side in ("chosen", "rejected"))
     length = max(len(ids) for ids, _ in chosen + rejected)
     return PreferenceBatch(
         chosen=_right_pad(chosen, tokenizer.pad_id, length),

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from torch.utils.data import Dataset
 
+from megatron_rlhf.data.conversations import Conversation
 from megatron_rlhf.data.readers import PreferenceRecord
 
 
@@ -16,6 +17,8 @@ class SFTExample:
 
     prompt: str
     response: str
+    messages: Conversation | None = None
+    """The prompt's turns when the record is a conversation (``prompt`` is then their text)."""
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,8 @@ class RMExample:
     prompt: str
     chosen: str
     rejected: str
+    messages: Conversation | None = None
+    """The prompt's turns when the record is a conversation (``prompt`` is then their text)."""
 
 
 def _require(records: Sequence[PreferenceRecord], names: tuple[str, ...], dataset: str) -> None:
@@ -46,7 +51,7 @@ class SFTDataset(Dataset):
 
     def __init__(self, records: Sequence[PreferenceRecord]) -> None:
         _require(records, ("response",), "SFTDataset")
-        self.examples = [SFTExample(r.prompt, r.response) for r in records]
+        self.examples = [SFTExample(r.prompt, r.response, r.messages) for r in records]
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -64,7 +69,7 @@ class RMDataset(Dataset):
 
     def __init__(self, records: Sequence[PreferenceRecord]) -> None:
         _require(records, ("chosen", "rejected"), "RMDataset")
-        self.examples = [RMExample(r.prompt, r.chosen, r.rejected) for r in records]
+        self.examples = [RMExample(r.prompt, r.chosen, r.rejected, r.messages) for r in records]
 
     def __len__(self) -> int:
         return len(self.examples)

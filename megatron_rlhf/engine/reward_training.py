@@ -31,6 +31,7 @@ from megatron_rlhf.engine.workers import last_token_scores, split_microbatches
 from megatron_rlhf.models.checkpoint import (
     load_model_checkpoint,
 )
+from megatron_rlhf.models.hf_tokenizer import HFTokenizer
 from megatron_rlhf.models.schedule import Batch, LossFn
 from megatron_rlhf.models.tokenizer import Tokenizer
 from megatron_rlhf.runtime.logging import get_logger
@@ -54,10 +55,11 @@ class RMConfig(SupervisedConfig):
     out_dir: str = "runs/rm"
 
 
-def preference_microbatches(examples: Sequence[RMExample], tokenizer: Tokenizer, max_length: int,
-                            micro_batch_size: int) -> list[Batch]:
+def preference_microbatches(examples: Sequence[RMExample], tokenizer: Tokenizer | HFTokenizer,
+                            max_length: int, micro_batch_size: int,
+                            use_chat_template: bool = True) -> list[Batch]:
     """Micro-batches of ``micro_batch_size`` pairs: rows ``[chosen_0..m-1; rejected_0..m-1]``."""
-    batch = collate_preferences(examples, tokenizer, max_length)
+    batch = collate_preferences(examples, tokenizer, max_length, use_chat_template)
     chosen, rejected = (
         split_microbatches({"input_ids": side.input_ids, "attention_mask": side.attention_mask},
                            micro_batch_size)

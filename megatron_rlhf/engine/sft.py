@@ -27,6 +27,7 @@ from megatron_rlhf.engine.supervised import (
 )
 from megatron_rlhf.engine.workers import split_microbatches
 from megatron_rlhf.models.checkpoint import load_model_checkpoint
+from megatron_rlhf.models.hf_tokenizer import HFTokenizer
 from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
 from megatron_rlhf.models.schedule import Batch, LossFn
 from megatron_rlhf.models.tokenizer import Tokenizer
@@ -43,10 +44,11 @@ class SFTConfig(SupervisedConfig):
     out_dir: str = "runs/sft"
 
 
-def sft_microbatches(examples: Sequence[SFTExample], tokenizer: Tokenizer, max_length: int,
-                     micro_batch_size: int) -> list[Batch]:
+def sft_microbatches(examples: Sequence[SFTExample], tokenizer: Tokenizer | HFTokenizer,
+                     max_length: int, micro_batch_size: int,
+                     use_chat_template: bool = True) -> list[Batch]:
     """Right-padded ``input_ids``, ``attention_mask`` and ``loss_mask`` micro-batches."""
-    batch = collate_sft(examples, tokenizer, max_length)
+    batch = collate_sft(examples, tokenizer, max_length, use_chat_template)
     return split_microbatches({"input_ids": batch.input_ids,
                                "attention_mask": batch.attention_mask,
                                "loss_mask": batch.loss_mask}, micro_batch_size)

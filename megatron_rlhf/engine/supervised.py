@@ -71,6 +71,9 @@ class SupervisedDataConfig:
         reader: field names and bad-record policy.
         split: SFT/RM/PPO fractions of ``paths``.
         synthetic: size and seed of the synthetic task.
+        chat_template: with a tokenizer that has a chat template (a Hugging Face checkpoint's),
+            wrap each plain-text prompt as one user turn, as PPO does (``prompts.chat_template``);
+            conversation records always go through the template.
     """
 
     paths: list[str] = field(default_factory=list)
@@ -79,6 +82,7 @@ class SupervisedDataConfig:
     reader: ReaderConfig = field(default_factory=ReaderConfig)
     split: SplitConfig = field(default_factory=SplitConfig)
     synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
+    chat_template: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 < self.eval_fraction < 1.0:
@@ -182,8 +186,8 @@ class Objective:
         head: its head (``lm``, ``scalar``).
         portion: the split portion trained on (``sft``, ``rm``).
         make_examples: records -> a dataset (``SFTDataset``, ``RMDataset``).
-        microbatches: ``(examples, tokenizer, max_length, micro_batch_size)`` -> micro-batches
-            of one common length.
+        microbatches: ``(examples, tokenizer, max_length, micro_batch_size,
+            use_chat_template)`` -> micro-batches of one common length.
         loss_fn: ``(tp_group, real_vocab_size) -> ((output, batch) -> (sum, count, metrics))``.
         metric_keys: the metrics, summed over a step or the held-out set; ``<x>_sum`` is
             reported as ``<x> = sum / count``.
@@ -195,7 +199,7 @@ class Objective:
     head: str
     portion: str
     make_examples: Callable[[list[PreferenceRecord]], Sequence[Any]]
-    microbatches: Callable[[Sequence[Any], Tokenizer, int, int], list[Batch]]
+    microbatches: Callable[[Sequence[Any], Tokenizer | HFTokenizer, int, int, bool], list[Batch]]
     loss_fn: Callable[[dist.ProcessGroup, int], LossFn]
     metric_keys: tuple[str, ...]
     load_checkpoint: Callable[[torch.nn.Module, ProcessGroupCollection, str], Any]
@@ -315,7 +319,8 @@ class _Batches:
         share = len(examples) // self.dp[0]
         mine = examples[self.dp[1] * share:(self.dp[1] + 1) * share]
         micro = self.objective.microbatches(mine, self.tokenizer, self.config.train.max_length,
-                                            self.config.train.micro_batch_size)
+                                            self.config.train.micro_batch_size,
+                                            self.config.data.chat_template)
         return [{k: v.to(self.device) for k, v in batch.items()} for batch in micro]
 
     def step(self, step: int) -> list[Batch]:

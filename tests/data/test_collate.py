@@ -108,3 +108,39 @@ def test_datasets_feed_a_dataloader(tokenizer: Tokenizer) -> None:
     assert batch.input_ids.shape[0] == 3
     with pytest.raises(ValueError, match="has no 'chosen'"):
         RMDataset([PreferenceRecord("p", response="r")])
+
+
+@pytest.mark.parametrize("style", ["llama3", "qwen"])
+def test_sft_and_rm_prompts_go_through_the_chat_template_like_ppo_prompts(tmp_path, style) -> None:
+    """With a checkpoint's tokenizer, the prompt part of an SFT or RM sequence is exactly what
+    transformers' apply_chat_template gives (and what PPO prompts the policy with); the loss
+    starts right after it."""
+    from transformers import AutoTokenizer
+
+    from megatron_rlhf.data.datasets import RMExample, SFTExample
+    from megatron_rlhf.models.hf_tokenizer import HFTokenizer
+    from tools.make_tiny_hf import CONVERSATIONS, make_hf_tokenizer
+
+    make_hf_tokenizer(tmp_path, style)
+    ours, theirs = HFTokenizer.load(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+
+    def template(messages) -> list[int]:
+        encoded = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+    conversation = tuple(CONVERSATIONS[1])
+    cases = [(SFTExample("", "The sea is wide.", conversation), template(conversation), True),
+             (SFTExample("Name a colour.", "Blue."),
+              template([{"role": "user", "content": "Name a colour."}]), True),
+             (SFTExample("Name a colour.", "Blue."), ours.encode("Name a colour.", add_bos=True),
+              False)]
+    for example, prompt_ids, use_template in cases:
+        batch = collate_sft([example], ours, max_length=256, use_chat_template=use_template)
+        response = ours.encode(example.response, add_eos=True)
+        assert batch.input_ids[0].tolist() == prompt_ids + response
+        assert batch.loss_mask[0].tolist() == [0] * len(prompt_ids) + [1] * len(response)
+    pair = collate_preferences([RMExample("", "Yes.", "No, never.", conversation)], ours, 256)
+    for side, text in ((pair.chosen, "Yes."), (pair.rejected, "No, never.")):
+        length = int(side.attention_mask[0].sum())
+        assert side.input_ids[0, :length].tolist() == template(conversation) + ours.encode(
+            text, add_eos=True)
