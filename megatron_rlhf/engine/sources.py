@@ -40,6 +40,7 @@ from megatron_rlhf.topology.models import (
     SHADOW_ACTOR,
     VALUE_HEAD_ROLES,
     ArchSpec,
+    arch_preset,
 )
 
 _BASE_ROLES = (ACTOR, CRITIC, REF, REWARD)
@@ -133,12 +134,20 @@ def _description(config: RunConfig, sources: dict[str, ModelSource],
 
 def role_architectures(config: RunConfig,
                        sources: dict[str, ModelSource]) -> str | dict[str, ArchSpec]:
-    """The architecture of each base role for the planner (the preset name without sources)."""
+    """The architecture of each base role for the planner (the preset name without sources).
+
+    A role with neither a source of its own nor an actor source to share (a policy started from
+    ``models.init_seed`` next to a trained reward model) has the ``models.arch`` preset.
+    """
     if not sources:
         return config.models.arch
-    return {role: arch_spec(_description(config, sources, role),
-                            f"{role}:{(sources.get(role) or sources[ACTOR]).path}")
-            for role in _BASE_ROLES}
+    architectures = {}
+    for role in _BASE_ROLES:
+        description = _description(config, sources, role)
+        source = sources.get(role) or sources.get(ACTOR)
+        architectures[role] = (arch_preset(config.models.arch) if description is None
+                               else arch_spec(description, f"{role}:{source.path}"))
+    return architectures
 
 
 def role_options(config: RunConfig, sources: dict[str, ModelSource],
