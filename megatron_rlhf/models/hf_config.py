@@ -19,12 +19,12 @@ scalings other than Llama-3's with megatron's fixed frequency factors (1, 4) and
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from megatron_rlhf.models.checkpoint import ModelDescription
+from megatron_rlhf.models.hf_tokenizer import read_json_object
 
 CONFIG_FILE = "config.json"
 # megatron's Llama-3 RoPE scaling fixes these (RotaryEmbedding._apply_scaling); factor is free.
@@ -89,18 +89,6 @@ def _rope(config: dict[str, Any], source: Path) -> tuple[int, float]:
     return int(theta), float(factor)
 
 
-def _load_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: pass the directory save_pretrained wrote")
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path} is not JSON: {exc}") from exc
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} holds a JSON {type(config).__name__}, not an object")
-    return config
-
-
 def hf_family(config: dict[str, Any], source: Path) -> tuple[HFFamily, str]:
     """The family and head (``lm`` or ``scalar``) a ``config.json`` describes.
 
@@ -150,7 +138,7 @@ def read_hf_config(hf_dir: str | Path) -> tuple[ModelDescription, dict[str, Any]
         ValueError: naming the field that is malformed or describes an unsupported model.
     """
     path = Path(hf_dir) / CONFIG_FILE
-    config = _load_json(path)
+    config = read_json_object(path)
     family, head = hf_family(config, path)
     _check_plain(config, family, path)
     heads = _positive_int(config, "num_attention_heads", path)

@@ -41,9 +41,30 @@ def is_hf_tokenizer_dir(directory: str | Path) -> bool:
     return (Path(directory) / "tokenizer.json").is_file()
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def checked_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
+    """``ids`` as ints, refusing any outside ``[0, vocab_size)`` (the tokenizers' decode check).
+
+    Raises:
+        ValueError: naming the first offending ids.
+    """
+    ids = [int(i) for i in ids]
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def read_json_object(path: Path, missing_ok: bool = False) -> dict[str, Any]:
+    """A checkpoint's JSON file that must hold an object (``{}`` for a missing optional one).
+
+    Raises:
+        FileNotFoundError: the file is missing and not optional.
+        ValueError: it is not JSON, or not an object.
+    """
     if not path.is_file():
-        return {}
+        if missing_ok:
+            return {}
+        raise FileNotFoundError(f"{path} does not exist: pass the directory save_pretrained wrote")
     try:
         value = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -114,8 +135,8 @@ class HFTokenizer:
             raise FileNotFoundError(f"{path} does not exist{hint}")
         self.source = str(root)
         self._tok = RustTokenizer.from_file(str(path))
-        config = _read_json(root / "tokenizer_config.json")
-        specials = _read_json(root / "special_tokens_map.json") | {
+        config = read_json_object(root / "tokenizer_config.json", missing_ok=True)
+        specials = read_json_object(root / "special_tokens_map.json", missing_ok=True) | {
             k: v for k, v in config.items() if k.endswith("_token") and v is not None}
         self.special_tokens = {k: _token_text(v) for k, v in specials.items()
                                if k in ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -125,7 +146,7 @@ class HFTokenizer:
         """Beginning-of-sequence id, or None (Qwen has none)."""
         eos = ids.get("eos_token")
         extra = [i for name in ("generation_config.json", "config.json")
-                 for i in _ids(_read_json(root / name).get("eos_token_id"))]
+                 for i in _ids(read_json_object(root / name, missing_ok=True).get("eos_token_id"))]
         self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys(([eos] if eos is not None else [])
                                                            + extra))
         """Every id that ends a reply, the tokenizer's EOS first."""
@@ -208,11 +229,7 @@ class HFTokenizer:
         Raises:
             ValueError: if an id is outside ``[0, vocab_size)``.
         """
-        ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        return self._tok.decode(ids, skip_special_tokens=True)
+        return self._tok.decode(checked_ids(ids, self.vocab_size), skip_special_tokens=True)
 
     def __repr__(self) -> str:
         return (f"HFTokenizer(source={self.source!r}, vocab_size={self.vocab_size}, "

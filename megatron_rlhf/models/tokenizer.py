@@ -26,7 +26,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from megatron_rlhf.models.hf_tokenizer import HFTokenizer
+from megatron_rlhf.models.hf_tokenizer import HFTokenizer, checked_ids
 from megatron_rlhf.runtime.logging import get_logger
 
 logger = get_logger(__name__)
@@ -306,11 +306,7 @@ class Tokenizer:
         Raises:
             ValueError: if an id is outside ``[0, vocab_size)``.
         """
-        ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        return self._sp.decode(ids)
+        return self._sp.decode(checked_ids(ids, self.vocab_size))
 
     def __repr__(self) -> str:
         return (
@@ -348,3 +344,4 @@ def check_same_tokenizer(
         f"{b.fingerprint[:12]}). Point both {names[0]} and {names[1]} at the same tokenizer "
         f".model file, or retrain the {names[1]} with the {names[0]}'s tokenizer."
     )
+
