@@ -126,6 +126,7 @@ def measure(args: argparse.Namespace, arch, backend: str, device: torch.device,
     model = build_gpt_model(arch, ModelBuildOptions(params_dtype=str(dtype)[6:],
                                                     attention_backend=backend), pgc)
     memory = {"weights_gib": peak_gib()}
+    params = sum(p.numel() for p in model.parameters())
     trainer = ModelTrainer(model, pgc, OptimizerSettings(lr=1e-5))
     memory["weights_and_optimizer_gib"] = peak_gib()
 
@@ -167,6 +168,7 @@ def measure(args: argparse.Namespace, arch, backend: str, device: torch.device,
     step_bytes = 2 * n_matmul + kv_bytes
     steps_per_s = args.new_tokens / decode_s  # the prefill is included in the time: a bound
     return {
+        "params": params,
         "train": {"tokens_per_step": tokens, "step_s": train_s, "tokens_per_s": tokens / train_s,
                   "tflops": train_flop / train_s / 1e12,
                   "mfu_spec": train_flop / train_s / spec_flops if spec_flops else None,
@@ -207,8 +209,8 @@ def main() -> None:
             torch.cuda.empty_cache()  # the previous model is gone once measure returns
     result = {
         "benchmark": "gpu_throughput", "device": name, "torch": torch.__version__,
-        "params": matmul_weights(args) + args.vocab * args.hidden, "matmul_params":
-        matmul_weights(args), "attention": runs,
+        "params": runs[next(iter(runs))]["params"], "matmul_params": matmul_weights(args),
+        "attention": runs,
         "limits": {"matmul_tflops": limits["matmul_flops"] / 1e12, "dtype": str(dtype),
                    "copy_tb_per_s": limits["copy_bytes_per_s"] / 1e12,
                    "spec_bf16_tflops": spec[0] / 1e12 if spec[0] else None,

@@ -238,8 +238,8 @@ class PPOEngine:
         dp_rank = worker.pg_collection.dp.rank()
         share = len(minibatch_rows) // model.dp
         rows = minibatch_rows[dp_rank * share:(dp_rank + 1) * share]
-        fields = {name: tensor[rows.to(tensor.device)]
-                  for name, tensor in experience.fields.items()}
+        rows = rows.to(next(iter(experience.fields.values())).device)
+        fields = {name: tensor[rows] for name, tensor in experience.fields.items()}
         return worker.train(fields, loss_fn)
 
     def sync_weights(self) -> None:
