@@ -55,13 +55,14 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from megatron_rlhf.config.loader import load_config
-    from megatron_rlhf.engine.build import build_engine, cluster_from_environment, make_plan
-    from megatron_rlhf.engine.config import RunConfig
+    from megatron_rlhf.config.ppo_run import RunConfig
+    from megatron_rlhf.engine.build import build_engine, make_plan
     from megatron_rlhf.engine.ppo import PPOTrainer
     from megatron_rlhf.engine.runner import load_prompts, rule_reward_for
     from megatron_rlhf.models.tokenizer import Tokenizer
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
     from megatron_rlhf.runtime.tracing import configure_tracing
+    from megatron_rlhf.topology.cluster import cluster_from_environment
 
     overrides = PLACEMENTS[args.placement] + [
         f"rollout.prompts_per_step={args.batch}", f"steps={args.steps + 1}", "runtime.log_level=WARNING"]
@@ -208,8 +209,8 @@ def summarise(name: str, runs: list[dict], budget_gib: float) -> dict:
 def planner_comparison(results: dict[str, dict], batch: int, profile_path: Path) -> dict:
     """Predicted against measured samples/s ranking and stage times, on this machine's profile."""
     from megatron_rlhf.config.loader import load_config
+    from megatron_rlhf.config.ppo_run import RunConfig
     from megatron_rlhf.engine.build import make_plan
-    from megatron_rlhf.engine.config import RunConfig
     from megatron_rlhf.planner import (
         RolloutSpec,
         compare_rankings,

@@ -102,8 +102,8 @@ def measure_call_latencies(device: torch.device, dtype: torch.dtype,
     generator and trainer in a world of one process.
     """
     from megatron_rlhf.generation import GenerationConfig, generate_sequences
+    from megatron_rlhf.models.forward_backward import model_inputs
     from megatron_rlhf.models.gpt import ModelBuildOptions, build_gpt_model
-    from megatron_rlhf.models.schedule import model_inputs
     from megatron_rlhf.models.trainer import ModelTrainer, OptimizerSettings
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
     from megatron_rlhf.topology.groups import build_model_process_groups

@@ -39,7 +39,7 @@ from megatron_rlhf.planner import (  # noqa: E402
     predict_step,
     shipped_profiles,
 )
-from megatron_rlhf.planner.render import format_prediction, format_ranking  # noqa: E402
+from megatron_rlhf.planner.report import format_prediction, format_ranking  # noqa: E402
 from megatron_rlhf.runtime.logging import setup_logging  # noqa: E402
 from megatron_rlhf.topology import (  # noqa: E402
     ARCH_PRESETS,

@@ -20,9 +20,9 @@ from pathlib import Path
 
 from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.engine.evaluation import MODES
-from megatron_rlhf.engine.pipeline import format_report, run_pipeline
+from megatron_rlhf.instructgpt import format_report, run_pipeline
 from megatron_rlhf.runtime.distributed import destroy_distributed
-from megatron_rlhf.topology.config import STRATEGIES
+from megatron_rlhf.topology.placement_config import STRATEGIES
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -39,8 +39,8 @@ import sys
 from pathlib import Path
 
 from megatron_rlhf.config.loader import ConfigError, load_config
-from megatron_rlhf.engine.config import RunConfig
-from megatron_rlhf.topology.config import STRATEGIES
+from megatron_rlhf.config.ppo_run import RunConfig
+from megatron_rlhf.topology.placement_config import STRATEGIES
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "examples" / "ppo_tiny.yaml")
 
@@ -84,9 +84,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 
 
 def auto_placement(config: RunConfig, profile: str | None) -> RunConfig:
-    """The planner's best placement for this job (see megatron_rlhf/engine/auto.py)."""
-    from megatron_rlhf.engine.auto import choose_placement
-    from megatron_rlhf.engine.build import cluster_from_environment
+    """The planner's best placement for this job (see megatron_rlhf/engine/auto_placement.py)."""
+    from megatron_rlhf.engine.auto_placement import choose_placement
+    from megatron_rlhf.topology.cluster import cluster_from_environment
 
     chosen, reason = choose_placement(config, cluster_from_environment(config.cluster.pools),
                                       profile)

@@ -2,7 +2,7 @@
 
 Tensors are ``[batch, response_len]`` with a 0/1 ``response_mask``. Map of the files:
 
-- ``config.py``: ``PPOAlgorithmConfig``.
+- ``hyperparameters.py``: ``PPOAlgorithmConfig``.
 - ``masked.py``: masked sum / mean / var / whitening.
 - ``kl.py``: k1/k2/k3 KL estimators (``KL_ESTIMATORS``), fixed and adaptive KL controllers.
 - ``rewards.py``: score normalisation and clipping, token-level rewards.
@@ -23,7 +23,7 @@ One experience batch, in order::
 from __future__ import annotations
 
 from megatron_rlhf.algorithms.advantages import compute_gae_advantage_return
-from megatron_rlhf.algorithms.config import PPOAlgorithmConfig
+from megatron_rlhf.algorithms.hyperparameters import PPOAlgorithmConfig
 from megatron_rlhf.algorithms.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,

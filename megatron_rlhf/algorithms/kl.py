@@ -22,7 +22,7 @@ import torch
 from megatron_rlhf.algorithms.masked import masked_sum
 
 if TYPE_CHECKING:
-    from megatron_rlhf.algorithms.config import PPOAlgorithmConfig
+    from megatron_rlhf.algorithms.hyperparameters import PPOAlgorithmConfig
 
 KLEstimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

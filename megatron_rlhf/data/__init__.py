@@ -2,7 +2,7 @@
 
 Map of the files:
 
-- ``config.py``: ``FieldNames``, ``ReaderConfig`` (bad-record policy), ``SplitConfig``, ``DataConfig``.
+- ``schema.py``: ``FieldNames``, ``ReaderConfig`` (bad-record policy), ``SplitConfig``, ``DataConfig``.
 - ``readers.py``: JSONL/Parquet readers with per-reason bad-record counts (``read_records``).
 - ``splits.py``: hash-of-prompt split into SFT / RM / PPO portions (``split_records``).
 - ``datasets.py``: ``SFTDataset``, ``RMDataset``, ``PromptDataset``.
@@ -23,7 +23,6 @@ from megatron_rlhf.data.collate import (
     collate_prompts,
     collate_sft,
 )
-from megatron_rlhf.data.config import DataConfig, FieldNames, ReaderConfig, SplitConfig
 from megatron_rlhf.data.datasets import PromptDataset, RMDataset, RMExample, SFTDataset, SFTExample
 from megatron_rlhf.data.readers import (
     BAD_REASONS,
@@ -34,6 +33,7 @@ from megatron_rlhf.data.readers import (
     read_files,
     read_records,
 )
+from megatron_rlhf.data.schema import DataConfig, FieldNames, ReaderConfig, SplitConfig
 from megatron_rlhf.data.splits import DataSplits, load_splits, portion_of, split_records
 from megatron_rlhf.data.synthetic import (
     SyntheticTaskConfig,

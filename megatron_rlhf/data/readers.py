@@ -21,13 +21,13 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from megatron_rlhf.data.config import RECORD_FIELDS, ReaderConfig
 from megatron_rlhf.data.conversations import (
     Conversation,
     ConversationError,
     is_conversation_row,
     split_conversation,
 )
+from megatron_rlhf.data.schema import RECORD_FIELDS, ReaderConfig
 from megatron_rlhf.models.hf_tokenizer import HFTokenizer
 from megatron_rlhf.models.tokenizer import Tokenizer
 from megatron_rlhf.runtime.logging import get_logger

@@ -14,8 +14,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from megatron_rlhf.data.config import PORTIONS, DataConfig, SplitConfig
 from megatron_rlhf.data.readers import PreferenceRecord, ReadSummary, read_files
+from megatron_rlhf.data.schema import PORTIONS, DataConfig, SplitConfig
 from megatron_rlhf.models.tokenizer import Tokenizer
 from megatron_rlhf.runtime.logging import get_logger
 
@@ -30,7 +30,7 @@ def portion_of(prompt: str, config: SplitConfig) -> str:
         config: fractions and hash salt.
 
     Returns:
-        One of :data:`megatron_rlhf.data.config.PORTIONS`.
+        One of :data:`megatron_rlhf.data.schema.PORTIONS`.
     """
     digest = hashlib.sha256(f"{config.seed}\x00{prompt}".encode()).digest()
     point = int.from_bytes(digest[:8], "big") / 2**64

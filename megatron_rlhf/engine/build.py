@@ -7,29 +7,27 @@ work fails on every rank with the same message before distributed work starts.
 from __future__ import annotations
 
 import datetime
-import os
 
 import torch.distributed as dist
 
-from megatron_rlhf.engine.config import RunConfig
-from megatron_rlhf.engine.engine import PPOEngine
-from megatron_rlhf.engine.sources import (
+from megatron_rlhf.builder.networks import build_model
+from megatron_rlhf.builder.sources import (
     ModelSource,
     load_initial_weights,
     resolve_sources,
     role_architectures,
     role_options,
 )
+from megatron_rlhf.config.ppo_run import RunConfig
+from megatron_rlhf.engine.engine import PPOEngine
 from megatron_rlhf.engine.workers import ModelWorker
 from megatron_rlhf.models.checkpoint import read_checkpoint_info
-from megatron_rlhf.models.gpt import build_gpt_model
 from megatron_rlhf.models.hf_tokenizer import HFTokenizer, is_hf_tokenizer_dir
 from megatron_rlhf.models.tokenizer import Tokenizer
 from megatron_rlhf.models.trainer import ModelTrainer
-from megatron_rlhf.models.weights import init_weights
 from megatron_rlhf.refit import build_weight_sync
 from megatron_rlhf.runtime.logging import get_logger
-from megatron_rlhf.topology.cluster import ClusterSpec, DevicePool
+from megatron_rlhf.topology.cluster import ClusterSpec
 from megatron_rlhf.topology.groups import build_process_groups
 from megatron_rlhf.topology.models import (
     ACTOR,
@@ -40,15 +38,6 @@ from megatron_rlhf.topology.placement import plan_placement
 from megatron_rlhf.topology.plan import PlacementPlan
 
 logger = get_logger(__name__)
-
-
-def cluster_from_environment(pools: list[DevicePool] | None = None) -> ClusterSpec:
-    """The configured pools, or one pool shaped like torchrun's world (nodes x local ranks)."""
-    if pools:
-        return ClusterSpec(tuple(pools))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    return ClusterSpec((DevicePool("local", nodes=world // local, devices_per_node=local),))
 
 
 def make_plan(config: RunConfig, cluster: ClusterSpec,
@@ -131,9 +120,9 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
     for role in plan.roles_on(rank):
         pgc = groups[role]
         options = role_options(config, sources, SHADOW_OF.get(role, role))
-        model = build_gpt_model(plan[role].spec.arch, options, pgc, seed=config.runtime.seed)
-        init_weights(model, pgc, seed=config.models.init_seed)
-        models[role] = model
+        models[role] = build_model(plan[role].spec.arch, options, pgc,
+                                   runtime_seed=config.runtime.seed,
+                                   init_seed=config.models.init_seed)
     initial = {role: source for role, source in sources.items()
                if load_initial or role not in TRAINABLE_ROLES}
     load_initial_weights(models, groups, plan.models, initial, config.models.hf_cache_dir)

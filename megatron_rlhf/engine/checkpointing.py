@@ -38,16 +38,8 @@ from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, m
 from megatron.core.dist_checkpointing.utils import extract_nonpersistent, extract_sharded_base
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
+from megatron_rlhf.config.ppo_run import CheckpointConfig, RunConfig
 from megatron_rlhf.data.prompts import PromptStream
-from megatron_rlhf.engine.checkpoint_store import (
-    MANIFEST,
-    complete_checkpoints,
-    publish,
-    read_torch_file,
-    shared_temp_dir,
-    unfinished_saves,
-)
-from megatron_rlhf.engine.config import CheckpointConfig, RunConfig
 from megatron_rlhf.engine.engine import PPOEngine
 from megatron_rlhf.engine.ppo import PPOTrainer
 from megatron_rlhf.models.checkpoint import (
@@ -57,6 +49,14 @@ from megatron_rlhf.models.checkpoint import (
     model_sharded_state_dict,
     read_checkpoint_info,
     save_sharded_checkpoint,
+)
+from megatron_rlhf.runtime.checkpoint_store import (
+    MANIFEST,
+    complete_checkpoints,
+    publish,
+    read_torch_file,
+    shared_temp_dir,
+    unfinished_saves,
 )
 from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.topology.models import ACTOR, CRITIC

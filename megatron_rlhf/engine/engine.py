@@ -26,8 +26,8 @@ from megatron_rlhf.engine.workers import ModelWorker
 from megatron_rlhf.generation import GenerationConfig, GenerationOutput
 from megatron_rlhf.refit import WeightSync
 from megatron_rlhf.runtime.tracing import trace_span
-from megatron_rlhf.topology.config import HETERO_SEPARATION
 from megatron_rlhf.topology.models import ACTOR, CRITIC, REF, REWARD, SHADOW_ACTOR, SHADOW_CRITIC
+from megatron_rlhf.topology.placement_config import HETERO_SEPARATION
 from megatron_rlhf.topology.plan import PlacementPlan
 
 RuleReward = Callable[[list[int], list[int]], float]

@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.algorithms import PPOAlgorithmConfig, RunningMoments, build_kl_controller
+from megatron_rlhf.config.ppo_run import RewardConfig, RolloutConfig
 from megatron_rlhf.engine.batch import DistBatch, concat
-from megatron_rlhf.engine.config import RewardConfig, RolloutConfig
 from megatron_rlhf.engine.engine import PPOEngine, RuleReward
 from megatron_rlhf.engine.experience import compute_advantages
-from megatron_rlhf.engine.losses import actor_loss_fn, critic_loss_fn
+from megatron_rlhf.engine.training_losses import actor_loss_fn, critic_loss_fn
 from megatron_rlhf.runtime.faults import NonFiniteError
 from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.runtime.tracing import trace_span

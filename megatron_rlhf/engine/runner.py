@@ -16,7 +16,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from megatron_rlhf.builder.sources import ModelSource, resolve_sources
 from megatron_rlhf.config.loader import to_yaml
+from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.data import (
     DataConfig,
     generate_records,
@@ -28,10 +30,8 @@ from megatron_rlhf.data.prompts import PromptStream
 from megatron_rlhf.engine.build import (
     build_engine,
     check_checkpoint_tokenizers,
-    cluster_from_environment,
     make_plan,
 )
-from megatron_rlhf.engine.checkpoint_store import select_checkpoint
 from megatron_rlhf.engine.checkpointing import (
     RunState,
     check_compatible,
@@ -39,16 +39,15 @@ from megatron_rlhf.engine.checkpointing import (
     resume_candidates,
     save_rl_checkpoint,
 )
-from megatron_rlhf.engine.config import RunConfig
 from megatron_rlhf.engine.engine import RuleReward
 from megatron_rlhf.engine.evaluation import HeldOutEvaluator, eval_metrics, hacking_report
 from megatron_rlhf.engine.export import HFExporter
 from megatron_rlhf.engine.ppo import PPOTrainer
-from megatron_rlhf.engine.sources import ModelSource, resolve_sources
 from megatron_rlhf.models.hf_tokenizer import HFTokenizer, is_hf_tokenizer_dir
 from megatron_rlhf.models.prompting import encode_prompt
 from megatron_rlhf.models.tokenizer import Tokenizer, load_tokenizer
 from megatron_rlhf.runtime.bootstrap import initialize_runtime
+from megatron_rlhf.runtime.checkpoint_store import select_checkpoint
 from megatron_rlhf.runtime.faults import (
     PreemptionWatcher,
     install_fault_tracker,
@@ -58,6 +57,7 @@ from megatron_rlhf.runtime.faults import (
 from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.runtime.metrics import MetricsWriter
 from megatron_rlhf.runtime.tracing import configure_tracing, write_chrome_trace
+from megatron_rlhf.topology.cluster import cluster_from_environment
 from megatron_rlhf.topology.models import ACTOR, arch_preset
 
 logger = get_logger(__name__)

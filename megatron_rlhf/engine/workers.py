@@ -16,9 +16,9 @@ import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_rlhf.generation import GenerationConfig, GenerationOutput, generate_sequences
+from megatron_rlhf.models.forward_backward import Batch, run_microbatches
 from megatron_rlhf.models.gpt import split_policy_value
 from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
-from megatron_rlhf.models.schedule import Batch, run_microbatches
 from megatron_rlhf.models.trainer import ModelTrainer
 from megatron_rlhf.runtime.device import model_device, to_device
 

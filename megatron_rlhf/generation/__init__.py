@@ -2,7 +2,7 @@
 
 Map of the files (details in docs/generation.md):
 
-- ``config.py``: ``GenerationConfig``.
+- ``params.py``: ``GenerationConfig``.
 - ``sampling.py``: counter-based noise keyed by (seed, prompt index, step), temperature / top-k /
   top-p filtering, inverse-CDF sampling; pure tensor functions.
 - ``forward.py``: next-token logits with megatron's ``StaticInferenceContext`` (KV cache) or by
@@ -12,7 +12,6 @@ Map of the files (details in docs/generation.md):
 
 from __future__ import annotations
 
-from megatron_rlhf.generation.config import GenerationConfig
 from megatron_rlhf.generation.forward import CachedNextTokenLogits, RecomputeNextTokenLogits
 from megatron_rlhf.generation.generate import (
     GenerationOutput,
@@ -20,6 +19,7 @@ from megatron_rlhf.generation.generate import (
     generate_sequences,
     left_pad,
 )
+from megatron_rlhf.generation.params import GenerationConfig
 from megatron_rlhf.generation.sampling import (
     SampledTokens,
     inverse_cdf_sample,

@@ -31,7 +31,7 @@ from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-from megatron_rlhf.models.schedule import causal_padding_mask
+from megatron_rlhf.models.forward_backward import causal_padding_mask
 
 
 def _positions(start: int, length: int, batch_size: int, device: torch.device) -> torch.Tensor:

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megatron_rlhf.generation.config import GenerationConfig
 from megatron_rlhf.generation.forward import CachedNextTokenLogits, RecomputeNextTokenLogits
+from megatron_rlhf.generation.params import GenerationConfig
 from megatron_rlhf.generation.sampling import (
     prompt_noise_keys,
     sample_tokens,

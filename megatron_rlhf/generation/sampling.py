@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_rlhf.generation.config import GenerationConfig
+from megatron_rlhf.generation.params import GenerationConfig
 
 _MASK64 = (1 << 64) - 1
 

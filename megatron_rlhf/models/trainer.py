@@ -30,7 +30,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megatron_rlhf.models.schedule import Batch, LossFn, run_microbatches
+from megatron_rlhf.models.forward_backward import Batch, LossFn, run_microbatches
 
 _SCHEDULES = ("constant", "linear", "cosine")
 _OPTIMIZER_CHECKPOINT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}

@@ -11,14 +11,6 @@ Pure Python on top of ``topology`` (no torch, no process group). See ``docs/plan
 
 from __future__ import annotations
 
-from megatron_rlhf.planner.auto import (
-    RankedCandidate,
-    SearchSpace,
-    auto_place,
-    candidate_configs,
-    describe,
-    explain_choice,
-)
 from megatron_rlhf.planner.evaluate import (
     RankingComparison,
     compare_rankings,
@@ -34,6 +26,14 @@ from megatron_rlhf.planner.hardware import (
 )
 from megatron_rlhf.planner.memory import MemoryReport, RoleMemory, plan_memory
 from megatron_rlhf.planner.predict import BOTTLENECKS, STAGES, StepPrediction, predict_step
+from megatron_rlhf.planner.search import (
+    RankedCandidate,
+    SearchSpace,
+    auto_place,
+    candidate_configs,
+    describe,
+    explain_choice,
+)
 from megatron_rlhf.planner.workload import RolloutSpec
 
 __all__ = [

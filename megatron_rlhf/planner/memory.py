@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from megatron_rlhf.planner import cost_model as cm
 from megatron_rlhf.planner.hardware import HardwareProfile
 from megatron_rlhf.planner.workload import RolloutSpec
-from megatron_rlhf.topology.config import HETERO_SEPARATION
 from megatron_rlhf.topology.models import (
     ACTOR,
     CRITIC,
@@ -28,6 +27,7 @@ from megatron_rlhf.topology.models import (
     TRAINABLE_ROLES,
     VALUE_HEAD_ROLES,
 )
+from megatron_rlhf.topology.placement_config import HETERO_SEPARATION
 from megatron_rlhf.topology.plan import ModelPlacement, PlacementPlan
 
 _GIB = 1024**3

@@ -67,7 +67,7 @@ class RolloutSpec:
         Args:
             run: an object with ``rollout`` (prompts_per_step, max_prompt_length,
                 micro_batch_size, ppo_epochs, num_minibatches) and ``generation``
-                (max_new_tokens), such as ``megatron_rlhf.engine.config.RunConfig``.
+                (max_new_tokens), such as ``megatron_rlhf.config.ppo_run.RunConfig``.
             activation_checkpointing: whether the trainers recompute activations.
             overlap: see ``RolloutSpec.overlap``.
         """

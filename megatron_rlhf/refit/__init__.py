@@ -9,7 +9,7 @@
 |---|---|
 | `interfaces.py` | `WeightSync`: the engine's view, one method `sync()` |
 | `layout.py` | `ModelLayout`, `RankShards`, `ParamShard`: what the planner is told (pure) |
-| `planner.py` | `plan_refit`: transfers and zero fills, one source copy per destination shard (pure) |
+| `transfer_plan.py` | `plan_refit`: transfers and zero fills, one source copy per destination shard (pure) |
 | `execution.py` | the plan as megatron `ReshardPlan`s, run by `execute_reshard_plan` + a `CopyService` |
 | `sync.py` | `build_weight_sync`: gather shard descriptions, plan, execute |
 
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from megatron_rlhf.refit.interfaces import WeightSync
 from megatron_rlhf.refit.layout import Box, ModelLayout, ParamShard, RankShards
-from megatron_rlhf.refit.planner import RefitPlan, Transfer, ZeroFill, plan_refit
 from megatron_rlhf.refit.sync import ReshardWeightSync, build_weight_sync
+from megatron_rlhf.refit.transfer_plan import RefitPlan, Transfer, ZeroFill, plan_refit
 
 __all__ = [
     "Box",

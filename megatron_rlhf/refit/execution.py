@@ -1,6 +1,6 @@
 """Execute a refit plan with megatron-core's resharding executor and copy services.
 
-A :class:`~megatron_rlhf.refit.planner.RefitPlan` is turned into this rank's megatron
+A :class:`~megatron_rlhf.refit.transfer_plan.RefitPlan` is turned into this rank's megatron
 ``ReshardPlan`` (``TransferOp`` send and receive lists sharing ``task_id``s) and run by
 ``megatron.core.resharding.execute_reshard_plan`` through a ``CopyService``: batched
 point-to-point sends and receives (``dist.batch_isend_irecv``), same-rank copies matched by task
@@ -16,7 +16,7 @@ from megatron.core.resharding.copy_services.gloo_copy_service import GlooCopySer
 from megatron.core.resharding.copy_services.nccl_copy_service import NCCLCopyService
 
 from megatron_rlhf.refit.layout import box_slices
-from megatron_rlhf.refit.planner import RefitPlan, ZeroFill
+from megatron_rlhf.refit.transfer_plan import RefitPlan, ZeroFill
 
 COPY_BACKENDS = ("nccl", "gloo")
 """Copy services by megatron's backend name (``nvshmem`` needs NVSHMEM on GPUs; pass an instance).

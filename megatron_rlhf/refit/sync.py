@@ -24,7 +24,7 @@ from megatron_rlhf.models.weights import shard_rules
 from megatron_rlhf.refit.execution import execute, make_copy_service, rank_reshard_plan
 from megatron_rlhf.refit.interfaces import WeightSync
 from megatron_rlhf.refit.layout import LayoutLike, ModelLayout, ParamShard, RankShards
-from megatron_rlhf.refit.planner import RefitPlan, ZeroFill, plan_refit
+from megatron_rlhf.refit.transfer_plan import RefitPlan, ZeroFill, plan_refit
 from megatron_rlhf.runtime.logging import get_logger
 
 logger = get_logger(__name__)

@@ -12,11 +12,6 @@ Building the groups at run time imports Megatron-Core, so it lives in its own mo
 from __future__ import annotations
 
 from megatron_rlhf.topology.cluster import ClusterSpec, DeviceLocation, DevicePool, NodeInfo
-from megatron_rlhf.topology.config import (
-    STRATEGIES,
-    ParallelOverride,
-    PlacementConfig,
-)
 from megatron_rlhf.topology.grid import DIM_NAMES, GridCoords
 from megatron_rlhf.topology.models import (
     ARCH_PRESETS,
@@ -26,6 +21,11 @@ from megatron_rlhf.topology.models import (
     arch_preset,
 )
 from megatron_rlhf.topology.placement import plan_placement, resolve_models
+from megatron_rlhf.topology.placement_config import (
+    STRATEGIES,
+    ParallelOverride,
+    PlacementConfig,
+)
 from megatron_rlhf.topology.plan import ModelPlacement, PlacementPlan
 from megatron_rlhf.topology.validate import validate_plan
 

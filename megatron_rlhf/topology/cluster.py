@@ -13,6 +13,7 @@ torchrun gives ranks when the launcher lists the nodes pool by pool.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 
@@ -193,3 +194,12 @@ class ClusterSpec:
     def to_dict(self) -> dict:
         """JSON-ready description."""
         return {"pools": [dict(vars(pool)) for pool in self.pools]}
+
+
+def cluster_from_environment(pools: list[DevicePool] | None = None) -> ClusterSpec:
+    """The configured pools, or one pool shaped like torchrun's world (nodes x local ranks)."""
+    if pools:
+        return ClusterSpec(tuple(pools))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return ClusterSpec((DevicePool("local", nodes=world // local, devices_per_node=local),))

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.topology.cluster import ClusterSpec
-from megatron_rlhf.topology.config import SEPARATION, PlacementConfig
 from megatron_rlhf.topology.models import (
     ACTOR,
     CRITIC,
@@ -42,6 +41,7 @@ from megatron_rlhf.topology.models import (
     ModelSpec,
     arch_preset,
 )
+from megatron_rlhf.topology.placement_config import SEPARATION, PlacementConfig
 from megatron_rlhf.topology.plan import ModelPlacement, PlacementPlan
 from megatron_rlhf.topology.validate import validate_plan
 

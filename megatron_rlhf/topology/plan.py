@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_rlhf.topology.cluster import ClusterSpec
-from megatron_rlhf.topology.config import PlacementConfig
 from megatron_rlhf.topology.grid import GridCoords, grid_coords, grid_rank, grid_rank_enum
 from megatron_rlhf.topology.models import ROLES, ModelSpec
+from megatron_rlhf.topology.placement_config import PlacementConfig
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,6 @@ advance, so it also guards plans built another way (an automatic planner, a plan
 from __future__ import annotations
 
 from megatron_rlhf.topology.cluster import NodeInfo
-from megatron_rlhf.topology.config import DISJOINT_ROLES, SEPARATED
 from megatron_rlhf.topology.models import (
     ACTOR,
     CRITIC,
@@ -26,6 +25,7 @@ from megatron_rlhf.topology.models import (
     TRAINABLE_ROLES,
     divisors_text,
 )
+from megatron_rlhf.topology.placement_config import DISJOINT_ROLES, SEPARATED
 from megatron_rlhf.topology.plan import ModelPlacement, PlacementPlan
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rlhf.engine.auto import choose_placement
+from megatron_rlhf.config.ppo_run import RolloutConfig, RunConfig
+from megatron_rlhf.engine.auto_placement import choose_placement
 from megatron_rlhf.engine.build import make_plan
-from megatron_rlhf.engine.config import RolloutConfig, RunConfig
 from megatron_rlhf.topology.cluster import ClusterSpec, DevicePool
-from megatron_rlhf.topology.config import PlacementConfig
+from megatron_rlhf.topology.placement_config import PlacementConfig
 
 
 def _config() -> RunConfig:

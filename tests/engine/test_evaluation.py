@@ -54,9 +54,9 @@ def _chain_then_recompute(run_dir: Path) -> dict:
     """The pipeline, then its SFT and final-policy evaluations again from their checkpoints
     under another placement (flattening instead of separation: no shadow actor)."""
     from megatron_rlhf.config.loader import load_config
-    from megatron_rlhf.engine.config import RunConfig
-    from megatron_rlhf.engine.pipeline import format_report, run_pipeline
+    from megatron_rlhf.config.ppo_run import RunConfig
     from megatron_rlhf.engine.runner import run_ppo
+    from megatron_rlhf.instructgpt import format_report, run_pipeline
 
     result = run_pipeline(run_dir, [], [
         "steps=3", "rollout.prompts_per_step=8", "evaluation.num_prompts=8",

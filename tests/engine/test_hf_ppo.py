@@ -20,7 +20,7 @@ _IDS = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(4))
 def _config(root: Path, actor: Path, reward: Path, prompts: Path):
     """The shipped example, pointed at this test's directories."""
     from megatron_rlhf.config.loader import load_config
-    from megatron_rlhf.engine.config import RunConfig
+    from megatron_rlhf.config.ppo_run import RunConfig
 
     return load_config(RunConfig, str(_EXAMPLE), [
         f"models.actor_checkpoint={actor}", f"models.reward_checkpoint={reward}",

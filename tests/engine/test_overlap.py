@@ -20,12 +20,13 @@ def _run(strategy: str, steps: int, chunks: int = 1, asynchronous: bool = False,
          actor_lr: float = 1e-3, trace: bool = False):
     import torch
 
-    from megatron_rlhf.engine.build import build_engine, cluster_from_environment, make_plan
-    from megatron_rlhf.engine.config import ModelsConfig, RewardConfig, RolloutConfig, RunConfig
+    from megatron_rlhf.config.ppo_run import ModelsConfig, RewardConfig, RolloutConfig, RunConfig
+    from megatron_rlhf.engine.build import build_engine, make_plan
     from megatron_rlhf.engine.ppo import PPOTrainer
     from megatron_rlhf.generation import GenerationConfig
     from megatron_rlhf.runtime.tracing import configure_tracing
-    from megatron_rlhf.topology.config import PlacementConfig
+    from megatron_rlhf.topology.cluster import cluster_from_environment
+    from megatron_rlhf.topology.placement_config import PlacementConfig
 
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(4, 500, (int(n),), generator=generator).tolist()

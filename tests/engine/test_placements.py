@@ -24,18 +24,18 @@ def _even_token_share(prompt: list[int], response: list[int]) -> float:
 def _run_strategies(ac_share: bool, steps: int) -> dict[str, list[dict[str, float]]]:
     import torch
 
-    from megatron_rlhf.engine.build import build_engine, cluster_from_environment, make_plan
-    from megatron_rlhf.engine.config import (
+    from megatron_rlhf.config.ppo_run import (
         ModelsConfig,
         RewardConfig,
         RolloutConfig,
         RunConfig,
     )
+    from megatron_rlhf.engine.build import build_engine, make_plan
     from megatron_rlhf.engine.ppo import PPOTrainer
     from megatron_rlhf.generation import GenerationConfig
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
-    from megatron_rlhf.topology.cluster import DevicePool
-    from megatron_rlhf.topology.config import PlacementConfig
+    from megatron_rlhf.topology.cluster import DevicePool, cluster_from_environment
+    from megatron_rlhf.topology.placement_config import PlacementConfig
 
     # Two pools of 2 ranks; the slower one holds the inference models, and the actor on the fast
     # pool generates twice the rows of each shadow replica.

@@ -20,10 +20,10 @@ import torch
 
 from megatron_rlhf.config.loader import load_config
 from megatron_rlhf.data import RMExample, SyntheticTaskConfig, generate_records
-from megatron_rlhf.engine.reward_training import RMConfig, pairwise_loss, preference_microbatches
-from megatron_rlhf.engine.sft import SFTConfig, sft_loss
-from megatron_rlhf.engine.supervised import data_parallel_size
 from megatron_rlhf.models.tokenizer import Tokenizer, TokenizerConfig
+from megatron_rlhf.supervised.loop import data_parallel_size
+from megatron_rlhf.supervised.reward_model import RMConfig, pairwise_loss, preference_microbatches
+from megatron_rlhf.supervised.sft import SFTConfig, sft_loss
 from megatron_rlhf.topology import ClusterSpec, ModelSpec, arch_preset
 from tests.multirank import run_on_ranks
 
@@ -104,7 +104,7 @@ def test_preference_microbatches_put_each_pair_in_one_microbatch() -> None:
 
 
 def _sft(out_dir: str, overrides: list[str]):
-    from megatron_rlhf.engine.sft import run_sft
+    from megatron_rlhf.supervised.sft import run_sft
 
     config = load_config(SFTConfig, ROOT / "examples" / "sft_tiny.yaml",
                          [f"out_dir={out_dir}", "optimizer.lr_warmup_steps=0",
@@ -142,7 +142,7 @@ def test_sft_loss_falls_and_does_not_depend_on_the_layout(tmp_path: Path) -> Non
 
 
 def _sft_then_rm(root: str) -> list[dict[str, float]]:
-    from megatron_rlhf.engine.reward_training import run_reward_training
+    from megatron_rlhf.supervised.reward_model import run_reward_training
 
     _sft(f"{root}/sft", ["train.max_steps=40", "train.eval_interval=0",
                          "optimizer.lr=2.0e-3"])

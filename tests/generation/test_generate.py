@@ -26,8 +26,8 @@ def _responses(out: GenerationOutput) -> list[list[int]]:
 
 def _full_forward_logprobs(tiny, out: GenerationOutput, temperature: float) -> torch.Tensor:
     """``[b, R]`` log-probs of the response tokens from one forward over prompt + response."""
+    from megatron_rlhf.models.forward_backward import model_inputs
     from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
-    from megatron_rlhf.models.schedule import model_inputs
 
     model, pgc = tiny
     with torch.no_grad():

@@ -18,8 +18,8 @@ INDICES = [10, 11, 12, 13]
 
 
 def _full_forward_logprobs(model, pgc, out, temperature: float) -> torch.Tensor:
+    from megatron_rlhf.models.forward_backward import model_inputs
     from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
-    from megatron_rlhf.models.schedule import model_inputs
 
     with torch.no_grad():
         logits = model(*model_inputs({"input_ids": out.input_ids,

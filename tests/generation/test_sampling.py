@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from megatron_rlhf.generation.config import GenerationConfig
+from megatron_rlhf.generation.params import GenerationConfig
 from megatron_rlhf.generation.sampling import (
     inverse_cdf_sample,
     prompt_noise_keys,

@@ -50,13 +50,14 @@ def test_every_built_model_lives_on_the_gpu_in_bf16() -> None:
 def _ppo_steps(ac_share: bool) -> tuple[list[dict[str, float]], set[str]]:
     import torch
 
+    from megatron_rlhf.config.ppo_run import ModelsConfig, RewardConfig, RolloutConfig, RunConfig
     from megatron_rlhf.engine import workers
-    from megatron_rlhf.engine.build import build_engine, cluster_from_environment, make_plan
-    from megatron_rlhf.engine.config import ModelsConfig, RewardConfig, RolloutConfig, RunConfig
+    from megatron_rlhf.engine.build import build_engine, make_plan
     from megatron_rlhf.engine.ppo import PPOTrainer
     from megatron_rlhf.generation import GenerationConfig
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
-    from megatron_rlhf.topology.config import PlacementConfig
+    from megatron_rlhf.topology.cluster import cluster_from_environment
+    from megatron_rlhf.topology.placement_config import PlacementConfig
 
     seen: set[str] = set()
     split = workers.split_microbatches
@@ -101,8 +102,8 @@ def test_bf16_flattening_ppo_steps_keep_every_model_input_on_the_gpu(ac_share: b
 
 def _sft_then_rm(root: str) -> tuple[list[dict], list[dict]]:
     from megatron_rlhf.config.loader import load_config
-    from megatron_rlhf.engine.reward_training import RMConfig, run_reward_training
-    from megatron_rlhf.engine.sft import SFTConfig, run_sft
+    from megatron_rlhf.supervised.reward_model import RMConfig, run_reward_training
+    from megatron_rlhf.supervised.sft import SFTConfig, run_sft
 
     small = ["data.synthetic.num_test=32", "train.eval_interval=0"]
     sft = run_sft(load_config(SFTConfig, ROOT / "examples" / "sft_tiny.yaml", [

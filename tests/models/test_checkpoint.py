@@ -26,8 +26,8 @@ _ARCH = TinyArch(num_layers=2, vocab_size=300)
 def full_logits(model, pg_collection, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
     """The model output over the real vocabulary (plus the value channel for ``lm+scalar``),
     gathered across TP; None on pipeline stages other than the last."""
+    from megatron_rlhf.models.forward_backward import run_microbatches
     from megatron_rlhf.models.gpt import split_policy_value
-    from megatron_rlhf.models.schedule import run_microbatches
 
     outputs: list[torch.Tensor] = []
 
@@ -206,9 +206,9 @@ def _load_on_a_subset(directory: str) -> float:
     from megatron_rlhf.models.weights import gather_full_state, init_weights
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
     from megatron_rlhf.topology.cluster import ClusterSpec
-    from megatron_rlhf.topology.config import PlacementConfig
     from megatron_rlhf.topology.groups import build_process_groups
     from megatron_rlhf.topology.placement import plan_placement
+    from megatron_rlhf.topology.placement_config import PlacementConfig
 
     initialize_runtime()
     everywhere = whole_world_groups(2, 1)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rlhf.engine.config import ModelsConfig
+from megatron_rlhf.config.ppo_run import ModelsConfig
 from megatron_rlhf.models import gpt
+from megatron_rlhf.models.forward_backward import model_inputs
 from megatron_rlhf.models.gpt import (
     ModelBuildOptions,
     build_gpt_model,
@@ -18,7 +19,6 @@ from megatron_rlhf.models.gpt import (
     resolve_transformer_impl,
     with_explicit_attention_masks,
 )
-from megatron_rlhf.models.schedule import model_inputs
 from megatron_rlhf.models.weights import _init_full_tensor, init_weights
 from tests.model_fixtures import TinyArch, whole_world_groups
 

@@ -29,9 +29,9 @@ def _microbatches() -> list[dict[str, torch.Tensor]]:
 
 
 def _layout_loss_and_grads(tp: int, pp: int) -> tuple[float, dict[str, torch.Tensor]]:
+    from megatron_rlhf.models.forward_backward import run_microbatches
     from megatron_rlhf.models.gpt import ModelBuildOptions, build_gpt_model
     from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
-    from megatron_rlhf.models.schedule import run_microbatches
     from megatron_rlhf.models.weights import gather_full_state, init_weights
 
     pgc = whole_world_groups(tp, pp)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from megatron_rlhf.planner import RolloutSpec, SearchSpace, auto_place, explain_choice
-from megatron_rlhf.planner.auto import candidate_configs, describe, parallel_sizes
 from megatron_rlhf.planner.hardware import homogeneous_cluster
+from megatron_rlhf.planner.search import candidate_configs, describe, parallel_sizes
 from megatron_rlhf.topology import ClusterSpec, DevicePool, arch_preset, plan_placement
 
 ROLLOUT = RolloutSpec(batch=256, prompt_length=128, generation_length=128)

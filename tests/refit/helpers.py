@@ -16,8 +16,8 @@ import torch.distributed as dist
 from megatron.core.models.gpt import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from megatron_rlhf.models.forward_backward import run_microbatches
 from megatron_rlhf.models.gpt import ModelBuildOptions, build_gpt_model
-from megatron_rlhf.models.schedule import run_microbatches
 from megatron_rlhf.models.weights import gather_full_state, init_weights
 from megatron_rlhf.refit import ModelLayout
 from megatron_rlhf.topology import (

@@ -14,13 +14,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_rlhf.builder.sources import resolve_sources
 from megatron_rlhf.config.loader import load_config
+from megatron_rlhf.config.ppo_run import CheckpointConfig, RunConfig
 from megatron_rlhf.data.prompts import PromptStream
 from megatron_rlhf.engine.build import check_checkpoint_tokenizers
 from megatron_rlhf.engine.checkpointing import check_compatible, read_rl_state
-from megatron_rlhf.engine.config import CheckpointConfig, RunConfig
 from megatron_rlhf.engine.ppo import nonfinite_report
-from megatron_rlhf.engine.sources import resolve_sources
 from megatron_rlhf.models.checkpoint import INFO_FILE, CheckpointInfo, ModelDescription
 from megatron_rlhf.runtime.faults import FaultConfig, RankFailure
 from tools import run_ppo as run_ppo_tool

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rlhf.engine.checkpoint_store import (
+from megatron_rlhf.config.ppo_run import CheckpointConfig
+from megatron_rlhf.engine.checkpointing import resume_candidates
+from megatron_rlhf.runtime.checkpoint_store import (
     commit,
     complete_checkpoints,
     first_valid,
@@ -20,8 +22,6 @@ from megatron_rlhf.engine.checkpoint_store import (
     unfinished_saves,
     verify_checkpoint,
 )
-from megatron_rlhf.engine.checkpointing import resume_candidates
-from megatron_rlhf.engine.config import CheckpointConfig
 
 
 def _save(save_dir: Path, step: int, keep_last: int = 0, payload: bytes = b"weights") -> Path:

@@ -39,7 +39,7 @@ PIECES = ("optimizer", "scheduler", "kl_controller", "data_position", "rng")
 
 
 def _config(root: str, name: str, **checkpoint):
-    from megatron_rlhf.engine.config import (
+    from megatron_rlhf.config.ppo_run import (
         CheckpointConfig,
         ModelsConfig,
         RewardConfig,
@@ -49,7 +49,7 @@ def _config(root: str, name: str, **checkpoint):
     from megatron_rlhf.generation import GenerationConfig
     from megatron_rlhf.runtime.bootstrap import RuntimeConfig
     from megatron_rlhf.runtime.distributed import DistributedConfig
-    from megatron_rlhf.topology.config import PlacementConfig
+    from megatron_rlhf.topology.placement_config import PlacementConfig
 
     config = RunConfig(
         runtime=RuntimeConfig(seed=7, distributed=DistributedConfig(timeout_s=60)),
@@ -95,8 +95,8 @@ def _killed_run(root: str) -> None:
     import os
     import signal
 
-    from megatron_rlhf.engine import checkpoint_store
     from megatron_rlhf.engine.runner import run_ppo
+    from megatron_rlhf.runtime import checkpoint_store
 
     _patch(dropout=0.1)
     original = checkpoint_store.hash_files

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from megatron_rlhf.topology import ClusterSpec, DevicePool, PlacementPlan
-from megatron_rlhf.topology.config import DISJOINT_ROLES
 from megatron_rlhf.topology.models import TRAINABLE_ROLES
+from megatron_rlhf.topology.placement_config import DISJOINT_ROLES
 
 HETERO = ClusterSpec((
     DevicePool("A100-80GB", nodes=1, devices_per_node=8, memory_gib=80, relative_speed=1.0),

@@ -6,7 +6,7 @@ A sequence's score is the scalar head at its last real token, as the PPO reward 
 For a pair the loss is ``-log sigmoid(r_chosen - r_rejected)``, summed over pairs with the pair
 count as its normaliser, so the update is the pair mean whatever the DP size; accuracy is the
 share of pairs with ``r_chosen > r_rejected``. ``model.init_checkpoint`` may name an SFT
-checkpoint: its trunk is loaded and the scalar head starts fresh. See :mod:`engine.supervised`.
+checkpoint: its trunk is loaded and the scalar head starts fresh. See :mod:`supervised.loop`.
 """
 
 from __future__ import annotations
@@ -20,21 +20,21 @@ import torch.nn.functional as F
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_rlhf.data import ReaderConfig, RMDataset, RMExample, collate_preferences
-from megatron_rlhf.engine.supervised import (
+from megatron_rlhf.engine.workers import last_token_scores, split_microbatches
+from megatron_rlhf.models.checkpoint import (
+    load_model_checkpoint,
+)
+from megatron_rlhf.models.forward_backward import Batch, LossFn
+from megatron_rlhf.models.hf_tokenizer import HFTokenizer
+from megatron_rlhf.models.tokenizer import Tokenizer
+from megatron_rlhf.runtime.logging import get_logger
+from megatron_rlhf.supervised.loop import (
     Objective,
     SupervisedConfig,
     SupervisedDataConfig,
     TrainingResult,
     run_supervised,
 )
-from megatron_rlhf.engine.workers import last_token_scores, split_microbatches
-from megatron_rlhf.models.checkpoint import (
-    load_model_checkpoint,
-)
-from megatron_rlhf.models.hf_tokenizer import HFTokenizer
-from megatron_rlhf.models.schedule import Batch, LossFn
-from megatron_rlhf.models.tokenizer import Tokenizer
-from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.topology.models import REWARD
 
 logger = get_logger(__name__)

@@ -24,7 +24,9 @@ from megatron_rlhf.planner.hardware import HardwareProfile
 from megatron_rlhf.planner.predict import STAGES, StepPrediction, predict_step
 from megatron_rlhf.planner.workload import RolloutSpec
 from megatron_rlhf.topology.cluster import ClusterSpec
-from megatron_rlhf.topology.config import (
+from megatron_rlhf.topology.models import ArchSpec, arch_preset
+from megatron_rlhf.topology.placement import plan_placement
+from megatron_rlhf.topology.placement_config import (
     CUSTOM,
     FLATTENING,
     HETERO_SEPARATION,
@@ -34,8 +36,6 @@ from megatron_rlhf.topology.config import (
     ParallelOverride,
     PlacementConfig,
 )
-from megatron_rlhf.topology.models import ArchSpec, arch_preset
-from megatron_rlhf.topology.placement import plan_placement
 from megatron_rlhf.topology.plan import PlacementPlan
 
 ArchLike = str | ArchSpec

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.engine.build import make_plan
-from megatron_rlhf.engine.config import RunConfig
 from megatron_rlhf.planner import RolloutSpec, auto_place, explain_choice, load_profile
 from megatron_rlhf.topology.cluster import ClusterSpec
 

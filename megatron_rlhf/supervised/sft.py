@@ -6,7 +6,7 @@ The loss is the negative log-likelihood of the response tokens and their EOS onl
 context), summed with the token count as its normaliser: the trainer divides by the step's global
 token count, so it is a token mean that does not depend on the DP size or micro-batch split. The
 result is an ``lm``-head checkpoint for the ``actor`` role. ``model.init_checkpoint`` (e.g. a
-converted Hugging Face model) is loaded whole. See :mod:`engine.supervised` for the loop and data.
+converted Hugging Face model) is loaded whole. See :mod:`supervised.loop` for the loop and data.
 """
 
 from __future__ import annotations
@@ -18,19 +18,19 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.data import ReaderConfig, SFTDataset, SFTExample, collate_sft
-from megatron_rlhf.engine.supervised import (
+from megatron_rlhf.engine.workers import split_microbatches
+from megatron_rlhf.models.checkpoint import load_model_checkpoint
+from megatron_rlhf.models.forward_backward import Batch, LossFn
+from megatron_rlhf.models.hf_tokenizer import HFTokenizer
+from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
+from megatron_rlhf.models.tokenizer import Tokenizer
+from megatron_rlhf.supervised.loop import (
     Objective,
     SupervisedConfig,
     SupervisedDataConfig,
     TrainingResult,
     run_supervised,
 )
-from megatron_rlhf.engine.workers import split_microbatches
-from megatron_rlhf.models.checkpoint import load_model_checkpoint
-from megatron_rlhf.models.hf_tokenizer import HFTokenizer
-from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
-from megatron_rlhf.models.schedule import Batch, LossFn
-from megatron_rlhf.models.tokenizer import Tokenizer
 from megatron_rlhf.topology.models import ACTOR
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from megatron_rlhf.planner.auto import RankedCandidate, explain_choice
 from megatron_rlhf.planner.predict import STAGES, StepPrediction
+from megatron_rlhf.planner.search import RankedCandidate, explain_choice
 
 
 def format_prediction(prediction: StepPrediction) -> str:

@@ -22,7 +22,7 @@ from megatron_rlhf.models.trainer import OptimizerSettings
 from megatron_rlhf.runtime.bootstrap import RuntimeConfig
 from megatron_rlhf.runtime.faults import FaultConfig
 from megatron_rlhf.topology.cluster import DevicePool
-from megatron_rlhf.topology.config import PlacementConfig
+from megatron_rlhf.topology.placement_config import PlacementConfig
 
 
 @dataclass

@@ -21,7 +21,7 @@ from typing import Any
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from megatron_rlhf.engine.config import RunConfig
+from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.models.checkpoint import (
     ModelDescription,
     load_model_checkpoint,

@@ -1,6 +1,6 @@
 """Supervised training of one model over every rank: the loop SFT and reward-model training share.
 
-    result = run_supervised(config, SFT_OBJECTIVE)   # or RM_OBJECTIVE (engine/reward_training.py)
+    result = run_supervised(config, SFT_OBJECTIVE)   # or RM_OBJECTIVE (supervised/reward_model.py)
 
 They differ only in an :class:`Objective` (data portion, head, micro-batches, loss). A step takes
 ``global_batch_size`` examples of a per-epoch shuffle seeded by ``runtime.seed``; DP replica ``d``
@@ -25,30 +25,29 @@ import torch
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megatron_rlhf.config.loader import to_yaml
-from megatron_rlhf.data.config import DataConfig, ReaderConfig, SplitConfig
-from megatron_rlhf.data.readers import PreferenceRecord, read_files
-from megatron_rlhf.data.splits import load_splits
-from megatron_rlhf.data.synthetic import SyntheticTaskConfig, write_task_jsonl
-from megatron_rlhf.engine.build import cluster_from_environment
-from megatron_rlhf.engine.sources import (
+from megatron_rlhf.builder.networks import build_model
+from megatron_rlhf.builder.sources import (
     ModelSource,
     arch_spec,
     load_initial_weights,
     read_source,
 )
+from megatron_rlhf.config.loader import to_yaml
+from megatron_rlhf.data.readers import PreferenceRecord, read_files
+from megatron_rlhf.data.schema import DataConfig, ReaderConfig, SplitConfig
+from megatron_rlhf.data.splits import load_splits
+from megatron_rlhf.data.synthetic import SyntheticTaskConfig, write_task_jsonl
 from megatron_rlhf.models.checkpoint import save_model_checkpoint
-from megatron_rlhf.models.gpt import ModelBuildOptions, build_gpt_model, resolve_params_dtype
+from megatron_rlhf.models.forward_backward import Batch, LossFn, run_microbatches
+from megatron_rlhf.models.gpt import ModelBuildOptions, resolve_params_dtype
 from megatron_rlhf.models.hf_tokenizer import TOKENIZER_FILES, HFTokenizer, is_hf_tokenizer_dir
-from megatron_rlhf.models.schedule import Batch, LossFn, run_microbatches
 from megatron_rlhf.models.tokenizer import Tokenizer, TokenizerConfig, load_tokenizer
 from megatron_rlhf.models.trainer import ModelTrainer, OptimizerSettings
-from megatron_rlhf.models.weights import init_weights
 from megatron_rlhf.runtime.bootstrap import RuntimeConfig, initialize_runtime
 from megatron_rlhf.runtime.device import compute_device
 from megatron_rlhf.runtime.logging import get_logger, setup_logging
 from megatron_rlhf.runtime.metrics import MetricsWriter
-from megatron_rlhf.topology.cluster import ClusterSpec
+from megatron_rlhf.topology.cluster import ClusterSpec, cluster_from_environment
 from megatron_rlhf.topology.groups import build_model_process_groups
 from megatron_rlhf.topology.models import ArchSpec, ModelSpec, arch_preset
 
@@ -339,8 +338,8 @@ def _build(config: SupervisedConfig, objective: Objective, spec: ModelSpec, tota
     base = source.description.build_options() if source is not None else ModelBuildOptions()
     options = replace(base, head=objective.head, params_dtype=config.model.params_dtype,
                       tie_embeddings=base.tie_embeddings and objective.head == "lm")
-    model = build_gpt_model(spec.arch, options, pgc, seed=config.runtime.seed)
-    init_weights(model, pgc, seed=config.model.init_seed)
+    model = build_model(spec.arch, options, pgc, runtime_seed=config.runtime.seed,
+                        init_seed=config.model.init_seed)
     # Before the trainer exists: the optimizer copies the weights it starts from.
     if source is not None and source.is_hf:
         role = objective.role
