@@ -22,14 +22,15 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_rlhf.config.loader import load_config
-from megatron_rlhf.config.ppo_run import RunConfig
+from megatron_rlhf.config.ppo_run import EvalConfig, RunConfig
+from megatron_rlhf.config.supervised_run import RMConfig, SFTConfig
 from megatron_rlhf.data import SyntheticTaskConfig, write_task_jsonl
-from megatron_rlhf.engine.evaluation import EvalConfig, eval_metrics, hacking_report
+from megatron_rlhf.engine.evaluation import eval_metrics, hacking_report
 from megatron_rlhf.engine.runner import run_ppo
 from megatron_rlhf.runtime.bootstrap import initialize_runtime
 from megatron_rlhf.supervised.loop import CHECKPOINT_DIR, TOKENIZER_FILE
-from megatron_rlhf.supervised.reward_model import RMConfig, run_reward_training
-from megatron_rlhf.supervised.sft import SFTConfig, run_sft
+from megatron_rlhf.supervised.reward_model import run_reward_training
+from megatron_rlhf.supervised.sft import run_sft
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

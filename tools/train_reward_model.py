@@ -30,7 +30,8 @@ from pathlib import Path
 
 from supervised_cli import overrides_from, parser_for, run
 
-from megatron_rlhf.supervised.reward_model import RMConfig, run_reward_training
+from megatron_rlhf.config.supervised_run import RMConfig
+from megatron_rlhf.supervised.reward_model import run_reward_training
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "examples" / "rm_tiny.yaml")
 PROG = "train_reward_model"

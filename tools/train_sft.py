@@ -29,7 +29,8 @@ from pathlib import Path
 
 from supervised_cli import overrides_from, parser_for, run
 
-from megatron_rlhf.supervised.sft import SFTConfig, run_sft
+from megatron_rlhf.config.supervised_run import SFTConfig
+from megatron_rlhf.supervised.sft import run_sft
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "examples" / "sft_tiny.yaml")
 PROG = "train_sft"

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 from megatron_rlhf.algorithms import PPOAlgorithmConfig
 from megatron_rlhf.data import ReaderConfig, SplitConfig, SyntheticTaskConfig
-from megatron_rlhf.engine.evaluation import EvalConfig
 from megatron_rlhf.generation import GenerationConfig
 from megatron_rlhf.models.gpt import (
     ATTENTION_BACKENDS,
@@ -211,6 +210,47 @@ class CheckpointConfig:
             raise ValueError("checkpoint.resume (--resume) looks for the latest checkpoint in "
                              "checkpoint.save_dir; set --save-dir, or name one with "
                              "checkpoint.resume_from=PATH")
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation of the policy during a PPO run."""
+
+    paths: list[str] = field(default_factory=list)
+    """Held-out prompt files (JSONL/Parquet, read whole with ``prompts.reader``); empty: the test
+    split of ``prompts.synthetic`` when the run uses the synthetic task, else no evaluation."""
+    num_prompts: int = 0
+    """Evaluate on the first this many held-out prompts (0: no evaluation; the pipeline's
+    examples/ppo_pipeline.yaml sets 64)."""
+    interval: int = 20
+    """Evaluate before every ``interval``-th step, besides before the first and after the last
+    step (0: only those two)."""
+    log_examples: int = 2
+    """Log the answers to this many held-out prompts at every evaluation (rank-aware logger)."""
+    hacking_tolerance: float = 0.03
+    """A held-out rule score this far below the first evaluation's, while the reward model's
+    held-out score rose by more than ``hacking_rm_rise``, is reported as reward hacking."""
+    hacking_rm_rise: float = 0.5
+    """The rise of the held-out reward-model score that counts, in standard deviations of the
+    first evaluation's scores (the reward model's scale is arbitrary)."""
+
+    def __post_init__(self) -> None:
+        if self.num_prompts < 0:
+            raise ValueError(f"evaluation.num_prompts={self.num_prompts} must be >= 0 "
+                             "(0 turns evaluation off)")
+        if self.interval < 0:
+            raise ValueError(f"evaluation.interval={self.interval} must be >= 0 (0: evaluate "
+                             "only before the first and after the last step)")
+        if self.log_examples < 0:
+            raise ValueError(f"evaluation.log_examples={self.log_examples} must be >= 0")
+        for name in ("hacking_tolerance", "hacking_rm_rise"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"evaluation.{name}={getattr(self, name)} must be >= 0")
+
+    def due(self, step: int, start: int) -> bool:
+        """Whether to evaluate before step ``step`` of a run (or resumption) starting at
+        ``start``."""
+        return step == start or bool(self.interval and step % self.interval == 0)
 
 
 @dataclass

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -29,47 +28,6 @@ EVAL_ID_OFFSET = 1 << 40
 """Added to a held-out prompt's position to key its sampling noise: no training id reaches it."""
 MODES = ("greedy", "sampled")
 """How the policy answers: argmax decoding, and sampling as in training."""
-
-
-@dataclass
-class EvalConfig:
-    """Held-out evaluation of the policy during a PPO run."""
-
-    paths: list[str] = field(default_factory=list)
-    """Held-out prompt files (JSONL/Parquet, read whole with ``prompts.reader``); empty: the test
-    split of ``prompts.synthetic`` when the run uses the synthetic task, else no evaluation."""
-    num_prompts: int = 0
-    """Evaluate on the first this many held-out prompts (0: no evaluation; the pipeline's
-    examples/ppo_pipeline.yaml sets 64)."""
-    interval: int = 20
-    """Evaluate before every ``interval``-th step, besides before the first and after the last
-    step (0: only those two)."""
-    log_examples: int = 2
-    """Log the answers to this many held-out prompts at every evaluation (rank-aware logger)."""
-    hacking_tolerance: float = 0.03
-    """A held-out rule score this far below the first evaluation's, while the reward model's
-    held-out score rose by more than ``hacking_rm_rise``, is reported as reward hacking."""
-    hacking_rm_rise: float = 0.5
-    """The rise of the held-out reward-model score that counts, in standard deviations of the
-    first evaluation's scores (the reward model's scale is arbitrary)."""
-
-    def __post_init__(self) -> None:
-        if self.num_prompts < 0:
-            raise ValueError(f"evaluation.num_prompts={self.num_prompts} must be >= 0 "
-                             "(0 turns evaluation off)")
-        if self.interval < 0:
-            raise ValueError(f"evaluation.interval={self.interval} must be >= 0 (0: evaluate "
-                             "only before the first and after the last step)")
-        if self.log_examples < 0:
-            raise ValueError(f"evaluation.log_examples={self.log_examples} must be >= 0")
-        for name in ("hacking_tolerance", "hacking_rm_rise"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"evaluation.{name}={getattr(self, name)} must be >= 0")
-
-    def due(self, step: int, start: int) -> bool:
-        """Whether to evaluate before step ``step`` of a run (or resumption) starting at
-        ``start``."""
-        return step == start or bool(self.interval and step % self.interval == 0)
 
 
 class HeldOutEvaluator:

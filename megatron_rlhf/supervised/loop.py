@@ -17,7 +17,7 @@ import random
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,17 +33,18 @@ from megatron_rlhf.builder.sources import (
     read_source,
 )
 from megatron_rlhf.config.loader import to_yaml
+from megatron_rlhf.config.supervised_run import SupervisedConfig, SupervisedDataConfig
 from megatron_rlhf.data.readers import PreferenceRecord, read_files
-from megatron_rlhf.data.schema import DataConfig, ReaderConfig, SplitConfig
+from megatron_rlhf.data.schema import DataConfig
 from megatron_rlhf.data.splits import load_splits
-from megatron_rlhf.data.synthetic import SyntheticTaskConfig, write_task_jsonl
+from megatron_rlhf.data.synthetic import write_task_jsonl
 from megatron_rlhf.models.checkpoint import save_model_checkpoint
 from megatron_rlhf.models.forward_backward import Batch, LossFn, run_microbatches
-from megatron_rlhf.models.gpt import ModelBuildOptions, resolve_params_dtype
+from megatron_rlhf.models.gpt import ModelBuildOptions
 from megatron_rlhf.models.hf_tokenizer import TOKENIZER_FILES, HFTokenizer, is_hf_tokenizer_dir
-from megatron_rlhf.models.tokenizer import Tokenizer, TokenizerConfig, load_tokenizer
-from megatron_rlhf.models.trainer import ModelTrainer, OptimizerSettings
-from megatron_rlhf.runtime.bootstrap import RuntimeConfig, initialize_runtime
+from megatron_rlhf.models.tokenizer import Tokenizer, load_tokenizer
+from megatron_rlhf.models.trainer import ModelTrainer
+from megatron_rlhf.runtime.bootstrap import initialize_runtime
 from megatron_rlhf.runtime.device import compute_device
 from megatron_rlhf.runtime.logging import get_logger, setup_logging
 from megatron_rlhf.runtime.metrics import MetricsWriter
@@ -55,124 +56,6 @@ logger = get_logger(__name__)
 
 CHECKPOINT_DIR = "checkpoint"
 TOKENIZER_FILE = "tokenizer.model"
-
-
-@dataclass
-class SupervisedDataConfig:
-    """Where training and held-out examples come from.
-
-    Attributes:
-        paths: JSONL/Parquet files in the rm-static schema; training uses the objective's portion
-            of their split. Empty: the synthetic task, written to ``<out_dir>/data``.
-        eval_paths: held-out files, evaluated whole. Empty: the synthetic task's ``test.jsonl``,
-            or with ``paths`` an ``eval_fraction`` of the training portion, chosen by prompt.
-        eval_fraction: the held-out share of the training portion (see ``eval_paths``).
-        reader: field names and bad-record policy.
-        split: SFT/RM/PPO fractions of ``paths``.
-        synthetic: size and seed of the synthetic task.
-        chat_template: with a tokenizer that has a chat template (a Hugging Face checkpoint's),
-            wrap each plain-text prompt as one user turn, as PPO does (``prompts.chat_template``);
-            conversation records always go through the template.
-    """
-
-    paths: list[str] = field(default_factory=list)
-    eval_paths: list[str] = field(default_factory=list)
-    eval_fraction: float = 0.05
-    reader: ReaderConfig = field(default_factory=ReaderConfig)
-    split: SplitConfig = field(default_factory=SplitConfig)
-    synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
-    chat_template: bool = True
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.eval_fraction < 1.0:
-            raise ValueError(f"data.eval_fraction={self.eval_fraction} must be in (0, 1)")
-
-
-@dataclass
-class SupervisedModelConfig:
-    """The trained network and its layout.
-
-    Attributes:
-        arch: architecture preset (``tiny``, ``small``, ``llama-7b``, ...).
-        tp: tensor-parallel size.
-        pp: pipeline-parallel size; DP is what remains of the launched ranks.
-        params_dtype: ``auto`` (``bfloat16`` with CUDA, ``float32`` on CPU; resolved when the
-            config is built), ``float32`` or ``bfloat16``.
-        init_seed: seed of the layout-independent initialisation.
-        init_checkpoint: checkpoint to start from, or empty. The objective decides how it loads
-            (a reward model takes an SFT checkpoint's trunk and keeps its new head). A Hugging
-            Face directory works too: its config.json replaces ``arch``, its weights are
-            converted (cached in ``hf_cache_dir``) and its tokenizer is used unless one is
-            configured.
-        hf_cache_dir: where a Hugging Face ``init_checkpoint`` is converted to, once.
-    """
-
-    arch: str = "tiny"
-    tp: int = 1
-    pp: int = 1
-    params_dtype: str = "auto"
-    init_seed: int = 1234
-    init_checkpoint: str = ""
-    hf_cache_dir: str = "~/.cache/megatron_rlhf/converted"
-
-    def __post_init__(self) -> None:
-        arch_preset(self.arch)
-        if self.tp < 1 or self.pp < 1:
-            raise ValueError(f"model.tp={self.tp} and model.pp={self.pp} must be >= 1")
-        self.params_dtype = resolve_params_dtype(self.params_dtype)
-
-
-@dataclass
-class SupervisedTrainConfig:
-    """Batch shapes, run length and evaluation cadence.
-
-    Attributes:
-        global_batch_size: examples (pairs for RM) per optimizer step over all replicas; a
-            multiple of ``dp * micro_batch_size``.
-        micro_batch_size: examples per forward/backward pass on one replica.
-        epochs: passes over the training examples (a partial last batch is dropped).
-        max_steps: stop after this many steps; 0: ``epochs`` decide.
-        max_length: longest sequence (BOS prompt response EOS, in tokens; longer responses are
-            cut), at most the architecture's ``seq_length``.
-        eval_interval: evaluate every this many steps and after the last; 0: after the last.
-    """
-
-    global_batch_size: int = 16
-    micro_batch_size: int = 4
-    epochs: int = 1
-    max_steps: int = 0
-    max_length: int = 64
-    eval_interval: int = 20
-
-    def __post_init__(self) -> None:
-        for name, value in vars(self).items():
-            minimum = 0 if name in ("max_steps", "eval_interval") else 1
-            if value < minimum:
-                raise ValueError(f"train.{name}={value} must be >= {minimum}")
-
-
-@dataclass
-class SupervisedConfig:
-    """Everything one supervised run needs; ``SFTConfig`` and ``RMConfig`` set the defaults.
-
-    Attributes:
-        runtime: seed (also of the data order), logging and distributed start-up.
-        data: training and held-out examples.
-        tokenizer: the shared tokenizer (copied to ``<out_dir>/tokenizer.model``).
-        model: architecture, layout and initial weights.
-        optimizer: AdamW and learning-rate schedule.
-        train: batch shapes and run length.
-        out_dir: ``config.yaml``, ``metrics.jsonl``, ``tokenizer.model``, ``checkpoint/`` (and
-            ``data/`` for the synthetic task); must not hold a checkpoint yet.
-    """
-
-    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
-    data: SupervisedDataConfig = field(default_factory=SupervisedDataConfig)
-    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
-    model: SupervisedModelConfig = field(default_factory=SupervisedModelConfig)
-    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
-    train: SupervisedTrainConfig = field(default_factory=SupervisedTrainConfig)
-    out_dir: str = "runs/supervised"
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,14 @@ checkpoint: its trunk is loaded and the scalar head starts fresh. See :mod:`supe
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megatron_rlhf.data import ReaderConfig, RMDataset, RMExample, collate_preferences
+from megatron_rlhf.config.supervised_run import RMConfig
+from megatron_rlhf.data import RMDataset, RMExample, collate_preferences
 from megatron_rlhf.engine.workers import last_token_scores, split_microbatches
 from megatron_rlhf.models.checkpoint import (
     load_model_checkpoint,
@@ -30,8 +30,6 @@ from megatron_rlhf.models.tokenizer import Tokenizer
 from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.supervised.loop import (
     Objective,
-    SupervisedConfig,
-    SupervisedDataConfig,
     TrainingResult,
     run_supervised,
 )
@@ -43,16 +41,6 @@ _CHECKPOINT_MODEL_KEY = "model"
 """Top-level key under which ``models/checkpoint.py`` stores a model's tensors."""
 _MAY_DIFFER = ("head", "seq_length", "params_dtype")
 """Description fields in which an SFT checkpoint may differ from the reward model it starts."""
-
-
-@dataclass
-class RMConfig(SupervisedConfig):
-    """A reward-model run (fields as :class:`SupervisedConfig`; batch sizes count pairs) on the
-    ``rm`` data portion; records need a prompt, a chosen and a rejected response."""
-
-    data: SupervisedDataConfig = field(default_factory=lambda: SupervisedDataConfig(
-        reader=ReaderConfig(required=["prompt", "chosen", "rejected"])))
-    out_dir: str = "runs/rm"
 
 
 def preference_microbatches(examples: Sequence[RMExample], tokenizer: Tokenizer | HFTokenizer,

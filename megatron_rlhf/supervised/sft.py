@@ -12,12 +12,12 @@ converted Hugging Face model) is loaded whole. See :mod:`supervised.loop` for th
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.data import ReaderConfig, SFTDataset, SFTExample, collate_sft
+from megatron_rlhf.config.supervised_run import SFTConfig
+from megatron_rlhf.data import SFTDataset, SFTExample, collate_sft
 from megatron_rlhf.engine.workers import split_microbatches
 from megatron_rlhf.models.checkpoint import load_model_checkpoint
 from megatron_rlhf.models.forward_backward import Batch, LossFn
@@ -26,22 +26,10 @@ from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
 from megatron_rlhf.models.tokenizer import Tokenizer
 from megatron_rlhf.supervised.loop import (
     Objective,
-    SupervisedConfig,
-    SupervisedDataConfig,
     TrainingResult,
     run_supervised,
 )
 from megatron_rlhf.topology.models import ACTOR
-
-
-@dataclass
-class SFTConfig(SupervisedConfig):
-    """An SFT run (fields as :class:`SupervisedConfig`) on the ``sft`` data portion; records
-    need only a prompt and a response."""
-
-    data: SupervisedDataConfig = field(default_factory=lambda: SupervisedDataConfig(
-        reader=ReaderConfig(required=["prompt", "response"])))
-    out_dir: str = "runs/sft"
 
 
 def sft_microbatches(examples: Sequence[SFTExample], tokenizer: Tokenizer | HFTokenizer,

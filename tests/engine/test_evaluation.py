@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rlhf.engine.evaluation import EvalConfig, hacking_report
+from megatron_rlhf.config.ppo_run import EvalConfig
+from megatron_rlhf.engine.evaluation import hacking_report
 from tests.multirank import run_on_ranks
 
 FIRST = {"eval/greedy/rm_score": -3.0, "eval/greedy/rm_score_std": 1.0,

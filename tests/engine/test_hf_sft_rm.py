@@ -34,8 +34,9 @@ def _write_data(path: Path) -> None:
 
 def _job(root: str, actor: str, reward: str, data: str) -> None:
     from megatron_rlhf.config.loader import load_config
-    from megatron_rlhf.supervised.reward_model import RMConfig, run_reward_training
-    from megatron_rlhf.supervised.sft import SFTConfig, run_sft
+    from megatron_rlhf.config.supervised_run import RMConfig, SFTConfig
+    from megatron_rlhf.supervised.reward_model import run_reward_training
+    from megatron_rlhf.supervised.sft import run_sft
     from tools import convert_megatron_to_hf
 
     common = [f"data.paths=[{data}]", f"data.eval_paths=[{data}]", "data.split.sft=0.5",

@@ -19,11 +19,12 @@ import pytest
 import torch
 
 from megatron_rlhf.config.loader import load_config
+from megatron_rlhf.config.supervised_run import RMConfig, SFTConfig
 from megatron_rlhf.data import RMExample, SyntheticTaskConfig, generate_records
 from megatron_rlhf.models.tokenizer import Tokenizer, TokenizerConfig
 from megatron_rlhf.supervised.loop import data_parallel_size
-from megatron_rlhf.supervised.reward_model import RMConfig, pairwise_loss, preference_microbatches
-from megatron_rlhf.supervised.sft import SFTConfig, sft_loss
+from megatron_rlhf.supervised.reward_model import pairwise_loss, preference_microbatches
+from megatron_rlhf.supervised.sft import sft_loss
 from megatron_rlhf.topology import ClusterSpec, ModelSpec, arch_preset
 from tests.multirank import run_on_ranks
 

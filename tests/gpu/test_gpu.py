@@ -102,8 +102,9 @@ def test_bf16_flattening_ppo_steps_keep_every_model_input_on_the_gpu(ac_share: b
 
 def _sft_then_rm(root: str) -> tuple[list[dict], list[dict]]:
     from megatron_rlhf.config.loader import load_config
-    from megatron_rlhf.supervised.reward_model import RMConfig, run_reward_training
-    from megatron_rlhf.supervised.sft import SFTConfig, run_sft
+    from megatron_rlhf.config.supervised_run import RMConfig, SFTConfig
+    from megatron_rlhf.supervised.reward_model import run_reward_training
+    from megatron_rlhf.supervised.sft import run_sft
 
     small = ["data.synthetic.num_test=32", "train.eval_interval=0"]
     sft = run_sft(load_config(SFTConfig, ROOT / "examples" / "sft_tiny.yaml", [
