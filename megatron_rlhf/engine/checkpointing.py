@@ -18,7 +18,7 @@ One checkpoint, ``<save_dir>/step_00000004`` (4 steps done; the data position is
     rng/rank_00003.pt    each rank's Python, numpy, torch (CUDA) and megatron-tracker RNG states
 
 Writes are atomic, verified against the manifest on load, and pruned only after a newer
-checkpoint is complete (``engine.checkpoint_store``). Everything is loaded without running pickled
+checkpoint is complete (``runtime.checkpoint_store``). Everything is loaded without running pickled
 code (JSON, ``torch.load(weights_only=True)``, models.checkpoint's safe loader).
 """
 
@@ -48,7 +48,7 @@ from megatron_rlhf.models.checkpoint import (
     load_sharded_checkpoint,
     model_sharded_state_dict,
     read_checkpoint_info,
-    save_sharded_checkpoint,
+    write_sharded_checkpoint,
 )
 from megatron_rlhf.runtime.checkpoint_store import (
     MANIFEST,
@@ -179,13 +179,13 @@ def save_rl_checkpoint(run: RunState, step: int) -> Path:
         logger.warning("checkpoint %s leaves out %d steps of asynchronous experience; a resumed "
                        "run generates them again with the resumed weights", final.name,
                        run.trainer.experience_in_flight)
-    temp = shared_temp_dir(final)
+    temp = shared_temp_dir(final, stale="step_*.tmp-*")
     for role in roles:
         holder = next(h["roles"][role] for h in hosts if role in h["roles"])
         info = CheckpointInfo(model=ModelDescription(**holder["description"]),
                               tp_size=run.engine.plan[role].tp, pp_size=run.engine.plan[role].pp,
                               metadata={"role": role, "step": step})
-        save_sharded_checkpoint(states[role][0], temp / role, info)
+        write_sharded_checkpoint(states[role][0], temp / role, info)
     rank = dist.get_rank()
     (temp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), temp / "rng" / f"rank_{rank:05d}.pt")

@@ -23,17 +23,14 @@ own top-level key through :func:`save_sharded_checkpoint` / :func:`load_sharded_
 from __future__ import annotations
 
 import json
-import os
 import pickle
-import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from megatron.core import dist_checkpointing, package_info
 from megatron.core.dist_checkpointing.core import CheckpointingException
@@ -50,6 +47,7 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemReader, 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from megatron_rlhf.models.gpt import ModelBuildOptions, PolicyValueHead
+from megatron_rlhf.runtime.checkpoint_store import on_rank0, publish, shared_temp_dir
 from megatron_rlhf.topology.models import ArchSpec, ModelSpec
 
 FORMAT_VERSION = 1
@@ -346,62 +344,39 @@ def model_sharded_state_dict(model: GPTModel,
     return sharded
 
 
-def _on_rank0(fn: Callable[[], _T]) -> _T:
-    """Run ``fn`` on global rank 0 and hand its result, or its failure, to every rank."""
-    box: list[Any] = [(None, None)]
-    if dist.get_rank() == 0:
-        try:
-            box[0] = (fn(), None)
-        except Exception as exc:  # the other ranks wait in the broadcast below: tell them
-            box[0] = (None, exc)
-    dist.broadcast_object_list(box, src=0)
-    value, error = box[0]
-    if error is not None:
-        raise error
-    return value
-
-
-def _make_temp_dir(final: Path) -> str:
-    if final.exists():
-        raise FileExistsError(f"checkpoint directory {final} already exists; choose a new "
-                              "directory or delete it first")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    temp = final.with_name(f"{final.name}.tmp-{secrets.token_hex(4)}")
-    temp.mkdir()
-    return str(temp)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
-
-
-def _publish(temp: Path, final: Path, info: CheckpointInfo) -> dict[str, int]:
-    files = {str(p.relative_to(temp)): p.stat().st_size for p in sorted(temp.rglob("*"))
-             if p.is_file()}
-    with open(temp / INFO_FILE, "w") as stream:
-        json.dump(asdict(replace(info, files=files)), stream, indent=2, sort_keys=True)
-        stream.flush()
-        os.fsync(stream.fileno())
-    _fsync_dir(temp)
-    os.rename(temp, final)
-    _fsync_dir(final.parent)
-    return files
-
-
 def save_sharded_checkpoint(sharded_state_dict: ShardedStateDict, directory: str | Path,
                             info: CheckpointInfo) -> CheckpointInfo:
-    """Write a sharded state dict atomically, ``megatron_rlhf.json`` last; return ``info`` with
-    the written files' sizes. Collective over the default group; rank 0's ``info`` is written.
+    """Write a sharded state dict as a new checkpoint directory, atomically (through
+    ``runtime.checkpoint_store``: a temporary directory, a manifest of checksums, a rename); return
+    ``info`` with the written files' sizes. Collective over every rank of the job.
 
     Raises:
         OSError: ``directory`` already exists (FileExistsError) or cannot be written.
     """
     final = Path(directory).absolute()
-    temp = Path(_on_rank0(lambda: _make_temp_dir(final)))
-    dist_checkpointing.save(sharded_state_dict, str(temp), sharded_strategy=InProcessSaveStrategy())
-    return replace(info, files=_on_rank0(lambda: _publish(temp, final, info)))
+    temp = shared_temp_dir(final, exist_ok=False)
+    written = write_sharded_checkpoint(sharded_state_dict, temp, info)
+    publish(temp, final)
+    return written
+
+
+def write_sharded_checkpoint(sharded_state_dict: ShardedStateDict, directory: Path,
+                             info: CheckpointInfo) -> CheckpointInfo:
+    """Write a sharded state dict and ``megatron_rlhf.json`` (rank 0's ``info`` with the files'
+    sizes) into ``directory``, inside a save that the caller publishes. Collective over every
+    rank of the job."""
+    on_rank0(lambda: directory.mkdir(parents=True, exist_ok=True))
+    dist_checkpointing.save(sharded_state_dict, str(directory),
+                            sharded_strategy=InProcessSaveStrategy())
+    return replace(info, files=on_rank0(lambda: _write_info(directory, info)))
+
+
+def _write_info(directory: Path, info: CheckpointInfo) -> dict[str, int]:
+    files = {str(p.relative_to(directory)): p.stat().st_size
+             for p in sorted(directory.rglob("*")) if p.is_file()}
+    (directory / INFO_FILE).write_text(
+        json.dumps(asdict(replace(info, files=files)), indent=2, sort_keys=True))
+    return files
 
 
 def save_model_checkpoint(model: GPTModel, pg_collection: ProcessGroupCollection,

@@ -1,4 +1,5 @@
-"""A directory of step checkpoints: atomic writes, a manifest of checksums, verification, pruning.
+"""The one writer of checkpoint directories: atomic writes, a manifest of checksums, verification,
+pruning of ``step_<k>`` series, and reading saved files without running pickled code.
 
     temp = shared_temp_dir(save_dir / "step_00000004")   # every rank; stale temps removed
     ... every rank writes its files under temp ...
@@ -11,7 +12,8 @@ sha256 of every other file) last, fsyncs and renames. A killed save leaves only 
 directory, which is never picked and is removed by the next save. Older checkpoints are removed
 only after the rename.
 
-This module knows nothing about what the files hold (see ``engine.checkpointing``).
+Model checkpoints (``models.checkpoint``) and whole-run checkpoints (``engine.checkpointing``)
+are both written through this module; it knows nothing about what the files hold.
 """
 
 from __future__ import annotations
@@ -145,13 +147,24 @@ def read_torch_file(path: Path) -> Any:
                          "was not written by megatron_rlhf") from error
 
 
-def shared_temp_dir(final: Path) -> Path:
-    """Create ``<final>.tmp-<hex>`` on rank 0 (removing killed saves' temps); every rank gets
-    its path. Collective."""
+def shared_temp_dir(final: Path, exist_ok: bool = True, stale: str = "") -> Path:
+    """Create ``<final>.tmp-<hex>`` on rank 0 and give every rank its path; collective.
+
+    Args:
+        exist_ok: whether ``final`` may exist already (it is replaced on publishing).
+        stale: a glob, in ``final``'s parent, of killed saves' temporary directories to remove
+            first (default: those of ``final`` itself); no other save may be running.
+
+    Raises:
+        FileExistsError: ``final`` exists and ``exist_ok`` is False.
+    """
     def make() -> str:
+        if final.exists() and not exist_ok:
+            raise FileExistsError(f"checkpoint directory {final} already exists; choose a new "
+                                  "directory or delete it first")
         final.parent.mkdir(parents=True, exist_ok=True)
-        for stale in unfinished_saves(final.parent):  # no other save runs: these were killed
-            shutil.rmtree(stale, ignore_errors=True)
+        for old in sorted(final.parent.glob(stale or f"{final.name}.tmp-*")):
+            shutil.rmtree(old, ignore_errors=True)
         temp = final.with_name(f"{final.name}.tmp-{secrets.token_hex(4)}")
         temp.mkdir()
         return str(temp)
@@ -159,10 +172,12 @@ def shared_temp_dir(final: Path) -> Path:
     return Path(on_rank0(make))
 
 
-def publish(temp: Path, final: Path, step: int, keep_last: int) -> None:
+def publish(temp: Path, final: Path, step: int | None = None,
+            keep_last: int | None = None) -> None:
     """Hash every file of ``temp`` (each rank a share), write the manifest, rename ``temp`` to
-    ``final`` and prune; collective, after every rank has written its files."""
-    dist.barrier()
+    ``final`` and, for a ``step_<k>`` directory given ``keep_last``, prune; collective, after
+    every rank has written its files."""
+    dist.barrier()  # the world: every rank writes into temp, so every rank must be done
     names = on_rank0(lambda: sorted(str(p.relative_to(temp)) for p in temp.rglob("*")
                                     if p.is_file()))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -187,26 +202,29 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def commit(temp: Path, final: Path, step: int, files: dict[str, dict[str, Any]],
-           keep_last: int) -> None:
+def commit(temp: Path, final: Path, step: int | None, files: dict[str, dict[str, Any]],
+           keep_last: int | None = None) -> None:
     """Rank 0's part of :func:`publish`: write the manifest of ``files`` (from
     :func:`hash_files`), fsync, rename ``temp`` to ``final`` (replacing an older ``final``),
-    prune."""
-    manifest = {"format_version": MANIFEST_VERSION, "step": step, "files": files}
+    prune when ``keep_last`` is given."""
+    manifest = {"format_version": MANIFEST_VERSION, "files": files}
+    if step is not None:
+        manifest["step"] = step
     with open(temp / MANIFEST, "w") as stream:
         json.dump(manifest, stream, indent=1, sort_keys=True)
         stream.flush()
         os.fsync(stream.fileno())
-    _fsync_dir(temp)
+    fsync_dir(temp)
     replaced = None
     if final.exists():  # a resumed run saves again over a step of the abandoned timeline
         replaced = final.with_name(f"{final.name}.replaced-{secrets.token_hex(4)}")
         os.rename(final, replaced)
     os.rename(temp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
-    prune(final, keep_last)
+    if keep_last is not None:
+        prune(final, keep_last)
 
 
 def prune(newest: Path, keep_last: int) -> None:
@@ -221,7 +239,8 @@ def prune(newest: Path, keep_last: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a rename, a new file) durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

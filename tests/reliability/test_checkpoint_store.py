@@ -40,8 +40,8 @@ def warnings_of_store() -> list[str]:
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
-    loggers = [logging.getLogger(f"megatron_rlhf.engine.{name}")
-               for name in ("checkpoint_store", "checkpointing")]
+    loggers = [logging.getLogger(f"megatron_rlhf.{name}")
+               for name in ("runtime.checkpoint_store", "engine.checkpointing")]
     for logger in loggers:
         logger.addHandler(handler)
     yield records
