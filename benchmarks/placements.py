@@ -57,7 +57,7 @@ def worker(args: argparse.Namespace) -> None:
     from megatron_rlhf.config.loader import load_config
     from megatron_rlhf.config.ppo_run import RunConfig
     from megatron_rlhf.engine.build import build_engine, make_plan
-    from megatron_rlhf.engine.ppo import PPOTrainer
+    from megatron_rlhf.engine.ppo import PPOAlgorithm
     from megatron_rlhf.engine.runner import load_prompts, rule_reward_for
     from megatron_rlhf.models.tokenizer import Tokenizer
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
@@ -72,15 +72,15 @@ def worker(args: argparse.Namespace) -> None:
     plan = make_plan(config, cluster_from_environment(config.cluster.pools))
     initialize_runtime(config.runtime)
     engine = build_engine(config, plan, tokenizer.eos_id, tokenizer.pad_id)
-    trainer = PPOTrainer(engine, config.algorithm, config.rollout, config.reward,
+    algorithm = PPOAlgorithm(engine, config.algorithm, config.rollout, config.reward,
                          config.runtime.seed, prompts.batch, config.steps,
                          rule_reward_for(config, tokenizer))
-    trainer.step(0)  # warm-up: first-touch allocations, optimizer state
+    algorithm.step(0)  # warm-up: first-touch allocations, optimizer state
     dist.barrier()
     tracer = configure_tracing(True)
     start = time.time()
     for step in range(1, config.steps):
-        trainer.step(step)
+        algorithm.step(step)
     dist.barrier()
     wall = time.time() - start
     mine = {"stage_seconds": tracer.seconds_by_stage(),

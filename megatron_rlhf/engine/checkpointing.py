@@ -41,7 +41,7 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron_rlhf.config.ppo_run import CheckpointConfig, RunConfig
 from megatron_rlhf.data.prompts import PromptStream
 from megatron_rlhf.engine.engine import PPOEngine
-from megatron_rlhf.engine.ppo import PPOTrainer
+from megatron_rlhf.engine.ppo import PPOAlgorithm
 from megatron_rlhf.models.checkpoint import (
     CheckpointInfo,
     ModelDescription,
@@ -81,7 +81,7 @@ class RunState:
     """The live objects of a run that a checkpoint captures."""
 
     engine: PPOEngine
-    trainer: PPOTrainer
+    algorithm: PPOAlgorithm
     prompts: PromptStream
     config: RunConfig
     tokenizer_fingerprint: str
@@ -175,10 +175,10 @@ def save_rl_checkpoint(run: RunState, step: int) -> Path:
     states = {role: _role_state(run.engine, role, is_loading=False) for role in roles}
     hosts: list = [None] * dist.get_world_size()
     dist.all_gather_object(hosts, _host_state(run, {r: s[1] for r, s in states.items()}))
-    if run.trainer.experience_in_flight:
+    if run.algorithm.experience_in_flight:
         logger.warning("checkpoint %s leaves out %d steps of asynchronous experience; a resumed "
                        "run generates them again with the resumed weights", final.name,
-                       run.trainer.experience_in_flight)
+                       run.algorithm.experience_in_flight)
     temp = shared_temp_dir(final, stale="step_*.tmp-*")
     for role in roles:
         holder = next(h["roles"][role] for h in hosts if role in h["roles"])
@@ -226,7 +226,7 @@ def _host_state(run: RunState, commons: dict[str, dict]) -> dict[str, Any]:
             roles[role] = {"description": asdict(ModelDescription.from_model(worker.model)),
                            "trainer": worker.trainer.state_dict(),
                            "optimizer_common": common.get("optimizer", {})}
-    return {"roles": roles, "ppo": run.trainer.state_dict() if roles else None}
+    return {"roles": roles, "ppo": run.algorithm.state_dict() if roles else None}
 
 
 def _write_run_files(temp: Path, run: RunState, step: int, hosts: list[dict],
@@ -278,7 +278,7 @@ def load_rl_checkpoint(run: RunState, path: Path, skip: Collection[str] = ()) ->
                              f"{state['config']['placement']['ac_share']}); resume with that")
         _load_role(run.engine, role, path, commons[role], state["trainers"][role], skip)
     if "kl_controller" not in skip:
-        run.trainer.load_state_dict(state["ppo"])
+        run.algorithm.load_state_dict(state["ppo"])
     if state["prompts_fingerprint"] != run.prompts.fingerprint:
         logger.warning("checkpoint %s was saved with other prompts (rollout.prompts_per_step, "
                        "prompts.*, runtime.seed): step %d's batch differs from the original "

@@ -127,7 +127,7 @@ class PPOEngine:
             start += count
         return RowLayout(batch_size, rows), roles
 
-    def generate_sequences(self, prompts: Sequence[Sequence[int]],
+    def generate_rollout(self, prompts: Sequence[Sequence[int]],
                            prompt_indices: Sequence[int], chunk: int = 0) -> DistBatch:
         """Each generating DP replica samples responses for its share of the prompts.
 

@@ -71,7 +71,7 @@ class HeldOutEvaluator:
         sampling = engine.generation
         engine.generation = dataclasses.replace(sampling, greedy=mode == "greedy")
         try:
-            rollout = engine.generate_sequences(self.prompts, self.ids)
+            rollout = engine.generate_rollout(self.prompts, self.ids)
             batch = engine.make_experience(rollout, sampling.temperature, self.rule_reward)
             engine.finish_transfers()
         finally:

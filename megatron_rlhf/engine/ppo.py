@@ -1,9 +1,9 @@
 """The PPO algorithm, written in terms of models and operators (no ranks, groups or transfers).
 
-    trainer = PPOTrainer(engine, config.algorithm, config.rollout, config.reward, seed,
+    algorithm = PPOAlgorithm(engine, config.algorithm, config.rollout, config.reward, seed,
                          prompts=prompt_stream.batch)
     for step in range(steps):
-        metrics = trainer.step(step)
+        metrics = algorithm.step(step)
 
 A step *produces* experience (generate, score, advantages) and *consumes* it (train actor and
 critic, then sync the shadows). Synchronously, step k consumes what it just produced. In the
@@ -16,25 +16,29 @@ off-policy.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megatron_rlhf.algorithms import PPOAlgorithmConfig, RunningMoments, build_kl_controller
 from megatron_rlhf.config.ppo_run import RewardConfig, RolloutConfig
 from megatron_rlhf.engine.batch import DistBatch, concat
 from megatron_rlhf.engine.engine import PPOEngine, RuleReward
 from megatron_rlhf.engine.experience import compute_advantages
+from megatron_rlhf.engine.step_metrics import (
+    accumulate_train_sums,
+    apply_nan_policy,
+    experience_sources,
+    nonfinite_experience,
+    share_metrics,
+)
 from megatron_rlhf.engine.training_losses import actor_loss_fn, critic_loss_fn
-from megatron_rlhf.runtime.faults import NonFiniteError
 from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.runtime.tracing import trace_span
-from megatron_rlhf.topology.models import ACTOR, CRITIC, REF, REWARD
+from megatron_rlhf.topology.models import ACTOR, CRITIC
 
 logger = get_logger(__name__)
 
@@ -51,7 +55,7 @@ class Experience:
     metrics: dict[str, float]
 
 
-class PPOTrainer:
+class PPOAlgorithm:
     """The PPO algorithm on top of a :class:`PPOEngine`.
 
     Args:
@@ -104,7 +108,8 @@ class PPOTrainer:
             self._queue.append(self.produce(step + self.staleness))
         with trace_span("sync_weights"):
             self.engine.sync_weights()
-        return self._apply_nan_policy(_share_metrics(experience.metrics, train_sums), step)
+        return apply_nan_policy(share_metrics(experience.metrics, train_sums), step,
+                                experience_sources(self.engine), self.on_nan)
 
     def state_dict(self) -> dict[str, Any]:
         """The algorithm's own state: KL controller and running score moments.
@@ -136,7 +141,7 @@ class PPOTrainer:
         size = len(prompts) // self.rollout.pipeline_chunks
         parts = []
         for chunk, start in enumerate(range(0, len(prompts), size)):
-            rollout = engine.generate_sequences(prompts[start:start + size],
+            rollout = engine.generate_rollout(prompts[start:start + size],
                                                 ids[start:start + size], chunk)
             parts.append(engine.make_experience(rollout, engine.generation.temperature,
                                                 self.rule_reward, chunk))
@@ -149,42 +154,11 @@ class PPOTrainer:
                 batch.fields, metrics = compute_advantages(
                     batch.fields, self.algorithm, self.kl_controller, self.score_moments,
                     self.reward.model_weight, self.reward.rule_weight)
-            bad = self._nonfinite_experience(batch.fields)
+            bad = nonfinite_experience(batch.fields)
             if bad:
                 self.load_state_dict(before)  # the KL controller must not learn from NaNs
                 metrics.update(bad)
         return Experience(step, batch, metrics)
-
-    def _nonfinite_experience(self, fields: dict[str, torch.Tensor]) -> dict[str, float]:
-        """``nonfinite/<field>``: count of NaN/Inf values of each model output that has any."""
-        counts = {}
-        for name in _EXPERIENCE_SOURCES:
-            bad = int((~torch.isfinite(fields[name])).sum())
-            if bad:
-                counts[f"nonfinite/{name}"] = float(bad)
-        return counts
-
-    def _sources(self) -> dict[str, str]:
-        """Which model produced each experience field and metric."""
-        policy, critic = self.engine.policy_for_inference, self.engine.critic_for_inference
-        return {"old_logprobs": policy, "ref_logprobs": REF, "values": critic,
-                "rm_scores": REWARD, "rule_scores": "rule reward", "rm_score": REWARD,
-                "rule_score": "rule reward", "reward_mean": REWARD, "kl": f"{policy} and {REF}",
-                "kl_coef": "KL controller", "values_mean": critic, "returns_mean": critic,
-                "policy_loss": ACTOR, "value_loss": CRITIC}
-
-    def _apply_nan_policy(self, metrics: dict[str, float], step: int) -> dict[str, float]:
-        """Name every non-finite value of the (shared, identical) metrics; skip or stop."""
-        problems = nonfinite_report(metrics, self._sources())
-        if not problems:
-            return metrics
-        message = f"step {step}: " + "; ".join(problems)
-        if self.on_nan == "stop":
-            raise NonFiniteError(f"{message}. No update was applied from these values; find the "
-                                 "cause (learning rate, data, reward model) or set "
-                                 "faults.on_nan=skip to skip such steps")
-        logger.warning("%s; the step's training was skipped (faults.on_nan=skip)", message)
-        return {**metrics, "skipped": 1.0}
 
     def consume(self, experience: Experience) -> dict[str, float]:
         """Train actor and critic on an experience batch; returns this rank's loss sums.
@@ -207,7 +181,7 @@ class PPOTrainer:
             for role, loss_fn in loss_fns.items():
                 with trace_span("train", role):
                     result = engine.update(role, experience.batch, rows, loss_fn)
-                _accumulate(train_sums, role, result, engine.workers[role])
+                accumulate_train_sums(train_sums, role, result, engine.workers[role])
         return train_sums
 
     def _minibatches(self, batch_size: int, step: int) -> list[torch.Tensor]:
@@ -219,65 +193,3 @@ class PPOTrainer:
                 self.seed * 100_003 + step * 101 + epoch))
             minibatches += [order[start:start + size] for start in range(0, batch_size, size)]
         return minibatches
-
-
-_EXPERIENCE_SOURCES = ("old_logprobs", "ref_logprobs", "values", "rm_scores", "rule_scores")
-
-
-def nonfinite_report(metrics: dict[str, float], sources: dict[str, str]) -> list[str]:
-    """Descriptions of the non-finite values among step metrics, naming model and stage.
-
-    ``nonfinite/<field>`` counts (bad model outputs) are reported instead of the experience
-    metrics derived from them; ``actor/...`` and ``critic/...`` (losses, gradient norms: a skipped
-    update reports a NaN norm) are the training stage.
-    """
-    causes = [f"{int(value)} NaN/Inf values in {key[10:]} (model {sources[key[10:]]!r}, stage "
-              "'experience')" for key, value in metrics.items() if key.startswith("nonfinite/")]
-    training, derived = [], []
-    for key, value in metrics.items():
-        if not isinstance(value, float) or math.isfinite(value) or key.startswith("nonfinite/"):
-            continue
-        role, _, name = key.partition("/")
-        if name:
-            what = "gradients" if name == "grad_norm" else name
-            training.append(f"non-finite {what} (model {role!r}, stage 'training')")
-        elif key not in ("policy_loss", "value_loss"):  # those copy actor/... and critic/...
-            derived.append(f"{key}={value} (model {sources.get(key, '?')!r}, stage "
-                           "'experience')")
-    return causes + training + ([] if causes else derived)
-
-
-def _accumulate(sums: dict[str, float], role: str, result: dict, worker) -> None:
-    """Add this rank's loss sums (TP rank 0 of the last stage only, to count each row once)."""
-    if not worker.is_output_stage or worker.pg_collection.tp.rank() != 0:
-        return
-    for micro in result["metrics"]:
-        for key, value in micro.items():
-            sums[f"{role}/{key}"] = sums.get(f"{role}/{key}", 0.0) + float(value)
-    sums[f"{role}/grad_norm_sum"] = sums.get(f"{role}/grad_norm_sum", 0.0) + result["grad_norm"]
-    sums[f"{role}/steps"] = sums.get(f"{role}/steps", 0.0) + 1.0
-
-
-def _share_metrics(step_metrics: dict[str, float], train_sums: dict[str, float]
-                   ) -> dict[str, float]:
-    """Combine every rank's contributions into the same metrics dict on every rank."""
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (step_metrics, train_sums))
-    metrics: dict[str, float] = {}
-    totals: dict[str, float] = {}
-    for rank_metrics, rank_sums in gathered:
-        for key, value in rank_metrics.items():
-            metrics.setdefault(key, value)
-        for key, value in rank_sums.items():
-            totals[key] = totals.get(key, 0.0) + value
-    for role in ("actor", "critic"):
-        tokens = totals.get(f"{role}/tokens", 0.0)
-        for key, value in totals.items():
-            if key.startswith(f"{role}/") and key.endswith("_sum") and "grad_norm" not in key:
-                metrics[key[:-4]] = value / tokens if tokens else 0.0
-        if totals.get(f"{role}/steps"):
-            replicas = totals[f"{role}/steps"]
-            metrics[f"{role}/grad_norm"] = totals[f"{role}/grad_norm_sum"] / replicas
-    metrics["policy_loss"] = metrics.get("actor/pg_loss", 0.0)
-    metrics["value_loss"] = metrics.get("critic/vf_loss", metrics.get("actor/vf_loss", 0.0))
-    return metrics

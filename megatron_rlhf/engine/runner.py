@@ -42,7 +42,7 @@ from megatron_rlhf.engine.checkpointing import (
 from megatron_rlhf.engine.engine import RuleReward
 from megatron_rlhf.engine.evaluation import HeldOutEvaluator, eval_metrics, hacking_report
 from megatron_rlhf.engine.export import HFExporter
-from megatron_rlhf.engine.ppo import PPOTrainer
+from megatron_rlhf.engine.ppo import PPOAlgorithm
 from megatron_rlhf.models.hf_tokenizer import HFTokenizer, is_hf_tokenizer_dir
 from megatron_rlhf.models.prompting import encode_prompt
 from megatron_rlhf.models.tokenizer import Tokenizer, load_tokenizer
@@ -171,12 +171,12 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
             eos = getattr(tokenizer, "eos_ids", tokenizer.eos_id)
             engine = build_engine(config, plan, eos, tokenizer.pad_id,
                                   load_initial=resume_from is None, sources=sources)
-            trainer = PPOTrainer(engine, config.algorithm, config.rollout, config.reward,
+            algorithm = PPOAlgorithm(engine, config.algorithm, config.rollout, config.reward,
                                  config.runtime.seed, prompts.batch, config.steps,
                                  rule_reward_for(config, tokenizer), on_nan=config.faults.on_nan)
-            run = RunState(engine, trainer, prompts, config, tokenizer.fingerprint)
+            run = RunState(engine, algorithm, prompts, config, tokenizer.fingerprint)
             exporter = HFExporter(config, sources, tokenizer)
-            evaluator = (HeldOutEvaluator(engine, eval_prompts, trainer.rule_reward,
+            evaluator = (HeldOutEvaluator(engine, eval_prompts, algorithm.rule_reward,
                                           tokenizer.decode, config.evaluation.log_examples)
                          if eval_prompts else None)
         start = 0
@@ -227,7 +227,7 @@ def _train(run: RunState, start: int, run_dir: Path, exporter: HFExporter,
                 _warn_on_hacking(first_eval, held_out, step, config)
             begin = time.perf_counter()
             with stage(f"step {step}", signature=(step, run.prompts.fingerprint)):
-                metrics = run.trainer.step(step)
+                metrics = run.algorithm.step(step)
                 stop = preemption.requested()
             seconds = time.perf_counter() - begin
             metrics.update(step_seconds=seconds,

@@ -22,7 +22,7 @@ def _run(strategy: str, steps: int, chunks: int = 1, asynchronous: bool = False,
 
     from megatron_rlhf.config.ppo_run import ModelsConfig, RewardConfig, RolloutConfig, RunConfig
     from megatron_rlhf.engine.build import build_engine, make_plan
-    from megatron_rlhf.engine.ppo import PPOTrainer
+    from megatron_rlhf.engine.ppo import PPOAlgorithm
     from megatron_rlhf.generation import GenerationConfig
     from megatron_rlhf.runtime.tracing import configure_tracing
     from megatron_rlhf.topology.cluster import cluster_from_environment
@@ -43,11 +43,11 @@ def _run(strategy: str, steps: int, chunks: int = 1, asynchronous: bool = False,
     config.critic_optimizer.lr = 1e-3
     engine = build_engine(config, make_plan(config, cluster_from_environment()), 3, 0)
     tracer = configure_tracing(trace)
-    trainer = PPOTrainer(engine, config.algorithm, config.rollout, config.reward, seed=3,
+    algorithm = PPOAlgorithm(engine, config.algorithm, config.rollout, config.reward, seed=3,
                          prompts=lambda s: (prompts[16 * s:16 * (s + 1)],
                                             list(range(16 * s, 16 * (s + 1)))),
                          total_steps=steps)
-    metrics = [trainer.step(s) for s in range(steps)]
+    metrics = [algorithm.step(s) for s in range(steps)]
     return metrics, [(s.stage, s.model, s.start, s.end) for s in tracer.spans]
 
 

@@ -31,7 +31,7 @@ def _run_strategies(ac_share: bool, steps: int) -> dict[str, list[dict[str, floa
         RunConfig,
     )
     from megatron_rlhf.engine.build import build_engine, make_plan
-    from megatron_rlhf.engine.ppo import PPOTrainer
+    from megatron_rlhf.engine.ppo import PPOAlgorithm
     from megatron_rlhf.generation import GenerationConfig
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
     from megatron_rlhf.topology.cluster import DevicePool, cluster_from_environment
@@ -62,11 +62,11 @@ def _run_strategies(ac_share: bool, steps: int) -> dict[str, list[dict[str, floa
         pools = hetero_pools if strategy == "hetero-separation" else None
         plan = make_plan(config, cluster_from_environment(pools))
         engine = build_engine(config, plan, eos_id=3, pad_id=0)
-        trainer = PPOTrainer(
+        algorithm = PPOAlgorithm(
             engine, config.algorithm, config.rollout, config.reward, seed=5,
             prompts=lambda s: (prompts[16 * s:16 * (s + 1)], list(range(16 * s, 16 * (s + 1)))),
             total_steps=steps, rule_reward=_even_token_share)
-        results[strategy] = [trainer.step(s) for s in range(steps)]
+        results[strategy] = [algorithm.step(s) for s in range(steps)]
     return results
 
 

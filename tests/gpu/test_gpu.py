@@ -53,7 +53,7 @@ def _ppo_steps(ac_share: bool) -> tuple[list[dict[str, float]], set[str]]:
     from megatron_rlhf.config.ppo_run import ModelsConfig, RewardConfig, RolloutConfig, RunConfig
     from megatron_rlhf.engine import workers
     from megatron_rlhf.engine.build import build_engine, make_plan
-    from megatron_rlhf.engine.ppo import PPOTrainer
+    from megatron_rlhf.engine.ppo import PPOAlgorithm
     from megatron_rlhf.generation import GenerationConfig
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
     from megatron_rlhf.topology.cluster import cluster_from_environment
@@ -81,11 +81,11 @@ def _ppo_steps(ac_share: bool) -> tuple[list[dict[str, float]], set[str]]:
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, 500, (int(n),), generator=generator).tolist()
                for n in torch.randint(2, 9, (32,), generator=generator)]
-    trainer = PPOTrainer(engine, config.algorithm, config.rollout, config.reward, seed=5,
+    algorithm = PPOAlgorithm(engine, config.algorithm, config.rollout, config.reward, seed=5,
                          prompts=lambda s: (prompts[16 * s:16 * s + 16], list(range(16 * s,
                                                                                     16 * s + 16))),
                          total_steps=2)
-    metrics = [trainer.step(step) for step in range(2)]
+    metrics = [algorithm.step(step) for step in range(2)]
     return metrics, seen
 
 

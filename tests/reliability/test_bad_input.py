@@ -20,7 +20,7 @@ from megatron_rlhf.config.ppo_run import CheckpointConfig, RunConfig
 from megatron_rlhf.data.prompts import PromptStream
 from megatron_rlhf.engine.build import check_checkpoint_tokenizers
 from megatron_rlhf.engine.checkpointing import check_compatible, read_rl_state
-from megatron_rlhf.engine.ppo import nonfinite_report
+from megatron_rlhf.engine.step_metrics import nonfinite_report
 from megatron_rlhf.models.checkpoint import INFO_FILE, CheckpointInfo, ModelDescription
 from megatron_rlhf.runtime.faults import FaultConfig, RankFailure
 from tools import run_ppo as run_ppo_tool

@@ -166,7 +166,7 @@ def _shadow_logprobs_check(engine, config) -> dict | None:
     """Old log-probs (from the shadow) vs the trained actor's and the reference's, on ranks 0-1."""
 
     prompts = [[5, 17, 30, 4], [8, 9, 10, 11, 12]] * 4
-    rollout = engine.generate_sequences(prompts, list(range(8)))
+    rollout = engine.generate_rollout(prompts, list(range(8)))
     experience = engine.make_experience(rollout, config.generation.temperature)
     engine.finish_transfers()
     if "actor" not in engine.workers:

@@ -1,0 +1,118 @@
+"""What a PPO step reports: loss sums combined over ranks, and NaN/Inf found and named.
+
+A step's metrics are the same dict on every rank (:func:`share_metrics`). Non-finite model
+outputs are counted per experience field (:func:`nonfinite_experience`) and non-finite metrics are
+named with the model and stage that produced them (:func:`nonfinite_report`), then the run's
+``faults.on_nan`` policy skips or stops (:func:`apply_nan_policy`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.engine.engine import PPOEngine
+from megatron_rlhf.runtime.faults import NonFiniteError
+from megatron_rlhf.runtime.logging import get_logger
+from megatron_rlhf.topology.models import ACTOR, CRITIC, REF, REWARD
+
+logger = get_logger(__name__)
+
+_EXPERIENCE_SOURCES = ("old_logprobs", "ref_logprobs", "values", "rm_scores", "rule_scores")
+
+
+def nonfinite_experience(fields: dict[str, torch.Tensor]) -> dict[str, float]:
+    """``nonfinite/<field>``: count of NaN/Inf values of each model output that has any."""
+    counts = {}
+    for name in _EXPERIENCE_SOURCES:
+        bad = int((~torch.isfinite(fields[name])).sum())
+        if bad:
+            counts[f"nonfinite/{name}"] = float(bad)
+    return counts
+
+
+def experience_sources(engine: PPOEngine) -> dict[str, str]:
+    """Which model produced each experience field and metric."""
+    policy, critic = engine.policy_for_inference, engine.critic_for_inference
+    return {"old_logprobs": policy, "ref_logprobs": REF, "values": critic,
+            "rm_scores": REWARD, "rule_scores": "rule reward", "rm_score": REWARD,
+            "rule_score": "rule reward", "reward_mean": REWARD, "kl": f"{policy} and {REF}",
+            "kl_coef": "KL controller", "values_mean": critic, "returns_mean": critic,
+            "policy_loss": ACTOR, "value_loss": CRITIC}
+
+
+def apply_nan_policy(metrics: dict[str, float], step: int, sources: dict[str, str],
+                     on_nan: str) -> dict[str, float]:
+    """Name every non-finite value of the (shared, identical) metrics; ``on_nan``: ``skip``
+    (mark the step ``skipped``) or ``stop`` (raise :class:`NonFiniteError`)."""
+    problems = nonfinite_report(metrics, sources)
+    if not problems:
+        return metrics
+    message = f"step {step}: " + "; ".join(problems)
+    if on_nan == "stop":
+        raise NonFiniteError(f"{message}. No update was applied from these values; find the "
+                             "cause (learning rate, data, reward model) or set "
+                             "faults.on_nan=skip to skip such steps")
+    logger.warning("%s; the step's training was skipped (faults.on_nan=skip)", message)
+    return {**metrics, "skipped": 1.0}
+
+
+def nonfinite_report(metrics: dict[str, float], sources: dict[str, str]) -> list[str]:
+    """Descriptions of the non-finite values among step metrics, naming model and stage.
+
+    ``nonfinite/<field>`` counts (bad model outputs) are reported instead of the experience
+    metrics derived from them; ``actor/...`` and ``critic/...`` (losses, gradient norms: a skipped
+    update reports a NaN norm) are the training stage.
+    """
+    causes = [f"{int(value)} NaN/Inf values in {key[10:]} (model {sources[key[10:]]!r}, stage "
+              "'experience')" for key, value in metrics.items() if key.startswith("nonfinite/")]
+    training, derived = [], []
+    for key, value in metrics.items():
+        if not isinstance(value, float) or math.isfinite(value) or key.startswith("nonfinite/"):
+            continue
+        role, _, name = key.partition("/")
+        if name:
+            what = "gradients" if name == "grad_norm" else name
+            training.append(f"non-finite {what} (model {role!r}, stage 'training')")
+        elif key not in ("policy_loss", "value_loss"):  # those copy actor/... and critic/...
+            derived.append(f"{key}={value} (model {sources.get(key, '?')!r}, stage "
+                           "'experience')")
+    return causes + training + ([] if causes else derived)
+
+
+def accumulate_train_sums(sums: dict[str, float], role: str, result: dict, worker) -> None:
+    """Add this rank's loss sums (TP rank 0 of the last stage only, to count each row once)."""
+    if not worker.is_output_stage or worker.pg_collection.tp.rank() != 0:
+        return
+    for micro in result["metrics"]:
+        for key, value in micro.items():
+            sums[f"{role}/{key}"] = sums.get(f"{role}/{key}", 0.0) + float(value)
+    sums[f"{role}/grad_norm_sum"] = sums.get(f"{role}/grad_norm_sum", 0.0) + result["grad_norm"]
+    sums[f"{role}/steps"] = sums.get(f"{role}/steps", 0.0) + 1.0
+
+
+def share_metrics(step_metrics: dict[str, float], train_sums: dict[str, float]
+                   ) -> dict[str, float]:
+    """Combine every rank's contributions into the same metrics dict on every rank."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (step_metrics, train_sums))
+    metrics: dict[str, float] = {}
+    totals: dict[str, float] = {}
+    for rank_metrics, rank_sums in gathered:
+        for key, value in rank_metrics.items():
+            metrics.setdefault(key, value)
+        for key, value in rank_sums.items():
+            totals[key] = totals.get(key, 0.0) + value
+    for role in ("actor", "critic"):
+        tokens = totals.get(f"{role}/tokens", 0.0)
+        for key, value in totals.items():
+            if key.startswith(f"{role}/") and key.endswith("_sum") and "grad_norm" not in key:
+                metrics[key[:-4]] = value / tokens if tokens else 0.0
+        if totals.get(f"{role}/steps"):
+            replicas = totals[f"{role}/steps"]
+            metrics[f"{role}/grad_norm"] = totals[f"{role}/grad_norm_sum"] / replicas
+    metrics["policy_loss"] = metrics.get("actor/pg_loss", 0.0)
+    metrics["value_loss"] = metrics.get("critic/vf_loss", metrics.get("actor/vf_loss", 0.0))
+    return metrics
