@@ -2,12 +2,14 @@
 
 Tensors are ``[batch, response_len]`` with a 0/1 ``response_mask``. Map of the files:
 
-- ``hyperparameters.py``: ``PPOAlgorithmConfig``.
+- ``hyperparameters.py``: ``PPOAlgorithmConfig`` (estimator, KL placement, loss aggregation).
 - ``masked.py``: masked sum / mean / var / whitening.
 - ``kl.py``: k1/k2/k3 KL estimators (``KL_ESTIMATORS``), fixed and adaptive KL controllers.
 - ``rewards.py``: score normalisation and clipping, token-level rewards.
-- ``advantages.py``: GAE advantages and returns.
-- ``losses.py``: clipped policy loss, clipped value loss, entropy bonus.
+- ``advantages.py``: GAE advantages and returns; REINFORCE++ discounted, whitened returns.
+- ``group_advantages.py``: GRPO and RLOO outcome advantages over groups of responses.
+- ``aggregation.py``: per-token loss to scalar (token_mean, seq_mean_token_mean, ...).
+- ``losses.py``: clipped policy loss, KL loss term, clipped value loss, entropy bonus.
 
 One experience batch, in order::
 
@@ -18,12 +20,40 @@ One experience batch, in order::
     advantages, returns = compute_gae_advantage_return(rewards, values, mask, cfg.gamma, cfg.lam)
     if cfg.whiten_advantages:
         advantages = masked_whiten(advantages, mask, cfg.whiten_shift_mean)
+
+The other estimators (``cfg.advantage_estimator``) replace the GAE lines; ``docs/algorithms.md``
+has the formulas and the data-parallel contract::
+
+    # grpo / rloo: full-batch scores [num_groups * group_size], groups contiguous
+    seq_adv = compute_grpo_outcome_advantages(all_scores, n, cfg.grpo_std_normalize)
+    advantages = broadcast_sequence_advantages(seq_adv[my_rows], mask)
+    # reinforce++
+    advantages, returns = compute_reinforce_plus_plus_advantage_return(rewards, mask, cfg.gamma)
 """
 
 from __future__ import annotations
 
-from megatron_rlhf.algorithms.advantages import compute_gae_advantage_return
-from megatron_rlhf.algorithms.hyperparameters import PPOAlgorithmConfig
+from megatron_rlhf.algorithms.advantages import (
+    compute_discounted_returns,
+    compute_gae_advantage_return,
+    compute_reinforce_plus_plus_advantage_return,
+)
+from megatron_rlhf.algorithms.aggregation import (
+    LOSS_AGGREGATIONS,
+    aggregate_loss,
+    aggregation_denominator,
+)
+from megatron_rlhf.algorithms.group_advantages import (
+    GROUP_ESTIMATORS,
+    broadcast_sequence_advantages,
+    compute_grpo_outcome_advantages,
+    compute_rloo_outcome_advantages,
+)
+from megatron_rlhf.algorithms.hyperparameters import (
+    ADVANTAGE_ESTIMATORS,
+    KL_PLACEMENTS,
+    PPOAlgorithmConfig,
+)
 from megatron_rlhf.algorithms.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -38,6 +68,7 @@ from megatron_rlhf.algorithms.kl import (
 )
 from megatron_rlhf.algorithms.losses import (
     compute_entropy_loss,
+    compute_kl_loss,
     compute_policy_loss,
     compute_value_loss,
     entropy_from_logits,
@@ -51,17 +82,29 @@ from megatron_rlhf.algorithms.rewards import (
 )
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "GROUP_ESTIMATORS",
     "KL_ESTIMATORS",
+    "KL_PLACEMENTS",
+    "LOSS_AGGREGATIONS",
     "SCORE_NORMALIZATIONS",
     "AdaptiveKLController",
     "FixedKLController",
     "KLController",
     "PPOAlgorithmConfig",
     "RunningMoments",
+    "aggregate_loss",
+    "aggregation_denominator",
+    "broadcast_sequence_advantages",
     "build_kl_controller",
+    "compute_discounted_returns",
     "compute_entropy_loss",
     "compute_gae_advantage_return",
+    "compute_grpo_outcome_advantages",
+    "compute_kl_loss",
     "compute_policy_loss",
+    "compute_reinforce_plus_plus_advantage_return",
+    "compute_rloo_outcome_advantages",
     "compute_token_level_rewards",
     "compute_value_loss",
     "entropy_from_logits",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from megatron_rlhf.algorithms.aggregation import LOSS_AGGREGATIONS
 from megatron_rlhf.algorithms.kl import KL_ESTIMATORS
 from megatron_rlhf.algorithms.rewards import SCORE_NORMALIZATIONS
 
@@ -18,12 +19,25 @@ def _positive_or_none(value: float | None) -> bool:
     return value is None or (math.isfinite(value) and value > 0)
 
 
+ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce++")
+KL_PLACEMENTS = ("reward", "loss")
+
+
 @dataclass
 class PPOAlgorithmConfig:
-    """PPO hyper-parameters (advantages, KL penalty, rewards, losses)."""
+    """PPO hyper-parameters (advantages, KL penalty, rewards, losses).
 
+    The defaults are PPO with a critic (GAE), the KL as a reward penalty and token-mean losses.
+    ``docs/algorithms.md`` gives the formulas of each estimator and the fields that select them.
+    """
+
+    advantage_estimator: str = "gae"
+    """One of gae (PPO with a critic), grpo, rloo (group-relative, need several responses per
+    prompt), reinforce++ (batch-whitened discounted returns); only gae trains a critic."""
+    grpo_std_normalize: bool = True
+    """GRPO only: divide by the group's std (False: mean subtraction only, as in Dr. GRPO)."""
     gamma: float = 1.0
-    """Discount factor of GAE, in [0, 1]."""
+    """Discount factor of GAE and of the REINFORCE++ returns, in [0, 1]."""
     lam: float = 0.95
     """GAE lambda, in [0, 1]."""
     clip_ratio: float = 0.2
@@ -36,10 +50,17 @@ class PPOAlgorithmConfig:
     """Weight of the value loss when actor and critic share a trunk (AC-Share), >= 0."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus, >= 0."""
+    kl_in: str = "reward"
+    """Where the KL to the reference goes: reward (a per-token penalty ``-kl_coef * kl``) or loss
+    (``kl_loss_coef * kl_loss`` added to the policy loss, GRPO style; the reward gets none)."""
     kl_estimator: str = "k1"
-    """Per-token KL estimator in the reward: one of k1, k2, k3."""
+    """Per-token KL estimator in the reward (``kl_in="reward"``): one of k1, k2, k3."""
     kl_coef: float = 0.1
-    """KL penalty coefficient (the starting value when ``adaptive_kl``), >= 0."""
+    """KL penalty coefficient in the reward (the starting value when ``adaptive_kl``), >= 0."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss term when ``kl_in="loss"``, >= 0."""
+    kl_loss_estimator: str = "k3"
+    """Per-token KL estimator of the loss term (``kl_in="loss"``): one of k1, k2, k3."""
     adaptive_kl: bool = False
     """Adapt ``kl_coef`` towards ``kl_target`` (Ziegler et al. 2019) instead of keeping it fixed."""
     kl_target: float = 6.0
@@ -51,16 +72,42 @@ class PPOAlgorithmConfig:
     reward_norm: str = "none"
     """Score normalisation before clipping: none, batch or running."""
     whiten_advantages: bool = True
-    """Whiten advantages over the response tokens of the batch before the policy loss."""
+    """GAE only: whiten advantages over the response tokens of the batch before the policy loss
+    (grpo and rloo are already normalised per group; reinforce++ always whitens its returns)."""
     whiten_shift_mean: bool = True
     """When whitening, also subtract the mean (False only rescales)."""
+    loss_aggregation: str = "token_mean"
+    """Reduction of the per-token policy (and KL) loss: token_mean, seq_mean_token_mean or
+    seq_mean_token_sum (see ``aggregate_loss``)."""
+
+    @property
+    def uses_critic(self) -> bool:
+        """Whether the estimator needs a value model (only gae); the others need no critic."""
+        return self.advantage_estimator == "gae"
 
     def __post_init__(self) -> None:
         """Checks every field.
 
+        ``value_clip`` and ``value_loss_coef`` are accepted but unused without a critic, so one
+        YAML can switch estimators by a single line.
+
         Raises:
             ValueError: Naming the first bad field, its value and how to fix it.
         """
+        _require(
+            self.advantage_estimator in ADVANTAGE_ESTIMATORS,
+            f"advantage_estimator({self.advantage_estimator!r}) is unknown; use one of "
+            f"{ADVANTAGE_ESTIMATORS}",
+        )
+        _require(
+            self.kl_in in KL_PLACEMENTS,
+            f"kl_in({self.kl_in!r}) is unknown; use one of {KL_PLACEMENTS}",
+        )
+        _require(
+            self.loss_aggregation in LOSS_AGGREGATIONS,
+            f"loss_aggregation({self.loss_aggregation!r}) is unknown; use one of "
+            f"{LOSS_AGGREGATIONS}",
+        )
         _require(0.0 <= self.gamma <= 1.0, f"gamma({self.gamma}) must be in [0, 1]; e.g. gamma=1.0")
         _require(0.0 <= self.lam <= 1.0, f"lam({self.lam}) must be in [0, 1]; e.g. lam=0.95")
         _require(
@@ -75,15 +122,22 @@ class PPOAlgorithmConfig:
             _positive_or_none(self.value_clip),
             f"value_clip({self.value_clip}) must be > 0; e.g. value_clip=0.2, or None to disable",
         )
-        for name in ("value_loss_coef", "entropy_coef", "kl_coef"):
+        for name in ("value_loss_coef", "entropy_coef", "kl_coef", "kl_loss_coef"):
             value = getattr(self, name)
             _require(
                 math.isfinite(value) and value >= 0.0,
                 f"{name}({value}) must be a finite number >= 0; use 0 to disable the term",
             )
+        for name in ("kl_estimator", "kl_loss_estimator"):
+            value = getattr(self, name)
+            _require(
+                value in KL_ESTIMATORS,
+                f"{name}({value!r}) is unknown; use one of {sorted(KL_ESTIMATORS)}",
+            )
         _require(
-            self.kl_estimator in KL_ESTIMATORS,
-            f"kl_estimator({self.kl_estimator!r}) is unknown; use one of {sorted(KL_ESTIMATORS)}",
+            not (self.adaptive_kl and self.kl_in == "loss"),
+            "adaptive_kl(True) adapts the reward's kl_coef, but kl_in('loss') puts no KL in the "
+            "reward; set adaptive_kl=False, or kl_in='reward'",
         )
         _require(
             math.isfinite(self.kl_target) and self.kl_target > 0.0,

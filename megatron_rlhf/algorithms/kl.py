@@ -163,8 +163,11 @@ def build_kl_controller(config: PPOAlgorithmConfig) -> KLController:
         config: Algorithm config; ``adaptive_kl`` selects the adaptive controller.
 
     Returns:
-        A controller whose ``value`` starts at ``config.kl_coef``.
+        A controller whose ``value`` starts at ``config.kl_coef``; with ``kl_in="loss"`` a fixed
+        controller at 0, so the reward carries no KL (the loss term does).
     """
+    if config.kl_in == "loss":
+        return FixedKLController(0.0)
     if config.adaptive_kl:
         return AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon)
     return FixedKLController(config.kl_coef)

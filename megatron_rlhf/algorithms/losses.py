@@ -1,16 +1,19 @@
-"""PPO losses: clipped surrogate policy loss, clipped value loss, entropy bonus.
+"""PPO losses: clipped surrogate policy loss, KL loss term, clipped value loss, entropy bonus.
 
-Each loss is a masked mean over the response tokens of the batch it is given (token-level
-aggregation) and comes with a small dict of detached 0-dim metric tensors (no host sync).
-The total actor loss is ``pg_loss + entropy_loss``; with a shared trunk (AC-Share) add
-``value_loss_coef * vf_loss``.
+The policy and KL losses reduce their per-token values with a selectable aggregation
+(``aggregation.py``; ``token_mean`` by default); the value loss and entropy bonus, and every
+metric, are masked means over the response tokens of the batch given. Each loss comes with a
+small dict of detached 0-dim metric tensors (no host sync). The total actor loss is
+``pg_loss + entropy_loss``, plus ``kl_loss_coef * kl_loss`` when the KL is a loss term
+(``kl_in="loss"``), plus ``value_loss_coef * vf_loss`` with a shared trunk (AC-Share).
 """
 
 from __future__ import annotations
 
 import torch
 
-from megatron_rlhf.algorithms.kl import kl_k3
+from megatron_rlhf.algorithms.aggregation import aggregate_loss
+from megatron_rlhf.algorithms.kl import KL_ESTIMATORS, kl_k3
 from megatron_rlhf.algorithms.masked import masked_mean
 
 # exp() of a stale or garbage log-ratio overflows and then turns gradients into nan; beyond
@@ -25,6 +28,7 @@ def compute_policy_loss(
     response_mask: torch.Tensor,
     clip_ratio: float,
     dual_clip: float | None = None,
+    loss_aggregation: str = "token_mean",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate objective of PPO (Schulman et al., 2017), optionally dual-clipped.
 
@@ -42,6 +46,8 @@ def compute_policy_loss(
         response_mask: ``[batch, response_len]`` 0/1 mask of real response tokens.
         clip_ratio: Clip range ``eps`` of the ratio.
         dual_clip: Lower bound ``c > 1`` of the dual clip; ``None`` disables it.
+        loss_aggregation: How the per-token losses become ``pg_loss``, one of
+            ``LOSS_AGGREGATIONS`` (see ``aggregate_loss``); the clip metrics stay token means.
 
     Returns:
         ``(pg_loss, metrics)``: the 0-dim loss and detached 0-dim metrics ``pg_loss``,
@@ -63,7 +69,7 @@ def compute_policy_loss(
         dual_bound = -advantages * dual_clip
         dual_active = (advantages < 0) & (dual_bound < pg_losses)
         pg_losses = torch.where(dual_active, dual_bound, pg_losses)
-    pg_loss = masked_mean(pg_losses, response_mask)
+    pg_loss = aggregate_loss(pg_losses, response_mask, loss_aggregation)
     dtype = pg_losses.dtype
     metrics = {
         "pg_loss": pg_loss.detach(),
@@ -72,6 +78,46 @@ def compute_policy_loss(
         "ppo_kl": masked_mean(kl_k3(old_log_prob, log_prob.detach()), response_mask).detach(),
     }
     return pg_loss, metrics
+
+
+def compute_kl_loss(
+    log_prob: torch.Tensor,
+    ref_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    estimator: str = "k3",
+    loss_aggregation: str = "token_mean",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """KL to the reference policy as a loss term (GRPO, Shao et al. 2024), not a reward penalty.
+
+    The per-token estimate of ``kl_penalty`` (k3 by default:
+    ``exp(ref - logp) - (ref - logp) - 1``, non-negative and unbiased), computed on the log-probs
+    of the policy being trained so the gradient flows, then aggregated like the policy loss. The
+    caller adds ``kl_loss_coef * kl_loss`` to the actor loss.
+
+    Args:
+        log_prob: ``[batch, response_len]`` log-probs under the policy being trained (with grad).
+        ref_log_prob: ``[batch, response_len]`` log-probs of the same tokens under the reference.
+        response_mask: ``[batch, response_len]`` 0/1 mask of real response tokens.
+        estimator: One of ``KL_ESTIMATORS`` (``k1``, ``k2``, ``k3``).
+        loss_aggregation: One of ``LOSS_AGGREGATIONS``.
+
+    Returns:
+        ``(kl_loss, metrics)``: the 0-dim loss and the detached 0-dim metric ``kl_loss``.
+
+    Raises:
+        ValueError: If ``estimator`` or ``loss_aggregation`` is unknown.
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(
+            f"kl estimator {estimator!r} is unknown; use one of {sorted(KL_ESTIMATORS)}"
+        )
+    mask = response_mask.bool()
+    # Zeroing padding before any arithmetic keeps garbage there out of the gradients (0 * nan).
+    log_prob = torch.where(mask, log_prob, 0.0)
+    ref_log_prob = torch.where(mask, ref_log_prob, 0.0)
+    per_token = KL_ESTIMATORS[estimator](log_prob, ref_log_prob)
+    kl_loss = aggregate_loss(per_token, response_mask, loss_aggregation)
+    return kl_loss, {"kl_loss": kl_loss.detach()}
 
 
 def compute_value_loss(

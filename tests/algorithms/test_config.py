@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rlhf.algorithms import PPOAlgorithmConfig
+from megatron_rlhf.algorithms import FixedKLController, PPOAlgorithmConfig, build_kl_controller
 
 
 def test_defaults_and_edge_values_are_valid() -> None:
@@ -41,8 +41,42 @@ def test_defaults_and_edge_values_are_valid() -> None:
         ("kl_horizon", 0),
         ("reward_clip", -1.0),
         ("reward_norm", "zscore"),
+        ("advantage_estimator", "ppo"),
+        ("advantage_estimator", "GRPO"),
+        ("kl_in", "both"),
+        ("kl_loss_coef", -0.001),
+        ("kl_loss_estimator", "k4"),
+        ("loss_aggregation", "seq_sum"),
     ],
 )
 def test_bad_field_raises_naming_it(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=rf"^{field}\("):
         PPOAlgorithmConfig(**{field: value})
+
+
+def test_defaults_are_todays_ppo() -> None:
+    cfg = PPOAlgorithmConfig()
+    assert cfg.advantage_estimator == "gae" and cfg.uses_critic
+    assert cfg.kl_in == "reward" and cfg.kl_estimator == "k1"
+    assert cfg.loss_aggregation == "token_mean"
+    controller = build_kl_controller(cfg)
+    assert isinstance(controller, FixedKLController) and controller.value == cfg.kl_coef
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce++"])
+def test_critic_free_estimators(estimator: str) -> None:
+    # value_clip / value_loss_coef keep their defaults: unused without a critic, not an error
+    cfg = PPOAlgorithmConfig(advantage_estimator=estimator, grpo_std_normalize=False)
+    assert not cfg.uses_critic
+
+
+def test_kl_in_loss_takes_the_kl_out_of_the_reward() -> None:
+    cfg = PPOAlgorithmConfig(advantage_estimator="grpo", kl_in="loss", kl_loss_coef=0.04)
+    assert cfg.kl_loss_estimator == "k3"
+    controller = build_kl_controller(cfg)
+    assert isinstance(controller, FixedKLController) and controller.value == 0.0
+
+
+def test_adaptive_kl_with_kl_in_loss_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"^adaptive_kl\(True\) .* kl_in\('loss'\)"):
+        PPOAlgorithmConfig(kl_in="loss", adaptive_kl=True)

@@ -10,6 +10,7 @@ import torch
 
 from megatron_rlhf.algorithms import (
     compute_entropy_loss,
+    compute_kl_loss,
     compute_policy_loss,
     compute_value_loss,
     entropy_from_logits,
@@ -155,3 +156,81 @@ def test_entropy_gradient_matches_analytic() -> None:
     entropy = -(probs * np.log(probs)).sum(-1, keepdims=True)
     # dH/dz_j = -p_j * (log p_j + H)
     np.testing.assert_allclose(grad.numpy(), -probs * (np.log(probs) + entropy), rtol=1e-9)
+
+
+@pytest.mark.parametrize("aggregation", ["seq_mean_token_mean", "seq_mean_token_sum"])
+@pytest.mark.parametrize("dual_clip", [None, DUAL])
+def test_policy_loss_sequence_aggregation(aggregation: str, dual_clip: float | None) -> None:
+    log_prob, old, advantages = _policy_batch(17)
+    mask = response_mask(LENGTHS)
+    loss, metrics = compute_policy_loss(
+        log_prob, old, advantages, mask, EPS, dual_clip, loss_aggregation=aggregation
+    )
+    _, token_metrics = compute_policy_loss(log_prob, old, advantages, mask, EPS, dual_clip)
+    lp, ref_old, adv = log_prob.detach().numpy(), old.numpy(), advantages.numpy()
+    per_row = []
+    for row, length in enumerate(LENGTHS):
+        row_losses = []
+        for t in range(length):
+            ratio = math.exp(lp[row, t] - ref_old[row, t])
+            a = adv[row, t]
+            token = -min(ratio * a, min(max(ratio, 1 - EPS), 1 + EPS) * a)
+            if dual_clip is not None and a < 0:
+                token = min(token, -dual_clip * a)
+            row_losses.append(token)
+        reduce = np.mean if aggregation == "seq_mean_token_mean" else np.sum
+        per_row.append(reduce(row_losses))
+    assert loss.item() == pytest.approx(np.mean(per_row), rel=1e-12)
+    assert metrics["pg_loss"].item() == pytest.approx(np.mean(per_row), rel=1e-12)
+    # the clip statistics stay token means whatever the loss aggregation
+    assert metrics["pg_clipfrac"].item() == token_metrics["pg_clipfrac"].item()
+
+
+def test_policy_loss_default_is_token_mean_bitwise() -> None:
+    log_prob, old, advantages = _policy_batch(18)
+    mask = response_mask(LENGTHS)
+    default, _ = compute_policy_loss(log_prob, old, advantages, mask, EPS, DUAL)
+    explicit, _ = compute_policy_loss(log_prob, old, advantages, mask, EPS, DUAL, "token_mean")
+    assert torch.equal(default, explicit)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_kl_loss_value_and_gradient(estimator: str, aggregation: str) -> None:
+    rng = np.random.default_rng(19)
+    ref = random_padded(rng, LENGTHS, loc=-1.5)
+    log_prob = (ref + random_padded(rng, LENGTHS, scale=0.5)).requires_grad_(True)
+    loss, metrics = compute_kl_loss(
+        log_prob, ref, response_mask(LENGTHS), estimator, loss_aggregation=aggregation
+    )
+    (grad,) = torch.autograd.grad(loss, log_prob)
+    lp, rf = log_prob.detach().numpy(), ref.numpy()
+    # value and d/dlogp of each estimator, written out by hand with x = logp - ref
+    value = {
+        "k1": lambda x: x,
+        "k2": lambda x: 0.5 * x * x,
+        "k3": lambda x: math.exp(-x) + x - 1.0,
+    }[estimator]
+    slope = {"k1": lambda x: 1.0, "k2": lambda x: x, "k3": lambda x: 1.0 - math.exp(-x)}[estimator]
+    per_row, n_tokens = [], sum(LENGTHS)
+    for row, length in enumerate(LENGTHS):
+        xs = [lp[row, t] - rf[row, t] for t in range(length)]
+        per_row.append([value(x) for x in xs])
+        for t, x in enumerate(xs):
+            weight = 1 / n_tokens if aggregation == "token_mean" else 1 / (len(LENGTHS) * length)
+            assert grad[row, t].item() == pytest.approx(weight * slope(x), rel=1e-9, abs=1e-15)
+        assert torch.all(grad[row, length:] == 0)
+    if aggregation == "token_mean":
+        expected = np.mean([v for row in per_row for v in row])
+    else:
+        expected = np.mean([np.mean(row) for row in per_row])
+    assert loss.item() == pytest.approx(expected, rel=1e-10)
+    assert metrics["kl_loss"].item() == loss.item() and not metrics["kl_loss"].requires_grad
+
+
+def test_kl_loss_is_zero_on_the_reference_and_rejects_unknown_estimator() -> None:
+    log_prob = random_padded(np.random.default_rng(20), LENGTHS)
+    loss, _ = compute_kl_loss(log_prob, log_prob.clone(), response_mask(LENGTHS))
+    assert loss.item() == 0.0
+    with pytest.raises(ValueError, match="'k4' is unknown"):
+        compute_kl_loss(log_prob, log_prob, response_mask(LENGTHS), "k4")
