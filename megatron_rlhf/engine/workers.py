@@ -16,28 +16,13 @@ import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_rlhf.generation import GenerationConfig, GenerationOutput, generate_sequences
-from megatron_rlhf.models.forward_backward import Batch, run_microbatches
-from megatron_rlhf.models.gpt import split_policy_value
+from megatron_rlhf.models.forward_backward import Batch, run_microbatches, split_microbatches
+from megatron_rlhf.models.gpt import last_token_scores, split_policy_value
 from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
 from megatron_rlhf.models.trainer import ModelTrainer
 from megatron_rlhf.runtime.device import model_device, to_device
 
 Fields = dict[str, torch.Tensor]
-
-
-def split_microbatches(fields: Fields, micro_batch_size: int) -> list[Fields]:
-    """Consecutive micro-batches of at most ``micro_batch_size`` rows (the last may be smaller
-    only if the rows do not divide; callers keep them divisible so shapes match)."""
-    rows = next(iter(fields.values())).shape[0]
-    return [{k: v[i:i + micro_batch_size] for k, v in fields.items()}
-            for i in range(0, rows, micro_batch_size)]
-
-
-def last_token_scores(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Each row's value at its last real token: ``[b, s]`` values, ``[b, s]`` mask -> ``[b]``."""
-    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-    last = (positions * attention_mask).argmax(dim=1)
-    return values[torch.arange(values.shape[0], device=values.device), last]
 
 
 class ModelWorker:

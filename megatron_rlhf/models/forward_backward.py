@@ -108,3 +108,11 @@ def run_microbatches(
         **kwargs,
     )
     return list(results) if results else []
+
+
+def split_microbatches(fields: Batch, micro_batch_size: int) -> list[Batch]:
+    """Consecutive micro-batches of at most ``micro_batch_size`` rows (the last may be smaller
+    only if the rows do not divide; callers keep them divisible so shapes match)."""
+    rows = next(iter(fields.values())).shape[0]
+    return [{k: v[i:i + micro_batch_size] for k, v in fields.items()}
+            for i in range(0, rows, micro_batch_size)]

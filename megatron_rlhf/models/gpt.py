@@ -321,3 +321,10 @@ def build_gpt_model(arch: Architecture, options: ModelBuildOptions,
     model.head_kind = options.head
     model.transformer_impl = options.transformer_impl
     return model
+
+
+def last_token_scores(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Each row's value at its last real token: ``[b, s]`` values, ``[b, s]`` mask -> ``[b]``."""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    last = (positions * attention_mask).argmax(dim=1)
+    return values[torch.arange(values.shape[0], device=values.device), last]

@@ -20,11 +20,11 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_rlhf.config.supervised_run import RMConfig
 from megatron_rlhf.data import RMDataset, RMExample, collate_preferences
-from megatron_rlhf.engine.workers import last_token_scores, split_microbatches
 from megatron_rlhf.models.checkpoint import (
     load_model_checkpoint,
 )
-from megatron_rlhf.models.forward_backward import Batch, LossFn
+from megatron_rlhf.models.forward_backward import Batch, LossFn, split_microbatches
+from megatron_rlhf.models.gpt import last_token_scores
 from megatron_rlhf.models.hf_tokenizer import HFTokenizer
 from megatron_rlhf.models.tokenizer import Tokenizer
 from megatron_rlhf.runtime.logging import get_logger

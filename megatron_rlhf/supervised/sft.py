@@ -18,9 +18,8 @@ import torch.distributed as dist
 
 from megatron_rlhf.config.supervised_run import SFTConfig
 from megatron_rlhf.data import SFTDataset, SFTExample, collate_sft
-from megatron_rlhf.engine.workers import split_microbatches
 from megatron_rlhf.models.checkpoint import load_model_checkpoint
-from megatron_rlhf.models.forward_backward import Batch, LossFn
+from megatron_rlhf.models.forward_backward import Batch, LossFn, split_microbatches
 from megatron_rlhf.models.hf_tokenizer import HFTokenizer
 from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
 from megatron_rlhf.models.tokenizer import Tokenizer

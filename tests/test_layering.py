@@ -1,0 +1,70 @@
+"""The package layering of megatron_rlhf: a package imports only packages below it.
+
+Read from the source with ``ast`` (nothing is imported), so a new import that runs against the
+order fails here with the module and the import that does it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "megatron_rlhf"
+
+LAYERS: list[set[str]] = [
+    {"runtime"},
+    {"topology"},
+    {"models"},
+    {"data", "generation", "algorithms", "refit", "planner"},
+    {"config"},
+    {"builder"},
+    {"engine", "supervised"},
+    {"instructgpt"},
+]
+"""Lowest first; packages in one layer do not import each other."""
+
+
+def _level(package: str) -> int:
+    return next(i for i, layer in enumerate(LAYERS) if package in layer)
+
+
+def _imported_packages(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module
+                 else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+        found |= {name.split(".")[1] for name in names
+                  if name.startswith("megatron_rlhf.") and name.count(".") >= 1}
+    return found
+
+
+def _package_of(path: Path) -> str:
+    relative = path.relative_to(PACKAGE)
+    return relative.parts[0].removesuffix(".py")
+
+
+def test_every_package_is_in_a_layer() -> None:
+    packages = {_package_of(p) for p in PACKAGE.rglob("*.py")} - {"__init__"}
+    assert packages == set().union(*LAYERS)
+
+
+def test_no_import_runs_against_the_layers() -> None:
+    violations = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = _package_of(path)
+        if source == "__init__":
+            continue
+        for target in _imported_packages(path) - {source}:
+            if _level(target) >= _level(source):
+                violations.append(f"{path.relative_to(PACKAGE.parent)} imports "
+                                  f"megatron_rlhf.{target}")
+    assert violations == []
+
+
+def test_the_layer_check_sees_a_violation(tmp_path: Path) -> None:
+    bad = tmp_path / "module.py"
+    bad.write_text("from megatron_rlhf.engine.ppo import PPOAlgorithm\nimport torch\n"
+                   "import megatron_rlhf.models.gpt\n")
+    assert _imported_packages(bad) == {"engine", "models"}
+    # the supervised trainer may use models but not the PPO engine beside it
+    assert _level("models") < _level("supervised") <= _level("engine")
