@@ -21,7 +21,11 @@ from megatron_rlhf.models.trainer import OptimizerSettings
 from megatron_rlhf.runtime.bootstrap import RuntimeConfig
 from megatron_rlhf.runtime.faults import FaultConfig
 from megatron_rlhf.topology.cluster import DevicePool
+from megatron_rlhf.topology.models import ACTOR, CRITIC, REF, REWARD, SHADOW_OF
 from megatron_rlhf.topology.placement_config import PlacementConfig
+
+OFFLOAD_ROLES = (ACTOR, CRITIC, REF, REWARD)
+OFFLOAD_POLICIES = ("never", "always")
 
 
 @dataclass
@@ -54,6 +58,10 @@ class ModelsConfig:
         export_hf: also write the trained actor (``lm`` head) and critic (``scalar`` head) as
             Hugging Face directories, ``<run_dir>/hf/step_<k>/{actor,critic}``, at every
             checkpoint save and after the last step.
+        offload: per role (``actor``, ``critic``, ``ref``, ``reward``; a shadow follows the
+            model it copies), ``never`` or ``always``: keep the model's weights, gradient
+            buffers and optimizer state in host memory between the stages that use them
+            (``models.offload.ref=always``); see ``models/offload.py``.
     """
 
     arch: str = "tiny"
@@ -67,9 +75,20 @@ class ModelsConfig:
     dropout: float = 0.0
     hf_cache_dir: str = "~/.cache/megatron_rlhf/converted"
     export_hf: bool = False
+    offload: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.params_dtype = resolve_params_dtype(self.params_dtype)
+        for role, policy in self.offload.items():
+            if role not in OFFLOAD_ROLES:
+                raise ValueError(f"models.offload.{role}: unknown role; use one of {OFFLOAD_ROLES}")
+            if policy not in OFFLOAD_POLICIES:
+                raise ValueError(f"models.offload.{role}={policy!r}: use one of "
+                                 f"{OFFLOAD_POLICIES}")
+
+    def offload_policy(self, role: str) -> str:
+        """The offload policy of ``role`` (a shadow takes its trained model's)."""
+        return self.offload.get(SHADOW_OF.get(role, role), "never")
         if self.transformer_impl not in TRANSFORMER_IMPLS:
             raise ValueError(f"models.transformer_impl={self.transformer_impl!r}: use one of "
                              f"{TRANSFORMER_IMPLS}")

@@ -132,7 +132,8 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
             settings = config.actor_optimizer if role == ACTOR else config.critic_optimizer
             trainer = ModelTrainer(model, groups[role], settings, total_steps=total_updates)
         workers[role] = ModelWorker(role, model, groups[role], trainer,
-                                    config.rollout.micro_batch_size)
+                                    config.rollout.micro_batch_size,
+                                    offload=config.models.offload_policy(role))
     weight_syncs = {}
     for shadow, source in SHADOW_OF.items():
         if shadow in plan.models:

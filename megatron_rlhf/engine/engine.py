@@ -10,7 +10,8 @@ model skip its compute and only take part in the transfers, so models on disjoin
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ from megatron_rlhf.engine.batch import (
 from megatron_rlhf.engine.transfer import RowLayout
 from megatron_rlhf.engine.workers import ModelWorker
 from megatron_rlhf.generation import GenerationConfig, GenerationOutput
+from megatron_rlhf.models.offload import PARTS, WEIGHTS
 from megatron_rlhf.refit import WeightSync
 from megatron_rlhf.runtime.tracing import trace_span
 from megatron_rlhf.topology.models import ACTOR, CRITIC, REF, REWARD, SHADOW_ACTOR, SHADOW_CRITIC
@@ -246,7 +248,20 @@ class PPOEngine:
         """Copy trained weights into the shadows (no-op without shadows). Collective."""
         for role in self.trainable_roles:
             if role in self.weight_syncs:
-                self.weight_syncs[role].sync()
+                shadow = SHADOW_ACTOR if role == ACTOR else SHADOW_CRITIC
+                with self.resident(WEIGHTS, roles=(role, shadow)):
+                    self.weight_syncs[role].sync()
+
+    @contextlib.contextmanager
+    def resident(self, *parts: str, roles: Sequence[str] | None = None) -> Iterator[None]:
+        """Keep ``parts`` (default: all) of this rank's models (or of ``roles``) on their devices
+        for the duration: for code that reads or writes model state outside the operators
+        (weight sync, checkpoints, export)."""
+        with contextlib.ExitStack() as stack:
+            for role, worker in self.workers.items():
+                if roles is None or role in roles:
+                    stack.enter_context(worker.resident(*(parts or PARTS)))
+            yield
 
 
 def rule_scores_of(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,

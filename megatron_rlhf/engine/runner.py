@@ -181,7 +181,7 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
                          if eval_prompts else None)
         start = 0
         if resume_from is not None:
-            with stage("checkpoint/load"):
+            with stage("checkpoint/load"), engine.resident():
                 start = load_rl_checkpoint(run, resume_from, skip_state)
         _train(run, start, run_dir, exporter, evaluator)
     finally:
@@ -236,12 +236,12 @@ def _train(run: RunState, start: int, run_dir: Path, exporter: HFExporter,
             if config.checkpoint.save_dir and (
                     stop or step + 1 == config.steps or (config.checkpoint.save_interval and (
                         step + 1) % config.checkpoint.save_interval == 0)):
-                with stage("checkpoint/save"):
+                with stage("checkpoint/save"), run.engine.resident():
                     save_rl_checkpoint(run, step + 1)
             if config.models.export_hf and (stop or step + 1 == config.steps or (
                     config.checkpoint.save_dir and config.checkpoint.save_interval and (
                         step + 1) % config.checkpoint.save_interval == 0)):
-                with stage("export/hf"):
+                with stage("export/hf"), run.engine.resident():
                     exporter.export(run.engine, run_dir / "hf" / f"step_{step + 1:08d}")
             if stop:
                 logger.warning("stopping after step %d on SIGTERM%s", step, "" if config.checkpoint

@@ -9,7 +9,8 @@ transfers use, which is the CPU under gloo).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from megatron_rlhf.generation import GenerationConfig, GenerationOutput, generat
 from megatron_rlhf.models.forward_backward import Batch, run_microbatches, split_microbatches
 from megatron_rlhf.models.gpt import last_token_scores, split_policy_value
 from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
+from megatron_rlhf.models.offload import GRADS, OPTIMIZER, PARTS, WEIGHTS, StateOffloader
 from megatron_rlhf.models.trainer import ModelTrainer
 from megatron_rlhf.runtime.device import model_device, to_device
 
@@ -34,16 +36,34 @@ class ModelWorker:
         pg_collection: the model's groups.
         trainer: optimizer wrapper for trainable roles.
         micro_batch_size: rows per forward/backward micro-batch.
+        offload: ``never`` (always resident) or ``always``: between operators the model's
+            weights, gradient buffers and optimizer state live in host memory; an operator
+            brings back what it needs (the weights; all three to train) and sends it back after.
     """
 
     def __init__(self, role: str, model: torch.nn.Module, pg_collection: ProcessGroupCollection,
-                 trainer: ModelTrainer | None, micro_batch_size: int) -> None:
+                 trainer: ModelTrainer | None, micro_batch_size: int,
+                 offload: str = "never") -> None:
         self.role = role
         self.model = model
         self.pg_collection = pg_collection
         self.trainer = trainer
         self.micro_batch_size = micro_batch_size
         self.device = model_device(model)
+        self.offload = offload
+        self.offloader = StateOffloader(model, trainer)
+        if offload == "always":
+            self.offloader.offload(*PARTS)
+
+    @contextlib.contextmanager
+    def resident(self, *parts: str) -> Iterator[None]:
+        """Keep ``parts`` of the model's state on its device for the duration (see ``offload``)."""
+        self.offloader.onload(*parts)
+        try:
+            yield
+        finally:
+            if self.offload == "always":
+                self.offloader.offload(*parts)
 
     @property
     def is_output_stage(self) -> bool:
@@ -77,7 +97,7 @@ class ModelWorker:
 
         module = self._module()
         module.eval()
-        with torch.no_grad():
+        with torch.no_grad(), self.resident(WEIGHTS):
             metrics = run_microbatches(module, self.pg_collection, self._microbatches(fields),
                                        loss_fn, forward_only=True)
         if not self.is_output_stage:
@@ -118,14 +138,16 @@ class ModelWorker:
                  config: GenerationConfig, eos_id: int | tuple[int, ...],
                  pad_id: int) -> GenerationOutput:
         """Sample one response per prompt (every TP rank returns the same tokens)."""
-        return generate_sequences(self._module(), self.pg_collection, prompts, prompt_indices,
-                                  config, eos_id, pad_id)
+        with self.resident(WEIGHTS):
+            return generate_sequences(self._module(), self.pg_collection, prompts,
+                                      prompt_indices, config, eos_id, pad_id)
 
     def train(self, fields: Fields, loss_fn) -> dict[str, Any]:
         """One optimizer step over this replica's rows of a mini-batch."""
         if self.trainer is None:
             raise RuntimeError(f"{self.role} is not trainable")
-        return self.trainer.train_step(self._microbatches(fields), loss_fn)
+        with self.resident(WEIGHTS, GRADS, OPTIMIZER):
+            return self.trainer.train_step(self._microbatches(fields), loss_fn)
 
     def _microbatches(self, fields: Fields) -> list[Fields]:
         return split_microbatches(to_device(fields, self.device), self.micro_batch_size)

@@ -100,7 +100,7 @@ class StateOffloader:
                 # new storages (Adam creates its moments at the first step): new buffers
                 saved = [(s, torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=pinned))
                          for s in storages]
-                self._host[part] = saved
+            self._host[part] = saved
             for storage, host in saved:
                 host.copy_(_bytes(storage), non_blocking=pinned)
             if pinned:

@@ -21,7 +21,8 @@ def _even_token_share(prompt: list[int], response: list[int]) -> float:
     return sum(1 for t in response if t % 2 == 0) / max(1, len(response))
 
 
-def _run_strategies(ac_share: bool, steps: int) -> dict[str, list[dict[str, float]]]:
+def _run_strategies(ac_share: bool, steps: int, strategies: tuple[str, ...] = STRATEGIES,
+                    offload: str = "never") -> dict[str, list[dict[str, float]]]:
     import torch
 
     from megatron_rlhf.config.ppo_run import (
@@ -47,10 +48,11 @@ def _run_strategies(ac_share: bool, steps: int) -> dict[str, list[dict[str, floa
     prompts = [torch.randint(4, 500, (int(n),), generator=prompts_gen).tolist()
                for n in torch.randint(2, 9, (16 * steps,), generator=prompts_gen)]
     results = {}
-    for strategy in STRATEGIES:
+    for strategy in strategies:
         config = RunConfig(
             placement=PlacementConfig(strategy=strategy, ac_share=ac_share),
-            models=ModelsConfig(arch="tiny", init_seed=9),
+            models=ModelsConfig(arch="tiny", init_seed=9, offload=dict.fromkeys(
+                ("actor", "critic", "ref", "reward"), offload)),
             rollout=RolloutConfig(prompts_per_step=16, max_prompt_length=8, micro_batch_size=2,
                                   ppo_epochs=2, num_minibatches=2),
             generation=GenerationConfig(max_new_tokens=6, seed=3),
@@ -90,3 +92,19 @@ def test_every_placement_gives_the_same_ppo_metrics(ac_share: bool) -> None:
     per_rank = run_on_ranks(_run_strategies, world_size=4, args=(ac_share, 2), timeout_s=420)
     assert all(r == per_rank[0] for r in per_rank), "metrics must be identical on every rank"
     _check_same_metrics(per_rank[0])
+
+
+def _offload_changes_nothing() -> dict[str, tuple[list, list]]:
+    strategies = ("flattening", "separation")
+    resident = _run_strategies(False, 2, strategies)
+    offloaded = _run_strategies(False, 2, strategies, offload="always")
+    return {s: (resident[s], offloaded[s]) for s in strategies}
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(600)
+def test_offloading_every_model_between_stages_changes_no_metric() -> None:
+    per_rank = run_on_ranks(_offload_changes_nothing, world_size=4, timeout_s=540)
+    for strategy, (resident, offloaded) in per_rank[0].items():
+        assert offloaded == resident, f"{strategy}: offload=always differs from never"
+        assert resident[1]["actor/grad_norm"] > 0
