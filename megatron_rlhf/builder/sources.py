@@ -40,7 +40,7 @@ from megatron_rlhf.topology.models import (
     SHADOW_ACTOR,
     VALUE_HEAD_ROLES,
     ArchSpec,
-    arch_preset,
+    resolve_arch,
 )
 
 _BASE_ROLES = (ACTOR, CRITIC, REF, REWARD)
@@ -140,12 +140,12 @@ def role_architectures(config: RunConfig,
     ``models.init_seed`` next to a trained reward model) has the ``models.arch`` preset.
     """
     if not sources:
-        return config.models.arch
+        return resolve_arch(config.models.arch)
     architectures = {}
     for role in _BASE_ROLES:
         description = _description(config, sources, role)
         source = sources.get(role) or sources.get(ACTOR)
-        architectures[role] = (arch_preset(config.models.arch) if description is None
+        architectures[role] = (resolve_arch(config.models.arch) if description is None
                                else arch_spec(description, f"{role}:{source.path}"))
     return architectures
 

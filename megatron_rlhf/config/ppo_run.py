@@ -7,6 +7,7 @@ them (with inheritance and dotted overrides) and every dataclass validates itsel
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from megatron_rlhf.algorithms import PPOAlgorithmConfig
 from megatron_rlhf.data import ReaderConfig, SplitConfig, SyntheticTaskConfig
@@ -21,7 +22,7 @@ from megatron_rlhf.models.trainer import OptimizerSettings
 from megatron_rlhf.runtime.bootstrap import RuntimeConfig
 from megatron_rlhf.runtime.faults import FaultConfig
 from megatron_rlhf.topology.cluster import DevicePool
-from megatron_rlhf.topology.models import ACTOR, CRITIC, REF, REWARD, SHADOW_OF
+from megatron_rlhf.topology.models import ACTOR, CRITIC, REF, REWARD, SHADOW_OF, resolve_arch
 from megatron_rlhf.topology.placement_config import PlacementConfig
 
 OFFLOAD_ROLES = (ACTOR, CRITIC, REF, REWARD)
@@ -33,7 +34,8 @@ class ModelsConfig:
     """Which networks the four roles are.
 
     Attributes:
-        arch: architecture preset name (``tiny``, ``small``, ``llama-7b``, ...); ignored when
+        arch: architecture preset name (``tiny``, ``small``, ``llama-7b``, ...) or a mapping of
+            the architecture's fields (``topology.models.resolve_arch``); ignored when
             ``actor_checkpoint`` is given (the architecture is the checkpoint's).
         init_seed: seed of the layout-independent initialisation when no checkpoint is given.
         actor_checkpoint: checkpoint directory of the initial policy (SFT): a megatron_rlhf
@@ -64,7 +66,7 @@ class ModelsConfig:
             (``models.offload.ref=always``); see ``models/offload.py``.
     """
 
-    arch: str = "tiny"
+    arch: Any = "tiny"
     init_seed: int = 1234
     actor_checkpoint: str = ""
     reward_checkpoint: str = ""
@@ -78,6 +80,7 @@ class ModelsConfig:
     offload: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        resolve_arch(self.arch)
         self.params_dtype = resolve_params_dtype(self.params_dtype)
         for role, policy in self.offload.items():
             if role not in OFFLOAD_ROLES:

@@ -8,6 +8,7 @@ dataclass validates itself on construction. ``supervised.loop`` runs them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from megatron_rlhf.data.schema import ReaderConfig, SplitConfig
 from megatron_rlhf.data.synthetic import SyntheticTaskConfig
@@ -15,7 +16,7 @@ from megatron_rlhf.models.gpt import resolve_params_dtype
 from megatron_rlhf.models.tokenizer import TokenizerConfig
 from megatron_rlhf.models.trainer import OptimizerSettings
 from megatron_rlhf.runtime.bootstrap import RuntimeConfig
-from megatron_rlhf.topology.models import arch_preset
+from megatron_rlhf.topology.models import resolve_arch
 
 
 @dataclass
@@ -54,7 +55,8 @@ class SupervisedModelConfig:
     """The trained network and its layout.
 
     Attributes:
-        arch: architecture preset (``tiny``, ``small``, ``llama-7b``, ...).
+        arch: architecture preset (``tiny``, ``small``, ``llama-7b``, ...) or a mapping of the
+            architecture's fields (``topology.models.resolve_arch``).
         tp: tensor-parallel size.
         pp: pipeline-parallel size; DP is what remains of the launched ranks.
         params_dtype: ``auto`` (``bfloat16`` with CUDA, ``float32`` on CPU; resolved when the
@@ -68,7 +70,7 @@ class SupervisedModelConfig:
         hf_cache_dir: where a Hugging Face ``init_checkpoint`` is converted to, once.
     """
 
-    arch: str = "tiny"
+    arch: Any = "tiny"
     tp: int = 1
     pp: int = 1
     params_dtype: str = "auto"
@@ -77,7 +79,7 @@ class SupervisedModelConfig:
     hf_cache_dir: str = "~/.cache/megatron_rlhf/converted"
 
     def __post_init__(self) -> None:
-        arch_preset(self.arch)
+        resolve_arch(self.arch)
         if self.tp < 1 or self.pp < 1:
             raise ValueError(f"model.tp={self.tp} and model.pp={self.pp} must be >= 1")
         self.params_dtype = resolve_params_dtype(self.params_dtype)

@@ -13,6 +13,7 @@ from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.engine.build import make_plan
 from megatron_rlhf.planner import RolloutSpec, auto_place, explain_choice, load_profile
 from megatron_rlhf.topology.cluster import ClusterSpec
+from megatron_rlhf.topology.models import resolve_arch
 
 
 def choose_placement(config: RunConfig, cluster: ClusterSpec,
@@ -31,7 +32,7 @@ def choose_placement(config: RunConfig, cluster: ClusterSpec,
     """
     profiles = load_profile(profile) if profile else None
     rollout = RolloutSpec.from_run_config(config, overlap=config.rollout.async_rollout)
-    ranked = auto_place(cluster, config.models.arch, rollout, profiles)
+    ranked = auto_place(cluster, resolve_arch(config.models.arch), rollout, profiles)
     rejected = []
     for candidate in ranked:
         if not candidate.prediction.feasible:

@@ -58,7 +58,7 @@ from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.runtime.metrics import MetricsWriter
 from megatron_rlhf.runtime.tracing import configure_tracing, write_chrome_trace
 from megatron_rlhf.topology.cluster import cluster_from_environment
-from megatron_rlhf.topology.models import ACTOR, arch_preset
+from megatron_rlhf.topology.models import ACTOR, resolve_arch
 
 logger = get_logger(__name__)
 
@@ -145,7 +145,7 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
     sources = resolve_sources(config)
     tokenizer = run_tokenizer(config, sources)
     if ACTOR not in sources:
-        arch = arch_preset(config.models.arch)
+        arch = resolve_arch(config.models.arch)
         if tokenizer.vocab_size > arch.vocab_size:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} pieces but models.arch="
                              f"{arch.name!r} embeds {arch.vocab_size}; use a smaller tokenizer "

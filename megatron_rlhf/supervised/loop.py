@@ -50,7 +50,7 @@ from megatron_rlhf.runtime.logging import get_logger, setup_logging
 from megatron_rlhf.runtime.metrics import MetricsWriter
 from megatron_rlhf.topology.cluster import ClusterSpec, cluster_from_environment
 from megatron_rlhf.topology.groups import build_model_process_groups
-from megatron_rlhf.topology.models import ArchSpec, ModelSpec, arch_preset
+from megatron_rlhf.topology.models import ArchSpec, ModelSpec, resolve_arch
 
 logger = get_logger(__name__)
 
@@ -267,7 +267,7 @@ def run_supervised(config: SupervisedConfig, objective: Objective) -> TrainingRe
                          "out_dir or delete it")
     source, tokenizer = _start(config)
     arch = (arch_spec(source.description, source.path) if source is not None and source.is_hf
-            else arch_preset(config.model.arch))
+            else resolve_arch(config.model.arch))
     spec = ModelSpec(objective.role, arch, trainable=True, tp=config.model.tp, pp=config.model.pp,
                      distributed_optimizer=config.optimizer.distributed_optimizer)
     dp = data_parallel_size(spec, cluster_from_environment())

@@ -13,7 +13,9 @@ Vocabulary sizes need not divide TP: Megatron pads the vocabulary to a multiple 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, fields
+from typing import Any
 
 ACTOR = "actor"
 CRITIC = "critic"
@@ -133,6 +135,29 @@ def arch_preset(arch: str | ArchSpec) -> ArchSpec:
     if arch not in ARCH_PRESETS:
         raise ValueError(f"model preset {arch!r} is unknown: choose one of {list(ARCH_PRESETS)}")
     return ARCH_PRESETS[arch]
+
+
+def resolve_arch(arch: str | ArchSpec | Mapping[str, Any]) -> ArchSpec:
+    """An architecture from a configuration: a preset name, or a mapping of ``ArchSpec``'s
+    fields (``num_layers``, ``hidden_size``, ``num_attention_heads``, ``vocab_size``,
+    ``seq_length``, ``ffn_hidden_size``; optionally ``gated_mlp``, ``num_query_groups`` and a
+    ``name``), as ``models.arch`` takes it.
+
+    Raises:
+        ValueError: an unknown preset, an unknown or missing field, or an inconsistent shape.
+    """
+    if isinstance(arch, str | ArchSpec):
+        return arch_preset(arch)
+    names = [f.name for f in fields(ArchSpec)]
+    unknown = sorted(set(arch) - set(names))
+    if unknown:
+        raise ValueError(f"models.arch has unknown fields {unknown}: use {names[1:]}")
+    required = [f.name for f in fields(ArchSpec)
+                if f.default is MISSING and f.name != "name" and f.name not in arch]
+    if required:
+        raise ValueError(f"models.arch lacks {required}: give every one of them, or a preset "
+                         f"name from {list(ARCH_PRESETS)}")
+    return ArchSpec(**{"name": "custom", **dict(arch)})
 
 
 @dataclass(frozen=True)

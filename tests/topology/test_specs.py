@@ -82,3 +82,28 @@ def test_model_spec_refusals_name_field_numbers_and_fix() -> None:
         ModelSpec("policy", tiny, trainable=True)
     with pytest.raises(ValueError, match=r"num_attention_heads\(5\) does not divide hidden_size"):
         type(tiny)("odd", 2, 64, 5, 512, 128, 256)
+
+
+def test_an_architecture_can_be_written_out_in_the_config() -> None:
+    from dataclasses import asdict, replace
+
+    from megatron_rlhf.config.loader import load_config
+    from megatron_rlhf.config.ppo_run import RunConfig
+    from megatron_rlhf.engine.build import make_plan
+    from megatron_rlhf.topology.models import resolve_arch
+
+    tiny = arch_preset("tiny")
+    fields = {k: v for k, v in asdict(tiny).items() if k != "name"}
+    assert resolve_arch(fields) == replace(tiny, name="custom")
+    wide = {**fields, "hidden_size": 256, "ffn_hidden_size": 688, "num_layers": 4}
+    override = "models.arch={" + ", ".join(f"{k}: {str(v).lower()}" for k, v in wide.items()) + "}"
+    config = load_config(RunConfig, None, [override])
+    plan = make_plan(config, ClusterSpec((DevicePool("local", 1, 4),)))
+    assert plan["actor"].spec.arch == resolve_arch(wide)
+    assert plan["actor"].spec.arch.hidden_size == 256 and plan["reward"].spec.arch.num_layers == 4
+    with pytest.raises(ValueError, match=r"models.arch lacks \['vocab_size'\]"):
+        resolve_arch({k: v for k, v in fields.items() if k != "vocab_size"})
+    with pytest.raises(ValueError, match=r"models.arch has unknown fields \['layers'\]"):
+        resolve_arch({**fields, "layers": 2})
+    with pytest.raises(ValueError, match="num_attention_heads\\(3\\) does not divide"):
+        resolve_arch({**fields, "num_attention_heads": 3, "num_query_groups": 3})
