@@ -24,7 +24,8 @@ def _run(strategy: str, steps: int, chunks: int = 1, asynchronous: bool = False,
     from megatron_rlhf.engine.config import ModelsConfig, RewardConfig, RolloutConfig, RunConfig
     from megatron_rlhf.engine.ppo import PPOTrainer
     from megatron_rlhf.generation import GenerationConfig
-    from megatron_rlhf.runtime.tracing import configure_tracing
+    from megatron_rlhf.runtime.context import RunContext
+    from megatron_rlhf.runtime.tracing import Tracer
     from megatron_rlhf.topology.config import PlacementConfig
 
     generator = torch.Generator().manual_seed(1)
@@ -40,8 +41,9 @@ def _run(strategy: str, steps: int, chunks: int = 1, asynchronous: bool = False,
         reward=RewardConfig(model_weight=1.0), steps=steps)
     config.actor_optimizer.lr = actor_lr
     config.critic_optimizer.lr = 1e-3
-    engine = build_engine(config, make_plan(config, cluster_from_environment()), 3, 0)
-    tracer = configure_tracing(trace)
+    tracer = Tracer(enabled=trace)
+    engine = build_engine(config, make_plan(config, cluster_from_environment()), 3, 0,
+                          context=RunContext(tracer))
     trainer = PPOTrainer(engine, config.algorithm, config.rollout, config.reward, seed=3,
                          prompts=lambda s: (prompts[16 * s:16 * (s + 1)],
                                             list(range(16 * s, 16 * (s + 1)))),
