@@ -354,7 +354,8 @@ def _on_rank0(fn: Callable[[], _T]) -> _T:
             box[0] = (fn(), None)
         except Exception as exc:  # the other ranks wait in the broadcast below: tell them
             box[0] = (None, exc)
-    dist.broadcast_object_list(box, src=0)
+    # World: every rank of the job calls this and waits for global rank 0's result.
+    dist.broadcast_object_list(box, src=0, group=dist.group.WORLD)
     value, error = box[0]
     if error is not None:
         raise error

@@ -167,11 +167,12 @@ class FaultTracker:
         mine = torch.tensor([self.checked, _digest(name), _digest(signature)], dtype=torch.int64,
                             device=comm_device())
         gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(gathered, mine)
+        # World: every rank of the job runs the same checked stages (SPMD).
+        dist.all_gather(gathered, mine, group=dist.group.WORLD)
         if all(torch.equal(g, gathered[0]) for g in gathered):
             return
         described: list = [None] * self.world_size
-        dist.all_gather_object(described, (self.checked, name, signature))
+        dist.all_gather_object(described, (self.checked, name, signature), group=dist.group.WORLD)
         groups: dict[tuple, list[int]] = {}
         for rank, item in enumerate(described):
             groups.setdefault(item, []).append(rank)
@@ -281,7 +282,8 @@ class PreemptionWatcher:
         """Whether any rank was signalled (collective over the default group)."""
         flag = torch.tensor([1 if self.signalled else 0], dtype=torch.int32,
                             device=comm_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        # World: one signalled rank stops every rank after the same step.
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
         return bool(flag.item())
 
     def close(self) -> None:

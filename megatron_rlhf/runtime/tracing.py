@@ -112,7 +112,8 @@ def write_chrome_trace(tracer: Tracer, path: str | Path) -> None:
     """Gather every rank's spans and write one Chrome trace file on rank 0 (collective)."""
     spans = [asdict(span) for span in tracer.spans]
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, spans)
+    # World: rank 0 writes the spans of every rank.
+    dist.all_gather_object(gathered, spans, group=dist.group.WORLD)
     if dist.get_rank() == 0:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps({"traceEvents": chrome_trace_events(gathered)}))
