@@ -61,7 +61,8 @@ def worker(args: argparse.Namespace) -> None:
     from megatron_rlhf.engine.runner import load_prompts, rule_reward_for
     from megatron_rlhf.models.tokenizer import Tokenizer
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
-    from megatron_rlhf.runtime.tracing import configure_tracing
+    from megatron_rlhf.runtime.context import RunContext
+    from megatron_rlhf.runtime.tracing import Tracer
     from megatron_rlhf.topology.cluster import cluster_from_environment
 
     overrides = PLACEMENTS[args.placement] + [
@@ -71,13 +72,14 @@ def worker(args: argparse.Namespace) -> None:
     prompts = load_prompts(config, tokenizer)
     plan = make_plan(config, cluster_from_environment(config.cluster.pools))
     initialize_runtime(config.runtime)
-    engine = build_engine(config, plan, tokenizer.eos_id, tokenizer.pad_id)
+    context = RunContext()
+    engine = build_engine(config, plan, tokenizer.eos_id, tokenizer.pad_id, context=context)
     algorithm = PPOAlgorithm(engine, config.algorithm, config.rollout, config.reward,
                          config.runtime.seed, prompts.batch, config.steps,
                          rule_reward_for(config, tokenizer))
     algorithm.step(0)  # warm-up: first-touch allocations, optimizer state
     dist.barrier()
-    tracer = configure_tracing(True)
+    tracer = context.tracer = Tracer(enabled=True)
     start = time.time()
     for step in range(1, config.steps):
         algorithm.step(step)

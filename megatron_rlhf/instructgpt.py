@@ -63,7 +63,8 @@ def _write_data(run_dir: Path, paths: Sequence[str], task: SyntheticTaskConfig
     data_dir = run_dir / "data"
     if dist.get_rank() == 0:
         write_task_jsonl(data_dir, task)
-    dist.barrier()
+    # World: every rank reads the files rank 0 writes.
+    dist.barrier(group=dist.group.WORLD)
     return [str(data_dir / "train.jsonl")], [str(data_dir / "test.jsonl")]
 
 

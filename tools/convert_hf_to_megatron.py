@@ -26,6 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch.distributed as dist  # noqa: E402
 
+from megatron_rlhf.runtime.patches import add_warning_filters
+
+add_warning_filters()  # megatron-core warns about missing GPU extras while it is imported
+
 from megatron_rlhf.models.checkpoint import save_model_checkpoint  # noqa: E402
 from megatron_rlhf.models.gpt import build_gpt_model  # noqa: E402
 from megatron_rlhf.models.hf_config import read_hf_config  # noqa: E402

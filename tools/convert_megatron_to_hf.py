@@ -25,6 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch.distributed as dist  # noqa: E402
 
+from megatron_rlhf.runtime.patches import add_warning_filters
+
+add_warning_filters()  # megatron-core warns about missing GPU extras while it is imported
+
 from megatron_rlhf.models.checkpoint import (  # noqa: E402
     load_model_checkpoint,
     read_checkpoint_info,

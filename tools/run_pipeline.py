@@ -18,6 +18,10 @@ import os
 import sys
 from pathlib import Path
 
+from megatron_rlhf.runtime.patches import add_warning_filters
+
+add_warning_filters()  # megatron-core warns about missing GPU extras while it is imported
+
 from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.engine.evaluation import MODES
 from megatron_rlhf.instructgpt import format_report, run_pipeline

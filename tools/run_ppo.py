@@ -38,6 +38,10 @@ import os
 import sys
 from pathlib import Path
 
+from megatron_rlhf.runtime.patches import add_warning_filters
+
+add_warning_filters()  # megatron-core warns about missing GPU extras while it is imported
+
 from megatron_rlhf.config.loader import ConfigError, load_config
 from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.topology.placement_config import STRATEGIES

@@ -29,6 +29,10 @@ from pathlib import Path
 
 from supervised_cli import overrides_from, parser_for, run
 
+from megatron_rlhf.runtime.patches import add_warning_filters
+
+add_warning_filters()  # megatron-core warns about missing GPU extras while it is imported
+
 from megatron_rlhf.config.supervised_run import SFTConfig
 from megatron_rlhf.supervised.sft import run_sft
 

@@ -186,7 +186,8 @@ def load_initial_weights(models: dict[str, Any], groups: Any, placed: Collection
             box[0] = ({path: str(cached_full_state(path, cache_dir)) for path in hf_paths}, None)
         except (OSError, ValueError) as exc:  # every rank must hear of it, not wait
             box[0] = ({}, f"{type(exc).__name__}: {exc}")
-    dist.broadcast_object_list(box, src=0)
+    # World: every rank loads the conversions rank 0 made.
+    dist.broadcast_object_list(box, src=0, group=dist.group.WORLD)
     cached, error = box[0]
     if error is not None:
         raise ValueError(f"converting a Hugging Face checkpoint failed on rank 0: {error}")

@@ -26,6 +26,7 @@ from megatron_rlhf.models.hf_tokenizer import HFTokenizer, is_hf_tokenizer_dir
 from megatron_rlhf.models.tokenizer import Tokenizer
 from megatron_rlhf.models.trainer import ModelTrainer
 from megatron_rlhf.refit import build_weight_sync
+from megatron_rlhf.runtime.context import RunContext
 from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.topology.cluster import ClusterSpec
 from megatron_rlhf.topology.groups import build_process_groups
@@ -101,7 +102,8 @@ def check_checkpoint_tokenizers(sources: dict[str, ModelSource],
 
 def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int, ...],
                  pad_id: int, load_initial: bool = True,
-                 sources: dict[str, ModelSource] | None = None) -> PPOEngine:
+                 sources: dict[str, ModelSource] | None = None,
+                 context: RunContext | None = None) -> PPOEngine:
     """Build this rank's models and the engine. Collective: every rank calls it.
 
     Args:
@@ -109,6 +111,7 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
             resumed run skips those because its RL checkpoint overwrites their weights. The
             frozen reference and reward model, which no RL checkpoint holds, always load theirs.
         sources: the initial checkpoints (default: read from the configuration).
+        context: the run's tracer and fault tracker, given to the engine (default: none).
     """
     sources = resolve_sources(config) if sources is None else sources
     groups = build_process_groups(
@@ -142,6 +145,6 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
                 src.model if src else None, groups[source], plan[source],
                 dst.model if dst else None, groups[shadow], plan[shadow])
     engine = PPOEngine(plan, workers, weight_syncs, config.rollout.max_prompt_length,
-                       config.generation, eos_id, pad_id)
+                       config.generation, eos_id, pad_id, context)
     engine.sync_weights()
     return engine

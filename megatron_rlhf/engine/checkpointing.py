@@ -174,7 +174,9 @@ def save_rl_checkpoint(run: RunState, step: int) -> Path:
     roles = _trained_roles(run.engine)
     states = {role: _role_state(run.engine, role, is_loading=False) for role in roles}
     hosts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, _host_state(run, {r: s[1] for r, s in states.items()}))
+    # World: the checkpoint records the host state of every rank.
+    dist.all_gather_object(hosts, _host_state(run, {r: s[1] for r, s in states.items()}),
+                           group=dist.group.WORLD)
     if run.algorithm.experience_in_flight:
         logger.warning("checkpoint %s leaves out %d steps of asynchronous experience; a resumed "
                        "run generates them again with the resumed weights", final.name,

@@ -27,7 +27,7 @@ from megatron_rlhf.engine.workers import ModelWorker
 from megatron_rlhf.generation import GenerationConfig, GenerationOutput
 from megatron_rlhf.models.offload import PARTS, WEIGHTS
 from megatron_rlhf.refit import WeightSync
-from megatron_rlhf.runtime.tracing import trace_span
+from megatron_rlhf.runtime.context import RunContext
 from megatron_rlhf.topology.models import ACTOR, CRITIC, REF, REWARD, SHADOW_ACTOR, SHADOW_CRITIC
 from megatron_rlhf.topology.placement_config import HETERO_SEPARATION
 from megatron_rlhf.topology.plan import PlacementPlan
@@ -48,12 +48,13 @@ class PPOEngine:
         generation: sampling settings; ``R = max_new_tokens`` is the fixed response width.
         eos_id: end-of-sequence token id, or several (a reply may end with any of them).
         pad_id: padding token id.
+        context: where the operators' spans and fault stages are recorded (default: nowhere).
     """
 
     def __init__(self, plan: PlacementPlan, workers: dict[str, ModelWorker],
                  weight_syncs: dict[str, WeightSync], prompt_length: int,
                  generation: GenerationConfig, eos_id: int | tuple[int, ...],
-                 pad_id: int) -> None:
+                 pad_id: int, context: RunContext | None = None) -> None:
         self.plan = plan
         self.workers = workers
         self.weight_syncs = weight_syncs
@@ -61,6 +62,7 @@ class PPOEngine:
         self.generation = generation
         self.eos_id = eos_id
         self.pad_id = pad_id
+        self.context = context or RunContext()
         self.rank = dist.get_rank()
         self._node_of = lambda r: plan.cluster.locate(r).node
         self._pending_sends: list = []
@@ -141,7 +143,7 @@ class PPOEngine:
         fields = None
         if rows is not None and rows[1] > rows[0]:
             start, end = rows
-            with trace_span("generate", roles[self.rank], chunk):
+            with self.context.span("generate", roles[self.rank], chunk):
                 output = self.workers[roles[self.rank]].generate(
                     prompts[start:end], prompt_indices[start:end], self.generation, self.eos_id,
                     self.pad_id)
@@ -190,7 +192,7 @@ class PPOEngine:
              lambda w, f: self._scores(w, f, rule_reward)),
         ]
         inputs = rollout.select(["input_ids", "attention_mask"])
-        with trace_span("transfer", "experience-inputs", chunk):
+        with self.context.span("transfer", "experience-inputs", chunk):
             staged = [inputs.moved_to(replica_input_layout(self.plan[role], rollout.batch_size),
                                       self._node_of, self._pending_sends)
                       for role, _, _ in passes]
@@ -198,20 +200,20 @@ class PPOEngine:
         for (role, shapes, compute), staged_inputs in zip(passes, staged, strict=True):
             results = None
             if staged_inputs.fields is not None:
-                with trace_span("experience", role, chunk):
+                with self.context.span("experience", role, chunk):
                     results = compute(self.workers[role], staged_inputs.fields)
                 if any(value is None for value in results.values()):
                     results = None  # a pipeline stage without outputs
             outputs.append(DistBatch(
                 replica_output_layout(self.plan[role], rollout.batch_size),
                 {name: (torch.float32, shape) for name, shape in shapes.items()}, results))
-        with trace_span("transfer", "experience-outputs", chunk):
+        with self.context.span("transfer", "experience-outputs", chunk):
             return merge([rollout, *outputs], self.trainer_layout(rollout.batch_size),
                          self._node_of, self._pending_sends)
 
     def finish_transfers(self) -> None:
         """Wait for this rank's sends still in flight."""
-        with trace_span("transfer", "wait-sends"):
+        with self.context.span("transfer", "wait-sends"):
             for request, _ in self._pending_sends:
                 request.wait()
         self._pending_sends.clear()

@@ -62,7 +62,8 @@ class HeldOutEvaluator:
         for mode in MODES:
             metrics.update(self._answer_and_score(mode))
         gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, metrics)
+        # World: only the ranks holding experience rows computed metrics; every rank returns them.
+        dist.all_gather_object(gathered, metrics, group=dist.group.WORLD)
         return next(m for m in gathered if m)
 
     def _answer_and_score(self, mode: str) -> dict[str, float]:

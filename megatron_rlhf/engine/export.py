@@ -67,4 +67,5 @@ class HFExporter:
             save_hf_checkpoint(directory / role, description,
                                full_state_to_hf(full_state, description), base_config=base,
                                tokenizer_dir=self.tokenizer_dir)
-        dist.barrier()
+        # World: every rank calls export; none goes on before each model's first rank has written.
+        dist.barrier(group=dist.group.WORLD)

@@ -37,7 +37,6 @@ from megatron_rlhf.engine.step_metrics import (
 )
 from megatron_rlhf.engine.training_losses import actor_loss_fn, critic_loss_fn
 from megatron_rlhf.runtime.logging import get_logger
-from megatron_rlhf.runtime.tracing import trace_span
 from megatron_rlhf.topology.models import ACTOR, CRITIC
 
 logger = get_logger(__name__)
@@ -59,7 +58,8 @@ class PPOAlgorithm:
     """The PPO algorithm on top of a :class:`PPOEngine`.
 
     Args:
-        engine: operators over the placed models.
+        engine: operators over the placed models; its ``context`` also records this trainer's
+            spans.
         algorithm: PPO settings.
         rollout: batch shapes, epochs, mini-batches, pipelining and asynchrony.
         reward: weights of the reward model's and the rule's scores.
@@ -106,7 +106,7 @@ class PPOAlgorithm:
         if self.staleness and step + self.staleness < self.total_steps:
             # Shadows generate ahead while the trainers above were busy; then both meet here.
             self._queue.append(self.produce(step + self.staleness))
-        with trace_span("sync_weights"):
+        with self.engine.context.span("sync_weights"):
             self.engine.sync_weights()
         return apply_nan_policy(share_metrics(experience.metrics, train_sums), step,
                                 experience_sources(self.engine), self.on_nan)
@@ -150,7 +150,7 @@ class PPOAlgorithm:
         metrics: dict[str, float] = {}
         if batch.fields is not None:
             before = self.state_dict()
-            with trace_span("advantages"):
+            with self.engine.context.span("advantages"):
                 batch.fields, metrics = compute_advantages(
                     batch.fields, self.algorithm, self.kl_controller, self.score_moments,
                     self.reward.model_weight, self.reward.rule_weight)
@@ -179,7 +179,7 @@ class PPOAlgorithm:
         train_sums: dict[str, float] = {}
         for rows in self._minibatches(experience.batch.batch_size, experience.step):
             for role, loss_fn in loss_fns.items():
-                with trace_span("train", role):
+                with self.engine.context.span("train", role):
                     result = engine.update(role, experience.batch, rows, loss_fn)
                 accumulate_train_sums(train_sums, role, result, engine.workers[role])
         return train_sums

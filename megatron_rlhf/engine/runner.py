@@ -48,15 +48,11 @@ from megatron_rlhf.models.prompting import encode_prompt
 from megatron_rlhf.models.tokenizer import Tokenizer, load_tokenizer
 from megatron_rlhf.runtime.bootstrap import initialize_runtime
 from megatron_rlhf.runtime.checkpoint_store import select_checkpoint
-from megatron_rlhf.runtime.faults import (
-    PreemptionWatcher,
-    install_fault_tracker,
-    stage,
-    uninstall_fault_tracker,
-)
+from megatron_rlhf.runtime.context import RunContext
+from megatron_rlhf.runtime.faults import PreemptionWatcher, install_fault_tracker
 from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.runtime.metrics import MetricsWriter
-from megatron_rlhf.runtime.tracing import configure_tracing, write_chrome_trace
+from megatron_rlhf.runtime.tracing import Tracer, write_chrome_trace
 from megatron_rlhf.topology.cluster import cluster_from_environment
 from megatron_rlhf.topology.models import ACTOR, resolve_arch
 
@@ -156,36 +152,36 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
     eval_prompts = load_eval_prompts(config, tokenizer)
     plan = make_plan(config, cluster_from_environment(config.cluster.pools), sources)
     initialize_runtime(config.runtime)
-    install_fault_tracker(config.faults, config.runtime.distributed.timeout_s)
+    context = RunContext(Tracer(enabled=config.trace),
+                         install_fault_tracker(config.faults, config.runtime.distributed.timeout_s))
     run_dir = Path(config.run_dir)
-    try:
-        with stage("setup", signature=_shape_signature(config)):
-            resume_from = select_checkpoint(candidates) if candidates else None
-            if resume_from is not None:
-                check_compatible(resume_from, config, tokenizer.fingerprint)
-            if dist.get_rank() == 0:
-                run_dir.mkdir(parents=True, exist_ok=True)
-                (run_dir / "config.yaml").write_text(to_yaml(config))
-                (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
-            # A Hugging Face tokenizer ends replies with any of its EOS ids (Llama-3, Qwen).
-            eos = getattr(tokenizer, "eos_ids", tokenizer.eos_id)
-            engine = build_engine(config, plan, eos, tokenizer.pad_id,
-                                  load_initial=resume_from is None, sources=sources)
-            algorithm = PPOAlgorithm(engine, config.algorithm, config.rollout, config.reward,
-                                 config.runtime.seed, prompts.batch, config.steps,
-                                 rule_reward_for(config, tokenizer), on_nan=config.faults.on_nan)
-            run = RunState(engine, algorithm, prompts, config, tokenizer.fingerprint)
-            exporter = HFExporter(config, sources, tokenizer)
-            evaluator = (HeldOutEvaluator(engine, eval_prompts, algorithm.rule_reward,
-                                          tokenizer.decode, config.evaluation.log_examples)
-                         if eval_prompts else None)
-        start = 0
+    with context.stage("setup", signature=_shape_signature(config)):
+        resume_from = select_checkpoint(candidates) if candidates else None
         if resume_from is not None:
-            with stage("checkpoint/load"), engine.resident():
-                start = load_rl_checkpoint(run, resume_from, skip_state)
-        _train(run, start, run_dir, exporter, evaluator)
-    finally:
-        uninstall_fault_tracker()
+            check_compatible(resume_from, config, tokenizer.fingerprint)
+        if dist.get_rank() == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(to_yaml(config))
+            (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
+        # A Hugging Face tokenizer ends replies with any of its EOS ids (Llama-3, Qwen).
+        eos = getattr(tokenizer, "eos_ids", tokenizer.eos_id)
+        engine = build_engine(config, plan, eos, tokenizer.pad_id,
+                              load_initial=resume_from is None, sources=sources,
+                              context=context)
+        algorithm = PPOAlgorithm(engine, config.algorithm, config.rollout, config.reward,
+                                 config.runtime.seed, prompts.batch, config.steps,
+                                 rule_reward_for(config, tokenizer),
+                                 on_nan=config.faults.on_nan)
+        run = RunState(engine, algorithm, prompts, config, tokenizer.fingerprint)
+        exporter = HFExporter(config, sources, tokenizer)
+        evaluator = (HeldOutEvaluator(engine, eval_prompts, algorithm.rule_reward,
+                                      tokenizer.decode, config.evaluation.log_examples)
+                     if eval_prompts else None)
+    start = 0
+    if resume_from is not None:
+        with context.stage("checkpoint/load"), engine.resident():
+            start = load_rl_checkpoint(run, resume_from, skip_state)
+    _train(run, start, run_dir, exporter, evaluator)
     return run_dir
 
 
@@ -213,7 +209,7 @@ def _train(run: RunState, start: int, run_dir: Path, exporter: HFExporter,
     first_eval: dict[str, float] = {}
     if dist.get_rank() == 0:
         first_eval = eval_metrics(_drop_metrics_from(run_dir / "metrics.jsonl", start))
-    tracer = configure_tracing(config.trace)
+    context = run.engine.context
     writer = MetricsWriter(run_dir, config.steps)
     preemption = PreemptionWatcher()
     stop = False
@@ -221,12 +217,12 @@ def _train(run: RunState, start: int, run_dir: Path, exporter: HFExporter,
         for step in range(start, config.steps):
             held_out = {}
             if evaluator is not None and config.evaluation.due(step, start):
-                with stage(f"evaluate {step}"):
+                with context.stage(f"evaluate {step}"):
                     held_out = evaluator.evaluate()
                 first_eval = first_eval or held_out
                 _warn_on_hacking(first_eval, held_out, step, config)
             begin = time.perf_counter()
-            with stage(f"step {step}", signature=(step, run.prompts.fingerprint)):
+            with context.stage(f"step {step}", signature=(step, run.prompts.fingerprint)):
                 metrics = run.algorithm.step(step)
                 stop = preemption.requested()
             seconds = time.perf_counter() - begin
@@ -236,19 +232,19 @@ def _train(run: RunState, start: int, run_dir: Path, exporter: HFExporter,
             if config.checkpoint.save_dir and (
                     stop or step + 1 == config.steps or (config.checkpoint.save_interval and (
                         step + 1) % config.checkpoint.save_interval == 0)):
-                with stage("checkpoint/save"), run.engine.resident():
+                with context.stage("checkpoint/save"), run.engine.resident():
                     save_rl_checkpoint(run, step + 1)
             if config.models.export_hf and (stop or step + 1 == config.steps or (
                     config.checkpoint.save_dir and config.checkpoint.save_interval and (
                         step + 1) % config.checkpoint.save_interval == 0)):
-                with stage("export/hf"), run.engine.resident():
+                with context.stage("export/hf"), run.engine.resident():
                     exporter.export(run.engine, run_dir / "hf" / f"step_{step + 1:08d}")
             if stop:
                 logger.warning("stopping after step %d on SIGTERM%s", step, "" if config.checkpoint
                                .save_dir else " (no checkpoint.save_dir: nothing was saved)")
                 break
         if evaluator is not None and not stop:
-            with stage("evaluate final"):
+            with context.stage("evaluate final"):
                 held_out = evaluator.evaluate()
             _warn_on_hacking(first_eval or held_out, held_out, config.steps, config)
             writer.write(config.steps, held_out)
@@ -256,7 +252,7 @@ def _train(run: RunState, start: int, run_dir: Path, exporter: HFExporter,
         preemption.close()
         writer.close()
     if config.trace:
-        write_chrome_trace(tracer, run_dir / "timeline.json")
+        write_chrome_trace(context.tracer, run_dir / "timeline.json")
 
 
 def _warn_on_hacking(first: dict[str, float], current: dict[str, float], step: int,

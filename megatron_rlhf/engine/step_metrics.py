@@ -97,7 +97,8 @@ def share_metrics(step_metrics: dict[str, float], train_sums: dict[str, float]
                    ) -> dict[str, float]:
     """Combine every rank's contributions into the same metrics dict on every rank."""
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (step_metrics, train_sums))
+    # World: the metrics come from the ranks of every model and every rank returns all of them.
+    dist.all_gather_object(gathered, (step_metrics, train_sums), group=dist.group.WORLD)
     metrics: dict[str, float] = {}
     totals: dict[str, float] = {}
     for rank_metrics, rank_sums in gathered:

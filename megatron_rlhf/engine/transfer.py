@@ -145,11 +145,12 @@ def execute_transfers(plan: list[Transfer], source: RowLayout, target: RowLayout
             for name in schema:
                 chunk = fields[name][transfer.start - mine_src[0]:transfer.end - mine_src[0]]
                 sends.append(chunk.to(device, schema[name][0]).contiguous())
-                ops.append(dist.P2POp(dist.isend, sends[-1], transfer.dst))
+                # World: plans name global ranks, which may belong to any models.
+                ops.append(dist.P2POp(dist.isend, sends[-1], transfer.dst, group=dist.group.WORLD))
         elif transfer.dst == rank:
             for name in schema:
                 view = outputs[name][transfer.start - mine_dst[0]:transfer.end - mine_dst[0]]
-                ops.append(dist.P2POp(dist.irecv, view, transfer.src))
+                ops.append(dist.P2POp(dist.irecv, view, transfer.src, group=dist.group.WORLD))
     if ops:
         requests = dist.batch_isend_irecv(ops)
         for op, request in zip(ops, requests, strict=True):

@@ -11,9 +11,7 @@ makes results independent of the placement.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +29,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_rlhf.models.forward_backward import Batch, LossFn, run_microbatches
+from megatron_rlhf.runtime.patches import default_group_gathers_scoped_to
 
 _SCHEDULES = ("constant", "linear", "cosine")
 _OPTIMIZER_CHECKPOINT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -80,33 +79,6 @@ class OptimizerSettings:
             raise ValueError("optimizer.lr_warmup_steps and lr_decay_steps must be >= 0")
 
 
-@contextlib.contextmanager
-def _default_group_gathers_scoped_to(scope: dist.ProcessGroup) -> Iterator[None]:
-    """Scope megatron's default-group ``all_gather_object`` calls to one model's ranks.
-
-    ``get_megatron_optimizer`` aligns parameter groups with an ``all_gather_object`` over the
-    default group into a world-sized list. With models on disjoint ranks (interleaving,
-    separation) the other ranks are building other models at that moment, so the collective must
-    only span this model's ranks; the world-sized list is padded with this rank's own entry (the
-    alignment only takes the union of the gathered keys).
-    """
-    original = dist.all_gather_object
-
-    def scoped(object_list: list, obj: Any, group: dist.ProcessGroup | None = None) -> None:
-        if group is not None:
-            original(object_list, obj, group=group)
-            return
-        gathered: list = [None] * scope.size()
-        original(gathered, obj, group=scope)
-        object_list[:] = gathered + [obj] * (len(object_list) - len(gathered))
-
-    dist.all_gather_object = scoped
-    try:
-        yield
-    finally:
-        dist.all_gather_object = original
-
-
 class ModelTrainer:
     """Owns the DDP wrapper, optimizer and LR scheduler of one model on this rank."""
 
@@ -125,7 +97,7 @@ class ModelTrainer:
         )
         self.module = DistributedDataParallel(config, ddp_config, model, pg_collection=pg_collection)
         config.no_sync_func = self.module.no_sync
-        with _default_group_gathers_scoped_to(pg_collection.intra_dist_opt):
+        with default_group_gathers_scoped_to(pg_collection.intra_dist_opt):
             self.optimizer = self._build_optimizer(config, settings)
         decay_steps = settings.lr_decay_steps or max(1, total_steps - settings.lr_warmup_steps)
         self.scheduler = OptimizerParamScheduler(

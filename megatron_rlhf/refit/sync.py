@@ -94,7 +94,8 @@ def build_weight_sync(
     local = (_local_shards("src", src_model, src_pg_collection, src_layout, rank, world_size),
              _local_shards("dst", dst_model, dst_pg_collection, dst_layout, rank, world_size))
     gathered: list[tuple[RankShards | None, RankShards | None] | None] = [None] * world_size
-    dist.all_gather_object(gathered, local)
+    # World: every rank builds the same plan from both models' shards, wherever they are.
+    dist.all_gather_object(gathered, local, group=dist.group.WORLD)
     src_shards = [entry[0] for entry in gathered if entry and entry[0] is not None]
     dst_shards = [entry[1] for entry in gathered if entry and entry[1] is not None]
     plan = plan_refit(src_shards, dst_shards)

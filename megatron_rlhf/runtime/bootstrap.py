@@ -5,7 +5,9 @@
 sets up rank-aware logging, joins the distributed job (torchrun or a world of one), makes
 megatron-core usable on a machine without CUDA, creates megatron's shared scratch buffer and seeds
 every host RNG. Models seed their own tensor-parallel RNG streams when they are built, because one
-process may hold several models with different TP layouts.
+process may hold several models with different TP layouts. The changes this makes to torch,
+megatron-core and the warning filters are the ones listed in ``runtime.patches``; importing the
+package makes none of them.
 """
 
 from __future__ import annotations
@@ -13,11 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from megatron.core import parallel_state
 
-from megatron_rlhf.runtime.cpu_compat import apply_cpu_compat, check_megatron_core_version
+from megatron_rlhf.runtime.cpu_compat import check_megatron_core_version
 from megatron_rlhf.runtime.distributed import DistributedConfig, init_distributed
 from megatron_rlhf.runtime.logging import setup_logging
+from megatron_rlhf.runtime.patches import (
+    add_warning_filters,
+    apply_cpu_compat,
+    ensure_megatron_memory_buffer,
+)
 from megatron_rlhf.runtime.seeding import seed_everything
 
 
@@ -49,14 +55,12 @@ def initialize_runtime(config: RuntimeConfig | None = None) -> None:
     """Prepare this process (idempotent apart from reseeding)."""
     config = config or RuntimeConfig()
     check_megatron_core_version()
+    add_warning_filters()
     setup_logging(config.log_level, config.log_all_ranks)
     apply_cpu_compat()
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = config.allow_tf32
         torch.backends.cudnn.allow_tf32 = config.allow_tf32
     init_distributed(config.distributed)
-    # Megatron's attention and sequence-parallel code borrows scratch tensors from this buffer; it
-    # holds no parallel state.
-    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
-        parallel_state._set_global_memory_buffer()
+    ensure_megatron_memory_buffer()
     seed_everything(config.seed)

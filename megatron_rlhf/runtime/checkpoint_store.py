@@ -127,7 +127,9 @@ def select_checkpoint(candidates: list[Path]) -> Path:
 
     def verify(path: Path) -> list[str]:
         gathered: list = [None] * world
-        dist.all_gather_object(gathered, verify_checkpoint(path, rank, world))
+        # World: the checkpoint holds every rank's files and each rank verifies a share.
+        dist.all_gather_object(gathered, verify_checkpoint(path, rank, world),
+                               group=dist.group.WORLD)
         return sorted({problem for problems in gathered for problem in problems})
 
     return first_valid(candidates, verify)
@@ -177,12 +179,13 @@ def publish(temp: Path, final: Path, step: int | None = None,
     """Hash every file of ``temp`` (each rank a share), write the manifest, rename ``temp`` to
     ``final`` and, for a ``step_<k>`` directory given ``keep_last``, prune; collective, after
     every rank has written its files."""
-    dist.barrier()  # the world: every rank writes into temp, so every rank must be done
+    # World: the checkpoint holds every rank's files; all must be written before hashing.
+    dist.barrier(group=dist.group.WORLD)
     names = on_rank0(lambda: sorted(str(p.relative_to(temp)) for p in temp.rglob("*")
                                     if p.is_file()))
     rank, world = dist.get_rank(), dist.get_world_size()
     shares: list = [None] * world
-    dist.all_gather_object(shares, hash_files(temp, names[rank::world]))
+    dist.all_gather_object(shares, hash_files(temp, names[rank::world]), group=dist.group.WORLD)
     files = {name: entry for share in shares for name, entry in share.items()}
     on_rank0(lambda: commit(temp, final, step, files, keep_last))
 
@@ -256,7 +259,8 @@ def on_rank0(fn: Callable[[], _T]) -> _T:
             box[0] = (fn(), None)
         except Exception as error:  # the other ranks wait in the broadcast: tell them
             box[0] = (None, error)
-    dist.broadcast_object_list(box, src=0)
+    # World: every rank of the job calls this and waits for rank 0's result.
+    dist.broadcast_object_list(box, src=0, group=dist.group.WORLD)
     value, error = box[0]
     if error is not None:
         raise error

@@ -2,9 +2,10 @@
 
 megatron-core assumes a GPU in a few dozen places: it allocates with ``device="cuda"`` or
 ``torch.cuda.current_device()``, synchronises and creates CUDA streams and events, and keeps the
-dropout RNG streams (its "RNG tracker") in CUDA generator state. :func:`apply_cpu_compat` makes those
-places work on the CPU, once per process, and only when ``torch.cuda.is_available()`` is False, so a
-GPU run is never touched. Each patch below says which megatron code needs it.
+dropout RNG streams (its "RNG tracker") in CUDA generator state. This module holds the CPU
+stand-ins for those places; :func:`megatron_rlhf.runtime.patches.apply_cpu_compat` installs them,
+only when ``torch.cuda.is_available()`` is False (a GPU run is never touched), and
+``runtime.patches.PATCHES`` says which megatron code needs each.
 
 What differs from a GPU run (also in docs/cpu.md):
   * tensors megatron asks to put "on cuda" stay on the CPU;
@@ -27,14 +28,7 @@ import torch
 from megatron.core.tensor_parallel import random as mcore_random
 from torch.overrides import TorchFunctionMode
 
-from megatron_rlhf.runtime.logging import get_logger
-
-logger = get_logger(__name__)
-
 SUPPORTED_MEGATRON_CORE_VERSION = "0.16.1"
-
-_state: dict[str, Any] = {"applied": False, "mode": None}
-
 
 def check_megatron_core_version() -> None:
     """Refuse a megatron-core other than the one the CPU patches were written for.
@@ -62,7 +56,7 @@ def _is_cuda_device(device: Any) -> bool:
     return isinstance(device, int) and not isinstance(device, bool)
 
 
-class _CudaToCpuMode(TorchFunctionMode):
+class CudaToCpuMode(TorchFunctionMode):
     """Turns every request for a CUDA tensor into a CPU tensor.
 
     Needed for the literal ``device="cuda"`` allocations and ``.cuda()`` calls spread through
@@ -143,74 +137,42 @@ class _NoOpEvent:
 _DEFAULT_STREAM = _NoOpStream()
 
 
-def _patch_torch_cuda() -> None:
-    """Give ``torch.cuda``'s device, stream and RNG functions CPU meanings.
+def cuda_replacements() -> dict[str, Any]:
+    """CPU meanings of ``torch.cuda``'s device, stream, memory and RNG functions, by name.
 
-    ``torch.cuda.is_available()`` stays False, so torch itself and megatron's feature checks still
-    see a machine without CUDA.
+    ``torch.cuda.is_available()`` is not among them: torch itself and megatron's feature checks
+    still see a machine without CUDA.
     """
-    cuda = torch.cuda
-    # GlobalMemoryBuffer, rotary embeddings, the inference contexts and many more allocate on
-    # torch.cuda.current_device().
-    cuda.current_device = lambda: "cpu"
-    cuda.set_device = lambda device: None
-    cuda.synchronize = lambda device=None: None
-    cuda.empty_cache = lambda: None
-    # Streams and events: the pipeline schedules, DDP's communication stream, the resharding copy
-    # services.
-    cuda.Stream = _NoOpStream
-    cuda.Event = _NoOpEvent
-    cuda.current_stream = lambda device=None: _DEFAULT_STREAM
-    cuda.default_stream = lambda device=None: _DEFAULT_STREAM
-    cuda.stream = lambda stream=None: contextlib.nullcontext()
-    # Memory statistics in megatron's reports.
-    cuda.memory_allocated = lambda device=None: 0
-    cuda.max_memory_allocated = lambda device=None: 0
-    cuda.memory_reserved = lambda device=None: 0
-    cuda.max_memory_reserved = lambda device=None: 0
-    # torch.manual_seed itself calls torch.cuda.manual_seed_all; the CPU generator is already
-    # seeded by then.
-    cuda.manual_seed = lambda seed: None
-    cuda.manual_seed_all = lambda seed: None
-    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
-    cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
-    # Activation recomputation (CheckpointFunction) saves and restores "the CUDA RNG state" through
-    # these two helpers so that dropout replays identically; on CPU that state is the CPU one.
-    mcore_random._get_cuda_rng_state = (
-        lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
-    )
-    mcore_random._set_cuda_rng_state = (
-        lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
-    )
+    return {
+        "current_device": lambda: "cpu",
+        "set_device": lambda device: None,
+        "synchronize": lambda device=None: None,
+        "empty_cache": lambda: None,
+        "Stream": _NoOpStream,
+        "Event": _NoOpEvent,
+        "current_stream": lambda device=None: _DEFAULT_STREAM,
+        "default_stream": lambda device=None: _DEFAULT_STREAM,
+        "stream": lambda stream=None: contextlib.nullcontext(),
+        "memory_allocated": lambda device=None: 0,
+        "max_memory_allocated": lambda device=None: 0,
+        "memory_reserved": lambda device=None: 0,
+        "max_memory_reserved": lambda device=None: 0,
+        "manual_seed": lambda seed: None,
+        "manual_seed_all": lambda seed: None,
+        "get_rng_state": lambda device="cuda": torch.get_rng_state(),
+        "set_rng_state": lambda new_state, device="cuda": torch.set_rng_state(new_state),
+    }
 
 
-def apply_cpu_compat() -> bool:
-    """Make megatron-core usable without CUDA; idempotent.
-
-    Returns:
-        True when the compatibility layer is active (no CUDA), False on a CUDA machine, where
-        nothing is changed.
-
-    Raises:
-        RuntimeError: the installed megatron-core is not the supported version.
-    """
-    check_megatron_core_version()
-    if torch.cuda.is_available():
-        return False
-    if _state["applied"]:
-        return True
-    _patch_torch_cuda()
-    mode = _CudaToCpuMode()
-    mode.__enter__()
-    _state.update(applied=True, mode=mode)
-    _install_cpu_rng_tracker()
-    logger.debug("megatron-core CPU compatibility layer active")
-    return True
-
-
-def cpu_compat_active() -> bool:
-    """Whether :func:`apply_cpu_compat` has patched this process."""
-    return bool(_state["applied"])
+def megatron_rng_replacements() -> dict[str, Any]:
+    """CPU versions of the two helpers of ``megatron.core.tensor_parallel.random`` that save and
+    restore "the CUDA RNG state" (activation recomputation replays dropout with them)."""
+    return {
+        "_get_cuda_rng_state":
+            lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state(),
+        "_set_cuda_rng_state":
+            lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state),
+    }
 
 
 class CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):
@@ -243,21 +205,14 @@ class CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):
             torch.set_rng_state(outer_state)
 
 
-def _install_cpu_rng_tracker() -> None:
-    # Every megatron module reaches the tracker through get_cuda_rng_tracker(), which returns this
-    # module global once it is marked initialised.
-    mcore_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
-    mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-
-
 def seed_model_parallel_rng(seed: int, tp_rank: int, ep_rank: int = 0, etp_rank: int = 0) -> None:
     """Seed megatron's model-parallel RNG streams for this rank, on CPU or GPU.
 
     Uses megatron's own seed layout (``model_parallel_cuda_manual_seed``): the default stream gets
     ``seed``, the tensor-parallel stream ``seed + 2718 + tp_rank``.
     """
-    if cpu_compat_active():
-        tracker = mcore_random._CUDA_RNG_STATE_TRACKER
+    tracker = mcore_random._CUDA_RNG_STATE_TRACKER
+    if isinstance(tracker, CpuRNGStatesTracker):  # installed by patches.apply_cpu_compat
         tracker.reset()
         tracker.add(mcore_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
         tracker.add(mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)

@@ -1,8 +1,8 @@
 """Fault detection for a distributed run: who stopped where, ranks that disagree, preemption.
 
     tracker = install_fault_tracker(FaultConfig(), timeout_s=600)   # after init_distributed
-    with stage("step", signature=(step, rows)):                        # every rank (checked)
-        with stage("experience/reward"):                               # rank-local marker
+    with tracker.stage("step", signature=(step, rows)):                # every rank (checked)
+        with tracker.stage("experience/reward"):                       # rank-local marker
             ...
     if preemption.requested():                                         # collective, per step
         ...
@@ -19,13 +19,13 @@ rank all-gathers a fixed-size digest of (stage count, name, signature), so ranks
 run different collectives (different micro-batch counts, shapes) fail with a message naming them
 instead of deadlocking. Stages without a signature only record.
 
-Without an installed tracker (unit tests, tools) ``stage`` is a shared no-op context.
+The tracker is passed explicitly, inside a ``runtime.context.RunContext``; code that runs without
+one (unit tests, tools) gets a context whose stages are no-ops.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import os
 import signal
@@ -38,16 +38,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d
 
 from megatron_rlhf.runtime.device import comm_device
 from megatron_rlhf.runtime.logging import get_logger
+from megatron_rlhf.runtime.patches import default_group_store, set_default_group_timeout
 
 logger = get_logger(__name__)
 
 _NAN_POLICIES = ("skip", "stop")
 _KEY = "megatron_rlhf/fault/{rank}"
-_NULL = contextlib.nullcontext()
 # Substrings of the errors gloo, NCCL and the store raise when a peer is gone or late. Not the
 # bare words "nccl" or "gloo": every NCCL error names NCCL, also one whose cause is on this rank.
 _COLLECTIVE_ERRORS = ("timed out", "timeout", "connection closed", "connection reset",
@@ -168,11 +167,12 @@ class FaultTracker:
         mine = torch.tensor([self.checked, _digest(name), _digest(signature)], dtype=torch.int64,
                             device=comm_device())
         gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(gathered, mine)
+        # World: every rank of the job runs the same checked stages (SPMD).
+        dist.all_gather(gathered, mine, group=dist.group.WORLD)
         if all(torch.equal(g, gathered[0]) for g in gathered):
             return
         described: list = [None] * self.world_size
-        dist.all_gather_object(described, (self.checked, name, signature))
+        dist.all_gather_object(described, (self.checked, name, signature), group=dist.group.WORLD)
         groups: dict[tuple, list[int]] = {}
         for rank, item in enumerate(described):
             groups.setdefault(item, []).append(rank)
@@ -253,36 +253,14 @@ def _pid_gone(pid: int) -> bool:
     return False
 
 
-_tracker: FaultTracker | None = None
-
-
 def install_fault_tracker(config: FaultConfig, timeout_s: float) -> FaultTracker:
-    """Start tracking this rank's stages (collective-free; call after ``init_distributed``).
+    """A tracker of this rank's stages (collective-free; call after ``init_distributed``).
 
     Also sets the default group's collective timeout to ``timeout_s``, for a group that another
     component created with a different one.
     """
-    global _tracker
-    distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), None)
-    _tracker = FaultTracker(config, distributed_c10d._get_default_store())
-    return _tracker
-
-
-def uninstall_fault_tracker() -> None:
-    """Stop tracking (``stage`` becomes a no-op again)."""
-    global _tracker
-    _tracker = None
-
-
-def stage(name: str, signature: Sequence[Any] | None = None):
-    """``FaultTracker.stage`` on the installed tracker; a no-op context without one.
-
-    With a ``signature`` (and ``faults.check_consistency``) this is a collective over the default
-    group: call it where every rank runs the same code (SPMD).
-    """
-    if _tracker is None:
-        return _NULL
-    return _tracker.stage(name, signature)
+    set_default_group_timeout(timeout_s)
+    return FaultTracker(config, default_group_store())
 
 
 class PreemptionWatcher:
@@ -304,7 +282,8 @@ class PreemptionWatcher:
         """Whether any rank was signalled (collective over the default group)."""
         flag = torch.tensor([1 if self.signalled else 0], dtype=torch.int32,
                             device=comm_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        # World: one signalled rank stops every rank after the same step.
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
         return bool(flag.item())
 
     def close(self) -> None:

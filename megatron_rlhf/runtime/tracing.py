@@ -1,12 +1,13 @@
 """Per-rank timelines of a run: which stage of which model ran when, as Chrome trace events.
 
-    tracer = configure_tracing(enabled=True)
-    with trace_span("generate", model="shadow_actor", microbatch=0):
+    tracer = Tracer(enabled=True)
+    with tracer.span("generate", model="shadow_actor", microbatch=0):
         ...
     write_chrome_trace(tracer, "run/timeline.json")   # collective: rank 0 writes all ranks
 
-With tracing off (and no fault tracker installed), ``trace_span`` returns one shared
-``nullcontext``: no clock reads, no records. On a GPU a span waits for the device at both ends.
+Code that records spans receives the tracer inside a ``runtime.context.RunContext``. With tracing
+off, ``span`` returns one shared ``nullcontext``: no clock reads, no records. On a GPU a span
+waits for the device at both ends.
 The JSON loads in chrome://tracing or Perfetto (one process row per rank) and
 ``tools/plot_timeline.py`` draws it as a PNG.
 """
@@ -22,8 +23,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-from megatron_rlhf.runtime import faults
 
 _NULL = contextlib.nullcontext()
 
@@ -92,36 +91,6 @@ def _device_clock() -> float:
     return time.time()
 
 
-_tracer = Tracer()
-
-
-def configure_tracing(enabled: bool) -> Tracer:
-    """Start a fresh process-wide tracer (enabled or not) and return it."""
-    global _tracer
-    _tracer = Tracer(enabled=enabled)
-    return _tracer
-
-
-def get_tracer() -> Tracer:
-    """The process-wide tracer."""
-    return _tracer
-
-
-def trace_span(stage: str, model: str = "", microbatch: int = -1):
-    """Time a stage on the process-wide tracer and mark it as this rank's current stage for
-    fault reports (``runtime.faults``); free when neither is active."""
-    marker = faults.stage(f"{stage}/{model}" if model else stage)
-    if not _tracer.enabled:
-        return marker
-    return _both(marker, _tracer.span(stage, model, microbatch))
-
-
-@contextlib.contextmanager
-def _both(first, second) -> Iterator[None]:
-    with first, second:
-        yield
-
-
 def chrome_trace_events(spans_by_rank: list[list[dict]]) -> list[dict]:
     """Chrome trace "complete" events, one process id per rank, microseconds from the first."""
     origin = min((span["start"] for spans in spans_by_rank for span in spans), default=0.0)
@@ -143,7 +112,8 @@ def write_chrome_trace(tracer: Tracer, path: str | Path) -> None:
     """Gather every rank's spans and write one Chrome trace file on rank 0 (collective)."""
     spans = [asdict(span) for span in tracer.spans]
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, spans)
+    # World: rank 0 writes the spans of every rank.
+    dist.all_gather_object(gathered, spans, group=dist.group.WORLD)
     if dist.get_rank() == 0:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps({"traceEvents": chrome_trace_events(gathered)}))

@@ -155,7 +155,8 @@ def _reduce(per_microbatch: list[dict[str, Any]], keys: tuple[str, ...],
     mine = per_microbatch if pg_collection.tp.rank() == 0 else []
     rows = [[float(metrics[key]) for key in keys] for metrics in mine]
     totals = torch.tensor(rows, dtype=torch.float64, device=device).reshape(-1, len(keys)).sum(0)
-    dist.all_reduce(totals)
+    # World: the supervised model spans every rank (dp x tp x pp = world size).
+    dist.all_reduce(totals, group=dist.group.WORLD)
     sums = dict(zip(keys, totals.tolist(), strict=True))
     count = max(sums["count"], 1.0)
     return {key.removesuffix("_sum"): value / count for key, value in sums.items()

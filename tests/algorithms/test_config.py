@@ -7,19 +7,40 @@ import pytest
 from megatron_rlhf.algorithms import FixedKLController, PPOAlgorithmConfig, build_kl_controller
 
 
-def test_defaults_and_edge_values_are_valid() -> None:
-    PPOAlgorithmConfig()
-    PPOAlgorithmConfig(
-        gamma=0.0,
-        lam=1.0,
-        dual_clip=3.0,
-        value_clip=None,
-        kl_estimator="k3",
-        kl_coef=0.0,
-        adaptive_kl=True,
-        reward_clip=5.0,
-        reward_norm="running",
-    )
+def test_defaults_are_plain_ppo() -> None:
+    config = PPOAlgorithmConfig()
+    assert (config.gamma, config.lam, config.clip_ratio) == (1.0, 0.95, 0.2)
+    assert config.dual_clip is None and config.reward_clip is None  # no extra clipping
+    assert config.kl_estimator == "k1" and not config.adaptive_kl  # fixed KL penalty
+    assert config.reward_norm == "none" and config.whiten_advantages
+
+
+@pytest.mark.parametrize(
+    "field, edge, beyond",
+    [
+        ("gamma", 0.0, -1e-9),
+        ("gamma", 1.0, 1.0 + 1e-9),
+        ("lam", 0.0, -1e-9),
+        ("lam", 1.0, 1.0 + 1e-9),
+        ("clip_ratio", 1e-9, 0.0),
+        ("clip_ratio", 1.0 - 1e-9, 1.0),
+        ("dual_clip", 1.0 + 1e-9, 1.0),
+        ("value_clip", None, 0.0),
+        ("value_loss_coef", 0.0, -1e-9),
+        ("entropy_coef", 0.0, -1e-9),
+        ("kl_coef", 0.0, -1e-9),
+        ("kl_estimator", "k3", "k4"),
+        ("kl_target", 1e-9, 0.0),
+        ("kl_horizon", 1, 0),
+        ("reward_clip", 1e-9, 0.0),
+        ("reward_norm", "running", "zscore"),
+    ],
+)
+def test_edge_values_are_kept_and_the_next_one_is_refused(field: str, edge: object,
+                                                          beyond: object) -> None:
+    assert getattr(PPOAlgorithmConfig(**{field: edge}), field) == edge
+    with pytest.raises(ValueError, match=rf"^{field}\("):
+        PPOAlgorithmConfig(**{field: beyond})
 
 
 @pytest.mark.parametrize(
@@ -50,8 +71,9 @@ def test_defaults_and_edge_values_are_valid() -> None:
     ],
 )
 def test_bad_field_raises_naming_it(field: str, value: object) -> None:
-    with pytest.raises(ValueError, match=rf"^{field}\("):
+    with pytest.raises(ValueError, match=rf"^{field}\(") as error:
         PPOAlgorithmConfig(**{field: value})
+    assert str(value) in str(error.value)  # the message shows the refused value
 
 
 def test_defaults_are_todays_ppo() -> None:

@@ -24,7 +24,8 @@ def _run(strategy: str, steps: int, chunks: int = 1, asynchronous: bool = False,
     from megatron_rlhf.engine.build import build_engine, make_plan
     from megatron_rlhf.engine.ppo import PPOAlgorithm
     from megatron_rlhf.generation import GenerationConfig
-    from megatron_rlhf.runtime.tracing import configure_tracing
+    from megatron_rlhf.runtime.context import RunContext
+    from megatron_rlhf.runtime.tracing import Tracer
     from megatron_rlhf.topology.cluster import cluster_from_environment
     from megatron_rlhf.topology.placement_config import PlacementConfig
 
@@ -41,8 +42,9 @@ def _run(strategy: str, steps: int, chunks: int = 1, asynchronous: bool = False,
         reward=RewardConfig(model_weight=1.0), steps=steps)
     config.actor_optimizer.lr = actor_lr
     config.critic_optimizer.lr = 1e-3
-    engine = build_engine(config, make_plan(config, cluster_from_environment()), 3, 0)
-    tracer = configure_tracing(trace)
+    tracer = Tracer(enabled=trace)
+    engine = build_engine(config, make_plan(config, cluster_from_environment()), 3, 0,
+                          context=RunContext(tracer))
     algorithm = PPOAlgorithm(engine, config.algorithm, config.rollout, config.reward, seed=3,
                          prompts=lambda s: (prompts[16 * s:16 * (s + 1)],
                                             list(range(16 * s, 16 * (s + 1)))),

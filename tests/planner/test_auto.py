@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from megatron_rlhf.planner import RolloutSpec, SearchSpace, auto_place, explain_choice
+from megatron_rlhf.planner import (
+    RolloutSpec,
+    SearchSpace,
+    auto_place,
+    explain_choice,
+    predict_step,
+)
 from megatron_rlhf.planner.hardware import homogeneous_cluster
 from megatron_rlhf.planner.search import candidate_configs, describe, parallel_sizes
 from megatron_rlhf.topology import ClusterSpec, DevicePool, arch_preset, plan_placement
@@ -46,9 +52,21 @@ def test_auto_place_ranks_by_samples_per_second_and_explains() -> None:
 def test_auto_place_tries_hetero_separation_on_two_pools() -> None:
     cluster = ClusterSpec((DevicePool("A100-80GB", 1, 8, relative_speed=1.0),
                            DevicePool("V100-32GB", 2, 4, memory_gib=32, relative_speed=0.4)))
-    ranked = auto_place(cluster, "llama-7b", ROLLOUT,
-                        space=SearchSpace(strategies=("hetero-separation",), tps=(4,), pps=(1,)))
+    space = SearchSpace(strategies=("hetero-separation",), tps=(2, 4), pps=(1, 2))
+    ranked = auto_place(cluster, "llama-7b", ROLLOUT, space=space)
     assert ranked and all(c.config.strategy == "hetero-separation" for c in ranked)
+    # Trained tp x pp x the shadows' tp: eight distinct layouts, so the choice is a real one.
+    assert len({c.label for c in ranked}) == len(ranked) == 8
+    # The winner, found without auto_place: plan and predict every candidate, keep the fastest.
+    predicted = {}
+    for config in candidate_configs(cluster, [arch_preset("llama-7b")], space):
+        plan = plan_placement(cluster, config, "llama-7b")
+        prediction = predict_step(plan, ROLLOUT)
+        if prediction.feasible:
+            predicted[describe(plan)] = prediction.samples_per_s
+    assert set(predicted) == {c.label for c in ranked}
+    assert ranked[0].label == max(predicted, key=predicted.get)
+    assert [c.label for c in ranked] == sorted(predicted, key=predicted.get, reverse=True)
 
 
 def test_nothing_fits_is_explained() -> None:

@@ -27,18 +27,20 @@ def _collective_loops(kinds: list[str], out_dir: str) -> None:
     """Run :func:`_collective_loop` for each kind in turn."""
     from megatron_rlhf.runtime.faults import FaultConfig, install_fault_tracker
 
-    install_fault_tracker(FaultConfig(grace_s=GRACE_S), timeout_s=TIMEOUT_S)
+    tracker = install_fault_tracker(FaultConfig(grace_s=GRACE_S), timeout_s=TIMEOUT_S)
     for kind in kinds:
-        _collective_loop(kind, out_dir)
+        _collective_loop(tracker, kind, out_dir)
 
 
-def _collective_loop(kind: str, out_dir: str) -> None:
+def _collective_loop(tracker, kind: str, out_dir: str) -> None:
     """Three checked steps of collectives; rank VICTIM misbehaves in step 1. Each rank writes
     what happened to ``out_dir/<kind>-<rank>.json`` (a killed rank cannot return a value)."""
     import torch
     import torch.distributed as dist
 
-    from megatron_rlhf.runtime.faults import RankFailure, stage
+    from megatron_rlhf.runtime.faults import RankFailure
+
+    stage = tracker.stage
 
     rank = dist.get_rank()
     start = time.monotonic()

@@ -10,17 +10,17 @@ import torch
 from megatron.core import package_info
 from megatron.core.tensor_parallel import random as mcore_random
 
-from megatron_rlhf.runtime import cpu_compat
+from megatron_rlhf.runtime import cpu_compat, patches
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _compat() -> None:
-    assert cpu_compat.apply_cpu_compat() is True
+    assert patches.apply_cpu_compat() is True
 
 
 def test_idempotent_and_cuda_still_reported_absent() -> None:
-    assert cpu_compat.apply_cpu_compat() is True
-    assert cpu_compat.cpu_compat_active()
+    assert patches.apply_cpu_compat() is True
+    assert patches.cpu_compat_active()
     assert torch.cuda.is_available() is False
 
 
@@ -78,7 +78,7 @@ def test_fork_leaves_the_outer_stream_untouched() -> None:
 def test_unsupported_megatron_version_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(package_info, "__version__", "0.99.0")
     with pytest.raises(RuntimeError, match=r"0\.99\.0 is installed.*megatron-core==0\.16\.1"):
-        cpu_compat.apply_cpu_compat()
+        patches.apply_cpu_compat()
 
 
 def test_nothing_is_patched_when_cuda_is_present() -> None:
@@ -86,10 +86,10 @@ def test_nothing_is_patched_when_cuda_is_present() -> None:
         "import torch\n"
         "torch.cuda.is_available = lambda: True\n"
         "original = torch.cuda.current_device\n"
-        "from megatron_rlhf.runtime import cpu_compat\n"
-        "assert cpu_compat.apply_cpu_compat() is False\n"
+        "from megatron_rlhf.runtime import patches\n"
+        "assert patches.apply_cpu_compat() is False\n"
         "assert torch.cuda.current_device is original\n"
-        "assert not cpu_compat.cpu_compat_active()\n"
+        "assert not patches.cpu_compat_active()\n"
         "print('untouched')\n"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,

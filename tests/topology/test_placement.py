@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 
 import pytest
 
@@ -124,12 +123,28 @@ def test_replica_and_leader_ranks_for_data_movement() -> None:
         actor.replica_ranks(4)
 
 
-def test_planning_128x8_is_fast() -> None:
+@pytest.mark.parametrize("strategy, expected", [
+    ("flattening", {"actor": (0, 1024, 64), "critic": (0, 1024, 64), "ref": (0, 1024, 64),
+                    "reward": (0, 1024, 64)}),
+    ("interleaving", {"actor": (0, 1024, 64), "critic": (0, 1024, 64), "ref": (0, 512, 32),
+                      "reward": (512, 1024, 32)}),
+    ("interleaving2", {"actor": (0, 512, 32), "critic": (512, 1024, 32), "ref": (0, 512, 32),
+                       "reward": (512, 1024, 32)}),
+    ("separation", {"actor": (0, 512, 32), "critic": (0, 512, 32), "ref": (512, 1024, 32),
+                    "reward": (512, 1024, 32), "shadow_actor": (512, 1024, 64),
+                    "shadow_critic": (512, 1024, 64)}),
+])
+def test_planning_128x8_gives_exact_layouts(strategy: str, expected: dict) -> None:
+    """1,024 ranks, tp=8 pp=2: each model's ranks and DP size (ranks / (tp x pp); the shadows
+    generate with pp=1), and the invariants of every plan."""
     cluster = ClusterSpec.homogeneous(128, 8)
-    start = time.perf_counter()
-    for strategy in PRESETS[:4]:
-        plan_placement(cluster, PlacementConfig(strategy, tp=8, pp=2), "llama-65b")
-    assert time.perf_counter() - start < 2.0
+    plan = plan_placement(cluster, PlacementConfig(strategy, tp=8, pp=2), "llama-65b")
+    assert {role: (m.ranks.start, m.ranks.stop, m.dp) for role, m in plan.models.items()} == (
+        expected)
+    for role, (start, stop, dp) in expected.items():
+        pp = 1 if role.startswith("shadow") else 2
+        assert (plan[role].tp, plan[role].pp, dp * 8 * pp) == (8, pp, stop - start)
+    check_invariants(plan)
 
 
 def test_random_requests_are_either_refused_or_sound() -> None:

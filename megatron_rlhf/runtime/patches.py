@@ -1,0 +1,251 @@
+"""Every change megatron_rlhf makes to torch, megatron-core or the process, listed in one place.
+
+Importing megatron_rlhf changes nothing. Each entry of :data:`PATCHES` is made by an explicit
+call, named in its ``applied_by``: :func:`megatron_rlhf.runtime.bootstrap.initialize_runtime`
+makes the process-wide ones, and tests can undo them (:func:`undo_cpu_compat`).
+
+    apply_cpu_compat()            # no CUDA: torch.cuda stand-ins, the CUDA-to-CPU mode, RNG tracker
+    add_warning_filters()         # silence megatron's notices about missing GPU extras
+    with default_group_gathers_scoped_to(pg):   # while megatron builds one model's optimizer
+        ...
+    undo_cpu_compat()             # tests: back to the unpatched torch and megatron
+
+Each entry was checked against :data:`CHECKED_WITH`; a new megatron-core or torch means reading
+every entry again (``check_megatron_core_version`` refuses another megatron-core).
+
+megatron-core is imported by the functions that patch it, not by this module: ``runtime.faults``
+imports this module for the private torch APIs, and a fault tracker must stay cheap to start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+
+from megatron_rlhf.runtime.logging import get_logger
+
+logger = get_logger(__name__)
+
+CHECKED_WITH = {"megatron-core": "0.16.1", "torch": "2.13.0 (CPU), 2.11 (CUDA)"}
+"""The versions every entry of :data:`PATCHES` was checked against."""
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One change to a third-party library or to process-wide state, or one private API used.
+
+    Attributes:
+        target: what is replaced, entered or called (dotted names).
+        reason: which code needs it, and why there is no public way.
+        applied_by: the function that makes it (and the one that undoes it, if any).
+    """
+
+    target: str
+    reason: str
+    applied_by: str
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch("torch.cuda.current_device, set_device, synchronize, empty_cache",
+          "megatron-core allocates on torch.cuda.current_device() (GlobalMemoryBuffer, rotary "
+          "embeddings, inference contexts) and synchronises; on CPU these mean 'cpu' and no-ops",
+          "apply_cpu_compat (no CUDA only); undo_cpu_compat"),
+    Patch("torch.cuda.Stream, Event, current_stream, default_stream, stream",
+          "pipeline schedules, DDP's communication stream and the resharding copy services "
+          "create streams and events; CPU work is already ordered, so they are no-ops (events "
+          "time with the host clock)",
+          "apply_cpu_compat (no CUDA only); undo_cpu_compat"),
+    Patch("torch.cuda.memory_allocated, max_memory_allocated, memory_reserved, "
+          "max_memory_reserved",
+          "megatron's memory reports read them; 0 on CPU",
+          "apply_cpu_compat (no CUDA only); undo_cpu_compat"),
+    Patch("torch.cuda.manual_seed, manual_seed_all, get_rng_state, set_rng_state",
+          "torch.manual_seed calls torch.cuda.manual_seed_all and megatron saves 'the CUDA RNG "
+          "state'; on CPU that state is the CPU generator's",
+          "apply_cpu_compat (no CUDA only); undo_cpu_compat"),
+    Patch("megatron.core.tensor_parallel.random._get_cuda_rng_state, _set_cuda_rng_state",
+          "activation recomputation (CheckpointFunction) saves and restores the CUDA RNG state "
+          "through these private helpers so that dropout replays identically",
+          "apply_cpu_compat (no CUDA only); undo_cpu_compat"),
+    Patch("torch.overrides.TorchFunctionMode: cpu_compat.CudaToCpuMode on the mode stack",
+          "literal device='cuda' allocations and .cuda() calls throughout megatron-core "
+          "(schedules' token counters, optimizer found-inf flags, grad clipping, causal masks, "
+          "checkpoint buffers) become CPU tensors; Tensor.type() names CUDA types for callers in "
+          "megatron.core.optimizer, which accept only those",
+          "apply_cpu_compat (no CUDA only; entered, left by undo_cpu_compat)"),
+    Patch("megatron.core.tensor_parallel.random._CUDA_RNG_STATE_TRACKER (+ _INITIALIZED)",
+          "every megatron module draws dropout streams from get_cuda_rng_tracker(), which returns "
+          "this private global; cpu_compat.CpuRNGStatesTracker keeps the streams in the CPU "
+          "generator",
+          "apply_cpu_compat (no CUDA only); undo_cpu_compat"),
+    Patch("megatron.core.parallel_state._set_global_memory_buffer",
+          "megatron's attention and sequence-parallel code borrow scratch tensors from this "
+          "buffer, which only its global initialize_model_parallel creates otherwise (we build "
+          "groups ourselves)",
+          "ensure_megatron_memory_buffer (initialize_runtime); never undone"),
+    Patch("torch.distributed.all_gather_object, replaced while get_megatron_optimizer runs",
+          "megatron aligns optimizer parameter groups with an all_gather_object over the default "
+          "group; with models on disjoint ranks it must span one model's ranks only",
+          "default_group_gathers_scoped_to (a context manager, models.trainer.ModelTrainer)"),
+    Patch("torch.distributed.distributed_c10d._set_pg_timeout (private API)",
+          "the default group's timeout, for a group another component created with a different "
+          "one; torch has no public setter",
+          "set_default_group_timeout (engine.runner via faults.install_fault_tracker)"),
+    Patch("torch.distributed.distributed_c10d._get_default_store (private API)",
+          "the fault tracker records each rank's stage in the job's store; torch exposes the "
+          "default group's store only through this",
+          "default_group_store (faults.install_fault_tracker)"),
+    Patch("megatron.core.dist_checkpointing.strategies.torch._replace_state_dict_keys_with_"
+          "sharded_keys, _unwrap_pyt_sharded_tensor, _replace_sharded_keys_with_state_dict_keys, "
+          "_restore_dict_types (private API)",
+          "models.checkpoint reads and writes megatron's torch_dist format without megatron's "
+          "global-state save/load entry points",
+          "called directly in models/checkpoint.py"),
+    Patch("warnings.filters",
+          "megatron-core announces every optional GPU extra it did not find (Transformer Engine, "
+          "Apex) and uses deprecated torch APIs (torch.jit.script_method, all_gather_into_tensor "
+          "alias); on CPU these say nothing about a run. Those raised while megatron-core is "
+          "being imported come before any call and still show (pytest filters them itself)",
+          "add_warning_filters (initialize_runtime); never undone"),
+)
+
+_WARNING_FILTERS: tuple[tuple[str, type[Warning], str], ...] = (
+    # (message regex, category, module regex)
+    (r".*(Transformer Engine|Apex|apex|transformer_engine).*", Warning, ""),
+    ("", DeprecationWarning, r"megatron\.core.*"),
+    (r".*torch\.jit\.script_method.*is deprecated.*", Warning, ""),
+    (r".*full scope is deprecated.*", Warning, ""),
+    # megatron's distributed optimizer still calls the deprecated all_gather_into_tensor alias.
+    (r".*all_gather_into_tensor.*is deprecated.*", FutureWarning, ""),
+)
+
+# What apply_cpu_compat replaced, for undo_cpu_compat: (owner, attribute) -> original value.
+_originals: dict[tuple[Any, str], Any] = {}
+_modes: list[TorchFunctionMode] = []
+
+
+def apply_cpu_compat() -> bool:
+    """Make megatron-core usable without CUDA (the entries of :data:`PATCHES` made by this
+    function); idempotent.
+
+    Returns:
+        True when the CPU patches are active (no CUDA), False on a CUDA machine, where nothing
+        is changed.
+
+    Raises:
+        RuntimeError: the installed megatron-core is not the supported version.
+    """
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    from megatron_rlhf.runtime.cpu_compat import (
+        CpuRNGStatesTracker,
+        CudaToCpuMode,
+        check_megatron_core_version,
+        cuda_replacements,
+        megatron_rng_replacements,
+    )
+
+    check_megatron_core_version()
+    if torch.cuda.is_available():
+        return False
+    if _modes:
+        return True
+    for name, value in cuda_replacements().items():
+        _replace(torch.cuda, name, value)
+    for name, value in megatron_rng_replacements().items():
+        _replace(mcore_random, name, value)
+    _replace(mcore_random, "_CUDA_RNG_STATE_TRACKER", CpuRNGStatesTracker())
+    _replace(mcore_random, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)
+    mode = CudaToCpuMode()
+    mode.__enter__()
+    _modes.append(mode)
+    logger.debug("megatron-core CPU compatibility layer active")
+    return True
+
+
+def _replace(owner: Any, name: str, value: Any) -> None:
+    _originals.setdefault((owner, name), getattr(owner, name))
+    setattr(owner, name, value)
+
+
+def cpu_compat_active() -> bool:
+    """Whether :func:`apply_cpu_compat` has patched this process (and it was not undone)."""
+    return bool(_modes)
+
+
+def undo_cpu_compat() -> None:
+    """Put back what :func:`apply_cpu_compat` replaced and leave the CUDA-to-CPU mode.
+
+    Raises:
+        RuntimeError: another torch function mode was entered after ours and is still active.
+    """
+    if _modes:
+        if _get_current_function_mode_stack()[-1:] != _modes[-1:]:
+            raise RuntimeError("cannot leave the CUDA-to-CPU mode: another TorchFunctionMode "
+                               "entered after it is still active")
+        _modes.pop().__exit__(None, None, None)
+    for (owner, name), original in _originals.items():
+        setattr(owner, name, original)
+    _originals.clear()
+
+
+def add_warning_filters() -> None:
+    """Ignore megatron-core's notices about missing GPU extras and its deprecated torch calls
+    (idempotent: ``warnings.filterwarnings`` replaces an identical filter)."""
+    for message, category, module in _WARNING_FILTERS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+
+
+def ensure_megatron_memory_buffer() -> None:
+    """Create megatron's shared scratch buffer if it does not exist (it holds no parallel
+    state)."""
+    from megatron.core import parallel_state
+
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        parallel_state._set_global_memory_buffer()
+
+
+@contextlib.contextmanager
+def default_group_gathers_scoped_to(scope: dist.ProcessGroup) -> Iterator[None]:
+    """Scope megatron's default-group ``all_gather_object`` calls to one model's ranks.
+
+    ``get_megatron_optimizer`` aligns parameter groups with an ``all_gather_object`` over the
+    default group into a world-sized list. With models on disjoint ranks (interleaving,
+    separation) the other ranks are building other models at that moment, so the collective must
+    only span this model's ranks; the world-sized list is padded with this rank's own entry (the
+    alignment only takes the union of the gathered keys).
+    """
+    original = dist.all_gather_object
+
+    def scoped(object_list: list, obj: Any, group: dist.ProcessGroup | None = None) -> None:
+        if group is not None:
+            original(object_list, obj, group=group)
+            return
+        gathered: list = [None] * scope.size()
+        original(gathered, obj, group=scope)
+        object_list[:] = gathered + [obj] * (len(object_list) - len(gathered))
+
+    dist.all_gather_object = scoped
+    try:
+        yield
+    finally:
+        dist.all_gather_object = original
+
+
+def set_default_group_timeout(timeout_s: float) -> None:
+    """Set the default process group's collective timeout."""
+    distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), None)
+
+
+def default_group_store() -> dist.Store:
+    """The key-value store of the default process group (torchrun's, or the one it created)."""
+    return distributed_c10d._get_default_store()
