@@ -163,3 +163,26 @@ def test_critic_free_ratios_with_a_critic_are_refused() -> None:
         RunConfig(placement=PlacementConfig("custom", ratios=[1, 0.5, 0.5]))
     with pytest.raises(ValueError, match=r"placement.critic=false but .*'gae' trains a critic"):
         RunConfig(placement=PlacementConfig(critic=False))
+
+
+def test_the_algorithm_flag_selects_the_estimator() -> None:
+    from megatron_rlhf.config.loader import load_config
+    from tools import run_ppo as run_ppo_tool
+
+    args, overrides = run_ppo_tool.parse_args(
+        ["--algorithm", "rloo", "--ratios", "1", "0.5", "0.5", "rollout.samples_per_prompt=2"])
+    config = load_config(RunConfig, args.config, overrides)
+    assert config.algorithm.advantage_estimator == "rloo" and not config.placement.critic
+    assert config.placement.role_ratios() == {"actor": 1.0, "ref": 0.5, "reward": 0.5}
+    args, overrides = run_ppo_tool.parse_args(["--algorithm", "ppo"])
+    config = load_config(RunConfig, args.config, overrides)
+    assert config.algorithm.advantage_estimator == "gae" and config.placement.critic
+
+
+def test_the_tool_refuses_a_critic_ratio_without_a_critic(capsys) -> None:
+    from tools import run_ppo as run_ppo_tool
+
+    code = run_ppo_tool.main(["--algorithm", "grpo", "--ratios", "1", "1", "0.5", "0.5",
+                              "rollout.samples_per_prompt=2"])
+    assert code == 2
+    assert "gives a critic ratio" in capsys.readouterr().err
