@@ -186,3 +186,37 @@ def test_the_tool_refuses_a_critic_ratio_without_a_critic(capsys) -> None:
                               "rollout.samples_per_prompt=2"])
     assert code == 2
     assert "gives a critic ratio" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce++"])
+def test_advantages_of_a_critic_free_batch(estimator: str) -> None:
+    import torch
+
+    from megatron_rlhf.algorithms import (
+        RunningMoments,
+        build_kl_controller,
+        compute_grpo_outcome_advantages,
+        compute_rloo_outcome_advantages,
+        masked_mean,
+    )
+    from megatron_rlhf.engine.experience import compute_advantages
+
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.ones(8, 5, dtype=torch.long)
+    mask[3, 2:] = 0
+    fields = {"old_logprobs": -torch.rand(8, 5, generator=gen),
+              "ref_logprobs": -torch.rand(8, 5, generator=gen), "response_mask": mask,
+              "rm_scores": torch.randn(8, generator=gen), "rule_scores": torch.zeros(8)}
+    config = PPOAlgorithmConfig(advantage_estimator=estimator, kl_in="loss")
+    out, metrics = compute_advantages(fields, config, build_kl_controller(config),
+                                      RunningMoments(), 1.0, 1.0, samples_per_prompt=4)
+    assert "values_mean" not in metrics
+    advantages = out["advantages"]
+    assert bool((advantages[mask == 0] == 0).all())
+    if estimator == "reinforce++":
+        assert masked_mean(advantages, mask).item() == pytest.approx(0.0, abs=1e-5)
+        return
+    group = {"grpo": compute_grpo_outcome_advantages, "rloo": compute_rloo_outcome_advantages}
+    expected = group[estimator](fields["rm_scores"], 4)  # kl_in=loss: the score alone
+    torch.testing.assert_close(advantages[:, 0], expected)
+    torch.testing.assert_close(out["returns"], advantages)
