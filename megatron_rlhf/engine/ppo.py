@@ -8,10 +8,11 @@
 A step *produces* experience (generate, score, advantages) and *consumes* it (train actor and
 critic, then sync the shadows). With ``rollout.samples_per_prompt = n`` every prompt is sampled
 ``n`` times into ``n`` contiguous rows (a group); with a critic-free estimator (grpo, rloo,
-reinforce++) the engine has no critic, and only the actor is trained. Synchronously, step k consumes what it just produced. In the
-asynchronous mode (separation), step k trains on experience produced ``max_staleness`` steps
-earlier while the shadows already generate step ``k + max_staleness``: the trainable models and
-the shadows hold disjoint ranks, so the two halves run at the same time. The behaviour log-probs
+reinforce++) the engine has no critic, and only the actor is trained. Synchronously, step k
+consumes what it just produced. In the asynchronous mode (separation), step k trains on
+experience produced ``max_staleness`` steps earlier while the shadows already generate step
+``k + max_staleness``: the trainable models and the shadows hold disjoint ranks, so the two
+halves run at the same time. The behaviour log-probs
 recorded by the shadow are the ones PPO's importance ratio uses, so the update stays correct
 off-policy.
 """

@@ -150,7 +150,7 @@ class PlacementConfig:
                 "reinforce++): use 'interleaving', or strategy='custom' with ratios over "
                 f"{list(CRITIC_FREE_RATIO_ROLES)}"
             )
-        for role, override in self.parallel.items():
+        for role in self.parallel:
             if role in (CRITIC, SHADOW_CRITIC):
                 raise ValueError(
                     f"placement.parallel[{role!r}] is set, but this run places no {role} "
