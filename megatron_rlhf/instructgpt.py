@@ -32,7 +32,7 @@ from megatron_rlhf.supervised.loop import CHECKPOINT_DIR, TOKENIZER_FILE
 from megatron_rlhf.supervised.reward_model import run_reward_training
 from megatron_rlhf.supervised.sft import run_sft
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 STEPS = ("sft", "rm", "untrained", "ppo")

@@ -68,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help=f"one of {', '.join(STRATEGIES[:-1])}, or ratios like 1,1,0.5,0.5")
     place.add_argument("--train-fraction", type=float, default=0.5)
     place.add_argument("--ac-share", action="store_true", help="critic is a head on the actor")
+    place.add_argument("--no-critic", action="store_true",
+                       help="a critic-free estimator (grpo, rloo, reinforce++): place actor, ref "
+                       "and reward only; ratios are actor,ref,reward")
     place.add_argument("--tp", type=int, default=1)
     place.add_argument("--pp", type=int, default=1)
     place.add_argument("--no-distributed-optimizer", action="store_true")
@@ -147,7 +150,7 @@ def build_config(args: argparse.Namespace) -> PlacementConfig:
         strategy, ratios = "custom", [float(r) for r in args.placement.split(",")]
     return PlacementConfig(
         strategy=strategy, ratios=ratios, train_fraction=args.train_fraction,
-        ac_share=args.ac_share, tp=args.tp, pp=args.pp,
+        ac_share=args.ac_share, critic=not args.no_critic, tp=args.tp, pp=args.pp,
         distributed_optimizer=not args.no_distributed_optimizer, parallel=overrides,
     )
 
@@ -155,7 +158,7 @@ def build_config(args: argparse.Namespace) -> PlacementConfig:
 def run_auto(args: argparse.Namespace, cluster: ClusterSpec, models: dict[str, str]) -> None:
     """Rank candidate placements and print them (text or one JSON object)."""
     space = SearchSpace(strategies=tuple(args.only.split(",")) if args.only else None,
-                        ac_share=args.ac_share,
+                        ac_share=args.ac_share, critic=not args.no_critic,
                         distributed_optimizer=not args.no_distributed_optimizer)
     ranked = auto_place(cluster, models, build_rollout(args), build_profiles(args), space)
     if args.json:

@@ -4,6 +4,11 @@ CPU, tiny models, 4 gloo ranks (the default configuration)::
 
     torchrun --nproc-per-node 4 tools/run_ppo.py
     torchrun --nproc-per-node 4 tools/run_ppo.py --placement interleaving --steps 20
+    torchrun --nproc-per-node 4 tools/run_ppo.py --algorithm grpo rollout.samples_per_prompt=4
+
+``--algorithm`` picks the advantage estimator: ppo (GAE with a critic, the default), or the
+critic-free grpo, rloo (both need rollout.samples_per_prompt >= 2) and reinforce++, which place
+and train no critic (--ratios then takes three values: actor, ref, reward).
 
 GPU cluster (16 nodes of 8 GPUs), Llama-7B, separation with TP=8 shadows::
 
@@ -46,6 +51,9 @@ from megatron_rlhf.config.loader import ConfigError, load_config
 from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.topology.placement_config import STRATEGIES
 
+ALGORITHMS = {"ppo": "gae", "grpo": "grpo", "rloo": "rloo", "reinforce++": "reinforce++"}
+"""``--algorithm`` name -> ``algorithm.advantage_estimator``."""
+
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "examples" / "ppo_tiny.yaml")
 
 
@@ -58,8 +66,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                         help="placement strategy; auto: the planner's best for this cluster")
     parser.add_argument("--profile", help="hardware profile for --placement auto (a shipped name "
                         "or a tools/calibrate.py JSON; default: the profile of each pool's kind)")
-    parser.add_argument("--ratios", type=float, nargs=4, metavar=("ACTOR", "CRITIC", "REF", "REWARD"),
-                        help="custom placement ratios (implies --placement custom)")
+    parser.add_argument("--algorithm", choices=tuple(ALGORITHMS),
+                        help="advantage estimator (ppo = gae with a critic; the others have none)")
+    parser.add_argument("--ratios", nargs="+", metavar="RATIO",
+                        help="custom placement ratios over actor, critic, ref, reward (actor, ref, "
+                        "reward without a critic); implies --placement custom")
     parser.add_argument("--tp", type=int, help="tensor-parallel size of every model")
     parser.add_argument("--pp", type=int, help="pipeline-parallel size of the trained models")
     parser.add_argument("--ac-share", action="store_true", help="critic is a head on the actor")
@@ -79,7 +90,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
              "checkpoint.save_interval": args.save_interval}
     overrides = [f"{key}={value}" for key, value in flags.items() if value is not None]
     if args.ratios:
-        overrides += ["placement.strategy=custom", f"placement.ratios=[{','.join(map(str, args.ratios))}]"]
+        # nargs="+" also swallows the a.b=c overrides that follow the ratios: hand those back.
+        ratios = [value for value in args.ratios if "=" not in value]
+        args.overrides = [value for value in args.ratios if "=" in value] + args.overrides
+        for value in ratios:
+            try:
+                float(value)
+            except ValueError:
+                parser.error(f"argument --ratios: invalid float value: {value!r}")
+        overrides += ["placement.strategy=custom", f"placement.ratios=[{','.join(ratios)}]"]
+    if args.algorithm:
+        overrides.append(f"algorithm.advantage_estimator={ALGORITHMS[args.algorithm]}")
     if args.ac_share:
         overrides.append("placement.ac_share=true")
     if args.resume:

@@ -95,7 +95,7 @@ def initial_checkpoints(config: RunConfig) -> dict[str, str]:
         sources.update({ACTOR: models.actor_checkpoint, REF: models.actor_checkpoint})
     if models.reward_checkpoint:
         sources[REWARD] = models.reward_checkpoint
-        if models.critic_from_reward and not config.placement.ac_share:
+        if models.critic_from_reward and config.placement.places_critic:
             sources[CRITIC] = models.reward_checkpoint
     return sources
 

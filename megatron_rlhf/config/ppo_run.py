@@ -6,10 +6,10 @@ them (with inheritance and dotted overrides) and every dataclass validates itsel
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from megatron_rlhf.algorithms import PPOAlgorithmConfig
+from megatron_rlhf.algorithms import GROUP_ESTIMATORS, PPOAlgorithmConfig
 from megatron_rlhf.data import ReaderConfig, SplitConfig, SyntheticTaskConfig
 from megatron_rlhf.generation import GenerationConfig
 from megatron_rlhf.models.gpt import (
@@ -105,12 +105,15 @@ class RolloutConfig:
     """Shapes of one PPO step.
 
     Attributes:
-        prompts_per_step: prompts generated per step (the experience batch); a multiple of every
+        prompts_per_step: prompts generated per step; the experience batch is
+            ``prompts_per_step * samples_per_prompt`` rows (``rows_per_step``), a multiple of every
             model's DP size and of ``num_minibatches``.
+        samples_per_prompt: responses sampled per prompt (``n``), in contiguous rows; each has
+            its own sampling noise. grpo and rloo need ``n >= 2`` (the group baseline).
         max_prompt_length: prompts are left-padded (and must fit) to this many tokens.
         micro_batch_size: rows per forward/backward micro-batch on one DP replica.
         ppo_epochs: passes over the experience per step.
-        num_minibatches: optimizer steps per epoch (each over ``prompts_per_step /
+        num_minibatches: optimizer steps per epoch (each over ``rows_per_step /
             num_minibatches`` rows).
         pipeline_chunks: the prompts of a step go through generation and experience in this
             many chunks, so that scoring chunk i overlaps generating chunk i+1 where the models
@@ -122,6 +125,7 @@ class RolloutConfig:
     """
 
     prompts_per_step: int = 8
+    samples_per_prompt: int = 1
     max_prompt_length: int = 16
     micro_batch_size: int = 2
     ppo_epochs: int = 1
@@ -131,16 +135,23 @@ class RolloutConfig:
     max_staleness: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("prompts_per_step", "max_prompt_length", "micro_batch_size", "ppo_epochs",
-                     "num_minibatches", "pipeline_chunks", "max_staleness"):
+        for name in ("prompts_per_step", "samples_per_prompt", "max_prompt_length",
+                     "micro_batch_size", "ppo_epochs", "num_minibatches", "pipeline_chunks",
+                     "max_staleness"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name}={getattr(self, name)} must be >= 1")
-        if self.prompts_per_step % self.num_minibatches:
-            raise ValueError(f"rollout.prompts_per_step({self.prompts_per_step}) is not a multiple "
+        if self.rows_per_step % self.num_minibatches:
+            raise ValueError(f"rollout.prompts_per_step({self.prompts_per_step}) x "
+                             f"samples_per_prompt({self.samples_per_prompt}) is not a multiple "
                              f"of rollout.num_minibatches({self.num_minibatches})")
         if self.prompts_per_step % self.pipeline_chunks:
             raise ValueError(f"rollout.prompts_per_step({self.prompts_per_step}) is not a multiple "
                              f"of rollout.pipeline_chunks({self.pipeline_chunks})")
+
+    @property
+    def rows_per_step(self) -> int:
+        """Rows of a step's experience batch: every prompt's ``samples_per_prompt`` responses."""
+        return self.prompts_per_step * self.samples_per_prompt
 
 
 @dataclass
@@ -298,3 +309,27 @@ class RunConfig:
     run_dir: str = "runs/ppo"
     trace: bool = False
     """Record a per-rank timeline into ``<run_dir>/timeline.json`` (Chrome trace format)."""
+
+    def __post_init__(self) -> None:
+        """Fits the placement to the algorithm: a critic-free estimator places no critic.
+
+        Raises:
+            ValueError: an option that needs a critic (AC-Share, a critic ratio, interleaving2)
+                with a critic-free estimator, critic-free ratios with gae, or fewer than 2
+                samples per prompt for grpo or rloo.
+        """
+        algorithm, placement = self.algorithm, self.placement
+        if algorithm.uses_critic and not placement.critic:
+            raise ValueError(
+                f"placement.critic=false but algorithm.advantage_estimator="
+                f"{algorithm.advantage_estimator!r} trains a critic: choose grpo, rloo or "
+                "reinforce++, or leave placement.critic alone (it follows the estimator)")
+        if not algorithm.uses_critic and placement.critic:
+            self.placement = replace(placement, critic=False)
+        self.placement.role_ratios()
+        n = self.rollout.samples_per_prompt
+        if algorithm.advantage_estimator in GROUP_ESTIMATORS and n < 2:
+            raise ValueError(
+                f"rollout.samples_per_prompt({n}) must be >= 2 for algorithm.advantage_estimator="
+                f"{algorithm.advantage_estimator!r}: the baseline of a response is the other "
+                "responses to its prompt; e.g. rollout.samples_per_prompt=4")

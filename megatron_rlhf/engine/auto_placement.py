@@ -11,7 +11,13 @@ import dataclasses
 
 from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.engine.build import make_plan
-from megatron_rlhf.planner import RolloutSpec, auto_place, explain_choice, load_profile
+from megatron_rlhf.planner import (
+    RolloutSpec,
+    SearchSpace,
+    auto_place,
+    explain_choice,
+    load_profile,
+)
 from megatron_rlhf.topology.cluster import ClusterSpec
 from megatron_rlhf.topology.models import resolve_arch
 
@@ -21,7 +27,7 @@ def choose_placement(config: RunConfig, cluster: ClusterSpec,
     """The run configuration with the planner's best placement, and why it won.
 
     Args:
-        config: the run; its placement's ``ac_share`` is kept.
+        config: the run; its placement's ``ac_share`` and ``critic`` are kept.
         cluster: the devices of the job.
         profile: a hardware profile name or JSON path for every pool; None uses the shipped
             profile named like each pool's kind.
@@ -32,7 +38,9 @@ def choose_placement(config: RunConfig, cluster: ClusterSpec,
     """
     profiles = load_profile(profile) if profile else None
     rollout = RolloutSpec.from_run_config(config, overlap=config.rollout.async_rollout)
-    ranked = auto_place(cluster, resolve_arch(config.models.arch), rollout, profiles)
+    # A critic-free run is priced as the three-model step it is.
+    ranked = auto_place(cluster, resolve_arch(config.models.arch), rollout, profiles,
+                        SearchSpace(critic=config.placement.critic))
     rejected = []
     for candidate in ranked:
         if not candidate.prediction.feasible:

@@ -55,15 +55,16 @@ def make_plan(config: RunConfig, cluster: ClusterSpec,
         raise ValueError(f"rollout.async_rollout=true needs shadows to generate while the actor "
                          f"trains: set placement.strategy to separation or hetero-separation "
                          f"(not {config.placement.strategy!r})")
-    chunk = rollout.prompts_per_step // rollout.pipeline_chunks
+    chunk = rollout.rows_per_step // rollout.pipeline_chunks
     for role in plan.roles:
         micro = rollout.micro_batch_size
         dp = plan[role].dp
         if chunk % (dp * micro):
             raise ValueError(
-                f"a chunk of {chunk} prompts (rollout.prompts_per_step / pipeline_chunks) must "
-                f"be a multiple of {role}'s dp({dp}) x rollout.micro_batch_size({micro})")
-        minibatch = config.rollout.prompts_per_step // config.rollout.num_minibatches
+                f"a chunk of {chunk} rows (rollout.prompts_per_step x samples_per_prompt / "
+                f"pipeline_chunks) must be a multiple of {role}'s dp({dp}) x "
+                f"rollout.micro_batch_size({micro})")
+        minibatch = rollout.rows_per_step // rollout.num_minibatches
         if role in TRAINABLE_ROLES and minibatch % (dp * micro):
             raise ValueError(
                 f"a mini-batch of {minibatch} rows does not split into {role}'s dp({dp}) x "

@@ -74,8 +74,11 @@ class PPOEngine:
         return SHADOW_ACTOR if SHADOW_ACTOR in self.plan.models else ACTOR
 
     @property
-    def critic_for_inference(self) -> str:
-        """The model that computes values (the actor itself under AC-Share)."""
+    def critic_for_inference(self) -> str | None:
+        """The model that computes values (the actor itself under AC-Share; None without a
+        critic)."""
+        if not self.plan.config.critic:
+            return None
         if CRITIC not in self.plan.models:
             return self.policy_for_inference
         return SHADOW_CRITIC if SHADOW_CRITIC in self.plan.models else CRITIC
@@ -174,7 +177,8 @@ class PPOEngine:
                         rule_reward: RuleReward | None = None, chunk: int = 0) -> DistBatch:
         """Old log-probs, reference log-probs, values and scores of a rollout, on the trainers.
 
-        The inputs of all four forward passes are moved first, then each model computes on its
+        Without a critic there are no values (three passes). The inputs of all forward passes
+        are moved first, then each model computes on its
         own ranks, so models on disjoint ranks run at the same time. Scores come as the reward
         model's ``rm_scores`` and the rule's ``rule_scores`` (zero without a rule). Sends are
         left in flight (``finish_transfers`` waits for them), so a rank that only produced the
@@ -191,6 +195,7 @@ class PPOEngine:
             (REWARD, {"rm_scores": (), "rule_scores": ()},
              lambda w, f: self._scores(w, f, rule_reward)),
         ]
+        passes = [one for one in passes if one[0] is not None]
         inputs = rollout.select(["input_ids", "attention_mask"])
         with self.context.span("transfer", "experience-inputs", chunk):
             staged = [inputs.moved_to(replica_input_layout(self.plan[role], rollout.batch_size),

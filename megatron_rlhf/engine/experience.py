@@ -1,7 +1,10 @@
 """From raw experience (log-probs, values, scores) to advantages and returns.
 
 Runs on every trainer rank over the whole experience batch, identically, so advantage whitening
-and score normalisation see the full batch whatever the placement.
+(GAE, REINFORCE++), score normalisation and group baselines (GRPO, RLOO) see the full batch
+whatever the placement: the engine has already gathered every row, in prompt order with the
+``samples_per_prompt`` rows of a prompt contiguous, onto every trainer rank, so no further
+collective is needed.
 """
 
 from __future__ import annotations
@@ -12,10 +15,15 @@ from megatron_rlhf.algorithms import (
     KLController,
     PPOAlgorithmConfig,
     RunningMoments,
+    broadcast_sequence_advantages,
     compute_gae_advantage_return,
+    compute_grpo_outcome_advantages,
+    compute_reinforce_plus_plus_advantage_return,
+    compute_rloo_outcome_advantages,
     compute_token_level_rewards,
     kl_penalty,
     masked_mean,
+    masked_sum,
     masked_whiten,
     mean_sequence_kl,
     normalize_scores,
@@ -24,19 +32,22 @@ from megatron_rlhf.algorithms import (
 
 def compute_advantages(fields: dict[str, torch.Tensor], config: PPOAlgorithmConfig,
                        kl_controller: KLController, score_moments: RunningMoments,
-                       reward_model_weight: float, rule_weight: float
+                       reward_model_weight: float, rule_weight: float,
+                       samples_per_prompt: int = 1
                        ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Add ``advantages`` and ``returns`` to an experience batch; update the KL controller.
 
     Args:
-        fields: ``old_logprobs``, ``ref_logprobs``, ``values``, ``response_mask`` ``[B, R]``,
-            ``rm_scores`` and ``rule_scores`` ``[B]``.
+        fields: ``old_logprobs``, ``ref_logprobs``, ``values`` (gae only), ``response_mask``
+            ``[B, R]``, ``rm_scores`` and ``rule_scores`` ``[B]``; the whole batch, groups of
+            ``samples_per_prompt`` rows contiguous.
         config: PPO settings.
         kl_controller: its current coefficient weighs the KL penalty; it is then updated with
             this batch's KL.
         score_moments: running score statistics (used with ``reward_norm="running"``).
         reward_model_weight: weight of the reward model's score in the sequence score.
         rule_weight: weight of the rule-based score.
+        samples_per_prompt: rows per group (grpo, rloo).
 
     Returns:
         The fields with ``advantages``, ``returns`` and ``kl`` added, and step metrics.
@@ -49,10 +60,7 @@ def compute_advantages(fields: dict[str, torch.Tensor], config: PPOAlgorithmConf
     rewards = compute_token_level_rewards(scores, kl, mask, kl_coef, config.reward_clip)
     sequence_kl = mean_sequence_kl(kl, mask).item()
     kl_controller.update(sequence_kl, n_steps=mask.shape[0])
-    advantages, returns = compute_gae_advantage_return(rewards, fields["values"], mask,
-                                                       config.gamma, config.lam)
-    if config.whiten_advantages:
-        advantages = masked_whiten(advantages, mask, config.whiten_shift_mean)
+    advantages, returns = _advantages(rewards, fields, config, samples_per_prompt)
     metrics = {
         "reward_mean": raw_scores.mean().item(),
         "rm_score": fields["rm_scores"].mean().item(),
@@ -60,7 +68,37 @@ def compute_advantages(fields: dict[str, torch.Tensor], config: PPOAlgorithmConf
         "kl": sequence_kl,
         "kl_coef": kl_coef,
         "response_length": mask.sum(dim=1).float().mean().item(),
-        "values_mean": masked_mean(fields["values"], mask).item(),
         "returns_mean": masked_mean(returns, mask).item(),
     }
+    if "values" in fields:
+        metrics["values_mean"] = masked_mean(fields["values"], mask).item()
     return {**fields, "advantages": advantages, "returns": returns, "kl": kl}, metrics
+
+
+def _advantages(rewards: torch.Tensor, fields: dict[str, torch.Tensor],
+                config: PPOAlgorithmConfig, samples_per_prompt: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(advantages, returns)`` ``[B, R]`` of the configured estimator from token rewards.
+
+    grpo and rloo score a row by its summed token rewards (the score, minus the KL penalty when
+    ``kl_in="reward"``), compare it with the other rows of its group, and put the result on every
+    response token; their ``returns`` are the advantages (no critic learns from them).
+    """
+    mask = fields["response_mask"]
+    estimator = config.advantage_estimator
+    if estimator == "gae":
+        advantages, returns = compute_gae_advantage_return(rewards, fields["values"], mask,
+                                                           config.gamma, config.lam)
+        if config.whiten_advantages:
+            advantages = masked_whiten(advantages, mask, config.whiten_shift_mean)
+        return advantages, returns
+    if estimator == "reinforce++":
+        return compute_reinforce_plus_plus_advantage_return(rewards, mask, config.gamma)
+    sequence_scores = masked_sum(rewards, mask, dim=-1)
+    if estimator == "grpo":
+        sequence_advantages = compute_grpo_outcome_advantages(
+            sequence_scores, samples_per_prompt, config.grpo_std_normalize)
+    else:
+        sequence_advantages = compute_rloo_outcome_advantages(sequence_scores, samples_per_prompt)
+    advantages = broadcast_sequence_advantages(sequence_advantages, mask)
+    return advantages, advantages

@@ -6,10 +6,13 @@
         metrics = algorithm.step(step)
 
 A step *produces* experience (generate, score, advantages) and *consumes* it (train actor and
-critic, then sync the shadows). Synchronously, step k consumes what it just produced. In the
-asynchronous mode (separation), step k trains on experience produced ``max_staleness`` steps
-earlier while the shadows already generate step ``k + max_staleness``: the trainable models and
-the shadows hold disjoint ranks, so the two halves run at the same time. The behaviour log-probs
+critic, then sync the shadows). With ``rollout.samples_per_prompt = n`` every prompt is sampled
+``n`` times into ``n`` contiguous rows (a group); with a critic-free estimator (grpo, rloo,
+reinforce++) the engine has no critic, and only the actor is trained. Synchronously, step k
+consumes what it just produced. In the asynchronous mode (separation), step k trains on
+experience produced ``max_staleness`` steps earlier while the shadows already generate step
+``k + max_staleness``: the trainable models and the shadows hold disjoint ranks, so the two
+halves run at the same time. The behaviour log-probs
 recorded by the shadow are the ones PPO's importance ratio uses, so the update stays correct
 off-policy.
 """
@@ -52,6 +55,19 @@ class Experience:
     step: int
     batch: DistBatch
     metrics: dict[str, float]
+
+
+def sample_rows(prompts: Sequence[Sequence[int]], ids: Sequence[int], samples_per_prompt: int
+                ) -> tuple[list[Sequence[int]], list[int]]:
+    """Every prompt repeated ``n = samples_per_prompt`` times in contiguous rows (its group).
+
+    Sample ``j`` of the prompt with sample id ``i`` gets the id ``i * n + j``, which keys its
+    sampling noise: unique over the run (ids are), independent of ranks and chunks, and ``i``
+    itself when ``n = 1``.
+    """
+    n = samples_per_prompt
+    rows = [prompt for prompt in prompts for _ in range(n)]
+    return rows, [i * n + j for i in ids for j in range(n)]
 
 
 class PPOAlgorithm:
@@ -134,10 +150,12 @@ class PPOAlgorithm:
         """Generate and score step ``step``'s prompts; advantages on the trainer ranks.
 
         The prompts go through in ``rollout.pipeline_chunks`` chunks: a generating rank starts on
-        chunk ``i + 1`` while the experience models score chunk ``i``.
+        chunk ``i + 1`` while the experience models score chunk ``i``. A chunk holds whole
+        groups, and every trainer rank receives the whole batch, so a group baseline sees all of
+        its rows wherever they were generated.
         """
         engine = self.engine
-        prompts, ids = self.prompts(step)
+        prompts, ids = sample_rows(*self.prompts(step), self.rollout.samples_per_prompt)
         size = len(prompts) // self.rollout.pipeline_chunks
         parts = []
         for chunk, start in enumerate(range(0, len(prompts), size)):
@@ -153,7 +171,8 @@ class PPOAlgorithm:
             with self.engine.context.span("advantages"):
                 batch.fields, metrics = compute_advantages(
                     batch.fields, self.algorithm, self.kl_controller, self.score_moments,
-                    self.reward.model_weight, self.reward.rule_weight)
+                    self.reward.model_weight, self.reward.rule_weight,
+                    self.rollout.samples_per_prompt)
             bad = nonfinite_experience(batch.fields)
             if bad:
                 self.load_state_dict(before)  # the KL controller must not learn from NaNs

@@ -189,6 +189,7 @@ def _shape_signature(config: RunConfig) -> tuple[str, ...]:
     """Settings that decide the number and shape of every collective: ranks must agree."""
     rollout = config.rollout
     return (f"rollout.prompts_per_step={rollout.prompts_per_step}",
+            f"rollout.samples_per_prompt={rollout.samples_per_prompt}",
             f"rollout.max_prompt_length={rollout.max_prompt_length}",
             f"rollout.micro_batch_size={rollout.micro_batch_size}",
             f"rollout.ppo_epochs={rollout.ppo_epochs}",
@@ -227,7 +228,7 @@ def _train(run: RunState, start: int, run_dir: Path, exporter: HFExporter,
                 stop = preemption.requested()
             seconds = time.perf_counter() - begin
             metrics.update(step_seconds=seconds,
-                           samples_per_s=config.rollout.prompts_per_step / seconds, **held_out)
+                           samples_per_s=config.rollout.rows_per_step / seconds, **held_out)
             writer.write(step, metrics)
             if config.checkpoint.save_dir and (
                     stop or step + 1 == config.steps or (config.checkpoint.save_interval and (

@@ -27,6 +27,8 @@ def nonfinite_experience(fields: dict[str, torch.Tensor]) -> dict[str, float]:
     """``nonfinite/<field>``: count of NaN/Inf values of each model output that has any."""
     counts = {}
     for name in _EXPERIENCE_SOURCES:
+        if name not in fields:  # no values without a critic
+            continue
         bad = int((~torch.isfinite(fields[name])).sum())
         if bad:
             counts[f"nonfinite/{name}"] = float(bad)
@@ -35,7 +37,8 @@ def nonfinite_experience(fields: dict[str, torch.Tensor]) -> dict[str, float]:
 
 def experience_sources(engine: PPOEngine) -> dict[str, str]:
     """Which model produced each experience field and metric."""
-    policy, critic = engine.policy_for_inference, engine.critic_for_inference
+    policy = engine.policy_for_inference
+    critic = engine.critic_for_inference or "none (critic-free estimator)"
     return {"old_logprobs": policy, "ref_logprobs": REF, "values": critic,
             "rm_scores": REWARD, "rule_scores": "rule reward", "rm_score": REWARD,
             "rule_score": "rule reward", "reward_mean": REWARD, "kl": f"{policy} and {REF}",

@@ -1,8 +1,11 @@
 """Loss functions of the training stage in megatron's per-token form.
 
-megatron's schedule takes ``(loss_sum, num_tokens, metrics)`` per micro-batch and divides the
-gradients by the tokens of the whole step, so the PPO losses (token means over a mini-batch) are
-passed as ``mean * tokens``. Metrics are sums too, reduced across ranks by the caller.
+megatron's schedule takes ``(loss_sum, count, metrics)`` per micro-batch and divides the
+gradients by the count summed over the whole step, so a loss is passed as ``value * count`` with
+``count = aggregation_denominator(mask, algorithm.loss_aggregation)``: the response tokens for
+``token_mean`` (PPO's default), the rows with a response for the ``seq_mean_*`` modes. That
+reproduces the mini-batch's aggregate whatever the micro-batching. Metrics are token-weighted
+sums, reduced across ranks by the caller.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import torch
 
 from megatron_rlhf.algorithms import (
     PPOAlgorithmConfig,
+    aggregation_denominator,
     compute_entropy_loss,
+    compute_kl_loss,
     compute_policy_loss,
     compute_value_loss,
 )
@@ -28,14 +33,25 @@ def _as_sums(tokens: torch.Tensor, metrics: dict[str, torch.Tensor]) -> dict[str
 
 def actor_loss_fn(worker: ModelWorker, prompt_length: int, temperature: float,
                   config: PPOAlgorithmConfig) -> LossFn:
-    """Clipped policy loss + entropy bonus (+ value loss with a shared trunk, AC-Share)."""
+    """Clipped policy loss + entropy bonus (+ value loss with a shared trunk, AC-Share; + KL loss
+    to the reference, from the batch's ``ref_logprobs``, when ``kl_in="loss"``)."""
+    token_mean = config.loss_aggregation == "token_mean"
+
     def loss_fn(output: torch.Tensor, batch: dict[str, torch.Tensor]):
         mask = batch["response_mask"]
         tokens = mask.sum()
+        count = tokens if token_mean else aggregation_denominator(mask, config.loss_aggregation)
         logprobs, entropy = worker.token_logprobs(output, batch, prompt_length, temperature,
                                                   with_entropy=config.entropy_coef > 0)
         loss, metrics = compute_policy_loss(logprobs, batch["old_logprobs"], batch["advantages"],
-                                            mask, config.clip_ratio, config.dual_clip)
+                                            mask, config.clip_ratio, config.dual_clip,
+                                            config.loss_aggregation)
+        if config.kl_in == "loss":
+            kl_loss, kl_metrics = compute_kl_loss(logprobs, batch["ref_logprobs"], mask,
+                                                  config.kl_loss_estimator,
+                                                  config.loss_aggregation)
+            loss = loss + config.kl_loss_coef * kl_loss
+            metrics.update(kl_metrics)
         if entropy is not None:
             entropy_loss, entropy_metrics = compute_entropy_loss(entropy, mask, config.entropy_coef)
             loss = loss + entropy_loss
@@ -46,7 +62,7 @@ def actor_loss_fn(worker: ModelWorker, prompt_length: int, temperature: float,
                 values, batch["values"], batch["returns"], mask, config.value_clip)
             loss = loss + config.value_loss_coef * value_loss
             metrics.update(value_metrics)
-        return loss * tokens, tokens.int(), _as_sums(tokens, metrics)
+        return loss * count, count.int(), _as_sums(tokens, metrics)
 
     return loss_fn
 

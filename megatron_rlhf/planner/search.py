@@ -41,7 +41,8 @@ from megatron_rlhf.topology.plan import PlacementPlan
 ArchLike = str | ArchSpec
 DEFAULT_RATIO_GRID = ((1.0, 1.0, 0.25, 0.25), (1.0, 1.0, 0.5, 0.25), (1.0, 1.0, 0.25, 0.5),
                       (0.5, 0.5, 0.25, 0.25))
-"""Custom ratio vectors over [actor, critic, ref, reward] tried besides the presets."""
+"""Custom ratio vectors over [actor, critic, ref, reward] tried besides the presets (without a
+critic, the critic entry is dropped)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ class SearchSpace:
         train_fractions: separation splits tried.
         ratio_grid: custom ratio vectors tried.
         ac_share: plan with AC-Share (no critic).
+        critic: plan a value model at all; False prices the three-model step of the critic-free
+            estimators (grpo, rloo, reinforce++), without interleaving2.
         distributed_optimizer: shard optimizer state over DP (never costs time, saves memory).
     """
 
@@ -66,6 +69,7 @@ class SearchSpace:
     train_fractions: tuple[float, ...] = (0.25, 0.5, 0.75)
     ratio_grid: tuple[tuple[float, float, float, float], ...] = DEFAULT_RATIO_GRID
     ac_share: bool = False
+    critic: bool = True
     distributed_optimizer: bool = True
 
     def __post_init__(self) -> None:
@@ -134,17 +138,22 @@ def candidate_configs(cluster: ClusterSpec, archs: list[ArchSpec],
     def wanted(strategy: str) -> bool:
         return space.strategies is None or strategy in space.strategies
 
-    common = {"ac_share": space.ac_share, "distributed_optimizer": space.distributed_optimizer}
-    shadow_roles = ("shadow_actor",) if space.ac_share else ("shadow_actor", "shadow_critic")
+    common = {"ac_share": space.ac_share, "critic": space.critic,
+              "distributed_optimizer": space.distributed_optimizer}
+    with_critic = space.critic and not space.ac_share
+    shadow_roles = ("shadow_actor", "shadow_critic") if with_critic else ("shadow_actor",)
+    presets = (FLATTENING, INTERLEAVING, INTERLEAVING2) if space.critic else (FLATTENING,
+                                                                                INTERLEAVING)
+    grid = ([list(r) for r in space.ratio_grid] if space.critic
+            else list(dict.fromkeys((r[0], r[2], r[3]) for r in space.ratio_grid)))
     found: list[PlacementConfig] = []
     for tp in tps:
         for pp in pps:
             found += [PlacementConfig(strategy, tp=tp, pp=pp, **common)
-                      for strategy in (FLATTENING, INTERLEAVING, INTERLEAVING2)
-                      if wanted(strategy)]
+                      for strategy in presets if wanted(strategy)]
             if wanted(CUSTOM):
                 found += [PlacementConfig(CUSTOM, ratios=list(r), tp=tp, pp=pp, **common)
-                          for r in space.ratio_grid]
+                          for r in grid]
             for shadow_tp in tps:
                 shadows = {role: ParallelOverride(tp=shadow_tp) for role in shadow_roles}
                 if wanted(SEPARATION):

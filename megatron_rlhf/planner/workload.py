@@ -19,8 +19,8 @@ class RolloutSpec:
     """Shapes of one PPO step.
 
     Attributes:
-        batch: prompts per step (``rollout.prompts_per_step``); one sample is one prompt with
-            its response.
+        batch: sequences per step (``rollout.prompts_per_step * samples_per_prompt``); one
+            sample is one prompt with one response.
         prompt_length: prompt tokens (``rollout.max_prompt_length``).
         generation_length: response tokens (``generation.max_new_tokens``).
         ppo_epochs: passes over the experience per step.
@@ -65,14 +65,15 @@ class RolloutSpec:
         """The shapes of a ``RunConfig`` (read by attribute, so the planner needs no engine).
 
         Args:
-            run: an object with ``rollout`` (prompts_per_step, max_prompt_length,
-                micro_batch_size, ppo_epochs, num_minibatches) and ``generation``
+            run: an object with ``rollout`` (prompts_per_step, samples_per_prompt (default 1),
+                max_prompt_length, micro_batch_size, ppo_epochs, num_minibatches) and ``generation``
                 (max_new_tokens), such as ``megatron_rlhf.config.ppo_run.RunConfig``.
             activation_checkpointing: whether the trainers recompute activations.
             overlap: see ``RolloutSpec.overlap``.
         """
         rollout, generation = run.rollout, run.generation
-        return cls(batch=rollout.prompts_per_step, prompt_length=rollout.max_prompt_length,
+        rows = rollout.prompts_per_step * getattr(rollout, "samples_per_prompt", 1)
+        return cls(batch=rows, prompt_length=rollout.max_prompt_length,
                    generation_length=max(generation.max_new_tokens, 1),
                    ppo_epochs=rollout.ppo_epochs, num_minibatches=rollout.num_minibatches,
                    micro_batch_size=rollout.micro_batch_size,

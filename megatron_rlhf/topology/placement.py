@@ -81,7 +81,8 @@ def plan_placement(cluster: ClusterSpec, config: PlacementConfig,
         cluster: the devices.
         config: strategy or ratios, separation split, parallelism.
         models: one architecture (preset name or ``ArchSpec``) for every model, or one per role
-            among actor, critic, ref and reward (critic may be left out under AC-Share). Shadows
+            among actor, critic, ref and reward (critic may be left out under AC-Share and
+            without a critic, ``config.critic=False``). Shadows
             take the architecture of the model they copy.
 
     Returns:
@@ -129,9 +130,9 @@ def resolve_models(config: PlacementConfig,
             divisible by tp).
     """
     archs = _archs(config, models)
-    roles = [ACTOR, REF, REWARD] if config.ac_share else [ACTOR, CRITIC, REF, REWARD]
+    roles = [ACTOR, CRITIC, REF, REWARD] if config.places_critic else [ACTOR, REF, REWARD]
     if config.separated:
-        roles += [SHADOW_ACTOR] if config.ac_share else [SHADOW_ACTOR, SHADOW_CRITIC]
+        roles += [SHADOW_ACTOR, SHADOW_CRITIC] if config.places_critic else [SHADOW_ACTOR]
     specs = {}
     for role in roles:
         override = config.parallel.get(role)
@@ -151,10 +152,10 @@ def _archs(config: PlacementConfig, models: ArchLike | Mapping[str, ArchLike]
            ) -> dict[str, ArchSpec]:
     if isinstance(models, str | ArchSpec):
         models = {role: models for role in (ACTOR, CRITIC, REF, REWARD)}
-    needed = (ACTOR, REF, REWARD) if config.ac_share else (ACTOR, CRITIC, REF, REWARD)
+    needed = (ACTOR, CRITIC, REF, REWARD) if config.places_critic else (ACTOR, REF, REWARD)
     missing = [role for role in needed if role not in models]
     if missing:
-        hint = "" if config.ac_share else " (or set placement.ac_share=True to drop the critic)"
+        hint = " (or set placement.ac_share=True to drop the critic)" if config.places_critic else ""
         raise ValueError(f"models lacks an architecture for {missing}: add them{hint}")
     unknown = sorted(set(models) - {ACTOR, CRITIC, REF, REWARD})
     if unknown:

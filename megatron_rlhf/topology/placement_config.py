@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_rlhf.topology.models import ACTOR, CRITIC, REF, REWARD, ROLES
+from megatron_rlhf.topology.models import ACTOR, CRITIC, REF, REWARD, ROLES, SHADOW_CRITIC
 
 FLATTENING = "flattening"
 INTERLEAVING = "interleaving"
@@ -25,12 +25,21 @@ STRATEGIES = (FLATTENING, INTERLEAVING, INTERLEAVING2, SEPARATION, HETERO_SEPARA
 RATIO_ROLES = (ACTOR, CRITIC, REF, REWARD)
 """Order of the entries of a ratio list."""
 
+CRITIC_FREE_RATIO_ROLES = (ACTOR, REF, REWARD)
+"""Order of the entries of a ratio list when no critic is placed (``critic=False``)."""
+
 PRESET_RATIOS: dict[str, tuple[float, float, float, float]] = {
     FLATTENING: (1.0, 1.0, 1.0, 1.0),
     INTERLEAVING: (1.0, 1.0, 0.5, 0.5),
     INTERLEAVING2: (0.5, 0.5, 0.5, 0.5),
 }
 """Ratio lists of the single-region presets, over ``RATIO_ROLES``."""
+
+CRITIC_FREE_PRESET_RATIOS: dict[str, tuple[float, float, float]] = {
+    FLATTENING: (1.0, 1.0, 1.0),
+    INTERLEAVING: (1.0, 0.5, 0.5),
+}
+"""Presets over ``CRITIC_FREE_RATIO_ROLES``; interleaving2 (actor || critic) has no meaning."""
 
 DISJOINT_ROLES: dict[str, tuple[tuple[str, str], ...]] = {
     INTERLEAVING: ((REF, REWARD),),
@@ -63,12 +72,17 @@ class PlacementConfig:
     Attributes:
         strategy: one of ``STRATEGIES``. ``custom`` takes ``ratios``.
         ratios: fraction of devices per model over ``[actor, critic, ref, reward]``, each in
-            (0, 1]; only with ``strategy="custom"``. Under AC-Share the critic entry is unused.
+            (0, 1]; only with ``strategy="custom"``. Under AC-Share the critic entry is unused;
+            without a critic (``critic=False``) the list is ``[actor, ref, reward]``.
         train_fraction: under ``separation``, the fraction of nodes (of devices on a one-node
             cluster) that hold the trainable actor and critic; the rest hold the shadows, ref
             and reward.
         ac_share: the critic is a value head on the actor (AC-Share): no critic and no shadow
             critic are placed.
+        critic: a value model is used at all. False for the critic-free estimators (grpo, rloo,
+            reinforce++): actor, ref and reward are placed (and a shadow actor under
+            separation), nothing else. ``RunConfig`` sets it from
+            ``algorithm.advantage_estimator``.
         tp: default tensor-parallel size of every model.
         pp: default pipeline-parallel size of every model except the shadows, which default to
             ``pp=1`` (generation wants no pipeline bubbles).
@@ -85,6 +99,7 @@ class PlacementConfig:
     ratios: list[float] | None = None
     train_fraction: float = 0.5
     ac_share: bool = False
+    critic: bool = True
     tp: int = 1
     pp: int = 1
     distributed_optimizer: bool = True
@@ -97,6 +112,7 @@ class PlacementConfig:
             raise ValueError(
                 f"placement.strategy={self.strategy!r} is unknown: choose one of {STRATEGIES}"
             )
+        self._check_critic_free()
         self._check_ratios()
         if not 0.0 < self.train_fraction < 1.0:
             raise ValueError(
@@ -118,6 +134,34 @@ class PlacementConfig:
                 f"they only apply to strategy={HETERO_SEPARATION!r}"
             )
 
+    def _check_critic_free(self) -> None:
+        if self.critic:
+            return
+        if self.ac_share:
+            raise ValueError(
+                "placement.ac_share=true puts a critic's value head on the actor, but this run has "
+                "no critic (algorithm.advantage_estimator is grpo, rloo or reinforce++): drop "
+                "placement.ac_share, or use advantage_estimator='gae'"
+            )
+        if self.strategy == INTERLEAVING2:
+            raise ValueError(
+                "placement.strategy='interleaving2' trains actor and critic side by side, but "
+                "this run has no critic (algorithm.advantage_estimator is grpo, rloo or "
+                "reinforce++): use 'interleaving', or strategy='custom' with ratios over "
+                f"{list(CRITIC_FREE_RATIO_ROLES)}"
+            )
+        for role in self.parallel:
+            if role in (CRITIC, SHADOW_CRITIC):
+                raise ValueError(
+                    f"placement.parallel[{role!r}] is set, but this run places no {role} "
+                    "(algorithm.advantage_estimator is grpo, rloo or reinforce++): drop it"
+                )
+
+    @property
+    def ratio_roles(self) -> tuple[str, ...]:
+        """The roles a ratio list names, in order: with or without the critic."""
+        return RATIO_ROLES if self.critic else CRITIC_FREE_RATIO_ROLES
+
     def _check_ratios(self) -> None:
         if self.strategy != CUSTOM:
             if self.ratios is not None:
@@ -126,17 +170,34 @@ class PlacementConfig:
                     f"set strategy={CUSTOM!r} or drop the ratios"
                 )
             return
-        if self.ratios is None or len(self.ratios) != len(RATIO_ROLES):
+        if self.ratios is not None and not self.critic and len(self.ratios) == len(RATIO_ROLES):
+            raise ValueError(
+                f"placement.ratios={self.ratios} gives a critic ratio, but this run has no critic "
+                "(algorithm.advantage_estimator is grpo, rloo or reinforce++): give "
+                f"{len(CRITIC_FREE_RATIO_ROLES)} ratios for {list(CRITIC_FREE_RATIO_ROLES)}, "
+                "e.g. [1, 0.5, 0.5]"
+            )
+        # A critic-free list is accepted before RunConfig sets critic=False from the algorithm;
+        # role_ratios() refuses it if a critic is still placed then.
+        if self.ratios is None or len(self.ratios) not in (len(RATIO_ROLES),
+                                                           len(CRITIC_FREE_RATIO_ROLES)):
             raise ValueError(
                 f"placement.ratios={self.ratios} must give {len(RATIO_ROLES)} ratios for "
-                f"{list(RATIO_ROLES)}, e.g. [1, 1, 0.5, 0.5]"
+                f"{list(RATIO_ROLES)}, e.g. [1, 1, 0.5, 0.5] ({len(CRITIC_FREE_RATIO_ROLES)} for "
+                f"{list(CRITIC_FREE_RATIO_ROLES)} with a critic-free advantage_estimator)"
             )
-        for role, ratio in zip(RATIO_ROLES, self.ratios, strict=True):
+        roles = RATIO_ROLES if len(self.ratios) == len(RATIO_ROLES) else CRITIC_FREE_RATIO_ROLES
+        for role, ratio in zip(roles, self.ratios, strict=True):
             if not 0.0 < ratio <= 1.0:
                 raise ValueError(
                     f"placement.ratios: {role} ratio {ratio} must be in (0, 1]: a model needs "
                     "some devices and cannot have more than all of them"
                 )
+
+    @property
+    def places_critic(self) -> bool:
+        """Whether a critic network is placed (neither AC-Share nor a critic-free run)."""
+        return self.critic and not self.ac_share
 
     @property
     def separated(self) -> bool:
@@ -146,14 +207,24 @@ class PlacementConfig:
     def role_ratios(self) -> dict[str, float]:
         """Ratio per role for the single-region strategies; empty under separation."""
         if self.strategy == CUSTOM:
-            return dict(zip(RATIO_ROLES, self.ratios or (), strict=True))
-        return dict(zip(RATIO_ROLES, PRESET_RATIOS.get(self.strategy, ()), strict=False))
+            ratios = self.ratios or ()
+            if len(ratios) != len(self.ratio_roles):
+                raise ValueError(
+                    f"placement.ratios={self.ratios} names {list(CRITIC_FREE_RATIO_ROLES)} (a "
+                    "critic-free run) but a critic is placed (algorithm.advantage_estimator="
+                    f"'gae'): give {len(RATIO_ROLES)} ratios for {list(RATIO_ROLES)}, or choose "
+                    "a critic-free advantage_estimator (grpo, rloo, reinforce++)"
+                )
+            return dict(zip(self.ratio_roles, ratios, strict=True))
+        presets = PRESET_RATIOS if self.critic else CRITIC_FREE_PRESET_RATIOS
+        return dict(zip(self.ratio_roles, presets.get(self.strategy, ()), strict=False))
 
     def to_dict(self) -> dict:
         """JSON-ready description."""
         return {
             "strategy": self.strategy, "ratios": self.ratios,
             "train_fraction": self.train_fraction, "ac_share": self.ac_share,
+            "critic": self.critic,
             "tp": self.tp, "pp": self.pp, "distributed_optimizer": self.distributed_optimizer,
             "parallel": {role: vars(o).copy() for role, o in sorted(self.parallel.items())},
             "train_pool": self.train_pool, "inference_pool": self.inference_pool,

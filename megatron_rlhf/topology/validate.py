@@ -49,14 +49,15 @@ def validate_plan(plan: PlacementPlan) -> None:
 def _check_roles(plan: PlacementPlan) -> None:
     config = plan.config
     expected = {ACTOR, REF, REWARD}
-    if not config.ac_share:
+    if config.places_critic:
         expected.add(CRITIC)
     if config.separated:
-        expected |= {SHADOW_ACTOR} if config.ac_share else {SHADOW_ACTOR, SHADOW_CRITIC}
+        expected |= {SHADOW_ACTOR, SHADOW_CRITIC} if config.places_critic else {SHADOW_ACTOR}
     if set(plan.models) != expected:
         raise ValueError(
             f"plan places {sorted(plan.models)} but strategy={config.strategy!r} with "
-            f"ac_share={config.ac_share} places {sorted(expected)}: plan it with plan_placement"
+            f"ac_share={config.ac_share} places {sorted(expected)} (critic={config.critic}): "
+            "plan it with plan_placement"
         )
 
 

@@ -37,6 +37,22 @@ def test_candidates_cover_presets_ratio_grid_and_separation_splits() -> None:
                                                            for c in configs)
 
 
+def test_a_critic_free_search_prices_three_models() -> None:
+    cluster = homogeneous_cluster("A100-80GB", 4, 8)
+    space = SearchSpace(tps=(4,), pps=(1,), critic=False)
+    configs = candidate_configs(cluster, [arch_preset("llama-7b")], space)
+    assert {c.strategy for c in configs} == {"flattening", "interleaving", "custom", "separation"}
+    assert [c.ratios for c in configs if c.strategy == "custom"] == [
+        [1.0, 0.25, 0.25], [1.0, 0.5, 0.25], [1.0, 0.25, 0.5], [0.5, 0.25, 0.25]]
+    ranked = auto_place(cluster, "llama-7b", ROLLOUT, space=space)
+    assert ranked and all(set(c.plan.models) <= {"actor", "ref", "reward", "shadow_actor"}
+                          for c in ranked)
+    with_critic = auto_place(cluster, "llama-7b", ROLLOUT, space=SearchSpace(tps=(4,), pps=(1,)))
+    best = {c.label: c.prediction.step_seconds for c in with_critic}
+    flat = next(c for c in ranked if c.label == "flattening tp=4 pp=1")
+    assert flat.prediction.step_seconds < best["flattening tp=4 pp=1"]
+
+
 def test_auto_place_ranks_by_samples_per_second_and_explains() -> None:
     cluster = homogeneous_cluster("A100-80GB", 2, 8)
     ranked = auto_place(cluster, "llama-7b", ROLLOUT, space=SearchSpace(tps=(2, 4), pps=(1,)))
