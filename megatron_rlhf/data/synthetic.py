@@ -15,9 +15,9 @@ denominator is at least ``RULE_MIN_WORDS``.
 Reference responses mix topic words, neutral filler and other topics' words at a random on-topic
 rate, so their rule scores spread over [0, 1] and reinforcement learning has room above a
 fine-tuned model (docs/quickstart.md: sampled held-out 0.47-0.49 after SFT, 0.59-0.75 after PPO).
-With
-``contrast_fraction`` a share of the pairs instead set a response against an edit of itself that
-breaks one part of the rule (docs/data.md).
+With ``contrast_fraction`` a share of the pairs instead set a response against an edit of itself
+that breaks one part of the rule, and ``distinct_topic_words`` keeps loops out of the answers SFT
+imitates (docs/data.md).
 
 Write the task as JSONL in the public preference schema (prompt/response/chosen/rejected, with
 ``response == chosen`` as in Dahoas/rm-static)::
