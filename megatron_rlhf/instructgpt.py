@@ -84,11 +84,11 @@ def run_pipeline(run_dir: str | Path, data_paths: Sequence[str], ppo_overrides: 
     data = [f"data.paths=[{','.join(train)}]"]
     if held_out:
         data.append(f"data.eval_paths=[{','.join(held_out)}]")
-    sft = load_config(SFTConfig, EXAMPLES / "sft_tiny.yaml",
+    sft = load_config(SFTConfig, EXAMPLES / "sft_pipeline.yaml",
                       [f"out_dir={run_dir / 'sft'}", *data, *sft_overrides])
     run_sft(sft)
     sft_checkpoint = run_dir / "sft" / CHECKPOINT_DIR
-    rm = load_config(RMConfig, EXAMPLES / "rm_tiny.yaml",
+    rm = load_config(RMConfig, EXAMPLES / "rm_pipeline.yaml",
                      [f"out_dir={run_dir / 'rm'}", f"model.init_checkpoint={sft_checkpoint}",
                       *data, *rm_overrides])
     run_reward_training(rm)

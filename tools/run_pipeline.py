@@ -40,6 +40,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ppo-steps", type=int, help="PPO steps (default: the config's)")
     parser.add_argument("--sft-steps", type=int, help="cap on SFT steps (default: its epochs)")
     parser.add_argument("--rm-steps", type=int, help="cap on reward-model steps")
+    parser.add_argument("--sft-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override of the SFT configuration (repeatable), e.g. train.epochs=6")
+    parser.add_argument("--rm-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override of the reward-model configuration (repeatable)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the synthetic task and of every stage's runtime")
     parser.add_argument("overrides", nargs="*", help="PPO section.key=value overrides")
@@ -65,8 +69,9 @@ def main(argv: list[str] | None = None) -> int:
                  f"prompts.synthetic.seed={args.seed}", *args.overrides]
     if args.ppo_steps is not None:
         overrides.append(f"steps={args.ppo_steps}")
-    sft = [seed, *([f"train.max_steps={args.sft_steps}"] if args.sft_steps else [])]
-    rm = [seed, *([f"train.max_steps={args.rm_steps}"] if args.rm_steps else [])]
+    sft = [seed, *([f"train.max_steps={args.sft_steps}"] if args.sft_steps else []),
+           *args.sft_set]
+    rm = [seed, *([f"train.max_steps={args.rm_steps}"] if args.rm_steps else []), *args.rm_set]
     try:
         result = run_pipeline(args.run_dir, args.data, overrides, sft, rm)
     except (ConfigError, ValueError) as error:

@@ -14,9 +14,10 @@ denominator is at least ``RULE_MIN_WORDS``.
 
 Reference responses mix topic words, neutral filler and other topics' words at a random on-topic
 rate, so their rule scores spread over [0, 1] and reinforcement learning has room above a
-fine-tuned model (docs/quickstart.md: held-out 0.41-0.48 after SFT, 0.70-0.72 after PPO). With
-``contrast_fraction`` a share of the pairs instead set a response against an edit of itself that
-breaks one part of the rule (docs/data.md).
+fine-tuned model (docs/quickstart.md: sampled held-out 0.47-0.49 after SFT, 0.59-0.75 after PPO).
+With ``contrast_fraction`` a share of the pairs instead set a response against an edit of itself
+that breaks one part of the rule, and ``distinct_topic_words`` keeps loops out of the answers SFT
+imitates (docs/data.md).
 
 Write the task as JSONL in the public preference schema (prompt/response/chosen/rejected, with
 ``response == chosen`` as in Dahoas/rm-static)::
@@ -137,6 +138,13 @@ class SyntheticTaskConfig:
     or its topic words swapped for another topic's), so a reward model sees what each part
     costs; the rest are two independent draws. 0 keeps the original stream byte for byte (the
     tokenizer corpus is built from it)."""
+    distinct_topic_words: bool = False
+    """Draw a reference response's topic words without replacement (all twelve before any one
+    twice), and pair every loop of one or two topic words with a varied answer of the same length
+    that beats it, instead of sometimes preferring the loop. Then no reference answer (what SFT
+    imitates) repeats a topic word it has not had to, and the reward model sees the repeat cap
+    as loops losing to varied on-topic answers of their own length. False keeps the original
+    stream byte for byte."""
 
     def __post_init__(self) -> None:
         if self.num_train < 0 or self.num_test < 0:
@@ -163,9 +171,15 @@ def _response(rng: random.Random, topic: str, config: SyntheticTaskConfig) -> st
     on_topic_rate = rng.uniform(0.05, 0.95)
     other_topics = [name for name in TOPICS if name != topic]
     words = []
+    unused: list[str] = []
     for _ in range(rng.randint(config.min_response_words, config.max_response_words)):
         if rng.random() < on_topic_rate:
-            words.append(rng.choice(TOPICS[topic]))
+            if not config.distinct_topic_words:
+                words.append(rng.choice(TOPICS[topic]))
+                continue
+            if not unused:
+                unused = list(TOPICS[topic])
+            words.append(unused.pop(rng.randrange(len(unused))))
         elif rng.random() < 0.5:
             words.append(rng.choice(FILLER_WORDS))
         else:
@@ -173,15 +187,20 @@ def _response(rng: random.Random, topic: str, config: SyntheticTaskConfig) -> st
     return " ".join(words) + "."
 
 
-def _contrast(rng: random.Random, topic: str, response: str) -> str:
+def _contrast(rng: random.Random, topic: str, response: str, distinct: bool = False
+              ) -> tuple[str, str]:
     """An edit of ``response`` that breaks one part of the rule, chosen at random.
 
     Cutting makes an answer shorter and padding makes it longer, both usually for the worse, so
     that length alone predicts neither side of a pair. The caller orders the pair by the rule:
-    an edit is sometimes the better answer (a loop of topic words beats an off-topic answer).
+    an edit is sometimes the better answer (a loop of topic words beats an off-topic answer),
+    except with ``distinct``, where a loop is always set against a varied answer that beats it
+    (:func:`_loop_pair`). Returns ``response`` (or the varied answer) and the edit.
     """
     words = response.rstrip(".").split()
     edit = rng.choice(("cut", "pad", "repeat", "loop", "swap"))
+    if edit == "loop" and distinct:
+        return _loop_pair(rng, topic, response)
     if edit == "cut":
         words = words[:rng.randint(1, RULE_MIN_WORDS - 1)]
     elif edit == "pad":
@@ -200,7 +219,27 @@ def _contrast(rng: random.Random, topic: str, response: str) -> str:
         other = rng.choice([name for name in TOPICS if name != topic])
         words = [rng.choice(TOPICS[other]) if word in _TOPIC_WORDS[topic] else word
                  for word in words]
-    return " ".join(words) + "."
+    return response, " ".join(words) + "."
+
+
+def _loop_pair(rng: random.Random, topic: str, response: str) -> tuple[str, str]:
+    """A loop of one or two topic words and a varied answer of the same length that beats it.
+
+    The varied answer is ``response`` with off-topic words turned into topic words it does not
+    use yet, as many as it takes to count more on-topic words than the loop (whose repeats the
+    rule caps); the loop has the same number of words, so only the repeats tell them apart.
+    """
+    words = response.rstrip(".").split()
+    kept = rng.sample(TOPICS[topic], rng.randint(1, 2))
+    loop = [kept[i % len(kept)] for i in range(len(words))]
+    unused = [word for word in TOPICS[topic] if word not in words]
+    rng.shuffle(unused)
+    off_topic = [i for i, word in enumerate(words) if word not in _TOPIC_WORDS[topic]]
+    rng.shuffle(off_topic)
+    while (off_topic and unused
+           and rule_score(topic, " ".join(words)) <= rule_score(topic, " ".join(loop))):
+        words[off_topic.pop()] = unused.pop()
+    return " ".join(words) + ".", " ".join(loop) + "."
 
 
 def _record(rng: random.Random, config: SyntheticTaskConfig) -> dict[str, str]:
@@ -208,7 +247,10 @@ def _record(rng: random.Random, config: SyntheticTaskConfig) -> dict[str, str]:
     prompt = _prompt(rng, topic)
     first = _response(rng, topic, config)
     contrast = config.contrast_fraction > 0 and rng.random() < config.contrast_fraction
-    second = _contrast(rng, topic, first) if contrast else _response(rng, topic, config)
+    if contrast:
+        first, second = _contrast(rng, topic, first, config.distinct_topic_words)
+    else:
+        second = _response(rng, topic, config)
     while rule_score(prompt, second) == rule_score(prompt, first):
         # An edit that did not change the score (no topic words to edit): draw independently.
         second = _response(rng, topic, config)

@@ -139,3 +139,32 @@ def test_contrast_pairs_cover_each_part_of_the_rule() -> None:
 def test_contrast_fraction_must_be_a_share() -> None:
     with pytest.raises(ValueError, match="contrast_fraction"):
         SyntheticTaskConfig(contrast_fraction=1.5)
+
+
+def test_distinct_topic_words_never_teach_a_loop() -> None:
+    config = SyntheticTaskConfig(seed=5, num_train=600, num_test=0, contrast_fraction=0.8,
+                                 distinct_topic_words=True)
+    records = generate_records(config)
+    loops_rejected = 0
+    for record in records:
+        prompt, chosen, rejected = record["prompt"], record["chosen"], record["rejected"]
+        assert rule_score(prompt, chosen) > rule_score(prompt, rejected)
+        topic_words = TOPICS[topic_of(prompt)]
+        words = chosen.rstrip(".").split()
+        counts = [words.count(w) for w in topic_words]
+        # What SFT imitates repeats no topic word before it has used all twelve.
+        assert max(counts) <= 1 or min(counts) >= 1, chosen
+        rejected_words = rejected.rstrip(".").split()
+        if (len(rejected_words) >= RULE_MIN_WORDS and set(rejected_words) <= set(topic_words)
+                and len(set(rejected_words)) <= 2):
+            # A loop of one or two topic words, against a varied answer of its own length.
+            loops_rejected += 1
+            assert len(rejected_words) == len(words)
+            assert len(set(words) & set(topic_words)) > len(set(rejected_words))
+    assert loops_rejected > 40
+    # Without the option the stream is the original one, byte for byte.
+    plain = SyntheticTaskConfig(seed=5, num_train=600, num_test=0, contrast_fraction=0.8)
+    assert generate_records(plain) != records
+    assert generate_records(plain) == generate_records(
+        SyntheticTaskConfig(seed=5, num_train=600, num_test=0, contrast_fraction=0.8,
+                            distinct_topic_words=False))

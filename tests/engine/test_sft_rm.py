@@ -54,6 +54,18 @@ def test_shipped_configs_load_and_rm_inherits_the_sft_model() -> None:
         load_config(SFTConfig, ROOT / "examples" / "sft_tiny.yaml", ["train.micro_batch_size=0"])
 
 
+def test_pipeline_stage_configs_only_lengthen_the_tiny_runs() -> None:
+    # tools/run_pipeline.py trains SFT and the reward model longer than the standalone examples
+    # (docs/quickstart.md: the SFT model needs it to stop repeating words); nothing else differs.
+    for cls, tiny, pipeline in ((SFTConfig, "sft_tiny.yaml", "sft_pipeline.yaml"),
+                                (RMConfig, "rm_tiny.yaml", "rm_pipeline.yaml")):
+        short = load_config(cls, ROOT / "examples" / tiny)
+        long = load_config(cls, ROOT / "examples" / pipeline)
+        assert long.train.epochs > short.train.epochs
+        assert long.model == short.model and long.optimizer == short.optimizer
+        assert long.data == short.data
+
+
 def test_data_parallel_size_of_one_model_over_the_world() -> None:
     def spec(tp: int, pp: int) -> ModelSpec:
         return ModelSpec("actor", arch_preset("tiny"), trainable=True, tp=tp, pp=pp)
