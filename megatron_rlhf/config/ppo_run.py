@@ -88,16 +88,16 @@ class ModelsConfig:
             if policy not in OFFLOAD_POLICIES:
                 raise ValueError(f"models.offload.{role}={policy!r}: use one of "
                                  f"{OFFLOAD_POLICIES}")
-
-    def offload_policy(self, role: str) -> str:
-        """The offload policy of ``role`` (a shadow takes its trained model's)."""
-        return self.offload.get(SHADOW_OF.get(role, role), "never")
         if self.transformer_impl not in TRANSFORMER_IMPLS:
             raise ValueError(f"models.transformer_impl={self.transformer_impl!r}: use one of "
                              f"{TRANSFORMER_IMPLS}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"models.attention_backend={self.attention_backend!r}: use one of "
                              f"{ATTENTION_BACKENDS}")
+
+    def offload_policy(self, role: str) -> str:
+        """The offload policy of ``role`` (a shadow takes its trained model's)."""
+        return self.offload.get(SHADOW_OF.get(role, role), "never")
 
 
 @dataclass
