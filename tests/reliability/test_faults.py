@@ -60,6 +60,13 @@ def _collective_loop(tracker, kind: str, out_dir: str) -> None:
         outcome = {"status": "raised", "message": str(error)}
     outcome["seconds"] = time.monotonic() - start
     Path(out_dir, f"{kind}-{rank}.json").write_text(json.dumps(outcome))
+    # The harness's store lives in rank 0's process (under torchrun it lives in the launcher):
+    # rank 0 stays until the other survivors have read it for their diagnosis and reported.
+    survivors = 4 - (kind in ("kill", "hang"))
+    deadline = time.monotonic() + 30
+    while (rank == 0 and len(list(Path(out_dir).glob(f"{kind}-*.json"))) < survivors
+           and time.monotonic() < deadline):
+        time.sleep(0.1)
 
 
 def _misbehave(kind: str, out_dir: str) -> None:
