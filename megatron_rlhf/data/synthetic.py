@@ -22,7 +22,8 @@ imitates (docs/data.md).
 Write the task as JSONL in the public preference schema (prompt/response/chosen/rejected, with
 ``response == chosen`` as in Dahoas/rm-static)::
 
-    python -m megatron_rlhf.data.synthetic OUT_DIR [--seed 0]
+    python -m megatron_rlhf.data.synthetic OUT_DIR [--seed 0] [--num-train N]
+        [--contrast-fraction 0.8 --distinct-topic-words --over-cap-edits]
 """
 
 from __future__ import annotations
@@ -145,6 +146,12 @@ class SyntheticTaskConfig:
     imitates) repeats a topic word it has not had to, and the reward model sees the repeat cap
     as loops losing to varied on-topic answers of their own length. False keeps the original
     stream byte for byte."""
+    over_cap_edits: bool = False
+    """Add a sixth contrast edit, "over the cap": one topic word of the answer said one to three
+    times more than the rule counts, in place of other topic words, so the two answers have the
+    same length and the same number of topic words and only the repeat cap tells them apart (the
+    answers a policy finds when its reward model counts topic words but not their repeats). False
+    keeps the stream byte for byte."""
 
     def __post_init__(self) -> None:
         if self.num_train < 0 or self.num_test < 0:
@@ -187,8 +194,8 @@ def _response(rng: random.Random, topic: str, config: SyntheticTaskConfig) -> st
     return " ".join(words) + "."
 
 
-def _contrast(rng: random.Random, topic: str, response: str, distinct: bool = False
-              ) -> tuple[str, str]:
+def _contrast(rng: random.Random, topic: str, response: str, distinct: bool = False,
+              over_cap: bool = False) -> tuple[str, str]:
     """An edit of ``response`` that breaks one part of the rule, chosen at random.
 
     Cutting makes an answer shorter and padding makes it longer, both usually for the worse, so
@@ -198,9 +205,12 @@ def _contrast(rng: random.Random, topic: str, response: str, distinct: bool = Fa
     (:func:`_loop_pair`). Returns ``response`` (or the varied answer) and the edit.
     """
     words = response.rstrip(".").split()
-    edit = rng.choice(("cut", "pad", "repeat", "loop", "swap"))
+    edits = ("cut", "pad", "repeat", "loop", "swap") + (("over_cap",) if over_cap else ())
+    edit = rng.choice(edits)
     if edit == "loop" and distinct:
         return _loop_pair(rng, topic, response)
+    if edit == "over_cap":
+        return response, _over_cap(rng, topic, words)
     if edit == "cut":
         words = words[:rng.randint(1, RULE_MIN_WORDS - 1)]
     elif edit == "pad":
@@ -220,6 +230,23 @@ def _contrast(rng: random.Random, topic: str, response: str, distinct: bool = Fa
         words = [rng.choice(TOPICS[other]) if word in _TOPIC_WORDS[topic] else word
                  for word in words]
     return response, " ".join(words) + "."
+
+
+def _over_cap(rng: random.Random, topic: str, words: list[str]) -> str:
+    """``words`` with one of its topic words repeated one to three times past the rule's cap,
+    written over other topic words (so the count of topic words stays the same); ``words``
+    unchanged if it has too few topic words to say one past the cap."""
+    positions = [i for i, word in enumerate(words) if word in _TOPIC_WORDS[topic]]
+    if len(positions) <= RULE_MAX_REPEATS:
+        return " ".join(words) + "."
+    repeated = words[rng.choice(positions)]
+    target = min(len(positions), RULE_MAX_REPEATS + rng.randint(1, 3))
+    others = [i for i in positions if words[i] != repeated]
+    rng.shuffle(others)
+    edited = list(words)
+    while edited.count(repeated) < target and others:
+        edited[others.pop()] = repeated
+    return " ".join(edited) + "."
 
 
 def _loop_pair(rng: random.Random, topic: str, response: str) -> tuple[str, str]:
@@ -248,7 +275,8 @@ def _record(rng: random.Random, config: SyntheticTaskConfig) -> dict[str, str]:
     first = _response(rng, topic, config)
     contrast = config.contrast_fraction > 0 and rng.random() < config.contrast_fraction
     if contrast:
-        first, second = _contrast(rng, topic, first, config.distinct_topic_words)
+        first, second = _contrast(rng, topic, first, config.distinct_topic_words,
+                                  config.over_cap_edits)
     else:
         second = _response(rng, topic, config)
     while rule_score(prompt, second) == rule_score(prompt, first):
@@ -315,9 +343,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-train", type=int, default=SyntheticTaskConfig.num_train)
     parser.add_argument("--num-test", type=int, default=SyntheticTaskConfig.num_test)
+    parser.add_argument("--contrast-fraction", type=float,
+                        default=SyntheticTaskConfig.contrast_fraction)
+    parser.add_argument("--distinct-topic-words", action="store_true")
+    parser.add_argument("--over-cap-edits", action="store_true")
     args = parser.parse_args(argv)
     setup_logging()
-    config = SyntheticTaskConfig(seed=args.seed, num_train=args.num_train, num_test=args.num_test)
+    config = SyntheticTaskConfig(seed=args.seed, num_train=args.num_train, num_test=args.num_test,
+                                 contrast_fraction=args.contrast_fraction,
+                                 distinct_topic_words=args.distinct_topic_words,
+                                 over_cap_edits=args.over_cap_edits)
     write_task_jsonl(args.out_dir, config)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,12 @@ def test_command_line_writes_files(tmp_path: Path) -> None:
     assert (tmp_path / "train.jsonl").read_bytes() == write_task_jsonl(tmp_path / "api", CONFIG)[
         "train"
     ].read_bytes()
+    main([str(tmp_path / "edits"), "--seed", "5", "--num-train", "600", "--num-test", "0",
+          "--contrast-fraction", "0.8", "--distinct-topic-words", "--over-cap-edits"])
+    edits = SyntheticTaskConfig(seed=5, num_train=600, num_test=0, contrast_fraction=0.8,
+                                distinct_topic_words=True, over_cap_edits=True)
+    assert (tmp_path / "edits" / "train.jsonl").read_bytes() == write_task_jsonl(
+        tmp_path / "edits_api", edits)["train"].read_bytes()
 
 
 def test_topic_vocabularies_do_not_overlap() -> None:
@@ -168,3 +175,33 @@ def test_distinct_topic_words_never_teach_a_loop() -> None:
     assert generate_records(plain) == generate_records(
         SyntheticTaskConfig(seed=5, num_train=600, num_test=0, contrast_fraction=0.8,
                             distinct_topic_words=False))
+
+
+def _topic_word_counts(text: str, topic: str) -> Counter:
+    return Counter(word for word in text.rstrip(".").split() if word in TOPICS[topic])
+
+
+def test_over_cap_edits_differ_from_their_answer_only_by_the_repeat_cap() -> None:
+    base = dict(seed=5, num_train=600, num_test=0, contrast_fraction=0.8,
+                distinct_topic_words=True)
+    records = generate_records(SyntheticTaskConfig(**base, over_cap_edits=True))
+    over_cap = 0
+    for record in records:
+        prompt, chosen, rejected = record["prompt"], record["chosen"], record["rejected"]
+        assert rule_score(prompt, chosen) > rule_score(prompt, rejected)
+        topic = topic_of(prompt)
+        chosen_words, rejected_words = chosen.rstrip(".").split(), rejected.rstrip(".").split()
+        chosen_counts = _topic_word_counts(chosen, topic)
+        rejected_counts = _topic_word_counts(rejected, topic)
+        if (len(chosen_words) == len(rejected_words)
+                and sum(chosen_counts.values()) == sum(rejected_counts.values())
+                and max(rejected_counts.values(), default=0) > RULE_MAX_REPEATS
+                and len(rejected_counts) > 2):
+            over_cap += 1
+            # Words off the topic are where they were; only topic words were overwritten.
+            assert all(c == r for c, r in zip(chosen_words, rejected_words, strict=True)
+                       if c not in TOPICS[topic])
+    # One contrast edit in six, of the 80% contrast pairs (loops and repeat edits excluded).
+    assert 40 < over_cap < 140
+    assert generate_records(SyntheticTaskConfig(**base)) == generate_records(
+        SyntheticTaskConfig(**base, over_cap_edits=False))
