@@ -137,7 +137,8 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
             trainer = ModelTrainer(model, groups[role], settings, total_steps=total_updates)
         workers[role] = ModelWorker(role, model, groups[role], trainer,
                                     config.rollout.micro_batch_size,
-                                    offload=config.models.offload_policy(role))
+                                    offload=config.models.offload_policy(role),
+                                    meter=context.memory if context else None)
     weight_syncs = {}
     for shadow, source in SHADOW_OF.items():
         if shadow in plan.models:
