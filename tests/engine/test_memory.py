@@ -2,7 +2,8 @@
 ``models.offload.<role>=auto``.
 
 The engine test runs two PPO steps of a tiny bf16 configuration on 2 gloo ranks (flattening and
-separation, every model resident or every model offloaded) and compares step 1's
+separation, every model resident or every model offloaded; and separation with ``auto`` under a
+budget that only the trainers' rank exceeds) and compares step 1's
 ``memory/<stage>_peak_bytes`` (the largest over ranks; step 0's early stages run before Adam has
 created its moments) with ``engine.memory_plan.stage_peaks`` over the planner's per-model bytes.
 On the CPU the engine counts tensor bytes: model state and the KV cache. The tolerance,
@@ -114,7 +115,8 @@ def test_bad_offload_settings_are_refused(models: dict, message: str) -> None:
         ModelsConfig(**models)
 
 
-def _measure(strategy: str, offload: str) -> tuple[dict[str, float], dict[int, dict]]:
+def _measure(strategy: str, offload: str, budget_gib: float = 0.0
+             ) -> tuple[dict[str, float], dict[int, dict]]:
     """Step 1's memory metrics and the prediction for the same configuration."""
     from megatron_rlhf.config.ppo_run import RewardConfig
     from megatron_rlhf.engine.build import build_engine, make_plan
@@ -128,7 +130,8 @@ def _measure(strategy: str, offload: str) -> tuple[dict[str, float], dict[int, d
     config = RunConfig(
         placement=PlacementConfig(strategy=strategy),
         models=ModelsConfig(arch="tiny", init_seed=9, params_dtype="bfloat16",
-                            offload=dict.fromkeys(ROLES, offload)),
+                            offload=dict.fromkeys(ROLES, offload),
+                            memory_budget_gib=budget_gib),
         rollout=RolloutConfig(prompts_per_step=4, max_prompt_length=8, micro_batch_size=2),
         # Full-length prompts and responses: the KV cache is as long as the planner's.
         generation=GenerationConfig(max_new_tokens=6, seed=3, stop_at_eos=False),
@@ -142,7 +145,8 @@ def _measure(strategy: str, offload: str) -> tuple[dict[str, float], dict[int, d
                                                                                     4 * s + 4))),
                              total_steps=2)
     metrics = [algorithm.step(step) for step in range(2)][1]
-    offloaded = set(plan.roles) if offload == "always" else set()
+    offloaded = {role for role, policy in offload_policies(config, plan).items()
+                 if policy == "always"}
     predicted = stage_peaks(plan, planner_role_bytes(plan, RolloutSpec.from_run_config(config)),
                             offloaded)
     return {k: v for k, v in metrics.items() if k.startswith("memory/")}, predicted
@@ -152,8 +156,12 @@ def _measure_all() -> dict:
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
 
     initialize_runtime()
-    return {(strategy, offload): _measure(strategy, offload)
-            for strategy in ("flattening", "separation") for offload in ("never", "always")}
+    results = {(strategy, offload): _measure(strategy, offload)
+               for strategy in ("flattening", "separation") for offload in ("never", "always")}
+    # The trainers' rank is over 4 MB resident, the inference rank under: only actor and critic
+    # are offloaded.
+    results["separation", "auto"] = _measure("separation", "auto", 4e6 / 2**30)
+    return results
 
 
 @pytest.mark.multirank
@@ -172,3 +180,6 @@ def test_recorded_stage_peaks_agree_with_the_planner() -> None:
     for strategy in ("flattening", "separation"):
         resident, offloaded = (per_rank[0][strategy, o][0] for o in ("never", "always"))
         assert all(offloaded[key] < resident[key] for key in offloaded)
+    resident, auto = per_rank[0]["separation", "never"][0], per_rank[0]["separation", "auto"][0]
+    assert auto["memory/train_peak_bytes"] < resident["memory/train_peak_bytes"]
+    assert auto["memory/generate_peak_bytes"] == resident["memory/generate_peak_bytes"]
