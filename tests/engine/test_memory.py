@@ -61,6 +61,23 @@ def test_cpu_meter_takes_the_largest_observation_of_each_stage() -> None:
     assert reading is None and disabled.take() == {}
 
 
+@pytest.mark.gpu
+def test_cuda_meter_reads_the_allocator_per_stage() -> None:
+    import torch
+
+    meter = MemoryMeter(enabled=True, cuda=True)
+    base = torch.cuda.memory_allocated()
+    with meter.stage("train") as outer:
+        with meter.stage("generate") as inner:
+            small = torch.empty(2**20, dtype=torch.uint8, device="cuda")
+            del small
+        large = torch.empty(2**22, dtype=torch.uint8, device="cuda")
+        del large
+    assert base + 2**20 <= inner.peak_bytes < base + 2**22
+    assert outer.peak_bytes >= base + 2**22
+    assert meter.take() == {"generate": inner.peak_bytes, "train": outer.peak_bytes}
+
+
 def test_the_timeline_carries_a_span_peak() -> None:
     events = chrome_trace_events([[vars(Span("train", "actor", 0, 1.0, 2.0, peak_bytes=7)),
                                    vars(Span("sync_weights", "", -1, 2.0, 3.0))]])
