@@ -23,11 +23,13 @@ from dataclasses import dataclass
 from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.planner import RolloutSpec, load_profile, plan_memory
 from megatron_rlhf.planner.memory import experience_roles, generating_roles
+from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.topology.models import SHADOW_OF, TRAINABLE_ROLES
 from megatron_rlhf.topology.plan import PlacementPlan
 
+logger = get_logger(__name__)
+
 GENERATE, EXPERIENCE, TRAIN, SYNC = "generate", "experience", "train", "sync_weights"
-MODEL_STAGES = (GENERATE, EXPERIENCE, TRAIN, SYNC)
 _GIB = 1024**3
 
 PLANNER_GRAD_SCALE = 2.0
@@ -124,6 +126,8 @@ def offload_policies(config: RunConfig, plan: PlacementPlan) -> dict[str, str]:
                 if max(stages.values(), default=0.0) > budget_bytes(config, plan, rank)}
         for role in auto:
             policies[role] = "always" if over & set(plan[role].ranks) else "never"
+        logger.info("models.offload=auto: %s (ranks over the budget: %s)",
+                    {role: policies[role] for role in sorted(auto)}, sorted(over))
     return policies
 
 
