@@ -78,7 +78,16 @@ def test_cuda_meter_reads_the_allocator_per_stage() -> None:
     assert meter.take() == {"generate": inner.peak_bytes, "train": outer.peak_bytes}
 
 
-def test_the_timeline_carries_a_span_peak() -> None:
+def test_a_span_records_its_peak_on_the_meter_and_the_timeline() -> None:
+    from megatron_rlhf.runtime.context import RunContext
+    from megatron_rlhf.runtime.tracing import Tracer
+
+    context = RunContext(Tracer(enabled=True), memory=MemoryMeter(enabled=True, cuda=False))
+    context.memory.track(_State(100))
+    with context.span("generate", "actor", 0):
+        context.memory.observe(transient=20)
+    assert context.tracer.spans[0].peak_bytes == 120
+    assert context.memory.take() == {"generate": 120}
     events = chrome_trace_events([[vars(Span("train", "actor", 0, 1.0, 2.0, peak_bytes=7)),
                                    vars(Span("sync_weights", "", -1, 2.0, 3.0))]])
     args = [event["args"] for event in events if event["ph"] == "X"]
