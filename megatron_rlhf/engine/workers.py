@@ -148,7 +148,7 @@ class ModelWorker:
         with self.resident(WEIGHTS):
             return generate_sequences(self._module(), self.pg_collection, prompts,
                                       prompt_indices, config, eos_id, pad_id,
-                                      on_cache=lambda nbytes: self.meter.observe(nbytes))
+                                      on_cache=self.meter.observe)
 
     def train(self, fields: Fields, loss_fn) -> dict[str, Any]:
         """One optimizer step over this replica's rows of a mini-batch."""
