@@ -87,7 +87,8 @@ def worker(args: argparse.Namespace) -> None:
     wall = time.time() - start
     mine = {"stage_seconds": tracer.seconds_by_stage(),
             "busy": tracer.busy_seconds(COMPUTE_STAGES),
-            "model_state_bytes": model_state_bytes(engine),
+            "model_state_bytes": sum(worker.offloader.resident_bytes()
+                                     for worker in engine.workers.values()),
             "row_bytes": row_bytes(engine, config),
             "spans": [(span.stage, span.model, span.start, span.end) for span in tracer.spans],
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
@@ -97,26 +98,6 @@ def worker(args: argparse.Namespace) -> None:
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps({"wall": wall, "steps": args.steps,
                                               "batch": args.batch, "ranks": gathered}))
-
-
-def model_state_bytes(engine) -> int:
-    """Bytes of the distinct storages behind this rank's weights, gradients and optimizer state."""
-    storages: dict[int, int] = {}
-
-    def add(tensor) -> None:
-        if tensor is not None and hasattr(tensor, "untyped_storage"):
-            storage = tensor.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-
-    for worker in engine.workers.values():
-        for param in worker.model.parameters():
-            add(param)
-            add(getattr(param, "main_grad", None))
-        if worker.trainer is not None:
-            for state in worker.trainer.optimizer.optimizer.state.values():
-                for value in state.values():
-                    add(value)
-    return sum(storages.values())
 
 
 def row_bytes(engine, config) -> float:

@@ -26,7 +26,7 @@ from megatron_rlhf.topology.models import ACTOR, CRITIC, REF, REWARD, SHADOW_OF,
 from megatron_rlhf.topology.placement_config import PlacementConfig
 
 OFFLOAD_ROLES = (ACTOR, CRITIC, REF, REWARD)
-OFFLOAD_POLICIES = ("never", "always")
+OFFLOAD_POLICIES = ("never", "always", "auto")
 
 
 @dataclass
@@ -61,9 +61,13 @@ class ModelsConfig:
             Hugging Face directories, ``<run_dir>/hf/step_<k>/{actor,critic}``, at every
             checkpoint save and after the last step.
         offload: per role (``actor``, ``critic``, ``ref``, ``reward``; a shadow follows the
-            model it copies), ``never`` or ``always``: keep the model's weights, gradient
-            buffers and optimizer state in host memory between the stages that use them
-            (``models.offload.ref=always``); see ``models/offload.py``.
+            model it copies), ``never``, ``always`` or ``auto``: keep the model's weights,
+            gradient buffers and optimizer state in host memory between the stages that use
+            them (``models.offload.ref=always``; see ``models/offload.py``); ``auto`` does so
+            only when a rank of the model is predicted to exceed ``memory_budget_gib`` with it
+            resident (``engine/memory_plan.py``).
+        memory_budget_gib: the memory one rank may use, GiB, for ``offload=auto``; 0: the device
+            memory of the rank's pool (``cluster.pools``).
     """
 
     arch: Any = "tiny"
@@ -78,6 +82,7 @@ class ModelsConfig:
     hf_cache_dir: str = "~/.cache/megatron_rlhf/converted"
     export_hf: bool = False
     offload: dict[str, str] = field(default_factory=dict)
+    memory_budget_gib: float = 0.0
 
     def __post_init__(self) -> None:
         resolve_arch(self.arch)
@@ -88,6 +93,12 @@ class ModelsConfig:
             if policy not in OFFLOAD_POLICIES:
                 raise ValueError(f"models.offload.{role}={policy!r}: use one of "
                                  f"{OFFLOAD_POLICIES}")
+        if not isinstance(self.memory_budget_gib, int | float) or self.memory_budget_gib < 0:
+            raise ValueError(f"models.memory_budget_gib={self.memory_budget_gib!r} must be a "
+                             "number >= 0 (0: the device memory of each rank's pool)")
+        if self.memory_budget_gib and "auto" not in self.offload.values():
+            raise ValueError(f"models.memory_budget_gib={self.memory_budget_gib} is used only "
+                             "by models.offload.<role>=auto, and no role has it")
         if self.transformer_impl not in TRANSFORMER_IMPLS:
             raise ValueError(f"models.transformer_impl={self.transformer_impl!r}: use one of "
                              f"{TRANSFORMER_IMPLS}")
@@ -96,7 +107,8 @@ class ModelsConfig:
                              f"{ATTENTION_BACKENDS}")
 
     def offload_policy(self, role: str) -> str:
-        """The offload policy of ``role`` (a shadow takes its trained model's)."""
+        """The offload policy of ``role`` (a shadow takes its trained model's); ``auto`` is
+        decided per placed model by ``engine.memory_plan.offload_policies``."""
         return self.offload.get(SHADOW_OF.get(role, role), "never")
 
 

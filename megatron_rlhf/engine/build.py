@@ -20,6 +20,7 @@ from megatron_rlhf.builder.sources import (
 )
 from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.engine.engine import PPOEngine
+from megatron_rlhf.engine.memory_plan import offload_policies
 from megatron_rlhf.engine.workers import ModelWorker
 from megatron_rlhf.models.checkpoint import read_checkpoint_info
 from megatron_rlhf.models.hf_tokenizer import HFTokenizer, is_hf_tokenizer_dir
@@ -130,6 +131,7 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
     initial = {role: source for role, source in sources.items()
                if load_initial or role not in TRAINABLE_ROLES}
     load_initial_weights(models, groups, plan.models, initial, config.models.hf_cache_dir)
+    offload = offload_policies(config, plan)
     for role, model in models.items():
         trainer = None
         if role in TRAINABLE_ROLES:
@@ -137,7 +139,8 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
             trainer = ModelTrainer(model, groups[role], settings, total_steps=total_updates)
         workers[role] = ModelWorker(role, model, groups[role], trainer,
                                     config.rollout.micro_batch_size,
-                                    offload=config.models.offload_policy(role))
+                                    offload=offload[role],
+                                    meter=context.memory if context else None)
     weight_syncs = {}
     for shadow, source in SHADOW_OF.items():
         if shadow in plan.models:

@@ -124,7 +124,8 @@ class PPOAlgorithm:
             self._queue.append(self.produce(step + self.staleness))
         with self.engine.context.span("sync_weights"):
             self.engine.sync_weights()
-        return apply_nan_policy(share_metrics(experience.metrics, train_sums), step,
+        peaks = self.engine.context.memory.take()
+        return apply_nan_policy(share_metrics(experience.metrics, train_sums, peaks), step,
                                 experience_sources(self.engine), self.on_nan)
 
     def state_dict(self) -> dict[str, Any]:

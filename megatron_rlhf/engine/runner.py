@@ -51,6 +51,7 @@ from megatron_rlhf.runtime.checkpoint_store import select_checkpoint
 from megatron_rlhf.runtime.context import RunContext
 from megatron_rlhf.runtime.faults import PreemptionWatcher, install_fault_tracker
 from megatron_rlhf.runtime.logging import get_logger
+from megatron_rlhf.runtime.memory import MemoryMeter
 from megatron_rlhf.runtime.metrics import MetricsWriter
 from megatron_rlhf.runtime.tracing import Tracer, write_chrome_trace
 from megatron_rlhf.topology.cluster import cluster_from_environment
@@ -153,7 +154,8 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
     plan = make_plan(config, cluster_from_environment(config.cluster.pools), sources)
     initialize_runtime(config.runtime)
     context = RunContext(Tracer(enabled=config.trace),
-                         install_fault_tracker(config.faults, config.runtime.distributed.timeout_s))
+                         install_fault_tracker(config.faults, config.runtime.distributed.timeout_s),
+                         MemoryMeter(enabled=True))
     run_dir = Path(config.run_dir)
     with context.stage("setup", signature=_shape_signature(config)):
         resume_from = select_checkpoint(candidates) if candidates else None

@@ -1,6 +1,8 @@
-"""What a PPO step reports: loss sums combined over ranks, and NaN/Inf found and named.
+"""What a PPO step reports: loss sums combined over ranks, peak memory, and NaN/Inf found and
+named.
 
-A step's metrics are the same dict on every rank (:func:`share_metrics`). Non-finite model
+A step's metrics are the same dict on every rank (:func:`share_metrics`); a stage's peak memory
+is the largest over the ranks that ran it (``memory/<stage>_peak_bytes``). Non-finite model
 outputs are counted per experience field (:func:`nonfinite_experience`) and non-finite metrics are
 named with the model and stage that produced them (:func:`nonfinite_report`), then the run's
 ``faults.on_nan`` policy skips or stops (:func:`apply_nan_policy`).
@@ -96,19 +98,29 @@ def accumulate_train_sums(sums: dict[str, float], role: str, result: dict, worke
     sums[f"{role}/steps"] = sums.get(f"{role}/steps", 0.0) + 1.0
 
 
-def share_metrics(step_metrics: dict[str, float], train_sums: dict[str, float]
-                   ) -> dict[str, float]:
-    """Combine every rank's contributions into the same metrics dict on every rank."""
+def share_metrics(step_metrics: dict[str, float], train_sums: dict[str, float],
+                  memory_peaks: dict[str, int] | None = None) -> dict[str, float]:
+    """Combine every rank's contributions into the same metrics dict on every rank.
+
+    Args:
+        step_metrics: this rank's experience metrics (identical where present).
+        train_sums: this rank's loss sums (:func:`accumulate_train_sums`).
+        memory_peaks: this rank's peak bytes per stage (``MemoryMeter.take``).
+    """
     gathered: list = [None] * dist.get_world_size()
     # World: the metrics come from the ranks of every model and every rank returns all of them.
-    dist.all_gather_object(gathered, (step_metrics, train_sums), group=dist.group.WORLD)
+    dist.all_gather_object(gathered, (step_metrics, train_sums, memory_peaks or {}),
+                           group=dist.group.WORLD)
     metrics: dict[str, float] = {}
     totals: dict[str, float] = {}
-    for rank_metrics, rank_sums in gathered:
+    for rank_metrics, rank_sums, rank_peaks in gathered:
         for key, value in rank_metrics.items():
             metrics.setdefault(key, value)
         for key, value in rank_sums.items():
             totals[key] = totals.get(key, 0.0) + value
+        for stage, peak in rank_peaks.items():
+            key = f"memory/{stage}_peak_bytes"
+            metrics[key] = max(metrics.get(key, 0.0), float(peak))
     for role in ("actor", "critic"):
         tokens = totals.get(f"{role}/tokens", 0.0)
         for key, value in totals.items():

@@ -23,6 +23,7 @@ from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
 from megatron_rlhf.models.offload import GRADS, OPTIMIZER, PARTS, WEIGHTS, StateOffloader
 from megatron_rlhf.models.trainer import ModelTrainer
 from megatron_rlhf.runtime.device import model_device, to_device
+from megatron_rlhf.runtime.memory import MemoryMeter
 
 Fields = dict[str, torch.Tensor]
 
@@ -39,11 +40,12 @@ class ModelWorker:
         offload: ``never`` (always resident) or ``always``: between operators the model's
             weights, gradient buffers and optimizer state live in host memory; an operator
             brings back what it needs (the weights; all three to train) and sends it back after.
+        meter: the run's memory meter, which counts this model's resident state (default: none).
     """
 
     def __init__(self, role: str, model: torch.nn.Module, pg_collection: ProcessGroupCollection,
                  trainer: ModelTrainer | None, micro_batch_size: int,
-                 offload: str = "never") -> None:
+                 offload: str = "never", meter: MemoryMeter | None = None) -> None:
         self.role = role
         self.model = model
         self.pg_collection = pg_collection
@@ -52,6 +54,8 @@ class ModelWorker:
         self.device = model_device(model)
         self.offload = offload
         self.offloader = StateOffloader(model, trainer)
+        self.meter = meter or MemoryMeter()
+        self.meter.track(self.offloader)
         if offload == "always":
             self.offloader.offload(*PARTS)
 
@@ -59,9 +63,12 @@ class ModelWorker:
     def resident(self, *parts: str) -> Iterator[None]:
         """Keep ``parts`` of the model's state on its device for the duration (see ``offload``)."""
         self.offloader.onload(*parts)
+        self.meter.observe()
         try:
             yield
         finally:
+            # Training creates the Adam moments: count them before they may leave the device.
+            self.meter.observe()
             if self.offload == "always":
                 self.offloader.offload(*parts)
 
@@ -140,7 +147,8 @@ class ModelWorker:
         """Sample one response per prompt (every TP rank returns the same tokens)."""
         with self.resident(WEIGHTS):
             return generate_sequences(self._module(), self.pg_collection, prompts,
-                                      prompt_indices, config, eos_id, pad_id)
+                                      prompt_indices, config, eos_id, pad_id,
+                                      on_cache=self.meter.observe)
 
     def train(self, fields: Fields, loss_fn) -> dict[str, Any]:
         """One optimizer step over this replica's rows of a mini-batch."""

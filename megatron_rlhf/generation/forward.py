@@ -110,3 +110,8 @@ class CachedNextTokenLogits:
         self.context.enable_decode_mode()
         # materialize_only_last_token_logits: megatron returns [b, 1, padded vocab (+ value)].
         return output[:, -1, : self.real_vocab_size].float()
+
+    def cache_bytes(self) -> int:
+        """Bytes of the keys and values megatron has allocated for this context."""
+        return sum(tensor.untyped_storage().nbytes()
+                   for pair in self.context.key_value_memory_dict.values() for tensor in pair)

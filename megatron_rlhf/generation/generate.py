@@ -19,7 +19,7 @@ step), so a prompt gets the same response on any rank, replica or batch. PP > 1 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -148,7 +148,8 @@ def _has_value_channel(model: torch.nn.Module) -> bool:
 def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollection,
                        prompts: Sequence[Sequence[int]], prompt_indices: Sequence[int],
                        config: GenerationConfig, eos_id: int | Sequence[int] | None,
-                       pad_id: int) -> GenerationOutput:
+                       pad_id: int, on_cache: Callable[[int], None] | None = None
+                       ) -> GenerationOutput:
     """Generate one response per prompt.
 
     A prompt's response stops after EOS (when ``config.stop_at_eos``), after
@@ -168,6 +169,8 @@ def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollec
         eos_id: the end-of-sequence token, or several (Llama-3 and Qwen end a reply with any of
             a few); None only with ``stop_at_eos=False``.
         pad_id: fills padding positions; must be a valid token id.
+        on_cache: called with the bytes of each micro-batch's KV cache while it is allocated
+            (memory accounting; not called without the cache).
 
     Returns:
         The batch, on the model's device.
@@ -195,7 +198,7 @@ def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollec
             outputs = [
                 _generate_micro_batch(model, pg_collection, prompts[i:i + size],
                                       prompt_indices[i:i + size], config, eos_id, pad_id,
-                                      vocab_size, seq_length, has_value_channel)
+                                      vocab_size, seq_length, has_value_channel, on_cache)
                 for i in range(0, len(prompts), size)]
     finally:
         model.train(was_training)
@@ -206,7 +209,8 @@ def _generate_micro_batch(model: torch.nn.Module, pg_collection: ProcessGroupCol
                           prompts: Sequence[Sequence[int]], prompt_indices: Sequence[int],
                           config: GenerationConfig, eos_id: int | Sequence[int] | None,
                           pad_id: int, vocab_size: int, seq_length: int,
-                          has_value_channel: bool) -> GenerationOutput:
+                          has_value_channel: bool,
+                          on_cache: Callable[[int], None] | None) -> GenerationOutput:
     device = next(model.parameters()).device
     input_ids, attention_mask = left_pad(prompts, pad_id, device)
     budget_list = [min(config.max_new_tokens, seq_length - len(p)) for p in prompts]
@@ -218,8 +222,11 @@ def _generate_micro_batch(model: torch.nn.Module, pg_collection: ProcessGroupCol
     else:
         next_logits = RecomputeNextTokenLogits(model, pg_collection, vocab_size, has_value_channel)
     noise_keys = prompt_noise_keys(config.seed, prompt_indices, device)
-    return _decode_loop(next_logits, input_ids, attention_mask, budgets, max_new, noise_keys,
-                        config, eos_id, pad_id)
+    output = _decode_loop(next_logits, input_ids, attention_mask, budgets, max_new, noise_keys,
+                          config, eos_id, pad_id)
+    if on_cache is not None and config.use_kv_cache:
+        on_cache(next_logits.cache_bytes())
+    return output
 
 
 def _decode_loop(next_logits: CachedNextTokenLogits | RecomputeNextTokenLogits,

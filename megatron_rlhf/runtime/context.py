@@ -1,13 +1,16 @@
-"""What a run records about itself, passed explicitly: its timeline tracer and fault tracker.
+"""What a run records about itself, passed explicitly: its timeline tracer, fault tracker and
+memory meter.
 
-    context = RunContext(Tracer(enabled=True), install_fault_tracker(FaultConfig(), 600))
+    context = RunContext(Tracer(enabled=True), install_fault_tracker(FaultConfig(), 600),
+                         MemoryMeter(enabled=True))
     with context.stage("step 3", signature=(3, rows)):   # fault record (checked across ranks)
-        with context.span("generate", model="actor", microbatch=0):   # timing + fault record
+        with context.span("generate", model="actor", microbatch=0):   # timing, memory, faults
             ...
 
 The runner creates one per run and hands it to the engine, which the PPO trainer reaches through
 its engine. ``RunContext()`` records nothing: its spans and stages are one shared no-op context,
-so code built without a run (unit tests, tools) costs nothing.
+so code built without a run (unit tests, tools) costs nothing. A span's peak memory goes to the
+meter's per-stage peaks and, when tracing, onto the span in the timeline.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_rlhf.runtime.faults import FaultTracker
+from megatron_rlhf.runtime.memory import MemoryMeter
 from megatron_rlhf.runtime.tracing import Tracer
 
 _NULL = contextlib.nullcontext()
@@ -30,10 +34,12 @@ class RunContext:
     Attributes:
         tracer: this rank's timeline (disabled: no spans are recorded).
         faults: this rank's stage records and failure diagnosis, or None (stages are no-ops).
+        memory: this rank's per-stage peak memory (disabled: nothing is measured).
     """
 
     tracer: Tracer = field(default_factory=Tracer)
     faults: FaultTracker | None = None
+    memory: MemoryMeter = field(default_factory=MemoryMeter)
 
     def stage(self, name: str, signature: Sequence[Any] | None = None):
         """Mark ``name`` as this rank's stage for fault reports (a no-op without a tracker).
@@ -46,15 +52,17 @@ class RunContext:
         return self.faults.stage(name, signature)
 
     def span(self, stage: str, model: str = "", microbatch: int = -1):
-        """Time ``stage`` on the tracer and mark it as this rank's stage for fault reports
-        (``stage/model``); free when neither is active."""
+        """Time ``stage`` on the tracer, measure its peak memory and mark it as this rank's
+        stage for fault reports (``stage/model``); free when none of them is active."""
         marker = self.stage(f"{stage}/{model}" if model else stage)
-        if not self.tracer.enabled:
+        if not self.tracer.enabled and not self.memory.enabled:
             return marker
-        return _both(marker, self.tracer.span(stage, model, microbatch))
+        return self._span(marker, stage, model, microbatch)
 
-
-@contextlib.contextmanager
-def _both(first, second) -> Iterator[None]:
-    with first, second:
-        yield
+    @contextlib.contextmanager
+    def _span(self, marker, stage: str, model: str, microbatch: int) -> Iterator[None]:
+        with marker, self.tracer.span(stage, model, microbatch) as span:
+            with self.memory.stage(stage) as reading:
+                yield
+            if span is not None and reading is not None:
+                span.peak_bytes = reading.peak_bytes

@@ -29,13 +29,15 @@ _NULL = contextlib.nullcontext()
 
 @dataclass
 class Span:
-    """One interval of work on this rank, in wall-clock seconds (comparable across ranks)."""
+    """One interval of work on this rank, in wall-clock seconds (comparable across ranks), and
+    its peak memory in bytes when the run measures memory (``runtime.memory``)."""
 
     stage: str
     model: str
     microbatch: int
     start: float
     end: float
+    peak_bytes: int | None = None
 
 
 @dataclass
@@ -46,15 +48,17 @@ class Tracer:
     spans: list[Span] = field(default_factory=list)
 
     @contextlib.contextmanager
-    def _span(self, stage: str, model: str, microbatch: int) -> Iterator[None]:
+    def _span(self, stage: str, model: str, microbatch: int) -> Iterator[Span]:
         start = _device_clock()
+        span = Span(stage, model, microbatch, start, start)
         try:
-            yield
+            yield span
         finally:
-            self.spans.append(Span(stage, model, microbatch, start, _device_clock()))
+            span.end = _device_clock()
+            self.spans.append(span)
 
     def span(self, stage: str, model: str = "", microbatch: int = -1):
-        """A context manager timing one stage (a no-op when disabled)."""
+        """A context manager timing one stage; yields its :class:`Span` (None when disabled)."""
         if not self.enabled:
             return _NULL
         return self._span(stage, model, microbatch)
@@ -103,9 +107,15 @@ def chrome_trace_events(spans_by_rank: list[list[dict]]) -> list[dict]:
                 "name": f"{span['stage']}" + (f" {span['model']}" if span["model"] else ""),
                 "cat": span["stage"], "ph": "X", "pid": rank, "tid": 0,
                 "ts": (span["start"] - origin) * 1e6, "dur": (span["end"] - span["start"]) * 1e6,
-                "args": {"model": span["model"], "microbatch": span["microbatch"]},
+                "args": {"model": span["model"], "microbatch": span["microbatch"],
+                         **_peak(span)},
             })
     return events
+
+
+def _peak(span: dict) -> dict:
+    peak = span.get("peak_bytes")
+    return {} if peak is None else {"peak_bytes": peak}
 
 
 def write_chrome_trace(tracer: Tracer, path: str | Path) -> None:

@@ -119,7 +119,9 @@ def _weights(engine) -> dict:
 
 def _metrics(run_dir: str) -> list[dict]:
     lines = Path(run_dir, "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in lines]
+    # Timings and memory peaks are measurements of the run, not results of the math.
+    return [{k: v for k, v in json.loads(line).items()
+             if k not in TIMING and not k.startswith("memory/")} for line in lines]
 
 
 def _same_weights(a: dict, b: dict) -> bool:

@@ -1,0 +1,139 @@
+"""The peak memory each rank is predicted to need per stage, and the ``auto`` offload decision.
+
+    roles = planner_role_bytes(plan, RolloutSpec.from_run_config(config))
+    peaks = stage_peaks(plan, roles, offloaded={"ref"})    # rank -> stage -> bytes
+    offload = offload_policies(config, plan)               # role -> "never" | "always"
+
+The per-model bytes are the planner's (``planner.memory``); this module applies the engine's
+offload rules to them. Stages are named like the engine's spans, so a prediction lines up with the
+``memory/<stage>_peak_bytes`` metrics, and it counts what the engine counts on the CPU: model
+state (weights, gradient buffers, optimizer state) and the KV cache of generation, not
+activations. Between stages an offloaded model holds nothing on the device; an operator brings
+back what it needs, one model at a time: the generating model's weights (``generate``), each
+scoring model's weights (``experience``), all the state of each trained model (``train``), and a
+trained model's weights with its shadow's (``sync_weights``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from megatron_rlhf.config.ppo_run import RunConfig
+from megatron_rlhf.planner import RolloutSpec, load_profile, plan_memory
+from megatron_rlhf.planner.memory import experience_roles, generating_roles
+from megatron_rlhf.runtime.logging import get_logger
+from megatron_rlhf.topology.models import SHADOW_OF, TRAINABLE_ROLES
+from megatron_rlhf.topology.plan import PlacementPlan
+
+logger = get_logger(__name__)
+
+GENERATE, EXPERIENCE, TRAIN, SYNC = "generate", "experience", "train", "sync_weights"
+_GIB = 1024**3
+
+PLANNER_GRAD_SCALE = 2.0
+"""Gradient bytes the trainer allocates over those the planner counts: the planner counts bf16
+gradients (2 bytes a parameter) but the trainer reduces into fp32 buffers
+(``grad_reduce_in_fp32``, 4 bytes). 1.0 once the planner counts fp32 gradients."""
+
+
+@dataclass(frozen=True)
+class RoleBytes:
+    """One model's bytes on one of its devices.
+
+    Attributes:
+        weights: parameters.
+        grads: gradient buffers (trainable models).
+        optimizer: optimizer state: fp32 main weights and Adam moments (trainable models).
+        kv_cache: the KV cache of one generation round (generating models).
+    """
+
+    weights: float
+    grads: float = 0.0
+    optimizer: float = 0.0
+    kv_cache: float = 0.0
+
+    @property
+    def state(self) -> float:
+        """Weights, gradients and optimizer state."""
+        return self.weights + self.grads + self.optimizer
+
+
+def planner_role_bytes(plan: PlacementPlan, rollout: RolloutSpec) -> dict[str, RoleBytes]:
+    """The planner's bytes of every model of ``plan`` (bf16 weights, mixed-precision Adam),
+    gradients scaled by :data:`PLANNER_GRAD_SCALE`."""
+    # Memory large enough that nothing is offloaded and one round holds the whole batch.
+    unlimited = dataclasses.replace(load_profile("A100-80GB"), memory_gib=2.0**40)
+    report = plan_memory(plan, rollout, (unlimited,) * len(plan.cluster.pools))
+    return {role: RoleBytes(m.weights * _GIB, m.grads * _GIB * PLANNER_GRAD_SCALE,
+                            m.optimizer * _GIB, m.kv_cache * _GIB)
+            for role, m in report.roles.items()}
+
+
+def stage_peaks(plan: PlacementPlan, roles: dict[str, RoleBytes], offloaded: Collection[str]
+                ) -> dict[int, dict[str, float]]:
+    """Predicted peak bytes of every model stage each rank runs (rank -> stage -> bytes).
+
+    Args:
+        plan: the placement.
+        roles: every placed model's bytes (:func:`planner_role_bytes`).
+        offloaded: the placed models that are offloaded between stages.
+    """
+    units = {GENERATE: [(role,) for role in generating_roles(plan)],
+             EXPERIENCE: [(role,) for role in experience_roles(plan)],
+             TRAIN: [(role,) for role in TRAINABLE_ROLES if role in plan.models],
+             SYNC: [(trained, shadow) for shadow, trained in SHADOW_OF.items()
+                    if shadow in plan.models]}
+    peaks: dict[int, dict[str, float]] = {}
+    for rank in range(plan.world_size):
+        here = set(plan.roles_on(rank))
+        resident = sum(roles[role].state for role in here if role not in offloaded)
+        peaks[rank] = {}
+        for stage, stage_units in units.items():
+            running = [[role for role in unit if role in here] for unit in stage_units]
+            running = [unit for unit in running if unit]
+            if running:
+                peaks[rank][stage] = resident + max(
+                    sum(_brought_back(stage, roles[role], role in offloaded) for role in unit)
+                    for unit in running)
+    return peaks
+
+
+def _brought_back(stage: str, role: RoleBytes, offloaded: bool) -> float:
+    """Bytes a stage adds for one of its models: what an offloaded model brings back, plus the
+    generation's KV cache."""
+    kv = role.kv_cache if stage == GENERATE else 0.0
+    if not offloaded:
+        return kv
+    return (role.state if stage == TRAIN else role.weights) + kv
+
+
+def offload_policies(config: RunConfig, plan: PlacementPlan) -> dict[str, str]:
+    """``never`` or ``always`` for every placed model, deciding ``models.offload.<role>=auto``.
+
+    An ``auto`` model is offloaded when a rank it is placed on is predicted to exceed the
+    per-rank budget (``models.memory_budget_gib``, or the device memory of the rank's pool) in
+    some stage with every ``auto`` model resident; ``always`` models count as offloaded.
+    """
+    policies = {role: config.models.offload_policy(role) for role in plan.roles}
+    auto = {role for role, policy in policies.items() if policy == "auto"}
+    if auto:
+        roles = planner_role_bytes(plan, RolloutSpec.from_run_config(config))
+        always = {role for role, policy in policies.items() if policy == "always"}
+        peaks = stage_peaks(plan, roles, always)
+        over = {rank for rank, stages in peaks.items()
+                if max(stages.values(), default=0.0) > budget_bytes(config, plan, rank)}
+        for role in auto:
+            policies[role] = "always" if over & set(plan[role].ranks) else "never"
+        logger.info("models.offload=auto: %s (ranks over the budget: %s)",
+                    {role: policies[role] for role in sorted(auto)}, sorted(over))
+    return policies
+
+
+def budget_bytes(config: RunConfig, plan: PlacementPlan, rank: int) -> float:
+    """The memory budget of one rank: ``models.memory_budget_gib``, or its device's memory."""
+    gib = config.models.memory_budget_gib
+    if not gib:
+        gib = plan.cluster.pools[plan.cluster.locate(rank).pool_index].memory_gib
+    return gib * _GIB
