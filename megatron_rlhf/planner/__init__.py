@@ -24,7 +24,13 @@ from megatron_rlhf.planner.hardware import (
     resolve_profiles,
     shipped_profiles,
 )
-from megatron_rlhf.planner.memory import MemoryReport, RoleMemory, plan_memory
+from megatron_rlhf.planner.memory import (
+    MemoryOptions,
+    MemoryReport,
+    RoleMemory,
+    fit_memory,
+    plan_memory,
+)
 from megatron_rlhf.planner.predict import BOTTLENECKS, STAGES, StepPrediction, predict_step
 from megatron_rlhf.planner.search import (
     RankedCandidate,
@@ -40,6 +46,7 @@ __all__ = [
     "BOTTLENECKS",
     "STAGES",
     "HardwareProfile",
+    "MemoryOptions",
     "MemoryReport",
     "RankedCandidate",
     "RankingComparison",
@@ -53,6 +60,7 @@ __all__ = [
     "compare_stage_times",
     "describe",
     "explain_choice",
+    "fit_memory",
     "homogeneous_cluster",
     "load_profile",
     "plan_memory",
