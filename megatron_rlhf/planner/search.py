@@ -7,7 +7,7 @@
 
 Candidates: for every TP (a divisor of the node size that divides the heads and query groups of
 every model) and PP (a divisor of the layers, at most ``max_pp``): the presets flattening,
-interleaving and interleaving2; custom ratio vectors from a grid; separation for each
+interleaving (also with ref and reward at half the PP) and interleaving2; custom ratio vectors from a grid; separation for each
 ``train_fraction`` and shadow TP; hetero-separation (when the cluster has two or more pools) for
 each shadow TP. Requests the placement refuses are skipped; identical plans are kept once.
 """
@@ -24,7 +24,7 @@ from megatron_rlhf.planner.hardware import HardwareProfile
 from megatron_rlhf.planner.predict import STAGES, StepPrediction, predict_step
 from megatron_rlhf.planner.workload import RolloutSpec
 from megatron_rlhf.topology.cluster import ClusterSpec
-from megatron_rlhf.topology.models import ArchSpec, arch_preset
+from megatron_rlhf.topology.models import REF, REWARD, ArchSpec, arch_preset
 from megatron_rlhf.topology.placement import plan_placement
 from megatron_rlhf.topology.placement_config import (
     CUSTOM,
@@ -151,6 +151,12 @@ def candidate_configs(cluster: ClusterSpec, archs: list[ArchSpec],
         for pp in pps:
             found += [PlacementConfig(strategy, tp=tp, pp=pp, **common)
                       for strategy in presets if wanted(strategy)]
+            if wanted(INTERLEAVING) and pp // 2 in pps:
+                # ref and reward each get half the devices: half the pipeline lets the trainers
+                # keep a deep one (llama-65b on 2x8 fits only so).
+                halves = {role: ParallelOverride(pp=pp // 2) for role in (REF, REWARD)}
+                found.append(PlacementConfig(INTERLEAVING, tp=tp, pp=pp, parallel=halves,
+                                             **common))
             if wanted(CUSTOM):
                 found += [PlacementConfig(CUSTOM, ratios=list(r), tp=tp, pp=pp, **common)
                           for r in grid]
@@ -179,6 +185,8 @@ def describe(plan: PlacementPlan) -> str:
     elif config.strategy == SEPARATION:
         name += f"({actor.size}/{plan.world_size} train)"
     label = f"{name} tp={actor.tp} pp={actor.pp}"
+    if plan[REF].pp != actor.pp:
+        label += f" ref_pp={plan[REF].pp}"
     if "shadow_actor" in plan.models:
         label += f" shadow_tp={plan['shadow_actor'].tp}"
     return label
