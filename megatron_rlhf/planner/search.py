@@ -108,6 +108,8 @@ class RankedCandidate:
                 "step_seconds": round(p.step_seconds, 4) if p.feasible else None,
                 "bottleneck": p.bottleneck,
                 "stage_seconds": {k: round(v, 4) for k, v in p.stage_seconds.items()},
+                "peak_gib_per_device": round(p.memory.peak_gib, 2) if p.feasible else None,
+                "memory_options": {role: o.label for role, o in p.memory.options.items()},
                 "problems": list(p.problems)}
 
 
