@@ -160,7 +160,8 @@ class MemoryReport:
     """The memory side of a prediction.
 
     Attributes:
-        options: per model, the memory options chosen (those tried last when nothing fits).
+        options: per model, the memory options chosen (every option together when nothing
+            fits).
         roles: per model, its memory on one device.
         sequences_per_round: per generating model, the most sequences one replica holds in a
             round (the KV-cache bound).
