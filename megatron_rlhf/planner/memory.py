@@ -151,8 +151,11 @@ class RoleMemory:
 
     @property
     def total(self) -> float:
-        """Everything this model needs while its largest stage runs."""
-        return self.weights + self.grads + self.optimizer + max(self.activations, self.kv_cache)
+        """Everything this model needs while its largest stage runs; an offloaded model brings
+        back only its weights to generate."""
+        states = self.weights + self.grads + self.optimizer
+        generating = (self.weights if self.offloaded else states) + self.kv_cache
+        return max(states + self.activations, generating)
 
 
 @dataclass

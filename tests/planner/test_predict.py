@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_rlhf.planner import RolloutSpec, homogeneous_cluster, predict_step
+from megatron_rlhf.planner import RoleMemory, RolloutSpec, homogeneous_cluster, predict_step
 from megatron_rlhf.topology import (
     ClusterSpec,
     DevicePool,
@@ -165,3 +165,12 @@ def test_trainers_gather_every_experience_row_once() -> None:
     # One replica per model on the ranks that scored everything: nothing moves.
     single = _tasks(_predict("flattening", tp=8))
     assert not [name for name in single if name.startswith("transfer:")]
+
+
+def test_an_offloaded_model_generates_with_its_weights_only() -> None:
+    # weights 1, grads 2, optimizer 3, activations 4, KV cache 10 (GiB): training needs
+    # 6 + 4; generating needs the KV cache next to all states (16), or next to the weights alone
+    # once offloaded (11).
+    assert RoleMemory(1, 2, 3, 4, 10, offloaded=False).total == 16
+    assert RoleMemory(1, 2, 3, 4, 10, offloaded=True).total == 11
+    assert RoleMemory(1, 2, 3, 4, 0, offloaded=True).total == 10
