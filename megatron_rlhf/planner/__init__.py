@@ -25,6 +25,7 @@ from megatron_rlhf.planner.hardware import (
     shipped_profiles,
 )
 from megatron_rlhf.planner.memory import (
+    MEMORY_OPTIONS,
     MemoryOptions,
     MemoryReport,
     RoleMemory,
@@ -44,6 +45,7 @@ from megatron_rlhf.planner.workload import RolloutSpec
 
 __all__ = [
     "BOTTLENECKS",
+    "MEMORY_OPTIONS",
     "STAGES",
     "HardwareProfile",
     "MemoryOptions",

@@ -114,16 +114,32 @@ def base_options(model: ModelPlacement, rollout: RolloutSpec) -> MemoryOptions:
     return MemoryOptions(sharding, rollout.activation_checkpointing)
 
 
-def option_menu(model: ModelPlacement, rollout: RolloutSpec) -> list[MemoryOptions]:
-    """Every option combination for ``model``, from its ``base_options`` up: more sharding (FSDP
-    only with ``dp > 1``, where it shards anything), recomputation, offloading."""
+FSDP, RECOMPUTE, OFFLOAD = cm.FULLY_SHARDED, "recompute", "offload"
+MEMORY_OPTIONS = (FSDP, RECOMPUTE, OFFLOAD)
+"""The options the planner may add to a request. The engine runs offloading (and the distributed
+optimizer) today; FSDP and recomputation are megatron-core features it does not configure yet."""
+
+
+def check_memory_options(names: tuple[str, ...]) -> None:
+    """Raise ValueError for a name that is not one of ``MEMORY_OPTIONS``."""
+    unknown = sorted(set(names) - set(MEMORY_OPTIONS))
+    if unknown:
+        raise ValueError(f"memory options {unknown} are unknown: use some of {MEMORY_OPTIONS}")
+
+
+def option_menu(model: ModelPlacement, rollout: RolloutSpec,
+                allowed: tuple[str, ...] = MEMORY_OPTIONS) -> list[MemoryOptions]:
+    """Every option combination for ``model``, from its ``base_options`` up, among ``allowed``:
+    more sharding (FSDP only with ``dp > 1``, where it shards anything), recomputation,
+    offloading."""
     base = base_options(model, rollout)
-    offloads = (False, True)
+    offloads = (False, True) if OFFLOAD in allowed else (False,)
     if not model.spec.trainable:
         return [replace(base, offload=o) for o in offloads]
     shardings = [s for s in cm.SHARDINGS[cm.SHARDINGS.index(base.sharding):]
-                 if s != cm.FULLY_SHARDED or model.dp > 1]
-    recomputes = (True,) if base.recompute else (False, True)
+                 if s != FSDP or (model.dp > 1 and FSDP in allowed)]
+    more = RECOMPUTE in allowed and not base.recompute
+    recomputes = (False, True) if more else (base.recompute,)
     return [MemoryOptions(s, r, o) for s in shardings for r in recomputes for o in offloads]
 
 
@@ -364,7 +380,8 @@ def _finish(report: MemoryReport, plan: PlacementPlan, rollout: RolloutSpec,
 
 
 def fit_memory(plan: PlacementPlan, rollout: RolloutSpec, profiles: tuple[HardwareProfile, ...],
-               price: Callable[[str, MemoryOptions], float]) -> MemoryReport:
+               price: Callable[[str, MemoryOptions], float],
+               allowed: tuple[str, ...] = MEMORY_OPTIONS) -> MemoryReport:
     """The cheapest memory options with which every device fits, and the memory they give.
 
     Combinations of every model's ``option_menu`` are tried by increasing total price (then
@@ -378,8 +395,13 @@ def fit_memory(plan: PlacementPlan, rollout: RolloutSpec, profiles: tuple[Hardwa
         profiles: the profile of every pool, in pool order.
         price: seconds a model's stages take under some options (``predict`` prices them with
             the stage formulas, offload copies included).
+        allowed: the options that may be added (of ``MEMORY_OPTIONS``).
+
+    Raises:
+        ValueError: an unknown name in ``allowed``.
     """
-    menus = {role: option_menu(plan[role], rollout) for role in plan.roles
+    check_memory_options(allowed)
+    menus = {role: option_menu(plan[role], rollout, allowed) for role in plan.roles
              if role not in SHADOW_OF}
     most = {role: menu[-1] for role, menu in menus.items()}
     report = plan_memory(plan, rollout, profiles, _with_shadows(plan, most))

@@ -27,6 +27,7 @@ from dataclasses import dataclass, fields
 from megatron_rlhf.planner import cost_model as cm
 from megatron_rlhf.planner.hardware import HardwareProfile, resolve_profiles
 from megatron_rlhf.planner.memory import (
+    MEMORY_OPTIONS,
     MemoryOptions,
     MemoryReport,
     RoleMemory,
@@ -115,8 +116,8 @@ def _role_memory_dict(memory: RoleMemory) -> dict:
 
 
 def predict_step(plan: PlacementPlan, rollout: RolloutSpec,
-                 profiles: Mapping[str, HardwareProfile] | HardwareProfile | None = None
-                 ) -> StepPrediction:
+                 profiles: Mapping[str, HardwareProfile] | HardwareProfile | None = None,
+                 memory_options: tuple[str, ...] = MEMORY_OPTIONS) -> StepPrediction:
     """Predict one PPO step of ``plan``.
 
     Args:
@@ -124,6 +125,8 @@ def predict_step(plan: PlacementPlan, rollout: RolloutSpec,
         rollout: the step's shapes.
         profiles: device profiles (see ``hardware.resolve_profiles``); default: the shipped
             profile named like each pool's kind.
+        memory_options: the memory options the planner may add (``memory.MEMORY_OPTIONS``;
+            ``("offload",)`` for what the engine runs today).
 
     Returns:
         The prediction; an infeasible plan gives ``feasible=False``, zero throughput, the
@@ -134,7 +137,7 @@ def predict_step(plan: PlacementPlan, rollout: RolloutSpec,
     """
     hardware = resolve_profiles(plan.cluster, profiles)
     ctx = _Context(plan, rollout, hardware)
-    memory = fit_memory(plan, rollout, hardware, ctx.option_seconds)
+    memory = fit_memory(plan, rollout, hardware, ctx.option_seconds, memory_options)
     if memory.problems:
         return StepPrediction(False, 0.0, math.inf, math.inf, False, {}, (), "memory", 1.0,
                               memory, tuple(memory.problems))

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from megatron_rlhf.planner.hardware import HardwareProfile
+from megatron_rlhf.planner.memory import MEMORY_OPTIONS, check_memory_options
 from megatron_rlhf.planner.predict import STAGES, StepPrediction, predict_step
 from megatron_rlhf.planner.workload import RolloutSpec
 from megatron_rlhf.topology.cluster import ClusterSpec
@@ -60,6 +61,8 @@ class SearchSpace:
         critic: plan a value model at all; False prices the three-model step of the critic-free
             estimators (grpo, rloo, reinforce++), without interleaving2.
         distributed_optimizer: shard optimizer state over DP (never costs time, saves memory).
+        memory_options: the memory options the planner may add to every candidate
+            (``memory.MEMORY_OPTIONS``).
     """
 
     strategies: tuple[str, ...] | None = None
@@ -71,10 +74,12 @@ class SearchSpace:
     ac_share: bool = False
     critic: bool = True
     distributed_optimizer: bool = True
+    memory_options: tuple[str, ...] = MEMORY_OPTIONS
 
     def __post_init__(self) -> None:
         if self.max_pp < 1:
             raise ValueError(f"search.max_pp={self.max_pp} must be >= 1")
+        check_memory_options(self.memory_options)
         for name in ("tps", "pps"):
             values = getattr(self, name)
             if values is not None and (not values or min(values) < 1):
@@ -240,7 +245,8 @@ def auto_place(cluster: ClusterSpec, models: ArchLike | Mapping[str, ArchLike],
             if _signature(plan) in seen:
                 continue
             seen.add(_signature(plan))
-            scored.append((describe(plan), config, plan, predict_step(plan, rollout, profiles)))
+            scored.append((describe(plan), config, plan,
+                           predict_step(plan, rollout, profiles, space.memory_options)))
     scored.sort(key=lambda c: (not c[3].feasible, -c[3].samples_per_s))
     return [RankedCandidate(i + 1, *c) for i, c in enumerate(scored)]
 

@@ -174,3 +174,16 @@ def test_an_offloaded_model_generates_with_its_weights_only() -> None:
     assert RoleMemory(1, 2, 3, 4, 10, offloaded=False).total == 16
     assert RoleMemory(1, 2, 3, 4, 10, offloaded=True).total == 11
     assert RoleMemory(1, 2, 3, 4, 0, offloaded=True).total == 10
+
+
+def test_memory_options_can_be_limited_to_what_the_engine_runs() -> None:
+    # llama-33b, flattening tp=4 pp=2 on one node needs recomputation besides offloading; with
+    # offloading alone (the engine today) it does not fit, and the problem names the fix left.
+    plan = plan_placement(A100_1X8, PlacementConfig("flattening", tp=4, pp=2), "llama-33b")
+    assert predict_step(plan, ROLLOUT).memory.options["actor"].recompute
+    offload_only = predict_step(plan, ROLLOUT, memory_options=("offload",))
+    assert not offload_only.feasible
+    assert "lower rollout.micro_batch_size" in offload_only.problems[0]
+    assert offload_only.memory.options["actor"].label == "distributed_optimizer+offload"
+    with pytest.raises(ValueError, match=r"memory options \['zero3'\] are unknown"):
+        predict_step(plan, ROLLOUT, memory_options=("zero3",))

@@ -36,6 +36,9 @@ def test_predict_prints_samples_stages_memory_and_largest_batch(
         "sharding": "distributed_optimizer", "recompute": False, "offload": False,
         "label": "distributed_optimizer"}
     assert 0 < prediction["peak_gib_per_device"] <= prediction["usable_gib_per_device"]
+    tool.main(["--nodes", "1", "--placement", "flattening", "--tp", "4", "--pp", "2",
+               "--model", "llama-33b", "--predict", "--json", "--memory-options", "offload"])
+    assert not json.loads(capsys.readouterr().out)["prediction"]["feasible"]
 
 
 def test_auto_ranks_candidates_as_text_and_json(capsys: pytest.CaptureFixture[str]) -> None:
