@@ -1,11 +1,12 @@
 """The planner's predictions at scale: the tables of docs/planner.md, from one command.
 
-    python benchmarks/planner_at_scale.py            # both tables, markdown (about 4 s on 2 cores)
+    python benchmarks/planner_at_scale.py            # the tables, markdown (about 90 s on 2 cores)
     python benchmarks/planner_at_scale.py --json     # one JSON line per cell instead
 
 Table 1: LLaMA 7B-65B (actor, critic, ref and reward the same size) on 1x8 to 16x8 A100-80GB,
 the best candidate of flattening, interleaving, interleaving2 and separation each
-(``auto_place`` with ``SearchSpace(strategies=(s,))``). Table 2: DeepSpeed-Chat's step-3 setting
+(``auto_place`` with ``SearchSpace(strategies=(s,))``). Table 2: the same cells' settings: TP,
+PP, DP and memory options of every model, and the predicted peak memory per device. Table 3: DeepSpeed-Chat's step-3 setting
 (actor and ref LLaMA of the size nearest their OPT actor, critic and reward OPT-350M-shaped,
 flattening) on 8 and 64 A100-80GB, to hold against their published times. The rollout is
 DeepSpeed-Chat's benchmark: 1024 prompts per step, 256 prompt + 256 response tokens, one PPO
@@ -17,7 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 
-from megatron_rlhf.planner import RolloutSpec, SearchSpace, auto_place, homogeneous_cluster
+from megatron_rlhf.planner import (
+    RankedCandidate,
+    RolloutSpec,
+    SearchSpace,
+    auto_place,
+    homogeneous_cluster,
+)
 from megatron_rlhf.topology.models import ArchSpec
 
 ROLLOUT = RolloutSpec(batch=1024, prompt_length=256, generation_length=256, micro_batch_size=4)
@@ -46,8 +53,21 @@ def best_cell(nodes: int, models, strategy: str) -> dict:
     best = ranked[0]
     if not best.prediction.feasible:
         return {"result": "OOM", "label": best.label}
+    memory = best.prediction.memory
     return {"result": round(best.prediction.samples_per_s, 2), "label": best.label,
-            "bottleneck": best.prediction.bottleneck}
+            "bottleneck": best.prediction.bottleneck, "setting": setting(best),
+            "peak_gib_per_device": round(memory.peak_gib, 1)}
+
+
+def setting(candidate: RankedCandidate) -> str:
+    """Every model's TP/PP/DP and memory options, models with the same ones together, e.g.
+    ``actor, critic 8/2/1 distributed_optimizer+offload; ref, reward 8/1/1 replicated``."""
+    plan, options = candidate.plan, candidate.prediction.memory.options
+    groups: dict[str, list[str]] = {}
+    for role, model in plan.models.items():
+        key = f"{model.tp}/{model.pp}/{model.dp} {options[role].label}"
+        groups.setdefault(key, []).append(role)
+    return "; ".join(f"{', '.join(roles)} {key}" for key, roles in groups.items())
 
 
 def _text(cell: dict) -> str:
@@ -86,6 +106,18 @@ def main() -> None:
     print("|---|---|" + "---|" * len(STRATEGIES))
     for model, nodes, cells in rows:
         print(f"| {model} | {nodes}x8 | " + " | ".join(_text(cells[s]) for s in STRATEGIES) + " |")
+    print()
+    print("| model | cluster | strategy | picked | TP/PP/DP and memory options | "
+          "peak GiB/device |")
+    print("|---|---|---|---|---|---|")
+    for model, nodes, cells in rows:
+        for strategy in STRATEGIES:
+            cell = cells[strategy]
+            if isinstance(cell["result"], str):
+                print(f"| {model} | {nodes}x8 | {strategy} | {cell['result']} | - | - |")
+                continue
+            print(f"| {model} | {nodes}x8 | {strategy} | {cell['label']} | {cell['setting']} | "
+                  f"{cell['peak_gib_per_device']:.1f} |")
     print()
     print("| actor (theirs / ours) | GPUs | DeepSpeed-Chat time | measured samples/s | "
           "predicted samples/s | predicted / measured |")

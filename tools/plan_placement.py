@@ -30,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 from megatron_rlhf.planner import (  # noqa: E402
+    MEMORY_OPTIONS,
     HardwareProfile,
     RolloutSpec,
     SearchSpace,
@@ -84,6 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                           ("ppo-epochs", 1), ("num-minibatches", 1), ("micro-batch-size", 4)):
         rollout.add_argument(f"--{flag}", type=int, default=default)
     rollout.add_argument("--activation-checkpointing", action="store_true")
+    rollout.add_argument("--memory-options", default=",".join(MEMORY_OPTIONS),
+                         help="memory options the planner may add where a plan does not fit "
+                         "(comma-separated; 'offload' alone for what the engine runs today)")
     rollout.add_argument("--no-overlap", action="store_true",
                          help="price separation synchronously (no generation/training overlap)")
     rollout.add_argument("--profile", action="append", default=[], metavar="[KIND=]NAME|PATH",
@@ -136,6 +140,11 @@ def build_rollout(args: argparse.Namespace) -> RolloutSpec:
         activation_checkpointing=args.activation_checkpointing, overlap=not args.no_overlap)
 
 
+def memory_options(args: argparse.Namespace) -> tuple[str, ...]:
+    """--memory-options as a tuple (empty for an empty flag)."""
+    return tuple(name for name in args.memory_options.split(",") if name)
+
+
 def build_config(args: argparse.Namespace) -> PlacementConfig:
     """The placement request; an automatic planner (a later --auto) will choose it here."""
     overrides: dict[str, ParallelOverride] = {}
@@ -159,7 +168,8 @@ def run_auto(args: argparse.Namespace, cluster: ClusterSpec, models: dict[str, s
     """Rank candidate placements and print them (text or one JSON object)."""
     space = SearchSpace(strategies=tuple(args.only.split(",")) if args.only else None,
                         ac_share=args.ac_share, critic=not args.no_critic,
-                        distributed_optimizer=not args.no_distributed_optimizer)
+                        distributed_optimizer=not args.no_distributed_optimizer,
+                        memory_options=memory_options(args))
     ranked = auto_place(cluster, models, build_rollout(args), build_profiles(args), space)
     if args.json:
         print(json.dumps({"rollout": build_rollout(args).to_dict(),
@@ -182,8 +192,8 @@ def main(argv: list[str] | None = None) -> None:
             run_auto(args, cluster, models)
             return
         plan = plan_placement(cluster, build_config(args), models)
-        prediction = (predict_step(plan, build_rollout(args), build_profiles(args))
-                      if args.predict else None)
+        prediction = (predict_step(plan, build_rollout(args), build_profiles(args),
+                                   memory_options(args)) if args.predict else None)
     except ValueError as error:
         print(f"plan_placement: error: {error}", file=sys.stderr)
         sys.exit(2)

@@ -24,7 +24,14 @@ from megatron_rlhf.planner.hardware import (
     resolve_profiles,
     shipped_profiles,
 )
-from megatron_rlhf.planner.memory import MemoryReport, RoleMemory, plan_memory
+from megatron_rlhf.planner.memory import (
+    MEMORY_OPTIONS,
+    MemoryOptions,
+    MemoryReport,
+    RoleMemory,
+    fit_memory,
+    plan_memory,
+)
 from megatron_rlhf.planner.predict import BOTTLENECKS, STAGES, StepPrediction, predict_step
 from megatron_rlhf.planner.search import (
     RankedCandidate,
@@ -38,8 +45,10 @@ from megatron_rlhf.planner.workload import RolloutSpec
 
 __all__ = [
     "BOTTLENECKS",
+    "MEMORY_OPTIONS",
     "STAGES",
     "HardwareProfile",
+    "MemoryOptions",
     "MemoryReport",
     "RankedCandidate",
     "RankingComparison",
@@ -53,6 +62,7 @@ __all__ = [
     "compare_stage_times",
     "describe",
     "explain_choice",
+    "fit_memory",
     "homogeneous_cluster",
     "load_profile",
     "plan_memory",

@@ -5,8 +5,9 @@ applies it to a placement plan. Units inside this module: bytes, seconds, FLOPs,
 
 Assumptions shared by all formulas (each function adds its own):
 
-- Weights, gradients, activations and the KV cache are bf16 (2 bytes); the optimizer keeps fp32
-  master weights and Adam's two moments (12 bytes per parameter); logits are fp32.
+- Weights, activations and the KV cache are bf16 (2 bytes); gradients live in the trainer's fp32
+  DDP buffers (``grad_reduce_in_fp32``, 4 bytes); the optimizer keeps fp32 master weights and
+  Adam's two moments (12 bytes per parameter); logits are fp32.
 - A dense transformer: per token and layer, the matrix multiplies cost 2 FLOPs per parameter
   forward (4 backward); attention scores and weighting cost ``4 * hidden * context`` FLOPs.
   The input embedding is a lookup (no FLOPs). Norms, softmax and element-wise ops are not counted.
@@ -28,11 +29,21 @@ from megatron_rlhf.planner.hardware import HardwareProfile
 from megatron_rlhf.topology.models import ArchSpec
 
 BF16 = 2
-"""Bytes of one weight, gradient, activation or KV-cache element."""
+"""Bytes of one weight, activation or KV-cache element."""
 FP32 = 4
 """Bytes of one logit (and of one experience field: log-prob, value, reward, advantage)."""
 ADAM_STATE_BYTES = 12
 """fp32 master weight + Adam's first and second moment, bytes per parameter."""
+GRAD_BYTES = FP32
+"""One gradient: megatron's DDP accumulates and reduces them in fp32 (``grad_reduce_in_fp32``)."""
+REPLICATED, DISTRIBUTED_OPTIMIZER, FULLY_SHARDED = "replicated", "distributed_optimizer", "fsdp"
+SHARDINGS = (REPLICATED, DISTRIBUTED_OPTIMIZER, FULLY_SHARDED)
+"""How a trainable model's states are split over its DP group, least sharded first: DDP with
+replicated optimizer state (ZeRO-0), Megatron's distributed optimizer (optimizer state sharded,
+ZeRO-1), Megatron-FSDP (weights, gradients and optimizer state sharded, ZeRO-3)."""
+FSDP_LAYERS_GATHERED = 2
+"""Layers whose full weights and gradients an FSDP rank holds at once: the one running and the
+one prefetched."""
 ADAM_UPDATE_BYTES = 32
 """Memory traffic of one Adam update per parameter: read and write 12 bytes of state, read the
 bf16 gradient, write the bf16 weight (12 + 12 + 2 + 2, rounded up for the fp32 gradient cast)."""
@@ -85,7 +96,7 @@ class StateBytes:
 
     Attributes:
         weights: bf16 parameters.
-        grads: bf16 gradients (trainable models).
+        grads: fp32 gradient buffers (trainable models).
         optimizer: fp32 master weights and Adam moments (trainable models).
     """
 
@@ -100,18 +111,41 @@ class StateBytes:
 
 
 def state_bytes(params: float, tp: int, pp: int, dp: int, trainable: bool,
-                distributed_optimizer: bool) -> StateBytes:
-    """Weights, gradients and optimizer state on one device (ZeRO paper, Rajbhandari et al.).
+                sharding: str = DISTRIBUTED_OPTIMIZER) -> StateBytes:
+    """Weights, gradients and optimizer state on one device, as the engine allocates them.
 
-    With ``psi = params / (tp * pp)`` on a device: weights ``2 psi``; a trainable model adds
-    gradients ``2 psi`` and optimizer state ``12 psi`` under DDP (ZeRO-0), or ``12 psi / dp``
-    under Megatron's distributed optimizer (ZeRO-1: optimizer state sharded over DP).
+    With ``psi = params / (tp * pp)`` on a device and ``d = dp``:
+
+    - inference-only models (ref, reward, shadows): bf16 weights ``2 psi``, nothing else;
+    - ``replicated`` (DDP): weights ``2 psi``, fp32 gradient buffer ``4 psi``, fp32 master
+      weights and Adam moments ``12 psi``: ``18 psi``;
+    - ``distributed_optimizer`` (ZeRO-1): ``2 psi + 4 psi + 12 psi / d``; the gradient buffer
+      stays whole (megatron reduce-scatters it in place);
+    - ``fsdp`` (ZeRO-3): ``(2 + 4 + 12) psi / d``; the layers being computed are gathered on top
+      (``fsdp_gathered_bytes``).
     """
     psi = params / (tp * pp)
     if not trainable:
         return StateBytes(BF16 * psi)
-    optimizer = ADAM_STATE_BYTES * psi / (dp if distributed_optimizer else 1)
-    return StateBytes(BF16 * psi, BF16 * psi, optimizer)
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding={sharding!r}: use one of {SHARDINGS}")
+    optimizer = ADAM_STATE_BYTES * psi / (1 if sharding == REPLICATED else dp)
+    model = psi / (dp if sharding == FULLY_SHARDED else 1)
+    return StateBytes(BF16 * model, GRAD_BYTES * model, optimizer)
+
+
+def layer_params(arch: ArchSpec) -> float:
+    """Parameters of one transformer layer (attention, MLP, both norms)."""
+    outside = arch.padded_vocab_size(1) * arch.hidden_size + 2 * arch.hidden_size
+    return (arch.num_params(1, value_head=True) - outside) / arch.num_layers
+
+
+def fsdp_gathered_bytes(arch: ArchSpec, tp: int, training: bool) -> float:
+    """Unsharded layers an FSDP rank holds while it computes: ``FSDP_LAYERS_GATHERED`` layers'
+    bf16 weights (``2 P_l / tp``), and in training their fp32 gradients too (``4 P_l / tp``)
+    before the reduce-scatter, with ``P_l`` = ``layer_params``."""
+    per_param = BF16 + (GRAD_BYTES if training else 0)
+    return FSDP_LAYERS_GATHERED * per_param * layer_params(arch) / tp
 
 
 def layer_activation_bytes(arch: ArchSpec, seq: int, micro_batch: int, tp: int) -> float:
@@ -225,18 +259,29 @@ def p2p_seconds(nbytes: float, link: Link) -> float:
     return link.latency_s + nbytes / link.bytes_per_s
 
 
-def grad_sync_seconds(params: float, tp: int, pp: int, dp: int, distributed_optimizer: bool,
+def grad_sync_seconds(params: float, tp: int, pp: int, dp: int, sharding: str,
                       link: Link) -> float:
     """Gradient reduction of one optimizer step over the DP group.
 
-    DDP all-reduces the bf16 gradients of a device (``2 params / (tp pp)`` bytes). The
-    distributed optimizer (ZeRO-1) reduce-scatters them and all-gathers the updated bf16
-    weights: the same volume, in two collectives. Not overlapped with the backward pass.
+    The gradients are reduced in fp32 (``4 psi`` bytes, ``psi = params / (tp pp)``). DDP
+    all-reduces them; the distributed optimizer (ZeRO-1) reduce-scatters them and all-gathers the
+    updated bf16 weights (``2 psi``); FSDP reduce-scatters them here and pays its weight
+    all-gathers per pass (``fsdp_gather_seconds``). Not overlapped with the backward pass.
     """
-    grads = BF16 * params / (tp * pp)
-    if not distributed_optimizer:
+    psi = params / (tp * pp)
+    grads = GRAD_BYTES * psi
+    if sharding == REPLICATED:
         return allreduce_seconds(grads, dp, link)
-    return reduce_scatter_seconds(grads, dp, link) + all_gather_seconds(grads, dp, link)
+    sync = reduce_scatter_seconds(grads, dp, link)
+    if sharding == DISTRIBUTED_OPTIMIZER:
+        sync += all_gather_seconds(BF16 * psi, dp, link)
+    return sync
+
+
+def fsdp_gather_seconds(params: float, tp: int, pp: int, dp: int, link: Link) -> float:
+    """FSDP gathers a device's bf16 weights from its DP group once per pass over them:
+    one all-gather of ``2 params / (tp pp)`` bytes."""
+    return all_gather_seconds(BF16 * params / (tp * pp), dp, link)
 
 
 def pipeline_bubble_fraction(pp: int, microbatches: int) -> float:
@@ -290,6 +335,8 @@ class ModelEnv:
         tp_link: bandwidth of a TP group (inside a node).
         pp_link: bandwidth between consecutive pipeline stages.
         dp_link: bandwidth of a DP group.
+        sharding: how the states are split over DP (one of ``SHARDINGS``); with ``fsdp`` every
+            pass first gathers the weights.
     """
 
     arch: ArchSpec
@@ -301,6 +348,7 @@ class ModelEnv:
     tp_link: Link
     pp_link: Link
     dp_link: Link
+    sharding: str = DISTRIBUTED_OPTIMIZER
 
     @property
     def params(self) -> int:
@@ -325,31 +373,41 @@ class ModelEnv:
         overhead = passes * (layers * self.profile.layer_latency_s + self.profile.call_latency_s)
         return Cost(compute=compute, comm=comm, overhead=overhead)
 
+    def gathers(self, count: int) -> Cost:
+        """``count`` FSDP weight all-gathers (none unless ``sharding`` is ``fsdp``)."""
+        if self.sharding != FULLY_SHARDED:
+            return Cost()
+        return Cost(comm=count * fsdp_gather_seconds(self.params, self.tp, self.pp, self.dp,
+                                                     self.dp_link))
+
 
 def forward_cost(env: ModelEnv, rows: int, seq: int, micro_batch: int) -> Cost:
     """A forward-only pass (log-probs, values, rewards) over ``rows`` sequences on one replica.
 
     ``m = ceil(rows / micro_batch)`` micro-batches go through the pipeline in ``m + pp - 1``
     slots (the bubble of ``pipeline_bubble_fraction``); each slot is one micro-batch on one stage.
+    Under FSDP each micro-batch's forward gathers the weights.
     """
     if rows == 0:
         return Cost()
     micro_batch = min(micro_batch, rows)
     microbatches = math.ceil(rows / micro_batch)
     slot = env.slot_cost(micro_batch * seq, seq / 2, passes=1, tp_collectives=2)
-    return slot.scaled(microbatches + env.pp - 1)
+    return slot.scaled(microbatches + env.pp - 1) + env.gathers(microbatches)
 
 
 def training_cost(env: ModelEnv, rows: int, seq: int, micro_batch: int, minibatches: int,
-                  checkpointing: bool, distributed_optimizer: bool, epochs: int = 1) -> Cost:
+                  checkpointing: bool, epochs: int = 1) -> Cost:
     """Training on ``rows`` sequences per replica: ``epochs`` passes over them, each split into
     ``minibatches`` optimizer steps.
 
     Per optimizer step: ``m + pp - 1`` slots of forward+backward (``6 N`` FLOPs per token, 8 N
     with recomputation), the DP gradient reduction (``grad_sync_seconds``) and
     ``STEP_ALLREDUCES`` small all-reduces over DP, the Adam update
-    (``ADAM_UPDATE_BYTES`` per local parameter at HBM speed, sharded over DP with the
-    distributed optimizer) and the fixed ``profile.step_latency_s`` of the step's calls.
+    (``ADAM_UPDATE_BYTES`` per local parameter at HBM speed, sharded over DP unless
+    ``env.sharding`` is ``replicated``) and the fixed ``profile.step_latency_s`` of the step's
+    calls. Under FSDP every micro-batch gathers the weights for its forward and again for its
+    backward, and reduce-scatters its fp32 gradients (``2 m`` gathers, ``m`` reductions).
     """
     rows_per_step = math.ceil(rows / minibatches)
     micro_batch = min(micro_batch, rows_per_step)
@@ -357,12 +415,14 @@ def training_cost(env: ModelEnv, rows: int, seq: int, micro_batch: int, minibatc
     passes, collectives = (4, 6) if checkpointing else (3, 4)
     slot = env.slot_cost(micro_batch * seq, seq / 2, passes, collectives)
     pipeline = slot.scaled(microbatches + env.pp - 1)
-    sync = grad_sync_seconds(env.params, env.tp, env.pp, env.dp, distributed_optimizer,
-                             env.dp_link)
+    reductions = microbatches if env.sharding == FULLY_SHARDED else 1
+    sync = reductions * grad_sync_seconds(env.params, env.tp, env.pp, env.dp, env.sharding,
+                                          env.dp_link)
     sync += STEP_ALLREDUCES * allreduce_seconds(FP32, env.dp, env.dp_link)
-    local = env.params / (env.tp * env.pp) / (env.dp if distributed_optimizer else 1)
+    local = env.params / (env.tp * env.pp) / (1 if env.sharding == REPLICATED else env.dp)
     update = ADAM_UPDATE_BYTES * local / env.profile.hbm_bytes_per_s
     fixed = Cost(comm=sync, memory=update, overhead=env.profile.step_latency_s)
+    fixed += env.gathers(2 * microbatches)
     return (pipeline + fixed).scaled(minibatches * epochs)
 
 
@@ -398,6 +458,7 @@ def generation_cost(env: ModelEnv, rows: int, prompt: int, new_tokens: int,
     prompts (compute-bound, like a forward pass over ``prompt`` tokens per sequence, one
     micro-batch, pipeline stages in turn), which samples the first token, and then decodes the
     other ``new_tokens - 1`` in as many steps at the mean context ``prompt + new_tokens / 2``.
+    Under FSDP the weights are gathered once and held for the whole generation.
     """
     if rows == 0:
         return Cost()
@@ -406,7 +467,7 @@ def generation_cost(env: ModelEnv, rows: int, prompt: int, new_tokens: int,
     prefill = env.slot_cost(sequences * prompt, prompt / 2, passes=1, tp_collectives=2)
     prefill = prefill.scaled(env.pp)
     decode = decode_step_cost(env, sequences, prompt + new_tokens / 2).scaled(new_tokens - 1)
-    return (prefill + decode).scaled(rounds)
+    return (prefill + decode).scaled(rounds) + env.gathers(1)
 
 
 def transfer_seconds(nbytes: float, fields: int, link: Link) -> float:
@@ -440,9 +501,8 @@ def weight_sync_seconds(params: float, shadow_tp: int, shadow_pp: int, shadow_de
     return link.latency_s + max(received, sent) / link.bytes_per_s
 
 
-def offload_seconds(state: StateBytes, trainable: bool, profile: HardwareProfile) -> float:
-    """Swap a model's states in before a stage and, if they changed, out after it (PCIe).
-
-    Frozen models are only copied in (the host keeps a clean copy); trainable ones both ways.
+def offload_seconds(nbytes: float, profile: HardwareProfile) -> float:
+    """One use of an offloaded model: ``nbytes`` copied to the device before the stage and back
+    to the host after it, over PCIe (the engine's ``StateOffloader`` copies both ways each time).
     """
-    return (2 if trainable else 1) * state.total / profile.host_bytes_per_s
+    return 2 * nbytes / profile.host_bytes_per_s

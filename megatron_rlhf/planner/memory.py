@@ -1,18 +1,23 @@
-"""Memory of a PPO step on every device of a plan: what stays resident, what must be offloaded,
-how many sequences a generation round can hold, and what cannot fit at all.
+"""Memory of a PPO step on every device of a plan: the memory options each model needs, how
+many sequences a generation round can hold, and what cannot fit at all.
 
-The device memory of a rank holds the states of every model placed on it (``state_bytes``) plus
-the working memory of the one stage running (activations, or the KV cache while generating).
-When the resident states and the largest working set exceed the usable memory, the models of
-that rank are swapped to the host between stages (the engine's offloading): each model is then
-alone with its working set, and its stages pay ``offload_seconds``. A model that does not fit
-even alone makes the plan infeasible, with the fix in the message.
+A device holds the states of every model placed on it that is not offloaded
+(``cost_model.state_bytes``) plus, for the one stage running, what that stage brings back from
+the host and its working memory: activations of a forward or training micro-batch, the KV cache
+of a generation micro-batch, the layers FSDP gathers. Per model, the options are those of the
+engine and Megatron (``MemoryOptions``): the distributed optimizer or FSDP, activation
+recomputation, offloading to the host between stages. ``fit_memory`` picks, among the
+combinations, the cheapest one (by the seconds a caller prices them at) with which every device
+fits; a plan is infeasible only when even every option together does not fit, and the problems
+then name the fixes left (more devices, smaller micro-batches, shorter sequences).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from megatron_rlhf.planner import cost_model as cm
 from megatron_rlhf.planner.hardware import HardwareProfile
@@ -24,7 +29,7 @@ from megatron_rlhf.topology.models import (
     REWARD,
     SHADOW_ACTOR,
     SHADOW_CRITIC,
-    TRAINABLE_ROLES,
+    SHADOW_OF,
     VALUE_HEAD_ROLES,
 )
 from megatron_rlhf.topology.placement_config import HETERO_SEPARATION
@@ -74,17 +79,83 @@ def generation_rows(plan: PlacementPlan, batch: int) -> dict[str, dict[int, int]
 
 
 @dataclass(frozen=True)
+class MemoryOptions:
+    """How one model saves device memory, as the engine and Megatron can run it.
+
+    Attributes:
+        sharding: one of ``cost_model.SHARDINGS`` (``replicated`` for inference-only models,
+            which hold whole bf16 weights).
+        recompute: recompute activations in the backward pass (trainable models).
+        offload: keep the states on the host between stages (``models.offload.<role>=always``;
+            a shadow follows the model it copies).
+    """
+
+    sharding: str = cm.REPLICATED
+    recompute: bool = False
+    offload: bool = False
+
+    @property
+    def label(self) -> str:
+        """``distributed_optimizer``, ``fsdp+recompute+offload``, ... (``replicated`` alone for
+        a model with nothing to save)."""
+        flags = [name for name in ("recompute", "offload") if getattr(self, name)]
+        return "+".join([self.sharding, *flags])
+
+    def to_dict(self) -> dict:
+        """JSON-ready description."""
+        return {"sharding": self.sharding, "recompute": self.recompute, "offload": self.offload}
+
+
+def base_options(model: ModelPlacement, rollout: RolloutSpec) -> MemoryOptions:
+    """What the request asks for: the model's own sharding, the rollout's recomputation."""
+    if not model.spec.trainable:
+        return MemoryOptions()
+    sharding = cm.DISTRIBUTED_OPTIMIZER if model.spec.distributed_optimizer else cm.REPLICATED
+    return MemoryOptions(sharding, rollout.activation_checkpointing)
+
+
+FSDP, RECOMPUTE, OFFLOAD = cm.FULLY_SHARDED, "recompute", "offload"
+MEMORY_OPTIONS = (FSDP, RECOMPUTE, OFFLOAD)
+"""The options the planner may add to a request. The engine runs offloading (and the distributed
+optimizer) today; FSDP and recomputation are megatron-core features it does not configure yet."""
+
+
+def check_memory_options(names: tuple[str, ...]) -> None:
+    """Raise ValueError for a name that is not one of ``MEMORY_OPTIONS``."""
+    unknown = sorted(set(names) - set(MEMORY_OPTIONS))
+    if unknown:
+        raise ValueError(f"memory options {unknown} are unknown: use some of {MEMORY_OPTIONS}")
+
+
+def option_menu(model: ModelPlacement, rollout: RolloutSpec,
+                allowed: tuple[str, ...] = MEMORY_OPTIONS) -> list[MemoryOptions]:
+    """Every option combination for ``model``, from its ``base_options`` up, among ``allowed``:
+    more sharding (FSDP only with ``dp > 1``, where it shards anything), recomputation,
+    offloading."""
+    base = base_options(model, rollout)
+    offloads = (False, True) if OFFLOAD in allowed else (False,)
+    if not model.spec.trainable:
+        return [replace(base, offload=o) for o in offloads]
+    shardings = [s for s in cm.SHARDINGS[cm.SHARDINGS.index(base.sharding):]
+                 if s != FSDP or (model.dp > 1 and FSDP in allowed)]
+    more = RECOMPUTE in allowed and not base.recompute
+    recomputes = (False, True) if more else (base.recompute,)
+    return [MemoryOptions(s, r, o) for s in shardings for r in recomputes for o in offloads]
+
+
+@dataclass(frozen=True)
 class RoleMemory:
     """Memory of one model on one of its devices, GiB.
 
     Attributes:
-        weights: bf16 weights.
-        grads: bf16 gradients.
+        weights: bf16 weights (this device's shard of them under FSDP).
+        grads: fp32 gradient buffers.
         optimizer: fp32 master weights and Adam moments.
-        activations: the largest activation working set (training or forward pass).
-        kv_cache: KV cache of one generation round (generating models).
-        offloaded: its devices cannot hold everything placed there, so it is swapped to the host
-            between stages.
+        activations: the largest working set outside generation (forward or training
+            activations, with the layers FSDP gathers).
+        kv_cache: working set of one generation micro-batch: its KV cache, the prefill's
+            activations, the weights FSDP gathers for generation.
+        offloaded: the states live on the host between stages.
     """
 
     weights: float
@@ -96,8 +167,11 @@ class RoleMemory:
 
     @property
     def total(self) -> float:
-        """Everything this model needs while its largest stage runs."""
-        return self.weights + self.grads + self.optimizer + max(self.activations, self.kv_cache)
+        """Everything this model needs while its largest stage runs; an offloaded model brings
+        back only its weights to generate."""
+        states = self.weights + self.grads + self.optimizer
+        generating = (self.weights if self.offloaded else states) + self.kv_cache
+        return max(states + self.activations, generating)
 
 
 @dataclass
@@ -105,9 +179,14 @@ class MemoryReport:
     """The memory side of a prediction.
 
     Attributes:
+        options: per model, the memory options chosen (every option together when nothing
+            fits).
         roles: per model, its memory on one device.
         sequences_per_round: per generating model, the most sequences one replica holds in a
             round (the KV-cache bound).
+        generation_micro_batch: per generating model, the sequences one replica generates
+            together (rows per replica spread evenly over the rounds): the engine's
+            ``generation.micro_batch_size``.
         offloaded: models that are swapped to the host between stages.
         peak_gib: the most memory any device uses.
         usable_gib: the usable memory of that device.
@@ -116,8 +195,10 @@ class MemoryReport:
         problems: why the plan cannot run (empty when it can), each with a fix.
     """
 
+    options: dict[str, MemoryOptions] = field(default_factory=dict)
     roles: dict[str, RoleMemory] = field(default_factory=dict)
     sequences_per_round: dict[str, int] = field(default_factory=dict)
+    generation_micro_batch: dict[str, int] = field(default_factory=dict)
     offloaded: set[str] = field(default_factory=set)
     peak_gib: float = 0.0
     usable_gib: float = 0.0
@@ -127,37 +208,63 @@ class MemoryReport:
 
 
 @dataclass(frozen=True)
+class _Use:
+    """One stage of a model on one device: what it brings back when offloaded (``onload``),
+    its working memory (``working``), and whether it trains."""
+
+    onload: float
+    working: float
+    training: bool = False
+
+
+@dataclass(frozen=True)
 class _Needs:
-    """Bytes one model needs on one device: its states and its working sets."""
+    """Bytes one model needs on one device: its states, its stages, its generation."""
 
     state: cm.StateBytes
-    activations: float
-    train_per_row: float
+    uses: tuple[_Use, ...]
+    generation: _Use | None
     kv_per_sequence: float
+    train_per_row: float
 
 
-def _needs(model: ModelPlacement, rollout: RolloutSpec, forward: bool,
+def role_state(model: ModelPlacement, options: MemoryOptions) -> cm.StateBytes:
+    """The model's states on one of its devices under ``options``."""
+    return cm.state_bytes(model.spec.num_params(), model.tp, model.pp, model.dp,
+                          model.spec.trainable, options.sharding)
+
+
+def _needs(model: ModelPlacement, rollout: RolloutSpec, options: MemoryOptions, forward: bool,
            generates: bool) -> _Needs:
     arch, tp, pp = model.spec.arch, model.tp, model.pp
     seq, mbs = rollout.sequence_length, rollout.micro_batch_size
     value_head = model.role in VALUE_HEAD_ROLES
-    state = cm.state_bytes(model.spec.num_params(), tp, pp, model.dp, model.spec.trainable,
-                           model.spec.distributed_optimizer)
-    activations, per_row = 0.0, 0.0
+    state = role_state(model, options)
+    fsdp = options.sharding == cm.FULLY_SHARDED
+    uses, per_row = [], 0.0
     if forward:
-        activations = cm.forward_activation_bytes(arch, seq, mbs, tp, value_head)
-    if model.role in TRAINABLE_ROLES:
+        work = cm.forward_activation_bytes(arch, seq, mbs, tp, value_head)
+        gathered = cm.fsdp_gathered_bytes(arch, tp, training=False) if fsdp else 0.0
+        uses.append(_Use(state.weights, work + gathered))
+    if model.spec.trainable:
         rows = math.ceil(rollout.batch / rollout.num_minibatches / model.dp)
         microbatches = math.ceil(rows / mbs)
         train = [cm.training_activation_bytes(arch, seq, size, tp, pp, microbatches,
-                                              rollout.activation_checkpointing, value_head)
+                                              options.recompute, value_head)
                  for size in (1, mbs)]
-        activations, per_row = max(activations, train[1]), train[0]
-    kv = 0.0
+        gathered = cm.fsdp_gathered_bytes(arch, tp, training=True) if fsdp else 0.0
+        uses.append(_Use(state.total, train[1] + gathered, training=True))
+        per_row = train[0]
+    generation, kv = None, 0.0
     if generates:
+        # The prefill's layer activations and the gathered fp32 logits of the last token sit
+        # next to the static KV cache of the whole sequence.
         kv = (cm.kv_cache_bytes(arch, tp, pp, 1, seq)
-              + cm.logits_bytes(arch, 1, tp, training=False))
-    return _Needs(state, activations, per_row, kv)
+              + cm.layer_activation_bytes(arch, rollout.prompt_length, 1, tp)
+              + cm.logits_bytes(arch, 1, 1, training=False))
+        gathered = cm.BF16 * model.spec.num_params() / (tp * pp) if fsdp else 0.0
+        generation = _Use(state.weights, gathered)
+    return _Needs(state, tuple(uses), generation, kv, per_row)
 
 
 def _atoms(plan: PlacementPlan) -> list[tuple[range, int, tuple[str, ...]]]:
@@ -173,80 +280,160 @@ def _atoms(plan: PlacementPlan) -> list[tuple[range, int, tuple[str, ...]]]:
 
 
 def plan_memory(plan: PlacementPlan, rollout: RolloutSpec,
-                profiles: tuple[HardwareProfile, ...]) -> MemoryReport:
-    """Check every device of the plan and size the generation rounds.
+                profiles: tuple[HardwareProfile, ...],
+                options: dict[str, MemoryOptions] | None = None) -> MemoryReport:
+    """Check every device of the plan under fixed memory options and size the generation rounds.
 
     Args:
         plan: the placement.
         rollout: the step's shapes.
         profiles: the profile of every pool, in pool order.
+        options: per model; default ``base_options`` (what the request asks for).
     """
+    options = options or {role: base_options(plan[role], rollout) for role in plan.roles}
     gen, fwd = generating_roles(plan), experience_roles(plan)
-    needs = {role: _needs(plan[role], rollout, role in fwd, role in gen) for role in plan.roles}
-    report = MemoryReport()
+    needs = {role: _needs(plan[role], rollout, options[role], role in fwd, role in gen)
+             for role in plan.roles}
+    report = MemoryReport(options=dict(options),
+                          offloaded={role for role in plan.roles if options[role].offload})
     capacity = {role: math.inf for role in gen}
     for ranks, pool, roles in _atoms(plan):
         usable = profiles[pool].usable_bytes
         report.usable_gib = max(report.usable_gib, usable / _GIB)
-        resident = sum(needs[role].state.total for role in roles)
-        largest = max(max(needs[r].activations, needs[r].kv_per_sequence) for r in roles)
-        swap = resident + largest > usable
-        if swap:
-            report.offloaded |= set(roles)
+        resident = sum(needs[role].state.total for role in roles if role not in report.offloaded)
         for role in roles:
-            free = usable - (needs[role].state.total if swap else resident)
-            _check_role(report, role, needs[role], free, ranks, rollout)
-            if role in gen and needs[role].kv_per_sequence:
-                capacity[role] = min(capacity[role], free // needs[role].kv_per_sequence)
+            offloaded = role in report.offloaded
+            for use in needs[role].uses:
+                free = usable - resident - (use.onload if offloaded else 0.0)
+                _check_use(report, role, needs[role], use, free, ranks, rollout)
+            if needs[role].generation is not None:
+                use = needs[role].generation
+                free = usable - resident - (use.onload if offloaded else 0.0) - use.working
+                _check_generation(report, role, needs[role], free, ranks)
+                capacity[role] = min(capacity[role], max(free, 0) // needs[role].kv_per_sequence)
     report.sequences_per_round = {role: int(capacity[role]) for role in gen}
     if not report.problems:
         _finish(report, plan, rollout, needs)
     return report
 
 
-def _check_role(report: MemoryReport, role: str, need: _Needs, free: float, ranks: range,
-                rollout: RolloutSpec) -> None:
-    """Record what does not fit for ``role`` on ``ranks`` with ``free`` bytes left for it."""
+def _check_use(report: MemoryReport, role: str, need: _Needs, use: _Use, free: float,
+               ranks: range, rollout: RolloutSpec) -> None:
+    """Record what does not fit for one stage of ``role`` on ``ranks``, with ``free`` bytes left
+    for its working memory."""
     where = f"{role} on ranks [{ranks.start}, {ranks.stop})"
     if free <= 0:
         report.problems.append(
-            f"{where}: its states alone need {need.state.total / _GIB:.1f} GiB, more than the "
-            f"device holds: raise {role}.tp or {role}.pp, or give it more devices (dp) with the "
-            "distributed optimizer")
+            f"{where}: its states need {need.state.total / _GIB:.1f} GiB next to the other "
+            f"models', more than the device holds even with {report.options[role].label}: "
+            f"raise {role}.tp or {role}.pp, or give it more devices")
         return
-    if need.train_per_row:
+    if use.training:
         fits = int(free // need.train_per_row)
         report.largest_micro_batch[role] = min(report.largest_micro_batch.get(role, fits), fits)
-    if need.activations > free:
+    if use.working > free:
         report.problems.append(
             f"{where}: activations of micro_batch_size={rollout.micro_batch_size} need "
-            f"{need.activations / _GIB:.1f} GiB, {free / _GIB:.1f} GiB are left: lower "
-            "rollout.micro_batch_size or enable activation checkpointing")
-    if need.kv_per_sequence and free < need.kv_per_sequence:
+            f"{use.working / _GIB:.1f} GiB, {free / _GIB:.1f} GiB are left even with "
+            f"{report.options[role].label}: lower rollout.micro_batch_size")
+
+
+def _check_generation(report: MemoryReport, role: str, need: _Needs, free: float,
+                      ranks: range) -> None:
+    if free < need.kv_per_sequence:
         report.problems.append(
-            f"{where}: no room for the KV cache of one sequence "
-            f"({need.kv_per_sequence / _GIB:.2f} GiB): raise {role}.tp or shorten the sequences")
+            f"{role} on ranks [{ranks.start}, {ranks.stop}): no room for the KV cache of one "
+            f"sequence ({need.kv_per_sequence / _GIB:.2f} GiB) even with "
+            f"{report.options[role].label}: raise {role}.tp or shorten the sequences")
 
 
 def _finish(report: MemoryReport, plan: PlacementPlan, rollout: RolloutSpec,
             needs: dict[str, _Needs]) -> None:
-    """Fill the per-role breakdown, the peak device memory and the largest one-round batch."""
+    """Fill the per-role breakdown, the generation micro-batches, the peak device memory and the
+    largest one-round batch."""
     rows = generation_rows(plan, rollout.batch)
     kv_used = {}
     for role, per_pool in rows.items():
         most = max(per_pool.values())
         cap = report.sequences_per_round[role]
-        kv_used[role] = math.ceil(most / math.ceil(most / cap)) * needs[role].kv_per_sequence
+        report.generation_micro_batch[role] = math.ceil(most / math.ceil(most / cap))
+        kv_used[role] = (report.generation_micro_batch[role] * needs[role].kv_per_sequence
+                         + needs[role].generation.working)
         report.largest_batch += cap * plan[role].dp
     for role in plan.roles:
         state, need = needs[role].state, needs[role]
+        working = max((use.working for use in need.uses), default=0.0)
         report.roles[role] = RoleMemory(
-            state.weights / _GIB, state.grads / _GIB, state.optimizer / _GIB,
-            need.activations / _GIB, kv_used.get(role, 0.0) / _GIB, role in report.offloaded)
+            state.weights / _GIB, state.grads / _GIB, state.optimizer / _GIB, working / _GIB,
+            kv_used.get(role, 0.0) / _GIB, role in report.offloaded)
     for _, _, roles in _atoms(plan):
-        work = {r: max(report.roles[r].activations, report.roles[r].kv_cache) for r in roles}
-        if set(roles) & report.offloaded:
-            peak = max(needs[r].state.total / _GIB + work[r] for r in roles)
-        else:
-            peak = sum(needs[r].state.total for r in roles) / _GIB + max(work.values())
-        report.peak_gib = max(report.peak_gib, peak)
+        resident = sum(needs[r].state.total for r in roles if r not in report.offloaded)
+        peak = 0.0
+        for role in roles:
+            uses = [*needs[role].uses]
+            if role in kv_used:
+                uses.append(_Use(needs[role].generation.onload, kv_used[role]))
+            for use in uses:
+                brought = use.onload if role in report.offloaded else 0.0
+                peak = max(peak, resident + brought + use.working)
+        report.peak_gib = max(report.peak_gib, peak / _GIB)
+
+
+def fit_memory(plan: PlacementPlan, rollout: RolloutSpec, profiles: tuple[HardwareProfile, ...],
+               price: Callable[[str, MemoryOptions], float],
+               allowed: tuple[str, ...] = MEMORY_OPTIONS) -> MemoryReport:
+    """The cheapest memory options with which every device fits, and the memory they give.
+
+    Combinations of every model's ``option_menu`` are tried by increasing total price (then
+    by the number of options used); a shadow is offloaded with the model it copies (the engine's
+    policy). When even every option together does not fit, that report is returned, with its
+    problems.
+
+    Args:
+        plan: the placement.
+        rollout: the step's shapes.
+        profiles: the profile of every pool, in pool order.
+        price: seconds a model's stages take under some options (``predict`` prices them with
+            the stage formulas, offload copies included).
+        allowed: the options that may be added (of ``MEMORY_OPTIONS``).
+
+    Raises:
+        ValueError: an unknown name in ``allowed``.
+    """
+    check_memory_options(allowed)
+    menus = {role: option_menu(plan[role], rollout, allowed) for role in plan.roles
+             if role not in SHADOW_OF}
+    most = {role: menu[-1] for role, menu in menus.items()}
+    report = plan_memory(plan, rollout, profiles, _with_shadows(plan, most))
+    if report.problems:
+        return report
+    roles = list(menus)
+    prices = {(role, o): price(role, o) + _shadow_price(plan, role, o, price)
+              for role, menu in menus.items() for o in menu}
+    rank = {(role, o): i for role, menu in menus.items() for i, o in enumerate(menu)}
+
+    def cost(combo: tuple[MemoryOptions, ...]) -> tuple[float, int]:
+        pairs = list(zip(roles, combo, strict=True))
+        return sum(prices[p] for p in pairs), sum(rank[p] for p in pairs)
+
+    ordered = sorted(itertools.product(*menus.values()), key=cost)
+    reports = (plan_memory(plan, rollout, profiles,
+                           _with_shadows(plan, dict(zip(roles, combo, strict=True))))
+               for combo in ordered)
+    # The combination of every option is among them and fits, so one is found.
+    return next(report for report in reports if not report.problems)
+
+
+def _with_shadows(plan: PlacementPlan, options: dict[str, MemoryOptions]) -> dict[str,
+                                                                                 MemoryOptions]:
+    """Add the shadows' options: offloaded when the model they copy is."""
+    shadows = {shadow: MemoryOptions(offload=options[trainer].offload)
+               for shadow, trainer in SHADOW_OF.items() if shadow in plan.models}
+    return {**options, **shadows}
+
+
+def _shadow_price(plan: PlacementPlan, role: str, options: MemoryOptions,
+                  price: Callable[[str, MemoryOptions], float]) -> float:
+    """What ``options`` cost the shadow of ``role`` (its offloading), if it has one."""
+    shadows = [s for s, trainer in SHADOW_OF.items() if trainer == role and s in plan.models]
+    return sum(price(s, MemoryOptions(offload=options.offload)) for s in shadows)

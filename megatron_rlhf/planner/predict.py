@@ -27,13 +27,16 @@ from dataclasses import dataclass, fields
 from megatron_rlhf.planner import cost_model as cm
 from megatron_rlhf.planner.hardware import HardwareProfile, resolve_profiles
 from megatron_rlhf.planner.memory import (
+    MEMORY_OPTIONS,
+    MemoryOptions,
     MemoryReport,
     RoleMemory,
     experience_roles,
+    fit_memory,
     generating_roles,
     generation_rows,
-    plan_memory,
     pool_of_replicas,
+    role_state,
 )
 from megatron_rlhf.planner.schedule import Schedule, SharedHost, Task, covered_seconds, schedule
 from megatron_rlhf.planner.workload import RolloutSpec
@@ -92,12 +95,15 @@ class StepPrediction:
             "stage_seconds": {k: round(v, 4) for k, v in self.stage_seconds.items()},
             "bottleneck": self.bottleneck,
             "bottleneck_share": round(self.bottleneck_share, 3),
+            "memory_options": {role: {**o.to_dict(), "label": o.label}
+                               for role, o in memory.options.items()},
             "memory_gib": {role: _role_memory_dict(m) for role, m in memory.roles.items()},
             "peak_gib_per_device": round(memory.peak_gib, 2),
             "usable_gib_per_device": round(memory.usable_gib, 2),
             "largest_batch": memory.largest_batch,
             "largest_micro_batch": dict(memory.largest_micro_batch),
             "sequences_per_round": dict(memory.sequences_per_round),
+            "generation_micro_batch": dict(memory.generation_micro_batch),
             "tasks": list(self.tasks),
             "problems": list(self.problems),
         }
@@ -110,8 +116,8 @@ def _role_memory_dict(memory: RoleMemory) -> dict:
 
 
 def predict_step(plan: PlacementPlan, rollout: RolloutSpec,
-                 profiles: Mapping[str, HardwareProfile] | HardwareProfile | None = None
-                 ) -> StepPrediction:
+                 profiles: Mapping[str, HardwareProfile] | HardwareProfile | None = None,
+                 memory_options: tuple[str, ...] = MEMORY_OPTIONS) -> StepPrediction:
     """Predict one PPO step of ``plan``.
 
     Args:
@@ -119,6 +125,8 @@ def predict_step(plan: PlacementPlan, rollout: RolloutSpec,
         rollout: the step's shapes.
         profiles: device profiles (see ``hardware.resolve_profiles``); default: the shipped
             profile named like each pool's kind.
+        memory_options: the memory options the planner may add (``memory.MEMORY_OPTIONS``;
+            ``("offload",)`` for what the engine runs today).
 
     Returns:
         The prediction; an infeasible plan gives ``feasible=False``, zero throughput, the
@@ -128,14 +136,15 @@ def predict_step(plan: PlacementPlan, rollout: RolloutSpec,
         ValueError: a pool has no profile.
     """
     hardware = resolve_profiles(plan.cluster, profiles)
-    memory = plan_memory(plan, rollout, hardware)
+    ctx = _Context(plan, rollout, hardware)
+    memory = fit_memory(plan, rollout, hardware, ctx.option_seconds, memory_options)
     if memory.problems:
         return StepPrediction(False, 0.0, math.inf, math.inf, False, {}, (), "memory", 1.0,
                               memory, tuple(memory.problems))
     hosts = [SharedHost(range(node.first_rank, node.first_rank + node.size),
                         hardware[node.pool_index].host_cores)
              for node in plan.cluster.nodes() if hardware[node.pool_index].host_cores > 0]
-    result = schedule(build_tasks(plan, rollout, hardware, memory), hosts)
+    result = schedule(build_tasks(ctx, memory), hosts)
     pipelined = rollout.overlap and plan.config.separated
     step = result.period if pipelined else result.makespan
     chain = result.busiest if pipelined else result.critical
@@ -149,17 +158,18 @@ def predict_step(plan: PlacementPlan, rollout: RolloutSpec,
 
 
 class _Context:
-    """What building the tasks needs: the plan, shapes, profiles and memory decisions."""
+    """What pricing the tasks needs: the plan, shapes, profiles, and the stage costs of a model
+    under given memory options."""
 
     def __init__(self, plan: PlacementPlan, rollout: RolloutSpec,
-                 hardware: tuple[HardwareProfile, ...], memory: MemoryReport) -> None:
-        self.plan, self.rollout, self.hardware, self.memory = plan, rollout, hardware, memory
+                 hardware: tuple[HardwareProfile, ...]) -> None:
+        self.plan, self.rollout, self.hardware = plan, rollout, hardware
 
     def profile_of(self, rank: int) -> HardwareProfile:
         """The profile of the pool holding global ``rank``."""
         return self.hardware[self.plan.cluster.locate(rank).pool_index]
 
-    def env(self, role: str, pool: int) -> cm.ModelEnv:
+    def env(self, role: str, pool: int, options: MemoryOptions) -> cm.ModelEnv:
         """``role``'s model as the stage formulas see it, on the devices of ``pool``."""
         model = self.plan[role]
         profile = self.hardware[pool]
@@ -167,7 +177,8 @@ class _Context:
         tp_link = cm.group_link(spec.intra_node_gbps, spec.inter_node_gbps, False, 1, profile)
         return cm.ModelEnv(model.spec.arch, model.tp, model.pp, model.dp,
                            role in VALUE_HEAD_ROLES, profile, tp_link,
-                           self.group_link(model, "pp"), self.group_link(model, "dp"))
+                           self.group_link(model, "pp"), self.group_link(model, "dp"),
+                           options.sharding)
 
     def group_link(self, model: ModelPlacement, dim: str) -> cm.Link:
         """Link of the model's first ``dim`` group, shared by the groups on the same node."""
@@ -193,32 +204,68 @@ class _Context:
         return cm.Link(gbps * 1e9 / 8 * profile.link_efficiency,
                        profile.collective_latency_s), one_node
 
-    def per_pool(self, role: str, cost: Callable[[cm.ModelEnv, int], cm.Cost]) -> cm.Cost:
+    def per_pool(self, role: str, options: MemoryOptions,
+                 cost: Callable[[cm.ModelEnv, int], cm.Cost]) -> cm.Cost:
         """The slowest pool's cost of ``role``, each replica with an even share of the batch."""
         rows = math.ceil(self.rollout.batch / self.plan[role].dp)
-        costs = [cost(self.env(role, pool), rows) for pool in pool_of_replicas(self.plan, role)]
-        return max(costs, key=lambda c: c.total) + self.offload(role)
+        return max((cost(self.env(role, pool, options), rows)
+                    for pool in pool_of_replicas(self.plan, role)), key=lambda c: c.total)
 
-    def offload(self, role: str) -> cm.Cost:
-        """Swap-in/out of ``role`` around a stage when its devices cannot hold everything."""
-        if role not in self.memory.offloaded:
+    def offload(self, role: str, options: MemoryOptions, training: bool) -> cm.Cost:
+        """The copies of an offloaded model around one stage: its weights for generation and
+        forward passes, every state for training."""
+        if not options.offload:
             return cm.Cost()
-        model = self.plan[role]
-        state = cm.state_bytes(model.spec.num_params(), model.tp, model.pp, model.dp,
-                               model.spec.trainable, model.spec.distributed_optimizer)
-        profile = self.profile_of(model.ranks.start)
-        return cm.Cost(offload=cm.offload_seconds(state, model.spec.trainable, profile))
+        state = role_state(self.plan[role], options)
+        nbytes = state.total if training else state.weights
+        profile = self.profile_of(self.plan[role].ranks.start)
+        return cm.Cost(offload=cm.offload_seconds(nbytes, profile))
+
+    def generation(self, role: str, pool: int, rows: int, options: MemoryOptions,
+                   max_sequences: int) -> cm.Cost:
+        """Generation of ``rows`` on one replica of ``role`` in ``pool``."""
+        rollout = self.rollout
+        return cm.generation_cost(self.env(role, pool, options), rows, rollout.prompt_length,
+                                  rollout.generation_length, max_sequences) + self.offload(
+            role, options, training=False)
+
+    def experience(self, role: str, options: MemoryOptions) -> cm.Cost:
+        """The experience forward pass of ``role``."""
+        seq, mbs = self.rollout.sequence_length, self.rollout.micro_batch_size
+        return self.per_pool(role, options, lambda env, rows: cm.forward_cost(
+            env, rows, seq, mbs)) + self.offload(role, options, training=False)
+
+    def training(self, role: str, options: MemoryOptions) -> cm.Cost:
+        """The training of ``role``."""
+        r = self.rollout
+        return self.per_pool(role, options, lambda env, rows: cm.training_cost(
+            env, rows, r.sequence_length, r.micro_batch_size, r.num_minibatches,
+            options.recompute, r.ppo_epochs)) + self.offload(role, options, training=True)
+
+    def option_seconds(self, role: str, options: MemoryOptions) -> float:
+        """Seconds of every stage ``role`` runs under ``options``: the price ``fit_memory``
+        ranks options by. Generation is priced in one round: how many rounds the KV cache
+        allows depends on the options of every model on the device."""
+        total = cm.Cost()
+        for generator, per_pool in generation_rows(self.plan, self.rollout.batch).items():
+            if generator == role:
+                total += max((self.generation(role, pool, rows, options, rows)
+                              for pool, rows in per_pool.items()), key=lambda c: c.total)
+        if role in experience_roles(self.plan):
+            total += self.experience(role, options)
+        if self.plan[role].spec.trainable:
+            total += self.training(role, options)
+        return total.total
 
 
-def build_tasks(plan: PlacementPlan, rollout: RolloutSpec, hardware: tuple[HardwareProfile, ...],
-                memory: MemoryReport) -> list[Task]:
+def build_tasks(ctx: _Context, memory: MemoryReport) -> list[Task]:
     """The step's tasks in program order, with their costs and dependencies.
 
     Each stage first moves its inputs to every model of the stage, then runs the models, so
     that models on disjoint ranks (ref and reward under interleaving) can run side by side.
     """
-    ctx = _Context(plan, rollout, hardware, memory)
-    seq, mbs = rollout.sequence_length, rollout.micro_batch_size
+    plan, rollout, options = ctx.plan, ctx.rollout, memory.options
+    seq = rollout.sequence_length
     tasks: list[Task] = []
 
     def add(task: Task) -> int:
@@ -228,7 +275,7 @@ def build_tasks(plan: PlacementPlan, rollout: RolloutSpec, hardware: tuple[Hardw
     generators = generating_roles(plan)
     sources = tuple(plan[role].ranks for role in generators)
     gen = add(Task(f"{GENERATION}:{'+'.join(generators)}", GENERATION, sources,
-                   _generation_cost(ctx)))
+                   _generation_cost(ctx, memory)))
     payload = rollout.batch * seq * cm.ROLLOUT_BYTES_PER_TOKEN
     inputs = {}
     for role in experience_roles(plan):
@@ -240,8 +287,8 @@ def build_tasks(plan: PlacementPlan, rollout: RolloutSpec, hardware: tuple[Hardw
             cm.ROLLOUT_FIELDS, (gen,))
         inputs[role] = (add(task),) if task else (gen,)
     scored = [add(Task(f"{EXPERIENCE}:{role}", EXPERIENCE, (plan[role].ranks,),
-                       ctx.per_pool(role, lambda env, rows: cm.forward_cost(env, rows, seq, mbs)),
-                       deps)) for role, deps in inputs.items()]
+                       ctx.experience(role, options[role]), deps))
+              for role, deps in inputs.items()]
     trainers = [role for role in TRAINABLE_ROLES if role in plan.models]
     # Every trainer rank holds every row (advantages are whitened over the whole batch): rows
     # move unless one block of ranks holds every scorer and trainer as a single whole replica.
@@ -256,28 +303,20 @@ def build_tasks(plan: PlacementPlan, rollout: RolloutSpec, hardware: tuple[Hardw
     deps = (add(merged),) if merged else tuple(scored)
     trained = {}
     for role in trainers:
-        distributed = plan[role].spec.distributed_optimizer
-        cost = ctx.per_pool(role, lambda env, rows, d=distributed: cm.training_cost(
-            env, rows, seq, mbs, rollout.num_minibatches, rollout.activation_checkpointing, d,
-            rollout.ppo_epochs))
-        trained[role] = add(Task(f"{TRAINING}:{role}", TRAINING, (plan[role].ranks,), cost,
-                                 deps))
+        trained[role] = add(Task(f"{TRAINING}:{role}", TRAINING, (plan[role].ranks,),
+                                 ctx.training(role, options[role]), deps))
     for shadow, trainer in SHADOW_OF.items():
         if shadow in plan.models:
             add(_sync(ctx, trainer, shadow, (trained[trainer],)))
     return tasks
 
 
-def _generation_cost(ctx: _Context) -> cm.Cost:
+def _generation_cost(ctx: _Context, memory: MemoryReport) -> cm.Cost:
     """The slowest generating replica group (role, pool), each with its speed-weighted rows."""
-    rollout = ctx.rollout
-    costs = []
-    for role, per_pool in generation_rows(ctx.plan, rollout.batch).items():
-        for pool, rows in per_pool.items():
-            costs.append(cm.generation_cost(
-                ctx.env(role, pool), rows, rollout.prompt_length, rollout.generation_length,
-                ctx.memory.sequences_per_round[role]) + ctx.offload(role))
-    return max(costs, key=lambda c: c.total)
+    return max((ctx.generation(role, pool, rows, memory.options[role],
+                               memory.sequences_per_round[role])
+                for role, per_pool in generation_rows(ctx.plan, ctx.rollout.batch).items()
+                for pool, rows in per_pool.items()), key=lambda c: c.total)
 
 
 def _transfer(ctx: _Context, name: str, sources: tuple[range, ...], targets: tuple[range, ...],

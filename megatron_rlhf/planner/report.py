@@ -29,18 +29,19 @@ def format_prediction(prediction: StepPrediction) -> str:
                      f"{task['compute_s']:>8.2f} {task['memory_s']:>8.2f} {task['comm_s']:>8.2f} "
                      f"{task['overhead_s']:>8.2f} {task['offload_s']:>8.2f}")
     lines += ["", f"{'memory per device, GiB':<24} {'weights':>8} {'grads':>8} {'optim':>8} "
-                  f"{'activ':>8} {'kv':>8} {'total':>8}  offloaded"]
+                  f"{'activ':>8} {'kv':>8} {'total':>8}  options"]
     for role, m in memory.roles.items():
         lines.append(f"{role:<24} {m.weights:>8.2f} {m.grads:>8.2f} {m.optimizer:>8.2f} "
                      f"{m.activations:>8.2f} {m.kv_cache:>8.2f} {m.total:>8.2f}  "
-                     f"{'yes' if m.offloaded else 'no'}")
+                     f"{memory.options[role].label}")
     micro = ", ".join(f"{role} {n}" for role, n in memory.largest_micro_batch.items())
     rounds = ", ".join(f"{role} {n}" for role, n in memory.sequences_per_round.items())
+    generation = ", ".join(f"{role} {n}" for role, n in memory.generation_micro_batch.items())
     lines += [
         "",
         f"peak per device: {memory.peak_gib:.1f} GiB of {memory.usable_gib:.1f} usable",
         f"largest rollout batch generated in one round: {memory.largest_batch} "
-        f"(sequences per replica and round: {rounds})",
+        f"(sequences per replica and round: {rounds}; generation micro-batch: {generation})",
         f"largest training micro-batch: {micro}",
     ]
     return "\n".join(lines)

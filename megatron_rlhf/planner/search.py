@@ -7,7 +7,7 @@
 
 Candidates: for every TP (a divisor of the node size that divides the heads and query groups of
 every model) and PP (a divisor of the layers, at most ``max_pp``): the presets flattening,
-interleaving and interleaving2; custom ratio vectors from a grid; separation for each
+interleaving (also with ref and reward at half the PP) and interleaving2; custom ratio vectors from a grid; separation for each
 ``train_fraction`` and shadow TP; hetero-separation (when the cluster has two or more pools) for
 each shadow TP. Requests the placement refuses are skipped; identical plans are kept once.
 """
@@ -21,10 +21,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from megatron_rlhf.planner.hardware import HardwareProfile
+from megatron_rlhf.planner.memory import MEMORY_OPTIONS, check_memory_options
 from megatron_rlhf.planner.predict import STAGES, StepPrediction, predict_step
 from megatron_rlhf.planner.workload import RolloutSpec
 from megatron_rlhf.topology.cluster import ClusterSpec
-from megatron_rlhf.topology.models import ArchSpec, arch_preset
+from megatron_rlhf.topology.models import REF, REWARD, ArchSpec, arch_preset
 from megatron_rlhf.topology.placement import plan_placement
 from megatron_rlhf.topology.placement_config import (
     CUSTOM,
@@ -60,6 +61,8 @@ class SearchSpace:
         critic: plan a value model at all; False prices the three-model step of the critic-free
             estimators (grpo, rloo, reinforce++), without interleaving2.
         distributed_optimizer: shard optimizer state over DP (never costs time, saves memory).
+        memory_options: the memory options the planner may add to every candidate
+            (``memory.MEMORY_OPTIONS``).
     """
 
     strategies: tuple[str, ...] | None = None
@@ -71,10 +74,12 @@ class SearchSpace:
     ac_share: bool = False
     critic: bool = True
     distributed_optimizer: bool = True
+    memory_options: tuple[str, ...] = MEMORY_OPTIONS
 
     def __post_init__(self) -> None:
         if self.max_pp < 1:
             raise ValueError(f"search.max_pp={self.max_pp} must be >= 1")
+        check_memory_options(self.memory_options)
         for name in ("tps", "pps"):
             values = getattr(self, name)
             if values is not None and (not values or min(values) < 1):
@@ -108,6 +113,8 @@ class RankedCandidate:
                 "step_seconds": round(p.step_seconds, 4) if p.feasible else None,
                 "bottleneck": p.bottleneck,
                 "stage_seconds": {k: round(v, 4) for k, v in p.stage_seconds.items()},
+                "peak_gib_per_device": round(p.memory.peak_gib, 2) if p.feasible else None,
+                "memory_options": {role: o.label for role, o in p.memory.options.items()},
                 "problems": list(p.problems)}
 
 
@@ -151,6 +158,12 @@ def candidate_configs(cluster: ClusterSpec, archs: list[ArchSpec],
         for pp in pps:
             found += [PlacementConfig(strategy, tp=tp, pp=pp, **common)
                       for strategy in presets if wanted(strategy)]
+            if wanted(INTERLEAVING) and pp // 2 in pps:
+                # ref and reward each get half the devices: half the pipeline lets the trainers
+                # keep a deep one (llama-65b on 2x8 fits only so).
+                halves = {role: ParallelOverride(pp=pp // 2) for role in (REF, REWARD)}
+                found.append(PlacementConfig(INTERLEAVING, tp=tp, pp=pp, parallel=halves,
+                                             **common))
             if wanted(CUSTOM):
                 found += [PlacementConfig(CUSTOM, ratios=list(r), tp=tp, pp=pp, **common)
                           for r in grid]
@@ -179,6 +192,8 @@ def describe(plan: PlacementPlan) -> str:
     elif config.strategy == SEPARATION:
         name += f"({actor.size}/{plan.world_size} train)"
     label = f"{name} tp={actor.tp} pp={actor.pp}"
+    if plan[REF].pp != actor.pp:
+        label += f" ref_pp={plan[REF].pp}"
     if "shadow_actor" in plan.models:
         label += f" shadow_tp={plan['shadow_actor'].tp}"
     return label
@@ -230,7 +245,8 @@ def auto_place(cluster: ClusterSpec, models: ArchLike | Mapping[str, ArchLike],
             if _signature(plan) in seen:
                 continue
             seen.add(_signature(plan))
-            scored.append((describe(plan), config, plan, predict_step(plan, rollout, profiles)))
+            scored.append((describe(plan), config, plan,
+                           predict_step(plan, rollout, profiles, space.memory_options)))
     scored.sort(key=lambda c: (not c[3].feasible, -c[3].samples_per_s))
     return [RankedCandidate(i + 1, *c) for i, c in enumerate(scored)]
 

@@ -28,7 +28,8 @@ class RolloutSpec:
         micro_batch_size: rows per forward/backward micro-batch on one DP replica, in the
             experience and training stages.
         activation_checkpointing: recompute every layer's activations in the backward pass
-            (stores only layer inputs; one more forward pass of compute).
+            (stores only layer inputs; one more forward pass of compute) in every trainer;
+            False leaves it to the planner, per model, where memory needs it.
         overlap: let strategies with shadow models (separation, hetero-separation) generate
             rollout k+1 while training on rollout k; False prices the synchronous schedule.
     """

@@ -39,6 +39,8 @@ VOCAB_DIVISIBLE_BY = 128
 
 _ADAM_STATE_BYTES = 12
 """fp32 master weights + Adam's two moments, bytes per parameter."""
+_MAIN_GRAD_BYTES = 4
+"""The trainer's DDP keeps fp32 gradient buffers (``grad_reduce_in_fp32``), bytes per parameter."""
 
 _GIB = 1024**3
 
@@ -220,27 +222,33 @@ class ModelSpec:
         """Parameter count, with vocabulary padding for this TP and the role's output head."""
         return self.arch.num_params(self.tp, value_head=self.role in VALUE_HEAD_ROLES)
 
-    def bytes_per_device(self, dp: int) -> float:
+    def bytes_per_device(self, dp: int, fully_sharded: bool = False) -> float:
         """Rough lower bound of the memory one device needs for this model's states.
 
-        Inference models hold their weights, ``params / (tp * pp) * bytes_per_param``. Trainable
-        models add gradients (``bytes_per_param``) and 12 bytes of fp32 master weights and Adam
-        moments per parameter, divided by ``dp`` with the distributed optimizer: in bf16 that is
-        ``params / (tp * pp) * (4 + 12 / dp)`` bytes, 16 bytes per parameter without sharding.
+        Inference models hold their weights, ``psi * bytes_per_param`` with
+        ``psi = params / (tp * pp)``. Trainable models add the fp32 gradient buffer of the
+        trainer's DDP (4 bytes per parameter) and 12 bytes of fp32 master weights and Adam
+        moments, divided by ``dp`` with the distributed optimizer: in bf16
+        ``psi * (6 + 12 / dp)`` bytes, ``18 psi`` without sharding. ``fully_sharded`` (FSDP,
+        ZeRO-3) divides all of a trainable model's states by ``dp``: ``18 psi / dp``.
         Activations, the KV cache and framework buffers are not counted.
 
         Args:
             dp: data-parallel size of the model.
+            fully_sharded: shard weights and gradients over DP as well (trainable models).
         """
         shard = self.num_params() / self.model_parallel_size
         if not self.trainable:
             return shard * self.bytes_per_param
+        states = self.bytes_per_param + _MAIN_GRAD_BYTES
+        if fully_sharded:
+            return shard * (states + _ADAM_STATE_BYTES) / dp
         optimizer = _ADAM_STATE_BYTES / dp if self.distributed_optimizer else _ADAM_STATE_BYTES
-        return shard * (2 * self.bytes_per_param + optimizer)
+        return shard * (states + optimizer)
 
-    def gib_per_device(self, dp: int) -> float:
+    def gib_per_device(self, dp: int, fully_sharded: bool = False) -> float:
         """``bytes_per_device`` in GiB."""
-        return self.bytes_per_device(dp) / _GIB
+        return self.bytes_per_device(dp, fully_sharded) / _GIB
 
     def to_dict(self) -> dict:
         """JSON-ready description."""

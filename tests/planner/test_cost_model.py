@@ -35,18 +35,38 @@ def test_forward_flops_is_two_per_weight_plus_attention() -> None:
     assert cm.forward_flops(TINY, 100, 10) == expected
 
 
-def test_state_bytes_follow_the_zero_paper() -> None:
+def test_state_bytes_are_what_the_engine_allocates() -> None:
     params = 2e9  # psi = 1e9 per device with tp=2
-    frozen = cm.state_bytes(params, tp=2, pp=1, dp=4, trainable=False,
-                            distributed_optimizer=True)
-    ddp = cm.state_bytes(params, tp=2, pp=1, dp=4, trainable=True, distributed_optimizer=False)
-    zero1 = cm.state_bytes(params, tp=2, pp=1, dp=4, trainable=True, distributed_optimizer=True)
-    assert frozen.total == 2e9                      # 2 psi
-    assert ddp.total == 16e9                        # (2 + 2 + 12) psi
-    assert zero1.total == pytest.approx(7e9)        # (2 + 2 + 12 / 4) psi
+
+    def states(trainable: bool, sharding: str) -> cm.StateBytes:
+        return cm.state_bytes(params, tp=2, pp=1, dp=4, trainable=trainable, sharding=sharding)
+
+    # Inference-only: bf16 weights, whatever the sharding of the trainable models.
+    assert states(False, cm.FULLY_SHARDED) == cm.StateBytes(2e9)
+    # DDP: bf16 weights, fp32 gradient buffer (grad_reduce_in_fp32), fp32 master + Adam m, v.
+    assert states(True, cm.REPLICATED) == cm.StateBytes(2e9, 4e9, 12e9)        # 18 psi
+    # Distributed optimizer: only the 12 bytes of optimizer state are split over dp = 4.
+    assert states(True, cm.DISTRIBUTED_OPTIMIZER) == cm.StateBytes(2e9, 4e9, 3e9)
+    # FSDP: all 18 bytes over dp = 4.
+    assert states(True, cm.FULLY_SHARDED) == cm.StateBytes(0.5e9, 1e9, 3e9)
+    with pytest.raises(ValueError, match="sharding='zero2'"):
+        states(True, "zero2")
     spec = ModelSpec("actor", LLAMA7B, trainable=True, tp=2, pp=2)
-    assert cm.state_bytes(spec.num_params(), 2, 2, 4, True, True).total == pytest.approx(
-        spec.bytes_per_device(dp=4))
+    psi = spec.num_params() / 4
+    assert cm.state_bytes(spec.num_params(), 2, 2, 4, True).total == pytest.approx(
+        spec.bytes_per_device(dp=4)) == pytest.approx(psi * (6 + 3))
+    assert cm.state_bytes(spec.num_params(), 2, 2, 4, True, cm.FULLY_SHARDED).total == (
+        pytest.approx(spec.bytes_per_device(dp=4, fully_sharded=True))) == pytest.approx(
+        psi * 18 / 4)
+
+
+def test_fsdp_holds_two_gathered_layers() -> None:
+    # llama-7b layer: 4 h^2 + 4 h attention, 3 h f SwiGLU MLP, 2 h norms.
+    h, f = 4096, 11008
+    layer = 4 * h * h + 4 * h + 3 * h * f + 2 * h
+    assert cm.layer_params(LLAMA7B) == layer
+    assert cm.fsdp_gathered_bytes(LLAMA7B, 2, training=False) == 2 * 2 * layer / 2
+    assert cm.fsdp_gathered_bytes(LLAMA7B, 2, training=True) == 2 * (2 + 4) * layer / 2
 
 
 def test_activation_and_kv_cache_formulas() -> None:
@@ -64,10 +84,16 @@ def test_collectives_follow_the_ring_formulas() -> None:
     assert cm.allreduce_seconds(1e9, 1, LINK_100) == 0.0
     latency = cm.Link(100e9, 1e-5)
     assert cm.allreduce_seconds(0, 8, latency) == pytest.approx(3e-5)  # log2(8) hops
-    # ZeRO-1 reduce-scatter + all-gather moves as much as the DDP all-reduce.
-    ddp = cm.grad_sync_seconds(4e9, 2, 1, 8, False, LINK_100)
-    zero1 = cm.grad_sync_seconds(4e9, 2, 1, 8, True, LINK_100)
-    assert ddp == pytest.approx(zero1) == pytest.approx(2 * 7 / 8 * 4e9 / 100e9)
+    # psi = 2e9 per device. DDP all-reduces the 4 psi bytes of fp32 gradients; ZeRO-1
+    # reduce-scatters them and all-gathers the 2 psi bytes of bf16 weights; FSDP reduce-scatters
+    # here and gathers its weights per pass.
+    ddp = cm.grad_sync_seconds(4e9, 2, 1, 8, cm.REPLICATED, LINK_100)
+    zero1 = cm.grad_sync_seconds(4e9, 2, 1, 8, cm.DISTRIBUTED_OPTIMIZER, LINK_100)
+    fsdp = cm.grad_sync_seconds(4e9, 2, 1, 8, cm.FULLY_SHARDED, LINK_100)
+    assert ddp == pytest.approx(2 * 7 / 8 * 8e9 / 100e9)
+    assert zero1 == pytest.approx(7 / 8 * 8e9 / 100e9 + 7 / 8 * 4e9 / 100e9)
+    assert fsdp == pytest.approx(7 / 8 * 8e9 / 100e9)
+    assert cm.fsdp_gather_seconds(4e9, 2, 1, 8, LINK_100) == pytest.approx(7 / 8 * 4e9 / 100e9)
 
 
 def test_group_link_shares_the_node_network() -> None:
@@ -111,20 +137,18 @@ def test_training_is_three_forward_passes_plus_the_adam_update() -> None:
     env = _env(TINY)
     forward = cm.forward_flops(TINY, 8 * 64, 32) / 100e12
     update = cm.ADAM_UPDATE_BYTES * TINY.num_params() / 1e12
-    cost = cm.training_cost(env, 8, 64, 8, 1, checkpointing=False, distributed_optimizer=True)
+    cost = cm.training_cost(env, 8, 64, 8, 1, checkpointing=False)
     assert cost.total == pytest.approx(3 * forward + update)
-    recompute = cm.training_cost(env, 8, 64, 8, 2, checkpointing=True,
-                                 distributed_optimizer=True)
+    recompute = cm.training_cost(env, 8, 64, 8, 2, checkpointing=True)
     assert recompute.compute == pytest.approx(4 * forward)  # 2 steps of half the rows
     # Every epoch trains on every row again: two epochs of 2 mini-batches are 4 optimizer steps
     # of half the rows each, twice one epoch's cost (not 4 steps of a quarter of the rows).
-    twice = cm.training_cost(env, 8, 64, 8, 2, checkpointing=True, distributed_optimizer=True,
-                             epochs=2)
+    twice = cm.training_cost(env, 8, 64, 8, 2, checkpointing=True, epochs=2)
     assert twice.total == pytest.approx(2 * recompute.total)
     assert twice.compute == pytest.approx(8 * forward)
     # Each optimizer step also pays the profile's fixed step latency.
     slow = dataclasses.replace(env, profile=dataclasses.replace(env.profile, step_latency_s=0.01))
-    stepped = cm.training_cost(slow, 8, 64, 8, 2, checkpointing=True, distributed_optimizer=True)
+    stepped = cm.training_cost(slow, 8, 64, 8, 2, checkpointing=True)
     assert stepped.overhead - recompute.overhead == pytest.approx(2 * 0.01)
 
 
@@ -132,10 +156,10 @@ def test_model_calls_and_small_step_collectives_pay_their_latencies() -> None:
     # tiny has 2 layers; 1 ms per layer call and 3 ms per model call, nothing else costs time.
     slow = dataclasses.replace(ROUND, peak_tflops=1e9, hbm_gb_per_s=1e9, layer_latency_s=1e-3,
                                call_latency_s=3e-3)
-    env = cm.ModelEnv(TINY, 1, 1, 1, False, slow, LINK_100, LINK_100, LINK_100)
+    env = cm.ModelEnv(TINY, 1, 1, 1, False, slow, LINK_100, LINK_100, LINK_100, cm.REPLICATED)
     # A forward micro-batch: 2 layer calls and one model call; forward+backward: 3 of each.
     assert cm.forward_cost(env, 4, 16, 4).overhead == pytest.approx(2e-3 + 3e-3)
-    assert cm.training_cost(env, 4, 16, 4, 1, False, False).overhead == pytest.approx(
+    assert cm.training_cost(env, 4, 16, 4, 1, False).overhead == pytest.approx(
         3 * (2e-3 + 3e-3))
     # A decode step: its 2 layers and one call (model and sampling), per new token.
     assert cm.decode_step_cost(env, 4, 20).overhead == pytest.approx(2e-3 + 3e-3)
@@ -143,9 +167,17 @@ def test_model_calls_and_small_step_collectives_pay_their_latencies() -> None:
     # log2 4 latencies) to the reduce-scatter and all-gather of the gradients.
     link = cm.Link(bytes_per_s=1e30, latency_s=1e-3)
     dp4 = cm.ModelEnv(TINY, 1, 1, 4, False, ROUND, link, link, link)
-    comm = cm.training_cost(dp4, 8, 16, 2, 1, False, True).comm
+    comm = cm.training_cost(dp4, 8, 16, 2, 1, False).comm
     assert comm == pytest.approx((2 + cm.STEP_ALLREDUCES) * 2e-3)
-    assert cm.training_cost(_env(TINY), 8, 16, 2, 1, False, True).comm == 0.0  # DP 1
+    assert cm.training_cost(_env(TINY), 8, 16, 2, 1, False).comm == 0.0  # DP 1
+    # FSDP, 4 micro-batches of 2 rows: each gathers the weights for its forward and its backward
+    # and reduce-scatters its gradients (12 collectives), besides the 3 small all-reduces; a
+    # forward pass gathers once per micro-batch, a generation once.
+    fsdp = dataclasses.replace(dp4, sharding=cm.FULLY_SHARDED)
+    assert cm.training_cost(fsdp, 8, 16, 2, 1, False).comm == pytest.approx(
+        (3 * 4 + cm.STEP_ALLREDUCES) * 2e-3)
+    assert cm.forward_cost(fsdp, 8, 16, 2).comm == pytest.approx(4 * 2e-3)
+    assert cm.generation_cost(fsdp, 8, 4, 4, 8).comm == pytest.approx(2e-3)
 
 
 def test_weight_sync_and_offload() -> None:
@@ -154,7 +186,6 @@ def test_weight_sync_and_offload() -> None:
     assert seconds == pytest.approx(8 * 2e9 / 2 / 100e9)   # the receiving node takes 8 shards
     slow = cm.Link(bytes_per_s=100e9, latency_s=0.01)        # the latency is paid once
     assert cm.weight_sync_seconds(1e9, 2, 1, 8, 1, 2, slow) == pytest.approx(seconds + 0.01)
-    state = cm.StateBytes(1e9, 1e9, 6e9)
-    assert cm.offload_seconds(state, True, ROUND) == pytest.approx(2 * 8e9 / 10e9)
-    assert cm.offload_seconds(state, False, ROUND) == pytest.approx(8e9 / 10e9)
+    # One use: 8 GB onto the device and back at 10 GB/s.
+    assert cm.offload_seconds(8e9, ROUND) == pytest.approx(2 * 8e9 / 10e9)
     assert math.isclose(cm.Cost(1, 2, 3, 4, 5).total, 15)

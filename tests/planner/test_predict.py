@@ -7,8 +7,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_rlhf.planner import RolloutSpec, homogeneous_cluster, predict_step
-from megatron_rlhf.topology import ClusterSpec, DevicePool, PlacementConfig, plan_placement
+from megatron_rlhf.planner import RoleMemory, RolloutSpec, homogeneous_cluster, predict_step
+from megatron_rlhf.topology import (
+    ClusterSpec,
+    DevicePool,
+    PlacementConfig,
+    arch_preset,
+    plan_placement,
+)
 
 A100_1X8 = homogeneous_cluster("A100-80GB", 1, 8)
 ROLLOUT = RolloutSpec(batch=256, prompt_length=256, generation_length=256)
@@ -54,19 +60,57 @@ def test_separation_overlaps_generation_with_training() -> None:
     assert not sync.pipelined and sync.step_seconds == pytest.approx(sync.synchronous_step_seconds)
 
 
+def _states_gib(role: str, tp: int, dp: int) -> float:
+    """Hand count for llama-7b: bf16 weights; trainers add fp32 grads and 12 bytes of Adam state
+    over dp (distributed optimizer)."""
+    arch = arch_preset("llama-7b")
+    params = arch.num_params(tp, value_head=role in ("critic", "reward")) / tp
+    per_param = 2 + 4 + 12 / dp if role in ("actor", "critic") else 2
+    return per_param * params / 2**30
+
+
+def test_the_cheapest_option_that_fits_is_chosen() -> None:
+    # llama-7b, flattening, tp=2 on 8 A100-80GB (72 GiB usable): all four models resident hold
+    # 28.2 + 27.7 + 6.3 + 6.2 = 68.4 GiB, leaving 3.6 GiB; the actor's training needs 5.3 GiB
+    # of activations (32 layers x 2 s b (4 h + (2 h + 2 kv + 3 f) / tp) + fp32 logits and their
+    # gradient). Offloading the reward model, the smallest copy, frees enough.
+    p = _predict("flattening", tp=2)
+    states = {role: _states_gib(role, 2, 4) for role in ("actor", "critic", "ref", "reward")}
+    assert 72 - sum(states.values()) == pytest.approx(3.6, abs=0.05)
+    h, f, s, b = 4096, 11008, 512, 4
+    activations = (32 * 2 * s * b * (4 * h + (2 * h + 2 * h + 3 * f) / 2)
+                   + 2 * 4 * s * b * 32000 / 2) / 2**30
+    assert p.memory.roles["actor"].activations == pytest.approx(activations)
+    assert activations > 3.6 and 72 - sum(states.values()) + states["reward"] > activations
+    assert {role: o.label for role, o in p.memory.options.items()} == {
+        "actor": "distributed_optimizer", "critic": "distributed_optimizer",
+        "ref": "replicated", "reward": "replicated+offload"}
+    assert _tasks(p)["experience:reward"]["offload_s"] > 0
+    assert _tasks(p)["training:actor"]["offload_s"] == 0
+
+
 def test_crowded_devices_offload_and_pay_for_it() -> None:
     p = _predict("flattening", model="llama-33b", tp=4, pp=2)
-    assert p.feasible and p.memory.offloaded
+    assert p.feasible and p.memory.offloaded == {"actor", "critic", "ref", "reward"}
     assert any(task["offload_s"] > 0 for task in p.tasks)
     assert p.memory.peak_gib <= p.memory.usable_gib
+    assert json.loads(json.dumps(p.to_dict()))["memory_options"]["actor"]["offload"]
 
 
 def test_kv_cache_bounds_the_generation_round() -> None:
+    # Same plan: actor, critic and ref resident (reward offloaded) leave 72 - 62.2 GiB; a
+    # sequence of 512 takes 2 (K, V) x 32 layers x 2048 (kv / tp) x 512 x 2 bytes = 128 MiB of KV
+    # cache, plus the prefill's layer activations over 256 prompt tokens and 32000 fp32 logits.
     p = _predict("flattening", tp=2, rollout=RolloutSpec(batch=1024))
+    free = 72 - sum(_states_gib(role, 2, 4) for role in ("actor", "critic", "ref"))
+    per_sequence = (2 * 32 * 2048 * 512 * 2 + 2 * 256 * (4 * 4096 + (4 * 4096 + 3 * 11008) / 2)
+                    + 4 * 32000) / 2**30
     per_round = p.memory.sequences_per_round["actor"]
-    assert 0 < per_round < 1024 // 4          # 4 replicas, more rows than one round holds
-    assert p.memory.largest_batch == per_round * 4
-    assert p.memory.roles["actor"].kv_cache > 0
+    assert per_round == int(free / per_sequence) == 67
+    assert p.memory.largest_batch == per_round * 4      # 4 replicas
+    # 256 rows per replica in ceil(256 / 67) = 4 rounds of 64: the generation micro-batch.
+    assert p.memory.generation_micro_batch == {"actor": 64}
+    assert p.memory.roles["actor"].kv_cache == pytest.approx(64 * per_sequence)
 
 
 def test_an_oversized_micro_batch_is_infeasible_with_the_fix() -> None:
@@ -121,3 +165,25 @@ def test_trainers_gather_every_experience_row_once() -> None:
     # One replica per model on the ranks that scored everything: nothing moves.
     single = _tasks(_predict("flattening", tp=8))
     assert not [name for name in single if name.startswith("transfer:")]
+
+
+def test_an_offloaded_model_generates_with_its_weights_only() -> None:
+    # weights 1, grads 2, optimizer 3, activations 4, KV cache 10 (GiB): training needs
+    # 6 + 4; generating needs the KV cache next to all states (16), or next to the weights alone
+    # once offloaded (11).
+    assert RoleMemory(1, 2, 3, 4, 10, offloaded=False).total == 16
+    assert RoleMemory(1, 2, 3, 4, 10, offloaded=True).total == 11
+    assert RoleMemory(1, 2, 3, 4, 0, offloaded=True).total == 10
+
+
+def test_memory_options_can_be_limited_to_what_the_engine_runs() -> None:
+    # llama-33b, flattening tp=4 pp=2 on one node needs recomputation besides offloading; with
+    # offloading alone (the engine today) it does not fit, and the problem names the fix left.
+    plan = plan_placement(A100_1X8, PlacementConfig("flattening", tp=4, pp=2), "llama-33b")
+    assert predict_step(plan, ROLLOUT).memory.options["actor"].recompute
+    offload_only = predict_step(plan, ROLLOUT, memory_options=("offload",))
+    assert not offload_only.feasible
+    assert "lower rollout.micro_batch_size" in offload_only.problems[0]
+    assert offload_only.memory.options["actor"].label == "distributed_optimizer+offload"
+    with pytest.raises(ValueError, match=r"memory options \['zero3'\] are unknown"):
+        predict_step(plan, ROLLOUT, memory_options=("zero3",))

@@ -28,8 +28,17 @@ def test_predict_prints_samples_stages_memory_and_largest_batch(
                "--predict", "--json", "--batch", "64"])
     body = json.loads(capsys.readouterr().out)
     assert set(body) == {"plan", "rollout", "prediction"}
+    prediction = body["prediction"]
     assert {"samples_per_s", "stage_seconds", "memory_gib", "largest_batch",
-            "bottleneck"} <= set(body["prediction"])
+            "bottleneck", "peak_gib_per_device", "memory_options",
+            "generation_micro_batch"} <= set(prediction)
+    assert prediction["memory_options"]["actor"] == {
+        "sharding": "distributed_optimizer", "recompute": False, "offload": False,
+        "label": "distributed_optimizer"}
+    assert 0 < prediction["peak_gib_per_device"] <= prediction["usable_gib_per_device"]
+    tool.main(["--nodes", "1", "--placement", "flattening", "--tp", "4", "--pp", "2",
+               "--model", "llama-33b", "--predict", "--json", "--memory-options", "offload"])
+    assert not json.loads(capsys.readouterr().out)["prediction"]["feasible"]
 
 
 def test_auto_ranks_candidates_as_text_and_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -42,6 +51,8 @@ def test_auto_ranks_candidates_as_text_and_json(capsys: pytest.CaptureFixture[st
                "--batch", "64", "--json"])
     body = json.loads(capsys.readouterr().out)
     assert body["best"] == body["candidates"][0] and body["reason"]
+    assert body["best"]["peak_gib_per_device"] > 0
+    assert set(body["best"]["memory_options"]) == {"actor", "critic", "ref", "reward"}
 
 
 def test_profile_flag_and_unknown_kind(capsys: pytest.CaptureFixture[str]) -> None:

@@ -63,9 +63,12 @@ def test_memory_estimate() -> None:
     assert ref.bytes_per_device(dp=4) == pytest.approx(ref.num_params() / 2 * 2)
     actor = ModelSpec("actor", arch, trainable=True, tp=2, pp=2)
     shard = actor.num_params() / 4
-    assert actor.bytes_per_device(dp=4) == pytest.approx(shard * (4 + 12 / 4))
+    # bf16 weights (2), fp32 gradient buffer (4), fp32 master + Adam moments (12) over dp = 4.
+    assert actor.bytes_per_device(dp=4) == pytest.approx(shard * (2 + 4 + 12 / 4))
     no_zero = ModelSpec("actor", arch, trainable=True, tp=2, pp=2, distributed_optimizer=False)
-    assert no_zero.bytes_per_device(dp=4) == pytest.approx(shard * 16)
+    assert no_zero.bytes_per_device(dp=4) == pytest.approx(shard * 18)
+    assert no_zero.bytes_per_device(dp=4, fully_sharded=True) == pytest.approx(shard * 18 / 4)
+    assert ref.bytes_per_device(dp=4, fully_sharded=True) == ref.bytes_per_device(dp=4)
     critic = ModelSpec("critic", arch, trainable=True, tp=2, pp=2)
     assert critic.num_params() < actor.num_params()  # scalar head instead of the vocabulary
 
