@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.planner import RolloutSpec, load_profile, plan_memory
+from megatron_rlhf.planner.cost_model import kv_cache_bytes
 from megatron_rlhf.planner.memory import experience_roles, generating_roles
 from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.topology.models import SHADOW_OF, TRAINABLE_ROLES
@@ -31,12 +32,6 @@ logger = get_logger(__name__)
 
 GENERATE, EXPERIENCE, TRAIN, SYNC = "generate", "experience", "train", "sync_weights"
 _GIB = 1024**3
-
-PLANNER_GRAD_SCALE = 2.0
-"""Gradient bytes the trainer allocates over those the planner counts: the planner counts bf16
-gradients (2 bytes a parameter) but the trainer reduces into fp32 buffers
-(``grad_reduce_in_fp32``, 4 bytes). 1.0 once the planner counts fp32 gradients."""
-
 
 @dataclass(frozen=True)
 class RoleBytes:
@@ -61,13 +56,18 @@ class RoleBytes:
 
 
 def planner_role_bytes(plan: PlacementPlan, rollout: RolloutSpec) -> dict[str, RoleBytes]:
-    """The planner's bytes of every model of ``plan`` (bf16 weights, mixed-precision Adam),
-    gradients scaled by :data:`PLANNER_GRAD_SCALE`."""
+    """The planner's bytes of every model of ``plan`` (bf16 weights, fp32 gradient buffers,
+    mixed-precision Adam)."""
     # Memory large enough that nothing is offloaded and one round holds the whole batch.
     unlimited = dataclasses.replace(load_profile("A100-80GB"), memory_gib=2.0**40)
     report = plan_memory(plan, rollout, (unlimited,) * len(plan.cluster.pools))
-    return {role: RoleBytes(m.weights * _GIB, m.grads * _GIB * PLANNER_GRAD_SCALE,
-                            m.optimizer * _GIB, m.kv_cache * _GIB)
+    # The planner's generation working set also holds the prefill's activations and the logits,
+    # which the engine does not count on the CPU: only the static KV cache of the round.
+    kv_cache = {role: rows * kv_cache_bytes(plan[role].spec.arch, plan[role].tp, plan[role].pp, 1,
+                                            rollout.sequence_length)
+                for role, rows in report.generation_micro_batch.items()}
+    return {role: RoleBytes(m.weights * _GIB, m.grads * _GIB, m.optimizer * _GIB,
+                            kv_cache.get(role, 0.0))
             for role, m in report.roles.items()}
 
 
