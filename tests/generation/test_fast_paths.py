@@ -9,7 +9,18 @@ import pytest
 import torch
 from megatron.core.transformer.attention import SelfAttention
 
-from megatron_rlhf.generation import GenerationConfig, GenerationOutput, generate_sequences
+from megatron_rlhf.generation import (
+    GenerationConfig,
+    GenerationOutput,
+    SampledTokens,
+    generate_sequences,
+    inverse_cdf_sample,
+    prompt_noise_keys,
+    sample_tokens,
+    sampling_logprobs,
+    uniforms_at_step,
+    uniforms_for_steps,
+)
 from megatron_rlhf.models.attention import CachedRopeSelfAttention
 from tests.generation.helpers import make_prompts
 
@@ -55,3 +66,38 @@ def test_rope_before_caching_equals_megatron_attention_bitwise(tiny, config) -> 
     with megatron_self_attention(tiny[0]):
         reference = _generate(tiny, config)
     _assert_same(ours, reference)
+
+
+def test_uniforms_for_steps_equal_uniforms_at_step_bitwise() -> None:
+    keys = prompt_noise_keys(7, [0, 3, 2**40, 5])
+    table = uniforms_for_steps(keys, 9)
+    assert table.shape == (9, 4)
+    for step in range(9):
+        assert torch.equal(table[step], uniforms_at_step(keys, step))
+
+
+def _reference_sample(logits: torch.Tensor, uniforms: torch.Tensor,
+                      config: GenerationConfig) -> SampledTokens:
+    """The sampler before its shortcuts: filtered distribution, draw, then two gathers."""
+    policy = torch.log_softmax(logits.float() / config.temperature, dim=-1)
+    dist = sampling_logprobs(logits, config.temperature, config.top_k, config.top_p)
+    tokens = inverse_cdf_sample(dist, uniforms)
+    pick = tokens.unsqueeze(-1)
+    return SampledTokens(tokens=tokens, logprobs=dist.gather(-1, pick).squeeze(-1),
+                         policy_logprobs=policy.gather(-1, pick).squeeze(-1))
+
+
+@pytest.mark.parametrize("config", [
+    GenerationConfig(),
+    GenerationConfig(temperature=0.6),
+    GenerationConfig(temperature=1.3, top_p=0.8),
+    GenerationConfig(top_k=5),
+], ids=["plain", "temperature", "top-p", "top-k"])
+def test_sample_tokens_equals_reference_sampler_bitwise(config: GenerationConfig) -> None:
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 300, generator=generator) * 3
+    uniforms = uniforms_at_step(prompt_noise_keys(1, list(range(64))), 4)
+    fast, reference = sample_tokens(logits, uniforms, config), _reference_sample(
+        logits, uniforms, config)
+    for name in ("tokens", "logprobs", "policy_logprobs"):
+        assert torch.equal(getattr(fast, name), getattr(reference, name)), name
