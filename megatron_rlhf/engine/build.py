@@ -149,6 +149,7 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
                 src.model if src else None, groups[source], plan[source],
                 dst.model if dst else None, groups[shadow], plan[shadow])
     engine = PPOEngine(plan, workers, weight_syncs, config.rollout.max_prompt_length,
-                       config.generation, eos_id, pad_id, context)
+                       config.generation, eos_id, pad_id, context,
+                       reuse_generation_logprobs=config.rollout.reuse_generation_logprobs)
     engine.sync_weights()
     return engine

@@ -49,12 +49,15 @@ class PPOEngine:
         eos_id: end-of-sequence token id, or several (a reply may end with any of them).
         pad_id: padding token id.
         context: where the operators' spans and fault stages are recorded (default: nowhere).
+        reuse_generation_logprobs: the rollout carries generation's policy log-probs as
+            ``old_logprobs`` and the experience skips the policy's forward pass.
     """
 
     def __init__(self, plan: PlacementPlan, workers: dict[str, ModelWorker],
                  weight_syncs: dict[str, WeightSync], prompt_length: int,
                  generation: GenerationConfig, eos_id: int | tuple[int, ...],
-                 pad_id: int, context: RunContext | None = None) -> None:
+                 pad_id: int, context: RunContext | None = None,
+                 reuse_generation_logprobs: bool = False) -> None:
         self.plan = plan
         self.workers = workers
         self.weight_syncs = weight_syncs
@@ -63,6 +66,7 @@ class PPOEngine:
         self.eos_id = eos_id
         self.pad_id = pad_id
         self.context = context or RunContext()
+        self.reuse_generation_logprobs = reuse_generation_logprobs
         self.rank = dist.get_rank()
         self._node_of = lambda r: plan.cluster.locate(r).node
         self._pending_sends: list = []
@@ -96,8 +100,11 @@ class PPOEngine:
     def rollout_schema(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """Fields of a rollout batch with their fixed per-row shapes."""
         p, r = self.prompt_length, self.generation.max_new_tokens
-        return {"input_ids": (torch.int64, (p + r,)), "attention_mask": (torch.int64, (p + r,)),
-                "response_mask": (torch.int64, (r,)), "gen_logprobs": (torch.float32, (r,))}
+        schema = {"input_ids": (torch.int64, (p + r,)), "attention_mask": (torch.int64, (p + r,)),
+                  "response_mask": (torch.int64, (r,)), "gen_logprobs": (torch.float32, (r,))}
+        if self.reuse_generation_logprobs:
+            schema["old_logprobs"] = (torch.float32, (r,))
+        return schema
 
     # ------------------------------------------------------------ generation
     def generation_replicas(self) -> list[tuple[str, list[int], float]]:
@@ -167,26 +174,41 @@ class PPOEngine:
         mask[:, p - output.prompt_length:p + r_out] = output.attention_mask
         response_mask = torch.zeros(b, r, dtype=torch.long, device=device)
         response_mask[:, :r_out] = output.response_mask
-        logprobs = torch.zeros(b, r, device=device)
-        logprobs[:, :r_out] = output.response_logprobs
-        return {"input_ids": ids, "attention_mask": mask, "response_mask": response_mask,
-                "gen_logprobs": logprobs}
+        fields = {"input_ids": ids, "attention_mask": mask, "response_mask": response_mask,
+                  "gen_logprobs": self._response_width(output.response_logprobs)}
+        if self.reuse_generation_logprobs:
+            fields["old_logprobs"] = self._response_width(output.response_policy_logprobs)
+        return fields
+
+    def _response_width(self, values: torch.Tensor) -> torch.Tensor:
+        """``[b, R_out]`` response values, zero-padded on the right to ``[b, R]``."""
+        return torch.nn.functional.pad(values, (0, self.generation.max_new_tokens
+                                                - values.shape[1]))
 
     # ------------------------------------------------------------ experience
     def make_experience(self, rollout: DistBatch, temperature: float,
                         rule_reward: RuleReward | None = None, chunk: int = 0) -> DistBatch:
         """Old log-probs, reference log-probs, values and scores of a rollout, on the trainers.
 
-        Without a critic there are no values (three passes). The inputs of all forward passes
+        Without a critic there are no values, and with ``reuse_generation_logprobs`` the old
+        log-probs come with the rollout (one pass fewer each). The inputs of all forward passes
         are moved first, then each model computes on its
         own ranks, so models on disjoint ranks run at the same time. Scores come as the reward
         model's ``rm_scores`` and the rule's ``rule_scores`` (zero without a rule). Sends are
         left in flight (``finish_transfers`` waits for them), so a rank that only produced the
         rollout goes straight on to its next chunk.
+
+        Raises:
+            ValueError: reusing generation's log-probs at another ``temperature``.
         """
         p, r = self.prompt_length, self.generation.max_new_tokens
+        if self.reuse_generation_logprobs and temperature != self.generation.temperature:
+            raise ValueError(f"old log-probs at temperature {temperature} cannot come from "
+                             f"generation at {self.generation.temperature} "
+                             "(rollout.reuse_generation_logprobs=true)")
         passes = [
-            (self.policy_for_inference, {"old_logprobs": (r,)},
+            (None if self.reuse_generation_logprobs else self.policy_for_inference,
+             {"old_logprobs": (r,)},
              lambda w, f: {"old_logprobs": w.compute_log_prob(f, p, temperature)}),
             (REF, {"ref_logprobs": (r,)},
              lambda w, f: {"ref_logprobs": w.compute_log_prob(f, p, temperature)}),

@@ -30,6 +30,7 @@ from megatron_rlhf.generation.sampling import (
     sampling_uniforms,
     top_k_top_p_keep,
     uniforms_at_step,
+    uniforms_for_steps,
 )
 
 __all__ = [
@@ -49,4 +50,5 @@ __all__ = [
     "sampling_uniforms",
     "top_k_top_p_keep",
     "uniforms_at_step",
+    "uniforms_for_steps",
 ]

@@ -30,7 +30,7 @@ from megatron_rlhf.generation.params import GenerationConfig
 from megatron_rlhf.generation.sampling import (
     prompt_noise_keys,
     sample_tokens,
-    uniforms_at_step,
+    uniforms_for_steps,
 )
 
 
@@ -252,12 +252,13 @@ def _decode_loop(next_logits: CachedNextTokenLogits | RecomputeNextTokenLogits,
     logprobs = torch.zeros(b, max_new, dtype=torch.float32, device=device)
     policy_logprobs = torch.zeros_like(logprobs)
     stopped = budgets <= 0
+    uniforms = uniforms_for_steps(noise_keys, max_new)
     for step in range(max_new):
         if step % config.stop_check_interval == 0 and bool(stopped.all()):
             break
         end = prompt_width + step
         logits = next_logits(input_ids[:, :end], attention_mask[:, :end])
-        sampled = sample_tokens(logits, uniforms_at_step(noise_keys, step), config)
+        sampled = sample_tokens(logits, uniforms[step], config)
         active = ~stopped
         token = torch.where(active, sampled.tokens, pad_id)
         logprobs[:, step] = torch.where(active, sampled.logprobs, 0.0)

@@ -76,6 +76,15 @@ def uniforms_at_step(keys: torch.Tensor, step: int) -> torch.Tensor:
     return _shift_right(_splitmix64_tensor(keys ^ step), 11).double() * 2.0**-53
 
 
+def uniforms_for_steps(keys: torch.Tensor, steps: int) -> torch.Tensor:
+    """``[steps, b]`` float64: row ``t`` is :func:`uniforms_at_step` ``(keys, t)``, bitwise.
+
+    One batch of integer kernels for a whole decode instead of a dozen tiny ones per token.
+    """
+    counters = torch.arange(steps, dtype=torch.int64, device=keys.device).unsqueeze(-1)
+    return _shift_right(_splitmix64_tensor(keys ^ counters), 11).double() * 2.0**-53
+
+
 def sampling_uniforms(seed: int, prompt_indices: Sequence[int], step: int,
                       device: torch.device | str = "cpu") -> torch.Tensor:
     """:func:`sampling_uniform` for every prompt of a batch, as a ``[b]`` float64 tensor."""
@@ -187,5 +196,7 @@ def sample_tokens(logits: torch.Tensor, uniforms: torch.Tensor,
             dist = sampling_logprobs(logits, config.temperature, config.top_k, config.top_p)
         tokens = inverse_cdf_sample(dist, uniforms)
         logprobs = dist.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        if dist is policy:
+            return SampledTokens(tokens=tokens, logprobs=logprobs, policy_logprobs=logprobs)
     policy_logprobs = policy.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return SampledTokens(tokens=tokens, logprobs=logprobs, policy_logprobs=policy_logprobs)

@@ -1,4 +1,6 @@
-"""Core attention through torch's ``scaled_dot_product_attention``, as a megatron spec module.
+"""Attention modules of megatron's local spec: SDPA core attention, RoPE before the KV cache.
+
+Core attention through torch's ``scaled_dot_product_attention``, as a megatron spec module.
 
 megatron's local ``DotProductAttention`` materialises the ``[b, heads, s, s]`` score matrix and
 runs softmax as separate kernels. :class:`SDPAttention` is the same module (same constructor,
@@ -12,12 +14,20 @@ Masking follows megatron's local attention: a masked score is pushed to -10000 (
 megatron's boolean mask means masked), so a query whose keys are all masked (a padding position)
 gets finite outputs that no real token reads. Dropout inside attention, learnable softmax
 offsets, sliding windows and packed sequences are left to megatron's own implementation.
+
+:class:`CachedRopeSelfAttention` replaces megatron's ``SelfAttention`` in the same local spec so
+that KV-cached decoding rotates each key once instead of the whole cache at every step.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+    _yarn_get_concentration_factor_from_config,
+)
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 _MASKED_SCORE = -10000.0  # megatron's attention_mask_func
@@ -57,3 +67,46 @@ class SDPAttention(DotProductAttention):
         # [b, n, sq, d] -> [sq, b, n * d]
         context = context.permute(2, 0, 1, 3).contiguous()
         return context.view(*context.shape[:2], self.hidden_size_per_partition)
+
+
+class CachedRopeSelfAttention(SelfAttention):
+    """megatron's ``SelfAttention`` that rotates each key once, before it enters the KV cache.
+
+    With megatron's static inference context, ``SelfAttention`` caches keys before RoPE and
+    rotates the whole cache (and recomputes cos/sin of every position) at every decode step: the
+    step's cost grows with the cached length, and at small models it is most of decoding. RoPE
+    at a position depends on that position alone, so rotating the new query and key first and
+    caching the rotated key yields the same keys. Everything else, and every call without a
+    static inference context, is megatron's own code path.
+    """
+
+    def _adjust_key_value_for_inference(self, inference_context, query: torch.Tensor,
+                                        key: torch.Tensor, value: torch.Tensor, rotary_pos_emb,
+                                        rotary_pos_cos=None, rotary_pos_sin=None,
+                                        rotary_pos_cos_sin=None, sequence_len_offset=None,
+                                        **kwargs):
+        if not self._rotates_before_caching(inference_context, rotary_pos_emb, rotary_pos_cos):
+            return super()._adjust_key_value_for_inference(
+                inference_context, query, key, value, rotary_pos_emb, rotary_pos_cos,
+                rotary_pos_sin, rotary_pos_cos_sin, sequence_len_offset, **kwargs)
+        if not isinstance(rotary_pos_emb, tuple):
+            rotary_pos_emb = (rotary_pos_emb, rotary_pos_emb)
+        start = inference_context.sequence_len_offset
+        positions = slice(start, start + key.shape[0])
+        query, key = (self._rotate(t, freqs[positions])
+                      for t, freqs in zip((query, key), rotary_pos_emb, strict=True))
+        # rotary_pos_emb=None: megatron's forward then applies no RoPE of its own
+        return super()._adjust_key_value_for_inference(
+            inference_context, query, key, value, None, rotary_pos_cos, rotary_pos_sin,
+            rotary_pos_cos_sin, sequence_len_offset, **kwargs)
+
+    def _rotates_before_caching(self, inference_context, rotary_pos_emb,
+                                rotary_pos_cos) -> bool:
+        return (inference_context is not None and inference_context.is_static_batching()
+                and rotary_pos_emb is not None and rotary_pos_cos is None
+                and not self.config.flash_decode and self.pg_collection.cp.size() == 1)
+
+    def _rotate(self, t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        return apply_rotary_pos_emb(t, freqs, config=self.config,
+                                    mscale=_yarn_get_concentration_factor_from_config(self.config),
+                                    cp_group=self.pg_collection.cp)

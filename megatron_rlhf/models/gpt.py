@@ -33,7 +33,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_rlhf.models.attention import SDPAttention
+from megatron_rlhf.models.attention import CachedRopeSelfAttention, SDPAttention
 from megatron_rlhf.runtime.cpu_compat import seed_model_parallel_rng
 from megatron_rlhf.runtime.device import compute_device
 
@@ -270,6 +270,7 @@ def _layer_spec(options: ModelBuildOptions) -> ModuleSpec:
             get_gpt_layer_with_transformer_engine_spec(qk_layernorm=options.qk_norm))
     spec = with_explicit_attention_masks(
         get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=options.qk_norm))
+    spec.submodules.self_attention.module = CachedRopeSelfAttention
     if options.attention_backend == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
     return spec

@@ -1,0 +1,103 @@
+"""The faster generation paths give bitwise the results of the paths they replace."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from megatron.core.transformer.attention import SelfAttention
+
+from megatron_rlhf.generation import (
+    GenerationConfig,
+    GenerationOutput,
+    SampledTokens,
+    generate_sequences,
+    inverse_cdf_sample,
+    prompt_noise_keys,
+    sample_tokens,
+    sampling_logprobs,
+    uniforms_at_step,
+    uniforms_for_steps,
+)
+from megatron_rlhf.models.attention import CachedRopeSelfAttention
+from tests.generation.helpers import make_prompts
+
+EOS, PAD = 249, 0
+LENGTHS = [5, 1, 12, 7, 3, 9]
+OUTPUT_FIELDS = ("input_ids", "attention_mask", "response_mask", "response_logprobs",
+                 "response_policy_logprobs")
+
+
+@contextmanager
+def megatron_self_attention(model: torch.nn.Module) -> Iterator[None]:
+    """Run ``model``'s attention layers as megatron's own ``SelfAttention`` (same weights)."""
+    layers = [m for m in model.modules() if isinstance(m, CachedRopeSelfAttention)]
+    assert layers, "the model spec should use CachedRopeSelfAttention"
+    for layer in layers:
+        layer.__class__ = SelfAttention
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.__class__ = CachedRopeSelfAttention
+
+
+def _generate(tiny, config: GenerationConfig) -> GenerationOutput:
+    model, pgc = tiny
+    prompts = make_prompts(LENGTHS, seed=3)
+    return generate_sequences(model, pgc, prompts, list(range(len(prompts))), config,
+                              eos_id=EOS, pad_id=PAD)
+
+
+def _assert_same(ours: GenerationOutput, reference: GenerationOutput) -> None:
+    for name in OUTPUT_FIELDS:
+        assert torch.equal(getattr(ours, name), getattr(reference, name)), name
+
+
+@pytest.mark.parametrize("config", [
+    GenerationConfig(max_new_tokens=20, seed=5, stop_at_eos=False),
+    GenerationConfig(max_new_tokens=20, seed=6, temperature=0.7, top_k=40, top_p=0.9),
+    GenerationConfig(max_new_tokens=12, greedy=True, stop_at_eos=False),
+], ids=["sample", "top-k-top-p", "greedy"])
+def test_rope_before_caching_equals_megatron_attention_bitwise(tiny, config) -> None:
+    ours = _generate(tiny, config)
+    with megatron_self_attention(tiny[0]):
+        reference = _generate(tiny, config)
+    _assert_same(ours, reference)
+
+
+def test_uniforms_for_steps_equal_uniforms_at_step_bitwise() -> None:
+    keys = prompt_noise_keys(7, [0, 3, 2**40, 5])
+    table = uniforms_for_steps(keys, 9)
+    assert table.shape == (9, 4)
+    for step in range(9):
+        assert torch.equal(table[step], uniforms_at_step(keys, step))
+
+
+def _reference_sample(logits: torch.Tensor, uniforms: torch.Tensor,
+                      config: GenerationConfig) -> SampledTokens:
+    """The sampler before its shortcuts: filtered distribution, draw, then two gathers."""
+    policy = torch.log_softmax(logits.float() / config.temperature, dim=-1)
+    dist = sampling_logprobs(logits, config.temperature, config.top_k, config.top_p)
+    tokens = inverse_cdf_sample(dist, uniforms)
+    pick = tokens.unsqueeze(-1)
+    return SampledTokens(tokens=tokens, logprobs=dist.gather(-1, pick).squeeze(-1),
+                         policy_logprobs=policy.gather(-1, pick).squeeze(-1))
+
+
+@pytest.mark.parametrize("config", [
+    GenerationConfig(),
+    GenerationConfig(temperature=0.6),
+    GenerationConfig(temperature=1.3, top_p=0.8),
+    GenerationConfig(top_k=5),
+], ids=["plain", "temperature", "top-p", "top-k"])
+def test_sample_tokens_equals_reference_sampler_bitwise(config: GenerationConfig) -> None:
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 300, generator=generator) * 3
+    uniforms = uniforms_at_step(prompt_noise_keys(1, list(range(64))), 4)
+    fast, reference = sample_tokens(logits, uniforms, config), _reference_sample(
+        logits, uniforms, config)
+    for name in ("tokens", "logprobs", "policy_logprobs"):
+        assert torch.equal(getattr(fast, name), getattr(reference, name)), name
