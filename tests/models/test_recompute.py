@@ -17,6 +17,7 @@ import pytest
 import torch
 from megatron.core.tensor_parallel import random as mcore_random
 
+from megatron_rlhf.config.supervised_run import SupervisedModelConfig
 from megatron_rlhf.models.gpt import ModelBuildOptions, recompute_fields
 from tests.model_fixtures import TinyArch, whole_world_groups
 from tests.multirank import run_on_ranks
@@ -31,6 +32,8 @@ def test_recompute_options_map_to_megatron_fields() -> None:
                                         "recompute_method": "uniform", "recompute_num_layers": 1}
     with pytest.raises(ValueError, match=r"model.recompute='block': use one of"):
         ModelBuildOptions(recompute="block")
+    with pytest.raises(ValueError, match=r"model.recompute='block': use one of"):
+        SupervisedModelConfig(recompute="block")
 
 
 def _batch(step: int) -> dict[str, torch.Tensor]:
