@@ -35,7 +35,13 @@ def test_bad_recompute_settings_are_refused(recompute: dict, message: str) -> No
 
 
 def test_only_trained_roles_recompute() -> None:
-    models = ModelsConfig(recompute={"actor": "full"})
+    from pathlib import Path
+
+    from megatron_rlhf.config.loader import load_config
+    from megatron_rlhf.config.ppo_run import RunConfig
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "ppo_tiny.yaml"
+    models = load_config(RunConfig, example, ["models.recompute.actor=full"]).models
     assert [models.recompute_of(r) for r in ("actor", "critic", "shadow_actor", "ref")] == [
         "full", "none", "none", "none"]
 
