@@ -14,6 +14,7 @@ from megatron_rlhf.data import ReaderConfig, SplitConfig, SyntheticTaskConfig
 from megatron_rlhf.generation import GenerationConfig
 from megatron_rlhf.models.gpt import (
     ATTENTION_BACKENDS,
+    RECOMPUTE_GRANULARITIES,
     TRANSFORMER_IMPLS,
     resolve_params_dtype,
 )
@@ -22,7 +23,15 @@ from megatron_rlhf.models.trainer import OptimizerSettings
 from megatron_rlhf.runtime.bootstrap import RuntimeConfig
 from megatron_rlhf.runtime.faults import FaultConfig
 from megatron_rlhf.topology.cluster import DevicePool
-from megatron_rlhf.topology.models import ACTOR, CRITIC, REF, REWARD, SHADOW_OF, resolve_arch
+from megatron_rlhf.topology.models import (
+    ACTOR,
+    CRITIC,
+    REF,
+    REWARD,
+    SHADOW_OF,
+    TRAINABLE_ROLES,
+    resolve_arch,
+)
 from megatron_rlhf.topology.placement_config import PlacementConfig
 
 OFFLOAD_ROLES = (ACTOR, CRITIC, REF, REWARD)
@@ -68,6 +77,10 @@ class ModelsConfig:
             resident (``engine/memory_plan.py``).
         memory_budget_gib: the memory one rank may use, GiB, for ``offload=auto``; 0: the device
             memory of the rank's pool (``cluster.pools``).
+        recompute: per trained role (``actor``, ``critic``), activation recomputation in its
+            training passes: ``none``, ``selective`` (the core attention) or ``full`` (every
+            layer), e.g. ``models.recompute.actor=full`` (``models.gpt.ModelBuildOptions``).
+            Inference-only models keep no activations for a backward pass and never recompute.
     """
 
     arch: Any = "tiny"
@@ -83,9 +96,17 @@ class ModelsConfig:
     export_hf: bool = False
     offload: dict[str, str] = field(default_factory=dict)
     memory_budget_gib: float = 0.0
+    recompute: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         resolve_arch(self.arch)
+        for role, granularity in self.recompute.items():
+            if role not in TRAINABLE_ROLES:
+                raise ValueError(f"models.recompute.{role}: only trained models recompute "
+                                 f"activations; use one of {TRAINABLE_ROLES}")
+            if granularity not in RECOMPUTE_GRANULARITIES:
+                raise ValueError(f"models.recompute.{role}={granularity!r}: use one of "
+                                 f"{RECOMPUTE_GRANULARITIES}")
         self.params_dtype = resolve_params_dtype(self.params_dtype)
         for role, policy in self.offload.items():
             if role not in OFFLOAD_ROLES:
@@ -110,6 +131,11 @@ class ModelsConfig:
         """The offload policy of ``role`` (a shadow takes its trained model's); ``auto`` is
         decided per placed model by ``engine.memory_plan.offload_policies``."""
         return self.offload.get(SHADOW_OF.get(role, role), "never")
+
+    def recompute_of(self, role: str) -> str:
+        """The activation recomputation of ``role``'s model (``none`` for inference-only ones,
+        shadows included)."""
+        return self.recompute.get(role, "none")
 
 
 @dataclass

@@ -12,7 +12,7 @@ from typing import Any
 
 from megatron_rlhf.data.schema import ReaderConfig, SplitConfig
 from megatron_rlhf.data.synthetic import SyntheticTaskConfig
-from megatron_rlhf.models.gpt import resolve_params_dtype
+from megatron_rlhf.models.gpt import RECOMPUTE_GRANULARITIES, resolve_params_dtype
 from megatron_rlhf.models.tokenizer import TokenizerConfig
 from megatron_rlhf.models.trainer import OptimizerSettings
 from megatron_rlhf.runtime.bootstrap import RuntimeConfig
@@ -68,6 +68,8 @@ class SupervisedModelConfig:
             converted (cached in ``hf_cache_dir``) and its tokenizer is used unless one is
             configured.
         hf_cache_dir: where a Hugging Face ``init_checkpoint`` is converted to, once.
+        recompute: activation recomputation in training passes: ``none``, ``selective`` (the
+            core attention) or ``full`` (every layer; ``models.gpt.ModelBuildOptions``).
     """
 
     arch: Any = "tiny"
@@ -77,11 +79,15 @@ class SupervisedModelConfig:
     init_seed: int = 1234
     init_checkpoint: str = ""
     hf_cache_dir: str = "~/.cache/megatron_rlhf/converted"
+    recompute: str = "none"
 
     def __post_init__(self) -> None:
         resolve_arch(self.arch)
         if self.tp < 1 or self.pp < 1:
             raise ValueError(f"model.tp={self.tp} and model.pp={self.pp} must be >= 1")
+        if self.recompute not in RECOMPUTE_GRANULARITIES:
+            raise ValueError(f"model.recompute={self.recompute!r}: use one of "
+                             f"{RECOMPUTE_GRANULARITIES}")
         self.params_dtype = resolve_params_dtype(self.params_dtype)
 
 

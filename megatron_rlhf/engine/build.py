@@ -7,6 +7,7 @@ work fails on every rank with the same message before distributed work starts.
 from __future__ import annotations
 
 import datetime
+from dataclasses import replace
 
 import torch.distributed as dist
 
@@ -124,7 +125,8 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
     total_updates = (config.steps * config.rollout.ppo_epochs * config.rollout.num_minibatches)
     for role in plan.roles_on(rank):
         pgc = groups[role]
-        options = role_options(config, sources, SHADOW_OF.get(role, role))
+        options = replace(role_options(config, sources, SHADOW_OF.get(role, role)),
+                          recompute=config.models.recompute_of(role))
         models[role] = build_model(plan[role].spec.arch, options, pgc,
                                    runtime_seed=config.runtime.seed,
                                    init_seed=config.models.init_seed)

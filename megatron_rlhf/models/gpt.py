@@ -42,6 +42,7 @@ HEAD_KINDS: tuple[str, ...] = ("lm", "scalar", "lm+scalar")
 PARAMS_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")
 TRANSFORMER_IMPLS: tuple[str, ...] = ("auto", "local", "transformer_engine")
 ATTENTION_BACKENDS: tuple[str, ...] = ("sdpa", "megatron")
+RECOMPUTE_GRANULARITIES: tuple[str, ...] = ("none", "selective", "full")
 
 
 def resolve_params_dtype(params_dtype: str) -> str:
@@ -132,6 +133,11 @@ class ModelBuildOptions:
         rope_scaling_factor: Llama-3 RoPE frequency scaling factor (megatron's ``rope_scaling``,
             with its fixed low/high frequency factors 1 and 4 and original context 8192); 0 means
             no scaling.
+        recompute: activation recomputation in training passes (megatron's
+            ``recompute_granularity``): ``none``; ``selective`` (megatron's default module list,
+            the core attention); ``full`` (every transformer layer keeps only its input and is
+            recomputed in the backward pass, ``recompute_method=uniform``, one layer per unit).
+            Forward-only passes never recompute.
     """
 
     head: str = "lm"
@@ -146,6 +152,7 @@ class ModelBuildOptions:
     qk_norm: bool = False
     head_dim: int = 0
     rope_scaling_factor: float = 0.0
+    recompute: str = "none"
 
     def __post_init__(self) -> None:
         if self.head not in HEAD_KINDS:
@@ -164,6 +171,9 @@ class ModelBuildOptions:
         if self.transformer_impl not in ("local", "transformer_engine"):
             raise ValueError(f"model.transformer_impl={self.transformer_impl!r}: use 'local' or "
                              "'transformer_engine' (resolve 'auto' with resolve_transformer_impl)")
+        if self.recompute not in RECOMPUTE_GRANULARITIES:
+            raise ValueError(f"model.recompute={self.recompute!r}: use one of "
+                             f"{RECOMPUTE_GRANULARITIES}")
         if self.head_dim < 0 or self.rope_scaling_factor < 0:
             raise ValueError(f"model.head_dim={self.head_dim} and model.rope_scaling_factor="
                              f"{self.rope_scaling_factor} must be >= 0 (0: the default)")
@@ -244,7 +254,18 @@ def transformer_config(arch: Architecture, options: ModelBuildOptions,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        **recompute_fields(options.recompute),
     )
+
+
+def recompute_fields(recompute: str) -> dict[str, object]:
+    """megatron ``TransformerConfig`` fields of one of :data:`RECOMPUTE_GRANULARITIES`."""
+    if recompute == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform",
+                "recompute_num_layers": 1}
+    if recompute == "selective":
+        return {"recompute_granularity": "selective"}
+    return {}
 
 
 def with_explicit_attention_masks(spec: ModuleSpec) -> ModuleSpec:

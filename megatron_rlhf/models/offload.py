@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from megatron_rlhf.models.trainer import ModelTrainer
+from megatron_rlhf.runtime.device import model_device
 
 WEIGHTS = "weights"
 GRADS = "grads"
@@ -67,6 +68,7 @@ class StateOffloader:
     def __init__(self, model: torch.nn.Module, trainer: ModelTrainer | None = None) -> None:
         self.model = model
         self.trainer = trainer
+        self.device = model_device(model)
         # Host buffers are kept after onloading and reused: pinned allocations are slow.
         self._host: dict[str, list[tuple[torch.UntypedStorage, torch.Tensor]]] = {}
         self._offloaded: set[str] = set()
@@ -80,7 +82,9 @@ class StateOffloader:
         seen: dict[int, torch.UntypedStorage] = {}
         for tensor in _tensors_of(self.model, self.trainer, part):
             storage = tensor.untyped_storage()
-            seen.setdefault(_key(storage), storage)
+            # What megatron's optimizer CPU offload keeps on the host is no device memory.
+            if storage.device == self.device:
+                seen.setdefault(_key(storage), storage)
         return list(seen.values())
 
     def is_offloaded(self, part: str) -> bool:

@@ -29,6 +29,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_rlhf.models.forward_backward import Batch, LossFn, run_microbatches
+from megatron_rlhf.models.gpt import transformer_engine_importable
 from megatron_rlhf.runtime.patches import default_group_gathers_scoped_to
 
 _SCHEDULES = ("constant", "linear", "cosine")
@@ -52,6 +53,12 @@ class OptimizerSettings:
         lr_schedule: ``constant``, ``linear`` or ``cosine``.
         distributed_optimizer: shard optimizer state over DP (megatron's distributed optimizer,
             ZeRO-1); False keeps plain DDP with replicated optimizer state.
+        cpu_offload_fraction: the share of this rank's optimizer shard whose fp32 main weights,
+            Adam moments and update live on the host (megatron's ``HybridDeviceOptimizer``:
+            ``optimizer_cpu_offload``, ``optimizer_offload_fraction``); 0 keeps all of it on
+            the device. Needs CUDA, Transformer Engine and ``distributed_optimizer``; the update
+            is AdamW (decoupled weight decay), as megatron requires and as every setting here
+            runs.
     """
 
     lr: float = 1e-5
@@ -65,6 +72,7 @@ class OptimizerSettings:
     lr_decay_steps: int = 0
     lr_schedule: str = "constant"
     distributed_optimizer: bool = True
+    cpu_offload_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -77,6 +85,25 @@ class OptimizerSettings:
             raise ValueError(f"optimizer.lr_schedule={self.lr_schedule!r} is not one of {_SCHEDULES}")
         if self.lr_warmup_steps < 0 or self.lr_decay_steps < 0:
             raise ValueError("optimizer.lr_warmup_steps and lr_decay_steps must be >= 0")
+        self._check_cpu_offload()
+
+    def _check_cpu_offload(self) -> None:
+        fraction = self.cpu_offload_fraction
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"optimizer.cpu_offload_fraction={fraction} must be in [0, 1]")
+        if fraction and not self.distributed_optimizer:
+            raise ValueError(f"optimizer.cpu_offload_fraction={fraction} needs "
+                             "optimizer.distributed_optimizer=true (megatron offloads the "
+                             "distributed optimizer's shards)")
+        if fraction and not torch.cuda.is_available():
+            raise ValueError(f"optimizer.cpu_offload_fraction={fraction} moves optimizer state "
+                             "from a CUDA device to the host and needs CUDA, which this machine "
+                             "lacks; set it to 0")
+        if fraction and not transformer_engine_importable():
+            raise ValueError(f"optimizer.cpu_offload_fraction={fraction} needs Transformer "
+                             "Engine: megatron-core 0.16.1 offloads through its precision-aware "
+                             "optimizer, whose config reads TE's version; install "
+                             "transformer-engine or set it to 0")
 
 
 class ModelTrainer:
@@ -129,6 +156,7 @@ class ModelTrainer:
                 use_distributed_optimizer=settings.distributed_optimizer,
                 bf16=config.bf16,
                 params_dtype=config.params_dtype,
+                **_cpu_offload_fields(settings.cpu_offload_fraction),
             ),
             [self.module],
             use_gloo_process_groups=False,
@@ -237,6 +265,17 @@ class ModelTrainer:
         """Copy the model's weights into the optimizer's main (fp32) copies, after loading
         weights without optimizer state."""
         self.optimizer.reload_model_params()
+
+
+def _cpu_offload_fields(fraction: float) -> dict[str, Any]:
+    """megatron ``OptimizerConfig`` fields that put ``fraction`` of the optimizer on the host."""
+    if not fraction:
+        return {}
+    # Megatron-LM's arguments require the precision-aware optimizer with CPU offload (the hybrid
+    # optimizer reuses its code path): the distributed optimizer then keeps no fp32 main shards
+    # and the hybrid optimizer holds them, on the host for the offloaded fraction.
+    return {"optimizer_cpu_offload": True, "optimizer_offload_fraction": fraction,
+            "use_precision_aware_optimizer": True}
 
 
 def _init_adam_state(optimizer: torch.optim.Optimizer) -> None:

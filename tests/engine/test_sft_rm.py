@@ -129,7 +129,9 @@ def _sft_layouts(root: str) -> dict[str, list[dict[str, float]]]:
     dp2 = _sft(f"{root}/dp2", ["train.max_steps=30", "train.eval_interval=3"])
     tp2 = _sft(f"{root}/tp2", ["train.max_steps=3", "model.tp=2"])
     pp2 = _sft(f"{root}/pp2", ["train.max_steps=3", "model.pp=2"])
-    return {"dp2": dp2, "tp2": tp2, "pp2": pp2}
+    recomputed = _sft(f"{root}/pp2-recompute", ["train.max_steps=3", "model.pp=2",
+                                                "model.recompute=full"])
+    return {"dp2": dp2, "tp2": tp2, "pp2": pp2, "pp2-recompute": recomputed}
 
 
 @pytest.mark.multirank
@@ -139,6 +141,7 @@ def test_sft_loss_falls_and_does_not_depend_on_the_layout(tmp_path: Path) -> Non
                                   for step in steps] for layout, steps in h.items()}
                         for h in histories)
     assert runs == other_rank, "every rank reports the same reduced metrics"
+    assert runs.pop("pp2-recompute") == runs["pp2"], "model.recompute=full changed a metric"
     for layout in ("tp2", "pp2"):
         for key in ("loss", "grad_norm"):
             reference = [step[key] for step in runs["dp2"][:3]]

@@ -79,3 +79,28 @@ def _compare() -> None:
 @pytest.mark.multirank
 def test_update_is_independent_of_layout_and_optimizer_sharding() -> None:
     run_on_ranks(_compare, world_size=4, timeout_s=300)
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"cpu_offload_fraction": 1.5}, r"optimizer.cpu_offload_fraction=1.5 must be in \[0, 1\]"),
+    ({"cpu_offload_fraction": 0.5, "distributed_optimizer": False},
+     r"optimizer.cpu_offload_fraction=0.5 needs optimizer.distributed_optimizer=true"),
+])
+def test_bad_optimizer_cpu_offload_settings_are_refused(settings: dict, message: str) -> None:
+    from megatron_rlhf.models.trainer import OptimizerSettings
+
+    with pytest.raises(ValueError, match=message):
+        OptimizerSettings(**settings)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_optimizer_cpu_offload_is_refused_on_the_cpu_when_the_config_loads() -> None:
+    from pathlib import Path
+
+    from megatron_rlhf.config.loader import load_config
+    from megatron_rlhf.config.ppo_run import RunConfig
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "ppo_tiny.yaml"
+    with pytest.raises(ValueError, match=r"cpu_offload_fraction=0.25 moves optimizer state from "
+                                         r"a CUDA device to the host and needs CUDA"):
+        load_config(RunConfig, example, ["critic_optimizer.cpu_offload_fraction=0.25"])
