@@ -43,7 +43,8 @@ run_part() {  # name, time limit in seconds, command...
 }
 
 rm -f "$LOG_DIR/parts.txt"
-run_part gpu_tests 240 "$PYTHON" -m pytest -q -rs -m gpu -p no:cacheprovider tests/gpu
+run_part gpu_tests 240 "$PYTHON" -m pytest -q -rs -m gpu -p no:cacheprovider tests/gpu \
+  tests/engine/test_memory.py
 if "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   for dtype in float32 bfloat16; do
     run_part "run_ppo_$dtype" 150 "$PYTHON" -m torch.distributed.run --standalone \
