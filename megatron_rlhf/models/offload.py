@@ -72,6 +72,7 @@ class StateOffloader:
         # Host buffers are kept after onloading and reused: pinned allocations are slow.
         self._host: dict[str, list[tuple[torch.UntypedStorage, torch.Tensor]]] = {}
         self._offloaded: set[str] = set()
+        self._resident_cache: dict[tuple, int] = {}
 
     def _storages(self, part: str) -> list[torch.UntypedStorage]:
         """The storages of ``part`` not claimed by an earlier part, each once."""
@@ -124,9 +125,25 @@ class StateOffloader:
             self._offloaded.discard(part)
 
     def resident_bytes(self, parts: Iterable[str] = PARTS) -> int:
-        """Bytes the given parts hold on the device now (storages counted once)."""
-        return sum(storage.nbytes() for part in _checked(tuple(parts))
-                   for storage in self._storages(part))
+        """Bytes the given parts hold on the device now (storages counted once).
+
+        The memory meter asks at every stage boundary, and walking the storages costs about a
+        millisecond a model on the CPU, so the answer is kept until the offloaded parts or the
+        number of optimizer states (Adam creates its moments at the first step) change: the only
+        ways the storages of a part change size."""
+        parts = _checked(tuple(parts))
+        key = (parts, frozenset(self._offloaded), self._optimizer_state_count())
+        if key not in self._resident_cache:
+            self._resident_cache[key] = sum(storage.nbytes() for part in parts
+                                            for storage in self._storages(part))
+        return self._resident_cache[key]
+
+    def _optimizer_state_count(self) -> int:
+        if self.trainer is None:
+            return 0
+        optimizer = self.trainer.optimizer
+        return sum(len(inner.optimizer.state)
+                   for inner in getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 def _key(storage: torch.UntypedStorage) -> int:
