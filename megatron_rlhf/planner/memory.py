@@ -116,8 +116,9 @@ def base_options(model: ModelPlacement, rollout: RolloutSpec) -> MemoryOptions:
 
 FSDP, RECOMPUTE, OFFLOAD = cm.FULLY_SHARDED, "recompute", "offload"
 MEMORY_OPTIONS = (FSDP, RECOMPUTE, OFFLOAD)
-"""The options the planner may add to a request. The engine runs offloading (and the distributed
-optimizer) today; FSDP and recomputation are megatron-core features it does not configure yet."""
+"""The options the planner may add to a request. The engine runs offloading, recomputation and
+the distributed optimizer (``models.offload``, ``models.recompute``); Megatron-FSDP it does not
+configure (docs/planner.md, "engine support")."""
 
 
 def check_memory_options(names: tuple[str, ...]) -> None:
