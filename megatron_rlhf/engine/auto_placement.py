@@ -2,24 +2,32 @@
 
 The planner ranks candidate placements (presets, separation splits, TP/PP choices) by predicted
 samples/s for this cluster, these models and this rollout; the best one the engine accepts (its
-batch shapes must split over every model's DP size) replaces the configured placement.
+batch shapes must split over every model's DP size) replaces the configured placement, and the
+memory options the planner needed for it to fit (offloading between stages, activation
+recomputation) become ``models.offload`` and ``models.recompute`` for every model the
+configuration leaves unset. The planner may only pick options the engine runs: not Megatron-FSDP.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from megatron_rlhf.config.ppo_run import RunConfig
+from megatron_rlhf.config.ppo_run import ModelsConfig, RunConfig
 from megatron_rlhf.engine.build import make_plan
 from megatron_rlhf.planner import (
+    MemoryOptions,
     RolloutSpec,
     SearchSpace,
     auto_place,
     explain_choice,
     load_profile,
 )
+from megatron_rlhf.planner.memory import OFFLOAD, RECOMPUTE
 from megatron_rlhf.topology.cluster import ClusterSpec
-from megatron_rlhf.topology.models import resolve_arch
+from megatron_rlhf.topology.models import SHADOW_OF, resolve_arch
+
+ENGINE_MEMORY_OPTIONS = (OFFLOAD, RECOMPUTE)
+"""The planner's memory options the engine runs (``models.offload``, ``models.recompute``)."""
 
 
 def choose_placement(config: RunConfig, cluster: ClusterSpec,
@@ -40,13 +48,15 @@ def choose_placement(config: RunConfig, cluster: ClusterSpec,
     rollout = RolloutSpec.from_run_config(config, overlap=config.rollout.async_rollout)
     # A critic-free run is priced as the three-model step it is.
     ranked = auto_place(cluster, resolve_arch(config.models.arch), rollout, profiles,
-                        SearchSpace(critic=config.placement.critic))
+                        SearchSpace(critic=config.placement.critic,
+                                    memory_options=ENGINE_MEMORY_OPTIONS))
     rejected = []
     for candidate in ranked:
         if not candidate.prediction.feasible:
             continue
         placement = dataclasses.replace(candidate.config, ac_share=config.placement.ac_share)
-        chosen = dataclasses.replace(config, placement=placement)
+        models = with_memory_options(config.models, candidate.prediction.memory.options)
+        chosen = dataclasses.replace(config, placement=placement, models=models)
         try:
             make_plan(chosen, cluster)
         except ValueError as error:
@@ -56,3 +66,18 @@ def choose_placement(config: RunConfig, cluster: ClusterSpec,
     reasons = "; ".join(rejected[:3]) or explain_choice(ranked)
     raise ValueError(f"placement=auto found no placement this run can use ({reasons}); "
                      "choose one with --placement or adjust rollout sizes")
+
+
+def with_memory_options(models: ModelsConfig, options: dict[str, MemoryOptions]) -> ModelsConfig:
+    """``models`` with the planner's offloading (``always``) and recomputation (``full``: the
+    planner prices recomputing every layer) for each role it does not set itself; a shadow
+    follows the model it copies, as in the engine."""
+    offload, recompute = dict(models.offload), dict(models.recompute)
+    for role, chosen in options.items():
+        if role in SHADOW_OF:
+            continue
+        if chosen.offload:
+            offload.setdefault(role, "always")
+        if chosen.recompute:
+            recompute.setdefault(role, "full")
+    return dataclasses.replace(models, offload=offload, recompute=recompute)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from megatron_rlhf.config.ppo_run import RolloutConfig, RunConfig
@@ -38,3 +40,44 @@ def test_a_pool_without_a_profile_is_refused_with_the_fix() -> None:
     cluster = ClusterSpec((DevicePool("local", nodes=1, devices_per_node=4),))
     with pytest.raises(ValueError, match="calibrate"):
         choose_placement(_config(), cluster)
+
+
+def test_memory_options_fill_only_the_roles_the_config_leaves_unset() -> None:
+    from megatron_rlhf.config.ppo_run import ModelsConfig
+    from megatron_rlhf.engine.auto_placement import with_memory_options
+    from megatron_rlhf.planner import MemoryOptions
+
+    options = {"actor": MemoryOptions("distributed_optimizer", recompute=True, offload=True),
+               "critic": MemoryOptions("distributed_optimizer", recompute=False, offload=False),
+               "ref": MemoryOptions(offload=True),
+               "shadow_actor": MemoryOptions(offload=True)}
+    models = with_memory_options(ModelsConfig(offload={"ref": "never"}), options)
+    assert models.offload == {"actor": "always", "ref": "never"}
+    assert models.recompute == {"actor": "full"}
+    assert models.offload_policy("shadow_actor") == "always"  # follows the actor
+
+
+def test_auto_runs_a_33b_model_on_one_node_with_the_options_the_planner_needed() -> None:
+    # LLaMA-33B PPO on 8 A100-80GB fits only with offloading (docs/planner.md's table).
+    from megatron_rlhf.planner import RolloutSpec, load_profile, plan_memory
+    from megatron_rlhf.planner.memory import base_options
+
+    cluster = ClusterSpec((DevicePool("A100-80GB", nodes=1, devices_per_node=8),))
+    config = RunConfig(rollout=RolloutConfig(prompts_per_step=64, micro_batch_size=2))
+    config = dataclasses.replace(
+        config, models=dataclasses.replace(config.models, arch="llama-33b"))
+    chosen, _ = choose_placement(config, cluster)
+    plan = make_plan(chosen, cluster)
+    assert any(chosen.models.offload_policy(role) == "always" for role in plan.roles)
+    assert set(chosen.models.recompute) <= {"actor", "critic"}
+    # The engine is given what the planner needed: the plan with exactly these options fits,
+    # and without them it does not.
+    rollout = RolloutSpec.from_run_config(chosen)
+    given = {role: dataclasses.replace(
+        base_options(plan[role], rollout),
+        offload=chosen.models.offload_policy(role) == "always",
+        recompute=chosen.models.recompute_of(role) == "full") for role in plan.roles}
+    assert all(options.sharding != "fsdp" for options in given.values())
+    profiles = (load_profile("A100-80GB"),)
+    assert not plan_memory(plan, rollout, profiles, given).problems
+    assert plan_memory(plan, rollout, profiles).problems
