@@ -42,13 +42,12 @@ def config_for(placement: str, prompts: int):
 def peak_bytes(placement: str, prompts: int, offload: str) -> float | None:
     """The predicted largest stage peak over the ranks (None: the batch is refused)."""
     from megatron_rlhf.engine.memory_plan import planner_role_bytes, stage_peaks
-    from megatron_rlhf.planner import RolloutSpec
 
     planned = config_for(placement, prompts)
     if planned is None:
         return None
     config, plan = planned
-    roles = planner_role_bytes(plan, RolloutSpec.from_run_config(config))
+    roles = planner_role_bytes(plan, config)
     offloaded = set(plan.roles) if offload == "always" else set()
     return max(max(stages.values()) for stages in stage_peaks(plan, roles, offloaded).values())
 

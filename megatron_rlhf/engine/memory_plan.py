@@ -1,6 +1,6 @@
 """The peak memory each rank is predicted to need per stage, and the ``auto`` offload decision.
 
-    roles = planner_role_bytes(plan, RolloutSpec.from_run_config(config))
+    roles = planner_role_bytes(plan, config)
     peaks = stage_peaks(plan, roles, offloaded={"ref"})    # rank -> stage -> bytes
     offload = offload_policies(config, plan)               # role -> "never" | "always"
 
@@ -55,16 +55,19 @@ class RoleBytes:
         return self.weights + self.grads + self.optimizer
 
 
-def planner_role_bytes(plan: PlacementPlan, rollout: RolloutSpec) -> dict[str, RoleBytes]:
-    """The planner's bytes of every model of ``plan`` (bf16 weights, fp32 gradient buffers,
-    mixed-precision Adam)."""
+def planner_role_bytes(plan: PlacementPlan, config: RunConfig) -> dict[str, RoleBytes]:
+    """The planner's bytes of every model of ``plan`` for the run ``config`` (bf16 weights, fp32
+    gradient buffers, mixed-precision Adam), with a generation round of at most
+    ``generation.micro_batch_size`` rows when that is set."""
+    rollout = RolloutSpec.from_run_config(config)
     # Memory large enough that nothing is offloaded and one round holds the whole batch.
     unlimited = dataclasses.replace(load_profile("A100-80GB"), memory_gib=2.0**40)
     report = plan_memory(plan, rollout, (unlimited,) * len(plan.cluster.pools))
     # The planner's generation working set also holds the prefill's activations and the logits,
     # which the engine does not count on the CPU: only the static KV cache of the round.
-    kv_cache = {role: rows * kv_cache_bytes(plan[role].spec.arch, plan[role].tp, plan[role].pp, 1,
-                                            rollout.sequence_length)
+    bound = config.generation.micro_batch_size
+    kv_cache = {role: min(rows, bound or rows) * kv_cache_bytes(
+                    plan[role].spec.arch, plan[role].tp, plan[role].pp, 1, rollout.sequence_length)
                 for role, rows in report.generation_micro_batch.items()}
     return {role: RoleBytes(m.weights * _GIB, m.grads * _GIB, m.optimizer * _GIB,
                             kv_cache.get(role, 0.0))
@@ -119,7 +122,7 @@ def offload_policies(config: RunConfig, plan: PlacementPlan) -> dict[str, str]:
     policies = {role: config.models.offload_policy(role) for role in plan.roles}
     auto = {role for role, policy in policies.items() if policy == "auto"}
     if auto:
-        roles = planner_role_bytes(plan, RolloutSpec.from_run_config(config))
+        roles = planner_role_bytes(plan, config)
         always = {role for role, policy in policies.items() if policy == "always"}
         peaks = stage_peaks(plan, roles, always)
         over = {rank for rank, stages in peaks.items()

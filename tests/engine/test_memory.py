@@ -141,7 +141,7 @@ def test_bad_offload_settings_are_refused(models: dict, message: str) -> None:
         ModelsConfig(**models)
 
 
-def _measure(strategy: str, offload: str, budget_gib: float = 0.0
+def _measure(strategy: str, offload: str, budget_gib: float = 0.0, generation_micro_batch: int = 0
              ) -> tuple[dict[str, float], dict[int, dict]]:
     """Step 1's memory metrics and the prediction for the same configuration."""
     from megatron_rlhf.config.ppo_run import RewardConfig
@@ -149,7 +149,6 @@ def _measure(strategy: str, offload: str, budget_gib: float = 0.0
     from megatron_rlhf.engine.memory_plan import planner_role_bytes
     from megatron_rlhf.engine.ppo import PPOAlgorithm
     from megatron_rlhf.generation import GenerationConfig
-    from megatron_rlhf.planner import RolloutSpec
     from megatron_rlhf.runtime.context import RunContext
     from megatron_rlhf.topology.cluster import cluster_from_environment
 
@@ -160,7 +159,8 @@ def _measure(strategy: str, offload: str, budget_gib: float = 0.0
                             memory_budget_gib=budget_gib),
         rollout=RolloutConfig(prompts_per_step=4, max_prompt_length=8, micro_batch_size=2),
         # Full-length prompts and responses: the KV cache is as long as the planner's.
-        generation=GenerationConfig(max_new_tokens=6, seed=3, stop_at_eos=False),
+        generation=GenerationConfig(max_new_tokens=6, seed=3, stop_at_eos=False,
+                                    micro_batch_size=generation_micro_batch),
         reward=RewardConfig(model_weight=0.5, rule="none", rule_weight=1.0), steps=2)
     plan = make_plan(config, cluster_from_environment(None))
     context = RunContext(memory=MemoryMeter(enabled=True))
@@ -173,8 +173,7 @@ def _measure(strategy: str, offload: str, budget_gib: float = 0.0
     metrics = [algorithm.step(step) for step in range(2)][1]
     offloaded = {role for role, policy in offload_policies(config, plan).items()
                  if policy == "always"}
-    predicted = stage_peaks(plan, planner_role_bytes(plan, RolloutSpec.from_run_config(config)),
-                            offloaded)
+    predicted = stage_peaks(plan, planner_role_bytes(plan, config), offloaded)
     return {k: v for k, v in metrics.items() if k.startswith("memory/")}, predicted
 
 
@@ -187,6 +186,9 @@ def _measure_all() -> dict:
     # The trainers' rank is over 4 MB resident, the inference rank under: only actor and critic
     # are offloaded.
     results["separation", "auto"] = _measure("separation", "auto", 4e6 / 2**30)
+    # One row per generation round instead of each replica's two: half the KV cache.
+    results["flattening", "never, generation micro-batch 1"] = _measure(
+        "flattening", "never", generation_micro_batch=1)
     return results
 
 
@@ -209,3 +211,6 @@ def test_recorded_stage_peaks_agree_with_the_planner() -> None:
     resident, auto = per_rank[0]["separation", "never"][0], per_rank[0]["separation", "auto"][0]
     assert auto["memory/train_peak_bytes"] < resident["memory/train_peak_bytes"]
     assert auto["memory/generate_peak_bytes"] == resident["memory/generate_peak_bytes"]
+    whole = per_rank[0]["flattening", "never"][0]["memory/generate_peak_bytes"]
+    bounded = per_rank[0]["flattening", "never, generation micro-batch 1"][0]
+    assert bounded["memory/generate_peak_bytes"] < whole
