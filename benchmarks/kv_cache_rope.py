@@ -20,8 +20,6 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -32,24 +30,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.generation import _single_rank_groups  # noqa: E402
 from benchmarks.ppo_step import SHAPES  # noqa: E402
 from megatron_rlhf.generation import GenerationConfig, generate_sequences  # noqa: E402
+from megatron_rlhf.models.attention import as_megatron_self_attention  # noqa: E402
 from megatron_rlhf.topology.models import ArchSpec  # noqa: E402
-
-
-@contextmanager
-def megatron_self_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Run ``model``'s attention modules as megatron's ``SelfAttention`` for the duration."""
-    from megatron.core.transformer.attention import SelfAttention
-
-    from megatron_rlhf.models.attention import CachedRopeSelfAttention
-
-    layers = [m for m in model.modules() if isinstance(m, CachedRopeSelfAttention)]
-    for layer in layers:
-        layer.__class__ = SelfAttention
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer.__class__ = CachedRopeSelfAttention
 
 
 def timed_generate(model, pgc, prompts: list[list[int]], config: GenerationConfig):
@@ -84,7 +66,7 @@ def main() -> None:
     timed_generate(model, pgc, prompts, config)  # warm-up
     times: dict[str, list[tuple[float, float]]] = {"megatron": [], "rope_once": []}
     for _ in range(args.rounds):
-        with megatron_self_attention(model):
+        with as_megatron_self_attention(model):
             *megatron, reference = timed_generate(model, pgc, prompts, config)
         *ours, out = timed_generate(model, pgc, prompts, config)
         if not (torch.equal(out.input_ids, reference.input_ids)

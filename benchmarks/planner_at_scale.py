@@ -20,17 +20,18 @@ import json
 
 from megatron_rlhf.planner import (
     RankedCandidate,
-    RolloutSpec,
     SearchSpace,
     auto_place,
     homogeneous_cluster,
 )
+from megatron_rlhf.planner.paper import (
+    PAPER_MODELS,
+    PAPER_NODES,
+    PAPER_ROLLOUT,
+    PAPER_STRATEGIES,
+)
 from megatron_rlhf.topology.models import ArchSpec
 
-ROLLOUT = RolloutSpec(batch=1024, prompt_length=256, generation_length=256, micro_batch_size=4)
-MODELS = ("llama-7b", "llama-13b", "llama-33b", "llama-65b")
-NODES = (1, 2, 4, 16)
-STRATEGIES = ("flattening", "interleaving", "interleaving2", "separation")
 OPT_350M = ArchSpec("opt-350m", 24, 1024, 16, 50272, 2048, 4096)
 DEEPSPEED_CHAT = (
     # (their actor, our actor, GPUs, their step-3 time in hours for 264,292 samples)
@@ -46,7 +47,7 @@ DEEPSPEED_CHAT_SAMPLES = 264_292
 
 def best_cell(nodes: int, models, strategy: str) -> dict:
     """The best candidate of ``strategy``: samples/s, label and bottleneck, or why none runs."""
-    ranked = auto_place(homogeneous_cluster("A100-80GB", nodes, 8), models, ROLLOUT,
+    ranked = auto_place(homogeneous_cluster("A100-80GB", nodes, 8), models, PAPER_ROLLOUT,
                         space=SearchSpace(strategies=(strategy,)))
     if not ranked:
         return {"result": "refused"}
@@ -81,9 +82,9 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="one JSON line per cell")
     args = parser.parse_args()
     rows = []
-    for model in MODELS:
-        for nodes in NODES:
-            cells = {s: best_cell(nodes, model, s) for s in STRATEGIES}
+    for model in PAPER_MODELS:
+        for nodes in PAPER_NODES:
+            cells = {s: best_cell(nodes, model, s) for s in PAPER_STRATEGIES}
             rows.append((model, nodes, cells))
             if args.json:
                 for strategy, cell in cells.items():
@@ -102,16 +103,17 @@ def main() -> None:
                               **cell, "predicted_over_measured": ratio and round(ratio, 2)}))
     if args.json:
         return
-    print("| model | cluster | " + " | ".join(STRATEGIES) + " |")
-    print("|---|---|" + "---|" * len(STRATEGIES))
+    print("| model | cluster | " + " | ".join(PAPER_STRATEGIES) + " |")
+    print("|---|---|" + "---|" * len(PAPER_STRATEGIES))
     for model, nodes, cells in rows:
-        print(f"| {model} | {nodes}x8 | " + " | ".join(_text(cells[s]) for s in STRATEGIES) + " |")
+        texts = " | ".join(_text(cells[s]) for s in PAPER_STRATEGIES)
+        print(f"| {model} | {nodes}x8 | {texts} |")
     print()
     print("| model | cluster | strategy | picked | TP/PP/DP and memory options | "
           "peak GiB/device |")
     print("|---|---|---|---|---|---|")
     for model, nodes, cells in rows:
-        for strategy in STRATEGIES:
+        for strategy in PAPER_STRATEGIES:
             cell = cells[strategy]
             if isinstance(cell["result"], str):
                 print(f"| {model} | {nodes}x8 | {strategy} | {cell['result']} | - | - |")

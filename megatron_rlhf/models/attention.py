@@ -21,6 +21,9 @@ that KV-cached decoding rotates each key once instead of the whole cache at ever
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
@@ -110,3 +113,19 @@ class CachedRopeSelfAttention(SelfAttention):
         return apply_rotary_pos_emb(t, freqs, config=self.config,
                                     mscale=_yarn_get_concentration_factor_from_config(self.config),
                                     cp_group=self.pg_collection.cp)
+
+
+@contextmanager
+def as_megatron_self_attention(model: torch.nn.Module) -> Iterator[None]:
+    """Run ``model``'s attention layers as megatron's own ``SelfAttention`` (same weights) for
+    the duration: the reference that :class:`CachedRopeSelfAttention` is compared against."""
+    layers = [m for m in model.modules() if isinstance(m, CachedRopeSelfAttention)]
+    if not layers:
+        raise ValueError("the model's spec has no CachedRopeSelfAttention layer to swap")
+    for layer in layers:
+        layer.__class__ = SelfAttention
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.__class__ = CachedRopeSelfAttention

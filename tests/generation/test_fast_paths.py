@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import pytest
 import torch
-from megatron.core.transformer.attention import SelfAttention
 
 from megatron_rlhf.generation import (
     GenerationConfig,
@@ -21,27 +17,13 @@ from megatron_rlhf.generation import (
     uniforms_at_step,
     uniforms_for_steps,
 )
-from megatron_rlhf.models.attention import CachedRopeSelfAttention
+from megatron_rlhf.models.attention import as_megatron_self_attention
 from tests.generation.helpers import make_prompts
 
 EOS, PAD = 249, 0
 LENGTHS = [5, 1, 12, 7, 3, 9]
 OUTPUT_FIELDS = ("input_ids", "attention_mask", "response_mask", "response_logprobs",
                  "response_policy_logprobs")
-
-
-@contextmanager
-def megatron_self_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Run ``model``'s attention layers as megatron's own ``SelfAttention`` (same weights)."""
-    layers = [m for m in model.modules() if isinstance(m, CachedRopeSelfAttention)]
-    assert layers, "the model spec should use CachedRopeSelfAttention"
-    for layer in layers:
-        layer.__class__ = SelfAttention
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer.__class__ = CachedRopeSelfAttention
 
 
 def _generate(tiny, config: GenerationConfig) -> GenerationOutput:
@@ -63,7 +45,7 @@ def _assert_same(ours: GenerationOutput, reference: GenerationOutput) -> None:
 ], ids=["sample", "top-k-top-p", "greedy"])
 def test_rope_before_caching_equals_megatron_attention_bitwise(tiny, config) -> None:
     ours = _generate(tiny, config)
-    with megatron_self_attention(tiny[0]):
+    with as_megatron_self_attention(tiny[0]):
         reference = _generate(tiny, config)
     _assert_same(ours, reference)
 

@@ -7,26 +7,27 @@ from __future__ import annotations
 import pytest
 
 from megatron_rlhf.planner import (
-    RolloutSpec,
     SearchSpace,
     StepPrediction,
     candidate_configs,
     homogeneous_cluster,
     predict_step,
 )
+from megatron_rlhf.planner.paper import (
+    PAPER_MODELS,
+    PAPER_NODES,
+    PAPER_ROLLOUT,
+    PAPER_STRATEGIES,
+)
 from megatron_rlhf.topology import arch_preset, plan_placement
 
-ROLLOUT = RolloutSpec(batch=1024, prompt_length=256, generation_length=256, micro_batch_size=4)
-MODELS = ("llama-7b", "llama-13b", "llama-33b", "llama-65b")
-NODES = (1, 2, 4, 16)
-STRATEGIES = ("flattening", "interleaving", "interleaving2", "separation")
 GIB = 1024**3
 
 # The trainers' states alone, fully sharded (18 bytes per parameter over the devices that hold a
 # trainable model), exceed a device: interleaving2 gives the actor half the devices, separation
 # gives actor and critic at most 3/4 of them (the largest train_fraction searched).
 TOO_FEW_DEVICES = {
-    ("llama-65b", 1): STRATEGIES,
+    ("llama-65b", 1): PAPER_STRATEGIES,
     ("llama-65b", 2): ("interleaving2", "separation"),
     ("llama-33b", 1): ("interleaving2", "separation"),
 }
@@ -35,8 +36,8 @@ TRAINER_DEVICES = {"flattening": 1.0, "interleaving": 1.0, "interleaving2": 0.5,
 
 
 def _cells(fitting: bool) -> list[tuple[str, int, str]]:
-    return [(model, nodes, strategy) for model in MODELS for nodes in NODES
-            for strategy in STRATEGIES
+    return [(model, nodes, strategy) for model in PAPER_MODELS for nodes in PAPER_NODES
+            for strategy in PAPER_STRATEGIES
             if (strategy in TOO_FEW_DEVICES.get((model, nodes), ())) != fitting]
 
 
@@ -50,7 +51,7 @@ def _first_feasible(model: str, nodes: int, strategy: str) -> StepPrediction | N
             plan = plan_placement(cluster, config, model)
         except ValueError:
             continue
-        prediction = predict_step(plan, ROLLOUT)
+        prediction = predict_step(plan, PAPER_ROLLOUT)
         if prediction.feasible:
             return prediction
     return None
