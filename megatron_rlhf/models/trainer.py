@@ -250,7 +250,7 @@ class ModelTrainer:
 
     def _gradients_finite(self) -> bool:
         """Whether every gradient of the model is finite, agreed over the model's ranks."""
-        grads = self._gradient_buffers()
+        grads = self._reduced_gradients()
         found = torch.zeros(1, device=grads[0].device)
         for grad in grads:
             if not torch.isfinite(grad).all():
@@ -259,14 +259,36 @@ class ModelTrainer:
                         group=self.optimizer.get_grad_stats_parallel_group())
         return found.item() == 0
 
-    def _gradient_buffers(self) -> list[torch.Tensor]:
-        """This rank's reduced gradients (under FSDP its shard of them)."""
+    def weight_buffers(self) -> list[torch.Tensor]:
+        """The contiguous weight buffers megatron keeps on this rank (under FSDP its shard of
+        the weights; the DDP wrapper keeps one only with the distributed optimizer)."""
+        if self.settings.fsdp:
+            return [group.model_weight_buffer.data
+                    for group in self.module.param_and_grad_buffer.parameter_groups
+                    if group.model_weight_buffer is not None]
+        return [buffer.param_data
+                for buffer in self.module.buffers + self.module.expert_parallel_buffers
+                if buffer.param_data is not None]
+
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        """The contiguous gradient buffers megatron keeps on this rank (under FSDP its shard of
+        them, padding included)."""
         if self.settings.fsdp:
             return [group.main_grad_buffer.data
                     for group in self.module.param_and_grad_buffer.parameter_groups
                     if group.main_grad_buffer is not None]
         return [buffer.grad_data
                 for buffer in self.module.buffers + self.module.expert_parallel_buffers]
+
+    def _reduced_gradients(self) -> list[torch.Tensor]:
+        """This rank's reduced gradients, without padding: Megatron-FSDP leaves the padding of
+        its gradient shards uninitialised, so it may hold NaNs that belong to no parameter."""
+        if not self.settings.fsdp:
+            return self.gradient_buffers()
+        return [buffer.get_item(buffer.param_idx[param])
+                for group in self.module.param_and_grad_buffer.parameter_groups
+                if (buffer := group.main_grad_buffer) is not None
+                for param in buffer.params]
 
     def state_dict(self) -> dict[str, Any]:
         """Scheduler and step counter (optimizer state goes through sharded checkpoints)."""

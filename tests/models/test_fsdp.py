@@ -76,9 +76,8 @@ def _train(fsdp: bool) -> tuple[list[float], list[float], dict[str, torch.Tensor
 
 def _fsdp_bytes(trainer) -> dict[str, int]:
     """Bytes of this rank's FSDP weight and gradient buffers."""
-    groups = trainer.module.param_and_grad_buffer.parameter_groups
-    return {kind: sum(getattr(g, f"{kind}_buffer").data.nbytes for g in groups)
-            for kind in ("model_weight", "main_grad")}
+    return {"weights": sum(t.nbytes for t in trainer.weight_buffers()),
+            "grads": sum(t.nbytes for t in trainer.gradient_buffers())}
 
 
 def _compare() -> dict[str, object]:
@@ -103,7 +102,7 @@ def _compare() -> dict[str, object]:
     totals = {kind: torch.tensor([n]) for kind, n in held.items()}
     for tensor in totals.values():
         dist.all_reduce(tensor)
-    resident_params = sum(b.param_data.nbytes for b in resident.module.buffers)
+    resident_params = sum(t.nbytes for t in resident.weight_buffers())
     assert resident_params >= full, "the resident run holds every weight on every rank"
     return {"losses": losses, "full": full, "held": held,
             "totals": {k: int(v) for k, v in totals.items()}}
@@ -133,6 +132,20 @@ def _refusals_and_skipped_update() -> None:
                  lambda: trainer.load_optimizer_state({}), trainer.reload_main_params):
         with pytest.raises(NotImplementedError, match="checkpoints of a Megatron-FSDP model"):
             call()
+
+    # Megatron-FSDP leaves its gradient shards' padding uninitialised: NaN there is no
+    # gradient's, and the finiteness check must not see it.
+    buffers = trainer.gradient_buffers()
+    for buffer in buffers:
+        buffer.fill_(math.nan)
+    for group in trainer.module.param_and_grad_buffer.parameter_groups:
+        grad = group.main_grad_buffer
+        for param in grad.params:
+            grad.get_item(grad.param_idx[param]).zero_()
+    padding = torch.tensor([sum(int(b.isnan().sum()) for b in buffers)])
+    dist.all_reduce(padding)
+    assert padding.item() > 0, "the shards must have padding"
+    assert trainer._gradients_finite()
 
     # A non-finite gradient on one rank only skips the update on both.
     before = trainer.full_weights()
