@@ -175,3 +175,13 @@ def test_bad_fsdp_settings_are_refused(settings: dict, message: str) -> None:
 
     with pytest.raises(ValueError, match=message):
         OptimizerSettings(**settings)
+
+
+def test_supervised_runs_refuse_fsdp() -> None:
+    from megatron_rlhf.config.loader import load_config
+    from megatron_rlhf.config.supervised_run import RMConfig, SFTConfig
+
+    for schema in (SFTConfig, RMConfig):
+        with pytest.raises(ValueError, match=r"optimizer.fsdp=true: a supervised run ends by "
+                                             r"saving the model's whole weights"):
+            load_config(schema, None, ["optimizer.fsdp=true"])
