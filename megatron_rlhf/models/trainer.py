@@ -206,12 +206,12 @@ class ModelTrainer:
     def full_weights(self) -> dict[str, torch.Tensor]:
         """Every parameter, whole, by its name in the bare model (TP shards stay TP shards).
 
-        Collective over the model's DP group under FSDP (the shards are gathered).
+        Collective over the model's DP and TP groups under FSDP (the shards are gathered).
         """
         if not self.settings.fsdp:
             return {name: param.detach().clone() for name, param in self.model.named_parameters()}
         prefix = "module."
-        return {key[len(prefix):]: _full_tensor(value, self.pg_collection.dp_cp)
+        return {key[len(prefix):]: _full_tensor(value)
                 for key, value in self.module.module.state_dict().items()
                 if key.startswith(prefix) and not key.endswith("_extra_state")}
 
@@ -379,24 +379,31 @@ def _check_fsdp_layout(pg_collection: ProcessGroupCollection) -> None:
                          "ranks: use optimizer.fsdp=false or such a layout")
 
 
-def _full_tensor(dtensor: DTensor, dp_group: dist.ProcessGroup) -> torch.Tensor:
-    """The whole tensor of one of Megatron-FSDP's unevenly DP-sharded weights, on every rank.
+def _full_tensor(dtensor: DTensor) -> torch.Tensor:
+    """This rank's TP shard, whole over DP, of one of Megatron-FSDP's weights.
 
     megatron's own ``gather_uneven_dtensor_to_full_tensor`` all-gathers chunks of different
     sizes, which gloo refuses; each rank instead writes its chunk into zeros at its offset and
-    the DP group sums them (the chunks are disjoint).
+    the ranks of each sharded mesh dimension sum them (the chunks are disjoint). Collective over
+    the weight's mesh: the model's DP group, and its TP group for a TP-sharded weight.
     """
     local = dtensor.to_local()
-    if not any(isinstance(placement, Shard) for placement in dtensor.placements):
-        return local.detach().clone()
+    mesh = dtensor.device_mesh
     if not hasattr(local, "__create_chunk_list__"):
         update_uneven_dtensor_chunk_metadata(dtensor)
     (chunk,) = dtensor.__create_chunk_list__()
     full = torch.zeros(dtensor.shape, dtype=local.dtype, device=local.device)
     region = zip(chunk.offsets, local.shape, strict=True)
     full[tuple(slice(start, start + size) for start, size in region)] = local
-    dist.all_reduce(full, group=dp_group)
-    return full
+    sharded = [(dim, name, placement) for dim, (name, placement)
+               in enumerate(zip(mesh.mesh_dim_names, dtensor.placements, strict=True))
+               if isinstance(placement, Shard)]
+    for dim, _, _ in sharded:
+        dist.all_reduce(full, group=mesh.get_group(dim))
+    for dim, name, placement in sharded:
+        if name == "tp":
+            full = full.chunk(mesh.size(dim), dim=placement.dim)[mesh.get_coordinate()[dim]]
+    return full.contiguous()
 
 
 def _cpu_offload_fields(fraction: float) -> dict[str, Any]:

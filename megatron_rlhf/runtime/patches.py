@@ -110,6 +110,13 @@ PATCHES: tuple[Patch, ...] = (
           "invalid device string. The model's own device is passed explicitly, so the name only "
           "feeds a log message",
           "megatron_fsdp_wrapping (a context manager, models.trainer.ModelTrainer)"),
+    Patch("megatron.core.distributed.fsdp.mcore_fsdp_adapter.TELinear, while Megatron-FSDP "
+          "wraps a model (no Transformer Engine only)",
+          "_fix_tensor_parallel_attributes calls isinstance(module, (TELinear,)) when TP > 1; "
+          "without Transformer Engine TELinear is a MagicMock built on megatron's stand-in for "
+          "the missing module, and isinstance raises. A class no module "
+          "belongs to says what is true: there are no TE layers",
+          "megatron_fsdp_wrapping (a context manager, models.trainer.ModelTrainer)"),
     Patch("torch.distributed.distributed_c10d._set_pg_timeout (private API)",
           "the default group's timeout, for a group another component created with a different "
           "one; torch has no public setter",
@@ -260,13 +267,16 @@ def megatron_fsdp_wrapping(pg_collection: Any) -> Iterator[None]:
     """Let megatron-core's Megatron-FSDP adapter wrap one model that has its own process groups.
 
     While the context is open, megatron's global TP and expert-TP groups are this model's (the
-    adapter reads them besides ``pg_collection``) and, without CUDA, ``torch.cuda.current_device``
-    is 0 (``MegatronFSDP`` formats it into a ``cuda:<index>`` name). Both are put back on exit.
+    adapter reads them besides ``pg_collection``); without CUDA, ``torch.cuda.current_device``
+    is 0 (``MegatronFSDP`` formats it into a ``cuda:<index>`` name); without Transformer Engine,
+    the adapter's ``TELinear`` (then a ``MagicMock``, megatron's stand-in for the missing module,
+    which its ``isinstance`` check under TP > 1 cannot take) is a class no module belongs to. All are put back on exit.
 
     Args:
         pg_collection: the model's ``ProcessGroupCollection``.
     """
     from megatron.core import parallel_state
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter
 
     # A dense model has no expert parameters, so the expert-TP group only has to exist.
     groups = {"_TENSOR_MODEL_PARALLEL_GROUP": pg_collection.tp,
@@ -274,16 +284,25 @@ def megatron_fsdp_wrapping(pg_collection: Any) -> Iterator[None]:
               or pg_collection.tp}
     saved = {name: getattr(parallel_state, name) for name in groups}
     current_device = torch.cuda.current_device
+    te_linear = mcore_fsdp_adapter.TELinear
     for name, group in groups.items():
         setattr(parallel_state, name, group)
     if not torch.cuda.is_available():
         torch.cuda.current_device = lambda: 0
+    if not isinstance(te_linear, type):
+        mcore_fsdp_adapter.TELinear = _NoTransformerEngineLayer
     try:
         yield
     finally:
+        mcore_fsdp_adapter.TELinear = te_linear
         torch.cuda.current_device = current_device
         for name, group in saved.items():
             setattr(parallel_state, name, group)
+
+
+class _NoTransformerEngineLayer:
+    """Stands in for Transformer Engine's linear layer where it is not installed: no module is
+    one."""
 
 
 def set_default_group_timeout(timeout_s: float) -> None:

@@ -1,8 +1,8 @@
 """Megatron-FSDP training gives the resident run's losses and weights, with sharded state.
 
-Two gloo ranks train the tiny model for three steps twice from the same weights: DDP with the
-distributed optimizer (weights and gradients resident on every rank), then Megatron-FSDP
-(``optimizer.fsdp=true``). Both runs reduce the same fp32 gradients in a different order, so the
+Two data-parallel replicas (on 2 gloo ranks, and on 4 with TP=2) train the tiny model for three
+steps twice from the same weights: DDP with the distributed optimizer (weights and gradients
+resident on every rank), then Megatron-FSDP (``optimizer.fsdp=true``). Both runs reduce the same fp32 gradients in a different order, so the
 figures agree to fp32 rounding, not to the bit.
 """
 
@@ -47,11 +47,12 @@ def _trainer(fsdp: bool, tp: int = 1, pp: int = 1):
     return ModelTrainer(model, pgc, settings, total_steps=STEPS), pgc
 
 
-def _train(fsdp: bool) -> tuple[list[float], list[float], dict[str, torch.Tensor], object]:
+def _train(fsdp: bool, tp: int
+           ) -> tuple[list[float], list[float], dict[str, torch.Tensor], object]:
     """Per-step loss sums (this rank's micro-batches), gradient norms, final weights, trainer."""
     from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
 
-    trainer, pgc = _trainer(fsdp)
+    trainer, pgc = _trainer(fsdp, tp=tp)
     vocab = trainer.model.real_vocab_size
 
     def loss_fn(logits, batch):
@@ -80,12 +81,12 @@ def _fsdp_bytes(trainer) -> dict[str, int]:
             "grads": sum(t.nbytes for t in trainer.gradient_buffers())}
 
 
-def _compare() -> dict[str, object]:
+def _compare(tp: int) -> dict[str, object]:
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
 
     initialize_runtime()
-    ref_losses, ref_norms, ref_weights, resident = _train(fsdp=False)
-    losses, norms, weights, sharded = _train(fsdp=True)
+    ref_losses, ref_norms, ref_weights, resident = _train(fsdp=False, tp=tp)
+    losses, norms, weights, sharded = _train(fsdp=True, tp=tp)
     assert losses == pytest.approx(ref_losses, rel=RTOL), f"{losses} vs {ref_losses}"
     assert norms == pytest.approx(ref_norms, rel=RTOL), f"{norms} vs {ref_norms}"
     assert ref_norms[0] > 0.5, "clip at 0.5 must be active for the test to cover clipping"
@@ -93,7 +94,7 @@ def _compare() -> dict[str, object]:
     for name, tensor in weights.items():
         torch.testing.assert_close(tensor, ref_weights[name], rtol=0.0, atol=WEIGHT_ATOL,
                                    msg=lambda m, n=name: f"{n}: {m}")
-    initial, _ = _trainer(fsdp=False)
+    initial, _ = _trainer(fsdp=False, tp=tp)
     assert all(not torch.equal(initial.full_weights()[n], weights[n]) for n in weights), \
         "every weight must have been trained"
 
@@ -101,7 +102,7 @@ def _compare() -> dict[str, object]:
     held = _fsdp_bytes(sharded)
     totals = {kind: torch.tensor([n]) for kind, n in held.items()}
     for tensor in totals.values():
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, group=sharded.pg_collection.dp)
     resident_params = sum(t.nbytes for t in resident.weight_buffers())
     assert resident_params >= full, "the resident run holds every weight on every rank"
     return {"losses": losses, "full": full, "held": held,
@@ -109,15 +110,16 @@ def _compare() -> dict[str, object]:
 
 
 @pytest.mark.multirank
-def test_fsdp_matches_the_resident_run_and_shards_its_state() -> None:
-    results = run_on_ranks(_compare, world_size=2, timeout_s=240)
+@pytest.mark.parametrize(("world_size", "tp"), [(2, 1), (4, 2)])
+def test_fsdp_matches_the_resident_run_and_shards_its_state(world_size: int, tp: int) -> None:
+    results = run_on_ranks(_compare, world_size=world_size, args=(tp,), timeout_s=240)
     for rank in results:
         full = rank["full"]
         for kind, held in rank["held"].items():
-            # A rank holds half of every buffer, padded to the shard alignment.
+            # A rank holds half of its TP shard's buffers (dp=2), padded to the shard alignment.
             assert 0.45 * full <= held <= 0.55 * full, f"{kind}: {held} of {full} bytes"
             assert rank["totals"][kind] >= full
-    assert results[0]["losses"] != results[1]["losses"], "the ranks trained on different data"
+    assert results[0]["losses"] != results[-1]["losses"], "the replicas trained on different data"
 
 
 def _refusals_and_skipped_update() -> None:
