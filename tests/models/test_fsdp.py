@@ -129,7 +129,16 @@ def _refusals_and_skipped_update() -> None:
     with pytest.raises(ValueError, match=r"optimizer.fsdp=true needs the model on every rank "
                                          r"with pp=1 .* tp=1 pp=2 dp=1 on a world of 2 ranks"):
         _trainer(fsdp=True, pp=2)
+    from megatron.core import parallel_state
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+
+    current_device, te_linear = torch.cuda.current_device, mcore_fsdp_adapter.TELinear
     trainer, _ = _trainer(fsdp=True)
+    # What megatron_fsdp_wrapping changed while the model was wrapped is back.
+    assert parallel_state.get_tensor_model_parallel_group(check_initialized=False) is None
+    assert parallel_state.get_expert_tensor_parallel_group(check_initialized=False) is None
+    assert torch.cuda.current_device is current_device
+    assert mcore_fsdp_adapter.TELinear is te_linear
     for call in (lambda: trainer.optimizer_sharded_state_dict({}),
                  lambda: trainer.load_optimizer_state({}), trainer.reload_main_params):
         with pytest.raises(NotImplementedError, match="checkpoints of a Megatron-FSDP model"):
