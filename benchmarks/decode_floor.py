@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/decode_floor.py                 # ppo_step's shape, 2 threads
     .venv/bin/python benchmarks/decode_floor.py --rounds 3      # quicker, noisier
+    .venv/bin/python benchmarks/decode_floor.py --compile-decode   # also the compiled decode
 
 One process, TP=1, fp32, 2 intra-op threads (what ``ppo_step.py`` gives a world-size-1 run),
 the project's own model builder and ``generate_sequences`` with what ``ppo_step.py`` runs: 32
@@ -31,7 +32,14 @@ roofline a decode step could reach is
     best = flop_time_at_square / (flop_time_at_square + floor_step)
 and the same for the whole call (``T_floor(R)`` in place of the floor). torch.profiler counts
 the top-level aten ops (those not called by another aten op) of a decode step, by the same
-difference of an ``R``-token and a 1-token call.
+difference of an ``R``-token and a 1-token call. ``unexplained_step_ms`` is what is left of the
+full step after the floor and the GEMMs at their own rates: the non-GEMM work at the real widths
+(attention over the cache, element-wise ops, norms).
+
+``--compile-decode`` also runs both models with ``GenerationConfig.compile_decode`` (the decode
+step through ``torch.compile``; its compilation happens in the warm-up round), alternating with
+the eager path in each round: the same tokens are required, the largest log-prob difference is
+reported, and the ``compiled_*`` figures are the same quantities for that path.
 
 Prints one JSON line (times in ms, load average from ``os.getloadavg`` before and after).
 """
@@ -85,9 +93,11 @@ def flop_seconds(arch: ArchSpec, batch: int, prompt: int, new_tokens: int,
     return {"at_square": total / square_rate, "at_own_shapes": own}
 
 
-def timed_call(model, pgc, prompts: list[list[int]], new_tokens: int):
+def timed_call(model, pgc, prompts: list[list[int]], new_tokens: int,
+               compile_decode: bool = False):
     """``(seconds, output)`` of one ``generate_sequences`` call as ppo_step runs it."""
-    config = GenerationConfig(max_new_tokens=new_tokens, seed=1, stop_at_eos=False)
+    config = GenerationConfig(max_new_tokens=new_tokens, seed=1, stop_at_eos=False,
+                              compile_decode=compile_decode)
     start = time.perf_counter()
     out = generate_sequences(model, pgc, prompts, list(range(len(prompts))), config, None, 0)
     return time.perf_counter() - start, out
@@ -121,29 +131,58 @@ def build(arch: ArchSpec, pgc):
     return model
 
 
-def measure_rounds(models: dict, pgc, prompts, new_tokens: int, rounds: int,
-                   square: int, gemms: dict[str, tuple[int, int, int, int]]) -> list[dict]:
-    """Per round: each model's call and decode-step seconds, then the matmul rates.
+def measure_rounds(models: dict, pgc, prompts, new_tokens: int, rounds: int, square: int,
+                   gemms: dict[str, tuple[int, int, int, int]], compiled: bool) -> list[dict]:
+    """Per round: each model's call and decode-step seconds (eager, then compiled when asked),
+    then the matmul rates.
 
-    The models and call lengths alternate, and the rates are re-measured in every round, so
-    that each round's ratios come from the same minute of a shared machine.
+    The models, paths and call lengths alternate, and the rates are re-measured in every round,
+    so that each round's ratios come from the same minute of a shared machine. Every call must
+    give the tokens of the model's first eager call; the compiled path's largest log-prob
+    difference from the eager call of its round is recorded.
     """
     records, reference = [], {}
-    for round_ in range(rounds + 1):  # round 0 is the warm-up
+    for round_ in range(rounds + 1):  # round 0 is the warm-up (and compiles)
         record = {}
         for name, model in models.items():
-            long, out = timed_call(model, pgc, prompts, new_tokens)
-            short, _ = timed_call(model, pgc, prompts, 1)
-            reference.setdefault(name, out.input_ids)
-            if not torch.equal(out.input_ids, reference[name]):
-                raise RuntimeError(f"{name}: tokens differ between rounds")
-            record[name] = {"call_s": long, "step_s": (long - short) / (new_tokens - 1)}
+            eager = None
+            for compile_decode in (False, True) if compiled else (False,):
+                long, out = timed_call(model, pgc, prompts, new_tokens, compile_decode)
+                short, _ = timed_call(model, pgc, prompts, 1, compile_decode)
+                reference.setdefault(name, out.input_ids)
+                key = f"{name}_compiled" if compile_decode else name
+                if not torch.equal(out.input_ids, reference[name]):
+                    raise RuntimeError(f"{key}: tokens differ from the first eager call")
+                record[key] = {"call_s": long, "step_s": (long - short) / (new_tokens - 1)}
+                if compile_decode:
+                    record[key]["logprob_diff"] = float(
+                        (out.response_logprobs - eager).abs().max())
+                eager = out.response_logprobs
         record["square"] = matmul_rate(square, square, square, seconds=0.3)
         record["gemms"] = {name: matmul_rate(m, k, n, seconds=0.05)
                            for name, (m, k, n, _) in gemms.items()}
         if round_:
             records.append(record)
     return records
+
+
+def compiled_figures(record: dict, step_flop_s: float, call_flop_s: float,
+                     own_shapes_s: float) -> dict[str, float]:
+    """One round's figures of the compiled decode path against the eager one."""
+    full, floor = record["full_compiled"], record["floor_compiled"]
+    return {
+        "compiled_full_call_ms": full["call_s"] * 1e3,
+        "compiled_floor_call_ms": floor["call_s"] * 1e3,
+        "compiled_full_step_ms": full["step_s"] * 1e3,
+        "compiled_floor_step_ms": floor["step_s"] * 1e3,
+        "compiled_call_speedup": record["full"]["call_s"] / full["call_s"],
+        "compiled_step_speedup": record["full"]["step_s"] / full["step_s"],
+        "compiled_floor_speedup": record["floor"]["step_s"] / floor["step_s"],
+        "compiled_step_roofline": step_flop_s / full["step_s"],
+        "compiled_call_roofline": call_flop_s / full["call_s"],
+        "compiled_unexplained_step_ms": (full["step_s"] - floor["step_s"] - own_shapes_s) * 1e3,
+        "best_step_roofline_with_compiled_floor": step_flop_s / (step_flop_s + floor["step_s"]),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -154,6 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-length", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--square", type=int, default=2048)
+    parser.add_argument("--compile-decode", action="store_true",
+                        help="also time both models with GenerationConfig.compile_decode")
     args = parser.parse_args(argv)
     load_before = os.getloadavg()
     torch.set_num_threads(args.threads)
@@ -172,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
                             generator=generator).tolist()
     gemms = decode_gemms(full, args.batch)
     records = measure_rounds(models, pgc, prompts, args.new_tokens, args.rounds, args.square,
-                             gemms)
+                             gemms, args.compile_decode)
     ops = {}
     for name, model in models.items():
         long, short = (top_level_aten(model, pgc, prompts, n) for n in (args.new_tokens, 1))
@@ -199,9 +240,13 @@ def main(argv: list[str] | None = None) -> None:
             "best_step_roofline_with_floor": flop_s["at_square"] / (flop_s["at_square"] + floor),
             "best_call_roofline_with_floor": call_flop_s / (call_flop_s + r["floor"]["call_s"]),
             "square_gflop_per_s": r["square"] / 1e9,
-            **{f"{k}_gflop_per_s": v / 1e9 for k, v in r["gemms"].items()}}
+            **{f"{k}_gflop_per_s": v / 1e9 for k, v in r["gemms"].items()},
+            **(compiled_figures(r, flop_s["at_square"], call_flop_s,
+                                  flop_s["at_own_shapes"]) if args.compile_decode else {})}
 
     per_round = [derived(r) for r in records]
+    logprob_diff = max((r[k]["logprob_diff"] for r in records for k in r if "compiled" in k),
+                       default=None)
     medians = {key: round(statistics.median(d[key] for d in per_round), 4) for key in per_round[0]}
     print(json.dumps({
         "threads": args.threads, "rounds": args.rounds, "batch": args.batch,
@@ -213,6 +258,8 @@ def main(argv: list[str] | None = None) -> None:
         "profiled_aten_us_per_op": {name: round(o[1], 1) for name, o in ops.items()},
         "floor_us_per_op": round(medians["floor_step_ms"] / ops["full"][0] * 1e3, 2),
         "median": medians,
+        **({"compiled_tokens_bitwise_equal": True, "compiled_max_abs_logprob_diff": logprob_diff}
+           if args.compile_decode else {}),
         "loadavg": [round(x, 2) for x in (*load_before, *os.getloadavg())],
     }))
 
