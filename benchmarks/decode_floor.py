@@ -11,7 +11,7 @@ same depth, heads and layer spec (RMSNorm, RoPE, SwiGLU, SDPA, ``CachedRopeSelfA
 
 * ``full``: ppo_step's shape (hidden 256, ffn 688, vocab 512);
 * ``floor``: the same with hidden = 8 x heads and ffn = hidden (vocab kept, so sampling is the
-  same); its decode step has ~1/200 of the FLOP, so its time is the host work of a step:
+  same); its decode step has ~1/60 of the FLOP, so its time is the host work of a step:
   Python, megatron's module dispatch, aten dispatch of every op, sampling.
 
 Each round times, alternating, ``generate_sequences`` with ``R`` new tokens and with 1, on each
