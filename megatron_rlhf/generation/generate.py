@@ -217,8 +217,11 @@ def _generate_micro_batch(model: torch.nn.Module, pg_collection: ProcessGroupCol
     budgets = torch.tensor(budget_list, device=device)
     max_new = max(budget_list)
     if config.use_kv_cache:
+        # dynamic=True: the cached length grows every step; one graph serves every step
+        decode_model = torch.compile(_unwrap(model), dynamic=True) if config.compile_decode \
+            else None
         next_logits = CachedNextTokenLogits(model, len(prompts), input_ids.shape[1] + max_new,
-                                            vocab_size)
+                                            vocab_size, decode_model)
     else:
         next_logits = RecomputeNextTokenLogits(model, pg_collection, vocab_size, has_value_channel)
     noise_keys = prompt_noise_keys(config.seed, prompt_indices, device)
