@@ -11,6 +11,10 @@ Layout of one batch of ``b`` prompts, longest prompt ``P``, response budget ``R`
     prompt_mask     [b, P]       1 on real prompt tokens
     response_mask   [b, R]       1 on generated tokens (EOS included)
 
+Each micro-batch is padded to its own longest prompt, so the output also records what each one
+ran (``GenerationOutput.micro_batches``: rows, prompt width, model calls), which is what a FLOP
+count needs.
+
 Parallelism: every TP rank of the model calls this with the same prompts and gets the same tokens
 (the last position's logits are all-gathered over TP and sampled identically everywhere). Each DP
 replica generates the prompts it is given. Sampling noise depends only on (seed, prompt index,
@@ -32,6 +36,26 @@ from megatron_rlhf.generation.sampling import (
     sample_tokens,
     uniforms_for_steps,
 )
+
+
+@dataclass(frozen=True)
+class MicroBatchWork:
+    """The model calls one micro-batch of ``generate_sequences`` ran.
+
+    With the KV cache: one prefill over ``rows x prompt_width`` positions (its logits give the
+    first token), then ``forwards - 1`` one-token steps whose context is ``prompt_width + t``
+    positions, ``t = 1 .. forwards - 1``. Without it: ``forwards`` full forwards over
+    ``prompt_width + t`` positions, ``t = 0 .. forwards - 1``. Every call runs all ``rows``, also
+    those that have stopped.
+    """
+
+    rows: int
+    prompt_width: int
+    """The micro-batch's padded prompt width: its longest prompt."""
+    forwards: int
+    """Calls of the model (the decode loop's iterations that ran)."""
+    kv_cache: bool
+    """Whether the calls went through the KV cache."""
 
 
 @dataclass
@@ -61,6 +85,8 @@ class GenerationOutput:
     """``[b]`` int64: real prompt tokens."""
     response_lengths: torch.Tensor
     """``[b]`` int64: generated tokens."""
+    micro_batches: tuple[MicroBatchWork, ...] = ()
+    """What each micro-batch ran, in order (``generate_sequences`` fills it)."""
 
     @property
     def prompt_length(self) -> int:
@@ -256,9 +282,11 @@ def _decode_loop(next_logits: CachedNextTokenLogits | RecomputeNextTokenLogits,
     policy_logprobs = torch.zeros_like(logprobs)
     stopped = budgets <= 0
     uniforms = uniforms_for_steps(noise_keys, max_new)
+    forwards = 0
     for step in range(max_new):
         if step % config.stop_check_interval == 0 and bool(stopped.all()):
             break
+        forwards += 1
         end = prompt_width + step
         logits = next_logits(input_ids[:, :end], attention_mask[:, :end])
         sampled = sample_tokens(logits, uniforms[step], config)
@@ -283,6 +311,7 @@ def _decode_loop(next_logits: CachedNextTokenLogits | RecomputeNextTokenLogits,
         response_policy_logprobs=policy_logprobs[:, :steps],
         prompt_lengths=prompt_mask.sum(dim=1),
         response_lengths=response_lengths,
+        micro_batches=(MicroBatchWork(b, prompt_width, forwards, config.use_kv_cache),),
     )
 
 
@@ -307,4 +336,5 @@ def concat_outputs(outputs: Sequence[GenerationOutput], pad_id: int) -> Generati
     return GenerationOutput(
         **{name: torch.cat(tensors) for name, tensors in parts.items()},
         prompt_lengths=torch.cat([out.prompt_lengths for out in outputs]),
-        response_lengths=torch.cat([out.response_lengths for out in outputs]))
+        response_lengths=torch.cat([out.response_lengths for out in outputs]),
+        micro_batches=tuple(work for out in outputs for work in out.micro_batches))
