@@ -37,7 +37,8 @@ into the ``work`` of its ``generate`` span in the timeline (one TP rank of each 
 without the KV cache each call is forward(b * (Pw + t), Pw + t), t < n). The experience and
 training passes run at the fixed width S (the engine re-pads the rollout to P + R), so they are
 counted from the configuration. Achieved FLOP/s of a stage = its FLOP / its seconds; "roofline" =
-that / the large-square rate (one line per configuration, JSON).
+that / the large-square rate (one line per configuration, JSON, which also gives the smallest and
+largest recorded Pw and the number of generation micro-batches counted, over the measured steps).
 """
 
 from __future__ import annotations
