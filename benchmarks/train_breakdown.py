@@ -15,19 +15,22 @@ on ``batch`` rows of ``prompt + response`` tokens.
 
 Each round measures the large-square fp32 matmul rate (``--square``, the roofline of
 ``ppo_step.py``), times one step without the profiler, runs one step under ``torch.profiler`` (CPU,
-with shapes) and measures the square rate again (the round's rate is the geometric mean of the two);
-every figure is computed per round and the JSON holds the medians over the rounds after a warm-up
-round. In the profiled step every event's self CPU time goes to one category, by the outermost
-classified op or scope around it (:func:`classify`): ``gemm`` (aten mm, addmm, bmm, matmul, linear,
-their backward nodes, megatron's linear autograd function), ``attention`` (SDPA forward and
-backward), ``loss`` (everything the loss function runs, and the backward nodes of those ops, matched
-by autograd sequence number: the softmax normaliser over the vocabulary, gather, the clipped ratio),
-``optimizer`` (gradient accumulation into megatron's buffers, the finiteness check, zeroing,
-``finalize_model_grads``, the optimizer step), ``elementwise`` (every other aten op: RMSNorm, RoPE,
-SwiGLU, residual adds, views and copies) and ``host`` (time in no aten op: Python, megatron's module
-code, the autograd engine). Self times partition the step scope's profiled time, so the categories
-sum to it; ``categories_over_wall`` compares that sum with the profiled step's wall clock, and the
-profiler's own cost is ``profiled_step_s / step_s - 1``. Shares are of the profiled step.
+with shapes) and measures the square rate again (the round's rate is the geometric mean of the two,
+its sustained rate as ``ppo_step.py`` measures it; the best single call of the two,
+:func:`square_rates`, is reported as well: on a shared machine it is nearer what the cores give when
+no other job holds them); every figure is computed per round and the JSON holds the medians over the
+rounds after a warm-up round. In the profiled step every event's self CPU time goes to one category,
+by the outermost classified op or scope around it (:func:`classify`): ``gemm`` (aten mm, addmm, bmm,
+matmul, linear, their backward nodes, megatron's linear autograd function), ``attention`` (SDPA
+forward and backward), ``loss`` (everything the loss function runs, and the backward nodes of those
+ops, matched by autograd sequence number: the softmax normaliser over the vocabulary, gather, the
+clipped ratio), ``optimizer`` (gradient accumulation into megatron's buffers, the finiteness check,
+zeroing, ``finalize_model_grads``, the optimizer step), ``elementwise`` (every other aten op:
+RMSNorm, RoPE, SwiGLU, residual adds, views and copies) and ``host`` (time in no aten op: Python,
+megatron's module code, the autograd engine). Self times partition the step scope's profiled time,
+so the categories sum to it; ``categories_over_wall`` compares that sum with the profiled step's
+wall clock, and the profiler's own cost is ``profiled_step_s / step_s - 1``. Shares are of the
+profiled step.
 
 Model FLOP of the step (``ppo_step.py``): ``3 * forward(B * S, S)`` with
 ``forward(tokens, context) = tokens * (2 * N_matmul + 4 * L * h * context)``; its GEMM part,
@@ -40,6 +43,9 @@ Model FLOP of the step (``ppo_step.py``): ``3 * forward(B * S, S)`` with
     best_if_gemm_at_square = step FLOP / square rate / (step FLOP / square rate + non-GEMM s)
 
 with ``gemm_s`` and the non-GEMM seconds the profiled shares times the unprofiled ``step_s``.
+The GEMM calls are also grouped by shape (``m x k x n`` of ``[m, k] @ [k, n]``; forward and the
+two backward products of each projection): milliseconds in the profiled step and rate against the
+square rate, slowest total first.
 
 Prints one JSON line (load average from ``os.getloadavg`` before and after).
 """
@@ -61,7 +67,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.ppo_step import SHAPES, forward_flops, matmul_rate, matmul_weights  # noqa: E402
+from benchmarks.ppo_step import SHAPES, forward_flops, matmul_weights  # noqa: E402
 from megatron_rlhf.topology.models import ArchSpec, ModelSpec  # noqa: E402
 
 CATEGORIES = ("gemm", "attention", "elementwise", "loss", "optimizer", "host")
@@ -105,6 +111,12 @@ def gemm_flop(name: str, shapes: list[list[int]]) -> int:
         return 0
     batch = a[0] if len(a) == 3 else 1
     return 2 * batch * a[-2] * a[-1] * b[-1]
+
+
+def gemm_shape(name: str, shapes: list[list[int]]) -> str:
+    """``"m x k x n"`` (``"b x m x k x n"`` for bmm) of one GEMM call."""
+    a, b = (shapes[0], shapes[1]) if name in ("aten::mm", "aten::bmm") else (shapes[1], shapes[2])
+    return " x ".join(str(d) for d in (*a, b[-1]))
 
 
 def event_category(event, loss_sequences: set[int]) -> str:
@@ -160,6 +172,7 @@ def breakdown(events, root_name: str) -> dict:
     seconds["host"] = sum(r.self_cpu_time_total for r in roots) / 1e6
     top_elementwise: Counter = Counter()
     flop = 0
+    by_shape: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for event in inside:
         category = event_category(event, loss_sequences)
         seconds[category] += event.self_cpu_time_total / 1e6
@@ -167,8 +180,12 @@ def breakdown(events, root_name: str) -> dict:
             top_elementwise[event.name.removeprefix(BACKWARD_PREFIX)] += event.self_cpu_time_total
         if category == "gemm" and event.name in FLOP_OPS:
             flop += gemm_flop(event.name, event.input_shapes)
+            entry = by_shape[gemm_shape(event.name, event.input_shapes)]
+            entry[0] += gemm_flop(event.name, event.input_shapes)
+            entry[1] += event.cpu_time_total / 1e6
     return {"seconds": {c: seconds[c] for c in CATEGORIES},
             "total_s": sum(r.cpu_time_total for r in roots) / 1e6, "gemm_flop": flop,
+            "gemm_by_shape": dict(by_shape),
             "top_elementwise_us": dict(top_elementwise)}
 
 
@@ -240,23 +257,40 @@ def profiled_step(worker, loss_fn, fields) -> tuple[float, dict]:
     return elapsed, breakdown(prof.events(), STEP_SCOPE)
 
 
+def square_rates(n: int, seconds: float = 0.3) -> tuple[float, float]:
+    """``(sustained, best call)`` fp32 FLOP/s of ``[n, n] @ [n, n]`` over ``seconds``: the
+    sustained rate is ``ppo_step.matmul_rate``'s; on a shared machine the best call is closer
+    to what the cores give when no other job holds them."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up
+    calls = []
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        call = time.perf_counter()
+        a @ b
+        calls.append(time.perf_counter() - call)
+    flop = 2 * n ** 3
+    return flop * len(calls) / (time.perf_counter() - start), flop / min(calls)
+
+
 def measure_rounds(worker, loss_fn, fields, rounds: int, square: int) -> list[dict]:
     """Per round: a step without the profiler, a step under it, and the square matmul rate as
     the geometric mean of one measurement before and one after the steps (so each round's ratios
     come from the same few seconds of a shared machine)."""
     records = []
     for round_ in range(rounds + 1):  # round 0 is the warm-up
-        before = matmul_rate(square, square, square, seconds=0.3)
+        before = square_rates(square)
         start = time.perf_counter()
         result = worker.train(fields, loss_fn)
         step_s = time.perf_counter() - start
         if not result["update_successful"]:
             raise RuntimeError("the optimizer skipped the update (non-finite gradients)")
         wall, parts = profiled_step(worker, loss_fn, fields)
-        rate = (before * matmul_rate(square, square, square, seconds=0.3)) ** 0.5
+        after = square_rates(square)
         if round_:
             records.append({"step_s": step_s, "profiled_wall_s": wall, "parts": parts,
-                            "square": rate})
+                            "square": (before[0] * after[0]) ** 0.5,
+                            "square_best": max(before[1], after[1])})
     return records
 
 
@@ -276,7 +310,12 @@ def round_figures(record: dict, step_flop: int) -> dict[str, float]:
         **{f"ms/{c}": s * 1e3 for c, s in parts["seconds"].items()},
         **{f"share/{c}": v for c, v in share.items()},
         "non_gemm_share": 1 - share["gemm"],
+        "square_best_call_gflop_per_s": record["square_best"] / 1e9,
         "gemm_gflop_per_s": gemm_rate / 1e9, "gemm_rate_of_square": gemm_rate / square,
+        "gemm_rate_of_square_best_call": gemm_rate / record["square_best"],
+        **{f"gemm_rate_of_square/{shape}": f / t / square
+           for shape, (f, t) in parts["gemm_by_shape"].items()},
+        **{f"gemm_ms/{shape}": t * 1e3 for shape, (f, t) in parts["gemm_by_shape"].items()},
         "step_roofline": flop_s / step_s,
         "best_if_rest_zero": flop_s / gemm_s,
         "best_if_gemm_at_square": flop_s / (flop_s + (1 - share["gemm"]) * step_s),
@@ -306,6 +345,8 @@ def main(argv: list[str] | None = None) -> None:
     step_flop = 3 * forward_flops(arch, tokens, seq)
     per_round = [round_figures(r, step_flop) for r in records]
     medians = {k: round(statistics.median(d[k] for d in per_round), 4) for k in per_round[0]}
+    shapes = {k.split("/", 1)[1]: [medians.pop(k), medians.pop(f"gemm_rate_of_square/{k[8:]}")]
+              for k in list(medians) if k.startswith("gemm_ms/")}
     elementwise: Counter = Counter()
     for record in records:
         elementwise.update(record["parts"]["top_elementwise_us"])
@@ -316,6 +357,8 @@ def main(argv: list[str] | None = None) -> None:
         "formula_gemm_flop": 6 * tokens * matmul_weights(arch, value_head=False),
         "profiled_gemm_flop": sorted(gemm_flops),
         "median": medians,
+        "gemm_ms_and_rate_of_square_by_shape": dict(
+            sorted(shapes.items(), key=lambda item: -item[1][0])),
         "step_s_min": round(min(d["step_s"] for d in per_round), 4),
         "top_elementwise_ms": {k: round(v / len(records) / 1e3, 2)
                                for k, v in elementwise.most_common(12)},

@@ -54,8 +54,10 @@ def test_loss_sequence_numbers_leave_out_numbers_shared_with_other_forward_ops()
     assert tb.loss_sequence_numbers(events) == {4}
 
 
-def test_gemm_flop_from_recorded_shapes_matches_the_formula() -> None:
+def test_gemm_flop_and_shape_from_recorded_shapes() -> None:
     assert tb.gemm_flop("aten::mm", [[1024, 256], [256, 1376]]) == 2 * 1024 * 256 * 1376
     assert tb.gemm_flop("aten::addmm", [[8], [4, 3], [3, 8]]) == 2 * 4 * 3 * 8
     assert tb.gemm_flop("aten::bmm", [[5, 4, 3], [5, 3, 2]]) == 2 * 5 * 4 * 3 * 2
     assert tb.gemm_flop("aten::matmul", [[4, 3], [3, 8]]) == 0  # counted in the mm it calls
+    assert tb.gemm_shape("aten::addmm", [[8], [4, 3], [3, 8]]) == "4 x 3 x 8"
+    assert tb.gemm_shape("aten::bmm", [[5, 4, 3], [5, 3, 2]]) == "5 x 4 x 3 x 2"
