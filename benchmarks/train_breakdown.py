@@ -44,8 +44,12 @@ Model FLOP of the step (``ppo_step.py``): ``3 * forward(B * S, S)`` with
 
 with ``gemm_s`` and the non-GEMM seconds the profiled shares times the unprofiled ``step_s``.
 The GEMM calls are also grouped by shape (``m x k x n`` of ``[m, k] @ [k, n]``; forward and the
-two backward products of each projection): milliseconds in the profiled step and rate against the
-square rate, slowest total first.
+two backward products of each projection): milliseconds in the profiled step, rate against the
+square rate, and the rate of the same product repeated alone in a loop right after the step
+(``ppo_step.matmul_rate``, 0.1 s a shape) against the square rate, slowest total first.
+``gemm_alone_*`` is the step's GEMM FLOP at those alone rates, ``gemm_rate_of_alone`` the
+in-step rate over it (below 1: the GEMMs run slower inside the step than alone, with the caches
+and threads the other ops leave them).
 
 Prints one JSON line (load average from ``os.getloadavg`` before and after).
 """
@@ -67,7 +71,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.ppo_step import SHAPES, forward_flops, matmul_weights  # noqa: E402
+from benchmarks.ppo_step import SHAPES, forward_flops, matmul_rate, matmul_weights  # noqa: E402
 from megatron_rlhf.topology.models import ArchSpec, ModelSpec  # noqa: E402
 
 CATEGORIES = ("gemm", "attention", "elementwise", "loss", "optimizer", "host")
@@ -117,6 +121,12 @@ def gemm_shape(name: str, shapes: list[list[int]]) -> str:
     """``"m x k x n"`` (``"b x m x k x n"`` for bmm) of one GEMM call."""
     a, b = (shapes[0], shapes[1]) if name in ("aten::mm", "aten::bmm") else (shapes[1], shapes[2])
     return " x ".join(str(d) for d in (*a, b[-1]))
+
+
+def shape_dims(shape: str) -> tuple[int, int, int]:
+    """``(m, k, n)`` of a :func:`gemm_shape` key (a bmm's batch folded into ``m``)."""
+    *batch, m, k, n = (int(d) for d in shape.split(" x "))
+    return m * (batch[0] if batch else 1), k, n
 
 
 def event_category(event, loss_sequences: set[int]) -> str:
@@ -286,11 +296,13 @@ def measure_rounds(worker, loss_fn, fields, rounds: int, square: int) -> list[di
         if not result["update_successful"]:
             raise RuntimeError("the optimizer skipped the update (non-finite gradients)")
         wall, parts = profiled_step(worker, loss_fn, fields)
+        alone = {shape: matmul_rate(*shape_dims(shape), seconds=0.1)
+                 for shape in parts["gemm_by_shape"]}
         after = square_rates(square)
         if round_:
             records.append({"step_s": step_s, "profiled_wall_s": wall, "parts": parts,
                             "square": (before[0] * after[0]) ** 0.5,
-                            "square_best": max(before[1], after[1])})
+                            "square_best": max(before[1], after[1]), "alone": alone})
     return records
 
 
@@ -302,6 +314,8 @@ def round_figures(record: dict, step_flop: int) -> dict[str, float]:
     gemm_s = share["gemm"] * step_s
     flop_s = step_flop / square
     gemm_rate = parts["gemm_flop"] / parts["seconds"]["gemm"]
+    alone_rate = parts["gemm_flop"] / sum(f / record["alone"][shape]
+                                          for shape, (f, _) in parts["gemm_by_shape"].items())
     return {
         "step_s": step_s, "profiled_step_s": record["profiled_wall_s"],
         "profiler_overhead": record["profiled_wall_s"] / step_s - 1,
@@ -313,8 +327,13 @@ def round_figures(record: dict, step_flop: int) -> dict[str, float]:
         "square_best_call_gflop_per_s": record["square_best"] / 1e9,
         "gemm_gflop_per_s": gemm_rate / 1e9, "gemm_rate_of_square": gemm_rate / square,
         "gemm_rate_of_square_best_call": gemm_rate / record["square_best"],
+        "gemm_alone_gflop_per_s": alone_rate / 1e9,
+        "gemm_rate_of_alone": gemm_rate / alone_rate,
+        "gemm_alone_rate_of_square": alone_rate / square,
         **{f"gemm_rate_of_square/{shape}": f / t / square
            for shape, (f, t) in parts["gemm_by_shape"].items()},
+        **{f"gemm_alone_rate_of_square/{shape}": record["alone"][shape] / square
+           for shape in parts["gemm_by_shape"]},
         **{f"gemm_ms/{shape}": t * 1e3 for shape, (f, t) in parts["gemm_by_shape"].items()},
         "step_roofline": flop_s / step_s,
         "best_if_rest_zero": flop_s / gemm_s,
@@ -345,7 +364,8 @@ def main(argv: list[str] | None = None) -> None:
     step_flop = 3 * forward_flops(arch, tokens, seq)
     per_round = [round_figures(r, step_flop) for r in records]
     medians = {k: round(statistics.median(d[k] for d in per_round), 4) for k in per_round[0]}
-    shapes = {k.split("/", 1)[1]: [medians.pop(k), medians.pop(f"gemm_rate_of_square/{k[8:]}")]
+    shapes = {k[8:]: [medians.pop(k), medians.pop(f"gemm_rate_of_square/{k[8:]}"),
+                      medians.pop(f"gemm_alone_rate_of_square/{k[8:]}")]
               for k in list(medians) if k.startswith("gemm_ms/")}
     elementwise: Counter = Counter()
     for record in records:
@@ -357,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
         "formula_gemm_flop": 6 * tokens * matmul_weights(arch, value_head=False),
         "profiled_gemm_flop": sorted(gemm_flops),
         "median": medians,
-        "gemm_ms_and_rate_of_square_by_shape": dict(
+        "gemm_by_shape_ms_rate_alone_rate": dict(
             sorted(shapes.items(), key=lambda item: -item[1][0])),
         "step_s_min": round(min(d["step_s"] for d in per_round), 4),
         "top_elementwise_ms": {k: round(v / len(records) / 1e3, 2)

@@ -61,3 +61,5 @@ def test_gemm_flop_and_shape_from_recorded_shapes() -> None:
     assert tb.gemm_flop("aten::matmul", [[4, 3], [3, 8]]) == 0  # counted in the mm it calls
     assert tb.gemm_shape("aten::addmm", [[8], [4, 3], [3, 8]]) == "4 x 3 x 8"
     assert tb.gemm_shape("aten::bmm", [[5, 4, 3], [5, 3, 2]]) == "5 x 4 x 3 x 2"
+    assert tb.shape_dims("5 x 4 x 3 x 2") == (20, 3, 2)
+    assert tb.shape_dims("1024 x 256 x 1376") == (1024, 256, 1376)
