@@ -47,6 +47,8 @@ The GEMM calls are also grouped by shape (``m x k x n`` of ``[m, k] @ [k, n]``; 
 two backward products of each projection): milliseconds in the profiled step, rate against the
 square rate, and the rate of the same product repeated alone in a loop right after the step
 (``ppo_step.matmul_rate``, 0.1 s a shape) against the square rate, slowest total first.
+``gemm_best_calls_*`` is the step's GEMM FLOP at the rate of each shape's fastest call in the
+step, against the square's fastest call: on a shared machine the nearest to the idle ratio.
 ``gemm_alone_*`` is the step's GEMM FLOP at those alone rates, ``gemm_rate_of_alone`` the
 in-step rate over it (below 1: the GEMMs run slower inside the step than alone, with the caches
 and threads the other ops leave them).
@@ -182,7 +184,7 @@ def breakdown(events, root_name: str) -> dict:
     seconds["host"] = sum(r.self_cpu_time_total for r in roots) / 1e6
     top_elementwise: Counter = Counter()
     flop = 0
-    by_shape: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    by_shape: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
     for event in inside:
         category = event_category(event, loss_sequences)
         seconds[category] += event.self_cpu_time_total / 1e6
@@ -191,8 +193,10 @@ def breakdown(events, root_name: str) -> dict:
         if category == "gemm" and event.name in FLOP_OPS:
             flop += gemm_flop(event.name, event.input_shapes)
             entry = by_shape[gemm_shape(event.name, event.input_shapes)]
-            entry[0] += gemm_flop(event.name, event.input_shapes)
+            call_flop = gemm_flop(event.name, event.input_shapes)
+            entry[0] += call_flop
             entry[1] += event.cpu_time_total / 1e6
+            entry[2] = max(entry[2], call_flop / max(event.cpu_time_total, 1) * 1e6)
     return {"seconds": {c: seconds[c] for c in CATEGORIES},
             "total_s": sum(r.cpu_time_total for r in roots) / 1e6, "gemm_flop": flop,
             "gemm_by_shape": dict(by_shape),
@@ -315,7 +319,9 @@ def round_figures(record: dict, step_flop: int) -> dict[str, float]:
     flop_s = step_flop / square
     gemm_rate = parts["gemm_flop"] / parts["seconds"]["gemm"]
     alone_rate = parts["gemm_flop"] / sum(f / record["alone"][shape]
-                                          for shape, (f, _) in parts["gemm_by_shape"].items())
+                                          for shape, (f, *_) in parts["gemm_by_shape"].items())
+    best_call_rate = parts["gemm_flop"] / sum(f / best
+                                              for f, _, best in parts["gemm_by_shape"].values())
     return {
         "step_s": step_s, "profiled_step_s": record["profiled_wall_s"],
         "profiler_overhead": record["profiled_wall_s"] / step_s - 1,
@@ -327,14 +333,16 @@ def round_figures(record: dict, step_flop: int) -> dict[str, float]:
         "square_best_call_gflop_per_s": record["square_best"] / 1e9,
         "gemm_gflop_per_s": gemm_rate / 1e9, "gemm_rate_of_square": gemm_rate / square,
         "gemm_rate_of_square_best_call": gemm_rate / record["square_best"],
+        "gemm_best_calls_gflop_per_s": best_call_rate / 1e9,
+        "gemm_best_calls_of_square_best_call": best_call_rate / record["square_best"],
         "gemm_alone_gflop_per_s": alone_rate / 1e9,
         "gemm_rate_of_alone": gemm_rate / alone_rate,
         "gemm_alone_rate_of_square": alone_rate / square,
         **{f"gemm_rate_of_square/{shape}": f / t / square
-           for shape, (f, t) in parts["gemm_by_shape"].items()},
+           for shape, (f, t, _) in parts["gemm_by_shape"].items()},
         **{f"gemm_alone_rate_of_square/{shape}": record["alone"][shape] / square
            for shape in parts["gemm_by_shape"]},
-        **{f"gemm_ms/{shape}": t * 1e3 for shape, (f, t) in parts["gemm_by_shape"].items()},
+        **{f"gemm_ms/{shape}": t * 1e3 for shape, (_, t, _) in parts["gemm_by_shape"].items()},
         "step_roofline": flop_s / step_s,
         "best_if_rest_zero": flop_s / gemm_s,
         "best_if_gemm_at_square": flop_s / (flop_s + (1 - share["gemm"]) * step_s),
