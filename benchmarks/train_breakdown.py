@@ -169,8 +169,8 @@ def loss_sequence_numbers(events) -> set[int]:
 
 
 def breakdown(events, root_name: str) -> dict:
-    """Per-category self CPU seconds inside the ``root_name`` scopes, with the GEMM FLOP and the
-    slowest element-wise ops."""
+    """Per-category self CPU seconds inside the ``root_name`` scopes, the GEMM FLOP, the GEMM
+    calls by shape (``[FLOP, seconds, fastest call's FLOP/s]``) and the element-wise ops' times."""
     roots = [e for e in events if e.name == root_name]
     inside = []
     for event in events:
@@ -191,9 +191,9 @@ def breakdown(events, root_name: str) -> dict:
         if category == "elementwise":
             top_elementwise[event.name.removeprefix(BACKWARD_PREFIX)] += event.self_cpu_time_total
         if category == "gemm" and event.name in FLOP_OPS:
-            flop += gemm_flop(event.name, event.input_shapes)
-            entry = by_shape[gemm_shape(event.name, event.input_shapes)]
             call_flop = gemm_flop(event.name, event.input_shapes)
+            flop += call_flop
+            entry = by_shape[gemm_shape(event.name, event.input_shapes)]
             entry[0] += call_flop
             entry[1] += event.cpu_time_total / 1e6
             entry[2] = max(entry[2], call_flop / max(event.cpu_time_total, 1) * 1e6)
@@ -204,7 +204,8 @@ def breakdown(events, root_name: str) -> dict:
 
 
 def build_actor(args: argparse.Namespace):
-    """``(worker, loss_fn, fields)``: the actor as run_ppo builds it, and a batch of the shape."""
+    """``(worker, loss_fn, fields, arch)``: the actor as run_ppo builds it, its loss in the loss
+    scope, and a batch of the shape."""
     from megatron_rlhf.builder.networks import build_model
     from megatron_rlhf.builder.sources import role_options
     from megatron_rlhf.config.loader import load_config
@@ -225,7 +226,8 @@ def build_actor(args: argparse.Namespace):
         "actor"))
     model = build_model(arch, options, pgc, runtime_seed=config.runtime.seed,
                         init_seed=config.models.init_seed)
-    trainer = ModelTrainer(model, pgc, config.actor_optimizer, total_steps=1000)
+    updates = config.steps * config.rollout.ppo_epochs * config.rollout.num_minibatches
+    trainer = ModelTrainer(model, pgc, config.actor_optimizer, total_steps=updates)
     worker = ModelWorker("actor", model, pgc, trainer, config.rollout.micro_batch_size)
     loss_fn = actor_loss_fn(worker, args.prompt_length, config.generation.temperature,
                             config.algorithm)
@@ -288,9 +290,9 @@ def square_rates(n: int, seconds: float = 0.3) -> tuple[float, float]:
 
 
 def measure_rounds(worker, loss_fn, fields, rounds: int, square: int) -> list[dict]:
-    """Per round: a step without the profiler, a step under it, and the square matmul rate as
-    the geometric mean of one measurement before and one after the steps (so each round's ratios
-    come from the same few seconds of a shared machine)."""
+    """Per round: a step without the profiler, a step under it, the step's GEMM shapes alone, and
+    the square matmul rate before and after them (so each round's ratios come from the same few
+    seconds of a shared machine)."""
     records = []
     for round_ in range(rounds + 1):  # round 0 is the warm-up
         before = square_rates(square)
