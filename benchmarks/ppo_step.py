@@ -5,29 +5,40 @@
     python benchmarks/ppo_step.py --world-sizes 2 --placements flattening separation
 
 Each configuration is a real run: ``torchrun --standalone --nproc-per-node N tools/run_ppo.py``
-with the architecture written out in the config (``models.arch`` as a mapping), ``trace=true``
-and the shipped task's prompts left-padded to ``--prompt-length`` tokens, every response exactly
-``--response-length`` tokens long (``generation.stop_at_eos=false``), fp32, one PPO epoch and one
-mini-batch. The per-stage seconds come from the run's own timeline (``timeline.json``), averaged
-over the steps after the first (warm-up) and, for each stage, over the ranks that ran it; the step
-time is the median ``step_seconds`` of those steps.
+with the architecture written out in the config (``models.arch`` as a mapping), ``trace=true``,
+the shipped task's prompts (6-15 tokens) with ``rollout.max_prompt_length`` = ``--prompt-length``,
+every response exactly ``--response-length`` tokens long (``generation.stop_at_eos=false``), fp32,
+one PPO epoch and one mini-batch. The per-stage seconds come from the run's own timeline
+(``timeline.json``), averaged over the steps after the first (warm-up) and, for each stage, over
+the ranks that ran it; the step time is the median ``step_seconds`` of those steps.
 
 In the same process, before the runs, it measures the machine's fp32 matmul rate: at a large
 square shape (``--square``; the roofline) with every core, and at the step's own GEMM shapes (the
-prefill/training projections and one decode step's), which bounds what a stage can reach.
+training projections and one decode step's), which bounds what a stage can reach.
 
-Model FLOP per step, counted as executed (padded prompts included, causal attention as the
-full square over the context):
-    forward(tokens, context) = tokens * (2 * N_matmul + 4 * L * h * context)
-    N_matmul = L * (h * (h + 2 * kv) + h * h + m * h * ffn) + h * V   (h for a scalar head)
-    generation   = forward(B * P, P) + sum_{t < R} forward(B, P + t)
+Model FLOP per step, counted as executed (padding included, causal attention as the full square
+over the context):
+    forward(tokens, context, heads=tokens) = tokens * (2 * N_layers + 4 * L * h * context)
+                                             + heads * 2 * N_head
+    N_layers = L * (h * (h + 2 * kv) + h * h + m * h * ffn),  N_head = h * V (h for a scalar head)
+    generation   = sum over the generation micro-batches the run recorded, each of b rows padded
+                   to its own longest prompt Pw, n model calls (n = R when no row stops early):
+                   forward(b * Pw, Pw, heads=b) + sum_{t=1}^{n-1} forward(b, Pw + t)
     experience   = forward(B * S, S) for each of actor, ref (LM head) and critic, reward (scalar)
     training     = 3 * forward(B * S, S) for actor and critic
-with B prompts, P prompt and R response tokens, S = P + R, L layers, h hidden size, kv the width
-of the keys (query groups x head size), m = 3 for SwiGLU (2 otherwise), V the padded vocabulary:
-N_matmul counts the weights of every matrix product (not the embedding lookup, norms or biases). Achieved FLOP/s of a
-stage = its FLOP / its seconds; "roofline" = that / the large-square rate (one line per
-configuration, JSON).
+with B prompts, P = --prompt-length and R = --response-length, S = P + R, L layers, h hidden size,
+kv the width of the keys (query groups x head size), m = 3 for SwiGLU (2 otherwise), V the padded
+vocabulary: N_layers and N_head count the weights of every matrix product (not the embedding
+lookup, norms or biases). Generation is counted from what ran, not from P: ``generate_sequences``
+pads each micro-batch only to its longest prompt, its prefill's logits (taken at the last
+position only, megatron's static inference context) give the first token, and each of the other
+n - 1 calls feeds one token at context Pw + t; the engine writes every micro-batch's (b, Pw, n)
+into the ``work`` of its ``generate`` span in the timeline (one TP rank of each replica counted;
+without the KV cache each call is forward(b * (Pw + t), Pw + t), t < n). The experience and
+training passes run at the fixed width S (the engine re-pads the rollout to P + R), so they are
+counted from the configuration. Achieved FLOP/s of a stage = its FLOP / its seconds; "roofline" =
+that / the large-square rate (one line per configuration, JSON, which also gives the smallest and
+largest recorded Pw and the number of generation micro-batches counted, over the measured steps).
 """
 
 from __future__ import annotations
@@ -41,7 +52,9 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -73,29 +86,83 @@ def matmul_rate(m: int, k: int, n: int, seconds: float = 0.5) -> float:
 
 
 def matmul_weights(arch: ArchSpec, value_head: bool) -> int:
-    """``N_matmul`` of the module docstring."""
+    """``N_layers + N_head`` of the module docstring."""
+    return layer_weights(arch) + head_weights(arch, value_head)
+
+
+def layer_weights(arch: ArchSpec) -> int:
+    """``N_layers`` of the module docstring."""
     h, kv = arch.hidden_size, arch.num_query_groups * (arch.hidden_size // arch.num_attention_heads)
     layer = h * (h + 2 * kv) + h * h + (3 if arch.gated_mlp else 2) * h * arch.ffn_hidden_size
-    return arch.num_layers * layer + h * (1 if value_head else arch.padded_vocab_size(1))
+    return arch.num_layers * layer
 
 
-def forward_flops(arch: ArchSpec, tokens: int, context: int, value_head: bool = False) -> int:
-    """``forward(tokens, context)`` of the module docstring."""
+def head_weights(arch: ArchSpec, value_head: bool) -> int:
+    """``N_head`` of the module docstring."""
+    return arch.hidden_size * (1 if value_head else arch.padded_vocab_size(1))
+
+
+def forward_flops(arch: ArchSpec, tokens: int, context: int, value_head: bool = False,
+                  heads: int | None = None) -> int:
+    """``forward(tokens, context, heads)`` of the module docstring (``heads`` = ``tokens`` when
+    None)."""
     attention = 4 * arch.num_layers * arch.hidden_size * context
-    return tokens * (2 * matmul_weights(arch, value_head) + attention)
+    heads = tokens if heads is None else heads
+    return (tokens * (2 * layer_weights(arch) + attention)
+            + heads * 2 * head_weights(arch, value_head))
+
+
+def generation_flops(arch: ArchSpec, micro_batches: Iterable[Mapping[str, Any]]) -> int:
+    """Model FLOP of the generation micro-batches that ran (module docstring).
+
+    Args:
+        arch: the generating model's architecture (LM head).
+        micro_batches: ``generation.MicroBatchWork`` records as dicts (``rows``,
+            ``prompt_width``, ``forwards``, ``kv_cache``), as the timeline holds them.
+    """
+    total = 0
+    for work in micro_batches:
+        b, width, calls = work["rows"], work["prompt_width"], work["forwards"]
+        if not work["kv_cache"]:
+            total += sum(forward_flops(arch, b * (width + t), width + t) for t in range(calls))
+        elif calls > 0:
+            total += forward_flops(arch, b * width, width, heads=b) + sum(
+                forward_flops(arch, b, width + t) for t in range(1, calls))
+    return total
 
 
 def step_flops(arch: ArchSpec, batch: int, prompt: int, response: int) -> dict[str, float]:
-    """Model FLOP of each stage of one step (formula in the module docstring)."""
+    """Model FLOP of the experience and training passes of one step, which run at the fixed
+    width ``prompt + response`` (module docstring); generation's comes from
+    :func:`generation_flops`."""
     seq = prompt + response
-    flops = {"generate": forward_flops(arch, batch * prompt, prompt)
-             + sum(forward_flops(arch, batch, prompt + t) for t in range(response))}
+    flops = {}
     for role, value_head in EXPERIENCE_ROLES.items():
         if not role.startswith("shadow"):
             flops[f"experience/{role}"] = forward_flops(arch, batch * seq, seq, value_head)
     for role in ("actor", "critic"):
         flops[f"train/{role}"] = 3 * forward_flops(arch, batch * seq, seq, role == "critic")
     return flops
+
+
+def generation_work(timeline: dict, first_step_end: float) -> list[dict]:
+    """The generation micro-batches recorded on the ``generate`` spans after ``first_step_end``,
+    one TP rank of each replica.
+
+    Raises:
+        ValueError: a ``generate`` span without its ``work`` (a run from before it was recorded).
+    """
+    micro_batches = []
+    for event in timeline["traceEvents"]:
+        if event.get("ph") != "X" or event["cat"] != "generate" or event["ts"] < first_step_end:
+            continue
+        work = event["args"].get("work")
+        if work is None:
+            raise ValueError(f"the generate span of rank {event['pid']} at {event['ts']} us has "
+                             "no work record; rerun with this commit's engine")
+        if work["tp_rank"] == 0:
+            micro_batches += work["micro_batches"]
+    return micro_batches
 
 
 def stage_seconds(timeline: dict, first_step_end: float) -> dict[str, float]:
@@ -146,14 +213,17 @@ def run_config(world: int, placement: str, arch: dict, args: argparse.Namespace,
     warm = starts[len(starts) // args.steps] if len(starts) >= args.steps else 0.0
     measured = steps[1:] or steps
     return {"step_seconds": statistics.median(r["step_seconds"] for r in measured),
-            "stages": stage_seconds(timeline, warm), "measured_steps": len(measured)}
+            "stages": stage_seconds(timeline, warm), "measured_steps": len(measured),
+            "generation_work": generation_work(timeline, warm)}
 
 
 def figures(world: int, placement: str, arch_fields: dict, args: argparse.Namespace,
             rates: dict[str, float], out: Path) -> dict:
     arch = ArchSpec("benchmark", **arch_fields)
-    flops = step_flops(arch, args.batch, args.prompt_length, args.response_length)
     run = run_config(world, placement, arch_fields, args, out)
+    work = run["generation_work"]
+    flops = {"generate": generation_flops(arch, work) / run["measured_steps"],
+             **step_flops(arch, args.batch, args.prompt_length, args.response_length)}
     peak = rates["square"]
     stages = {}
     for key, seconds in sorted(run["stages"].items()):
@@ -161,15 +231,18 @@ def figures(world: int, placement: str, arch_fields: dict, args: argparse.Namesp
         if key in flops and seconds > 0:
             achieved = flops[key] * run["measured_steps"] / seconds
             # the stage's FLOP over its wall time: DP replicas run their shares side by side
-            entry.update(flop=flops[key], achieved_flop_per_s=round(achieved),
+            entry.update(flop=round(flops[key]), achieved_flop_per_s=round(achieved),
                          roofline=round(achieved / peak, 4))
         stages[key] = entry
     total = sum(flops.values())
+    widths = [w["prompt_width"] for w in work]
     return {"world_size": world, "placement": placement, "shape": args.shape,
             "batch": args.batch, "prompt_length": args.prompt_length,
             "response_length": args.response_length,
+            "generation_prompt_widths": [min(widths), max(widths)],
+            "generation_micro_batches": len(work),
             "samples_per_s": round(args.batch / run["step_seconds"], 3),
-            "step_seconds": round(run["step_seconds"], 4), "step_flop": total,
+            "step_seconds": round(run["step_seconds"], 4), "step_flop": round(total),
             "step_roofline": round(total / run["step_seconds"] / peak, 4),
             "matmul_flop_per_s": {k: round(v) for k, v in rates.items()}, "stages": stages}
 

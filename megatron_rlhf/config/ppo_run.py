@@ -359,8 +359,8 @@ class RunConfig:
 
         Raises:
             ValueError: an option that needs a critic (AC-Share, a critic ratio, interleaving2)
-                with a critic-free estimator, critic-free ratios with gae, or fewer than 2
-                samples per prompt for grpo or rloo.
+                with a critic-free estimator, critic-free ratios with gae, fewer than 2
+                samples per prompt for grpo or rloo, or an option Megatron-FSDP cannot serve.
         """
         algorithm, placement = self.algorithm, self.placement
         if algorithm.uses_critic and not placement.critic:
@@ -371,9 +371,35 @@ class RunConfig:
         if not algorithm.uses_critic and placement.critic:
             self.placement = replace(placement, critic=False)
         self.placement.role_ratios()
+        self._check_fsdp()
         n = self.rollout.samples_per_prompt
         if algorithm.advantage_estimator in GROUP_ESTIMATORS and n < 2:
             raise ValueError(
                 f"rollout.samples_per_prompt({n}) must be >= 2 for algorithm.advantage_estimator="
                 f"{algorithm.advantage_estimator!r}: the baseline of a response is the other "
                 "responses to its prompt; e.g. rollout.samples_per_prompt=4")
+
+    def _check_fsdp(self) -> None:
+        """Refuse what reads or moves a Megatron-FSDP model's whole parameters, which it holds
+        only while its wrapper computes (``make_plan`` checks its layout)."""
+        for role, settings in (("actor", self.actor_optimizer), ("critic", self.critic_optimizer)):
+            if not settings.fsdp:
+                continue
+            field_ = f"{role}_optimizer.fsdp=true"
+            if self.placement.separated:
+                raise ValueError(f"{field_}: placement.strategy={self.placement.strategy!r} "
+                                 f"copies the {role}'s whole weights into a shadow after each "
+                                 "step, which Megatron-FSDP does not hold; use flattening")
+            if self.models.offload_policy(role) != "never":
+                raise ValueError(f"{field_}: models.offload.{role}="
+                                 f"{self.models.offload_policy(role)!r} moves the model's "
+                                 "storages to the host, which Megatron-FSDP allocates and frees "
+                                 f"itself; set models.offload.{role}=never")
+            if self.checkpoint.save_dir or self.checkpoint.resume_from:
+                raise ValueError(f"{field_}: run checkpoints (checkpoint.save_dir, "
+                                 "checkpoint.resume_from) are not supported for a Megatron-FSDP "
+                                 "model (megatron-core 0.16.1 saves it only in its fsdp_dtensor "
+                                 "format); leave them unset")
+            if self.models.export_hf:
+                raise ValueError(f"{field_}: models.export_hf reads the {role}'s whole weights, "
+                                 "which Megatron-FSDP does not hold; set it to false")

@@ -143,6 +143,12 @@ class SupervisedConfig:
     train: SupervisedTrainConfig = field(default_factory=SupervisedTrainConfig)
     out_dir: str = "runs/supervised"
 
+    def __post_init__(self) -> None:
+        if self.optimizer.fsdp:
+            raise ValueError("optimizer.fsdp=true: a supervised run ends by saving the model's "
+                             "whole weights as a checkpoint, which a Megatron-FSDP model does "
+                             "not hold; set optimizer.fsdp=false")
+
 
 @dataclass
 class SFTConfig(SupervisedConfig):

@@ -34,6 +34,7 @@ from megatron_rlhf.topology.cluster import ClusterSpec
 from megatron_rlhf.topology.groups import build_process_groups
 from megatron_rlhf.topology.models import (
     ACTOR,
+    CRITIC,
     SHADOW_OF,
     TRAINABLE_ROLES,
 )
@@ -57,6 +58,14 @@ def make_plan(config: RunConfig, cluster: ClusterSpec,
         raise ValueError(f"rollout.async_rollout=true needs shadows to generate while the actor "
                          f"trains: set placement.strategy to separation or hetero-separation "
                          f"(not {config.placement.strategy!r})")
+    for role, settings in ((ACTOR, config.actor_optimizer), (CRITIC, config.critic_optimizer)):
+        placed = plan.models.get(role)
+        if settings.fsdp and placed and (placed.pp != 1 or placed.size != cluster.world_size):
+            raise ValueError(
+                f"{role}_optimizer.fsdp=true needs the {role} on all {cluster.world_size} ranks "
+                f"with pp=1 (megatron-core 0.16.1's FSDP adapter meshes the whole world); this "
+                f"placement gives it {placed.size} ranks with pp={placed.pp}: use "
+                "placement.strategy=flattening and pp=1")
     chunk = rollout.rows_per_step // rollout.pipeline_chunks
     for role in plan.roles:
         micro = rollout.micro_batch_size

@@ -11,6 +11,7 @@ model skip its compute and only take part in the transfers, so models on disjoin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -146,17 +147,24 @@ class PPOEngine:
         """Each generating DP replica samples responses for its share of the prompts.
 
         Every rank passes the whole prompt list; no prompt data is moved. Sampling is keyed by
-        prompt index, so the split does not change any response.
+        prompt index, so the split does not change any response. When tracing, the ``generate``
+        span's ``work`` records what ran: this rank's TP rank (every TP rank of a replica runs
+        the same micro-batches, each on its shard) and each micro-batch's
+        :class:`~megatron_rlhf.generation.MicroBatchWork` as a dict.
         """
         layout, roles = self.generation_layout(len(prompts))
         rows = layout.held_by(self.rank)
         fields = None
         if rows is not None and rows[1] > rows[0]:
             start, end = rows
-            with self.context.span("generate", roles[self.rank], chunk):
-                output = self.workers[roles[self.rank]].generate(
-                    prompts[start:end], prompt_indices[start:end], self.generation, self.eos_id,
-                    self.pad_id)
+            worker = self.workers[roles[self.rank]]
+            with self.context.span("generate", roles[self.rank], chunk) as span:
+                output = worker.generate(prompts[start:end], prompt_indices[start:end],
+                                         self.generation, self.eos_id, self.pad_id)
+                if span is not None:
+                    span.work = {"tp_rank": worker.pg_collection.tp.rank(),
+                                 "micro_batches": [dataclasses.asdict(work)
+                                                   for work in output.micro_batches]}
             fields = self._fixed_width(output)
         return DistBatch(layout, self.rollout_schema(), fields)
 

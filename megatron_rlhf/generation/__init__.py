@@ -7,7 +7,8 @@ Map of the files (details in docs/generation.md):
   top-p filtering, inverse-CDF sampling; pure tensor functions.
 - ``forward.py``: next-token logits with megatron's ``StaticInferenceContext`` (KV cache) or by
   full recomputation.
-- ``generate.py``: ``generate_sequences`` and its ``GenerationOutput``.
+- ``generate.py``: ``generate_sequences``, its ``GenerationOutput`` and the ``MicroBatchWork`` it
+  ran.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from megatron_rlhf.generation.forward import CachedNextTokenLogits, RecomputeNextTokenLogits
 from megatron_rlhf.generation.generate import (
     GenerationOutput,
+    MicroBatchWork,
     concat_outputs,
     generate_sequences,
     left_pad,
@@ -37,6 +39,7 @@ __all__ = [
     "CachedNextTokenLogits",
     "GenerationConfig",
     "GenerationOutput",
+    "MicroBatchWork",
     "RecomputeNextTokenLogits",
     "SampledTokens",
     "concat_outputs",

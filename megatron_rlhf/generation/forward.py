@@ -73,7 +73,7 @@ class CachedNextTokenLogits:
     """Prefill once, then feed one token per call through megatron's static KV cache."""
 
     def __init__(self, model: torch.nn.Module, batch_size: int, max_length: int,
-                 real_vocab_size: int) -> None:
+                 real_vocab_size: int, decode_model: torch.nn.Module | None = None) -> None:
         """Allocate the inference context (megatron allocates the KV memory at the first call).
 
         Args:
@@ -81,8 +81,11 @@ class CachedNextTokenLogits:
             batch_size: rows of every call.
             max_length: longest sequence (prompt + response) the cache must hold.
             real_vocab_size: columns at or past it are vocabulary padding and are dropped.
+            decode_model: runs the one-token calls after the prefill (``model`` itself when
+                None; a compiled ``model`` under ``GenerationConfig.compile_decode``).
         """
         self.model = model
+        self.decode_model = model if decode_model is None else decode_model
         self.context = StaticInferenceContext(batch_size, max_length)
         self.real_vocab_size = real_vocab_size
 
@@ -104,8 +107,9 @@ class CachedNextTokenLogits:
         else:
             raise ValueError(f"the KV cache holds {offset} positions; the next call must pass "
                              f"{offset + 1} tokens, not {s}")
-        output = self.model(tokens, _positions(offset, tokens.shape[1], b, input_ids.device), mask,
-                            inference_context=self.context, runtime_gather_output=True)
+        model = self.model if offset == 0 else self.decode_model
+        output = model(tokens, _positions(offset, tokens.shape[1], b, input_ids.device), mask,
+                       inference_context=self.context, runtime_gather_output=True)
         self.context.increment_sequence_len_offset(tokens.shape[1])
         self.context.enable_decode_mode()
         # materialize_only_last_token_logits: megatron returns [b, 1, padded vocab (+ value)].

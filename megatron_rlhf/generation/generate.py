@@ -11,6 +11,10 @@ Layout of one batch of ``b`` prompts, longest prompt ``P``, response budget ``R`
     prompt_mask     [b, P]       1 on real prompt tokens
     response_mask   [b, R]       1 on generated tokens (EOS included)
 
+Each micro-batch is padded to its own longest prompt, so the output also records what each one
+ran (``GenerationOutput.micro_batches``: rows, prompt width, model calls), which is what a FLOP
+count needs.
+
 Parallelism: every TP rank of the model calls this with the same prompts and gets the same tokens
 (the last position's logits are all-gathered over TP and sampled identically everywhere). Each DP
 replica generates the prompts it is given. Sampling noise depends only on (seed, prompt index,
@@ -33,6 +37,26 @@ from megatron_rlhf.generation.sampling import (
     sample_tokens,
     uniforms_for_steps,
 )
+
+
+@dataclass(frozen=True)
+class MicroBatchWork:
+    """The model calls one micro-batch of ``generate_sequences`` ran.
+
+    With the KV cache: one prefill over ``rows x prompt_width`` positions (its logits give the
+    first token), then ``forwards - 1`` one-token steps whose context is ``prompt_width + t``
+    positions, ``t = 1 .. forwards - 1``. Without it: ``forwards`` full forwards over
+    ``prompt_width + t`` positions, ``t = 0 .. forwards - 1``. Every call runs all ``rows``, also
+    those that have stopped.
+    """
+
+    rows: int
+    prompt_width: int
+    """The micro-batch's padded prompt width: its longest prompt."""
+    forwards: int
+    """Calls of the model (the decode loop's iterations that ran)."""
+    kv_cache: bool
+    """Whether the calls went through the KV cache."""
 
 
 @dataclass
@@ -62,6 +86,8 @@ class GenerationOutput:
     """``[b]`` int64: real prompt tokens."""
     response_lengths: torch.Tensor
     """``[b]`` int64: generated tokens."""
+    micro_batches: tuple[MicroBatchWork, ...] = ()
+    """What each micro-batch ran, in order (``generate_sequences`` fills it)."""
 
     @property
     def prompt_length(self) -> int:
@@ -218,8 +244,11 @@ def _generate_micro_batch(model: torch.nn.Module, pg_collection: ProcessGroupCol
     budgets = torch.tensor(budget_list, device=device)
     max_new = max(budget_list)
     if config.use_kv_cache:
+        # dynamic=True: the cached length grows every step; one graph serves every step
+        decode_model = torch.compile(_unwrap(model), dynamic=True) if config.compile_decode \
+            else None
         next_logits = CachedNextTokenLogits(model, len(prompts), input_ids.shape[1] + max_new,
-                                            vocab_size)
+                                            vocab_size, decode_model)
     else:
         next_logits = RecomputeNextTokenLogits(model, pg_collection, vocab_size, has_value_channel)
     noise_keys = prompt_noise_keys(config.seed, prompt_indices, device)
@@ -254,9 +283,11 @@ def _decode_loop(next_logits: CachedNextTokenLogits | RecomputeNextTokenLogits,
     policy_logprobs = torch.zeros_like(logprobs)
     stopped = budgets <= 0
     uniforms = uniforms_for_steps(noise_keys, max_new)
+    forwards = 0
     for step in range(max_new):
         if step % config.stop_check_interval == 0 and bool(stopped.all()):
             break
+        forwards += 1
         end = prompt_width + step
         logits = next_logits(input_ids[:, :end], attention_mask[:, :end])
         sampled = sample_tokens(logits, uniforms[step], config, greedy_rows)
@@ -281,6 +312,7 @@ def _decode_loop(next_logits: CachedNextTokenLogits | RecomputeNextTokenLogits,
         response_policy_logprobs=policy_logprobs[:, :steps],
         prompt_lengths=prompt_mask.sum(dim=1),
         response_lengths=response_lengths,
+        micro_batches=(MicroBatchWork(b, prompt_width, forwards, config.use_kv_cache),),
     )
 
 
@@ -305,4 +337,5 @@ def concat_outputs(outputs: Sequence[GenerationOutput], pad_id: int) -> Generati
     return GenerationOutput(
         **{name: torch.cat(tensors) for name, tensors in parts.items()},
         prompt_lengths=torch.cat([out.prompt_lengths for out in outputs]),
-        response_lengths=torch.cat([out.response_lengths for out in outputs]))
+        response_lengths=torch.cat([out.response_lengths for out in outputs]),
+        micro_batches=tuple(work for out in outputs for work in out.micro_batches))

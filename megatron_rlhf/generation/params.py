@@ -53,6 +53,16 @@ class GenerationConfig:
     """Decode steps between checks whether every sequence has stopped, >= 1. Each check makes
     the host wait for the device; up to ``stop_check_interval - 1`` steps may run after the last
     sequence stopped (they only write padding)."""
+    compile_decode: bool = False
+    """Run the KV-cached decode steps (one new token per row) through
+    ``torch.compile(model, dynamic=True)``; the prefill and every pass outside generation stay
+    eager. Fewer, fused ops per step: at ``benchmarks/ppo_step.py``'s shape on CPU 1.6x a decode
+    step, 1.4x a ``generate_sequences`` call and 1.2x the generate stage of ``run_ppo``
+    (docs/benchmarks.md). The fused kernels round differently, so log-probs differ from
+    the eager path at rounding level (up to 1e-6 measured) and a token can differ where a
+    sampling uniform falls that close to a boundary; hence off by default. The first call
+    compiles (about 7 s on a 2-core CPU with torch's compile cache warm, 25 s cold). Needs
+    ``use_kv_cache``."""
 
     def __post_init__(self) -> None:
         """Checks every field.
@@ -80,6 +90,11 @@ class GenerationConfig:
         _require(isinstance(self.stop_check_interval, int) and self.stop_check_interval >= 1,
                  f"generation.stop_check_interval={self.stop_check_interval!r} must be an "
                  "int >= 1")
+        _require(isinstance(self.compile_decode, bool),
+                 f"generation.compile_decode={self.compile_decode!r} must be true or false")
+        _require(not self.compile_decode or self.use_kv_cache,
+                 "generation.compile_decode=True compiles the KV-cached decode step; it needs "
+                 "use_kv_cache=True (got use_kv_cache=False)")
 
     @property
     def filters_distribution(self) -> bool:

@@ -36,14 +36,11 @@ def _tensors_of(model: torch.nn.Module, trainer: ModelTrainer | None, part: str
                 ) -> Iterator[torch.Tensor]:
     if part == WEIGHTS:
         if trainer is not None:
-            for buffer in trainer.module.buffers + trainer.module.expert_parallel_buffers:
-                if buffer.param_data is not None:  # only with the distributed optimizer
-                    yield buffer.param_data
+            yield from trainer.weight_buffers()
         yield from model.parameters()  # views of the buffers above when trained
         yield from model.buffers()
     elif part == GRADS and trainer is not None:
-        for buffer in trainer.module.buffers + trainer.module.expert_parallel_buffers:
-            yield buffer.grad_data
+        yield from trainer.gradient_buffers()
     elif part == OPTIMIZER and trainer is not None:
         for inner in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
             for group in inner.optimizer.param_groups:

@@ -1,4 +1,5 @@
-"""A trainable model: megatron DDP (or the distributed optimizer), LR schedule, train steps.
+"""A trainable model: megatron DDP (or the distributed optimizer, or Megatron-FSDP), LR schedule,
+train steps.
 
     trainer = ModelTrainer(model, pg_collection, OptimizerSettings(lr=1e-5))
     metrics = trainer.train_step(microbatches, loss_fn)   # loss_fn -> (loss_sum, tokens, metrics)
@@ -21,16 +22,21 @@ from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
+    FullyShardedDataParallel,
     finalize_model_grads,
+)
+from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
+    update_uneven_dtensor_chunk_metadata,
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.process_groups_config import ProcessGroupCollection
+from torch.distributed.tensor import DTensor, Shard
 
 from megatron_rlhf.models.forward_backward import Batch, LossFn, run_microbatches
 from megatron_rlhf.models.gpt import transformer_engine_importable
-from megatron_rlhf.runtime.patches import default_group_gathers_scoped_to
+from megatron_rlhf.runtime.patches import default_group_gathers_scoped_to, megatron_fsdp_wrapping
 
 _SCHEDULES = ("constant", "linear", "cosine")
 _OPTIMIZER_CHECKPOINT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -59,6 +65,12 @@ class OptimizerSettings:
             the device. Needs CUDA, Transformer Engine and ``distributed_optimizer``; the update
             is AdamW (decoupled weight decay), as megatron requires and as every setting here
             runs.
+        fsdp: Megatron-FSDP (ZeRO-3): weights, gradients and optimizer state sharded over DP,
+            each transformer layer's weights gathered while it computes. Needs
+            ``distributed_optimizer``, and the model alone on every rank of the job with pp=1
+            (megatron-core 0.16.1's adapter lays its DP x TP mesh over the whole world). The
+            trainer refuses optimizer checkpoints under it (megatron saves Megatron-FSDP state
+            only in its ``fsdp_dtensor`` format).
     """
 
     lr: float = 1e-5
@@ -73,6 +85,7 @@ class OptimizerSettings:
     lr_schedule: str = "constant"
     distributed_optimizer: bool = True
     cpu_offload_fraction: float = 0.0
+    fsdp: bool = False
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -86,6 +99,14 @@ class OptimizerSettings:
         if self.lr_warmup_steps < 0 or self.lr_decay_steps < 0:
             raise ValueError("optimizer.lr_warmup_steps and lr_decay_steps must be >= 0")
         self._check_cpu_offload()
+        if self.fsdp and not self.distributed_optimizer:
+            raise ValueError("optimizer.fsdp=true needs optimizer.distributed_optimizer=true "
+                             "(megatron steps Megatron-FSDP's shards with its distributed "
+                             "optimizer)")
+        if self.fsdp and self.cpu_offload_fraction:
+            raise ValueError(f"optimizer.fsdp=true with optimizer.cpu_offload_fraction="
+                             f"{self.cpu_offload_fraction}: the optimizer CPU offload is wired for "
+                             "the distributed optimizer only; set one of them off")
 
     def _check_cpu_offload(self) -> None:
         fraction = self.cpu_offload_fraction
@@ -121,8 +142,19 @@ class ModelTrainer:
             use_distributed_optimizer=settings.distributed_optimizer,
             overlap_grad_reduce=False,
             check_for_nan_in_grad=False,
+            use_megatron_fsdp=settings.fsdp,
+            data_parallel_sharding_strategy="optim_grads_params" if settings.fsdp else "no_shard",
         )
-        self.module = DistributedDataParallel(config, ddp_config, model, pg_collection=pg_collection)
+        self.module: DistributedDataParallel | FullyShardedDataParallel
+        if settings.fsdp:
+            _check_fsdp_layout(pg_collection)
+            with megatron_fsdp_wrapping(pg_collection):
+                self.module = FullyShardedDataParallel(
+                    config, ddp_config, model, pg_collection=pg_collection,
+                    device=next(model.parameters()).device)
+        else:
+            self.module = DistributedDataParallel(config, ddp_config, model,
+                                                  pg_collection=pg_collection)
         config.no_sync_func = self.module.no_sync
         with default_group_gathers_scoped_to(pg_collection.intra_dist_opt):
             self.optimizer = self._build_optimizer(config, settings)
@@ -165,8 +197,23 @@ class ModelTrainer:
 
     @property
     def model(self) -> torch.nn.Module:
-        """The bare model (inside the DDP wrapper)."""
+        """The bare model (inside the DDP or FSDP wrapper). Under FSDP its parameters are only
+        whole while the wrapper runs them: read weights through :meth:`full_weights`."""
+        if self.settings.fsdp:
+            return self.module.module.module
         return self.module.module
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """Every parameter, whole, by its name in the bare model (TP shards stay TP shards).
+
+        Collective over the model's DP and TP groups under FSDP (the shards are gathered).
+        """
+        if not self.settings.fsdp:
+            return {name: param.detach().clone() for name, param in self.model.named_parameters()}
+        prefix = "module."
+        return {key[len(prefix):]: _full_tensor(value)
+                for key, value in self.module.module.state_dict().items()
+                if key.startswith(prefix) and not key.endswith("_extra_state")}
 
     def train_step(self, microbatches: list[Batch], loss_fn: LossFn) -> dict[str, Any]:
         """One optimizer step over ``microbatches`` (this rank's share of the step's batch).
@@ -203,13 +250,45 @@ class ModelTrainer:
 
     def _gradients_finite(self) -> bool:
         """Whether every gradient of the model is finite, agreed over the model's ranks."""
-        found = torch.zeros(1, device=self.module.buffers[0].grad_data.device)
-        for buffer in self.module.buffers + self.module.expert_parallel_buffers:
-            if not torch.isfinite(buffer.grad_data).all():
+        grads = self._reduced_gradients()
+        found = torch.zeros(1, device=grads[0].device)
+        for grad in grads:
+            if not torch.isfinite(grad).all():
                 found.fill_(1.0)
         dist.all_reduce(found, op=dist.ReduceOp.MAX,
                         group=self.optimizer.get_grad_stats_parallel_group())
         return found.item() == 0
+
+    def weight_buffers(self) -> list[torch.Tensor]:
+        """The contiguous weight buffers megatron keeps on this rank (under FSDP its shard of
+        the weights; the DDP wrapper keeps one only with the distributed optimizer)."""
+        if self.settings.fsdp:
+            return [group.model_weight_buffer.data
+                    for group in self.module.param_and_grad_buffer.parameter_groups
+                    if group.model_weight_buffer is not None]
+        return [buffer.param_data
+                for buffer in self.module.buffers + self.module.expert_parallel_buffers
+                if buffer.param_data is not None]
+
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        """The contiguous gradient buffers megatron keeps on this rank (under FSDP its shard of
+        them, padding included)."""
+        if self.settings.fsdp:
+            return [group.main_grad_buffer.data
+                    for group in self.module.param_and_grad_buffer.parameter_groups
+                    if group.main_grad_buffer is not None]
+        return [buffer.grad_data
+                for buffer in self.module.buffers + self.module.expert_parallel_buffers]
+
+    def _reduced_gradients(self) -> list[torch.Tensor]:
+        """This rank's reduced gradients, without padding: Megatron-FSDP leaves the padding of
+        its gradient shards uninitialised, so it may hold NaNs that belong to no parameter."""
+        if not self.settings.fsdp:
+            return self.gradient_buffers()
+        return [buffer.get_item(buffer.param_idx[param])
+                for group in self.module.param_and_grad_buffer.parameter_groups
+                if (buffer := group.main_grad_buffer) is not None
+                for param in buffer.params]
 
     def state_dict(self) -> dict[str, Any]:
         """Scheduler and step counter (optimizer state goes through sharded checkpoints)."""
@@ -232,7 +311,11 @@ class ModelTrainer:
         so the state loads at any TP/PP/DP; megatron's default ``fully_sharded_model_space``
         needs flattened ShardedTensors, which megatron-core 0.16.1 no longer accepts.
         Collective over the model's DP group on save.
+
+        Raises:
+            NotImplementedError: the model trains under Megatron-FSDP.
         """
+        self._refuse_fsdp_checkpoint()
         if is_loading:
             for inner in self._inner_optimizers():
                 _init_adam_state(inner.optimizer)
@@ -248,7 +331,11 @@ class ModelTrainer:
         ``load_state_dict`` gives every parameter the same ``step`` tensor, which Adam then
         increments once per parameter. Both are worked around here: the parameter state is loaded
         with ``step`` set aside, and each parameter gets its own copy of the step.
+
+        Raises:
+            NotImplementedError: the model trains under Megatron-FSDP.
         """
+        self._refuse_fsdp_checkpoint()
         for index, inner in enumerate(self._inner_optimizers()):
             if not isinstance(inner, DistributedOptimizer):
                 inner.load_state_dict(state[index])
@@ -263,8 +350,60 @@ class ModelTrainer:
 
     def reload_main_params(self) -> None:
         """Copy the model's weights into the optimizer's main (fp32) copies, after loading
-        weights without optimizer state."""
+        weights without optimizer state.
+
+        Raises:
+            NotImplementedError: the model trains under Megatron-FSDP.
+        """
+        self._refuse_fsdp_checkpoint()
         self.optimizer.reload_model_params()
+
+    def _refuse_fsdp_checkpoint(self) -> None:
+        if self.settings.fsdp:
+            raise NotImplementedError(
+                "optimizer.fsdp=true: checkpoints of a Megatron-FSDP model are not supported "
+                "(megatron-core 0.16.1 saves its state only in the fsdp_dtensor format, which "
+                "models.checkpoint does not read); train with optimizer.fsdp=false to save or "
+                "load one")
+
+
+def _check_fsdp_layout(pg_collection: ProcessGroupCollection) -> None:
+    """Refuse a layout megatron-core 0.16.1's FSDP adapter cannot mesh: it arranges
+    ``range(world_size)`` as DP x TP, so the model must span every rank without PP."""
+    tp, pp, dp = pg_collection.tp.size(), pg_collection.pp.size(), pg_collection.dp_cp.size()
+    world = dist.get_world_size()
+    if pp != 1 or tp * dp != world:
+        raise ValueError(f"optimizer.fsdp=true needs the model on every rank with pp=1 "
+                         f"(megatron-core 0.16.1's FSDP adapter meshes the whole world as DP x "
+                         f"TP); this model has tp={tp} pp={pp} dp={dp} on a world of {world} "
+                         "ranks: use optimizer.fsdp=false or such a layout")
+
+
+def _full_tensor(dtensor: DTensor) -> torch.Tensor:
+    """This rank's TP shard, whole over DP, of one of Megatron-FSDP's weights.
+
+    megatron's own ``gather_uneven_dtensor_to_full_tensor`` all-gathers chunks of different
+    sizes, which gloo refuses; each rank instead writes its chunk into zeros at its offset and
+    the ranks of each sharded mesh dimension sum them (the chunks are disjoint). Collective over
+    the weight's mesh: the model's DP group, and its TP group for a TP-sharded weight.
+    """
+    local = dtensor.to_local()
+    mesh = dtensor.device_mesh
+    if not hasattr(local, "__create_chunk_list__"):
+        update_uneven_dtensor_chunk_metadata(dtensor)
+    (chunk,) = dtensor.__create_chunk_list__()
+    full = torch.zeros(dtensor.shape, dtype=local.dtype, device=local.device)
+    region = zip(chunk.offsets, local.shape, strict=True)
+    full[tuple(slice(start, start + size) for start, size in region)] = local
+    sharded = [(dim, name, placement) for dim, (name, placement)
+               in enumerate(zip(mesh.mesh_dim_names, dtensor.placements, strict=True))
+               if isinstance(placement, Shard)]
+    for dim, _, _ in sharded:
+        dist.all_reduce(full, group=mesh.get_group(dim))
+    for dim, name, placement in sharded:
+        if name == "tp":
+            full = full.chunk(mesh.size(dim), dim=placement.dim)[mesh.get_coordinate()[dim]]
+    return full.contiguous()
 
 
 def _cpu_offload_fields(fraction: float) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from typing import Any
 
 from megatron_rlhf.runtime.faults import FaultTracker
 from megatron_rlhf.runtime.memory import MemoryMeter
-from megatron_rlhf.runtime.tracing import Tracer
+from megatron_rlhf.runtime.tracing import Span, Tracer
 
 _NULL = contextlib.nullcontext()
 
@@ -53,16 +53,20 @@ class RunContext:
 
     def span(self, stage: str, model: str = "", microbatch: int = -1):
         """Time ``stage`` on the tracer, measure its peak memory and mark it as this rank's
-        stage for fault reports (``stage/model``); free when none of them is active."""
+        stage for fault reports (``stage/model``); free when none of them is active.
+
+        Yields the tracer's :class:`~megatron_rlhf.runtime.tracing.Span` when tracing (the code
+        inside may set its ``work``), None otherwise.
+        """
         marker = self.stage(f"{stage}/{model}" if model else stage)
         if not self.tracer.enabled and not self.memory.enabled:
             return marker
         return self._span(marker, stage, model, microbatch)
 
     @contextlib.contextmanager
-    def _span(self, marker, stage: str, model: str, microbatch: int) -> Iterator[None]:
+    def _span(self, marker, stage: str, model: str, microbatch: int) -> Iterator[Span | None]:
         with marker, self.tracer.span(stage, model, microbatch) as span:
             with self.memory.stage(stage) as reading:
-                yield
+                yield span
             if span is not None and reading is not None:
                 span.peak_bytes = reading.peak_bytes

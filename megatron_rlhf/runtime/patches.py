@@ -8,6 +8,8 @@ makes the process-wide ones, and tests can undo them (:func:`undo_cpu_compat`).
     add_warning_filters()         # silence megatron's notices about missing GPU extras
     with default_group_gathers_scoped_to(pg):   # while megatron builds one model's optimizer
         ...
+    with megatron_fsdp_wrapping(pg_collection): # while Megatron-FSDP wraps one model
+        ...
     undo_cpu_compat()             # tests: back to the unpatched torch and megatron
 
 Each entry was checked against :data:`CHECKED_WITH`; a new megatron-core or torch means reading
@@ -96,6 +98,25 @@ PATCHES: tuple[Patch, ...] = (
           "megatron aligns optimizer parameter groups with an all_gather_object over the default "
           "group; with models on disjoint ranks it must span one model's ranks only",
           "default_group_gathers_scoped_to (a context manager, models.trainer.ModelTrainer)"),
+    Patch("megatron.core.parallel_state._TENSOR_MODEL_PARALLEL_GROUP, "
+          "_EXPERT_TENSOR_PARALLEL_GROUP, set while Megatron-FSDP wraps a model",
+          "mcore_fsdp_adapter.FullyShardedDataParallel._fix_tensor_parallel_attributes reads the "
+          "TP and expert-TP groups from the global parallel state (asserting they exist) even "
+          "when given a pg_collection; they are that model's groups while it wraps",
+          "megatron_fsdp_wrapping (a context manager, models.trainer.ModelTrainer)"),
+    Patch("torch.cuda.current_device, 0 while Megatron-FSDP wraps a model (no CUDA only)",
+          "megatron_fsdp.MegatronFSDP.__init__ formats torch.device(f'cuda:{current_device()}') "
+          "to compare with the device it is given; apply_cpu_compat's 'cpu' makes that an "
+          "invalid device string. The model's own device is passed explicitly, so the name only "
+          "feeds a log message",
+          "megatron_fsdp_wrapping (a context manager, models.trainer.ModelTrainer)"),
+    Patch("megatron.core.distributed.fsdp.mcore_fsdp_adapter.TELinear, while Megatron-FSDP "
+          "wraps a model (no Transformer Engine only)",
+          "_fix_tensor_parallel_attributes calls isinstance(module, (TELinear,)) when TP > 1; "
+          "without Transformer Engine TELinear is a MagicMock built on megatron's stand-in for "
+          "the missing module, and isinstance raises. A class no module "
+          "belongs to says what is true: there are no TE layers",
+          "megatron_fsdp_wrapping (a context manager, models.trainer.ModelTrainer)"),
     Patch("torch.distributed.distributed_c10d._set_pg_timeout (private API)",
           "the default group's timeout, for a group another component created with a different "
           "one; torch has no public setter",
@@ -239,6 +260,49 @@ def default_group_gathers_scoped_to(scope: dist.ProcessGroup) -> Iterator[None]:
         yield
     finally:
         dist.all_gather_object = original
+
+
+@contextlib.contextmanager
+def megatron_fsdp_wrapping(pg_collection: Any) -> Iterator[None]:
+    """Let megatron-core's Megatron-FSDP adapter wrap one model that has its own process groups.
+
+    While the context is open, megatron's global TP and expert-TP groups are this model's (the
+    adapter reads them besides ``pg_collection``); without CUDA, ``torch.cuda.current_device``
+    is 0 (``MegatronFSDP`` formats it into a ``cuda:<index>`` name); without Transformer Engine,
+    the adapter's ``TELinear`` (then a ``MagicMock``, megatron's stand-in for the missing module,
+    which its ``isinstance`` check under TP > 1 cannot take) is a class no module belongs to. All are put back on exit.
+
+    Args:
+        pg_collection: the model's ``ProcessGroupCollection``.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+
+    # A dense model has no expert parameters, so the expert-TP group only has to exist.
+    groups = {"_TENSOR_MODEL_PARALLEL_GROUP": pg_collection.tp,
+              "_EXPERT_TENSOR_PARALLEL_GROUP": getattr(pg_collection, "expt_tp", None)
+              or pg_collection.tp}
+    saved = {name: getattr(parallel_state, name) for name in groups}
+    current_device = torch.cuda.current_device
+    te_linear = mcore_fsdp_adapter.TELinear
+    for name, group in groups.items():
+        setattr(parallel_state, name, group)
+    if not torch.cuda.is_available():
+        torch.cuda.current_device = lambda: 0
+    if not isinstance(te_linear, type):
+        mcore_fsdp_adapter.TELinear = _NoTransformerEngineLayer
+    try:
+        yield
+    finally:
+        mcore_fsdp_adapter.TELinear = te_linear
+        torch.cuda.current_device = current_device
+        for name, group in saved.items():
+            setattr(parallel_state, name, group)
+
+
+class _NoTransformerEngineLayer:
+    """Stands in for Transformer Engine's linear layer where it is not installed: no module is
+    one."""
 
 
 def set_default_group_timeout(timeout_s: float) -> None:

@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,8 +30,9 @@ _NULL = contextlib.nullcontext()
 
 @dataclass
 class Span:
-    """One interval of work on this rank, in wall-clock seconds (comparable across ranks), and
-    its peak memory in bytes when the run measures memory (``runtime.memory``)."""
+    """One interval of work on this rank, in wall-clock seconds (comparable across ranks), its
+    peak memory in bytes when the run measures memory (``runtime.memory``), and what the stage
+    ran when it says so."""
 
     stage: str
     model: str
@@ -38,6 +40,9 @@ class Span:
     start: float
     end: float
     peak_bytes: int | None = None
+    work: dict[str, Any] | None = None
+    """Counts of what ran, JSON-serialisable, set by the code inside the span (the engine's
+    ``generate`` span: its generation micro-batches); written into the trace event's args."""
 
 
 @dataclass
@@ -108,14 +113,14 @@ def chrome_trace_events(spans_by_rank: list[list[dict]]) -> list[dict]:
                 "cat": span["stage"], "ph": "X", "pid": rank, "tid": 0,
                 "ts": (span["start"] - origin) * 1e6, "dur": (span["end"] - span["start"]) * 1e6,
                 "args": {"model": span["model"], "microbatch": span["microbatch"],
-                         **_peak(span)},
+                         **_optional(span)},
             })
     return events
 
 
-def _peak(span: dict) -> dict:
-    peak = span.get("peak_bytes")
-    return {} if peak is None else {"peak_bytes": peak}
+def _optional(span: dict) -> dict:
+    """The span's optional fields that are set."""
+    return {name: span[name] for name in ("peak_bytes", "work") if span.get(name) is not None}
 
 
 def write_chrome_trace(tracer: Tracer, path: str | Path) -> None:

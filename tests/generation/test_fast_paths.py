@@ -1,6 +1,9 @@
-"""The faster generation paths give bitwise the results of the paths they replace."""
+"""The faster generation paths give bitwise the results of the paths they replace (the compiled
+decode step: the same tokens, log-probs within rounding)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -83,3 +86,19 @@ def test_sample_tokens_equals_reference_sampler_bitwise(config: GenerationConfig
         logits, uniforms, config)
     for name in ("tokens", "logprobs", "policy_logprobs"):
         assert torch.equal(getattr(fast, name), getattr(reference, name)), name
+
+
+def test_compiled_decode_gives_the_eager_tokens_and_log_probs_within_rounding(tiny) -> None:
+    config = GenerationConfig(max_new_tokens=20, seed=5, stop_at_eos=False)
+    reference = _generate(tiny, config)
+    compiled = _generate(tiny, dataclasses.replace(config, compile_decode=True))
+    for name in ("input_ids", "attention_mask", "response_mask"):
+        assert torch.equal(getattr(compiled, name), getattr(reference, name)), name
+    for name in ("response_logprobs", "response_policy_logprobs"):
+        torch.testing.assert_close(getattr(compiled, name), getattr(reference, name),
+                                   rtol=0, atol=1e-5)
+
+
+def test_compile_decode_needs_the_kv_cache() -> None:
+    with pytest.raises(ValueError, match="compile_decode=True .* use_kv_cache=False"):
+        GenerationConfig(compile_decode=True, use_kv_cache=False)

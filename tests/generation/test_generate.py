@@ -7,7 +7,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_rlhf.generation import GenerationConfig, GenerationOutput, generate_sequences
+from megatron_rlhf.generation import (
+    GenerationConfig,
+    GenerationOutput,
+    MicroBatchWork,
+    generate_sequences,
+)
 from tests.generation.helpers import build_tiny, make_prompts
 
 EOS, PAD = 249, 0
@@ -164,6 +169,61 @@ def test_greedy_every_decodes_the_rows_its_index_picks_greedily(tiny) -> None:
     torch.testing.assert_close(mixed.response_policy_logprobs, policy, rtol=0, atol=1e-5)
     alone = _generate(tiny, prompts[2:3], GenerationConfig(**base, greedy_every=2), indices[2:3])
     assert _responses(alone) == _responses(mixed)[2:3]
+
+
+def _model_call_widths(tiny, prompts, config, eos_id=EOS) -> tuple[GenerationOutput, list]:
+    """Generate, and record the ``[rows, tokens]`` shape of every call of the model."""
+    model = tiny[0]
+    shapes = []
+    hook = model.register_forward_pre_hook(lambda module, args: shapes.append(
+        tuple(args[0].shape)))
+    try:
+        out = _generate(tiny, prompts, config, eos_id=eos_id)
+    finally:
+        hook.remove()
+    return out, shapes
+
+
+@pytest.mark.parametrize("use_kv_cache", [True, False])
+def test_micro_batch_work_is_what_the_model_ran(tiny, use_kv_cache: bool) -> None:
+    """Each micro-batch is padded to its own longest prompt, and the record says so: rows,
+    prompt width and model calls equal a count from the prompts, and the shapes of the calls
+    the model saw (a prefill of the prompt width then one token per call with the cache; the
+    whole sequence so far without it)."""
+    lengths, micro, new_tokens = [4, 9, 2, 6, 11, 3, 5], 3, 4
+    config = GenerationConfig(max_new_tokens=new_tokens, temperature=1.0, seed=2,
+                              stop_at_eos=False, micro_batch_size=micro,
+                              use_kv_cache=use_kv_cache)
+    out, shapes = _model_call_widths(tiny, make_prompts(lengths, seed=8), config)
+
+    by_hand = [MicroBatchWork(rows=len(lengths[i:i + micro]),
+                              prompt_width=max(lengths[i:i + micro]), forwards=new_tokens,
+                              kv_cache=use_kv_cache)
+               for i in range(0, len(lengths), micro)]
+    assert [(w.rows, w.prompt_width) for w in by_hand] == [(3, 9), (3, 11), (1, 5)]
+    assert list(out.micro_batches) == by_hand
+    expected_calls = []
+    for work in by_hand:
+        if use_kv_cache:
+            expected_calls += [(work.rows, work.prompt_width)] + [(work.rows, 1)] * (new_tokens - 1)
+        else:
+            expected_calls += [(work.rows, work.prompt_width + t) for t in range(new_tokens)]
+    assert shapes == expected_calls
+
+
+def test_micro_batch_work_counts_the_calls_of_an_early_stop(tiny) -> None:
+    """Rows that all stop early end the loop at the next stop check: the record counts the
+    calls that ran, not the budget."""
+    prompt = make_prompts([6], seed=5)[0]
+    free = _generate(tiny, [prompt] * 2, GenerationConfig(max_new_tokens=10, greedy=True,
+                                                          stop_at_eos=False))
+    tokens = free.responses[0].tolist()
+    step = next(t for t in range(2, 10) if tokens[t] not in tokens[:t])
+    out, shapes = _model_call_widths(
+        tiny, [prompt] * 2, GenerationConfig(max_new_tokens=10, greedy=True,
+                                             stop_check_interval=1), eos_id=tokens[step])
+    assert out.micro_batches == (MicroBatchWork(2, 6, step + 1, True),)
+    assert len(shapes) == step + 1 < 10
 
 
 def test_top_k_1_equals_greedy(tiny) -> None:

@@ -6,6 +6,8 @@ replicas) and at TP=2. The TP=1 model generating the whole batch is the referenc
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -44,6 +46,7 @@ def _check_parallel_generation() -> dict[str, float]:
     sampled = GenerationConfig(max_new_tokens=12, temperature=0.9, top_p=0.9, seed=4)
     uncached = GenerationConfig(max_new_tokens=12, greedy=True, stop_at_eos=False,
                                 use_kv_cache=False)
+    compiled = dataclasses.replace(sampled, compile_decode=True)
 
     tp1, pgc1 = build_tiny(tp=1)
     ref_greedy = generate_sequences(tp1, pgc1, prompts, INDICES, greedy, EOS, PAD)
@@ -55,7 +58,8 @@ def _check_parallel_generation() -> dict[str, float]:
 
     tp2, pgc2 = build_tiny(tp=2)
     worst = 0.0
-    for config, ref in [(greedy, ref_greedy), (uncached, ref_greedy), (sampled, ref_sampled)]:
+    for config, ref in [(greedy, ref_greedy), (uncached, ref_greedy), (sampled, ref_sampled),
+                        (compiled, ref_sampled)]:
         out = generate_sequences(tp2, pgc2, prompts, INDICES, config, EOS, PAD)
         assert _responses(out) == _responses(ref), f"TP=2 differs from TP=1 with {config}"
         torch.testing.assert_close(out.response_policy_logprobs, ref.response_policy_logprobs,
