@@ -126,7 +126,7 @@ def test_curves_put_held_out_points_beside_the_training_ones() -> None:
                 "eval/sampled/rm_score": -5.0, "eval/sampled/rule_score": 0.6,
                 "eval/sampled/kl": 1.5}]
     runs = curves(records)
-    assert [r["step"] for r in runs["train batches (sampled)"]] == [0, 1]
+    assert [r["step"] for r in runs["train batches"]] == [0, 1]
     assert runs["held-out (sampled)"] == [
         {"step": 0, "rm_score": -6.0, "rule_score": 0.45, "kl": 0.0},
         {"step": 2, "rm_score": -5.0, "rule_score": 0.6, "kl": 1.5}]
