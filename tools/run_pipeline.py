@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def curves(records: list[dict]) -> dict[str, list[dict]]:
     """PPO's training metrics and its held-out evaluations as runs for ``plot_curves.plot``."""
-    runs = {"train batches (sampled)": [r for r in records if "rm_score" in r]}
+    runs = {"train batches": [r for r in records if "rm_score" in r]}
     for mode in MODES:
         prefix = f"eval/{mode}/"
         runs[f"held-out ({mode})"] = [

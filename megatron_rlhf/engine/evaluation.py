@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megatron_rlhf.algorithms import kl_penalty, mean_sequence_kl
 from megatron_rlhf.engine.engine import PPOEngine, RuleReward
+from megatron_rlhf.generation import GenerationConfig
 from megatron_rlhf.runtime.logging import get_logger
 
 logger = get_logger(__name__)
@@ -28,6 +29,12 @@ EVAL_ID_OFFSET = 1 << 40
 """Added to a held-out prompt's position to key its sampling noise: no training id reaches it."""
 MODES = ("greedy", "sampled")
 """How the policy answers: argmax decoding, and sampling as in training."""
+
+
+def answering_config(sampling: GenerationConfig, mode: str) -> GenerationConfig:
+    """How the policy answers held-out prompts in ``mode``: every row greedy, or every row
+    sampled as in training (``greedy_every`` mixes greedy rows into training batches only)."""
+    return dataclasses.replace(sampling, greedy=mode == "greedy", greedy_every=0)
 
 
 class HeldOutEvaluator:
@@ -70,7 +77,7 @@ class HeldOutEvaluator:
         """This rank's metrics of one mode (empty on ranks that hold no experience rows)."""
         engine = self.engine
         sampling = engine.generation
-        engine.generation = dataclasses.replace(sampling, greedy=mode == "greedy")
+        engine.generation = answering_config(sampling, mode)
         try:
             rollout = engine.generate_rollout(self.prompts, self.ids)
             batch = engine.make_experience(rollout, sampling.temperature, self.rule_reward)

@@ -32,6 +32,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron_rlhf.generation.forward import CachedNextTokenLogits, RecomputeNextTokenLogits
 from megatron_rlhf.generation.params import GenerationConfig
 from megatron_rlhf.generation.sampling import (
+    greedy_row_mask,
     prompt_noise_keys,
     sample_tokens,
     uniforms_for_steps,
@@ -252,7 +253,7 @@ def _generate_micro_batch(model: torch.nn.Module, pg_collection: ProcessGroupCol
         next_logits = RecomputeNextTokenLogits(model, pg_collection, vocab_size, has_value_channel)
     noise_keys = prompt_noise_keys(config.seed, prompt_indices, device)
     output = _decode_loop(next_logits, input_ids, attention_mask, budgets, max_new, noise_keys,
-                          config, eos_id, pad_id)
+                          greedy_row_mask(prompt_indices, config, device), config, eos_id, pad_id)
     if on_cache is not None and config.use_kv_cache:
         on_cache(next_logits.cache_bytes())
     return output
@@ -260,8 +261,8 @@ def _generate_micro_batch(model: torch.nn.Module, pg_collection: ProcessGroupCol
 
 def _decode_loop(next_logits: CachedNextTokenLogits | RecomputeNextTokenLogits,
                  prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, budgets: torch.Tensor,
-                 max_new: int, noise_keys: torch.Tensor, config: GenerationConfig,
-                 eos_id: int | Sequence[int] | None, pad_id: int) -> GenerationOutput:
+                 max_new: int, noise_keys: torch.Tensor, greedy_rows: torch.Tensor | None,
+                 config: GenerationConfig, eos_id: int | Sequence[int] | None, pad_id: int) -> GenerationOutput:
     """Sample up to ``max_new`` tokens per row and assemble the output.
 
     Shapes stay fixed: the sequence buffers are allocated once at their final width and the
@@ -289,7 +290,7 @@ def _decode_loop(next_logits: CachedNextTokenLogits | RecomputeNextTokenLogits,
         forwards += 1
         end = prompt_width + step
         logits = next_logits(input_ids[:, :end], attention_mask[:, :end])
-        sampled = sample_tokens(logits, uniforms[step], config)
+        sampled = sample_tokens(logits, uniforms[step], config, greedy_rows)
         active = ~stopped
         token = torch.where(active, sampled.tokens, pad_id)
         logprobs[:, step] = torch.where(active, sampled.logprobs, 0.0)

@@ -31,6 +31,12 @@ class GenerationConfig:
     in (0, 1]; 1 disables the filter."""
     greedy: bool = False
     """Take the most likely token (ties: the lowest id) instead of sampling."""
+    greedy_every: int = 0
+    """While sampling, rows whose prompt index is a multiple of ``greedy_every`` take the argmax
+    instead, >= 0 (0: none). With ``rollout.samples_per_prompt = n``, ``n`` makes the first
+    response of every prompt the greedy one, so PPO also trains on (and its reward model
+    scores) the answers greedy decoding gives. Their ``response_logprobs`` are 0 (a point mass);
+    their policy log-probs are the policy's."""
     seed: int = 0
     """Seed of the sampling noise, >= 0; a prompt's noise depends on (seed, prompt index, step)
     only, never on the rank, the replica or the batch it is generated in."""
@@ -73,6 +79,9 @@ class GenerationConfig:
                  f"generation.top_k={self.top_k!r} must be an int >= 0 (0 disables it)")
         _require(0.0 < self.top_p <= 1.0,
                  f"generation.top_p={self.top_p} must be in (0, 1] (1 disables it)")
+        _require(isinstance(self.greedy_every, int) and self.greedy_every >= 0,
+                 f"generation.greedy_every={self.greedy_every!r} must be an int >= 0 (0: every "
+                 "row samples)")
         _require(isinstance(self.seed, int) and self.seed >= 0,
                  f"generation.seed={self.seed!r} must be an int >= 0")
         _require(isinstance(self.micro_batch_size, int) and self.micro_batch_size >= 0,

@@ -173,8 +173,8 @@ class SampledTokens:
     """Log-probability under ``softmax(logits / temperature)``, without top-k/top-p."""
 
 
-def sample_tokens(logits: torch.Tensor, uniforms: torch.Tensor,
-                  config: GenerationConfig) -> SampledTokens:
+def sample_tokens(logits: torch.Tensor, uniforms: torch.Tensor, config: GenerationConfig,
+                  greedy_rows: torch.Tensor | None = None) -> SampledTokens:
     """Pick the next token of every row of ``logits`` as ``config`` says.
 
     Args:
@@ -182,6 +182,8 @@ def sample_tokens(logits: torch.Tensor, uniforms: torch.Tensor,
             every rank that must agree on the tokens.
         uniforms: ``[b]`` float64 in [0, 1), one per row (ignored when greedy).
         config: temperature, top-k, top-p, greedy.
+        greedy_rows: ``[b]`` bool, rows that take the argmax although ``config`` samples
+            (:func:`greedy_row_mask`); None: none.
 
     Returns:
         The tokens with both kinds of log-probabilities.
@@ -195,8 +197,25 @@ def sample_tokens(logits: torch.Tensor, uniforms: torch.Tensor,
         if config.filters_distribution:
             dist = sampling_logprobs(logits, config.temperature, config.top_k, config.top_p)
         tokens = inverse_cdf_sample(dist, uniforms)
+        if greedy_rows is not None:
+            tokens = torch.where(greedy_rows, logits.argmax(dim=-1), tokens)
         logprobs = dist.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        if dist is policy:
+        if greedy_rows is not None:
+            logprobs = logprobs.masked_fill(greedy_rows, 0.0)
+        elif dist is policy:
             return SampledTokens(tokens=tokens, logprobs=logprobs, policy_logprobs=logprobs)
     policy_logprobs = policy.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return SampledTokens(tokens=tokens, logprobs=logprobs, policy_logprobs=policy_logprobs)
+
+
+def greedy_row_mask(prompt_indices: Sequence[int], config: GenerationConfig,
+                    device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """``[b]`` bool: the rows ``config.greedy_every`` decodes greedily (None when it is 0).
+
+    Keyed by the prompt index, like the sampling noise, so a row is greedy or not whatever rank,
+    replica or batch generates it.
+    """
+    if config.greedy or not config.greedy_every:
+        return None
+    indices = torch.as_tensor(prompt_indices, dtype=torch.int64, device=device)
+    return indices % config.greedy_every == 0

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from megatron_rlhf.config.ppo_run import EvalConfig
-from megatron_rlhf.engine.evaluation import hacking_report
+from megatron_rlhf.engine.evaluation import MODES, answering_config, hacking_report
+from megatron_rlhf.generation import GenerationConfig
 from tests.multirank import run_on_ranks
 
 FIRST = {"eval/greedy/rm_score": -3.0, "eval/greedy/rm_score_std": 1.0,
@@ -125,8 +126,16 @@ def test_curves_put_held_out_points_beside_the_training_ones() -> None:
                 "eval/sampled/rm_score": -5.0, "eval/sampled/rule_score": 0.6,
                 "eval/sampled/kl": 1.5}]
     runs = curves(records)
-    assert [r["step"] for r in runs["train batches (sampled)"]] == [0, 1]
+    assert [r["step"] for r in runs["train batches"]] == [0, 1]
     assert runs["held-out (sampled)"] == [
         {"step": 0, "rm_score": -6.0, "rule_score": 0.45, "kl": 0.0},
         {"step": 2, "rm_score": -5.0, "rule_score": 0.6, "kl": 1.5}]
     assert [r["rule_score"] for r in runs["held-out (greedy)"]] == [0.3, 0.2]
+
+
+def test_held_out_answers_are_all_greedy_or_all_sampled_whatever_training_mixes() -> None:
+    training = GenerationConfig(temperature=0.7, greedy_every=2, seed=3)
+    greedy, sampled = (answering_config(training, mode) for mode in MODES)
+    assert (greedy.greedy, greedy.greedy_every) == (True, 0)
+    assert (sampled.greedy, sampled.greedy_every) == (False, 0)
+    assert sampled.temperature == greedy.temperature == 0.7 and sampled.seed == 3

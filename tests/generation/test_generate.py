@@ -146,6 +146,31 @@ def test_micro_batches_and_stop_checks_do_not_change_the_output(tiny) -> None:
                                        atol=1e-5)
 
 
+def test_greedy_every_decodes_the_rows_its_index_picks_greedily(tiny) -> None:
+    """Rows whose prompt index is a multiple of ``greedy_every`` are the greedy decoder's
+    answers (with log-prob 0 under the point mass they are drawn from, and the policy's
+    log-probs); the other rows are the plain sampler's, bitwise, whatever batch they are in."""
+    prompts = make_prompts([4, 9, 2, 6, 11, 3], seed=8)
+    indices = [10, 7, 42, 3, 55, 8]
+    base = dict(max_new_tokens=10, seed=3)
+    mixed = _generate(tiny, prompts, GenerationConfig(**base, greedy_every=2), indices)
+    sampled = _generate(tiny, prompts, GenerationConfig(**base), indices)
+    greedy = _generate(tiny, prompts, GenerationConfig(**base, greedy=True), indices)
+    picked = [index % 2 == 0 for index in indices]
+    for row, is_greedy in enumerate(picked):
+        reference = greedy if is_greedy else sampled
+        assert _responses(mixed)[row] == _responses(reference)[row], row
+    assert _responses(mixed) != _responses(sampled)
+    real = mixed.response_mask.bool()
+    rows = torch.tensor(picked)
+    assert torch.all(mixed.response_logprobs[rows] == 0)
+    assert torch.all(mixed.response_logprobs[~rows][real[~rows]] < 0)
+    policy = _full_forward_logprobs(tiny, mixed, 1.0)
+    torch.testing.assert_close(mixed.response_policy_logprobs, policy, rtol=0, atol=1e-5)
+    alone = _generate(tiny, prompts[2:3], GenerationConfig(**base, greedy_every=2), indices[2:3])
+    assert _responses(alone) == _responses(mixed)[2:3]
+
+
 def _model_call_widths(tiny, prompts, config, eos_id=EOS) -> tuple[GenerationOutput, list]:
     """Generate, and record the ``[rows, tokens]`` shape of every call of the model."""
     model = tiny[0]

@@ -100,7 +100,7 @@ def test_filtered_logprobs_exceed_policy_logprobs() -> None:
                                           ("temperature", math.nan), ("top_k", -2),
                                           ("top_p", 0.0), ("top_p", 1.5), ("seed", -1),
                                           ("micro_batch_size", -1),
-                                          ("stop_check_interval", 0)])
+                                          ("stop_check_interval", 0), ("greedy_every", -1)])
 def test_config_rejects_bad_values_naming_the_field(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=f"generation.{field}="):
         GenerationConfig(**{field: value})
