@@ -15,6 +15,7 @@ import pytest
 from megatron_rlhf.config.ppo_run import ModelsConfig, RunConfig
 from megatron_rlhf.topology.cluster import DevicePool, cluster_from_environment
 from megatron_rlhf.topology.placement_config import PlacementConfig
+from tests.engine.two_steps import two_ppo_steps
 from tests.multirank import run_on_ranks
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -38,18 +39,9 @@ def _config(fsdp: bool, **changes) -> RunConfig:
 
 
 def _run(fsdp: bool) -> tuple[list[dict], dict[str, int]]:
-    from megatron_rlhf.engine.build import build_engine, make_plan
-    from megatron_rlhf.engine.ppo import PPOAlgorithm
     from megatron_rlhf.models.offload import GRADS
 
-    config = _config(fsdp)
-    engine = build_engine(config, make_plan(config, cluster_from_environment(None)),
-                          eos_id=3, pad_id=0)
-    prompts = [[5 + i, 7 + i, 9] for i in range(8)]
-    algorithm = PPOAlgorithm(engine, config.algorithm, config.rollout, config.reward, seed=5,
-                             prompts=lambda s: (prompts[4 * s:4 * s + 4], list(range(4))),
-                             total_steps=2)
-    metrics = [algorithm.step(step) for step in range(2)]
+    engine, metrics = two_ppo_steps(_config(fsdp))
     grad_bytes = {role: engine.workers[role].offloader.resident_bytes((GRADS,))
                   for role in ("actor", "critic")}
     return metrics, grad_bytes

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_rlhf.config.ppo_run import ModelsConfig
+from tests.engine.two_steps import two_ppo_steps
 from tests.multirank import run_on_ranks
 
 RECOMPUTE = {"actor": "full", "critic": "selective"}
@@ -74,10 +75,7 @@ def _held_state(engine) -> dict[str, dict]:
 
 def _run(recompute: dict[str, str]) -> tuple[list[dict], dict, dict[str, str]]:
     from megatron_rlhf.config.ppo_run import RewardConfig, RolloutConfig, RunConfig
-    from megatron_rlhf.engine.build import build_engine, make_plan
-    from megatron_rlhf.engine.ppo import PPOAlgorithm
     from megatron_rlhf.generation import GenerationConfig
-    from megatron_rlhf.topology.cluster import cluster_from_environment
     from megatron_rlhf.topology.placement_config import PlacementConfig
 
     config = RunConfig(
@@ -88,13 +86,7 @@ def _run(recompute: dict[str, str]) -> tuple[list[dict], dict, dict[str, str]]:
         generation=GenerationConfig(max_new_tokens=6, seed=3),
         reward=RewardConfig(model_weight=0.5, rule="none"), steps=2)
     config.actor_optimizer.lr = config.critic_optimizer.lr = 1e-3
-    engine = build_engine(config, make_plan(config, cluster_from_environment(None)),
-                          eos_id=3, pad_id=0)
-    prompts = [[5 + i, 7 + i, 9] for i in range(8)]
-    algorithm = PPOAlgorithm(engine, config.algorithm, config.rollout, config.reward, seed=5,
-                             prompts=lambda s: (prompts[4 * s:4 * s + 4], list(range(4))),
-                             total_steps=2)
-    metrics = [algorithm.step(step) for step in range(2)]
+    engine, metrics = two_ppo_steps(config)
     granularity = {role: worker.model.config.recompute_granularity or "none"
                    for role, worker in engine.workers.items()}
     return metrics, _held_state(engine), granularity

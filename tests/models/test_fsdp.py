@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from tests.model_fixtures import TinyArch, whole_world_groups
+from tests.models.batches import GLOBAL_BATCH, global_batch
 from tests.multirank import run_on_ranks
 
-GLOBAL_BATCH = 8
 STEPS = 3
 RTOL = 1e-5
 """Losses and gradient norms: relative agreement of the two runs (observed: 3.4e-7; the first
@@ -25,14 +25,6 @@ step's are equal to the bit)."""
 WEIGHT_ATOL = 1e-5
 """Final weights: absolute agreement (observed: 4.3e-6, where Adam divides a gradient near zero
 by its small second moment; one step moves a weight by up to lr = 1e-2)."""
-
-
-def _global_batch(step: int) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(100 + step)
-    ids = torch.randint(0, 250, (GLOBAL_BATCH, 12), generator=generator)
-    lengths = torch.randint(3, 13, (GLOBAL_BATCH,), generator=generator)
-    mask = (torch.arange(12)[None] < lengths[:, None]).long()
-    return {"input_ids": ids, "attention_mask": mask}
 
 
 def _trainer(fsdp: bool, tp: int = 1, pp: int = 1):
@@ -66,7 +58,7 @@ def _train(fsdp: bool, tp: int
     start = pgc.dp.rank() * per_replica
     losses, norms = [], []
     for step in range(STEPS):
-        mine = {k: v[start:start + per_replica] for k, v in _global_batch(step).items()}
+        mine = {k: v[start:start + per_replica] for k, v in global_batch(step).items()}
         microbatches = [{k: v[i:i + 2] for k, v in mine.items()} for i in range(0, per_replica, 2)]
         out = trainer.train_step(microbatches, loss_fn)
         assert out["update_successful"]
@@ -160,7 +152,7 @@ def _refusals_and_skipped_update() -> None:
 
     # A non-finite gradient on one rank only skips the update on both.
     before = trainer.full_weights()
-    batch = {k: v[:2] for k, v in _global_batch(0).items()}
+    batch = {k: v[:2] for k, v in global_batch(0).items()}
 
     def poisoned(logits, _batch):
         loss = logits.float().sum() * (math.nan if dist.get_rank() == 1 else 1.0)

@@ -11,17 +11,8 @@ import torch
 import torch.distributed as dist
 
 from tests.model_fixtures import TinyArch, whole_world_groups
+from tests.models.batches import GLOBAL_BATCH, global_batch
 from tests.multirank import run_on_ranks
-
-GLOBAL_BATCH = 8
-
-
-def _global_batch(step: int) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(100 + step)
-    ids = torch.randint(0, 250, (GLOBAL_BATCH, 12), generator=generator)
-    lengths = torch.randint(3, 13, (GLOBAL_BATCH,), generator=generator)
-    mask = (torch.arange(12)[None] < lengths[:, None]).long()
-    return {"input_ids": ids, "attention_mask": mask}
 
 
 def _train(tp: int, pp: int, distributed_optimizer: bool, steps: int = 2):
@@ -49,7 +40,7 @@ def _train(tp: int, pp: int, distributed_optimizer: bool, steps: int = 2):
     per_replica = GLOBAL_BATCH // dp_size
     norms = []
     for step in range(steps):
-        batch = _global_batch(step)
+        batch = global_batch(step)
         mine = {k: v[dp_rank * per_replica:(dp_rank + 1) * per_replica] for k, v in batch.items()}
         micro = max(1, per_replica // 2)
         microbatches = [{k: v[i:i + micro] for k, v in mine.items()}
