@@ -98,9 +98,10 @@ def test_pipeline_evaluates_untrained_sft_and_final_policies(tmp_path: Path) -> 
     (sft_again,) = _records(tmp_path / "sft_again" / "metrics.jsonl")
     assert sft_again.pop("step") == 0
     _assert_same_evaluation(held["sft"], sft_again)
-    # The final policy: trained (it has moved from the reference), and the same numbers come
-    # from its resumable checkpoint, loaded under another placement.
-    assert held["ppo"]["eval/sampled/kl"] > 0.0
+    # The final policy: trained (it has moved from the reference; its KL is estimated from the
+    # sampled tokens' log-ratios, which can sum below zero), and the same numbers come from its
+    # resumable checkpoint, loaded under another placement.
+    assert abs(held["ppo"]["eval/sampled/kl"]) > 1e-4
     (final_again,) = _records(tmp_path / "final_again" / "metrics.jsonl")
     assert final_again.pop("step") == 3
     _assert_same_evaluation(held["ppo"], final_again)
