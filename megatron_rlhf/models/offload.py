@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from megatron_rlhf.models.trainer import ModelTrainer
 from megatron_rlhf.runtime.device import model_device
@@ -37,16 +38,26 @@ def _tensors_of(model: torch.nn.Module, trainer: ModelTrainer | None, part: str
     if part == WEIGHTS:
         if trainer is not None:
             yield from trainer.weight_buffers()
-        yield from model.parameters()  # views of the buffers above when trained
+            yield from trainer.gathered_weight_buffers()
+        # Views of the buffers above when trained. A Megatron-FSDP model's sharded parameters
+        # are DTensors over the optimizer's fp32 main-weight shards: the optimizer's.
+        yield from (p for p in model.parameters() if not isinstance(p, DTensor))
         yield from model.buffers()
     elif part == GRADS and trainer is not None:
         yield from trainer.gradient_buffers()
     elif part == OPTIMIZER and trainer is not None:
         for inner in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
             for group in inner.optimizer.param_groups:
-                yield from group["params"]  # fp32 main copies (bf16 models) or the model's own
+                # fp32 main copies (bf16 models) or the model's own
+                yield from (_local(p) for p in group["params"])
             for state in inner.optimizer.state.values():
-                yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+                yield from (_local(v) for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (Megatron-FSDP's parameters and Adam moments): a DTensor's
+    own storage is an empty wrapper, not the bytes the rank holds."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class StateOffloader:
@@ -126,14 +137,21 @@ class StateOffloader:
 
         The memory meter asks at every stage boundary, and walking the storages costs about a
         millisecond a model on the CPU, so the answer is kept until the offloaded parts or the
-        number of optimizer states (Adam creates its moments at the first step) change: the only
-        ways the storages of a part change size."""
+        number of optimizer states (Adam creates its moments at the first step) or the bytes of
+        the weights Megatron-FSDP holds gathered change: the only ways the storages of a part
+        change size."""
         parts = _checked(tuple(parts))
-        key = (parts, frozenset(self._offloaded), self._optimizer_state_count())
+        key = (parts, frozenset(self._offloaded), self._optimizer_state_count(),
+               self._gathered_bytes())
         if key not in self._resident_cache:
             self._resident_cache[key] = sum(storage.nbytes() for part in parts
                                             for storage in self._storages(part))
         return self._resident_cache[key]
+
+    def _gathered_bytes(self) -> int:
+        if self.trainer is None:
+            return 0
+        return sum(t.untyped_storage().nbytes() for t in self.trainer.gathered_weight_buffers())
 
     def _optimizer_state_count(self) -> int:
         if self.trainer is None:

@@ -32,6 +32,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch.distributed.tensor import DTensor, Shard
 
 from megatron_rlhf.models.forward_backward import Batch, LossFn, run_microbatches
@@ -39,6 +40,9 @@ from megatron_rlhf.models.gpt import transformer_engine_importable
 from megatron_rlhf.runtime.patches import default_group_gathers_scoped_to, megatron_fsdp_wrapping
 
 _SCHEDULES = ("constant", "linear", "cosine")
+FSDP_GATHERED_LAYERS = 2
+"""Transformer layers Megatron-FSDP holds gathered at once: the one computing and the one
+prefetched (``suggested_communication_unit_size``; ``planner.cost_model.FSDP_LAYERS_GATHERED``)."""
 _OPTIMIZER_CHECKPOINT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
@@ -144,6 +148,9 @@ class ModelTrainer:
             check_for_nan_in_grad=False,
             use_megatron_fsdp=settings.fsdp,
             data_parallel_sharding_strategy="optim_grads_params" if settings.fsdp else "no_shard",
+            # megatron's default prefetches up to 1e9 elements: every layer of a small model.
+            suggested_communication_unit_size=(FSDP_GATHERED_LAYERS * _layer_elements(model)
+                                               if settings.fsdp else None),
         )
         self.module: DistributedDataParallel | FullyShardedDataParallel
         if settings.fsdp:
@@ -247,6 +254,25 @@ class ModelTrainer:
             "lr": lr,
             "update_successful": bool(update_successful),
         }
+
+    def release_gathered_weights(self) -> None:
+        """Free the weights Megatron-FSDP holds gathered, leaving this rank's shards.
+
+        After an optimizer step megatron starts gathering every layer for the next forward, and
+        a forward-only pass may end with its last layers still gathered; the engine calls this
+        when a stage is done with the model, so that at rest the model holds its shards only.
+        The next forward gathers what it needs again. A no-op without FSDP.
+        """
+        if self.settings.fsdp:
+            self.module.module.synchronize_param_gather()
+
+    def gathered_weight_buffers(self) -> list[torch.Tensor]:
+        """The unsharded weight buckets Megatron-FSDP has allocated now (empty storages once
+        released; none without FSDP)."""
+        if not self.settings.fsdp:
+            return []
+        allocator = self.module.param_and_grad_buffer.weight_alloc
+        return [bucket.data for bucket in allocator.buckets.values()]
 
     def _gradients_finite(self) -> bool:
         """Whether every gradient of the model is finite, agreed over the model's ranks."""
@@ -365,6 +391,12 @@ class ModelTrainer:
                 "(megatron-core 0.16.1 saves its state only in the fsdp_dtensor format, which "
                 "models.checkpoint does not read); train with optimizer.fsdp=false to save or "
                 "load one")
+
+
+def _layer_elements(model: torch.nn.Module) -> int:
+    """Parameters of this rank's largest transformer layer (Megatron-FSDP's unit)."""
+    return max((sum(p.numel() for p in layer.parameters()) for layer in model.modules()
+                if isinstance(layer, TransformerLayer)), default=1)
 
 
 def _check_fsdp_layout(pg_collection: ProcessGroupCollection) -> None:
