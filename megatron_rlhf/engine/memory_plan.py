@@ -7,8 +7,8 @@
 The per-model bytes are the planner's (``planner.memory``); this module applies the engine's
 offload rules to them. Stages are named like the engine's spans, so a prediction lines up with the
 ``memory/<stage>_peak_bytes`` metrics, and it counts what the engine counts on the CPU: model
-state (weights, gradient buffers, optimizer state) and the KV cache of generation, not
-activations. Between stages an offloaded model holds nothing on the device; an operator brings
+state (weights, gradient buffers, optimizer state; a Megatron-FSDP model's shards), the KV cache
+of generation and the weights FSDP gathers while a model computes, not activations. Between stages an offloaded model holds nothing on the device; an operator brings
 back what it needs, one model at a time: the generating model's weights (``generate``), each
 scoring model's weights (``experience``), all the state of each trained model (``train``), and a
 trained model's weights with its shadow's (``sync_weights``).
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.planner import RolloutSpec, load_profile, plan_memory
-from megatron_rlhf.planner.cost_model import kv_cache_bytes
-from megatron_rlhf.planner.memory import experience_roles, generating_roles
+from megatron_rlhf.planner.cost_model import FULLY_SHARDED, fsdp_gathered_bytes, kv_cache_bytes
+from megatron_rlhf.planner.memory import base_options, experience_roles, generating_roles
 from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.topology.models import SHADOW_OF, TRAINABLE_ROLES
 from megatron_rlhf.topology.plan import PlacementPlan
@@ -42,12 +42,15 @@ class RoleBytes:
         grads: gradient buffers (trainable models).
         optimizer: optimizer state: fp32 main weights and Adam moments (trainable models).
         kv_cache: the KV cache of one generation round (generating models).
+        gathered: the weights Megatron-FSDP gathers while the model computes (FSDP models):
+            two layers and the embeddings (``planner.cost_model.fsdp_gathered_bytes``).
     """
 
     weights: float
     grads: float = 0.0
     optimizer: float = 0.0
     kv_cache: float = 0.0
+    gathered: float = 0.0
 
     @property
     def state(self) -> float:
@@ -57,21 +60,35 @@ class RoleBytes:
 
 def planner_role_bytes(plan: PlacementPlan, config: RunConfig) -> dict[str, RoleBytes]:
     """The planner's bytes of every model of ``plan`` for the run ``config`` (bf16 weights, fp32
-    gradient buffers, mixed-precision Adam), with a generation round of at most
-    ``generation.micro_batch_size`` rows when that is set."""
+    gradient buffers, mixed-precision Adam; sharded over DP under ``<role>_optimizer.fsdp``),
+    with a generation round of at most ``generation.micro_batch_size`` rows when that is set."""
     rollout = RolloutSpec.from_run_config(config)
     # Memory large enough that nothing is offloaded and one round holds the whole batch.
     unlimited = dataclasses.replace(load_profile("A100-80GB"), memory_gib=2.0**40)
-    report = plan_memory(plan, rollout, (unlimited,) * len(plan.cluster.pools))
+    fsdp = fsdp_roles(config, plan)
+    options = {role: base_options(plan[role], rollout) for role in plan.roles}
+    options.update({role: dataclasses.replace(options[role], sharding=FULLY_SHARDED)
+                    for role in fsdp})
+    report = plan_memory(plan, rollout, (unlimited,) * len(plan.cluster.pools), options)
     # The planner's generation working set also holds the prefill's activations and the logits,
     # which the engine does not count on the CPU: only the static KV cache of the round.
     bound = config.generation.micro_batch_size
     kv_cache = {role: min(rows, bound or rows) * kv_cache_bytes(
                     plan[role].spec.arch, plan[role].tp, plan[role].pp, 1, rollout.sequence_length)
                 for role, rows in report.generation_micro_batch.items()}
+    # What the CPU meter sees gathered: the weights at each layer's forward (on a GPU the
+    # allocator also sees the backward's gradient buckets, which the planner's fit adds).
+    gathered = {role: fsdp_gathered_bytes(plan[role].spec.arch, plan[role].tp, training=False)
+                for role in fsdp}
     return {role: RoleBytes(m.weights * _GIB, m.grads * _GIB, m.optimizer * _GIB,
-                            kv_cache.get(role, 0.0))
+                            kv_cache.get(role, 0.0), gathered.get(role, 0.0))
             for role, m in report.roles.items()}
+
+
+def fsdp_roles(config: RunConfig, plan: PlacementPlan) -> set[str]:
+    """The placed models trained under Megatron-FSDP (``<role>_optimizer.fsdp=true``)."""
+    settings = {"actor": config.actor_optimizer, "critic": config.critic_optimizer}
+    return {role for role, s in settings.items() if s.fsdp and role in plan.models}
 
 
 def stage_peaks(plan: PlacementPlan, roles: dict[str, RoleBytes], offloaded: Collection[str]
@@ -105,11 +122,13 @@ def stage_peaks(plan: PlacementPlan, roles: dict[str, RoleBytes], offloaded: Col
 
 def _brought_back(stage: str, role: RoleBytes, offloaded: bool) -> float:
     """Bytes a stage adds for one of its models: what an offloaded model brings back, plus the
-    generation's KV cache."""
-    kv = role.kv_cache if stage == GENERATE else 0.0
+    generation's KV cache and the weights FSDP gathers (both alive while a decoding step
+    computes; ``sync_weights`` computes nothing)."""
+    work = (role.kv_cache if stage == GENERATE else 0.0) + (role.gathered if stage != SYNC
+                                                             else 0.0)
     if not offloaded:
-        return kv
-    return (role.state if stage == TRAIN else role.weights) + kv
+        return work
+    return (role.state if stage == TRAIN else role.weights) + work
 
 
 def offload_policies(config: RunConfig, plan: PlacementPlan) -> dict[str, str]:

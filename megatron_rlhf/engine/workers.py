@@ -40,6 +40,8 @@ class ModelWorker:
         offload: ``never`` (always resident) or ``always``: between operators the model's
             weights, gradient buffers and optimizer state live in host memory; an operator
             brings back what it needs (the weights; all three to train) and sends it back after.
+            A Megatron-FSDP model is never offloaded; after each operator it frees the weights
+            it gathered, so that between operators it holds its shards only.
         meter: the run's memory meter, which counts this model's resident state (default: none).
     """
 
@@ -56,6 +58,11 @@ class ModelWorker:
         self.offloader = StateOffloader(model, trainer)
         self.meter = meter or MemoryMeter()
         self.meter.track(self.offloader)
+        if trainer is not None:
+            # Megatron-FSDP gathers a layer's weights just before it computes: where the CPU
+            # meter must look to see them.
+            for layer in trainer.fsdp_units():
+                layer.register_forward_pre_hook(lambda *_: self.meter.observe())
         if offload == "always":
             self.offloader.offload(*PARTS)
 
@@ -69,6 +76,8 @@ class ModelWorker:
         finally:
             # Training creates the Adam moments: count them before they may leave the device.
             self.meter.observe()
+            if self.trainer is not None:
+                self.trainer.release_gathered_weights()
             if self.offload == "always":
                 self.offloader.offload(*parts)
 

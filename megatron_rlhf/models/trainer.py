@@ -266,6 +266,13 @@ class ModelTrainer:
         if self.settings.fsdp:
             self.module.module.synchronize_param_gather()
 
+    def fsdp_units(self) -> list[torch.nn.Module]:
+        """The modules Megatron-FSDP gathers one at a time (its transformer layers; none
+        without FSDP)."""
+        if not self.settings.fsdp:
+            return []
+        return [m for m in self.model.modules() if isinstance(m, TransformerLayer)]
+
     def gathered_weight_buffers(self) -> list[torch.Tensor]:
         """The unsharded weight buckets Megatron-FSDP has allocated now (empty storages once
         released; none without FSDP)."""

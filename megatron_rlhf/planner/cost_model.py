@@ -43,7 +43,8 @@ replicated optimizer state (ZeRO-0), Megatron's distributed optimizer (optimizer
 ZeRO-1), Megatron-FSDP (weights, gradients and optimizer state sharded, ZeRO-3)."""
 FSDP_LAYERS_GATHERED = 2
 """Layers whose full weights and gradients an FSDP rank holds at once: the one running and the
-one prefetched."""
+one prefetched (the engine sets Megatron-FSDP's ``suggested_communication_unit_size`` to that,
+``models.trainer.FSDP_GATHERED_LAYERS``)."""
 ADAM_UPDATE_BYTES = 32
 """Memory traffic of one Adam update per parameter: read and write 12 bytes of state, read the
 bf16 gradient, write the bf16 weight (12 + 12 + 2 + 2, rounded up for the fp32 gradient cast)."""
@@ -141,11 +142,14 @@ def layer_params(arch: ArchSpec) -> float:
 
 
 def fsdp_gathered_bytes(arch: ArchSpec, tp: int, training: bool) -> float:
-    """Unsharded layers an FSDP rank holds while it computes: ``FSDP_LAYERS_GATHERED`` layers'
-    bf16 weights (``2 P_l / tp``), and in training their fp32 gradients too (``4 P_l / tp``)
-    before the reduce-scatter, with ``P_l`` = ``layer_params``."""
+    """Unsharded weights an FSDP rank holds while it computes, with ``P_l`` = ``layer_params``
+    and ``P_o`` the parameters outside the layers (embedding, output layer, final norm), which
+    Megatron-FSDP gathers as one unit for the whole pass: ``FSDP_LAYERS_GATHERED`` layers' and
+    the outside's bf16 weights (``2 (2 P_l + P_o) / tp``), and in training their fp32 gradients
+    too (``4 (2 P_l + P_o) / tp``) before the reduce-scatter."""
+    outside = arch.num_params(1, value_head=False) - arch.num_layers * layer_params(arch)
     per_param = BF16 + (GRAD_BYTES if training else 0)
-    return FSDP_LAYERS_GATHERED * per_param * layer_params(arch) / tp
+    return per_param * (FSDP_LAYERS_GATHERED * layer_params(arch) + outside) / tp
 
 
 def layer_activation_bytes(arch: ArchSpec, seq: int, micro_batch: int, tp: int) -> float:

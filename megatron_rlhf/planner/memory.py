@@ -263,7 +263,8 @@ def _needs(model: ModelPlacement, rollout: RolloutSpec, options: MemoryOptions, 
         kv = (cm.kv_cache_bytes(arch, tp, pp, 1, seq)
               + cm.layer_activation_bytes(arch, rollout.prompt_length, 1, tp)
               + cm.logits_bytes(arch, 1, 1, training=False))
-        gathered = cm.BF16 * model.spec.num_params() / (tp * pp) if fsdp else 0.0
+        # Each decoding step gathers the layers as a forward pass does.
+        gathered = cm.fsdp_gathered_bytes(arch, tp, training=False) if fsdp else 0.0
         generation = _Use(state.weights, gathered)
     return _Needs(state, tuple(uses), generation, kv, per_row)
 

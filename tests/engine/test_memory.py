@@ -2,8 +2,9 @@
 ``models.offload.<role>=auto``.
 
 The engine test runs two PPO steps of a tiny bf16 configuration on 2 gloo ranks (flattening and
-separation, every model resident or every model offloaded; and separation with ``auto`` under a
-budget that only the trainers' rank exceeds) and compares step 1's
+separation, every model resident or every model offloaded; separation with ``auto`` under a
+budget that only the trainers' rank exceeds; and flattening with actor and critic under
+Megatron-FSDP, whose shards and gathered layers the planner predicts) and compares step 1's
 ``memory/<stage>_peak_bytes`` (the largest over ranks; step 0's early stages run before Adam has
 created its moments) with ``engine.memory_plan.stage_peaks`` over the planner's per-model bytes.
 On the CPU the engine counts tensor bytes: model state and the KV cache. The tolerance,
@@ -141,14 +142,16 @@ def test_bad_offload_settings_are_refused(models: dict, message: str) -> None:
         ModelsConfig(**models)
 
 
-def _measure(strategy: str, offload: str, budget_gib: float = 0.0, generation_micro_batch: int = 0
-             ) -> tuple[dict[str, float], dict[int, dict]]:
-    """Step 1's memory metrics and the prediction for the same configuration."""
+def _measure(strategy: str, offload: str, budget_gib: float = 0.0, generation_micro_batch: int = 0,
+             fsdp: bool = False) -> tuple[dict[str, float], dict[int, dict]]:
+    """Step 1's memory metrics and the prediction for the same configuration (actor and critic
+    under Megatron-FSDP with ``fsdp``)."""
     from megatron_rlhf.config.ppo_run import RewardConfig
     from megatron_rlhf.engine.build import build_engine, make_plan
     from megatron_rlhf.engine.memory_plan import planner_role_bytes
     from megatron_rlhf.engine.ppo import PPOAlgorithm
     from megatron_rlhf.generation import GenerationConfig
+    from megatron_rlhf.models.trainer import OptimizerSettings
     from megatron_rlhf.runtime.context import RunContext
     from megatron_rlhf.topology.cluster import cluster_from_environment
 
@@ -161,7 +164,8 @@ def _measure(strategy: str, offload: str, budget_gib: float = 0.0, generation_mi
         # Full-length prompts and responses: the KV cache is as long as the planner's.
         generation=GenerationConfig(max_new_tokens=6, seed=3, stop_at_eos=False,
                                     micro_batch_size=generation_micro_batch),
-        reward=RewardConfig(model_weight=0.5, rule="none", rule_weight=1.0), steps=2)
+        reward=RewardConfig(model_weight=0.5, rule="none", rule_weight=1.0), steps=2,
+        actor_optimizer=OptimizerSettings(fsdp=fsdp), critic_optimizer=OptimizerSettings(fsdp=fsdp))
     plan = make_plan(config, cluster_from_environment(None))
     context = RunContext(memory=MemoryMeter(enabled=True))
     engine = build_engine(config, plan, eos_id=3, pad_id=0, context=context)
@@ -189,6 +193,8 @@ def _measure_all() -> dict:
     # One row per generation round instead of each replica's two: half the KV cache.
     results["flattening", "never, generation micro-batch 1"] = _measure(
         "flattening", "never", generation_micro_batch=1)
+    # Actor and critic under Megatron-FSDP: sharded state, plus the layers it gathers.
+    results["flattening", "never, fsdp"] = _measure("flattening", "never", fsdp=True)
     return results
 
 
@@ -211,6 +217,10 @@ def test_recorded_stage_peaks_agree_with_the_planner() -> None:
     resident, auto = per_rank[0]["separation", "never"][0], per_rank[0]["separation", "auto"][0]
     assert auto["memory/train_peak_bytes"] < resident["memory/train_peak_bytes"]
     assert auto["memory/generate_peak_bytes"] == resident["memory/generate_peak_bytes"]
+    # Between stages an FSDP model holds its shards only: the rank's state at rest is smaller.
+    fsdp = per_rank[0]["flattening", "never, fsdp"][0]
+    resident = per_rank[0]["flattening", "never"][0]
+    assert fsdp["memory/advantages_peak_bytes"] < 0.85 * resident["memory/advantages_peak_bytes"]
     whole = per_rank[0]["flattening", "never"][0]["memory/generate_peak_bytes"]
     bounded = per_rank[0]["flattening", "never, generation micro-batch 1"][0]
     assert bounded["memory/generate_peak_bytes"] < whole

@@ -27,13 +27,13 @@ WEIGHT_ATOL = 1e-5
 by its small second moment; one step moves a weight by up to lr = 1e-2)."""
 
 
-def _trainer(fsdp: bool, tp: int = 1, pp: int = 1):
+def _trainer(fsdp: bool, tp: int = 1, pp: int = 1, params_dtype: str = "auto"):
     from megatron_rlhf.models.gpt import ModelBuildOptions, build_gpt_model
     from megatron_rlhf.models.trainer import ModelTrainer, OptimizerSettings
     from megatron_rlhf.models.weights import init_weights
 
     pgc = whole_world_groups(tp, pp)
-    model = build_gpt_model(TinyArch(), ModelBuildOptions(), pgc)
+    model = build_gpt_model(TinyArch(), ModelBuildOptions(params_dtype=params_dtype), pgc)
     init_weights(model, pgc, seed=5)
     settings = OptimizerSettings(lr=1e-2, clip_grad=0.5, weight_decay=0.01, fsdp=fsdp)
     return ModelTrainer(model, pgc, settings, total_steps=STEPS), pgc
@@ -112,6 +112,62 @@ def test_fsdp_matches_the_resident_run_and_shards_its_state(world_size: int, tp:
             assert 0.45 * full <= held <= 0.55 * full, f"{kind}: {held} of {full} bytes"
             assert rank["totals"][kind] >= full
     assert results[0]["losses"] != results[-1]["losses"], "the replicas trained on different data"
+
+
+def _bytes_at_rest() -> dict[str, dict[str, int]]:
+    """This rank's state bytes per part after a bf16 step and a forward-only pass, DDP with the
+    distributed optimizer and Megatron-FSDP; checks that FSDP holds its shards only."""
+    from torch.distributed.tensor import DTensor
+
+    from megatron_rlhf.models.forward_backward import run_microbatches
+    from megatron_rlhf.models.offload import PARTS, StateOffloader
+    from megatron_rlhf.runtime.bootstrap import initialize_runtime
+
+    initialize_runtime()
+    batch = {k: v[:2] for k, v in global_batch(0).items()}
+
+    def loss_fn(logits, _batch):
+        return logits.float().mean(), torch.tensor(1), {}
+
+    held = {}
+    for name, fsdp in (("ddp", False), ("fsdp", True)):
+        trainer, pgc = _trainer(fsdp=fsdp, params_dtype="bfloat16")
+        offloader = StateOffloader(trainer.model, trainer)
+        trainer.train_step([batch], loss_fn)
+        if fsdp:
+            assert sum(t.nbytes for t in trainer.gathered_weight_buffers()) > 0, \
+                "megatron starts gathering the next forward's layers after a step"
+        trainer.release_gathered_weights()
+        after_step = {part: offloader.resident_bytes((part,)) for part in PARTS}
+        with torch.no_grad():
+            run_microbatches(trainer.module, pgc, [batch], loss_fn, forward_only=True)
+        trainer.release_gathered_weights()
+        assert {part: offloader.resident_bytes((part,)) for part in PARTS} == after_step
+        held[name] = after_step
+        if not fsdp:
+            continue
+        shards = sum(t.nbytes for t in trainer.weight_buffers())
+        # Adam's moments and step counters, each a DTensor over this rank's unpadded shard.
+        adam = sum(value.to_local().nbytes if isinstance(value, DTensor) else value.nbytes
+                   for inner in trainer._inner_optimizers()
+                   for state in inner.optimizer.state.values() for value in state.values())
+        assert all(t.untyped_storage().nbytes() == 0 for t in trainer.gathered_weight_buffers())
+        expected = {"weights": shards, "grads": sum(t.nbytes for t in trainer.gradient_buffers()),
+                    # the fp32 main-weight shard buffer, twice the bf16 one
+                    "optimizer": 2 * shards + adam}
+        assert after_step == expected, f"{after_step} != {expected}"
+    return held
+
+
+@pytest.mark.multirank
+def test_fsdp_holds_only_its_shards_at_rest() -> None:
+    held = run_on_ranks(_bytes_at_rest, world_size=2, timeout_s=240)[0]
+    ddp, fsdp = held["ddp"], held["fsdp"]
+    # dp=2: half the bf16 weights and fp32 gradients (padding aside); the distributed
+    # optimizer already shards the optimizer state.
+    assert fsdp["weights"] == pytest.approx(ddp["weights"] / 2, rel=0.01)
+    assert fsdp["grads"] == pytest.approx(ddp["grads"] / 2, rel=0.01)
+    assert fsdp["optimizer"] == pytest.approx(ddp["optimizer"], rel=0.01)
 
 
 def _refusals_and_skipped_update() -> None:

@@ -60,13 +60,18 @@ def test_state_bytes_are_what_the_engine_allocates() -> None:
         psi * 18 / 4)
 
 
-def test_fsdp_holds_two_gathered_layers() -> None:
-    # llama-7b layer: 4 h^2 + 4 h attention, 3 h f SwiGLU MLP, 2 h norms.
+def test_fsdp_holds_two_gathered_layers_and_the_embeddings() -> None:
+    from megatron_rlhf.models.trainer import FSDP_GATHERED_LAYERS
+
+    # llama-7b layer: 4 h^2 + 4 h attention, 3 h f SwiGLU MLP, 2 h norms; outside the layers:
+    # input embedding and output layer (vocabulary 32000), final norm.
     h, f = 4096, 11008
     layer = 4 * h * h + 4 * h + 3 * h * f + 2 * h
+    outside = 2 * 32000 * h + h
     assert cm.layer_params(LLAMA7B) == layer
-    assert cm.fsdp_gathered_bytes(LLAMA7B, 2, training=False) == 2 * 2 * layer / 2
-    assert cm.fsdp_gathered_bytes(LLAMA7B, 2, training=True) == 2 * (2 + 4) * layer / 2
+    assert cm.fsdp_gathered_bytes(LLAMA7B, 2, training=False) == 2 * (2 * layer + outside) / 2
+    assert cm.fsdp_gathered_bytes(LLAMA7B, 2, training=True) == 6 * (2 * layer + outside) / 2
+    assert cm.FSDP_LAYERS_GATHERED == FSDP_GATHERED_LAYERS, "the planner models the engine's"
 
 
 def test_activation_and_kv_cache_formulas() -> None:
