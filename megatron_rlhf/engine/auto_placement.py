@@ -4,8 +4,9 @@ The planner ranks candidate placements (presets, separation splits, TP/PP choice
 samples/s for this cluster, these models and this rollout; the best one the engine accepts (its
 batch shapes must split over every model's DP size) replaces the configured placement, and the
 memory options the planner needed for it to fit (offloading between stages, activation
-recomputation) become ``models.offload`` and ``models.recompute`` for every model the
-configuration leaves unset. The planner may only pick options the engine runs: not Megatron-FSDP.
+recomputation, Megatron-FSDP) become ``models.offload``, ``models.recompute`` and
+``<role>_optimizer.fsdp`` for every model the configuration leaves unset. The planner
+picks FSDP only where the engine runs it (``planner.memory.engine_runs_fsdp``).
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from megatron_rlhf.planner import (
     explain_choice,
     load_profile,
 )
-from megatron_rlhf.planner.memory import OFFLOAD, RECOMPUTE
+from megatron_rlhf.planner.memory import FSDP, OFFLOAD, RECOMPUTE
 from megatron_rlhf.topology.cluster import ClusterSpec
 from megatron_rlhf.topology.models import SHADOW_OF, resolve_arch
 
-ENGINE_MEMORY_OPTIONS = (OFFLOAD, RECOMPUTE)
-"""The planner's memory options the engine runs (``models.offload``, ``models.recompute``)."""
+ENGINE_MEMORY_OPTIONS = (FSDP, OFFLOAD, RECOMPUTE)
+"""The planner's memory options the engine runs (``<role>_optimizer.fsdp``, ``models.offload``,
+``models.recompute``)."""
 
 
 def choose_placement(config: RunConfig, cluster: ClusterSpec,
@@ -55,9 +57,9 @@ def choose_placement(config: RunConfig, cluster: ClusterSpec,
         if not candidate.prediction.feasible:
             continue
         placement = dataclasses.replace(candidate.config, ac_share=config.placement.ac_share)
-        models = with_memory_options(config.models, candidate.prediction.memory.options)
-        chosen = dataclasses.replace(config, placement=placement, models=models)
         try:
+            chosen = with_memory_options(dataclasses.replace(config, placement=placement),
+                                         candidate.prediction.memory.options)
             make_plan(chosen, cluster)
         except ValueError as error:
             rejected.append(f"{candidate.label}: {error}")
@@ -68,11 +70,14 @@ def choose_placement(config: RunConfig, cluster: ClusterSpec,
                      "choose one with --placement or adjust rollout sizes")
 
 
-def with_memory_options(models: ModelsConfig, options: dict[str, MemoryOptions]) -> ModelsConfig:
-    """``models`` with the planner's offloading (``always``) and recomputation (``full``: the
-    planner prices recomputing every layer) for each role it does not set itself; a shadow
-    follows the model it copies, as in the engine."""
+def with_memory_options(config: RunConfig, options: dict[str, MemoryOptions]) -> RunConfig:
+    """``config`` with the planner's offloading (``always``) and recomputation (``full``: the
+    planner prices recomputing every layer) for each role it does not set itself, and
+    Megatron-FSDP for each trained role the planner shards with it; a shadow follows the model
+    it copies, as in the engine."""
+    models = config.models
     offload, recompute = dict(models.offload), dict(models.recompute)
+    optimizers = {"actor": config.actor_optimizer, "critic": config.critic_optimizer}
     for role, chosen in options.items():
         if role in SHADOW_OF:
             continue
@@ -80,4 +85,8 @@ def with_memory_options(models: ModelsConfig, options: dict[str, MemoryOptions])
             offload.setdefault(role, "always")
         if chosen.recompute:
             recompute.setdefault(role, "full")
-    return dataclasses.replace(models, offload=offload, recompute=recompute)
+        if chosen.sharding == FSDP:
+            optimizers[role] = dataclasses.replace(optimizers[role], fsdp=True)
+    return dataclasses.replace(
+        config, models=dataclasses.replace(models, offload=offload, recompute=recompute),
+        actor_optimizer=optimizers["actor"], critic_optimizer=optimizers["critic"])

@@ -116,9 +116,9 @@ def base_options(model: ModelPlacement, rollout: RolloutSpec) -> MemoryOptions:
 
 FSDP, RECOMPUTE, OFFLOAD = cm.FULLY_SHARDED, "recompute", "offload"
 MEMORY_OPTIONS = (FSDP, RECOMPUTE, OFFLOAD)
-"""The options the planner may add to a request. The engine runs offloading, recomputation and
-the distributed optimizer (``models.offload``, ``models.recompute``); Megatron-FSDP it does not
-configure (docs/planner.md, "engine support")."""
+"""The options the planner may add to a request, as the engine runs them: offloading and
+recomputation (``models.offload``, ``models.recompute``), and Megatron-FSDP
+(``<role>_optimizer.fsdp``) where ``engine_runs_fsdp`` (docs/planner.md, "engine support")."""
 
 
 def check_memory_options(names: tuple[str, ...]) -> None:
@@ -129,19 +129,32 @@ def check_memory_options(names: tuple[str, ...]) -> None:
 
 
 def option_menu(model: ModelPlacement, rollout: RolloutSpec,
-                allowed: tuple[str, ...] = MEMORY_OPTIONS) -> list[MemoryOptions]:
+                allowed: tuple[str, ...] = MEMORY_OPTIONS, fsdp: bool = True
+                ) -> list[MemoryOptions]:
     """Every option combination for ``model``, from its ``base_options`` up, among ``allowed``:
-    more sharding (FSDP only with ``dp > 1``, where it shards anything), recomputation,
-    offloading."""
+    more sharding (FSDP only where ``fsdp`` says the engine runs it, never offloaded),
+    recomputation, offloading."""
     base = base_options(model, rollout)
     offloads = (False, True) if OFFLOAD in allowed else (False,)
     if not model.spec.trainable:
         return [replace(base, offload=o) for o in offloads]
     shardings = [s for s in cm.SHARDINGS[cm.SHARDINGS.index(base.sharding):]
-                 if s != FSDP or (model.dp > 1 and FSDP in allowed)]
+                 if s != FSDP or (fsdp and FSDP in allowed)]
     more = RECOMPUTE in allowed and not base.recompute
     recomputes = (False, True) if more else (base.recompute,)
-    return [MemoryOptions(s, r, o) for s in shardings for r in recomputes for o in offloads]
+    return [MemoryOptions(s, r, o) for s in shardings for r in recomputes for o in offloads
+            if not (s == FSDP and o)]
+
+
+def engine_runs_fsdp(plan: PlacementPlan, role: str) -> bool:
+    """Whether the engine can train ``role`` of ``plan`` under Megatron-FSDP: with ``dp > 1``
+    (where it shards anything), on every device of the plan with ``pp = 1`` (megatron-core
+    0.16.1's adapter meshes the whole world as DP x TP) and without a shadow (which copies whole
+    weights the model does not hold); the engine does not offload it either."""
+    model = plan[role]
+    shadowed = any(SHADOW_OF[shadow] == role for shadow in plan.models if shadow in SHADOW_OF)
+    return (model.spec.trainable and model.dp > 1 and model.pp == 1
+            and model.size == plan.world_size and not shadowed)
 
 
 @dataclass(frozen=True)
@@ -403,8 +416,8 @@ def fit_memory(plan: PlacementPlan, rollout: RolloutSpec, profiles: tuple[Hardwa
         ValueError: an unknown name in ``allowed``.
     """
     check_memory_options(allowed)
-    menus = {role: option_menu(plan[role], rollout, allowed) for role in plan.roles
-             if role not in SHADOW_OF}
+    menus = {role: option_menu(plan[role], rollout, allowed, engine_runs_fsdp(plan, role))
+             for role in plan.roles if role not in SHADOW_OF}
     most = {role: menu[-1] for role, menu in menus.items()}
     report = plan_memory(plan, rollout, profiles, _with_shadows(plan, most))
     if report.problems:

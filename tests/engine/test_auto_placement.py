@@ -48,13 +48,14 @@ def test_memory_options_fill_only_the_roles_the_config_leaves_unset() -> None:
     from megatron_rlhf.planner import MemoryOptions
 
     options = {"actor": MemoryOptions("distributed_optimizer", recompute=True, offload=True),
-               "critic": MemoryOptions("distributed_optimizer", recompute=False, offload=False),
+               "critic": MemoryOptions("fsdp", recompute=False, offload=False),
                "ref": MemoryOptions(offload=True),
                "shadow_actor": MemoryOptions(offload=True)}
-    models = with_memory_options(ModelsConfig(offload={"ref": "never"}), options)
-    assert models.offload == {"actor": "always", "ref": "never"}
-    assert models.recompute == {"actor": "full"}
-    assert models.offload_policy("shadow_actor") == "always"  # follows the actor
+    config = with_memory_options(RunConfig(models=ModelsConfig(offload={"ref": "never"})), options)
+    assert config.models.offload == {"actor": "always", "ref": "never"}
+    assert config.models.recompute == {"actor": "full"}
+    assert config.models.offload_policy("shadow_actor") == "always"  # follows the actor
+    assert (config.actor_optimizer.fsdp, config.critic_optimizer.fsdp) == (False, True)
 
 
 def test_auto_runs_a_33b_model_on_one_node_with_the_options_the_planner_needed() -> None:

@@ -187,3 +187,19 @@ def test_memory_options_can_be_limited_to_what_the_engine_runs() -> None:
     assert offload_only.memory.options["actor"].label == "distributed_optimizer+offload"
     with pytest.raises(ValueError, match=r"memory options \['zero3'\] are unknown"):
         predict_step(plan, ROLLOUT, memory_options=("zero3",))
+
+
+def test_fsdp_is_offered_only_where_the_engine_runs_it() -> None:
+    from megatron_rlhf.planner.memory import engine_runs_fsdp, option_menu
+
+    flat = plan_placement(A100_1X8, PlacementConfig("flattening", tp=2), "llama-7b")
+    assert engine_runs_fsdp(flat, "actor") and not engine_runs_fsdp(flat, "ref")
+    menu = option_menu(flat["actor"], ROLLOUT, fsdp=True)
+    assert {o.label for o in menu if o.sharding == "fsdp"} == {"fsdp", "fsdp+recompute"}, \
+        "the engine never offloads an FSDP model"
+    piped = plan_placement(A100_1X8, PlacementConfig("flattening", tp=2, pp=2), "llama-7b")
+    shadowed = plan_placement(A100_1X8, PlacementConfig("separation", tp=1, pp=1), "llama-7b")
+    halves = plan_placement(A100_1X8, PlacementConfig("interleaving2", tp=2), "llama-7b")
+    for plan in (piped, shadowed, halves):
+        assert not engine_runs_fsdp(plan, "actor")
+        assert all(o.sharding != "fsdp" for o in option_menu(plan["actor"], ROLLOUT, fsdp=False))
