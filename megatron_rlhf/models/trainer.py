@@ -263,8 +263,13 @@ class ModelTrainer:
         when a stage is done with the model, so that at rest the model holds its shards only.
         The next forward gathers what it needs again. A no-op without FSDP.
         """
-        if self.settings.fsdp:
-            self.module.module.synchronize_param_gather()
+        if not self.settings.fsdp:
+            return
+        fsdp = self.module.module
+        # Finish the gathers in flight first, or megatron warns that it had to.
+        for bucket_id, bwd in list(fsdp.all_gather_pipeline.param_gather_event_map):
+            fsdp.all_gather_pipeline.wait_bucket_ready(bucket_id, bwd)
+        fsdp.synchronize_param_gather()
 
     def fsdp_units(self) -> list[torch.nn.Module]:
         """The modules Megatron-FSDP gathers one at a time (its transformer layers; none
