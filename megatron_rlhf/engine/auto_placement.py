@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_rlhf.config.ppo_run import ModelsConfig, RunConfig
+from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.engine.build import make_plan
 from megatron_rlhf.planner import (
     MemoryOptions,
