@@ -8,10 +8,11 @@ The per-model bytes are the planner's (``planner.memory``); this module applies 
 offload rules to them. Stages are named like the engine's spans, so a prediction lines up with the
 ``memory/<stage>_peak_bytes`` metrics, and it counts what the engine counts on the CPU: model
 state (weights, gradient buffers, optimizer state; a Megatron-FSDP model's shards), the KV cache
-of generation and the weights FSDP gathers while a model computes, not activations. Between stages an offloaded model holds nothing on the device; an operator brings
-back what it needs, one model at a time: the generating model's weights (``generate``), each
-scoring model's weights (``experience``), all the state of each trained model (``train``), and a
-trained model's weights with its shadow's (``sync_weights``).
+of generation and the weights FSDP gathers while a model computes, not activations. Between
+stages an offloaded model holds nothing on the device; an operator brings back what it needs,
+one model at a time: the generating model's weights (``generate``), each scoring model's
+weights (``experience``), all the state of each trained model (``train``), and a trained model's
+weights with its shadow's (``sync_weights``).
 """
 
 from __future__ import annotations

@@ -258,8 +258,8 @@ class ModelTrainer:
     def release_gathered_weights(self) -> None:
         """Free the weights Megatron-FSDP holds gathered, leaving this rank's shards.
 
-        After an optimizer step megatron starts gathering every layer for the next forward, and
-        a forward-only pass may end with its last layers still gathered; the engine calls this
+        After an optimizer step megatron starts gathering the next forward's first layers, and a
+        pass may end with some still gathered; the engine calls this
         when a stage is done with the model, so that at rest the model holds its shards only.
         The next forward gathers what it needs again. A no-op without FSDP.
         """
