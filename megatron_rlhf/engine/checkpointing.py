@@ -14,7 +14,9 @@ One checkpoint, ``<save_dir>/step_00000004`` (4 steps done; the data position is
                          update count, prompt and tokenizer fingerprints, world size, plan, config
     optimizer_common.pt  per trained model: optimizer hyper-parameters and Adam's step
     actor/, critic/      megatron dist checkpoints of weights + optimizer state, keyed by global
-                         tensor shapes, so they load at any placement and TP/PP/DP
+                         tensor shapes, so they load at any placement and TP/PP/DP; under
+                         Megatron-FSDP its DTensor shards (models.fsdp_checkpoint: any DP, the
+                         saved TP; an FSDP switch or a TP change is refused)
     rng/rank_00003.pt    each rank's Python, numpy, torch (CUDA) and megatron-tracker RNG states
 
 Writes are atomic, verified against the manifest on load, and pruned only after a newer
