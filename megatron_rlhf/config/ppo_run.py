@@ -381,7 +381,8 @@ class RunConfig:
 
     def _check_fsdp(self) -> None:
         """Refuse what reads or moves a Megatron-FSDP model's whole parameters, which it holds
-        only while its wrapper computes (``make_plan`` checks its layout)."""
+        only while its wrapper computes (``make_plan`` checks its layout). Run checkpoints save
+        its shards (``models.fsdp_checkpoint``) and Hugging Face export gathers them."""
         for role, settings in (("actor", self.actor_optimizer), ("critic", self.critic_optimizer)):
             if not settings.fsdp:
                 continue
@@ -395,11 +396,3 @@ class RunConfig:
                                  f"{self.models.offload_policy(role)!r} moves the model's "
                                  "storages to the host, which Megatron-FSDP allocates and frees "
                                  f"itself; set models.offload.{role}=never")
-            if self.checkpoint.save_dir or self.checkpoint.resume_from:
-                raise ValueError(f"{field_}: run checkpoints (checkpoint.save_dir, "
-                                 "checkpoint.resume_from) are not supported for a Megatron-FSDP "
-                                 "model (megatron-core 0.16.1 saves it only in its fsdp_dtensor "
-                                 "format); leave them unset")
-            if self.models.export_hf:
-                raise ValueError(f"{field_}: models.export_hf reads the {role}'s whole weights, "
-                                 "which Megatron-FSDP does not hold; set it to false")

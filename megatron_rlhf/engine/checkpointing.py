@@ -14,7 +14,9 @@ One checkpoint, ``<save_dir>/step_00000004`` (4 steps done; the data position is
                          update count, prompt and tokenizer fingerprints, world size, plan, config
     optimizer_common.pt  per trained model: optimizer hyper-parameters and Adam's step
     actor/, critic/      megatron dist checkpoints of weights + optimizer state, keyed by global
-                         tensor shapes, so they load at any placement and TP/PP/DP
+                         tensor shapes, so they load at any placement and TP/PP/DP; under
+                         Megatron-FSDP its DTensor shards (models.fsdp_checkpoint: any DP, the
+                         saved TP; an FSDP switch or a TP change is refused)
     rng/rank_00003.pt    each rank's Python, numpy, torch (CUDA) and megatron-tracker RNG states
 
 Writes are atomic, verified against the manifest on load, and pruned only after a newer
@@ -49,6 +51,11 @@ from megatron_rlhf.models.checkpoint import (
     model_sharded_state_dict,
     read_checkpoint_info,
     write_sharded_checkpoint,
+)
+from megatron_rlhf.models.fsdp_checkpoint import (
+    is_fsdp_checkpoint,
+    load_fsdp_checkpoint,
+    write_fsdp_checkpoint,
 )
 from megatron_rlhf.runtime.checkpoint_store import (
     MANIFEST,
@@ -172,7 +179,9 @@ def save_rl_checkpoint(run: RunState, step: int) -> Path:
     config = run.config.checkpoint
     final = Path(config.save_dir).absolute() / f"step_{step:08d}"
     roles = _trained_roles(run.engine)
-    states = {role: _role_state(run.engine, role, is_loading=False) for role in roles}
+    fsdp = {role: _fsdp(run.config, role) for role in roles}
+    states = {role: ({}, {}, {}) if fsdp[role] else _role_state(run.engine, role, False)
+              for role in roles}
     hosts: list = [None] * dist.get_world_size()
     # World: the checkpoint records the host state of every rank.
     dist.all_gather_object(hosts, _host_state(run, {r: s[1] for r, s in states.items()}),
@@ -187,7 +196,10 @@ def save_rl_checkpoint(run: RunState, step: int) -> Path:
         info = CheckpointInfo(model=ModelDescription(**holder["description"]),
                               tp_size=run.engine.plan[role].tp, pp_size=run.engine.plan[role].pp,
                               metadata={"role": role, "step": step})
-        write_sharded_checkpoint(states[role][0], temp / role, info)
+        if fsdp[role]:
+            write_fsdp_checkpoint(run.engine.workers[role].trainer.fsdp_state(), temp / role, info)
+        else:
+            write_sharded_checkpoint(states[role][0], temp / role, info)
     rank = dist.get_rank()
     (temp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), temp / "rng" / f"rank_{rank:05d}.pt")
@@ -200,6 +212,11 @@ def save_rl_checkpoint(run: RunState, step: int) -> Path:
 
 def _trained_roles(engine: PPOEngine) -> list[str]:
     return [role for role in (ACTOR, CRITIC) if role in engine.plan.models]
+
+
+def _fsdp(config: RunConfig, role: str) -> bool:
+    """Whether the role trains under Megatron-FSDP (then it is on every rank)."""
+    return getattr(config, f"{role}_optimizer").fsdp
 
 
 def _role_state(engine: PPOEngine, role: str, is_loading: bool,
@@ -278,7 +295,8 @@ def load_rl_checkpoint(run: RunState, path: Path, skip: Collection[str] = ()) ->
         if role not in state["trainers"]:
             raise ValueError(f"checkpoint {path} holds no {role} (saved with placement.ac_share="
                              f"{state['config']['placement']['ac_share']}); resume with that")
-        _load_role(run.engine, role, path, commons[role], state["trainers"][role], skip)
+        _load_role(run.engine, role, path, commons[role], state["trainers"][role], skip,
+                   _fsdp(run.config, role))
     if "kl_controller" not in skip:
         run.algorithm.load_state_dict(state["ppo"])
     if state["prompts_fingerprint"] != run.prompts.fingerprint:
@@ -293,8 +311,9 @@ def load_rl_checkpoint(run: RunState, path: Path, skip: Collection[str] = ()) ->
 
 
 def _load_role(engine: PPOEngine, role: str, path: Path, common: dict, trainer_state: dict,
-               skip: Collection[str]) -> None:
+               skip: Collection[str], fsdp: bool) -> None:
     info = read_checkpoint_info(path / role)
+    _check_same_sharding(info, path / role, role, fsdp, engine.plan[role].tp)
     worker = engine.workers.get(role)
     if worker is not None:
         ours = ModelDescription.from_model(worker.model)
@@ -304,18 +323,43 @@ def _load_role(engine: PPOEngine, role: str, path: Path, common: dict, trainer_s
             raise ValueError(f"checkpoint {path / role} holds another model: {', '.join(differ)}"
                              "; resume with the checkpoint's models.* settings")
     with_optimizer = "optimizer" not in skip
-    sharded, _, local = _role_state(engine, role, is_loading=True, with_optimizer=with_optimizer)
-    loaded = load_sharded_checkpoint(sharded, path / role)
-    if worker is None:
-        return
-    worker.model.load_state_dict(loaded["model"], strict=True)
-    if with_optimizer:
-        worker.trainer.load_optimizer_state(
-            merge(merge(loaded["optimizer"], common), local.get("optimizer", {})))
+    if fsdp:
+        worker.trainer.load_fsdp_state(lambda state: load_fsdp_checkpoint(state, path / role),
+                                       with_optimizer)
     else:
-        worker.trainer.reload_main_params()
+        sharded, _, local = _role_state(engine, role, is_loading=True,
+                                        with_optimizer=with_optimizer)
+        loaded = load_sharded_checkpoint(sharded, path / role)
+        if worker is None:
+            return
+        worker.model.load_state_dict(loaded["model"], strict=True)
+        if with_optimizer:
+            worker.trainer.load_optimizer_state(
+                merge(merge(loaded["optimizer"], common), local.get("optimizer", {})))
+        else:
+            worker.trainer.reload_main_params()
     if "scheduler" not in skip:
         worker.trainer.load_state_dict(trainer_state)
+
+
+def _check_same_sharding(info: CheckpointInfo, directory: Path, role: str, fsdp: bool,
+                         tp: int) -> None:
+    """Refuse a Megatron-FSDP checkpoint into a run without it, the reverse, and an FSDP
+    checkpoint at another TP size (its DTensors hold SwiGLU's [gate; up] per TP shard)."""
+    saved = is_fsdp_checkpoint(info)
+    field_ = f"{role}_optimizer.fsdp"
+    if saved != fsdp:
+        raise ValueError(
+            f"checkpoint {directory} was saved with {field_}={str(saved).lower()} but this run "
+            f"has {field_}={str(fsdp).lower()}: Megatron-FSDP's DTensor checkpoints and megatron "
+            f"dist checkpoints do not load into each other; resume with {field_}="
+            f"{str(saved).lower()}, or start a new run in another checkpoint.save_dir")
+    if fsdp and info.tp_size != tp:
+        raise ValueError(
+            f"checkpoint {directory} holds the {role} under Megatron-FSDP at tp={info.tp_size}, "
+            f"this run places it at tp={tp}: an FSDP checkpoint loads at another DP size but "
+            f"not another TP size; resume with placement.tp={info.tp_size} (or a "
+            f"placement.parallel.{role}.tp override), or start a new run")
 
 
 def _rng_state() -> dict[str, Any]:

@@ -7,7 +7,8 @@ The actor becomes a ``...ForCausalLM`` (under AC-Share its value head is left ou
 ``...ForSequenceClassification``; the family follows the layers (models/hf_config.py), the
 source ``config.json``'s other fields (token ids, ...) are kept, and the tokenizer files of the
 run's Hugging Face tokenizer are copied next to each model, so ``from_pretrained`` loads both.
-Each model's full state is gathered on its own ranks; its first rank writes the files.
+Each model's full state is gathered on its own ranks (a Megatron-FSDP model's shards over DP
+first, ``ModelTrainer.full_weights``); its first rank writes the files.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ class HFExporter:
             if role not in engine.plan.models or worker is None:
                 continue
             pgc = worker.pg_collection
-            full_state = gather_full_state(worker.model, pgc)
+            # Megatron-FSDP holds each weight whole only while a layer computes: gather it.
+            weights = worker.trainer.full_weights() if worker.trainer.settings.fsdp else None
+            full_state = gather_full_state(worker.model, pgc, weights=weights)
             if pgc.tp.rank() or pgc.pp.rank() or pgc.dp.rank():
                 continue
             description = ModelDescription.from_model(worker.model)

@@ -255,7 +255,9 @@ def read_dcp_metadata(directory: str | Path) -> Metadata:
     return metadata
 
 
-class _SafeMetadataReader(FileSystemReader):
+class SafeMetadataReader(FileSystemReader):
+    """torch's ``FileSystemReader`` reading ``.metadata`` through :func:`read_dcp_metadata`."""
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = read_dcp_metadata(self.path)
         if getattr(metadata, "storage_meta", None) is None:
@@ -289,7 +291,7 @@ class _SafeLoadStrategy(mcore_torch.TorchDistLoadShardedStrategy):
             shapes_validation_sharded_tensors=[t for t in tensors if not t.allow_shape_mismatch],
             allow_shape_mismatch_sharded_tensors={t.key: t for t in tensors
                                                   if t.allow_shape_mismatch})
-        dcp.load(pyt_state_dict, storage_reader=_SafeMetadataReader(checkpoint_dir),
+        dcp.load(pyt_state_dict, storage_reader=SafeMetadataReader(checkpoint_dir),
                  planner=planner)
         state = {k: mcore_torch._unwrap_pyt_sharded_tensor(v) for k, v in pyt_state_dict.items()}
         state = mcore_torch._replace_sharded_keys_with_state_dict_keys(state, flat_mapping,
@@ -368,10 +370,12 @@ def write_sharded_checkpoint(sharded_state_dict: ShardedStateDict, directory: Pa
     on_rank0(lambda: directory.mkdir(parents=True, exist_ok=True))
     dist_checkpointing.save(sharded_state_dict, str(directory),
                             sharded_strategy=InProcessSaveStrategy())
-    return replace(info, files=on_rank0(lambda: _write_info(directory, info)))
+    return replace(info, files=on_rank0(lambda: write_info(directory, info)))
 
 
-def _write_info(directory: Path, info: CheckpointInfo) -> dict[str, int]:
+def write_info(directory: Path, info: CheckpointInfo) -> dict[str, int]:
+    """Write ``megatron_rlhf.json``, ``info`` with the size of every file already in
+    ``directory``, last; return those sizes. One rank calls it."""
     files = {str(p.relative_to(directory)): p.stat().st_size
              for p in sorted(directory.rglob("*")) if p.is_file()}
     (directory / INFO_FILE).write_text(

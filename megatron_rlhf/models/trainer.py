@@ -13,6 +13,7 @@ makes results independent of the placement.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,7 @@ _SCHEDULES = ("constant", "linear", "cosine")
 FSDP_GATHERED_LAYERS = 2
 """Transformer layers Megatron-FSDP holds gathered at once: the one computing and the one
 prefetched (``suggested_communication_unit_size``; ``planner.cost_model.FSDP_LAYERS_GATHERED``)."""
+_ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 _OPTIMIZER_CHECKPOINT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
@@ -72,9 +74,9 @@ class OptimizerSettings:
         fsdp: Megatron-FSDP (ZeRO-3): weights, gradients and optimizer state sharded over DP,
             each transformer layer's weights gathered while it computes. Needs
             ``distributed_optimizer``, and the model alone on every rank of the job with pp=1
-            (megatron-core 0.16.1's adapter lays its DP x TP mesh over the whole world). The
-            trainer refuses optimizer checkpoints under it (megatron saves Megatron-FSDP state
-            only in its ``fsdp_dtensor`` format).
+            (megatron-core 0.16.1's adapter lays its DP x TP mesh over the whole world). Its
+            checkpoints hold its DTensor shards (:meth:`ModelTrainer.fsdp_state`,
+            ``models.fsdp_checkpoint``).
     """
 
     lr: float = 1e-5
@@ -396,13 +398,58 @@ class ModelTrainer:
         self._refuse_fsdp_checkpoint()
         self.optimizer.reload_model_params()
 
+    def fsdp_state(self, with_optimizer: bool = True,
+                   is_loading: bool = False) -> dict[str, dict[str, Any]]:
+        """This rank's Megatron-FSDP state as DTensors by parameter name, for
+        torch.distributed.checkpoint (``models.fsdp_checkpoint``), which loads into it in place.
+
+        ``model`` holds the weights the optimizer steps: Megatron-FSDP's main copies where it
+        keeps them (bf16 weights), else the weight shards themselves, from which the weights the
+        layers compute with are derived. ``optimizer`` holds each parameter's Adam moments
+        (DTensors) and, where this rank holds elements of the parameter, its step. torch Adam
+        keeps no state for an empty shard, which never receives a gradient: there the moments
+        are empty DTensors (every rank passes the same DTensors, as the collectives of
+        uneven-shard metadata need) and the step is left out (the ranks that step the parameter
+        write it).
+
+        Args:
+            with_optimizer: include ``optimizer``.
+            is_loading: first give Adam the state its first step creates, to load into.
+
+        Raises:
+            ValueError: the model does not train under Megatron-FSDP.
+        """
+        if not self.settings.fsdp:
+            raise ValueError("fsdp_state needs optimizer.fsdp=true; a DDP model's state goes "
+                             "through optimizer_sharded_state_dict")
+        params = dict(self.module.module.param_and_grad_buffer.optimizer_named_parameters)
+        state: dict[str, dict[str, Any]] = {"model": params}
+        if with_optimizer:
+            held = [param for param in params.values() if param.to_local().numel() > 0]
+            if is_loading:
+                for inner in self._inner_optimizers():
+                    _init_adam_state(inner.optimizer, held)
+            adam = {id(param): values for inner in self._inner_optimizers()
+                    for param, values in inner.optimizer.state.items()}
+            state["optimizer"] = {
+                name: dict(adam[id(param)]) if id(param) in adam
+                else {moment: torch.zeros_like(param) for moment in _ADAM_MOMENTS}
+                for name, param in params.items()}
+        return state
+
+    def load_fsdp_state(self, load: Callable[[dict[str, dict[str, Any]]], None],
+                        with_optimizer: bool = True) -> None:
+        """Load a Megatron-FSDP state: ``load`` fills :meth:`fsdp_state` in place (a DCP
+        load, ``models.fsdp_checkpoint.load_fsdp_checkpoint``); the weights the layers compute
+        with are then derived from the loaded ones, as after an optimizer step."""
+        load(self.fsdp_state(with_optimizer, is_loading=True))
+        self.module.module.install_optimized_model_weights()
+
     def _refuse_fsdp_checkpoint(self) -> None:
         if self.settings.fsdp:
             raise NotImplementedError(
-                "optimizer.fsdp=true: checkpoints of a Megatron-FSDP model are not supported "
-                "(megatron-core 0.16.1 saves its state only in the fsdp_dtensor format, which "
-                "models.checkpoint does not read); train with optimizer.fsdp=false to save or "
-                "load one")
+                "optimizer.fsdp=true: a Megatron-FSDP model's state is not a megatron sharded "
+                "state dict; save and load it through fsdp_state (models.fsdp_checkpoint)")
 
 
 def _layer_elements(model: torch.nn.Module) -> int:
@@ -461,16 +508,22 @@ def _cpu_offload_fields(fraction: float) -> dict[str, Any]:
             "use_precision_aware_optimizer": True}
 
 
-def _init_adam_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give torch Adam's parameters the state its first step creates (step 0, zero moments).
+def _init_adam_state(optimizer: torch.optim.Optimizer,
+                     only: Iterable[torch.Tensor] | None = None) -> None:
+    """Give torch Adam's parameters (those in ``only``, if given) the state its first step
+    creates (step 0, zero moments).
 
     megatron's distributed optimizer reads a per-parameter ``step`` when it builds the state dict
-    to load into, which a torch Adam that never stepped (a fresh run being resumed) lacks.
+    to load into, which a torch Adam that never stepped (a fresh run being resumed) lacks; a
+    checkpoint loader needs tensors to load into.
     """
     if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
         return
+    wanted = None if only is None else {id(param) for param in only}
     for group in optimizer.param_groups:
         for param in group["params"]:
+            if wanted is not None and id(param) not in wanted:
+                continue
             state = optimizer.state[param]
             if not state:
                 state["step"] = torch.tensor(0.0)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -168,18 +168,22 @@ def load_full_state(model: GPTModel, pg_collection: ProcessGroupCollection,
 
 @torch.no_grad()
 def gather_full_state(model: GPTModel, pg_collection: ProcessGroupCollection,
-                      use_grads: bool = False) -> dict[str, torch.Tensor]:
+                      use_grads: bool = False,
+                      weights: Mapping[str, torch.Tensor] | None = None
+                      ) -> dict[str, torch.Tensor]:
     """Gather the full state (or the full gradients) onto every rank of the model.
 
     Collective over the model's TP and PP groups; meant for small models, tests and conversion.
 
     Args:
         use_grads: gather ``param.main_grad`` (megatron DDP) or ``param.grad`` instead of weights.
+        weights: this rank's TP shards by local parameter name, to gather instead of the
+            parameters (a Megatron-FSDP model's, whole over DP: ``ModelTrainer.full_weights``).
     """
     tp_group, pp_group = pg_collection.tp, pg_collection.pp
     stage_state: dict[str, torch.Tensor] = {}
-    for _, param, rule in shard_rules(model):
-        tensor = param
+    for name, param, rule in shard_rules(model):
+        tensor = param if weights is None else weights[name]
         if use_grads:
             tensor = getattr(param, "main_grad", None)
             tensor = param.grad if tensor is None else tensor
