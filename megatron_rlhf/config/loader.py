@@ -54,13 +54,13 @@ def load_config(schema: type[T], path: str | Path | None = None,
     if not is_dataclass(schema):
         raise TypeError(f"{schema!r} is not a dataclass")
     merged = OmegaConf.structured(schema)
-    source = "defaults"
+    source, empty_value = "defaults", False
     try:
         if path is not None:
             source = str(path)
             merged = OmegaConf.merge(merged, _read_yaml_chain(Path(path)))
         for item in overrides or []:
-            source = f"override {item!r}"
+            source, empty_value = f"override {item!r}", item.endswith("=")
             if "=" not in item:
                 raise ConfigError(f"override {item!r} must look like section.key=value")
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
@@ -68,6 +68,8 @@ def load_config(schema: type[T], path: str | Path | None = None,
     except OmegaConfBaseException as error:
         key = getattr(error, "full_key", None) or "?"
         reason = str(error.msg).splitlines()[0]
+        if empty_value:  # OmegaConf reads ``a.b=`` as null, not as an empty string
+            reason += f"; for an empty string write {key}=''"
         raise ConfigError(f"{source}: invalid config key {key!r}: {reason}") from None
 
 

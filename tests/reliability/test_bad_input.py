@@ -45,6 +45,14 @@ def test_contradictory_settings_name_the_field_and_the_fix(overrides: list[str],
     assert message in str(error.value)
 
 
+def test_an_empty_override_value_says_how_to_write_an_empty_string() -> None:
+    with pytest.raises(ValueError) as error:
+        load_config(RunConfig, TINY, ["models.reward_checkpoint="])
+    assert "for an empty string write models.reward_checkpoint=''" in str(error.value)
+    config = load_config(RunConfig, TINY, ["models.reward_checkpoint=''"])
+    assert config.models.reward_checkpoint == ""
+
+
 def _tool(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str]:
     code = run_ppo_tool.main(argv)
     return code, capsys.readouterr().err
