@@ -48,8 +48,7 @@ def measure(arch_name: str, fsdp: bool) -> dict:
     gathered = [0]
 
     def observe(*_) -> None:
-        gathered[0] = max(gathered[0], sum(t.untyped_storage().nbytes()
-                                            for t in trainer.gathered_weight_buffers()))
+        gathered[0] = max(gathered[0], trainer.gathered_weight_bytes())
 
     for layer in trainer.fsdp_units():
         layer.register_forward_pre_hook(observe)

@@ -379,12 +379,19 @@ class RunConfig:
                 f"{algorithm.advantage_estimator!r}: the baseline of a response is the other "
                 "responses to its prompt; e.g. rollout.samples_per_prompt=4")
 
+    def optimizer(self, role: str) -> OptimizerSettings:
+        """The optimizer settings of a trained role (``<role>_optimizer``)."""
+        if role not in TRAINABLE_ROLES:
+            raise ValueError(f"{role!r} is not trained: no optimizer settings "
+                             f"(trained roles: {TRAINABLE_ROLES})")
+        return self.actor_optimizer if role == ACTOR else self.critic_optimizer
+
     def _check_fsdp(self) -> None:
         """Refuse what reads or moves a Megatron-FSDP model's whole parameters, which it holds
         only while its wrapper computes (``make_plan`` checks its layout). Run checkpoints save
         its shards (``models.fsdp_checkpoint``) and Hugging Face export gathers them."""
-        for role, settings in (("actor", self.actor_optimizer), ("critic", self.critic_optimizer)):
-            if not settings.fsdp:
+        for role in TRAINABLE_ROLES:
+            if not self.optimizer(role).fsdp:
                 continue
             field_ = f"{role}_optimizer.fsdp=true"
             if self.placement.separated:

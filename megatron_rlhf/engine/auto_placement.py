@@ -25,7 +25,7 @@ from megatron_rlhf.planner import (
 )
 from megatron_rlhf.planner.memory import FSDP, OFFLOAD, RECOMPUTE
 from megatron_rlhf.topology.cluster import ClusterSpec
-from megatron_rlhf.topology.models import SHADOW_OF, resolve_arch
+from megatron_rlhf.topology.models import SHADOW_OF, TRAINABLE_ROLES, resolve_arch
 
 ENGINE_MEMORY_OPTIONS = (FSDP, OFFLOAD, RECOMPUTE)
 """The planner's memory options the engine runs (``<role>_optimizer.fsdp``, ``models.offload``,
@@ -77,7 +77,7 @@ def with_memory_options(config: RunConfig, options: dict[str, MemoryOptions]) ->
     it copies, as in the engine."""
     models = config.models
     offload, recompute = dict(models.offload), dict(models.recompute)
-    optimizers = {"actor": config.actor_optimizer, "critic": config.critic_optimizer}
+    optimizers = {role: config.optimizer(role) for role in TRAINABLE_ROLES}
     for role, chosen in options.items():
         if role in SHADOW_OF:
             continue

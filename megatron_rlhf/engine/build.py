@@ -33,8 +33,6 @@ from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.topology.cluster import ClusterSpec
 from megatron_rlhf.topology.groups import build_process_groups
 from megatron_rlhf.topology.models import (
-    ACTOR,
-    CRITIC,
     SHADOW_OF,
     TRAINABLE_ROLES,
 )
@@ -58,9 +56,9 @@ def make_plan(config: RunConfig, cluster: ClusterSpec,
         raise ValueError(f"rollout.async_rollout=true needs shadows to generate while the actor "
                          f"trains: set placement.strategy to separation or hetero-separation "
                          f"(not {config.placement.strategy!r})")
-    for role, settings in ((ACTOR, config.actor_optimizer), (CRITIC, config.critic_optimizer)):
+    for role in TRAINABLE_ROLES:
         placed = plan.models.get(role)
-        if settings.fsdp and placed and (placed.pp != 1 or placed.size != cluster.world_size):
+        if config.optimizer(role).fsdp and placed and (placed.pp != 1 or placed.size != cluster.world_size):
             raise ValueError(
                 f"{role}_optimizer.fsdp=true needs the {role} on all {cluster.world_size} ranks "
                 f"with pp=1 (megatron-core 0.16.1's FSDP adapter meshes the whole world); this "
@@ -146,8 +144,8 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
     for role, model in models.items():
         trainer = None
         if role in TRAINABLE_ROLES:
-            settings = config.actor_optimizer if role == ACTOR else config.critic_optimizer
-            trainer = ModelTrainer(model, groups[role], settings, total_steps=total_updates)
+            trainer = ModelTrainer(model, groups[role], config.optimizer(role),
+                                   total_steps=total_updates)
         workers[role] = ModelWorker(role, model, groups[role], trainer,
                                     config.rollout.micro_batch_size,
                                     offload=offload[role],

@@ -179,7 +179,7 @@ def save_rl_checkpoint(run: RunState, step: int) -> Path:
     config = run.config.checkpoint
     final = Path(config.save_dir).absolute() / f"step_{step:08d}"
     roles = _trained_roles(run.engine)
-    fsdp = {role: _fsdp(run.config, role) for role in roles}
+    fsdp = {role: run.config.optimizer(role).fsdp for role in roles}
     states = {role: ({}, {}, {}) if fsdp[role] else _role_state(run.engine, role, False)
               for role in roles}
     hosts: list = [None] * dist.get_world_size()
@@ -212,11 +212,6 @@ def save_rl_checkpoint(run: RunState, step: int) -> Path:
 
 def _trained_roles(engine: PPOEngine) -> list[str]:
     return [role for role in (ACTOR, CRITIC) if role in engine.plan.models]
-
-
-def _fsdp(config: RunConfig, role: str) -> bool:
-    """Whether the role trains under Megatron-FSDP (then it is on every rank)."""
-    return getattr(config, f"{role}_optimizer").fsdp
 
 
 def _role_state(engine: PPOEngine, role: str, is_loading: bool,
@@ -296,7 +291,7 @@ def load_rl_checkpoint(run: RunState, path: Path, skip: Collection[str] = ()) ->
             raise ValueError(f"checkpoint {path} holds no {role} (saved with placement.ac_share="
                              f"{state['config']['placement']['ac_share']}); resume with that")
         _load_role(run.engine, role, path, commons[role], state["trainers"][role], skip,
-                   _fsdp(run.config, role))
+                   run.config.optimizer(role).fsdp)
     if "kl_controller" not in skip:
         run.algorithm.load_state_dict(state["ppo"])
     if state["prompts_fingerprint"] != run.prompts.fingerprint:

@@ -88,8 +88,8 @@ def planner_role_bytes(plan: PlacementPlan, config: RunConfig) -> dict[str, Role
 
 def fsdp_roles(config: RunConfig, plan: PlacementPlan) -> set[str]:
     """The placed models trained under Megatron-FSDP (``<role>_optimizer.fsdp=true``)."""
-    settings = {"actor": config.actor_optimizer, "critic": config.critic_optimizer}
-    return {role for role, s in settings.items() if s.fsdp and role in plan.models}
+    return {role for role in TRAINABLE_ROLES
+            if role in plan.models and config.optimizer(role).fsdp}
 
 
 def stage_peaks(plan: PlacementPlan, roles: dict[str, RoleBytes], offloaded: Collection[str]

@@ -149,9 +149,7 @@ class StateOffloader:
         return self._resident_cache[key]
 
     def _gathered_bytes(self) -> int:
-        if self.trainer is None:
-            return 0
-        return sum(t.untyped_storage().nbytes() for t in self.trainer.gathered_weight_buffers())
+        return 0 if self.trainer is None else self.trainer.gathered_weight_bytes()
 
     def _optimizer_state_count(self) -> int:
         if self.trainer is None:

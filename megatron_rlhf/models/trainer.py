@@ -288,6 +288,10 @@ class ModelTrainer:
         allocator = self.module.param_and_grad_buffer.weight_alloc
         return [bucket.data for bucket in allocator.buckets.values()]
 
+    def gathered_weight_bytes(self) -> int:
+        """Bytes of :meth:`gathered_weight_buffers` now (0 once released, and without FSDP)."""
+        return sum(t.untyped_storage().nbytes() for t in self.gathered_weight_buffers())
+
     def _gradients_finite(self) -> bool:
         """Whether every gradient of the model is finite, agreed over the model's ranks."""
         grads = self._reduced_gradients()

@@ -53,6 +53,13 @@ def test_an_empty_override_value_says_how_to_write_an_empty_string() -> None:
     assert config.models.reward_checkpoint == ""
 
 
+def test_optimizer_settings_are_those_of_the_role_and_only_trained_roles_have_them() -> None:
+    config = load_config(RunConfig, TINY, ["actor_optimizer.lr=0.5", "critic_optimizer.lr=0.25"])
+    assert (config.optimizer("actor").lr, config.optimizer("critic").lr) == (0.5, 0.25)
+    with pytest.raises(ValueError, match="'ref' is not trained"):
+        config.optimizer("ref")
+
+
 def _tool(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str]:
     code = run_ppo_tool.main(argv)
     return code, capsys.readouterr().err
