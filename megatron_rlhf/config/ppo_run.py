@@ -238,7 +238,8 @@ class PromptsConfig:
 
     Attributes:
         paths: JSONL/Parquet preference files; empty means the shipped synthetic task.
-        reader: field names and bad-record policy for ``paths``.
+        reader: field names and bad-record policy for ``paths`` (and ``evaluation.paths``); PPO
+            needs only the prompt, so only ``prompt`` is required by default.
         split: SFT/RM/PPO fractions; PPO uses the ``ppo`` portion.
         synthetic: size and seed of the synthetic task when ``paths`` is empty.
         chat_template: wrap each plain-text prompt as one user turn in the tokenizer's chat
@@ -247,7 +248,7 @@ class PromptsConfig:
     """
 
     paths: list[str] = field(default_factory=list)
-    reader: ReaderConfig = field(default_factory=ReaderConfig)
+    reader: ReaderConfig = field(default_factory=lambda: ReaderConfig(required=["prompt"]))
     split: SplitConfig = field(default_factory=SplitConfig)
     synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
     chat_template: bool = True

@@ -7,6 +7,7 @@ work fails on every rank with the same message before distributed work starts.
 from __future__ import annotations
 
 import datetime
+import math
 from dataclasses import replace
 
 import torch.distributed as dist
@@ -65,20 +66,47 @@ def make_plan(config: RunConfig, cluster: ClusterSpec,
                 f"placement gives it {placed.size} ranks with pp={placed.pp}: use "
                 "placement.strategy=flattening and pp=1")
     chunk = rollout.rows_per_step // rollout.pipeline_chunks
+    micro = rollout.micro_batch_size
+    unsplit = _unsplit_role(plan, chunk, micro)
+    if unsplit:
+        raise ValueError(
+            f"a chunk of {chunk} rows (rollout.prompts_per_step x samples_per_prompt / "
+            f"pipeline_chunks) must be a multiple of {unsplit}'s dp({plan[unsplit].dp}) x "
+            f"rollout.micro_batch_size({micro})")
     for role in plan.roles:
-        micro = rollout.micro_batch_size
         dp = plan[role].dp
-        if chunk % (dp * micro):
-            raise ValueError(
-                f"a chunk of {chunk} rows (rollout.prompts_per_step x samples_per_prompt / "
-                f"pipeline_chunks) must be a multiple of {role}'s dp({dp}) x "
-                f"rollout.micro_batch_size({micro})")
         minibatch = rollout.rows_per_step // rollout.num_minibatches
         if role in TRAINABLE_ROLES and minibatch % (dp * micro):
             raise ValueError(
                 f"a mini-batch of {minibatch} rows does not split into {role}'s dp({dp}) x "
                 f"micro_batch_size({micro}); lower rollout.num_minibatches or micro_batch_size")
     return plan
+
+
+def _unsplit_role(plan: PlacementPlan, rows: int, micro_batch_size: int) -> str | None:
+    """The first role whose DP replicas cannot take ``rows`` in whole micro-batches."""
+    return next((role for role in plan.roles if rows % (plan[role].dp * micro_batch_size)),
+                None)
+
+
+def check_evaluation_size(plan: PlacementPlan, config: RunConfig, num_prompts: int) -> None:
+    """Refuse a held-out set that the models cannot split into whole micro-batches (every
+    model runs the evaluation's answers as one batch), before any process group exists.
+
+    Raises:
+        ValueError: naming evaluation.num_prompts and the nearest sizes that split.
+    """
+    micro = config.rollout.micro_batch_size
+    unsplit = _unsplit_role(plan, num_prompts, micro)
+    if unsplit is None:
+        return
+    multiple = math.lcm(*(plan[role].dp * micro for role in plan.roles))
+    lower = num_prompts // multiple * multiple
+    fix = f"evaluation.num_prompts={lower}" if lower else f"at least {multiple} held-out prompts"
+    raise ValueError(
+        f"{num_prompts} held-out prompts (evaluation.num_prompts, or fewer in "
+        f"evaluation.paths) must be a multiple of {unsplit}'s dp({plan[unsplit].dp}) x "
+        f"rollout.micro_batch_size({micro}); every model's multiple is {multiple}: use {fix}")
 
 
 def check_checkpoint_tokenizers(sources: dict[str, ModelSource],

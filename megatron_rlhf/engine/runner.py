@@ -30,6 +30,7 @@ from megatron_rlhf.data.prompts import PromptStream
 from megatron_rlhf.engine.build import (
     build_engine,
     check_checkpoint_tokenizers,
+    check_evaluation_size,
     make_plan,
 )
 from megatron_rlhf.engine.checkpointing import (
@@ -91,7 +92,12 @@ def load_eval_prompts(config: RunConfig, tokenizer: Tokenizer | HFTokenizer) -> 
     if not evaluation.num_prompts:
         return []
     if evaluation.paths:
-        read, _ = read_files(list(evaluation.paths), config.prompts.reader, tokenizer)
+        read, summaries = read_files(list(evaluation.paths), config.prompts.reader, tokenizer)
+        if not read:
+            raise ValueError("\n".join([
+                f"evaluation.paths={list(evaluation.paths)} hold no usable prompt (read with "
+                "prompts.reader); fix the files or set evaluation.num_prompts=0 to run without "
+                "held-out evaluation", *(summary.format() for summary in summaries)]))
         records = [(record.prompt, record.messages) for record in read]
     elif not config.prompts.paths:
         records = [(record["prompt"], None)
@@ -152,6 +158,8 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
     prompts = load_prompts(config, tokenizer)
     eval_prompts = load_eval_prompts(config, tokenizer)
     plan = make_plan(config, cluster_from_environment(config.cluster.pools), sources)
+    if eval_prompts:
+        check_evaluation_size(plan, config, len(eval_prompts))
     initialize_runtime(config.runtime)
     context = RunContext(Tracer(enabled=config.trace),
                          install_fault_tracker(config.faults, config.runtime.distributed.timeout_s),

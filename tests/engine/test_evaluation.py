@@ -140,3 +140,47 @@ def test_held_out_answers_are_all_greedy_or_all_sampled_whatever_training_mixes(
     assert (greedy.greedy, greedy.greedy_every) == (True, 0)
     assert (sampled.greedy, sampled.greedy_every) == (False, 0)
     assert sampled.temperature == greedy.temperature == 0.7 and sampled.seed == 3
+
+
+def _flattened_plan(ranks: int):
+    from megatron_rlhf.config.ppo_run import ModelsConfig, RolloutConfig, RunConfig
+    from megatron_rlhf.engine.build import make_plan
+    from megatron_rlhf.topology.cluster import ClusterSpec, DevicePool
+    from megatron_rlhf.topology.placement_config import PlacementConfig
+
+    config = RunConfig(placement=PlacementConfig(strategy="flattening"),
+                       models=ModelsConfig(arch="tiny"),
+                       rollout=RolloutConfig(prompts_per_step=8, max_prompt_length=8,
+                                             micro_batch_size=2))
+    return config, make_plan(config, ClusterSpec((DevicePool("local", 1, ranks),)))
+
+
+def test_a_held_out_set_the_models_cannot_split_is_refused_with_a_size_that_works() -> None:
+    from megatron_rlhf.engine.build import check_evaluation_size
+
+    config, plan = _flattened_plan(4)     # every model dp=4, micro-batches of 2: multiples of 8
+    check_evaluation_size(plan, config, 16)
+    with pytest.raises(ValueError, match=r"14 held-out prompts .* use evaluation.num_prompts=8"):
+        check_evaluation_size(plan, config, 14)
+    with pytest.raises(ValueError, match="use at least 8 held-out prompts"):
+        check_evaluation_size(plan, config, 6)
+
+
+def test_held_out_files_need_only_prompts_and_a_file_with_none_usable_is_refused(
+        tmp_path: Path) -> None:
+    from megatron_rlhf.config.ppo_run import EvalConfig, RunConfig
+    from megatron_rlhf.engine.runner import load_eval_prompts
+    from megatron_rlhf.models.tokenizer import SHIPPED_CORPUS, Tokenizer
+
+    tokenizer = Tokenizer.train(SHIPPED_CORPUS, 512, tmp_path / "spm.model")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Write about the farm:"}\n{"prompt": "Tell me a song."}\n')
+    config = RunConfig(evaluation=EvalConfig(paths=[str(prompts)], num_prompts=8))
+    assert load_eval_prompts(config, tokenizer) == [
+        [tokenizer.bos_id, *tokenizer.encode(text)]
+        for text in ("Write about the farm:", "Tell me a song.")]
+    unusable = tmp_path / "unusable.jsonl"
+    unusable.write_text('{"question": "Write about the farm:"}\n')
+    config = RunConfig(evaluation=EvalConfig(paths=[str(unusable)], num_prompts=8))
+    with pytest.raises(ValueError, match=r"hold no usable prompt(.|\n)*kept 0 of 1 records"):
+        load_eval_prompts(config, tokenizer)
