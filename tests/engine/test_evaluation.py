@@ -184,3 +184,18 @@ def test_held_out_files_need_only_prompts_and_a_file_with_none_usable_is_refused
     config = RunConfig(evaluation=EvalConfig(paths=[str(unusable)], num_prompts=8))
     with pytest.raises(ValueError, match=r"hold no usable prompt(.|\n)*kept 0 of 1 records"):
         load_eval_prompts(config, tokenizer)
+
+
+def test_report_orders_each_modes_rule_score_across_the_three_models(tmp_path: Path) -> None:
+    from megatron_rlhf.instructgpt import PipelineResult, format_report
+
+    def held(greedy: float, sampled: float) -> dict[str, float]:
+        return {**FIRST, "eval/greedy/rule_score": greedy, "eval/sampled/rule_score": sampled,
+                "eval/sampled/kl": 0.0}
+
+    result = PipelineResult(tmp_path, {"sft": {}, "rm": {}, "untrained": {}, "ppo": {}},
+                            {"untrained": held(0.04, 0.03), "sft": held(0.87, 0.45),
+                             "ppo": held(0.70, 0.45)}, 2.0, EvalConfig())
+    report = format_report(result)
+    assert "sampled answers, rule score: untrained 0.030 < SFT 0.450 = PPO final 0.450" in report
+    assert "greedy answers, rule score: untrained 0.040 < SFT 0.870 > PPO final 0.700" in report
