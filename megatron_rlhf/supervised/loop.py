@@ -197,6 +197,7 @@ class _Batches:
         self.config, self.objective, self.tokenizer = config, objective, tokenizer
         self.train, self.dp, self.device = train, dp, device
         self.held_out = self._replica(held_out)
+        self._order: tuple[int, list[int]] | None = None
 
     def _replica(self, examples: list[Any]) -> list[Batch]:
         share = len(examples) // self.dp[0]
@@ -210,9 +211,16 @@ class _Batches:
         """Micro-batches of training step ``step``."""
         size = self.config.train.global_batch_size
         epoch, index = divmod(step, len(self.train) // size)
-        order = random.Random(f"{self.config.runtime.seed}:{epoch}").sample(
-            range(len(self.train)), len(self.train))
+        order = self._epoch_order(epoch)
         return self._replica([self.train[i] for i in order[index * size:(index + 1) * size]])
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        """The shuffle of epoch ``epoch``, drawn once per epoch: a draw per step cost more than
+        the tiny model's forward and backward."""
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, random.Random(f"{self.config.runtime.seed}:{epoch}").sample(
+                range(len(self.train)), len(self.train)))
+        return self._order[1]
 
 
 def _build(config: SupervisedConfig, objective: Objective, spec: ModelSpec, total_steps: int,
