@@ -1,4 +1,4 @@
-"""Run a test function on N gloo ranks, each in its own spawned process.
+"""Run a test function on N gloo ranks, each in its own process.
 
     results = run_on_ranks(check_fn, world_size=4, args=(cfg,), timeout_s=120)
 
@@ -7,6 +7,11 @@ and friends are set as torchrun sets them) and may return a picklable value; the
 ranks' values comes back in rank order. Any rank that raises makes the call fail with every failing
 rank's traceback; a rank that is still running at the deadline is killed with all others, and the
 call fails naming the stuck ranks. No process outlives the call.
+
+The ranks fork from a server process that has imported torch and megatron-core once
+(multiprocessing's ``forkserver``): a fresh interpreter per rank spent seconds importing them
+for every test. The server takes the environment and working directory of the first call; each
+rank gets ``env`` and the rank variables explicitly.
 """
 
 from __future__ import annotations
@@ -24,6 +29,17 @@ from megatron_rlhf.runtime.distributed import free_port
 
 class MultiRankError(AssertionError):
     """One or more ranks failed or timed out."""
+
+
+PRELOADED = ("torch", "megatron.core.models.gpt", "megatron_rlhf.engine.build")
+"""Imported once by the fork server; most ranks need all of them."""
+
+
+def _context() -> mp.context.BaseContext:
+    """The fork-server context, with :data:`PRELOADED` (set before its server starts)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOADED))
+    return ctx
 
 
 def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple,
@@ -58,7 +74,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (),
     """Run ``fn(*args)`` on ``world_size`` ranks (gloo by default) and return each rank's value.
 
     Args:
-        fn: a module-level function (spawn pickles it by reference).
+        fn: a module-level function (pickled by reference).
         world_size: number of ranks.
         args: picklable arguments passed to ``fn`` on every rank.
         timeout_s: hard wall-clock limit for the whole call.
@@ -69,7 +85,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (),
         MultiRankError: a rank raised, died without reporting, or was still running at the
             deadline. The message holds every failing rank's traceback.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results: mp.Queue = ctx.Queue()
     port = free_port()
     procs = [
