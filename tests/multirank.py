@@ -8,9 +8,9 @@ ranks' values comes back in rank order. Any rank that raises makes the call fail
 rank's traceback; a rank that is still running at the deadline is killed with all others, and the
 call fails naming the stuck ranks. No process outlives the call.
 
-The ranks fork from a server process that has imported torch and megatron-core once
-(multiprocessing's ``forkserver``): a fresh interpreter per rank spent seconds importing them
-for every test. The server takes the environment and working directory of the first call; each
+On a machine without CUDA the ranks fork from a server process that has imported torch and
+megatron-core once (multiprocessing's ``forkserver``): a fresh interpreter per rank spent seconds
+importing them for every test. With CUDA each rank is spawned. The server takes the environment and working directory of the first call; each
 rank gets ``env`` and the rank variables explicitly.
 """
 
@@ -24,6 +24,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from megatron_rlhf.runtime.distributed import free_port
 
 
@@ -36,7 +38,11 @@ PRELOADED = ("torch", "megatron.core.models.gpt", "megatron_rlhf.engine.build")
 
 
 def _context() -> mp.context.BaseContext:
-    """The fork-server context, with :data:`PRELOADED` (set before its server starts)."""
+    """The fork-server context, with :data:`PRELOADED` (set before its server starts); spawn on
+    a machine with CUDA, where importing Transformer Engine may create a CUDA context that
+    forked ranks could not use."""
+    if torch.cuda.is_available():
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOADED))
     return ctx
@@ -49,8 +55,6 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
-    import torch
-
     torch.set_num_threads(1)
     from megatron_rlhf.runtime.distributed import (
         DistributedConfig,
