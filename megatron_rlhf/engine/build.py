@@ -68,7 +68,7 @@ def make_plan(config: RunConfig, cluster: ClusterSpec,
     chunk = rollout.rows_per_step // rollout.pipeline_chunks
     micro = rollout.micro_batch_size
     unsplit = _unsplit_role(plan, chunk, micro)
-    if unsplit:
+    if unsplit is not None:
         raise ValueError(
             f"a chunk of {chunk} rows (rollout.prompts_per_step x samples_per_prompt / "
             f"pipeline_chunks) must be a multiple of {unsplit}'s dp({plan[unsplit].dp}) x "

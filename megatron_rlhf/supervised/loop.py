@@ -215,8 +215,8 @@ class _Batches:
         return self._replica([self.train[i] for i in order[index * size:(index + 1) * size]])
 
     def _epoch_order(self, epoch: int) -> list[int]:
-        """The shuffle of epoch ``epoch``, drawn once per epoch: a draw per step cost more than
-        the tiny model's forward and backward."""
+        """The shuffle of epoch ``epoch``, drawn once per epoch (a draw at every step cost 3 ms
+        a rank, about 3% of a tiny model's step; docs/benchmarks.md)."""
         if self._order is None or self._order[0] != epoch:
             self._order = (epoch, random.Random(f"{self.config.runtime.seed}:{epoch}").sample(
                 range(len(self.train)), len(self.train)))
