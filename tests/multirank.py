@@ -10,8 +10,9 @@ call fails naming the stuck ranks. No process outlives the call.
 
 On a machine without CUDA the ranks fork from a server process that has imported torch and
 megatron-core once (multiprocessing's ``forkserver``): a fresh interpreter per rank spent seconds
-importing them for every test. With CUDA each rank is spawned. The server takes the environment and working directory of the first call; each
-rank gets ``env`` and the rank variables explicitly.
+importing them for every test. With CUDA each rank is spawned. The server takes the environment
+and working directory of the first call; each rank gets ``env`` and the rank variables
+explicitly.
 """
 
 from __future__ import annotations

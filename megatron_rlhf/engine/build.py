@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import math
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch.distributed as dist
@@ -73,20 +74,23 @@ def make_plan(config: RunConfig, cluster: ClusterSpec,
             f"a chunk of {chunk} rows (rollout.prompts_per_step x samples_per_prompt / "
             f"pipeline_chunks) must be a multiple of {unsplit}'s dp({plan[unsplit].dp}) x "
             f"rollout.micro_batch_size({micro})")
-    for role in plan.roles:
-        dp = plan[role].dp
-        minibatch = rollout.rows_per_step // rollout.num_minibatches
-        if role in TRAINABLE_ROLES and minibatch % (dp * micro):
-            raise ValueError(
-                f"a mini-batch of {minibatch} rows does not split into {role}'s dp({dp}) x "
-                f"micro_batch_size({micro}); lower rollout.num_minibatches or micro_batch_size")
+    minibatch = rollout.rows_per_step // rollout.num_minibatches
+    unsplit = _unsplit_role(plan, minibatch, micro,
+                            [role for role in plan.roles if role in TRAINABLE_ROLES])
+    if unsplit is not None:
+        raise ValueError(
+            f"a mini-batch of {minibatch} rows does not split into {unsplit}'s "
+            f"dp({plan[unsplit].dp}) x micro_batch_size({micro}); lower "
+            "rollout.num_minibatches or micro_batch_size")
     return plan
 
 
-def _unsplit_role(plan: PlacementPlan, rows: int, micro_batch_size: int) -> str | None:
-    """The first role whose DP replicas cannot take ``rows`` in whole micro-batches."""
-    return next((role for role in plan.roles if rows % (plan[role].dp * micro_batch_size)),
-                None)
+def _unsplit_role(plan: PlacementPlan, rows: int, micro_batch_size: int,
+                  roles: Sequence[str] | None = None) -> str | None:
+    """The first of ``roles`` (default: every placed role) whose DP replicas cannot take
+    ``rows`` in whole micro-batches."""
+    return next((role for role in (plan.roles if roles is None else roles)
+                 if rows % (plan[role].dp * micro_batch_size)), None)
 
 
 def check_evaluation_size(plan: PlacementPlan, config: RunConfig, num_prompts: int) -> None:
