@@ -255,6 +255,39 @@ class PromptsConfig:
 
 
 @dataclass
+class PTXConfig:
+    """InstructGPT's PPO-ptx (Ouyang et al. 2022, eq. 2): a supervised loss on demonstrations
+    added to the actor's PPO loss at every optimizer step, so that RL does not unlearn what the
+    demonstrations taught (the "alignment tax").
+
+    Attributes:
+        coef: gamma, the weight of the supervised rows' mean response-token negative
+            log-likelihood in the actor's loss; 0 turns PPO-ptx off.
+        rows: supervised rows per actor update (the whole model's; its DP replicas split them as
+            they split the PPO mini-batch); 0: as many as the PPO mini-batch has.
+        paths: JSONL/Parquet files of (prompt, response) records, read with ``prompts.reader``
+            and used whole. Empty: the ``sft`` portion of ``prompts.paths`` (the demonstrations
+            SFT learned from), or the synthetic task's reference responses when
+            ``prompts.paths`` is empty too.
+    """
+
+    coef: float = 0.0
+    rows: int = 0
+    paths: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.coef < 0:
+            raise ValueError(f"ptx.coef={self.coef} must be >= 0 (0 turns PPO-ptx off)")
+        if self.rows < 0:
+            raise ValueError(f"ptx.rows={self.rows} must be >= 0 (0: the PPO mini-batch's rows)")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the actor trains on supervised rows too."""
+        return self.coef > 0
+
+
+@dataclass
 class CheckpointConfig:
     """Resumable checkpoints of the whole run (docs/reliability.md).
 
@@ -349,6 +382,7 @@ class RunConfig:
     critic_optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     evaluation: EvalConfig = field(default_factory=EvalConfig)
+    ptx: PTXConfig = field(default_factory=PTXConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
     steps: int = 10
     run_dir: str = "runs/ppo"
@@ -379,6 +413,11 @@ class RunConfig:
                 f"rollout.samples_per_prompt({n}) must be >= 2 for algorithm.advantage_estimator="
                 f"{algorithm.advantage_estimator!r}: the baseline of a response is the other "
                 "responses to its prompt; e.g. rollout.samples_per_prompt=4")
+
+    @property
+    def ptx_rows(self) -> int:
+        """Supervised rows per actor update (``ptx.rows``, or the PPO mini-batch's rows)."""
+        return self.ptx.rows or self.rollout.rows_per_step // self.rollout.num_minibatches
 
     def optimizer(self, role: str) -> OptimizerSettings:
         """The optimizer settings of a trained role (``<role>_optimizer``)."""

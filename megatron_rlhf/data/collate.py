@@ -121,7 +121,8 @@ def _right_pad(
 
 
 def collate_sft(examples: Sequence[SFTExample], tokenizer: Tokenizer | HFTokenizer,
-                max_length: int, use_chat_template: bool = True) -> SFTBatch:
+                max_length: int, use_chat_template: bool = True,
+                pad_to: int | None = None) -> SFTBatch:
     """Tokenise (prompt, response) pairs and right-pad them, masking the loss to the response.
 
     Args:
@@ -130,6 +131,8 @@ def collate_sft(examples: Sequence[SFTExample], tokenizer: Tokenizer | HFTokeniz
         max_length: longest sequence; longer responses are cut at the end.
         use_chat_template: wrap plain-text prompts as one user turn when the tokenizer has a
             chat template (conversations always go through it).
+        pad_to: pad every row to this many tokens (at least ``max_length``) instead of to the
+            batch's longest sequence.
 
     Returns:
         Ids, attention mask and loss mask.
@@ -142,7 +145,7 @@ def collate_sft(examples: Sequence[SFTExample], tokenizer: Tokenizer | HFTokeniz
     return _right_pad(
         [_prompt_response_ids(e.prompt, e.messages, e.response, tokenizer, max_length,
                               use_chat_template) for e in examples],
-        tokenizer.pad_id,
+        tokenizer.pad_id, pad_to,
     )
 
 

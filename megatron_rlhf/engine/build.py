@@ -35,6 +35,7 @@ from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.topology.cluster import ClusterSpec
 from megatron_rlhf.topology.groups import build_process_groups
 from megatron_rlhf.topology.models import (
+    ACTOR,
     SHADOW_OF,
     TRAINABLE_ROLES,
 )
@@ -82,6 +83,12 @@ def make_plan(config: RunConfig, cluster: ClusterSpec,
             f"a mini-batch of {minibatch} rows does not split into {unsplit}'s "
             f"dp({plan[unsplit].dp}) x micro_batch_size({micro}); lower "
             "rollout.num_minibatches or micro_batch_size")
+    if config.ptx.enabled and ACTOR in plan.models and _unsplit_role(plan, config.ptx_rows, micro,
+                                                                     [ACTOR]):
+        raise ValueError(
+            f"{config.ptx_rows} supervised rows per update (ptx.rows, or the PPO mini-batch's) "
+            f"do not split into the actor's dp({plan[ACTOR].dp}) x micro_batch_size({micro}); "
+            f"set ptx.rows to a multiple of {plan[ACTOR].dp * micro}")
     return plan
 
 

@@ -266,20 +266,22 @@ class PPOEngine:
 
     # -------------------------------------------------------------- training
     def update(self, role: str, experience: DistBatch, minibatch_rows: torch.Tensor,
-               loss_fn) -> dict:
+               loss_fn, supervised: dict[str, torch.Tensor] | None = None) -> dict:
         """One optimizer step of ``role`` (held by this rank) on experience rows.
 
         Every trainer rank holds all experience rows; DP replica ``d`` trains on the ``d``-th
-        share of the mini-batch, so no data moves.
+        share of the mini-batch, so no data moves. ``supervised`` rows (PPO-ptx, every rank
+        holds all of them) are shared out the same way and join the same step.
         """
         worker = self.workers[role]
-        model = self.plan[role]
-        dp_rank = worker.pg_collection.dp.rank()
-        share = len(minibatch_rows) // model.dp
-        rows = minibatch_rows[dp_rank * share:(dp_rank + 1) * share]
+        dp_rank, dp = worker.pg_collection.dp.rank(), self.plan[role].dp
+        rows = _replica_share(minibatch_rows, dp_rank, dp)
         rows = rows.to(next(iter(experience.fields.values())).device)
         fields = {name: tensor[rows] for name, tensor in experience.fields.items()}
-        return worker.train(fields, loss_fn)
+        if supervised is not None:
+            supervised = {name: _replica_share(tensor, dp_rank, dp)
+                          for name, tensor in supervised.items()}
+        return worker.train(fields, loss_fn, supervised)
 
     def sync_weights(self) -> None:
         """Copy trained weights into the shadows (no-op without shadows). Collective."""
@@ -299,6 +301,12 @@ class PPOEngine:
                 if roles is None or role in roles:
                     stack.enter_context(worker.resident(*(parts or PARTS)))
             yield
+
+
+def _replica_share(rows: torch.Tensor, dp_rank: int, dp: int) -> torch.Tensor:
+    """DP replica ``dp_rank``'s contiguous ``1/dp`` of ``rows`` (along the first dimension)."""
+    share = rows.shape[0] // dp
+    return rows[dp_rank * share:(dp_rank + 1) * share]
 
 
 def rule_scores_of(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,

@@ -26,8 +26,14 @@ from typing import Any
 
 import torch
 
-from megatron_rlhf.algorithms import PPOAlgorithmConfig, RunningMoments, build_kl_controller
+from megatron_rlhf.algorithms import (
+    PPOAlgorithmConfig,
+    RunningMoments,
+    aggregation_denominator,
+    build_kl_controller,
+)
 from megatron_rlhf.config.ppo_run import RewardConfig, RolloutConfig
+from megatron_rlhf.data.demonstrations import DemonstrationStream
 from megatron_rlhf.engine.batch import DistBatch, concat
 from megatron_rlhf.engine.engine import PPOEngine, RuleReward
 from megatron_rlhf.engine.experience import compute_advantages
@@ -86,11 +92,16 @@ class PPOAlgorithm:
         on_nan: NaN/Inf in experience, losses or gradients: ``skip`` (no update from it; the
             step's metrics get ``skipped=1``) or ``stop`` (raise :class:`NonFiniteError` on every
             rank after the step, which applied no update from the bad values either).
+        demonstrations: PPO-ptx's supervised rows of each actor update (``ptx``); None: PPO
+            alone.
+        ptx_coef: the weight of their mean NLL in the actor's loss (``ptx.coef``).
     """
 
     def __init__(self, engine: PPOEngine, algorithm: PPOAlgorithmConfig, rollout: RolloutConfig,
                  reward: RewardConfig, seed: int, prompts: PromptSource, total_steps: int,
-                 rule_reward: RuleReward | None = None, on_nan: str = "stop") -> None:
+                 rule_reward: RuleReward | None = None, on_nan: str = "stop",
+                 demonstrations: DemonstrationStream | None = None,
+                 ptx_coef: float = 0.0) -> None:
         self.engine = engine
         self.algorithm = algorithm
         self.rollout = rollout
@@ -100,6 +111,8 @@ class PPOAlgorithm:
         self.total_steps = total_steps
         self.rule_reward = rule_reward
         self.on_nan = on_nan
+        self.demonstrations = demonstrations
+        self.ptx_coef = ptx_coef
         self.kl_controller = build_kl_controller(algorithm)
         self.score_moments = RunningMoments()
         self._queue: deque[Experience] = deque()
@@ -197,12 +210,34 @@ class PPOAlgorithm:
             loss_fns[CRITIC] = critic_loss_fn(engine.workers[CRITIC], engine.prompt_length,
                                               self.algorithm)
         train_sums: dict[str, float] = {}
-        for rows in self._minibatches(experience.batch.batch_size, experience.step):
+        minibatches = self._minibatches(experience.batch.batch_size, experience.step)
+        for index, rows in enumerate(minibatches):
             for role, loss_fn in loss_fns.items():
+                supervised = None
+                if role == ACTOR and self.demonstrations is not None:
+                    supervised = self._supervised_rows(experience, rows,
+                                                       experience.step * len(minibatches) + index)
                 with self.engine.context.span("train", role):
-                    result = engine.update(role, experience.batch, rows, loss_fn)
+                    result = engine.update(role, experience.batch, rows, loss_fn, supervised)
                 accumulate_train_sums(train_sums, role, result, engine.workers[role])
         return train_sums
+
+    def _supervised_rows(self, experience: Experience, rows: torch.Tensor,
+                         update: int) -> dict[str, torch.Tensor]:
+        """The demonstrations of actor update ``update`` with their ``ptx_weight``.
+
+        megatron divides the step's summed loss by the PPO rows' count (response tokens for
+        ``token_mean``), and the supervised rows add none; weighting their summed NLL by
+        ``coef * ppo_count / supervised_tokens`` makes the step's loss
+        ``ppo_loss + coef * mean_nll`` exactly, whatever the DP size and micro-batching.
+        """
+        supervised = self.demonstrations.batch(update)
+        ppo_count = aggregation_denominator(experience.batch.fields["response_mask"][rows],
+                                            self.algorithm.loss_aggregation)
+        tokens = supervised["loss_mask"][:, 1:].sum().clamp(min=1)
+        weight = self.ptx_coef * float(ppo_count) / float(tokens)
+        rows_count = supervised["input_ids"].shape[0]
+        return {**supervised, "ptx_weight": torch.full((rows_count,), weight)}
 
     def _minibatches(self, batch_size: int, step: int) -> list[torch.Tensor]:
         """Row indices of every mini-batch of the step: a fresh permutation per epoch."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Collection
+from dataclasses import replace
 from pathlib import Path
 
 import torch.distributed as dist
@@ -21,11 +22,13 @@ from megatron_rlhf.config.loader import to_yaml
 from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.data import (
     DataConfig,
+    SFTExample,
     generate_records,
     load_splits,
     read_files,
     rule_score,
 )
+from megatron_rlhf.data.demonstrations import DemonstrationStream
 from megatron_rlhf.data.prompts import PromptStream
 from megatron_rlhf.engine.build import (
     build_engine,
@@ -109,6 +112,41 @@ def load_eval_prompts(config: RunConfig, tokenizer: Tokenizer | HFTokenizer) -> 
     return _encode(records[:evaluation.num_prompts], config, tokenizer, "held-out prompts")
 
 
+def load_demonstrations(config: RunConfig, tokenizer: Tokenizer | HFTokenizer
+                        ) -> DemonstrationStream | None:
+    """PPO-ptx's supervised rows (``ptx``), or None when it is off."""
+    if not config.ptx.enabled:
+        return None
+    if config.ptx.paths or config.prompts.paths:
+        examples = _read_demonstrations(config, tokenizer)
+    else:
+        examples = [SFTExample(record["prompt"], record["response"])
+                    for record in generate_records(config.prompts.synthetic)]
+    length = config.rollout.max_prompt_length + config.generation.max_new_tokens
+    return DemonstrationStream(examples, tokenizer, length, config.ptx_rows, config.runtime.seed,
+                               config.prompts.chat_template)
+
+
+def _read_demonstrations(config: RunConfig, tokenizer: Tokenizer | HFTokenizer
+                         ) -> list[SFTExample]:
+    """``ptx.paths`` whole, or else the ``sft`` portion of ``prompts.paths``."""
+    reader = replace(config.prompts.reader, required=["prompt", "response"])
+    if config.ptx.paths:
+        source = f"ptx.paths={list(config.ptx.paths)}"
+        records, summaries = read_files(list(config.ptx.paths), reader, tokenizer)
+    else:
+        source = f"the sft portion of prompts.paths={list(config.prompts.paths)}"
+        splits, summaries = load_splits(
+            DataConfig(list(config.prompts.paths), reader, config.prompts.split), tokenizer)
+        records = splits.sft
+    for summary in summaries:
+        logger.info("ptx: %s", summary.format())
+    if not records:
+        raise ValueError(f"ptx.coef={config.ptx.coef} but {source} holds no (prompt, response) "
+                         "record; name demonstrations in ptx.paths or set ptx.coef=0")
+    return [SFTExample(record.prompt, record.response, record.messages) for record in records]
+
+
 def _encode(records: list[tuple[str, list | None]], config: RunConfig,
             tokenizer: Tokenizer | HFTokenizer,
             what: str) -> list[list[int]]:
@@ -157,6 +195,7 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
     candidates = resume_candidates(config.checkpoint)
     prompts = load_prompts(config, tokenizer)
     eval_prompts = load_eval_prompts(config, tokenizer)
+    demonstrations = load_demonstrations(config, tokenizer)
     plan = make_plan(config, cluster_from_environment(config.cluster.pools), sources)
     if eval_prompts:
         check_evaluation_size(plan, config, len(eval_prompts))
@@ -181,7 +220,8 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
         algorithm = PPOAlgorithm(engine, config.algorithm, config.rollout, config.reward,
                                  config.runtime.seed, prompts.batch, config.steps,
                                  rule_reward_for(config, tokenizer),
-                                 on_nan=config.faults.on_nan)
+                                 on_nan=config.faults.on_nan, demonstrations=demonstrations,
+                                 ptx_coef=config.ptx.coef)
         run = RunState(engine, algorithm, prompts, config, tokenizer.fingerprint)
         exporter = HFExporter(config, sources, tokenizer)
         evaluator = (HeldOutEvaluator(engine, eval_prompts, algorithm.rule_reward,

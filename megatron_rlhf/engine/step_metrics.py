@@ -126,6 +126,9 @@ def share_metrics(step_metrics: dict[str, float], train_sums: dict[str, float],
         for key, value in totals.items():
             if key.startswith(f"{role}/") and key.endswith("_sum") and "grad_norm" not in key:
                 metrics[key[:-4]] = value / tokens if tokens else 0.0
+        if totals.get(f"{role}/ptx_tokens"):
+            metrics[f"{role}/ptx_nll"] = (totals[f"{role}/ptx_nll_total"]
+                                          / totals[f"{role}/ptx_tokens"])
         if totals.get(f"{role}/steps"):
             replicas = totals[f"{role}/steps"]
             metrics[f"{role}/grad_norm"] = totals[f"{role}/grad_norm_sum"] / replicas

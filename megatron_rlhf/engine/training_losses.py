@@ -23,6 +23,8 @@ from megatron_rlhf.algorithms import (
     compute_value_loss,
 )
 from megatron_rlhf.engine.workers import ModelWorker
+from megatron_rlhf.models.gpt import split_policy_value
+from megatron_rlhf.models.logprobs import next_token_nll
 
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple]
 
@@ -34,10 +36,22 @@ def _as_sums(tokens: torch.Tensor, metrics: dict[str, torch.Tensor]) -> dict[str
 def actor_loss_fn(worker: ModelWorker, prompt_length: int, temperature: float,
                   config: PPOAlgorithmConfig) -> LossFn:
     """Clipped policy loss + entropy bonus (+ value loss with a shared trunk, AC-Share; + KL loss
-    to the reference, from the batch's ``ref_logprobs``, when ``kl_in="loss"``)."""
+    to the reference, from the batch's ``ref_logprobs``, when ``kl_in="loss"``).
+
+    A micro-batch of PPO-ptx demonstrations (it has a ``loss_mask``) contributes its summed
+    response NLL times its ``ptx_weight`` and no count (``PPOAlgorithm._supervised_rows``).
+    """
     token_mean = config.loss_aggregation == "token_mean"
 
     def loss_fn(output: torch.Tensor, batch: dict[str, torch.Tensor]):
+        if "loss_mask" in batch:
+            logits = split_policy_value(output)[0] if worker.head == "lm+scalar" else output
+            nll_sum, tokens = next_token_nll(logits, batch["input_ids"], batch["loss_mask"],
+                                             worker.pg_collection.tp,
+                                             worker.model.real_vocab_size)
+            no_count = torch.zeros((), dtype=torch.int, device=output.device)
+            return (nll_sum * batch["ptx_weight"][0], no_count,
+                    {"ptx_nll_total": nll_sum.detach(), "ptx_tokens": tokens})
         mask = batch["response_mask"]
         tokens = mask.sum()
         count = tokens if token_mean else aggregation_denominator(mask, config.loss_aggregation)

@@ -159,12 +159,17 @@ class ModelWorker:
                                       prompt_indices, config, eos_id, pad_id,
                                       on_cache=self.meter.observe)
 
-    def train(self, fields: Fields, loss_fn) -> dict[str, Any]:
-        """One optimizer step over this replica's rows of a mini-batch."""
+    def train(self, fields: Fields, loss_fn, supervised: Fields | None = None
+              ) -> dict[str, Any]:
+        """One optimizer step over this replica's rows of a mini-batch (and of ``supervised``
+        rows, in micro-batches of their own after them; ``loss_fn`` tells them apart)."""
         if self.trainer is None:
             raise RuntimeError(f"{self.role} is not trainable")
+        microbatches = self._microbatches(fields)
+        if supervised is not None:
+            microbatches += self._microbatches(supervised)
         with self.resident(WEIGHTS, GRADS, OPTIMIZER):
-            return self.trainer.train_step(self._microbatches(fields), loss_fn)
+            return self.trainer.train_step(microbatches, loss_fn)
 
     def _microbatches(self, fields: Fields) -> list[Fields]:
         return split_microbatches(to_device(fields, self.device), self.micro_batch_size)

@@ -71,3 +71,23 @@ def vocab_parallel_logprobs(
         weighted = (exp_shifted * shifted.masked_fill(~real_columns, 0.0)).sum(dim=-1)
         entropy = log_sum_exp - _tp_sum(weighted, tp_group) / sum_exp
     return logprobs, entropy
+
+
+def next_token_nll(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                   tp_group: dist.ProcessGroup, real_vocab_size: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed negative log-likelihood of the tokens ``loss_mask`` marks, and their count.
+
+    Args:
+        logits: ``[b, s, v_local]`` this rank's vocabulary shard; position ``t - 1`` predicts
+            the token at ``t``.
+        input_ids: ``[b, s]`` the sequences.
+        loss_mask: ``[b, s]`` 1 on the tokens to predict, aligned with ``input_ids``.
+
+    Returns:
+        ``(nll_sum, tokens)``: a 0-dim float tensor and a 0-dim int tensor.
+    """
+    logprobs, _ = vocab_parallel_logprobs(logits[:, :-1], input_ids[:, 1:], tp_group,
+                                          real_vocab_size)
+    mask = loss_mask[:, 1:]
+    return -(logprobs * mask).sum(), mask.sum().int()

@@ -21,7 +21,7 @@ from megatron_rlhf.data import SFTDataset, SFTExample, collate_sft
 from megatron_rlhf.models.checkpoint import load_model_checkpoint
 from megatron_rlhf.models.forward_backward import Batch, LossFn, split_microbatches
 from megatron_rlhf.models.hf_tokenizer import HFTokenizer
-from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
+from megatron_rlhf.models.logprobs import next_token_nll
 from megatron_rlhf.models.tokenizer import Tokenizer
 from megatron_rlhf.supervised.loop import (
     Objective,
@@ -49,11 +49,8 @@ def sft_loss(tp_group: dist.ProcessGroup, real_vocab_size: int) -> LossFn:
     """
 
     def loss_fn(logits: torch.Tensor, batch: Batch) -> tuple:
-        logprobs, _ = vocab_parallel_logprobs(logits[:, :-1], batch["input_ids"][:, 1:], tp_group,
-                                              real_vocab_size)
-        mask = batch["loss_mask"][:, 1:]
-        nll_sum = -(logprobs * mask).sum()
-        tokens = mask.sum().int()
+        nll_sum, tokens = next_token_nll(logits, batch["input_ids"], batch["loss_mask"],
+                                         tp_group, real_vocab_size)
         return nll_sum, tokens, {"loss_sum": nll_sum, "count": tokens}
 
     return loss_fn

@@ -1,0 +1,56 @@
+"""The supervised rows of each actor update (PPO-ptx), as a pure function of the update number.
+
+Like :class:`~megatron_rlhf.data.prompts.PromptStream`, every rank builds the same stream and
+asks it for update ``u``'s rows, so nothing is broadcast and a resumed run needs only ``u``. The
+demonstrations are tokenised once, right-padded to the length of PPO's sequences (the shape one
+call of megatron's schedule needs), each pass over them a fresh seeded permutation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from megatron_rlhf.data.collate import collate_sft
+from megatron_rlhf.data.datasets import SFTExample
+from megatron_rlhf.models.hf_tokenizer import HFTokenizer
+from megatron_rlhf.models.tokenizer import Tokenizer
+
+
+class DemonstrationStream:
+    """Rows of ``input_ids``, ``attention_mask`` and ``loss_mask`` ``[rows, length]`` per update.
+
+    Args:
+        examples: the (prompt, response) demonstrations.
+        tokenizer: the run's tokenizer.
+        length: tokens per row (PPO's ``max_prompt_length + max_new_tokens``); longer
+            demonstrations lose the end of their response.
+        rows: rows per update.
+        seed: seed of the per-pass permutations.
+        use_chat_template: as in :func:`~megatron_rlhf.data.collate.collate_sft`.
+
+    Raises:
+        ValueError: fewer demonstrations than ``rows``, or a prompt that fills ``length``.
+    """
+
+    def __init__(self, examples: Sequence[SFTExample], tokenizer: Tokenizer | HFTokenizer,
+                 length: int, rows: int, seed: int, use_chat_template: bool = True) -> None:
+        if rows > len(examples):
+            raise ValueError(f"ptx.rows({rows}) exceeds the {len(examples)} demonstrations "
+                             "available; lower ptx.rows or add records to ptx.paths")
+        batch = collate_sft(examples, tokenizer, length, use_chat_template, pad_to=length)
+        self.fields = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+                       "loss_mask": batch.loss_mask}
+        self.rows = rows
+        self.seed = seed
+        self.updates_per_pass = len(examples) // rows
+
+    def batch(self, update: int) -> dict[str, torch.Tensor]:
+        """The rows of actor update ``update`` (counted over the whole run from 0)."""
+        pass_index, position = divmod(update, self.updates_per_pass)
+        total = self.fields["input_ids"].shape[0]
+        order = torch.randperm(total, generator=torch.Generator().manual_seed(
+            self.seed + pass_index))
+        chosen = order[position * self.rows:(position + 1) * self.rows]
+        return {name: tensor[chosen] for name, tensor in self.fields.items()}
