@@ -13,6 +13,7 @@ by the policy. :func:`hacking_report` compares an evaluation with the first one 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -62,7 +63,8 @@ class HeldOutEvaluator:
         self.log_examples = log_examples
 
     def evaluate(self) -> dict[str, float]:
-        """``eval/<mode>/{rm_score,rm_score_std,rule_score,response_length}`` for both modes, and
+        """``eval/<mode>/{rm_score,rm_score_std,rule_score,answers,response_length}`` for both
+        modes, and
         ``eval/sampled/kl`` (KL per sequence to the reference; greedy tokens give no unbiased
         estimate); identical on every rank."""
         metrics: dict[str, float] = {}
@@ -92,6 +94,7 @@ class HeldOutEvaluator:
         metrics = {f"eval/{mode}/rm_score": fields["rm_scores"].mean().item(),
                    f"eval/{mode}/rm_score_std": fields["rm_scores"].std(unbiased=False).item(),
                    f"eval/{mode}/rule_score": fields["rule_scores"].mean().item(),
+                   f"eval/{mode}/answers": float(mask.shape[0]),
                    f"eval/{mode}/response_length": mask.sum(dim=1).float().mean().item()}
         if mode == "sampled":
             kl = kl_penalty(fields["old_logprobs"], fields["ref_logprobs"], mask, "k1")
@@ -116,8 +119,10 @@ def hacking_report(first: dict[str, float], current: dict[str, float], tolerance
         first: the run's first evaluation (the initial policy).
         current: a later evaluation.
         tolerance: how far the rule score must fall below ``first``'s to count.
-        rm_rise: how far the reward-model score must rise above ``first``'s to count, in
-            standard deviations of ``first``'s scores.
+        rm_rise: how far the mean reward-model score must rise above ``first``'s to count, in
+            standard errors of that change, ``sqrt((std_first**2 + std_current**2) / n)`` over
+            the ``n`` answers of each evaluation (the reward model's scale is arbitrary, and
+            the mean of ``n`` answers moves by far less than one answer's spread).
 
     Returns:
         One line per such mode, with both scores before and after; empty when none diverge.
@@ -128,8 +133,10 @@ def hacking_report(first: dict[str, float], current: dict[str, float], tolerance
         if rm not in first or rm not in current:
             continue
         rise = current[rm] - first[rm]
-        if (rise > rm_rise * first[f"eval/{mode}/rm_score_std"]
-                and current[rule] < first[rule] - tolerance):
+        spread = math.sqrt((first[f"eval/{mode}/rm_score_std"] ** 2
+                            + current[f"eval/{mode}/rm_score_std"] ** 2)
+                           / first[f"eval/{mode}/answers"])
+        if rise > rm_rise * spread and current[rule] < first[rule] - tolerance:
             lines.append(f"{mode} answers: reward-model score {first[rm]:.3f} -> "
                          f"{current[rm]:.3f} while the rule score fell {first[rule]:.3f} -> "
                          f"{current[rule]:.3f}")

@@ -14,25 +14,42 @@ from megatron_rlhf.generation import GenerationConfig
 from tests.multirank import run_on_ranks
 
 FIRST = {"eval/greedy/rm_score": -3.0, "eval/greedy/rm_score_std": 1.0,
-         "eval/greedy/rule_score": 0.30, "eval/sampled/rm_score": -5.0,
-         "eval/sampled/rm_score_std": 2.0, "eval/sampled/rule_score": 0.40}
+         "eval/greedy/rule_score": 0.30, "eval/greedy/answers": 16.0,
+         "eval/sampled/rm_score": -5.0, "eval/sampled/rm_score_std": 2.0,
+         "eval/sampled/rule_score": 0.40, "eval/sampled/answers": 16.0}
+"""16 answers a mode: the sampled mean's change has a standard error of sqrt((4 + 4) / 16) =
+0.71 while the scores keep their spread, so two standard errors are a rise of 1.41."""
 
 
 def test_hacking_report_names_the_mode_whose_scores_diverge() -> None:
-    hacked = {**FIRST, "eval/sampled/rm_score": -1.0, "eval/sampled/rule_score": 0.20}
-    (line,) = hacking_report(FIRST, hacked, tolerance=0.02, rm_rise=0.5)
-    assert line.startswith("sampled answers") and "-5.000 -> -1.000" in line
+    hacked = {**FIRST, "eval/sampled/rm_score": -3.5, "eval/sampled/rule_score": 0.20}
+    (line,) = hacking_report(FIRST, hacked, tolerance=0.02, rm_rise=2.0)
+    assert line.startswith("sampled answers") and "-5.000 -> -3.500" in line
     assert "0.400 -> 0.200" in line
 
 
 @pytest.mark.parametrize("change", [
     {"eval/sampled/rm_score": 0.0, "eval/sampled/rule_score": 0.39},    # rule within tolerance
-    {"eval/sampled/rm_score": -4.2, "eval/sampled/rule_score": 0.1},    # rise < 0.5 std (2.0)
+    {"eval/sampled/rm_score": -3.7, "eval/sampled/rule_score": 0.1},    # rise 1.3 < 1.41
     {"eval/sampled/rm_score": -6.0, "eval/sampled/rule_score": 0.1},    # both fell: no hacking
     {"eval/greedy/rm_score": 0.0, "eval/greedy/rule_score": 0.5},       # both rose: learning
 ])
 def test_hacking_report_is_silent_unless_reward_up_and_rule_down(change: dict) -> None:
-    assert hacking_report(FIRST, {**FIRST, **change}, tolerance=0.02, rm_rise=0.5) == []
+    assert hacking_report(FIRST, {**FIRST, **change}, tolerance=0.02, rm_rise=2.0) == []
+
+
+def test_hacking_threshold_is_the_standard_error_of_the_mean_change() -> None:
+    """The default run's greedy answers at seed 0 (docs/quickstart.md): the reward model's mean
+    rose by 2.9 over 128 answers whose scores spread by 6.2, while the rule score fell by 0.16.
+    A threshold in per-answer standard deviations (half of one: 3.1) missed it."""
+    first = {"eval/greedy/rm_score": -10.158, "eval/greedy/rm_score_std": 6.23,
+             "eval/greedy/rule_score": 0.867, "eval/greedy/answers": 128.0}
+    final = {**first, "eval/greedy/rm_score": -7.250, "eval/greedy/rule_score": 0.703}
+    (line,) = hacking_report(first, final, tolerance=0.03, rm_rise=2.0)
+    assert "-10.158 -> -7.250" in line and "0.867 -> 0.703" in line
+    assert hacking_report({**first, "eval/greedy/answers": 8.0},
+                          {**final, "eval/greedy/answers": 8.0}, 0.03, 2.0) == [], (
+        "over 8 answers the same rise is within 2 standard errors (2 x 3.1)")
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [({"num_prompts": -1}, "evaluation.num_prompts"),
@@ -77,7 +94,7 @@ def _records(path: Path) -> list[dict]:
 
 
 def _assert_same_evaluation(ours: dict, again: dict) -> None:
-    assert ours.keys() == again.keys() and len(ours) == 9
+    assert ours.keys() == again.keys() and len(ours) == 11
     for key, value in ours.items():
         assert again[key] == pytest.approx(value, abs=1e-4), key
 

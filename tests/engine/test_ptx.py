@@ -128,7 +128,7 @@ def _gradients_both_ways() -> dict:
     reference = torch.autograd.grad(policy_loss + COEF * nll, params, retain_graph=True)
     scale = max(float(g.abs().max()) for g in reference)
     worst = max(float((got - want).abs().max())
-                for got, want in zip(captured["grads"], reference))
+                for got, want in zip(captured["grads"], reference, strict=True))
     nll_only = torch.autograd.grad(COEF * nll, params)
     return {"relative_error": worst / scale,
             "ptx_share": max(float(g.abs().max()) for g in nll_only) / scale,
