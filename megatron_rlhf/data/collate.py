@@ -90,11 +90,15 @@ def collate_prompts(
     return PromptBatch(input_ids=input_ids, attention_mask=attention_mask)
 
 
-def _prompt_response_ids(
+def sft_sequence(
     prompt: str, messages: Conversation | None, response: str,
     tokenizer: Tokenizer | HFTokenizer, max_length: int, use_chat_template: bool
 ) -> tuple[list[int], int]:
-    """Return ``BOS prompt response EOS`` cut to ``max_length`` and the prompt part's length."""
+    """Return ``BOS prompt response EOS`` cut to ``max_length`` and the prompt part's length.
+
+    Raises:
+        ValueError: the prompt alone fills ``max_length``.
+    """
     prompt_ids = encode_prompt(tokenizer, prompt, messages, use_chat_template)
     if len(prompt_ids) >= max_length:
         raise ValueError(
@@ -106,9 +110,11 @@ def _prompt_response_ids(
     return ids[:max_length], len(prompt_ids)
 
 
-def _right_pad(
+def right_pad_sft(
     sequences: list[tuple[list[int], int]], pad_id: int, length: int | None = None
 ) -> SFTBatch:
+    """Right-pad :func:`sft_sequence` results to ``length`` (default: the longest of them), the
+    loss on each response and its EOS."""
     length = length if length is not None else max(len(ids) for ids, _ in sequences)
     input_ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)
@@ -121,8 +127,7 @@ def _right_pad(
 
 
 def collate_sft(examples: Sequence[SFTExample], tokenizer: Tokenizer | HFTokenizer,
-                max_length: int, use_chat_template: bool = True,
-                pad_to: int | None = None) -> SFTBatch:
+                max_length: int, use_chat_template: bool = True) -> SFTBatch:
     """Tokenise (prompt, response) pairs and right-pad them, masking the loss to the response.
 
     Args:
@@ -131,8 +136,6 @@ def collate_sft(examples: Sequence[SFTExample], tokenizer: Tokenizer | HFTokeniz
         max_length: longest sequence; longer responses are cut at the end.
         use_chat_template: wrap plain-text prompts as one user turn when the tokenizer has a
             chat template (conversations always go through it).
-        pad_to: pad every row to this many tokens (at least ``max_length``) instead of to the
-            batch's longest sequence.
 
     Returns:
         Ids, attention mask and loss mask.
@@ -142,10 +145,10 @@ def collate_sft(examples: Sequence[SFTExample], tokenizer: Tokenizer | HFTokeniz
     """
     if not examples:
         raise ValueError("collate_sft got an empty batch")
-    return _right_pad(
-        [_prompt_response_ids(e.prompt, e.messages, e.response, tokenizer, max_length,
+    return right_pad_sft(
+        [sft_sequence(e.prompt, e.messages, e.response, tokenizer, max_length,
                               use_chat_template) for e in examples],
-        tokenizer.pad_id, pad_to,
+        tokenizer.pad_id,
     )
 
 
@@ -169,11 +172,11 @@ def collate_preferences(
     """
     if not examples:
         raise ValueError("collate_preferences got an empty batch")
-    chosen, rejected = ([_prompt_response_ids(e.prompt, e.messages, getattr(e, side), tokenizer,
+    chosen, rejected = ([sft_sequence(e.prompt, e.messages, getattr(e, side), tokenizer,
                                               max_length, use_chat_template) for e in examples]
                         for side in ("chosen", "rejected"))
     length = max(len(ids) for ids, _ in chosen + rejected)
     return PreferenceBatch(
-        chosen=_right_pad(chosen, tokenizer.pad_id, length),
-        rejected=_right_pad(rejected, tokenizer.pad_id, length),
+        chosen=right_pad_sft(chosen, tokenizer.pad_id, length),
+        rejected=right_pad_sft(rejected, tokenizer.pad_id, length),
     )

@@ -2,8 +2,9 @@
 
 Like :class:`~megatron_rlhf.data.prompts.PromptStream`, every rank builds the same stream and
 asks it for update ``u``'s rows, so nothing is broadcast and a resumed run needs only ``u``. The
-demonstrations are tokenised once, right-padded to the length of PPO's sequences (the shape one
-call of megatron's schedule needs), each pass over them a fresh seeded permutation.
+demonstrations are tokenised once (so a prompt too long for the rows is refused before the run
+starts) and an update's rows are right-padded to the length of PPO's sequences, the shape one
+call of megatron's schedule needs; each pass over them is a fresh seeded permutation.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_rlhf.data.collate import collate_sft
+from megatron_rlhf.data.collate import right_pad_sft, sft_sequence
 from megatron_rlhf.data.datasets import SFTExample
 from megatron_rlhf.models.hf_tokenizer import HFTokenizer
 from megatron_rlhf.models.tokenizer import Tokenizer
@@ -39,9 +40,10 @@ class DemonstrationStream:
         if rows > len(examples):
             raise ValueError(f"ptx.rows({rows}) exceeds the {len(examples)} demonstrations "
                              "available; lower ptx.rows or add records to ptx.paths")
-        batch = collate_sft(examples, tokenizer, length, use_chat_template, pad_to=length)
-        self.fields = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
-                       "loss_mask": batch.loss_mask}
+        self.sequences = [sft_sequence(e.prompt, e.messages, e.response, tokenizer, length,
+                                       use_chat_template) for e in examples]
+        self.pad_id = tokenizer.pad_id
+        self.length = length
         self.rows = rows
         self.seed = seed
         self.updates_per_pass = len(examples) // rows
@@ -49,8 +51,9 @@ class DemonstrationStream:
     def batch(self, update: int) -> dict[str, torch.Tensor]:
         """The rows of actor update ``update`` (counted over the whole run from 0)."""
         pass_index, position = divmod(update, self.updates_per_pass)
-        total = self.fields["input_ids"].shape[0]
-        order = torch.randperm(total, generator=torch.Generator().manual_seed(
+        order = torch.randperm(len(self.sequences), generator=torch.Generator().manual_seed(
             self.seed + pass_index))
-        chosen = order[position * self.rows:(position + 1) * self.rows]
-        return {name: tensor[chosen] for name, tensor in self.fields.items()}
+        chosen = order[position * self.rows:(position + 1) * self.rows].tolist()
+        batch = right_pad_sft([self.sequences[i] for i in chosen], self.pad_id, self.length)
+        return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+                "loss_mask": batch.loss_mask}

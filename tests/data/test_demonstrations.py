@@ -35,3 +35,8 @@ def test_demonstration_stream_covers_every_example_once_per_pass(tokenizer) -> N
 def test_demonstration_stream_refuses_more_rows_than_demonstrations(tokenizer) -> None:
     with pytest.raises(ValueError, match=r"ptx.rows\(8\) exceeds the 5 demonstrations"):
         DemonstrationStream(_examples(5), tokenizer, length=40, rows=8, seed=0)
+
+
+def test_demonstration_stream_refuses_a_prompt_that_fills_the_row(tokenizer) -> None:
+    with pytest.raises(ValueError, match=r"leaves no room for a response in max_length\(4\)"):
+        DemonstrationStream(_examples(5), tokenizer, length=4, rows=2, seed=0)

@@ -159,7 +159,8 @@ def test_demonstrations_are_the_sft_portion_or_the_named_files(tmp_path) -> None
     splits, _ = load_splits(DataConfig([str(paths["train"])], prompts.reader, prompts.split))
     config = RunConfig()
     length = config.rollout.max_prompt_length + config.generation.max_new_tokens
-    assert stream.fields["input_ids"].shape == (len(splits.sft), length)
+    assert len(stream.sequences) == len(splits.sft)
+    assert stream.batch(0)["input_ids"].shape == (stream.rows, length)
     assert stream.rows == config.rollout.prompts_per_step
 
     prompts_only = tmp_path / "prompts.jsonl"
