@@ -408,6 +408,7 @@ class RunConfig:
             self.placement = replace(placement, critic=False)
         self.placement.role_ratios()
         self._check_fsdp()
+        self._check_optimizer_sharding()
         n = self.rollout.samples_per_prompt
         if algorithm.advantage_estimator in GROUP_ESTIMATORS and n < 2:
             raise ValueError(
@@ -426,6 +427,25 @@ class RunConfig:
             raise ValueError(f"{role!r} is not trained: no optimizer settings "
                              f"(trained roles: {TRAINABLE_ROLES})")
         return self.actor_optimizer if role == ACTOR else self.critic_optimizer
+
+    def _check_optimizer_sharding(self) -> None:
+        """Refuse a placement whose memory plan shards a trained model's optimizer state
+        differently from the optimizer the engine builds (``<role>_optimizer``)."""
+        roles = TRAINABLE_ROLES if self.placement.places_critic else (ACTOR,)
+        for role in roles:
+            override = self.placement.parallel.get(role)
+            if override is not None and override.distributed_optimizer is not None:
+                planned, field_ = override.distributed_optimizer, (
+                    f"placement.parallel.{role}.distributed_optimizer")
+            else:
+                planned, field_ = (self.placement.distributed_optimizer,
+                                   "placement.distributed_optimizer")
+            built = self.optimizer(role).distributed_optimizer
+            if planned != built:
+                raise ValueError(
+                    f"{field_}={str(planned).lower()} but {role}_optimizer.distributed_optimizer="
+                    f"{str(built).lower()}: the {role}'s optimizer is built from the second and "
+                    "its memory is planned from the first; give both the same value")
 
     def _check_fsdp(self) -> None:
         """Refuse what reads or moves a Megatron-FSDP model's whole parameters, which it holds

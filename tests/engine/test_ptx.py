@@ -74,9 +74,10 @@ def _gradients_both_ways() -> dict:
 
     initialize_runtime()
     config = RunConfig(
-        placement=PlacementConfig(strategy="flattening"),
         # Replicated: every replica then holds the whole reduced gradient, not its shard.
+        placement=PlacementConfig(strategy="flattening", distributed_optimizer=False),
         actor_optimizer=OptimizerSettings(distributed_optimizer=False),
+        critic_optimizer=OptimizerSettings(distributed_optimizer=False),
         models=ModelsConfig(arch="tiny", init_seed=9),
         rollout=RolloutConfig(prompts_per_step=4, max_prompt_length=PROMPT_LENGTH,
                               micro_batch_size=1),

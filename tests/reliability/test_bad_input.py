@@ -37,6 +37,14 @@ TINY = "examples/ppo_tiny.yaml"
     (["checkpoint.keep_last=-1"], "checkpoint.keep_last=-1 must be >= 0 (0 keeps all)"),
     (["faults.on_nan=ignore"], "faults.on_nan='ignore': use one of ('skip', 'stop')"),
     (["faults.grace_s=-1"], "faults.grace_s=-1.0 must be >= 0"),
+    (["placement.distributed_optimizer=false"],
+     "placement.distributed_optimizer=false but actor_optimizer.distributed_optimizer=true: the "
+     "actor's optimizer is built from the second and its memory is planned from the first"),
+    (["placement.distributed_optimizer=false", "actor_optimizer.distributed_optimizer=false"],
+     "placement.distributed_optimizer=false but critic_optimizer.distributed_optimizer=true"),
+    (["placement.parallel.critic.distributed_optimizer=false"],
+     "placement.parallel.critic.distributed_optimizer=false but "
+     "critic_optimizer.distributed_optimizer=true"),
 ])
 def test_contradictory_settings_name_the_field_and_the_fix(overrides: list[str],
                                                            message: str) -> None:
