@@ -59,15 +59,17 @@ class _FixedDemonstrations:
         return dict(self.fields)
 
 
-def _gradients_both_ways() -> dict:
-    import torch
-
+def _engine_gradient(ac_share: bool = False):
+    """Build a flattened engine on this job's ranks, produce one step's experience and return
+    ``(engine, experience, gradient_of)``: ``gradient_of(coef)`` runs the actor's
+    update of that experience with PPO-ptx weight ``coef`` and returns the reduced gradient of
+    every actor parameter (and how many micro-batches the step had) instead of applying it."""
     from megatron_rlhf.algorithms import PPOAlgorithmConfig
     from megatron_rlhf.config.ppo_run import ModelsConfig
     from megatron_rlhf.engine.build import build_engine
     from megatron_rlhf.engine.ppo import PPOAlgorithm
     from megatron_rlhf.generation import GenerationConfig
-    from megatron_rlhf.models.forward_backward import model_inputs, run_microbatches
+    from megatron_rlhf.models.forward_backward import run_microbatches
     from megatron_rlhf.models.trainer import OptimizerSettings
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
     from megatron_rlhf.topology.cluster import cluster_from_environment
@@ -75,7 +77,8 @@ def _gradients_both_ways() -> dict:
     initialize_runtime()
     config = RunConfig(
         # Replicated: every replica then holds the whole reduced gradient, not its shard.
-        placement=PlacementConfig(strategy="flattening", distributed_optimizer=False),
+        placement=PlacementConfig(strategy="flattening", distributed_optimizer=False,
+                                  ac_share=ac_share),
         actor_optimizer=OptimizerSettings(distributed_optimizer=False),
         critic_optimizer=OptimizerSettings(distributed_optimizer=False),
         models=ModelsConfig(arch="tiny", init_seed=9),
@@ -106,8 +109,36 @@ def _gradients_both_ways() -> dict:
         return {"metrics": [], "grad_norm": 0.0}
 
     trainer.train_step = gradients_only
-    algorithm.consume(experience)
 
+    def gradient_of(coef: float) -> dict:
+        algorithm.ptx_coef = coef
+        algorithm.consume(experience)
+        return dict(captured)
+
+    return engine, experience, gradient_of
+
+
+def _demonstration_nll(model, vocab: int):
+    """The mean response NLL of :class:`_FixedDemonstrations` under ``model``, from
+    ``log_softmax`` of its logits (an AC-Share output's value channel dropped)."""
+    from megatron_rlhf.models.forward_backward import model_inputs
+
+    demo = _FixedDemonstrations().fields
+    output = model(*model_inputs(demo)).float()
+    logits = (output[..., :-1] if model.head_kind == "lm+scalar" else output)[..., :vocab]
+    logprobs = logits[:, :-1].log_softmax(-1).gather(-1, demo["input_ids"][:, 1:, None])[..., 0]
+    mask = demo["loss_mask"][:, 1:].float()
+    return -(logprobs * mask).sum() / mask.sum()
+
+
+def _gradients_both_ways() -> dict:
+    import torch
+
+    from megatron_rlhf.models.forward_backward import model_inputs
+
+    engine, experience, gradient_of = _engine_gradient()
+    captured = gradient_of(COEF)
+    model = engine.workers["actor"].model
     fields = experience.batch.fields
     vocab = model.real_vocab_size
     params = list(model.parameters())
@@ -120,12 +151,7 @@ def _gradients_both_ways() -> dict:
     advantages = fields["advantages"]
     surrogate = torch.minimum(ratio * advantages, ratio.clamp(0.8, 1.2) * advantages)
     policy_loss = -(surrogate * mask).sum() / mask.sum()
-    demo = _FixedDemonstrations().fields
-    demo_logits = model(*model_inputs(demo)).float()[..., :vocab]
-    demo_logprobs = demo_logits[:, :-1].log_softmax(-1).gather(
-        -1, demo["input_ids"][:, 1:, None])[..., 0]
-    demo_mask = demo["loss_mask"][:, 1:].float()
-    nll = -(demo_logprobs * demo_mask).sum() / demo_mask.sum()
+    nll = _demonstration_nll(model, vocab)
     reference = torch.autograd.grad(policy_loss + COEF * nll, params, retain_graph=True)
     scale = max(float(g.abs().max()) for g in reference)
     worst = max(float((got - want).abs().max())
@@ -170,3 +196,31 @@ def test_demonstrations_are_the_sft_portion_or_the_named_files(tmp_path) -> None
                                          r"response\) record"):
         load_demonstrations(RunConfig(prompts=prompts, ptx=PTXConfig(
             coef=1.0, paths=[str(prompts_only)])), tokenizer)
+
+
+def _ptx_share_of_the_gradient_with_ac_share() -> dict:
+    import torch
+
+    engine, _, gradient_of = _engine_gradient(ac_share=True)
+    with_ptx = gradient_of(COEF)["grads"]
+    without = gradient_of(0.0)["grads"]
+    model = engine.workers["actor"].model
+    params = list(model.parameters())
+    reference = torch.autograd.grad(COEF * _demonstration_nll(model, model.real_vocab_size),
+                                    params, allow_unused=True)
+    reference = [torch.zeros_like(p) if g is None else g for p, g in zip(params, reference,
+                                                                           strict=True)]
+    scale = max(float(g.abs().max()) for g in reference)
+    worst = max(float((a - b - want).abs().max())
+                for a, b, want in zip(with_ptx, without, reference, strict=True))
+    return {"head": model.head_kind, "relative_error": worst / scale}
+
+
+@pytest.mark.multirank
+def test_ptx_adds_coef_times_the_nll_gradient_to_an_ac_share_actor() -> None:
+    """With a value head on the actor (AC-Share) the NLL reads the logits only: the gradient
+    with PPO-ptx minus the one without is ``coef`` times the demonstrations' NLL gradient."""
+    for result in run_on_ranks(_ptx_share_of_the_gradient_with_ac_share, world_size=2,
+                               timeout_s=300):
+        assert result["head"] == "lm+scalar"
+        assert result["relative_error"] < 1e-4
