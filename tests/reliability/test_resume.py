@@ -20,7 +20,8 @@ checkpoint. Job 2, in one set of processes:
   with an error naming the rank and the setting.
 
 The runs use dropout 0.1 (models.dropout) so that the RNG streams matter, an adaptive KL controller, running score normalisation and a linear LR
-warm-up, so that each piece of state changes the numbers.
+warm-up, so that each piece of state changes the numbers, and PPO-ptx (whose demonstrations of
+each update must be the same after a resume).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def _config(root: str, name: str, **checkpoint):
     from megatron_rlhf.config.ppo_run import (
         CheckpointConfig,
         ModelsConfig,
+        PTXConfig,
         RewardConfig,
         RolloutConfig,
         RunConfig,
@@ -59,6 +61,7 @@ def _config(root: str, name: str, **checkpoint):
                               ppo_epochs=1, num_minibatches=2),
         generation=GenerationConfig(max_new_tokens=6, seed=3),
         reward=RewardConfig(model_weight=0.5, rule="synthetic"),
+        ptx=PTXConfig(coef=0.5),
         checkpoint=CheckpointConfig(**checkpoint), steps=STEPS, run_dir=f"{root}/{name}")
     config.algorithm.adaptive_kl = True
     config.algorithm.kl_target = 0.01
@@ -145,6 +148,7 @@ def _resume_checks(root: str) -> dict:
     if rank0:
         out["resumed_metrics_equal"] = _metrics(f"{root}/killed") == metrics_a
         out["metrics_steps"] = [m["step"] for m in _metrics(f"{root}/killed")]
+        out["ptx_nll"] = [m.get("actor/ptx_nll") for m in metrics_a]
     step_1 = f"{root}/ckpt/step_00000001"
     for piece in PIECES:
         run_ppo(_config(root, f"drop-{piece}", resume_from=step_1), skip_state=(piece,))
@@ -273,6 +277,7 @@ def test_resume_is_bit_exact_needs_every_piece_and_survives_faults(tmp_path: Pat
     results = run_on_ranks(_resume_checks, world_size=4, args=(root,), timeout_s=420)
     first = results[0]
     assert first["metrics_steps"] == [0, 1]
+    assert all(nll and nll > 0 for nll in first["ptx_nll"]), "every step trained on demonstrations"
     assert first["resumed_metrics_equal"], "resumed metrics differ from the uninterrupted run"
     assert all(r["resumed_weights_equal"] for r in results), "resumed weights differ"
     for piece in PIECES:
