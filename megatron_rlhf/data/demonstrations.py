@@ -47,13 +47,22 @@ class DemonstrationStream:
         self.rows = rows
         self.seed = seed
         self.updates_per_pass = len(examples) // rows
+        self._order: tuple[int, torch.Tensor] | None = None
 
     def batch(self, update: int) -> dict[str, torch.Tensor]:
         """The rows of actor update ``update`` (counted over the whole run from 0)."""
         pass_index, position = divmod(update, self.updates_per_pass)
-        order = torch.randperm(len(self.sequences), generator=torch.Generator().manual_seed(
-            self.seed + pass_index))
-        chosen = order[position * self.rows:(position + 1) * self.rows].tolist()
-        batch = right_pad_sft([self.sequences[i] for i in chosen], self.pad_id, self.length)
+        chosen = self._pass_order(pass_index)[position * self.rows:(position + 1) * self.rows]
+        batch = right_pad_sft([self.sequences[i] for i in chosen.tolist()], self.pad_id,
+                              self.length)
         return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
                 "loss_mask": batch.loss_mask}
+
+    def _pass_order(self, pass_index: int) -> torch.Tensor:
+        """The permutation of pass ``pass_index``, drawn once per pass rather than per update
+        (an update would otherwise shuffle the whole demonstration set to take ``rows`` of it)."""
+        if self._order is None or self._order[0] != pass_index:
+            self._order = (pass_index, torch.randperm(
+                len(self.sequences), generator=torch.Generator().manual_seed(
+                    self.seed + pass_index)))
+        return self._order[1]

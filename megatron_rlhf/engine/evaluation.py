@@ -133,9 +133,11 @@ def hacking_report(first: dict[str, float], current: dict[str, float], tolerance
         if rm not in first or rm not in current:
             continue
         rise = current[rm] - first[rm]
+        # Every evaluation of a run answers the same prompts; the current one's count is read
+        # because a resumed run's first evaluation may come from a record written without it.
         spread = math.sqrt((first[f"eval/{mode}/rm_score_std"] ** 2
                             + current[f"eval/{mode}/rm_score_std"] ** 2)
-                           / first[f"eval/{mode}/answers"])
+                           / current[f"eval/{mode}/answers"])
         if rise > rm_rise * spread and current[rule] < first[rule] - tolerance:
             lines.append(f"{mode} answers: reward-model score {first[rm]:.3f} -> "
                          f"{current[rm]:.3f} while the rule score fell {first[rule]:.3f} -> "

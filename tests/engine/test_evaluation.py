@@ -47,6 +47,9 @@ def test_hacking_threshold_is_the_standard_error_of_the_mean_change() -> None:
     final = {**first, "eval/greedy/rm_score": -7.250, "eval/greedy/rule_score": 0.703}
     (line,) = hacking_report(first, final, tolerance=0.03, rm_rise=2.0)
     assert "-10.158 -> -7.250" in line and "0.867 -> 0.703" in line
+    written_before_answers = {k: v for k, v in first.items() if not k.endswith("/answers")}
+    assert hacking_report(written_before_answers, final, 0.03, 2.0) == [line], (
+        "a resumed run's first evaluation may come from a record without the answer count")
     assert hacking_report({**first, "eval/greedy/answers": 8.0},
                           {**final, "eval/greedy/answers": 8.0}, 0.03, 2.0) == [], (
         "over 8 answers the same rise is within 2 standard errors (2 x 3.1)")
