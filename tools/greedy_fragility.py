@@ -1,0 +1,153 @@
+"""How much of a policy's held-out rule score survives a tiny random change of its weights.
+
+    # the SFT model of a pipeline run (its PPO configuration names it and the held-out prompts)
+    python tools/greedy_fragility.py --config RUN/ppo/config.yaml --noise 0.01 0.03 --draws 3
+    # another actor checkpoint, e.g. PPO's last one
+    python tools/greedy_fragility.py --config RUN/ppo/config.yaml --ckpt CKPT/step_00000080/actor
+
+One process loads the actor (any saved TP/PP), answers the run's held-out prompts greedily and by
+sampling at the run's temperature, exactly as the PPO run's evaluation does (same prompts,
+generation settings, sampling noise and rule), then repeats that for copies of the model whose
+every weight tensor ``w`` became ``w + noise * std(w) * N(0, 1)``. For each copy it also measures
+how far the change moved the policy: the KL per answer of the copy to the original model, on the
+copy's sampled answers (the estimator of the PPO report's KL line). Prints one JSON line per
+model: ``noise`` (0 for the original), ``draw``, ``greedy_rule``, ``sampled_rule``,
+``kl_per_answer``.
+
+Why: the greedy score of a model whose next-token distributions are nearly flat over the right
+words hangs on tiny margins between them, so it can fall under a change of the policy that PPO's
+KL penalty would call negligible; the sampled score, an average over the distribution, does not.
+docs/quickstart.md uses this on the default run's SFT model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+from megatron_rlhf.runtime.patches import add_warning_filters  # noqa: E402
+
+add_warning_filters()  # megatron-core warns about missing GPU extras while it is imported
+
+import torch  # noqa: E402
+
+from megatron_rlhf.config.loader import load_config  # noqa: E402
+from megatron_rlhf.config.ppo_run import RunConfig  # noqa: E402
+from megatron_rlhf.engine.evaluation import EVAL_ID_OFFSET, MODES, answering_config  # noqa: E402
+from megatron_rlhf.engine.runner import load_eval_prompts, rule_reward_for  # noqa: E402
+from megatron_rlhf.generation.generate import GenerationOutput, generate_sequences  # noqa: E402
+from megatron_rlhf.models.checkpoint import load_model_checkpoint, read_checkpoint_info  # noqa: E402
+from megatron_rlhf.models.forward_backward import causal_padding_mask  # noqa: E402
+from megatron_rlhf.models.gpt import build_gpt_model  # noqa: E402
+from megatron_rlhf.models.logprobs import vocab_parallel_logprobs  # noqa: E402
+from megatron_rlhf.models.tokenizer import load_tokenizer  # noqa: E402
+from megatron_rlhf.runtime.bootstrap import RuntimeConfig, initialize_runtime  # noqa: E402
+from megatron_rlhf.runtime.distributed import destroy_distributed  # noqa: E402
+from megatron_rlhf.topology.groups import build_model_process_groups  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", type=Path, required=True,
+                        help="the PPO run's configuration (tokenizer, held-out prompts, sampling)")
+    parser.add_argument("--ckpt", type=Path,
+                        help="actor checkpoint (default: the configuration's actor_checkpoint)")
+    parser.add_argument("--noise", type=float, nargs="*", default=[0.01, 0.03],
+                        help="relative noise levels: each weight gets noise x its tensor's std")
+    parser.add_argument("--draws", type=int, default=3, help="noise draws per level")
+    args = parser.parse_args(argv)
+    if any(level <= 0 for level in args.noise) or args.draws < 1:
+        parser.error(f"--noise levels must be > 0 and --draws >= 1 (got {args.noise}, "
+                     f"{args.draws})")
+    return args
+
+
+def perturb_(model: torch.nn.Module, original: dict[str, torch.Tensor], noise: float,
+             seed: int) -> None:
+    """Set every floating-point weight to ``original + noise * std(original) * N(0, 1)``."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            base = original[name]
+            param.copy_(base + noise * base.std() * torch.randn(base.shape, generator=generator))
+
+
+def response_logprobs(model: torch.nn.Module, pg_collection, output: GenerationOutput,
+                      temperature: float) -> torch.Tensor:
+    """``[b, R]`` log-probs of ``output``'s response tokens under ``model`` at ``temperature``
+    (0 on padding)."""
+    ids, mask = output.input_ids, output.attention_mask
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    with torch.no_grad():
+        logits = model(ids, positions, causal_padding_mask(mask))
+    p = output.prompt_length
+    logprobs, _ = vocab_parallel_logprobs(logits[:, p - 1:-1].float(), output.responses,
+                                          pg_collection.tp, model.real_vocab_size, temperature)
+    return logprobs * output.response_mask
+
+
+def measure(model, pg_collection, reference, config: RunConfig, prompts: list[list[int]],
+            rule, eos_id: int, pad_id: int) -> dict[str, float]:
+    """Held-out rule score of ``model`` in both modes, and its sampled answers' KL per answer to
+    ``reference`` (the estimator of the PPO report)."""
+    ids = [EVAL_ID_OFFSET + i for i in range(len(prompts))]
+    figures: dict[str, float] = {}
+    for mode in MODES:
+        output = generate_sequences(model, pg_collection, prompts, ids,
+                                    answering_config(config.generation, mode), eos_id, pad_id)
+        scores = [rule(prompt, response[mask.bool()].tolist()) for prompt, response, mask
+                  in zip(prompts, output.responses, output.response_mask, strict=True)]
+        figures[f"{mode}_rule"] = sum(scores) / len(scores)
+        if mode == "sampled":
+            temperature = config.generation.temperature
+            own = output.response_policy_logprobs * output.response_mask
+            ref = response_logprobs(reference, pg_collection, output, temperature)
+            figures["kl_per_answer"] = (own - ref).sum(dim=1).mean().item()
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    config = load_config(RunConfig, str(args.config), [])
+    checkpoint = args.ckpt or config.models.actor_checkpoint
+    if not checkpoint:
+        print("greedy_fragility: no checkpoint: pass --ckpt or use a configuration with "
+              "models.actor_checkpoint", file=sys.stderr)
+        return 2
+    initialize_runtime(RuntimeConfig())
+    try:
+        tokenizer = load_tokenizer(config.tokenizer)
+        prompts = load_eval_prompts(config, tokenizer)
+        rule = rule_reward_for(config, tokenizer)
+        if not prompts or rule is None:
+            print("greedy_fragility: the configuration has no held-out prompts or no rule "
+                  "(evaluation.num_prompts, reward.rule)", file=sys.stderr)
+            return 2
+        description = read_checkpoint_info(checkpoint).model
+        pg_collection = build_model_process_groups(description.model_spec("actor", 1, 1))
+        models = [build_gpt_model(description, description.build_options(), pg_collection)
+                  for _ in range(2)]
+        for model in models:
+            load_model_checkpoint(model, pg_collection, checkpoint)
+            model.eval()
+        reference, perturbed = models
+        original = {name: p.detach().clone() for name, p in reference.named_parameters()}
+        runs = [(0.0, 0)] + [(level, draw) for level in args.noise for draw in range(args.draws)]
+        for noise, draw in runs:
+            if noise:
+                perturb_(perturbed, original, noise, seed=draw)
+            figures = measure(perturbed, pg_collection, reference, config, prompts, rule,
+                              tokenizer.eos_id, tokenizer.pad_id)
+            print(json.dumps({"checkpoint": str(checkpoint), "noise": noise, "draw": draw,
+                              **{k: round(v, 4) for k, v in figures.items()}}), flush=True)
+    finally:
+        destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
