@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch.distributed as dist
@@ -53,6 +55,20 @@ class PipelineResult:
     """The adaptive KL controller's target per sequence, or None with a fixed coefficient."""
     evaluation: EvalConfig
     """The PPO run's evaluation settings (its reward-hacking thresholds)."""
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    """Wall clock of each stage that ran in this job, in :data:`STAGE_NAMES` order (rank 0's)."""
+
+
+STAGE_NAMES = {"sft": "SFT (data included)", "rm": "reward model",
+               "untrained": "untrained model's evaluation", "ppo": "PPO (evaluations included)"}
+"""How the report names each timed stage."""
+
+
+@contextmanager
+def _timed(seconds: dict[str, float], stage: str) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    seconds[stage] = time.perf_counter() - start
 
 
 def _write_data(run_dir: Path, paths: Sequence[str], task: SyntheticTaskConfig
@@ -79,19 +95,23 @@ def run_pipeline(run_dir: str | Path, data_paths: Sequence[str], ppo_overrides: 
     """SFT, reward-model training and PPO in sequence; every rank calls it."""
     run_dir = Path(run_dir)
     initialize_runtime()
-    task = load_config(RunConfig, EXAMPLES / "ppo_pipeline.yaml", ppo_overrides).prompts.synthetic
-    train, held_out = _write_data(run_dir, data_paths, task)
-    data = [f"data.paths=[{','.join(train)}]"]
-    if held_out:
-        data.append(f"data.eval_paths=[{','.join(held_out)}]")
-    sft = load_config(SFTConfig, EXAMPLES / "sft_pipeline.yaml",
-                      [f"out_dir={run_dir / 'sft'}", *data, *sft_overrides])
-    run_sft(sft)
+    seconds: dict[str, float] = {}
+    with _timed(seconds, "sft"):
+        task = load_config(RunConfig, EXAMPLES / "ppo_pipeline.yaml",
+                           ppo_overrides).prompts.synthetic
+        train, held_out = _write_data(run_dir, data_paths, task)
+        data = [f"data.paths=[{','.join(train)}]"]
+        if held_out:
+            data.append(f"data.eval_paths=[{','.join(held_out)}]")
+        sft = load_config(SFTConfig, EXAMPLES / "sft_pipeline.yaml",
+                          [f"out_dir={run_dir / 'sft'}", *data, *sft_overrides])
+        run_sft(sft)
     sft_checkpoint = run_dir / "sft" / CHECKPOINT_DIR
-    rm = load_config(RMConfig, EXAMPLES / "rm_pipeline.yaml",
-                     [f"out_dir={run_dir / 'rm'}", f"model.init_checkpoint={sft_checkpoint}",
-                      *data, *rm_overrides])
-    run_reward_training(rm)
+    with _timed(seconds, "rm"):
+        rm = load_config(RMConfig, EXAMPLES / "rm_pipeline.yaml",
+                         [f"out_dir={run_dir / 'rm'}", f"model.init_checkpoint={sft_checkpoint}",
+                          *data, *rm_overrides])
+        run_reward_training(rm)
     evaluation = [f"evaluation.paths=[{','.join(held_out)}]"] if held_out else []
     ppo = load_config(RunConfig, EXAMPLES / "ppo_pipeline.yaml", [
         f"run_dir={run_dir / 'ppo'}", f"models.actor_checkpoint={sft_checkpoint}",
@@ -101,10 +121,13 @@ def run_pipeline(run_dir: str | Path, data_paths: Sequence[str], ppo_overrides: 
     if held_out:
         # The same evaluation of the policy the SFT run started from: zero PPO steps from the
         # initialisation (models.init_seed), every other model as in the PPO run.
-        run_ppo(dataclasses.replace(ppo, steps=0, run_dir=str(run_dir / "untrained"),
-                                    models=dataclasses.replace(ppo.models, actor_checkpoint="")))
-    run_ppo(ppo)
-    return read_result(run_dir, ppo)
+        with _timed(seconds, "untrained"):
+            run_ppo(dataclasses.replace(
+                ppo, steps=0, run_dir=str(run_dir / "untrained"),
+                models=dataclasses.replace(ppo.models, actor_checkpoint="")))
+    with _timed(seconds, "ppo"):
+        run_ppo(ppo)
+    return dataclasses.replace(read_result(run_dir, ppo), stage_seconds=seconds)
 
 
 def read_result(run_dir: Path, ppo: RunConfig) -> PipelineResult:
@@ -177,5 +200,9 @@ def format_report(result: PipelineResult) -> str:
         lines += ([f"WARNING reward hacking: {line}" for line in hacking] or
                   ["reward hacking: not seen (the held-out rule score did not fall while the "
                    "reward-model score rose)"])
+    if result.stage_seconds:
+        lines.append("wall clock: " + ", ".join(
+            f"{STAGE_NAMES[stage]} {seconds:.0f} s"
+            for stage, seconds in result.stage_seconds.items()))
     lines.append(f"curves: {result.run_dir / 'curves.png'}")
     return "\n".join(lines)

@@ -4,6 +4,7 @@ reward-hacking check."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -80,16 +81,19 @@ def _chain_then_recompute(run_dir: Path) -> dict:
     from megatron_rlhf.engine.runner import run_ppo
     from megatron_rlhf.instructgpt import format_report, run_pipeline
 
+    start = time.perf_counter()
     result = run_pipeline(run_dir, [], [
         "steps=3", "rollout.prompts_per_step=8", "evaluation.num_prompts=8",
         "evaluation.interval=2", f"checkpoint.save_dir={run_dir / 'ckpt'}"],
         ["train.max_steps=12"], ["train.max_steps=6"])
+    elapsed = time.perf_counter() - start
     saved = run_dir / "ppo" / "config.yaml"
     flat = "placement.strategy=flattening"
     run_ppo(load_config(RunConfig, saved, [f"run_dir={run_dir / 'sft_again'}", "steps=0", flat]))
     run_ppo(load_config(RunConfig, saved, [f"run_dir={run_dir / 'final_again'}",
                                            "checkpoint.resume=true", flat]))
-    return {"held_out": result.held_out, "report": format_report(result)}
+    return {"held_out": result.held_out, "report": format_report(result),
+            "stage_seconds": result.stage_seconds, "elapsed": elapsed}
 
 
 def _records(path: Path) -> list[dict]:
@@ -132,6 +136,11 @@ def test_pipeline_evaluates_untrained_sft_and_final_policies(tmp_path: Path) -> 
     assert held["untrained"]["eval/greedy/rm_score"] != held["sft"]["eval/greedy/rm_score"]
     for name in ("untrained model", "SFT model (PPO start)", "PPO final (after 3 steps)"):
         assert name in out["report"]
+    # Each stage is timed once, in order, within the pipeline call's own wall clock.
+    stages = out["stage_seconds"]
+    assert list(stages) == ["sft", "rm", "untrained", "ppo"] and min(stages.values()) > 0
+    assert sum(stages.values()) <= out["elapsed"]
+    assert "wall clock: SFT (data included) " in out["report"]
 
 
 def test_curves_put_held_out_points_beside_the_training_ones() -> None:
@@ -215,7 +224,10 @@ def test_report_orders_each_modes_rule_score_across_the_three_models(tmp_path: P
 
     result = PipelineResult(tmp_path, {"sft": {}, "rm": {}, "untrained": {}, "ppo": {}},
                             {"untrained": held(0.04, 0.03), "sft": held(0.87, 0.45),
-                             "ppo": held(0.70, 0.45)}, 2.0, EvalConfig())
+                             "ppo": held(0.70, 0.45)}, 2.0, EvalConfig(),
+                            {"sft": 174.4, "rm": 80.6, "untrained": 9.5, "ppo": 167.0})
     report = format_report(result)
+    assert ("wall clock: SFT (data included) 174 s, reward model 81 s, untrained model's "
+            "evaluation 10 s, PPO (evaluations included) 167 s") in report
     assert "sampled answers, rule score: untrained 0.030 < SFT 0.450 = PPO final 0.450" in report
     assert "greedy answers, rule score: untrained 0.040 < SFT 0.870 > PPO final 0.700" in report
