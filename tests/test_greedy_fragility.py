@@ -1,5 +1,5 @@
-"""tools/greedy_fragility.py: its answers match a hand-written greedy decode, its KL matches the
-generator's own log-probs, and its noise is the documented, seeded perturbation."""
+"""tools/greedy_fragility.py: its greedy and sampled answers are the evaluation's, its KL per
+answer matches a prefix-by-prefix computation, and its noise is the documented, seeded draw."""
 
 from __future__ import annotations
 
@@ -30,18 +30,41 @@ def _model(seed: int):
     return model.eval(), pgc
 
 
-def _greedy_by_hand(model, pgc, prompt: list[int], max_new_tokens: int) -> list[int]:
+def _next_logprobs(model, pgc, ids: list[int], temperature: float) -> torch.Tensor:
+    """Log-softmax of the next token after the unpadded ``ids``, by a full forward."""
     from megatron_rlhf.generation.forward import RecomputeNextTokenLogits
 
     next_logits = RecomputeNextTokenLogits(model, pgc, model.real_vocab_size, False)
-    ids = list(prompt)
     with torch.no_grad():
-        for _ in range(max_new_tokens):
-            token = int(next_logits(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long)).argmax())
-            ids.append(token)
-            if token == _EOS:
-                break
+        logits = next_logits(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))
+    return torch.log_softmax(logits[0] / temperature, dim=-1)
+
+
+def _greedy_by_hand(model, pgc, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(max_new_tokens):
+        ids.append(int(_next_logprobs(model, pgc, ids, 1.0).argmax()))
+        if ids[-1] == _EOS:
+            break
     return ids[len(prompt):]
+
+
+def _kl_by_hand(model, reference, pgc, prompt: list[int], response: list[int],
+                temperature: float) -> float:
+    """KL of ``model`` to ``reference`` summed over the answer's positions, one prefix at a
+    time."""
+    total = 0.0
+    for t in range(len(response)):
+        prefix = prompt + response[:t]
+        own = _next_logprobs(model, pgc, prefix, temperature)
+        ref = _next_logprobs(reference, pgc, prefix, temperature)
+        total += float((own.exp() * (own - ref)).sum())
+    return total
+
+
+def _answers(output) -> list[list[int]]:
+    return [row[mask.bool()].tolist() for row, mask in zip(output.responses,
+                                                          output.response_mask, strict=True)]
 
 
 def _check_tool() -> dict:
@@ -53,43 +76,59 @@ def _check_tool() -> dict:
     initialize_runtime()
     tool = load_script("tools/greedy_fragility.py")
     config = RunConfig()
-    config.generation = dataclasses.replace(config.generation, max_new_tokens=8)
-    prompts = [[1, 5 + i, 9, 40 + 3 * i] for i in range(6)]
+    config.generation = dataclasses.replace(config.generation, max_new_tokens=8,
+                                            temperature=0.8)
+    temperature = config.generation.temperature
+    # Prompts of 2 to 4 tokens: the batch is left-padded.
+    prompts = [[1, 5 + i, 9, 40 + 3 * i][:2 + i % 3] for i in range(6)]
     model, pgc = _model(seed=3)
     figures = tool.measure(model, pgc, model, config, prompts, _rule, _EOS, _PAD)
-    by_hand = [_rule(p, _greedy_by_hand(model, pgc, p, 8)) for p in prompts]
-
-    # The recomputed log-probs of the sampled answers against the generator's own.
-    sampled = generate_sequences(model, pgc, prompts,
-                                 [EVAL_ID_OFFSET + i for i in range(len(prompts))],
+    greedy_by_hand = [_rule(p, _greedy_by_hand(model, pgc, p, 8)) for p in prompts]
+    # What the run's evaluation samples: its configuration and its prompt ids.
+    ids = [EVAL_ID_OFFSET + i for i in range(len(prompts))]
+    sampled = generate_sequences(model, pgc, prompts, ids,
                                  answering_config(config.generation, "sampled"), _EOS, _PAD)
-    recomputed = tool.response_logprobs(model, pgc, sampled, config.generation.temperature)
+    sampled_rule = [_rule(p, a) for p, a in zip(prompts, _answers(sampled), strict=True)]
+    recomputed = tool.next_token_logprobs(model, sampled, temperature).gather(
+        -1, sampled.responses[..., None])[..., 0] * sampled.response_mask
 
     original = {name: p.detach().clone() for name, p in model.named_parameters()}
-    tool.perturb_(model, original, 0.05, seed=4)
+    tool.perturb_(model, original, 0.3, seed=4)
     generator = torch.Generator().manual_seed(4)
-    expected = {name: base + 0.05 * base.std() * torch.randn(base.shape, generator=generator)
+    expected = {name: base + 0.3 * base.std() * torch.randn(base.shape, generator=generator)
                 for name, base in original.items()}
     same_formula = all(torch.equal(p, expected[name]) for name, p in model.named_parameters())
     reference, _ = _model(seed=3)
     moved = tool.measure(model, pgc, reference, config, prompts, _rule, _EOS, _PAD)
-    return {"figures": figures, "by_hand": sum(by_hand) / len(by_hand),
-            # a float, not tensors: torch shares a returned tensor's memory with the parent
+    moved_output = generate_sequences(model, pgc, prompts, ids,
+                                      answering_config(config.generation, "sampled"), _EOS, _PAD)
+    kl_by_hand = [_kl_by_hand(model, reference, pgc, p, a, temperature)
+                  for p, a in zip(prompts, _answers(moved_output), strict=True)]
+    # floats and lists, not tensors: torch shares a returned tensor's memory with the parent
+    return {"figures": figures, "greedy_by_hand": sum(greedy_by_hand) / len(prompts),
+            "sampled_by_hand": sum(sampled_rule) / len(prompts),
             "logprob_gap": (recomputed - sampled.response_policy_logprobs
                             * sampled.response_mask).abs().max().item(),
-            "same_formula": same_formula, "moved": moved}
+            "same_formula": same_formula, "moved": moved,
+            "kl_rows": tool.sequence_kl(model, reference, moved_output, temperature).tolist(),
+            "kl_by_hand": kl_by_hand}
 
 
 @pytest.mark.multirank
-def test_tool_decodes_like_a_hand_loop_and_perturbs_as_documented() -> None:
+def test_tool_decodes_and_measures_kl_like_hand_loops() -> None:
     out = run_on_ranks(_check_tool, world_size=1, timeout_s=180)[0]
-    assert out["figures"]["greedy_rule"] == pytest.approx(out["by_hand"], abs=1e-9)
-    # The KV-cached generator and a full forward agree to rounding: no KL to itself.
-    assert out["figures"]["kl_per_answer"] == pytest.approx(0.0, abs=1e-4)
+    figures = out["figures"]
+    assert figures["greedy_rule"] == pytest.approx(out["greedy_by_hand"], abs=1e-9)
+    assert figures["sampled_rule"] == pytest.approx(out["sampled_by_hand"], abs=1e-9)
+    assert figures["kl_per_answer"] == 0.0
+    # The tool's next-token distributions score each drawn token as the generator did.
     assert out["logprob_gap"] < 1e-4
     assert out["same_formula"]
-    # A perturbed copy has moved from the original: a positive KL on its own sampled answers.
-    assert out["moved"]["kl_per_answer"] > 1e-3
+    # A perturbed copy: its KL per answer, padded batch against one prefix at a time.
+    assert out["kl_rows"] == pytest.approx(out["kl_by_hand"], rel=1e-3, abs=1e-5)
+    assert min(out["kl_by_hand"]) > 0
+    assert out["moved"]["kl_per_answer"] == pytest.approx(
+        sum(out["kl_by_hand"]) / len(out["kl_by_hand"]), rel=1e-3)
 
 
 def test_bad_noise_levels_are_refused() -> None:

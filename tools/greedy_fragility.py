@@ -5,14 +5,17 @@
     # another actor checkpoint, e.g. PPO's last one
     python tools/greedy_fragility.py --config RUN/ppo/config.yaml --ckpt CKPT/step_00000080/actor
 
-One process loads the actor (any saved TP/PP), answers the run's held-out prompts greedily and by
-sampling at the run's temperature, exactly as the PPO run's evaluation does (same prompts,
-generation settings, sampling noise and rule), then repeats that for copies of the model whose
-every weight tensor ``w`` became ``w + noise * std(w) * N(0, 1)``. For each copy it also measures
-how far the change moved the policy: the KL per answer of the copy to the original model, on the
-copy's sampled answers (the estimator of the PPO report's KL line). Prints one JSON line per
-model: ``noise`` (0 for the original), ``draw``, ``greedy_rule``, ``sampled_rule``,
-``kl_per_answer``.
+One process loads the actor (any saved TP/PP) at TP=1 and answers the run's held-out prompts
+greedily and by sampling at the run's temperature, as the PPO run's evaluation does: the same
+prompts, generation settings, sampling noise and rule. (On the default pipeline run it prints
+the report's scores to the last digit; a run that generates at TP > 1 rounds differently.) Then
+it does the same for copies of the model whose every weight tensor ``w`` became
+``w + noise * std(w) * N(0, 1)``, each copy with its own draw, and measures how far the change
+moved the policy: the KL per answer of the copy to the original on the copy's sampled answers,
+summed exactly over the vocabulary at each position.
+
+Prints one JSON line per model: ``checkpoint``, ``noise`` (0 for the original), ``draw``,
+``greedy_rule``, ``sampled_rule``, ``kl_per_answer``.
 
 Why: the greedy score of a model whose next-token distributions are nearly flat over the right
 words hangs on tiny margins between them, so it can fall under a change of the policy that PPO's
@@ -35,16 +38,22 @@ add_warning_filters()  # megatron-core warns about missing GPU extras while it i
 
 import torch  # noqa: E402
 
+from megatron_rlhf.builder.sources import resolve_sources  # noqa: E402
 from megatron_rlhf.config.loader import load_config  # noqa: E402
 from megatron_rlhf.config.ppo_run import RunConfig  # noqa: E402
 from megatron_rlhf.engine.evaluation import EVAL_ID_OFFSET, MODES, answering_config  # noqa: E402
-from megatron_rlhf.engine.runner import load_eval_prompts, rule_reward_for  # noqa: E402
+from megatron_rlhf.engine.runner import (  # noqa: E402
+    load_eval_prompts,
+    rule_reward_for,
+    run_tokenizer,
+)
 from megatron_rlhf.generation.generate import GenerationOutput, generate_sequences  # noqa: E402
-from megatron_rlhf.models.checkpoint import load_model_checkpoint, read_checkpoint_info  # noqa: E402
+from megatron_rlhf.models.checkpoint import (  # noqa: E402
+    load_model_checkpoint,
+    read_checkpoint_info,
+)
 from megatron_rlhf.models.forward_backward import causal_padding_mask  # noqa: E402
 from megatron_rlhf.models.gpt import build_gpt_model  # noqa: E402
-from megatron_rlhf.models.logprobs import vocab_parallel_logprobs  # noqa: E402
-from megatron_rlhf.models.tokenizer import load_tokenizer  # noqa: E402
 from megatron_rlhf.runtime.bootstrap import RuntimeConfig, initialize_runtime  # noqa: E402
 from megatron_rlhf.runtime.distributed import destroy_distributed  # noqa: E402
 from megatron_rlhf.topology.groups import build_model_process_groups  # noqa: E402
@@ -68,32 +77,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def perturb_(model: torch.nn.Module, original: dict[str, torch.Tensor], noise: float,
              seed: int) -> None:
-    """Set every floating-point weight to ``original + noise * std(original) * N(0, 1)``."""
+    """Set every parameter to ``original + noise * std(original) * N(0, 1)``, the normal draws
+    from a CPU generator seeded with ``seed`` (the same on any device)."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             base = original[name]
-            param.copy_(base + noise * base.std() * torch.randn(base.shape, generator=generator))
+            draw = torch.randn(base.shape, generator=generator).to(base)
+            param.copy_(base + noise * base.std() * draw)
 
 
-def response_logprobs(model: torch.nn.Module, pg_collection, output: GenerationOutput,
-                      temperature: float) -> torch.Tensor:
-    """``[b, R]`` log-probs of ``output``'s response tokens under ``model`` at ``temperature``
-    (0 on padding)."""
+def next_token_logprobs(model: torch.nn.Module, output: GenerationOutput,
+                        temperature: float) -> torch.Tensor:
+    """``[b, R, V]`` log-softmax at ``temperature``, over the real vocabulary, of the
+    distribution each response position of ``output`` was drawn from (TP=1)."""
     ids, mask = output.input_ids, output.attention_mask
-    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     with torch.no_grad():
         logits = model(ids, positions, causal_padding_mask(mask))
     p = output.prompt_length
-    logprobs, _ = vocab_parallel_logprobs(logits[:, p - 1:-1].float(), output.responses,
-                                          pg_collection.tp, model.real_vocab_size, temperature)
-    return logprobs * output.response_mask
+    return torch.log_softmax(logits[:, p - 1:-1, :model.real_vocab_size].float() / temperature,
+                             dim=-1)
 
 
-def measure(model, pg_collection, reference, config: RunConfig, prompts: list[list[int]],
-            rule, eos_id: int, pad_id: int) -> dict[str, float]:
-    """Held-out rule score of ``model`` in both modes, and its sampled answers' KL per answer to
-    ``reference`` (the estimator of the PPO report)."""
+def sequence_kl(model: torch.nn.Module, reference: torch.nn.Module, output: GenerationOutput,
+                temperature: float) -> torch.Tensor:
+    """``[b]`` KL of ``model`` to ``reference`` per answer: the exact KL of their next-token
+    distributions, summed over each answer's positions (an estimate of the sequence KL with
+    less variance than the log-ratio of the drawn tokens alone, and never below zero)."""
+    own = next_token_logprobs(model, output, temperature)
+    ref = next_token_logprobs(reference, output, temperature)
+    per_token = (own.exp() * (own - ref)).sum(dim=-1)
+    return (per_token * output.response_mask).sum(dim=1)
+
+
+def measure(model: torch.nn.Module, pg_collection, reference: torch.nn.Module, config: RunConfig,
+            prompts: list[list[int]], rule, eos_id: int, pad_id: int) -> dict[str, float]:
+    """Held-out rule score of ``model`` in both modes, and the KL per answer of ``model`` to
+    ``reference`` on its sampled answers."""
     ids = [EVAL_ID_OFFSET + i for i in range(len(prompts))]
     figures: dict[str, float] = {}
     for mode in MODES:
@@ -103,10 +124,8 @@ def measure(model, pg_collection, reference, config: RunConfig, prompts: list[li
                   in zip(prompts, output.responses, output.response_mask, strict=True)]
         figures[f"{mode}_rule"] = sum(scores) / len(scores)
         if mode == "sampled":
-            temperature = config.generation.temperature
-            own = output.response_policy_logprobs * output.response_mask
-            ref = response_logprobs(reference, pg_collection, output, temperature)
-            figures["kl_per_answer"] = (own - ref).sum(dim=1).mean().item()
+            kl = sequence_kl(model, reference, output, config.generation.temperature)
+            figures["kl_per_answer"] = kl.mean().item()
     return figures
 
 
@@ -120,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     initialize_runtime(RuntimeConfig())
     try:
-        tokenizer = load_tokenizer(config.tokenizer)
+        tokenizer = run_tokenizer(config, resolve_sources(config))
         prompts = load_eval_prompts(config, tokenizer)
         rule = rule_reward_for(config, tokenizer)
         if not prompts or rule is None:
@@ -137,9 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         reference, perturbed = models
         original = {name: p.detach().clone() for name, p in reference.named_parameters()}
         runs = [(0.0, 0)] + [(level, draw) for level in args.noise for draw in range(args.draws)]
-        for noise, draw in runs:
+        for seed, (noise, draw) in enumerate(runs):
             if noise:
-                perturb_(perturbed, original, noise, seed=draw)
+                perturb_(perturbed, original, noise, seed)
             figures = measure(perturbed, pg_collection, reference, config, prompts, rule,
                               tokenizer.eos_id, tokenizer.pad_id)
             print(json.dumps({"checkpoint": str(checkpoint), "noise": noise, "draw": draw,
