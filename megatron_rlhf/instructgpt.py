@@ -56,7 +56,8 @@ class PipelineResult:
     evaluation: EvalConfig
     """The PPO run's evaluation settings (its reward-hacking thresholds)."""
     stage_seconds: dict[str, float] = field(default_factory=dict)
-    """Wall clock of each stage that ran in this job, in :data:`STAGE_NAMES` order (rank 0's)."""
+    """Wall clock of each stage that ran in this job, in :data:`STAGE_NAMES` order, as this rank
+    measured it (the report prints rank 0's)."""
 
 
 STAGE_NAMES = {"sft": "SFT (data included)", "rm": "reward model",
