@@ -136,3 +136,20 @@ def test_bad_noise_levels_are_refused() -> None:
     for argv in (["--config", "c.yaml", "--noise", "0"], ["--config", "c.yaml", "--draws", "0"]):
         with pytest.raises(SystemExit):
             tool.parse_args(argv)
+
+
+def test_missing_inputs_are_refused_before_any_process_group(tmp_path, capsys) -> None:
+    import torch.distributed as dist
+
+    tool = load_script("tools/greedy_fragility.py")
+    config = tmp_path / "ppo.yaml"
+    config.write_text("steps: 1\n")
+    assert tool.main(["--config", str(config)]) == 2
+    assert "pass --ckpt or use a configuration with models.actor_checkpoint" in (
+        capsys.readouterr().err)
+    missing = tmp_path / "no_such_checkpoint"
+    assert tool.main(["--config", str(config), "--ckpt", str(missing)]) == 2
+    assert str(missing) in capsys.readouterr().err
+    assert tool.main(["--config", str(tmp_path / "absent.yaml")]) == 2
+    assert "absent.yaml" in capsys.readouterr().err
+    assert not dist.is_initialized()

@@ -29,6 +29,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
@@ -39,7 +40,7 @@ add_warning_filters()  # megatron-core warns about missing GPU extras while it i
 import torch  # noqa: E402
 
 from megatron_rlhf.builder.sources import resolve_sources  # noqa: E402
-from megatron_rlhf.config.loader import load_config  # noqa: E402
+from megatron_rlhf.config.loader import ConfigError, load_config  # noqa: E402
 from megatron_rlhf.config.ppo_run import RunConfig  # noqa: E402
 from megatron_rlhf.engine.evaluation import EVAL_ID_OFFSET, MODES, answering_config  # noqa: E402
 from megatron_rlhf.engine.runner import (  # noqa: E402
@@ -52,7 +53,7 @@ from megatron_rlhf.models.checkpoint import (  # noqa: E402
     load_model_checkpoint,
     read_checkpoint_info,
 )
-from megatron_rlhf.models.forward_backward import causal_padding_mask  # noqa: E402
+from megatron_rlhf.models.forward_backward import model_inputs  # noqa: E402
 from megatron_rlhf.models.gpt import build_gpt_model  # noqa: E402
 from megatron_rlhf.runtime.bootstrap import RuntimeConfig, initialize_runtime  # noqa: E402
 from megatron_rlhf.runtime.distributed import destroy_distributed  # noqa: E402
@@ -91,10 +92,9 @@ def next_token_logprobs(model: torch.nn.Module, output: GenerationOutput,
                         temperature: float) -> torch.Tensor:
     """``[b, R, V]`` log-softmax at ``temperature``, over the real vocabulary, of the
     distribution each response position of ``output`` was drawn from (TP=1)."""
-    ids, mask = output.input_ids, output.attention_mask
-    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    batch = {"input_ids": output.input_ids, "attention_mask": output.attention_mask}
     with torch.no_grad():
-        logits = model(ids, positions, causal_padding_mask(mask))
+        logits = model(*model_inputs(batch))
     p = output.prompt_length
     return torch.log_softmax(logits[:, p - 1:-1, :model.real_vocab_size].float() / temperature,
                              dim=-1)
@@ -129,24 +129,38 @@ def measure(model: torch.nn.Module, pg_collection, reference: torch.nn.Module, c
     return figures
 
 
+def _inputs(args: argparse.Namespace
+            ) -> tuple[RunConfig, str, Any, Any, list[list[int]], Any]:
+    """The configuration, checkpoint and its model description, tokenizer, held-out prompts and
+    rule, checked before any process group exists.
+
+    Raises:
+        ConfigError, FileNotFoundError, ValueError: with the field or flag to fix.
+    """
+    config = load_config(RunConfig, str(args.config), [])
+    checkpoint = str(args.ckpt or config.models.actor_checkpoint)
+    if not checkpoint:
+        raise ValueError("no checkpoint: pass --ckpt or use a configuration with "
+                         "models.actor_checkpoint")
+    description = read_checkpoint_info(checkpoint).model
+    tokenizer = run_tokenizer(config, resolve_sources(config))
+    prompts = load_eval_prompts(config, tokenizer)
+    rule = rule_reward_for(config, tokenizer)
+    if not prompts or rule is None:
+        raise ValueError("the configuration has no held-out prompts or no rule: set "
+                         "evaluation.paths and evaluation.num_prompts, and reward.rule")
+    return config, checkpoint, description, tokenizer, prompts, rule
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    config = load_config(RunConfig, str(args.config), [])
-    checkpoint = args.ckpt or config.models.actor_checkpoint
-    if not checkpoint:
-        print("greedy_fragility: no checkpoint: pass --ckpt or use a configuration with "
-              "models.actor_checkpoint", file=sys.stderr)
+    try:
+        config, checkpoint, description, tokenizer, prompts, rule = _inputs(args)
+    except (ConfigError, FileNotFoundError, ValueError) as error:
+        print(f"greedy_fragility: {error}", file=sys.stderr)
         return 2
     initialize_runtime(RuntimeConfig())
     try:
-        tokenizer = run_tokenizer(config, resolve_sources(config))
-        prompts = load_eval_prompts(config, tokenizer)
-        rule = rule_reward_for(config, tokenizer)
-        if not prompts or rule is None:
-            print("greedy_fragility: the configuration has no held-out prompts or no rule "
-                  "(evaluation.num_prompts, reward.rule)", file=sys.stderr)
-            return 2
-        description = read_checkpoint_info(checkpoint).model
         pg_collection = build_model_process_groups(description.model_spec("actor", 1, 1))
         models = [build_gpt_model(description, description.build_options(), pg_collection)
                   for _ in range(2)]
@@ -161,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                 perturb_(perturbed, original, noise, seed)
             figures = measure(perturbed, pg_collection, reference, config, prompts, rule,
                               tokenizer.eos_id, tokenizer.pad_id)
-            print(json.dumps({"checkpoint": str(checkpoint), "noise": noise, "draw": draw,
+            print(json.dumps({"checkpoint": checkpoint, "noise": noise, "draw": draw,
                               **{k: round(v, 4) for k, v in figures.items()}}), flush=True)
     finally:
         destroy_distributed()
