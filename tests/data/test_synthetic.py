@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from collections import Counter
@@ -9,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_rlhf.config.loader import load_config
+from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.data import ReaderConfig, read_records
 from megatron_rlhf.data.synthetic import (
     FILLER_WORDS,
@@ -24,6 +27,7 @@ from megatron_rlhf.data.synthetic import (
     write_task_jsonl,
 )
 
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CONFIG = SyntheticTaskConfig(seed=5, num_train=600, num_test=50)
 
 
@@ -205,3 +209,22 @@ def test_over_cap_edits_differ_from_their_answer_only_by_the_repeat_cap() -> Non
     assert 40 < over_cap < 140
     assert generate_records(SyntheticTaskConfig(**base)) == generate_records(
         SyntheticTaskConfig(**base, over_cap_edits=False))
+
+
+def test_a_quarter_of_the_pipelines_sft_answers_fall_under_the_rules_floor() -> None:
+    """examples/ppo_pipeline.yaml draws answers of 4 to 16 words, so SFT sees short answers and its
+    greedy answers stop early, which PPO can mend (docs/quickstart.md); the pairs stay ordered by
+    the rule and the answers SFT imitates still never loop."""
+    pipeline = load_config(RunConfig, EXAMPLES / "ppo_pipeline.yaml").prompts.synthetic
+    config = dataclasses.replace(pipeline, num_train=3000, num_test=0)
+    records = generate_records(config)
+    lengths = [len(r["response"].rstrip(".").split()) for r in records]
+    assert config.min_response_words < RULE_MIN_WORDS
+    assert max(lengths) == config.max_response_words
+    under_floor = sum(n < RULE_MIN_WORDS for n in lengths) / len(lengths)
+    assert 0.15 < under_floor < 0.4, under_floor
+    for record in records:
+        prompt, chosen = record["prompt"], record["chosen"]
+        assert rule_score(prompt, chosen) > rule_score(prompt, record["rejected"])
+        counts = _topic_word_counts(chosen, topic_of(prompt))
+        assert max(counts.values(), default=0) <= 1 or len(counts) == len(TOPICS[topic_of(prompt)])
