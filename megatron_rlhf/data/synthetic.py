@@ -14,7 +14,8 @@ denominator is at least ``RULE_MIN_WORDS``.
 
 Reference responses mix topic words, neutral filler and other topics' words at a random on-topic
 rate, so their rule scores spread over [0, 1] and reinforcement learning has room above a
-fine-tuned model (docs/quickstart.md: sampled held-out 0.47-0.49 after SFT, 0.59-0.75 after PPO).
+fine-tuned model (docs/quickstart.md: the pipeline's sampled held-out answers 0.44-0.51 after
+SFT, 0.65-0.71 after PPO).
 With ``contrast_fraction`` a share of the pairs instead set a response against an edit of itself
 that breaks one part of the rule, and ``distinct_topic_words`` keeps loops out of the answers SFT
 imitates (docs/data.md).
@@ -23,7 +24,7 @@ Write the task as JSONL in the public preference schema (prompt/response/chosen/
 ``response == chosen`` as in Dahoas/rm-static)::
 
     python -m megatron_rlhf.data.synthetic OUT_DIR [--seed 0] [--num-train N]
-        [--contrast-fraction 0.8 --distinct-topic-words --over-cap-edits]
+        [--contrast-fraction 0.8 --distinct-topic-words --over-cap-edits --min-response-words 4]
 """
 
 from __future__ import annotations
@@ -347,12 +348,15 @@ def main(argv: list[str] | None = None) -> None:
                         default=SyntheticTaskConfig.contrast_fraction)
     parser.add_argument("--distinct-topic-words", action="store_true")
     parser.add_argument("--over-cap-edits", action="store_true")
+    parser.add_argument("--min-response-words", type=int,
+                        default=SyntheticTaskConfig.min_response_words)
     args = parser.parse_args(argv)
     setup_logging()
     config = SyntheticTaskConfig(seed=args.seed, num_train=args.num_train, num_test=args.num_test,
                                  contrast_fraction=args.contrast_fraction,
                                  distinct_topic_words=args.distinct_topic_words,
-                                 over_cap_edits=args.over_cap_edits)
+                                 over_cap_edits=args.over_cap_edits,
+                                 min_response_words=args.min_response_words)
     write_task_jsonl(args.out_dir, config)
 
 

@@ -101,9 +101,11 @@ def test_command_line_writes_files(tmp_path: Path) -> None:
         "train"
     ].read_bytes()
     main([str(tmp_path / "edits"), "--seed", "5", "--num-train", "600", "--num-test", "0",
-          "--contrast-fraction", "0.8", "--distinct-topic-words", "--over-cap-edits"])
+          "--contrast-fraction", "0.8", "--distinct-topic-words", "--over-cap-edits",
+          "--min-response-words", "4"])
     edits = SyntheticTaskConfig(seed=5, num_train=600, num_test=0, contrast_fraction=0.8,
-                                distinct_topic_words=True, over_cap_edits=True)
+                                distinct_topic_words=True, over_cap_edits=True,
+                                min_response_words=4)
     assert (tmp_path / "edits" / "train.jsonl").read_bytes() == write_task_jsonl(
         tmp_path / "edits_api", edits)["train"].read_bytes()
 

@@ -8,6 +8,7 @@ chance. The CLI tools run end to end under torchrun, and bad data exits with a c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from megatron_rlhf.config.loader import load_config
+from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.config.supervised_run import RMConfig, SFTConfig
 from megatron_rlhf.data import RMExample, SyntheticTaskConfig, generate_records
 from megatron_rlhf.models.tokenizer import Tokenizer, TokenizerConfig
@@ -54,16 +56,25 @@ def test_shipped_configs_load_and_rm_inherits_the_sft_model() -> None:
         load_config(SFTConfig, ROOT / "examples" / "sft_tiny.yaml", ["train.micro_batch_size=0"])
 
 
-def test_pipeline_stage_configs_only_lengthen_the_tiny_runs() -> None:
-    # tools/run_pipeline.py trains SFT and the reward model longer than the standalone examples
-    # (docs/quickstart.md: the SFT model needs it to stop repeating words); nothing else differs.
+def test_pipeline_stage_configs_differ_from_the_tiny_runs_only_in_length_and_split() -> None:
+    # tools/run_pipeline.py trains SFT longer than the standalone example (docs/quickstart.md: the
+    # SFT model needs it to stop repeating words) and gives the reward model half the prompts;
+    # nothing else differs.
+    ppo = load_config(RunConfig, ROOT / "examples" / "ppo_pipeline.yaml")
     for cls, tiny, pipeline in ((SFTConfig, "sft_tiny.yaml", "sft_pipeline.yaml"),
                                 (RMConfig, "rm_tiny.yaml", "rm_pipeline.yaml")):
         short = load_config(cls, ROOT / "examples" / tiny)
         long = load_config(cls, ROOT / "examples" / pipeline)
-        assert long.train.epochs > short.train.epochs
+        assert long.train.epochs >= short.train.epochs
         assert long.model == short.model and long.optimizer == short.optimizer
-        assert long.data == short.data
+        assert dataclasses.replace(long.data, split=short.data.split) == short.data
+        # Every stage splits the records alike, so no prompt serves two stages.
+        assert long.data.split == ppo.prompts.split
+    sft_tiny = load_config(SFTConfig, ROOT / "examples" / "sft_tiny.yaml")
+    rm_tiny = load_config(RMConfig, ROOT / "examples" / "rm_tiny.yaml")
+    assert load_config(SFTConfig, ROOT / "examples" / "sft_pipeline.yaml").train.epochs > \
+        sft_tiny.train.epochs
+    assert ppo.prompts.split.rm > rm_tiny.data.split.rm
 
 
 def test_data_parallel_size_of_one_model_over_the_world() -> None:
