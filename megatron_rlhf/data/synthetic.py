@@ -159,9 +159,11 @@ class SyntheticTaskConfig:
             raise ValueError(
                 f"num_train({self.num_train}) and num_test({self.num_test}) must be >= 0"
             )
-        if not 1 <= self.min_response_words <= self.max_response_words:
+        if self.min_response_words < 1:
+            raise ValueError(f"min_response_words({self.min_response_words}) must be >= 1")
+        if self.min_response_words > self.max_response_words:
             raise ValueError(
-                f"need 1 <= min_response_words({self.min_response_words}) <= "
+                f"min_response_words({self.min_response_words}) exceeds "
                 f"max_response_words({self.max_response_words}); raise max_response_words"
             )
         if not 0.0 <= self.contrast_fraction <= 1.0:
@@ -351,12 +353,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--min-response-words", type=int,
                         default=SyntheticTaskConfig.min_response_words)
     args = parser.parse_args(argv)
+    try:
+        config = SyntheticTaskConfig(
+            seed=args.seed, num_train=args.num_train, num_test=args.num_test,
+            contrast_fraction=args.contrast_fraction,
+            distinct_topic_words=args.distinct_topic_words, over_cap_edits=args.over_cap_edits,
+            min_response_words=args.min_response_words)
+    except ValueError as error:
+        parser.error(str(error))  # a usage error naming the field, not a traceback
     setup_logging()
-    config = SyntheticTaskConfig(seed=args.seed, num_train=args.num_train, num_test=args.num_test,
-                                 contrast_fraction=args.contrast_fraction,
-                                 distinct_topic_words=args.distinct_topic_words,
-                                 over_cap_edits=args.over_cap_edits,
-                                 min_response_words=args.min_response_words)
     write_task_jsonl(args.out_dir, config)
 
 

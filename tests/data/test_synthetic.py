@@ -110,6 +110,15 @@ def test_command_line_writes_files(tmp_path: Path) -> None:
         tmp_path / "edits_api", edits)["train"].read_bytes()
 
 
+def test_command_line_refuses_bad_sizes_naming_the_field(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path), "--min-response-words", "0"])
+    assert exit_info.value.code == 2
+    assert "min_response_words(0)" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
 def test_topic_vocabularies_do_not_overlap() -> None:
     words = [w for topic_words in TOPICS.values() for w in topic_words]
     assert len(words) == len(set(words))
