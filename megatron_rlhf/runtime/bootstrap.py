@@ -2,9 +2,9 @@
 
     initialize_runtime(RuntimeConfig(seed=1234))
 
-sets up rank-aware logging, joins the distributed job (torchrun or a world of one), makes
-megatron-core usable on a machine without CUDA, creates megatron's shared scratch buffer and seeds
-every host RNG. Models seed their own tensor-parallel RNG streams when they are built, because one
+sets up rank-aware logging, joins the distributed job (torchrun or a world of one; under torchrun
+a worker ends itself when its launcher is killed), makes megatron-core usable on a machine without
+CUDA, creates megatron's shared scratch buffer and seeds every host RNG. Models seed their own tensor-parallel RNG streams when they are built, because one
 process may hold several models with different TP layouts. The changes this makes to torch,
 megatron-core and the warning filters are the ones listed in ``runtime.patches``; importing the
 package makes none of them.
@@ -18,6 +18,7 @@ import torch
 
 from megatron_rlhf.runtime.cpu_compat import check_megatron_core_version
 from megatron_rlhf.runtime.distributed import DistributedConfig, init_distributed
+from megatron_rlhf.runtime.launcher_watch import watch_launcher
 from megatron_rlhf.runtime.logging import setup_logging
 from megatron_rlhf.runtime.patches import (
     add_warning_filters,
@@ -62,5 +63,6 @@ def initialize_runtime(config: RuntimeConfig | None = None) -> None:
         torch.backends.cuda.matmul.allow_tf32 = config.allow_tf32
         torch.backends.cudnn.allow_tf32 = config.allow_tf32
     init_distributed(config.distributed)
+    watch_launcher()
     ensure_megatron_memory_buffer()
     seed_everything(config.seed)
