@@ -51,7 +51,7 @@ from megatron_rlhf.models.hf_tokenizer import HFTokenizer, is_hf_tokenizer_dir
 from megatron_rlhf.models.prompting import encode_prompt
 from megatron_rlhf.models.tokenizer import Tokenizer, load_tokenizer
 from megatron_rlhf.runtime.bootstrap import initialize_runtime
-from megatron_rlhf.runtime.checkpoint_store import select_checkpoint
+from megatron_rlhf.runtime.checkpoint_store import check_writable_dir, select_checkpoint
 from megatron_rlhf.runtime.context import RunContext
 from megatron_rlhf.runtime.faults import PreemptionWatcher, install_fault_tracker
 from megatron_rlhf.runtime.logging import get_logger
@@ -199,6 +199,9 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
     plan = make_plan(config, cluster_from_environment(config.cluster.pools), sources)
     if eval_prompts:
         check_evaluation_size(plan, config, len(eval_prompts))
+    check_writable_dir(config.run_dir, "run_dir (--run-dir)")
+    if config.checkpoint.save_dir:
+        check_writable_dir(config.checkpoint.save_dir, "checkpoint.save_dir (--save-dir)")
     initialize_runtime(config.runtime)
     context = RunContext(Tracer(enabled=config.trace),
                          install_fault_tracker(config.faults, config.runtime.distributed.timeout_s),
@@ -210,6 +213,8 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
             check_compatible(resume_from, config, tokenizer.fingerprint)
         if dist.get_rank() == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
+            if resume_from is None:
+                _set_aside_previous_run(run_dir)
             (run_dir / "config.yaml").write_text(to_yaml(config))
             (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
         # A Hugging Face tokenizer ends replies with any of its EOS ids (Llama-3, Qwen).
@@ -313,6 +318,26 @@ def _warn_on_hacking(first: dict[str, float], current: dict[str, float], step: i
                                evaluation.hacking_rm_rise):
         logger.warning("reward hacking suspected before step %d on held-out prompts: %s",
                        step, line)
+
+
+_RUN_OUTPUTS = ("metrics.jsonl", "config.yaml", "plan.json", "timeline.json", "hf")
+"""What a run writes into its ``run_dir``."""
+
+
+def _set_aside_previous_run(run_dir: Path) -> None:
+    """Move a previous run's outputs (its metrics and what belongs to them) into
+    ``run_dir/previous/<time>/``, so a fresh run in the same directory overwrites nothing."""
+    if not (run_dir / "metrics.jsonl").is_file():
+        return
+    target = run_dir / "previous" / time.strftime("%Y%m%d-%H%M%S")
+    while target.exists():
+        target = target.with_name(target.name + "-1")
+    target.mkdir(parents=True)
+    for name in _RUN_OUTPUTS:
+        if (run_dir / name).exists():
+            (run_dir / name).rename(target / name)
+    logger.warning("run_dir %s held a previous run's metrics: moved them, with its config, plan, "
+                   "timeline and exports, to %s", run_dir, target)
 
 
 def _drop_metrics_from(path: Path, step: int) -> dict:
