@@ -38,6 +38,9 @@ class RuntimeConfig:
         log_all_ranks: log from every rank instead of rank 0 only.
         allow_tf32: let fp32 matrix products and convolutions on NVIDIA GPUs use TF32 tensor
             cores (as megatron's training scripts do); no effect on CPU.
+        transfer_timeout_s: timeout of the process groups that move rows between models: a
+            receiver may wait through a whole stage of its sender (generation of long responses,
+            scoring), which can outlast ``distributed.timeout_s``.
         distributed: how to join the job.
     """
 
@@ -45,11 +48,15 @@ class RuntimeConfig:
     log_level: str = "INFO"
     log_all_ranks: bool = False
     allow_tf32: bool = True
+    transfer_timeout_s: float = 1800.0
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def __post_init__(self) -> None:
         if self.seed < 0:
             raise ValueError(f"runtime.seed={self.seed} must be non-negative")
+        if not self.transfer_timeout_s > 0:
+            raise ValueError(f"runtime.transfer_timeout_s={self.transfer_timeout_s} must be "
+                             "positive")
 
 
 def initialize_runtime(config: RuntimeConfig | None = None) -> None:
