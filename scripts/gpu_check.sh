@@ -10,7 +10,7 @@
 # and bring .whl/ along: they are installed into a temporary directory when megatron-core is
 # missing. Exit status: 0 when every part that ran passed, 1 otherwise.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 LOG_DIR=${LOG_DIR:-${OUT:-runs/gpu_check}}
 mkdir -p "$LOG_DIR"
 if [ -z "${PYTHON:-}" ]; then

@@ -199,6 +199,9 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
     plan = make_plan(config, cluster_from_environment(config.cluster.pools), sources)
     if eval_prompts:
         check_evaluation_size(plan, config, len(eval_prompts))
+    if config.faults.stop_file and Path(config.faults.stop_file).exists():
+        raise ValueError(f"faults.stop_file={config.faults.stop_file} exists already, so the run "
+                         "would stop after its first step; remove it first")
     check_writable_dir(config.run_dir, "run_dir (--run-dir)")
     if config.checkpoint.save_dir:
         check_writable_dir(config.checkpoint.save_dir, "checkpoint.save_dir (--save-dir)")
@@ -267,7 +270,7 @@ def _train(run: RunState, start: int, run_dir: Path, exporter: HFExporter,
         first_eval = eval_metrics(_drop_metrics_from(run_dir / "metrics.jsonl", start))
     context = run.engine.context
     writer = MetricsWriter(run_dir, config.steps)
-    preemption = PreemptionWatcher()
+    preemption = PreemptionWatcher(config.faults.stop_file)
     stop = False
     try:
         for step in range(start, config.steps):
@@ -296,7 +299,7 @@ def _train(run: RunState, start: int, run_dir: Path, exporter: HFExporter,
                 with context.stage("export/hf"), run.engine.resident():
                     exporter.export(run.engine, run_dir / "hf" / f"step_{step + 1:08d}")
             if stop:
-                logger.warning("stopping after step %d on SIGTERM%s", step, "" if config.checkpoint
+                logger.warning("stopping after step %d on request%s", step, "" if config.checkpoint
                                .save_dir else " (no checkpoint.save_dir: nothing was saved)")
                 break
         if evaluator is not None and not stop:

@@ -150,3 +150,34 @@ def test_the_watch_names_a_lost_launcher_and_a_store_that_stopped_answering() ->
     reason = watch.problem()
     assert reason is not None and "stopped answering (3 probes: RuntimeError: Broken pipe)" in reason
     assert store.probes == 3 and EXIT_ORPHANED != 0
+
+
+def test_a_stop_file_finishes_the_step_saves_and_exits_zero(tmp_path: Path) -> None:
+    """The Slurm example's path: the batch shell touches the file on --signal=B:USR1@..."""
+    import threading
+
+    from tools import run_ppo as run_ppo_tool
+
+    run_dir, save_dir, stop = tmp_path / "run", tmp_path / "ckpt", tmp_path / "STOP"
+    metrics = run_dir / "metrics.jsonl"
+
+    def touch_after_the_first_step() -> None:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not (metrics.is_file() and metrics.read_text()):
+            time.sleep(0.1)
+        stop.touch()
+
+    argv = ["--steps", "200", "--placement", "flattening", "--run-dir", str(run_dir),
+            "--save-dir", str(save_dir), f"faults.stop_file={stop}", "rollout.prompts_per_step=8",
+            "rollout.ppo_epochs=1", "rollout.num_minibatches=1", "generation.max_new_tokens=4"]
+    stop.touch()
+    assert run_ppo_tool.main(argv) == 2  # a stale stop file is refused before any work
+    stop.unlink()
+    toucher = threading.Thread(target=touch_after_the_first_step, daemon=True)
+    toucher.start()
+    assert run_ppo_tool.main(argv) == 0
+    toucher.join()
+    steps = len(metrics.read_text().splitlines())
+    assert 1 <= steps < 200
+    saved = complete_checkpoints(save_dir)
+    assert [p.name for p in saved] == [f"step_{steps:08d}"] and verify_checkpoint(saved[0]) == []
