@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megatron_rlhf.builder.sources import ModelSource, resolve_sources
+from megatron_rlhf.builder.sources import ModelSource, fresh_heads, resolve_sources
 from megatron_rlhf.config.loader import to_yaml
 from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.data import (
@@ -215,7 +215,11 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
             run_dir.mkdir(parents=True, exist_ok=True)
             if resume_from is None:
                 _set_aside_previous_run(run_dir)
-            (run_dir / "config.yaml").write_text(to_yaml(config))
+            notes = [f"initial weights: {note}" for note in fresh_heads(config, sources)]
+            for note in notes:
+                logger.info("%s", note)
+            (run_dir / "config.yaml").write_text(
+                to_yaml(config) + "".join(f"# {note}\n" for note in notes))
             (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
         # A Hugging Face tokenizer ends replies with any of its EOS ids (Llama-3, Qwen).
         eos = getattr(tokenizer, "eos_ids", tokenizer.eos_id)
