@@ -47,7 +47,7 @@ from megatron_rlhf.engine.engine import RuleReward
 from megatron_rlhf.engine.evaluation import HeldOutEvaluator, eval_metrics, hacking_report
 from megatron_rlhf.engine.export import HFExporter
 from megatron_rlhf.engine.ppo import PPOAlgorithm
-from megatron_rlhf.models.hf_tokenizer import HFTokenizer, is_hf_tokenizer_dir
+from megatron_rlhf.models.hf_tokenizer import HFTokenizer, checkpoint_tokenizer
 from megatron_rlhf.models.prompting import encode_prompt
 from megatron_rlhf.models.tokenizer import Tokenizer, load_tokenizer
 from megatron_rlhf.runtime.bootstrap import initialize_runtime
@@ -66,11 +66,16 @@ logger = get_logger(__name__)
 
 def run_tokenizer(config: RunConfig, sources: dict[str, ModelSource]) -> Tokenizer | HFTokenizer:
     """The configured tokenizer, or the actor's own when it starts from a Hugging Face directory
-    that ships one and no tokenizer is configured."""
+    and no tokenizer is configured.
+
+    Raises:
+        FileNotFoundError: that directory has no ``tokenizer.json`` (the message says how to
+            write one).
+    """
     actor = sources.get(ACTOR)
     configured = config.tokenizer.hf_dir or config.tokenizer.model_path
-    if not configured and actor is not None and actor.is_hf and is_hf_tokenizer_dir(actor.path):
-        return HFTokenizer.load(actor.path)
+    if not configured and actor is not None and actor.is_hf:
+        return checkpoint_tokenizer(actor.path, "models.actor_checkpoint")
     return load_tokenizer(config.tokenizer)
 
 

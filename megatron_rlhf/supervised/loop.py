@@ -41,7 +41,7 @@ from megatron_rlhf.data.synthetic import write_task_jsonl
 from megatron_rlhf.models.checkpoint import save_model_checkpoint
 from megatron_rlhf.models.forward_backward import Batch, LossFn, run_microbatches
 from megatron_rlhf.models.gpt import ModelBuildOptions
-from megatron_rlhf.models.hf_tokenizer import TOKENIZER_FILES, HFTokenizer, is_hf_tokenizer_dir
+from megatron_rlhf.models.hf_tokenizer import TOKENIZER_FILES, HFTokenizer, checkpoint_tokenizer
 from megatron_rlhf.models.tokenizer import Tokenizer, load_tokenizer
 from megatron_rlhf.models.trainer import ModelTrainer
 from megatron_rlhf.runtime.bootstrap import initialize_runtime
@@ -248,9 +248,8 @@ def _start(config: SupervisedConfig) -> tuple[ModelSource | None, Tokenizer | HF
     """The checkpoint to start from and the tokenizer (a Hugging Face start's own by default)."""
     source = read_source(config.model.init_checkpoint) if config.model.init_checkpoint else None
     configured = config.tokenizer.hf_dir or config.tokenizer.model_path
-    if (not configured and source is not None and source.is_hf
-            and is_hf_tokenizer_dir(source.path)):
-        return source, HFTokenizer.load(source.path)
+    if not configured and source is not None and source.is_hf:
+        return source, checkpoint_tokenizer(source.path, "model.init_checkpoint")
     return source, load_tokenizer(config.tokenizer)
 
 
