@@ -30,7 +30,7 @@ from megatron_rlhf.models.checkpoint import (
 from megatron_rlhf.models.gpt import ModelBuildOptions, resolve_transformer_impl
 from megatron_rlhf.models.hf_config import read_hf_config
 from megatron_rlhf.models.hf_import import cached_full_state, is_hf_dir
-from megatron_rlhf.models.hf_llama import weight_files
+from megatron_rlhf.models.hf_llama import check_weight_files
 from megatron_rlhf.models.weights import load_full_state
 from megatron_rlhf.topology.models import (
     ACTOR,
@@ -76,7 +76,7 @@ def read_source(path: str) -> ModelSource:
     """
     if is_hf_dir(path):
         description, hf_config = read_hf_config(path)
-        weight_files(path)  # a missing weight file is named now, not after distributed setup
+        check_weight_files(path)  # missing or truncated: named now, not after distributed setup
         architectures = hf_config.get("architectures") or ["a causal LM"]
         return ModelSource(path, description, True, hf_config, architectures[0])
     info = read_checkpoint_info(path)
