@@ -47,10 +47,14 @@ def _sha256_file(entry: Path) -> Path:
     return entry.with_name(entry.name + ".sha256")
 
 
-def _intact(entry: Path) -> bool:
-    """Whether a cache entry's bytes are those written (its recorded sha256 matches)."""
+def _cache_problem(entry: Path) -> str | None:
+    """Why a cache entry cannot be used as it is, or None when its bytes are those written."""
     recorded = _sha256_file(entry)
-    return recorded.is_file() and recorded.read_text().strip() == file_sha256(entry)
+    if not recorded.is_file():
+        return "has no recorded sha256 (written by an earlier version)"
+    if recorded.read_text().strip() != file_sha256(entry):
+        return "is corrupt (its sha256 differs from the one recorded when it was written)"
+    return None
 
 
 def hf_fingerprint(hf_dir: str | Path) -> str:
@@ -77,10 +81,10 @@ def cached_full_state(hf_dir: str | Path, cache_dir: str | Path) -> Path:
     description, _ = read_hf_config(hf_dir)
     entry = Path(cache_dir).expanduser() / hf_fingerprint(hf_dir)[:32] / FULL_STATE_FILE
     if entry.is_file():
-        if _intact(entry):
+        problem = _cache_problem(entry)
+        if problem is None:
             return entry
-        logger.warning("%s is corrupt (its sha256 differs from the one recorded when it was "
-                       "written); converting again", entry)
+        logger.warning("%s %s; converting again", entry, problem)
     full_state = hf_to_full_state(load_hf_state(hf_dir), description, str(hf_dir))
     entry.parent.mkdir(parents=True, exist_ok=True)
     metadata = {"source": str(Path(hf_dir).resolve()),
