@@ -230,7 +230,7 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
         eos = getattr(tokenizer, "eos_ids", tokenizer.eos_id)
         engine = build_engine(config, plan, eos, tokenizer.pad_id,
                               load_initial=resume_from is None, sources=sources,
-                              context=context)
+                              context=context, token_vocab_size=tokenizer.vocab_size)
         algorithm = PPOAlgorithm(engine, config.algorithm, config.rollout, config.reward,
                                  config.runtime.seed, prompts.batch, config.steps,
                                  rule_reward_for(config, tokenizer),

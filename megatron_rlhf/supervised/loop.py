@@ -225,13 +225,14 @@ class _Batches:
 
 
 def _build(config: SupervisedConfig, objective: Objective, spec: ModelSpec, total_steps: int,
-           source: ModelSource | None) -> tuple[ModelTrainer, ProcessGroupCollection]:
+           source: ModelSource | None,
+           token_vocab_size: int) -> tuple[ModelTrainer, ProcessGroupCollection]:
     pgc = build_model_process_groups(spec, config.runtime.distributed.timeout_s)
     # The numerics (QKV bias, QK-norm, RoPE, ...) are the starting checkpoint's.
     base = source.description.build_options() if source is not None else ModelBuildOptions()
     options = replace(base, head=objective.head, params_dtype=config.model.params_dtype,
                       tie_embeddings=base.tie_embeddings and objective.head == "lm",
-                      recompute=config.model.recompute)
+                      recompute=config.model.recompute, token_vocab_size=token_vocab_size)
     model = build_model(spec.arch, options, pgc, runtime_seed=config.runtime.seed,
                         init_seed=config.model.init_seed)
     # Before the trainer exists: the optimizer copies the weights it starts from.
@@ -287,7 +288,7 @@ def run_supervised(config: SupervisedConfig, objective: Objective) -> TrainingRe
                                             len(held_out))
     initialize_runtime(config.runtime)
     device = compute_device()
-    trainer, pgc = _build(config, objective, spec, total_steps, source)
+    trainer, pgc = _build(config, objective, spec, total_steps, source, tokenizer.vocab_size)
     batches = _Batches(config, objective, tokenizer, train, held_out[:num_evaluated],
                        (dp, pgc.dp.rank()), device)
     out = Path(config.out_dir)
@@ -314,7 +315,7 @@ def run_supervised(config: SupervisedConfig, objective: Objective) -> TrainingRe
 def _train_loop(config: SupervisedConfig, objective: Objective, trainer: ModelTrainer,
                 pgc: ProcessGroupCollection, batches: _Batches, total_steps: int,
                 device: torch.device) -> list[dict[str, float]]:
-    loss_fn, keys = objective.loss_fn(pgc.tp, trainer.model.real_vocab_size), objective.metric_keys
+    loss_fn, keys = objective.loss_fn(pgc.tp, trainer.model.token_vocab_size), objective.metric_keys
     interval = config.train.eval_interval
     writer, history = MetricsWriter(config.out_dir, total_steps, progress=False), []
     try:
