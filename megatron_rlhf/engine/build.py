@@ -137,6 +137,9 @@ def check_checkpoint_tokenizers(sources: dict[str, ModelSource],
                              "checkpoint's own tokenizer")
         if source.is_hf:
             if not is_hf_tokenizer_dir(source.path):
+                logger.warning("%s checkpoint %s ships no tokenizer.json: nothing shows it was "
+                               "trained with this run's tokenizer %s; copy its tokenizer there "
+                               "to have it checked", role, source.path, tokenizer.source)
                 continue
             recorded = HFTokenizer.load(source.path).fingerprint
         else:

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from megatron_rlhf.builder.sources import fresh_heads, resolve_sources
 from megatron_rlhf.config.loader import load_config
 from megatron_rlhf.config.ppo_run import RunConfig
+from megatron_rlhf.engine.build import check_checkpoint_tokenizers
 from megatron_rlhf.engine.runner import run_tokenizer
 from megatron_rlhf.models.checkpoint import INFO_FILE, CheckpointInfo, ModelDescription
 from megatron_rlhf.models.hf_import import FULL_STATE_FILE, cached_full_state
@@ -101,6 +102,25 @@ def test_a_hugging_face_directory_without_tokenizer_json_is_refused(tiny: tuple[
     assert run_tokenizer(named, resolve_sources(named)).vocab_size == 300
 
 
+def test_a_reward_directory_without_tokenizer_json_is_warned_of(
+        tiny: tuple[Path, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    actor, reward = tiny
+    bare = tmp_path / "bare-rm"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(reward / name, bare / name)
+    config = _config(actor, bare)
+    sources = resolve_sources(config)
+    logger = logging.getLogger("megatron_rlhf.engine.build")
+    logger.addHandler(caplog.handler)
+    try:
+        check_checkpoint_tokenizers(sources, run_tokenizer(config, sources))
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert f"reward checkpoint {bare} ships no tokenizer.json: nothing shows it was trained " \
+        f"with this run's tokenizer {actor}" in caplog.text
+
+
 def _flip_byte(path: Path, offset_from_end: int) -> None:
     data = bytearray(path.read_bytes())
     data[-offset_from_end] ^= 0x01
@@ -152,6 +172,27 @@ def test_a_flipped_byte_is_caught_by_the_downloads_checksum(tiny: tuple[Path, Pa
                        r"download recorded [0-9a-f]{12}\.\.\. \(.*model.safetensors.metadata\): "
                        r"the file is corrupt; download it again"):
         cached_full_state(flipped, cache)
+
+
+def test_a_flipped_byte_is_caught_by_the_hub_caches_blob_name(tiny: tuple[Path, Path],
+                                                              tmp_path: Path) -> None:
+    import hashlib
+
+    actor, _ = tiny
+    weights = (actor / "model.safetensors").read_bytes()
+    blob = tmp_path / "blobs" / hashlib.sha256(weights).hexdigest()
+    blob.parent.mkdir()
+    blob.write_bytes(weights)
+    snapshot = tmp_path / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    shutil.copyfile(actor / "config.json", snapshot / "config.json")
+    (snapshot / "model.safetensors").symlink_to(blob)
+    load_hf_state(snapshot)
+    _flip_byte(blob, 10)
+    with pytest.raises(ValueError, match=r"model.safetensors has sha256 [0-9a-f]{12}\.\.\., but "
+                       r"its download recorded [0-9a-f]{12}\.\.\. \(the name of the hub cache's "
+                       r"blob .*blobs/[0-9a-f]{64}\): the file is corrupt; download it again"):
+        load_hf_state(snapshot)
 
 
 def test_a_corrupt_conversion_cache_entry_is_converted_again(
