@@ -57,6 +57,8 @@ class ModelSource:
         hf_config: the Hugging Face ``config.json`` the weights came from (the directory's own,
             or the one a megatron_rlhf checkpoint recorded as ``hf_config``), else None; the
             base of an export.
+        kind: what the directory holds, for messages: its Hugging Face architecture
+            (``Qwen2ForCausalLM``) or ``megatron_rlhf '<role>'``.
     """
 
     path: str
@@ -64,8 +66,6 @@ class ModelSource:
     is_hf: bool = False
     hf_config: dict[str, Any] | None = None
     kind: str = "megatron_rlhf"
-    """What the directory holds, for messages: a Hugging Face architecture (``Qwen2ForCausalLM``)
-    or ``megatron_rlhf '<role>'``."""
 
 
 def read_source(path: str) -> ModelSource:
@@ -77,7 +77,7 @@ def read_source(path: str) -> ModelSource:
     if is_hf_dir(path):
         description, hf_config = read_hf_config(path)
         check_weight_files(path)  # missing or truncated: named now, not after distributed setup
-        architectures = hf_config.get("architectures") or ["a causal LM"]
+        architectures = hf_config.get("architectures") or [f"{hf_config['model_type']} causal-LM"]
         return ModelSource(path, description, True, hf_config, architectures[0])
     info = read_checkpoint_info(path)
     return ModelSource(path, info.model, False, info.metadata.get("hf_config"),

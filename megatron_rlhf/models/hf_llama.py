@@ -94,7 +94,7 @@ def check_weight_files(hf_dir: str | Path) -> list[str]:
                 header = json.loads(stream.read(min(header_size, size)))
             ends = [entry["data_offsets"][1] for key, entry in header.items()
                     if key != "__metadata__"]
-        except (struct.error, ValueError, TypeError, KeyError, IndexError) as exc:
+        except (struct.error, ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
             raise ValueError(f"{path} is not a readable safetensors file (its header: {exc}); "
                              "download or save it again") from exc
         described = 8 + header_size + max(ends, default=0)
