@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megatron_rlhf.builder.sources import ModelSource, resolve_sources
+from megatron_rlhf.builder.sources import ModelSource, fresh_heads, resolve_sources
 from megatron_rlhf.config.loader import to_yaml
 from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.data import (
@@ -47,7 +47,7 @@ from megatron_rlhf.engine.engine import RuleReward
 from megatron_rlhf.engine.evaluation import HeldOutEvaluator, eval_metrics, hacking_report
 from megatron_rlhf.engine.export import HFExporter
 from megatron_rlhf.engine.ppo import PPOAlgorithm
-from megatron_rlhf.models.hf_tokenizer import HFTokenizer, is_hf_tokenizer_dir
+from megatron_rlhf.models.hf_tokenizer import HFTokenizer, checkpoint_tokenizer
 from megatron_rlhf.models.prompting import encode_prompt
 from megatron_rlhf.models.tokenizer import Tokenizer, load_tokenizer
 from megatron_rlhf.runtime.bootstrap import initialize_runtime
@@ -66,11 +66,16 @@ logger = get_logger(__name__)
 
 def run_tokenizer(config: RunConfig, sources: dict[str, ModelSource]) -> Tokenizer | HFTokenizer:
     """The configured tokenizer, or the actor's own when it starts from a Hugging Face directory
-    that ships one and no tokenizer is configured."""
+    and no tokenizer is configured.
+
+    Raises:
+        FileNotFoundError: that directory has no ``tokenizer.json`` (the message says how to
+            write one).
+    """
     actor = sources.get(ACTOR)
     configured = config.tokenizer.hf_dir or config.tokenizer.model_path
-    if not configured and actor is not None and actor.is_hf and is_hf_tokenizer_dir(actor.path):
-        return HFTokenizer.load(actor.path)
+    if not configured and actor is not None and actor.is_hf:
+        return checkpoint_tokenizer(actor.path, "models.actor_checkpoint")
     return load_tokenizer(config.tokenizer)
 
 
@@ -218,13 +223,17 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
             run_dir.mkdir(parents=True, exist_ok=True)
             if resume_from is None:
                 _set_aside_previous_run(run_dir)
-            (run_dir / "config.yaml").write_text(to_yaml(config))
+            notes = [f"initial weights: {note}" for note in fresh_heads(config, sources)]
+            for note in notes:
+                logger.info("%s", note)
+            (run_dir / "config.yaml").write_text(
+                to_yaml(config) + "".join(f"# {note}\n" for note in notes))
             (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
         # A Hugging Face tokenizer ends replies with any of its EOS ids (Llama-3, Qwen).
         eos = getattr(tokenizer, "eos_ids", tokenizer.eos_id)
         engine = build_engine(config, plan, eos, tokenizer.pad_id,
                               load_initial=resume_from is None, sources=sources,
-                              context=context)
+                              context=context, token_vocab_size=tokenizer.vocab_size)
         algorithm = PPOAlgorithm(engine, config.algorithm, config.rollout, config.reward,
                                  config.runtime.seed, prompts.batch, config.steps,
                                  rule_reward_for(config, tokenizer),
