@@ -18,6 +18,8 @@ One checkpoint, ``<save_dir>/step_00000004`` (4 steps done; the data position is
                          Megatron-FSDP its DTensor shards (models.fsdp_checkpoint: any DP, the
                          saved TP; an FSDP switch or a TP change is refused)
     rng/rank_00003.pt    each rank's Python, numpy, torch (CUDA) and megatron-tracker RNG states
+    experience/          asynchronous runs: the experience produced ahead, step_<k>.pt each
+                         (``engine.experience_ahead``)
 
 Writes are atomic, verified against the manifest on load, and pruned only after a newer
 checkpoint is complete (``runtime.checkpoint_store``). Everything is loaded without running pickled
@@ -43,6 +45,11 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron_rlhf.config.ppo_run import CheckpointConfig, RunConfig
 from megatron_rlhf.data.prompts import PromptStream
 from megatron_rlhf.engine.engine import PPOEngine
+from megatron_rlhf.engine.experience_ahead import (
+    describe_experience_ahead,
+    restore_experience_ahead,
+    write_experience_ahead,
+)
 from megatron_rlhf.engine.ppo import PPOAlgorithm
 from megatron_rlhf.models.checkpoint import (
     CheckpointInfo,
@@ -74,7 +81,7 @@ logger = get_logger(__name__)
 FORMAT_VERSION = 1
 RL_STATE = "rl_state.json"
 OPTIMIZER_COMMON = "optimizer_common.pt"
-STATE_PIECES = ("optimizer", "scheduler", "kl_controller", "data_position", "rng")
+STATE_PIECES = ("optimizer", "scheduler", "kl_controller", "data_position", "rng", "experience")
 """What a checkpoint restores besides the weights; ``load_rl_checkpoint(skip=...)`` leaves any of
 them out (a debug hook: the resume tests show that each one is needed)."""
 # Settings that must not change across a resume, and those that may without a word (the
@@ -220,11 +227,8 @@ def save_rl_checkpoint(run: RunState, step: int) -> Path:
     # World: the checkpoint records the host state of every rank.
     dist.all_gather_object(hosts, _host_state(run, {r: s[1] for r, s in states.items()}),
                            group=dist.group.WORLD)
-    if run.algorithm.experience_in_flight:
-        logger.warning("checkpoint %s leaves out %d steps of asynchronous experience; a resumed "
-                       "run generates them again with the resumed weights", final.name,
-                       run.algorithm.experience_in_flight)
     temp = shared_temp_dir(final, stale="step_*.tmp-*")
+    write_experience_ahead(run.algorithm, temp)
     for role in roles:
         holder = next(h["roles"][role] for h in hosts if role in h["roles"])
         info = CheckpointInfo(model=ModelDescription(**holder["description"]),
@@ -289,6 +293,7 @@ def _write_run_files(temp: Path, run: RunState, step: int, hosts: list[dict],
         "tokenizer_fingerprint": run.tokenizer_fingerprint,
         "world_size": dist.get_world_size(), "plan": run.engine.plan.to_dict(),
         "config": _config_dict(run.config),
+        "experience_ahead": describe_experience_ahead(run.algorithm),
     }
     (temp / RL_STATE).write_text(json.dumps(state, indent=1, sort_keys=True))
     torch.save({role: holder["optimizer_common"] for role, holder in holders.items()},
@@ -335,6 +340,9 @@ def load_rl_checkpoint(run: RunState, path: Path, skip: Collection[str] = ()) ->
     run.engine.sync_weights()
     if "rng" not in skip:
         _restore_rng(path, state, run.engine)
+    if "experience" not in skip:
+        restore_experience_ahead(run.engine, run.algorithm, path,
+                                 state.get("experience_ahead", []))
     logger.info("resumed from %s after %d steps", path, state["step"])
     return 0 if "data_position" in skip else int(state["step"])
 

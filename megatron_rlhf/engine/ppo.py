@@ -144,8 +144,8 @@ class PPOAlgorithm:
     def state_dict(self) -> dict[str, Any]:
         """The algorithm's own state: KL controller and running score moments.
 
-        Experience produced ahead (asynchronous mode) is not included: a resumed run produces it
-        again with the resumed weights.
+        Experience produced ahead (asynchronous mode) is saved apart, by
+        ``engine.experience_ahead`` (:attr:`experience_ahead`).
         """
         return {"kl_controller": self.kl_controller.state_dict(),
                 "score_moments": self.score_moments.state_dict()}
@@ -156,9 +156,13 @@ class PPOAlgorithm:
         self.score_moments.load_state_dict(state["score_moments"])
 
     @property
-    def experience_in_flight(self) -> int:
-        """Steps of experience produced ahead and not yet trained on."""
-        return len(self._queue)
+    def experience_ahead(self) -> list[Experience]:
+        """Experience produced ahead and not yet trained on (asynchronous mode), oldest first."""
+        return list(self._queue)
+
+    def restore_experience_ahead(self, experiences: Sequence[Experience]) -> None:
+        """Continue with ``experiences`` (from a checkpoint) as the experience produced ahead."""
+        self._queue = deque(experiences)
 
     def produce(self, step: int) -> Experience:
         """Generate and score step ``step``'s prompts; advantages on the trainer ranks.

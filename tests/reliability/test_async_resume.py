@@ -1,0 +1,94 @@
+"""Asynchronous separation resumes bit for bit: 4 steps == 2 steps + resume + 2 steps, with the
+experience the shadows produced ahead stored in the checkpoint (pipelined in 2 chunks, with
+dropout so that the RNG streams matter, an adaptive KL controller and PPO-ptx; and GRPO with 2
+samples per prompt). Leaving the stored experience out of the resume changes the steps after it,
+so the test can fail."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.multirank import run_on_ranks
+
+MEASURED = ("step_seconds", "samples_per_s")
+
+
+def _config(root: str, name: str, algorithm: str, steps: int, **checkpoint):
+    from megatron_rlhf.config.ppo_run import (
+        CheckpointConfig,
+        ModelsConfig,
+        PTXConfig,
+        RewardConfig,
+        RolloutConfig,
+        RunConfig,
+    )
+    from megatron_rlhf.generation import GenerationConfig
+    from megatron_rlhf.runtime.bootstrap import RuntimeConfig
+    from megatron_rlhf.topology.placement_config import PlacementConfig
+
+    grpo = algorithm == "grpo"
+    config = RunConfig(
+        runtime=RuntimeConfig(seed=7),
+        placement=PlacementConfig(strategy="separation"),
+        models=ModelsConfig(arch="tiny", init_seed=9, dropout=0.1),
+        rollout=RolloutConfig(prompts_per_step=4 if grpo else 8, samples_per_prompt=2 if grpo
+                              else 1, max_prompt_length=16, micro_batch_size=1,
+                              num_minibatches=2, pipeline_chunks=2, async_rollout=True,
+                              max_staleness=1),
+        generation=GenerationConfig(max_new_tokens=6, seed=3),
+        reward=RewardConfig(model_weight=0.5, rule="synthetic"),
+        ptx=PTXConfig(coef=0.0 if grpo else 0.5),
+        checkpoint=CheckpointConfig(**checkpoint), steps=steps, run_dir=f"{root}/{name}")
+    config.algorithm.advantage_estimator = "grpo" if grpo else "gae"
+    config.algorithm.adaptive_kl = True
+    config.actor_optimizer.lr = config.critic_optimizer.lr = 1e-3
+    return config
+
+
+def _metrics(run_dir: str) -> list[dict]:
+    lines = Path(run_dir, "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items()
+             if k not in MEASURED and not k.startswith("memory/")} for line in lines]
+
+
+def _runs(root: str, algorithm: str) -> dict:
+    import torch.distributed as dist
+
+    from megatron_rlhf.engine.runner import run_ppo
+
+    save_dir = f"{root}/{algorithm}-ckpt"
+    run_ppo(_config(root, f"{algorithm}-A", algorithm, steps=4))
+    # The same 4 steps, saving after step 2 while the shadows hold step 2's experience.
+    run_ppo(_config(root, f"{algorithm}-saving", algorithm, steps=4, save_dir=save_dir,
+                    save_interval=2, keep_last=0))
+    step_2 = Path(save_dir, "step_00000002")
+    stored = sorted(p.name for p in (step_2 / "experience").iterdir())
+    run_ppo(_config(root, f"{algorithm}-B", algorithm, steps=4, resume_from=str(step_2)))
+    run_ppo(_config(root, f"{algorithm}-C", algorithm, steps=4, resume_from=str(step_2)),
+            skip_state=("experience",))
+    if dist.get_rank() != 0:
+        return {}
+    return {"stored": stored, **{name: _metrics(f"{root}/{algorithm}-{name}")
+                                 for name in ("A", "saving", "B", "C")}}
+
+
+def _both(root: str) -> dict:
+    return {algorithm: _runs(root, algorithm) for algorithm in ("ppo", "grpo")}
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(600)
+def test_asynchronous_runs_resume_bit_exactly_with_the_experience_produced_ahead(
+        tmp_path: Path) -> None:
+    results = run_on_ranks(_both, world_size=4, args=(str(tmp_path),), timeout_s=540)[0]
+    for algorithm, runs in results.items():
+        assert runs["stored"] == ["step_00000002.pt"], algorithm
+        assert [m["step"] for m in runs["A"]] == [0, 1, 2, 3]
+        assert runs["saving"] == runs["A"], f"{algorithm}: saving changed the run"
+        assert [m["step"] for m in runs["B"]] == [2, 3]
+        assert runs["B"] == runs["A"][2:], f"{algorithm}: the resumed run differs"
+        assert runs["C"][0] != runs["A"][2], \
+            f"{algorithm}: regenerating the stored experience changed nothing"
