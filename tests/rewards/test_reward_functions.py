@@ -1,0 +1,135 @@
+"""Reward functions: checked when the config is built, called in worker processes, and every
+kind of bad function (raises, hangs, returns NaN, a string or a dict without a score) either
+named with its record or, with ``on_error="zero"``, scored 0 and counted.
+
+The pool's workers are real spawned processes; each test closes its pool, and the last one
+checks that no worker outlives ``close``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+
+from megatron_rlhf.rewards import (
+    RewardFunctionError,
+    RewardFunctions,
+    RewardFunctionSpec,
+    parse_reward_functions,
+)
+
+USER = "tests.rewards.user_functions"
+
+
+def _functions(*names: str, **kwargs) -> RewardFunctions:
+    return RewardFunctions(parse_reward_functions([{"name": f"{USER}:{n}"} for n in names]),
+                           **kwargs)
+
+
+def test_entries_become_specs_with_weights_and_keyword_arguments() -> None:
+    specs = parse_reward_functions([
+        {"name": f"{USER}:answer_in_response", "weight": 2, "bonus": 0.5},
+        {"name": "megatron_rlhf.rewards.verifiers:math_reward"}])
+    assert specs == [RewardFunctionSpec(f"{USER}:answer_in_response", 2.0, {"bonus": 0.5}),
+                     RewardFunctionSpec("megatron_rlhf.rewards.verifiers:math_reward", 1.0, {})]
+    assert [spec.metric for spec in specs] == ["reward/answer_in_response", "reward/math_reward"]
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ({"weight": 1.0}, r"reward.functions\[0\]=.* must be a mapping with a 'name'"),
+    ({"name": "no_colon"}, r"reward.functions\[0\].name='no_colon' must be 'package.module:fu"),
+    ({"name": "tests.rewards.missing:f"}, r"module 'tests.rewards.missing' does not import"),
+    ({"name": f"{USER}:absent"}, r"has no callable 'absent'"),
+    ({"name": f"{USER}:NOT_CALLABLE"}, r"has no callable 'NOT_CALLABLE'"),
+    ({"name": f"{USER}:graded", "weight": float("nan")}, r"weight=nan must be a finite number"),
+    ({"name": f"{USER}:graded", "weight": "1"}, r"weight='1' must be a finite number"),
+    ({"name": f"{USER}:answer_in_response", "bonsu": 1.0},
+     r"unexpected keyword argument 'bonsu'.*fix the key"),
+])
+def test_bad_entries_are_refused_naming_the_entry(entry: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_reward_functions([entry])
+
+
+def test_two_functions_logged_under_one_name_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"functions\[1\].*also logged as 'reward/graded'"):
+        parse_reward_functions([{"name": f"{USER}:graded"}, {"name": f"{USER}:graded"}])
+
+
+def test_scores_per_row_and_function_with_the_record_and_dict_results() -> None:
+    functions = RewardFunctions(parse_reward_functions([
+        {"name": f"{USER}:answer_in_response", "bonus": 0.5}, {"name": f"{USER}:graded"}]))
+    try:
+        scores = functions.score(["p0", "p0", "p1"], ["it is 12", "it is 3", "abc"],
+                                 [(0, {"answer": "12"}), (0, {"answer": "12"}),
+                                  (5, {"answer": "x"})])
+    finally:
+        functions.close()
+    assert scores.scores == [[1.5, 0.5], [0.0, 0.5], [0.0, 0.5]]
+    assert scores.errors == [0, 0, 0]
+    assert scores.extras == {"reward/graded/length": [8.0, 7.0, 3.0]}
+
+
+BAD = [("explodes", "raised ZeroDivisionError: the grader divided by zero"),
+       ("hangs", "ran past its timeout of 1.0 s (reward.timeout_s)"),
+       ("not_a_number", "returned nan, not a finite number"),
+       ("a_string", "returned str '1.0', not a number"),
+       ("no_score_key", "returned a dict without a 'score' key: ['correct']")]
+
+
+@pytest.mark.parametrize(("name", "what"), BAD)
+def test_a_bad_call_is_named_with_its_record(name: str, what: str) -> None:
+    functions = _functions(name, timeout_s=1.0)
+    record = {"prompt": "What is 6 * 7? " + "x" * 200, "answer": "42"}
+    try:
+        with pytest.raises(RewardFunctionError) as raised:
+            functions.score(["p"], ["42"], [(17, record)])
+    finally:
+        functions.close()
+    message = str(raised.value)
+    assert message.startswith(f"reward function '{USER}:{name}' {what} on prompt record #17 "
+                              '({"prompt": "What is 6 * 7? xxx')
+    assert "...); fix the function, or set reward.on_error=zero" in message
+
+
+def test_with_on_error_zero_bad_calls_score_zero_and_are_counted() -> None:
+    functions = RewardFunctions(parse_reward_functions(
+        [{"name": f"{USER}:answer_in_response"}] + [{"name": f"{USER}:{name}"}
+                                                    for name, _ in BAD]),
+        on_error="zero", timeout_s=1.0, workers=4)
+    start = time.monotonic()
+    try:
+        scores = functions.score(["p", "p"], ["42", "41"],
+                                 [(0, {"answer": "42"}), (0, {"answer": "42"})])
+    finally:
+        functions.close()
+    assert scores.scores == [[1.0, 0, 0, 0, 0, 0], [0.0, 0, 0, 0, 0, 0]]
+    assert scores.errors == [5, 5]
+    # Two hanging calls on four workers run side by side: about one timeout, not two.
+    assert time.monotonic() - start < 2 * 1.0 + 1.5
+
+
+def test_the_pool_outlives_a_failed_batch_and_close_leaves_no_process() -> None:
+    functions = _functions("answer_in_response", "explodes", on_error="zero", workers=2)
+    try:
+        first = functions.score(["p"], ["12"], [(0, {"answer": "12"})])
+        workers = list(functions._pool._pool)
+        second = functions.score(["p"], ["12"], [(0, {})])   # answer_in_response raises too
+    finally:
+        functions.close()
+    assert (first.scores, first.errors, second.scores, second.errors) == (
+        [[1.0, 0.0]], [1], [[0.0, 0.0]], [2])
+    assert functions._pool is None
+    assert not any(process.is_alive() for process in workers)
+    assert mp.active_children() == []
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"reward.on_error='skip': use one of \('error', 'zero'"):
+        RewardFunctions([], on_error="skip")
+    with pytest.raises(ValueError, match=r"reward.timeout_s=0 must be > 0"):
+        RewardFunctions([], timeout_s=0)
+    with pytest.raises(ValueError, match=r"reward.workers=0 must be >= 1"):
+        RewardFunctions([], workers=0)
