@@ -46,10 +46,12 @@ from megatron_rlhf.engine.checkpointing import (
 from megatron_rlhf.engine.engine import RuleReward
 from megatron_rlhf.engine.evaluation import HeldOutEvaluator, eval_metrics, hacking_report
 from megatron_rlhf.engine.export import HFExporter
+from megatron_rlhf.engine.function_rewards import FunctionRewards
 from megatron_rlhf.engine.ppo import PPOAlgorithm
 from megatron_rlhf.models.hf_tokenizer import HFTokenizer, is_hf_tokenizer_dir
 from megatron_rlhf.models.prompting import encode_prompt
 from megatron_rlhf.models.tokenizer import Tokenizer, load_tokenizer
+from megatron_rlhf.rewards import RewardFunctions
 from megatron_rlhf.runtime.bootstrap import initialize_runtime
 from megatron_rlhf.runtime.checkpoint_store import select_checkpoint
 from megatron_rlhf.runtime.context import RunContext
@@ -82,11 +84,12 @@ def load_prompts(config: RunConfig, tokenizer: Tokenizer | HFTokenizer) -> Promp
         for summary in summaries:
             logger.info("%s", summary.format())
         records = [(record.prompt, record.messages) for record in splits.ppo]
+        rows = [record.row or {} for record in splits.ppo]
     else:
-        records = [(record["prompt"], None) for record in
-                   generate_records(config.prompts.synthetic)]
+        rows = generate_records(config.prompts.synthetic)
+        records = [(record["prompt"], None) for record in rows]
     return PromptStream(_encode(records, config, tokenizer, "prompts"),
-                        config.rollout.prompts_per_step, config.runtime.seed)
+                        config.rollout.prompts_per_step, config.runtime.seed, rows)
 
 
 def load_eval_prompts(config: RunConfig, tokenizer: Tokenizer | HFTokenizer) -> list[list[int]]:
@@ -169,6 +172,16 @@ def rule_reward_for(config: RunConfig, tokenizer: Tokenizer) -> RuleReward | Non
     return lambda prompt, response: rule_score(tokenizer.decode(prompt), tokenizer.decode(response))
 
 
+def function_rewards_for(config: RunConfig, tokenizer: Tokenizer | HFTokenizer
+                         ) -> FunctionRewards | None:
+    """The configured reward functions (``reward.functions``) on decoded text, or None."""
+    reward = config.reward
+    if not reward.functions:
+        return None
+    return FunctionRewards(RewardFunctions(reward.specs, reward.on_error, reward.timeout_s,
+                                           reward.workers), tokenizer.decode)
+
+
 def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
     """Run PPO as configured; returns the run directory. Every rank calls it.
 
@@ -204,6 +217,7 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
                          install_fault_tracker(config.faults, config.runtime.distributed.timeout_s),
                          MemoryMeter(enabled=True))
     run_dir = Path(config.run_dir)
+    function_rewards = function_rewards_for(config, tokenizer)  # its workers start when used
     with context.stage("setup", signature=_shape_signature(config)):
         resume_from = select_checkpoint(candidates) if candidates else None
         if resume_from is not None:
@@ -221,7 +235,8 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
                                  config.runtime.seed, prompts.batch, config.steps,
                                  rule_reward_for(config, tokenizer),
                                  on_nan=config.faults.on_nan, demonstrations=demonstrations,
-                                 ptx_coef=config.ptx.coef)
+                                 ptx_coef=config.ptx.coef, function_rewards=function_rewards,
+                                 records=prompts.batch_records)
         run = RunState(engine, algorithm, prompts, config, tokenizer.fingerprint)
         exporter = HFExporter(config, sources, tokenizer)
         evaluator = (HeldOutEvaluator(engine, eval_prompts, algorithm.rule_reward,
@@ -231,7 +246,11 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
     if resume_from is not None:
         with context.stage("checkpoint/load"), engine.resident():
             start = load_rl_checkpoint(run, resume_from, skip_state)
-    _train(run, start, run_dir, exporter, evaluator)
+    try:
+        _train(run, start, run_dir, exporter, evaluator)
+    finally:
+        if function_rewards is not None:
+            function_rewards.close()  # the worker processes, also when a step raised
     return run_dir
 
 

@@ -41,3 +41,11 @@ def no_score_key(prompt: str, response: str, record: dict[str, Any]) -> dict[str
 
 
 NOT_CALLABLE = 3
+
+
+def record_matches_prompt(prompt: str, response: str, record: dict[str, Any]) -> dict[str, float]:
+    """Refuses a row that came with another prompt's record; scores the record's answer / 10."""
+    if " ".join(prompt.split()).lower() != " ".join(record["prompt"].split()).lower():
+        raise ValueError(f"the row's prompt {prompt!r} came with the record of "
+                         f"{record['prompt']!r}")
+    return {"score": float(record["answer"]) / 10, "matched": 1.0}

@@ -1,0 +1,59 @@
+"""A user's reward function in a multi-rank GRPO run: every row reaches it with its own prompt's
+record (``answer`` and all), its scores are weighted into the reward and logged, and its worker
+processes are gone when the run ends.
+
+Two gloo ranks under interleaving (actor, ref and reward on their own ranks), two responses per
+prompt and every prompt of the file in each step, so the logged means are known by hand.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.multirank import run_on_ranks
+
+PROMPTS = {"the cat sat on the mat": 1, "the dog ran in the park": 2,
+           "a bird sang in the tree": 3, "the sun is warm today": 4}
+"""Prompt -> answer: the function scores ``answer / 10``, so a step's mean is 0.25."""
+
+
+def _run(tmp_path: str) -> dict:
+    import multiprocessing as mp
+
+    from megatron_rlhf.config.loader import load_config
+    from megatron_rlhf.config.ppo_run import RunConfig
+    from megatron_rlhf.engine.runner import run_ppo
+
+    root = Path(tmp_path)
+    config = load_config(RunConfig, Path("examples/ppo_grpo_tiny.yaml"), [
+        f"run_dir={root / 'run'}", "steps=2", "placement.strategy=interleaving",
+        "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
+        "rollout.num_minibatches=1", "rollout.ppo_epochs=1", "generation.max_new_tokens=6",
+        f"prompts.paths=[{root / 'prompts.jsonl'}]", "prompts.split.sft=0",
+        "prompts.split.rm=0", "prompts.split.ppo=1", "reward.model_weight=0",
+        "reward.rule=none", "reward.workers=2",
+        "reward.functions=[{name: 'tests.rewards.user_functions:record_matches_prompt', "
+        "weight: 2.0}]"])
+    run_dir = run_ppo(config)
+    return {"metrics": [json.loads(line) for line in
+                        (run_dir / "metrics.jsonl").read_text().splitlines()],
+            "children": [process.name for process in mp.active_children()]}
+
+
+@pytest.mark.multirank
+def test_a_user_reward_function_sees_each_rows_record_on_two_ranks(tmp_path: Path) -> None:
+    with (tmp_path / "prompts.jsonl").open("w") as out:
+        for prompt, answer in PROMPTS.items():
+            out.write(json.dumps({"prompt": prompt, "answer": str(answer)}) + "\n")
+    results = run_on_ranks(_run, world_size=2, args=(str(tmp_path),), timeout_s=400)
+    metrics = results[0]["metrics"]
+    assert [record["step"] for record in metrics] == [0, 1]
+    for record in metrics:
+        assert record["reward/record_matches_prompt"] == pytest.approx(0.25)
+        assert record["reward/record_matches_prompt/matched"] == pytest.approx(1.0)
+        assert record["reward/errors"] == 0.0
+        assert record["reward_mean"] == pytest.approx(2.0 * 0.25)  # weight 2, no model score
+    assert [result["children"] for result in results] == [[], []]
