@@ -230,13 +230,14 @@ class RewardConfig:
     def __post_init__(self) -> None:
         if self.rule not in ("none", "synthetic"):
             raise ValueError(f"reward.rule={self.rule!r}: use 'synthetic' or 'none'")
+        specs = self.specs
         if self.on_error not in ON_ERROR_POLICIES:
             raise ValueError(f"reward.on_error={self.on_error!r}: use one of {ON_ERROR_POLICIES}")
         if not self.timeout_s > 0:
             raise ValueError(f"reward.timeout_s={self.timeout_s} must be > 0")
         if self.workers < 1:
             raise ValueError(f"reward.workers={self.workers} must be >= 1")
-        if self.rule == "none" and self.model_weight == 0 and not self.specs:
+        if self.rule == "none" and self.model_weight == 0 and not specs:
             raise ValueError("reward.model_weight=0 with reward.rule='none' leaves no reward; "
                              "set a rule, reward.functions or a non-zero model_weight")
 

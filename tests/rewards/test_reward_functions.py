@@ -133,3 +133,42 @@ def test_bad_settings_are_refused() -> None:
         RewardFunctions([], timeout_s=0)
     with pytest.raises(ValueError, match=r"reward.workers=0 must be >= 1"):
         RewardFunctions([], workers=0)
+
+
+def test_a_call_the_timer_cannot_stop_is_caught_by_the_pool_deadline() -> None:
+    functions = _functions("uninterruptible", "answer_in_response", on_error="zero",
+                           timeout_s=0.5, workers=2)
+    try:
+        scores = functions.score(["p"], ["12"], [(0, {"answer": "12"})])
+        assert functions._pool is None, "the pool with the stuck worker was stopped"
+        again = functions.score(["p"], ["12"], [(0, {"answer": "12"})])
+    finally:
+        functions.close()
+    assert (scores.scores, scores.errors) == ([[0.0, 1.0]], [1])
+    assert (again.scores, again.errors) == ([[0.0, 1.0]], [1])
+    assert mp.active_children() == []
+
+
+def test_reward_config_checks_its_functions_before_any_process_group(tmp_path) -> None:
+    from megatron_rlhf.config.loader import load_config
+    from megatron_rlhf.config.ppo_run import RewardConfig, RunConfig
+
+    config = load_config(RunConfig, None, [
+        "reward.model_weight=0", "reward.on_error=zero",
+        f"reward.functions=[{{name: '{USER}:answer_in_response', weight: 0.5, bonus: 1.0}}]"])
+    assert config.reward.specs == [
+        RewardFunctionSpec(f"{USER}:answer_in_response", 0.5, {"bonus": 1.0})]
+    with pytest.raises(ValueError, match=r"reward.functions\[0\].name='tests.rewards.nope:f': "
+                                         "module 'tests.rewards.nope' does not import"):
+        RewardConfig(functions=[{"name": "tests.rewards.nope:f"}])
+    with pytest.raises(ValueError, match=r"reward.functions\[0\].weight=inf must be a finite"):
+        RewardConfig(functions=[{"name": f"{USER}:graded", "weight": float("inf")}])
+    with pytest.raises(ValueError, match=r"reward.functions\[0\]: got an unexpected keyword "
+                                         "argument 'answer_key'"):
+        RewardConfig(functions=[{"name": f"{USER}:graded", "answer_key": "x"}])
+    with pytest.raises(ValueError, match=r"reward.on_error='skip': use one of"):
+        RewardConfig(on_error="skip")
+    with pytest.raises(ValueError, match=r"reward.timeout_s=-1 must be > 0"):
+        RewardConfig(timeout_s=-1)
+    with pytest.raises(ValueError, match=r"leaves no reward; set a rule, reward.functions"):
+        RewardConfig(model_weight=0)
