@@ -20,27 +20,44 @@ PROMPTS = {"the cat sat on the mat": 1, "the dog ran in the park": 2,
 """Prompt -> answer: the function scores ``answer / 10``, so a step's mean is 0.25."""
 
 
-def _run(tmp_path: str) -> dict:
-    import multiprocessing as mp
-
+def _config(root: Path, function: str, *overrides: str):
     from megatron_rlhf.config.loader import load_config
     from megatron_rlhf.config.ppo_run import RunConfig
-    from megatron_rlhf.engine.runner import run_ppo
 
-    root = Path(tmp_path)
-    config = load_config(RunConfig, Path("examples/ppo_grpo_tiny.yaml"), [
+    return load_config(RunConfig, Path("examples/ppo_grpo_tiny.yaml"), [
         f"run_dir={root / 'run'}", "steps=2", "placement.strategy=interleaving",
         "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
         "rollout.num_minibatches=1", "rollout.ppo_epochs=1", "generation.max_new_tokens=6",
         f"prompts.paths=[{root / 'prompts.jsonl'}]", "prompts.split.sft=0",
         "prompts.split.rm=0", "prompts.split.ppo=1", "reward.model_weight=0",
         "reward.rule=none", "reward.workers=2",
-        "reward.functions=[{name: 'tests.rewards.user_functions:record_matches_prompt', "
-        "weight: 2.0}]"])
-    run_dir = run_ppo(config)
+        f"reward.functions=[{{name: 'tests.rewards.user_functions:{function}', weight: 2.0}}]",
+        *overrides])
+
+
+def _run(tmp_path: str) -> dict:
+    import multiprocessing as mp
+
+    from megatron_rlhf.engine.runner import run_ppo
+
+    run_dir = run_ppo(_config(Path(tmp_path), "record_matches_prompt"))
     return {"metrics": [json.loads(line) for line in
                         (run_dir / "metrics.jsonl").read_text().splitlines()],
             "children": [process.name for process in mp.active_children()]}
+
+
+def _run_failing(tmp_path: str) -> dict:
+    """A function that raises on one record: the run stops; no worker process is left."""
+    import multiprocessing as mp
+
+    from megatron_rlhf.engine.runner import run_ppo
+
+    try:
+        run_ppo(_config(Path(tmp_path), "fails_on_dog"))
+    except Exception as error:  # noqa: BLE001 - what each rank stopped with is the result
+        return {"error": f"{type(error).__name__}: {error}",
+                "children": [process.name for process in mp.active_children()]}
+    return {"error": None, "children": []}
 
 
 @pytest.mark.multirank
@@ -57,3 +74,23 @@ def test_a_user_reward_function_sees_each_rows_record_on_two_ranks(tmp_path: Pat
         assert record["reward/errors"] == 0.0
         assert record["reward_mean"] == pytest.approx(2.0 * 0.25)  # weight 2, no model score
     assert [result["children"] for result in results] == [[], []]
+
+
+@pytest.mark.multirank
+def test_a_failing_reward_function_stops_the_run_naming_the_record(tmp_path: Path) -> None:
+    with (tmp_path / "prompts.jsonl").open("w") as out:
+        for prompt, answer in PROMPTS.items():
+            out.write(json.dumps({"prompt": prompt, "answer": str(answer)}) + "\n")
+    results = run_on_ranks(_run_failing, world_size=2, args=(str(tmp_path),), timeout_s=400)
+    errors = [result["error"] for result in results]
+    named = [error for error in errors if error and error.startswith("RewardFunctionError")]
+    assert len(named) == 1, errors
+    assert ("reward function 'tests.rewards.user_functions:fails_on_dog' raised ValueError: "
+            "cannot grade dogs on prompt record #1 ({\"prompt\": \"the dog ran in the park\", "
+            "\"answer\": \"2\"})") in named[0]
+    (other,) = [error for error in errors if error not in named]
+    assert other.startswith("RankFailure: rank ") and named[0].split(": ", 1)[1] in other, (
+        "the other rank stops too, naming the scoring rank and the function's error")
+    assert [result["children"] for result in results] == [[], []]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (
+        tmp_path / "run" / "metrics.jsonl").read_text().strip(), "no step was recorded"

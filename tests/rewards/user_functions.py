@@ -58,3 +58,10 @@ def uninterruptible(prompt: str, response: str, record: dict[str, Any]) -> float
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
     time.sleep(60)
     return 1.0
+
+
+def fails_on_dog(prompt: str, response: str, record: dict[str, Any]) -> float:
+    """Raises on the record whose prompt mentions a dog; 1 elsewhere."""
+    if "dog" in record["prompt"]:
+        raise ValueError("cannot grade dogs")
+    return 1.0
