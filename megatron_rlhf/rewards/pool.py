@@ -143,11 +143,6 @@ class RewardFunctions:
         self.workers = workers
         self._pool: Any = None
 
-    @property
-    def weights(self) -> list[float]:
-        """Each function's weight, in ``specs`` order."""
-        return [spec.weight for spec in self.specs]
-
     def score(self, prompts: Sequence[str], responses: Sequence[str],
               records: Sequence[tuple[int, Mapping[str, Any]]]) -> RewardScores:
         """Call every function on every row.
