@@ -9,7 +9,11 @@ checks that no worker outlives ``close``.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -151,7 +155,7 @@ def test_a_call_the_timer_cannot_stop_is_caught_by_the_pool_deadline() -> None:
     assert mp.active_children() == []
 
 
-def test_reward_config_checks_its_functions_before_any_process_group(tmp_path) -> None:
+def test_reward_config_checks_its_functions_before_any_process_group() -> None:
     from megatron_rlhf.config.loader import load_config
     from megatron_rlhf.config.ppo_run import RewardConfig, RunConfig
 
@@ -174,3 +178,45 @@ def test_reward_config_checks_its_functions_before_any_process_group(tmp_path) -
         RewardConfig(timeout_s=-1)
     with pytest.raises(ValueError, match=r"leaves no reward; set a rule, reward.functions"):
         RewardConfig(model_weight=0)
+
+
+_KILLED_RANK = """
+import sys
+from megatron_rlhf.rewards import RewardFunctions, parse_reward_functions
+
+if __name__ == "__main__":
+    functions = RewardFunctions(parse_reward_functions(
+        [{"name": "tests.rewards.user_functions:hangs"},
+         {"name": "tests.rewards.user_functions:graded"}]), on_error="zero", timeout_s=2.0)
+    functions.score(["p"], ["r"], [(0, {})])
+    print(*(process.pid for process in functions._pool._pool), flush=True)
+    while True:
+        functions.score(["p"], ["r"], [(0, {})])
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_workers_of_a_killed_rank_exit_by_themselves_within_the_timeout(tmp_path: Path) -> None:
+    """A rank killed with SIGKILL runs no ``finally``: its workers see their pipe close, and one
+    busy in a hanging call follows when the call's timer fires."""
+    script = tmp_path / "rank.py"
+    script.write_text(_KILLED_RANK)
+    rank = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        workers = [int(pid) for pid in rank.stdout.readline().split()]
+        assert len(workers) == 2 and all(_running(pid) for pid in workers)
+    finally:
+        rank.kill()
+        rank.wait()
+    deadline = time.monotonic() + 2.0 + 3.0
+    while any(_running(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_running(pid) for pid in workers)
