@@ -14,6 +14,7 @@ import time
 from collections.abc import Collection
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -94,9 +95,16 @@ def load_prompts(config: RunConfig, tokenizer: Tokenizer | HFTokenizer) -> Promp
 
 def load_eval_prompts(config: RunConfig, tokenizer: Tokenizer | HFTokenizer) -> list[list[int]]:
     """Tokenised held-out prompts (``evaluation``), or [] when the run has none."""
+    return load_eval_set(config, tokenizer)[0]
+
+
+def load_eval_set(config: RunConfig, tokenizer: Tokenizer | HFTokenizer
+                  ) -> tuple[list[list[int]], list[dict[str, Any]]]:
+    """Tokenised held-out prompts and their whole records (for the reward functions), or
+    ``([], [])`` when the run has none."""
     evaluation = config.evaluation
     if not evaluation.num_prompts:
-        return []
+        return [], []
     if evaluation.paths:
         read, summaries = read_files(list(evaluation.paths), config.prompts.reader, tokenizer)
         if not read:
@@ -105,14 +113,16 @@ def load_eval_prompts(config: RunConfig, tokenizer: Tokenizer | HFTokenizer) -> 
                 "prompts.reader); fix the files or set evaluation.num_prompts=0 to run without "
                 "held-out evaluation", *(summary.format() for summary in summaries)]))
         records = [(record.prompt, record.messages) for record in read]
+        rows = [record.row or {} for record in read]
     elif not config.prompts.paths:
-        records = [(record["prompt"], None)
-                   for record in generate_records(config.prompts.synthetic, "test")]
+        rows = generate_records(config.prompts.synthetic, "test")
+        records = [(record["prompt"], None) for record in rows]
     else:
         logger.info("no held-out evaluation: the prompts come from files and evaluation.paths "
                     "is empty")
-        return []
-    return _encode(records[:evaluation.num_prompts], config, tokenizer, "held-out prompts")
+        return [], []
+    count = evaluation.num_prompts
+    return _encode(records[:count], config, tokenizer, "held-out prompts"), rows[:count]
 
 
 def load_demonstrations(config: RunConfig, tokenizer: Tokenizer | HFTokenizer
@@ -207,7 +217,7 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
     check_checkpoint_tokenizers(sources, tokenizer)
     candidates = resume_candidates(config.checkpoint)
     prompts = load_prompts(config, tokenizer)
-    eval_prompts = load_eval_prompts(config, tokenizer)
+    eval_prompts, eval_records = load_eval_set(config, tokenizer)
     demonstrations = load_demonstrations(config, tokenizer)
     plan = make_plan(config, cluster_from_environment(config.cluster.pools), sources)
     if eval_prompts:
@@ -240,7 +250,8 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
         run = RunState(engine, algorithm, prompts, config, tokenizer.fingerprint)
         exporter = HFExporter(config, sources, tokenizer)
         evaluator = (HeldOutEvaluator(engine, eval_prompts, algorithm.rule_reward,
-                                      tokenizer.decode, config.evaluation.log_examples)
+                                      tokenizer.decode, config.evaluation.log_examples,
+                                      function_rewards, eval_records)
                      if eval_prompts else None)
     start = 0
     if resume_from is not None:

@@ -1,6 +1,6 @@
 """A user's reward function in a multi-rank GRPO run: every row reaches it with its own prompt's
-record (``answer`` and all), its scores are weighted into the reward and logged, and its worker
-processes are gone when the run ends.
+record (``answer`` and all), in training and in held-out evaluation, its scores are weighted into
+the reward and logged, and its worker processes are gone when the run ends.
 
 Two gloo ranks under interleaving (actor, ref and reward on their own ranks), two responses per
 prompt and every prompt of the file in each step, so the logged means are known by hand.
@@ -40,7 +40,10 @@ def _run(tmp_path: str) -> dict:
 
     from megatron_rlhf.engine.runner import run_ppo
 
-    run_dir = run_ppo(_config(Path(tmp_path), "record_matches_prompt"))
+    root = Path(tmp_path)
+    run_dir = run_ppo(_config(root, "record_matches_prompt", "evaluation.num_prompts=4",
+                              f"evaluation.paths=[{root / 'prompts.jsonl'}]",
+                              "evaluation.interval=0"))
     return {"metrics": [json.loads(line) for line in
                         (run_dir / "metrics.jsonl").read_text().splitlines()],
             "children": [process.name for process in mp.active_children()]}
@@ -67,8 +70,14 @@ def test_a_user_reward_function_sees_each_rows_record_on_two_ranks(tmp_path: Pat
             out.write(json.dumps({"prompt": prompt, "answer": str(answer)}) + "\n")
     results = run_on_ranks(_run, world_size=2, args=(str(tmp_path),), timeout_s=400)
     metrics = results[0]["metrics"]
-    assert [record["step"] for record in metrics] == [0, 1]
-    for record in metrics:
+    # Held-out evaluation (the same four prompts) before step 0 and after the last step.
+    assert [record["step"] for record in metrics] == [0, 1, 2]
+    for record in (metrics[0], metrics[2]):
+        for mode in ("greedy", "sampled"):
+            assert record[f"eval/{mode}/reward/record_matches_prompt"] == pytest.approx(0.25)
+            assert record[f"eval/{mode}/reward/errors"] == 0.0
+    assert not any("eval/" in key for key in metrics[1])
+    for record in metrics[:2]:
         assert record["reward/record_matches_prompt"] == pytest.approx(0.25)
         assert record["reward/record_matches_prompt/matched"] == pytest.approx(1.0)
         assert record["reward/errors"] == 0.0
