@@ -16,7 +16,7 @@ A call that raises, runs past ``timeout_s`` or returns anything else is a failed
 the prompt set and an excerpt) and what went wrong; with ``"zero"`` it scores 0 and is counted in
 ``reward/errors``. The worker enforces the timeout with an interval timer; a call stuck where
 the timer cannot interrupt it (inside a C extension) is caught by the pool's own deadline, after
-which the pool's processes are terminated and new ones started for the next batch.
+which the pool's processes are terminated and the calls after it run on new ones.
 """
 
 from __future__ import annotations
@@ -37,7 +37,10 @@ SCORE_KEY = "score"
 """The key of a dict-valued result that is the function's score."""
 
 _GRACE_S = 5.0
-"""Slack of the pool's deadline beyond the workers' own timers (process start-up, pickling)."""
+"""Slack of the pool's deadline beyond a worker's own timer (pickling, scheduling)."""
+
+_START_S = 300.0
+"""The longest new workers may take to start (importing the entry script again)."""
 
 _EXCERPT_CHARS = 120
 
@@ -79,6 +82,10 @@ def _checked(value: Any) -> tuple[str, Any]:
         return "ok", {str(key): float(item) for key, item in value.items()}
     why = _not_a_number(value)
     return ("bad", f"returned {why}") if why is not None else ("ok", float(value))
+
+
+def _ready() -> None:
+    """A call that returns once a worker runs it."""
 
 
 def _call(target: str, prompt: str, response: str, record: Mapping[str, Any],
@@ -157,18 +164,37 @@ class RewardFunctions:
         """
         if not self.specs or not prompts:
             return RewardScores([[] for _ in prompts], [0] * len(prompts))
-        if self._pool is None:
-            self._pool = mp.get_context("spawn").Pool(self.workers)
-        rows = list(zip(prompts, responses, records, strict=True))
-        pending = [[self._pool.apply_async(_call, (spec.target, prompt, response, record,
-                                                   spec.kwargs, self.timeout_s))
-                    for spec in self.specs] for prompt, response, (_, record) in rows]
-        waves = math.ceil(len(rows) * len(self.specs) / self.workers)
-        deadline = time.monotonic() + waves * self.timeout_s + _GRACE_S
-        outcomes = [[self._outcome(result, deadline) for result in row] for row in pending]
-        if any(status == "lost" for row in outcomes for status, _ in row):
-            self.close()  # a worker the timer could not interrupt still holds its slot
-        return self._collect(outcomes, [record for _, _, record in rows])
+        calls = [(spec.target, prompt, response, record, spec.kwargs, self.timeout_s)
+                 for prompt, response, (_, record) in zip(prompts, responses, records,
+                                                          strict=True)
+                 for spec in self.specs]
+        flat = self._run(calls)
+        k = len(self.specs)
+        return self._collect([flat[i:i + k] for i in range(0, len(flat), k)], records)
+
+    def _run(self, calls: list[tuple]) -> list[tuple[str, Any]]:
+        """Every call's outcome, in order.
+
+        Calls are collected in submission order; as the pool starts them in that order, each
+        one is due within ``timeout_s`` (plus slack) of the one before it. One that is not has a
+        worker stuck where its timer cannot reach: the pool is stopped, and the calls after it
+        start again on new workers (a call may then run twice; keep functions pure).
+        """
+        outcomes: list[tuple[str, Any]] = []
+        while len(outcomes) < len(calls):
+            if self._pool is None:
+                self._pool = mp.get_context("spawn").Pool(self.workers)
+                # Spawned workers import the entry script again; that is not the calls' time.
+                self._pool.apply_async(_ready).get(_START_S)
+            pending = [self._pool.apply_async(_call, call) for call in calls[len(outcomes):]]
+            last = time.monotonic()
+            for result in pending:
+                outcomes.append(self._outcome(result, last + self.timeout_s + _GRACE_S))
+                if outcomes[-1][0] == "lost":
+                    self.close()
+                    break
+                last = time.monotonic()
+        return outcomes
 
     def _outcome(self, result: Any, deadline: float) -> tuple[str, Any]:
         try:

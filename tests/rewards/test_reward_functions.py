@@ -141,18 +141,35 @@ def test_bad_settings_are_refused() -> None:
         RewardFunctions([], workers=0)
 
 
-def test_a_call_the_timer_cannot_stop_is_caught_by_the_pool_deadline() -> None:
-    functions = _functions("uninterruptible", "answer_in_response", on_error="zero",
-                           timeout_s=0.5, workers=2)
+def test_a_call_the_timer_cannot_stop_is_caught_and_the_rest_run_on_new_workers() -> None:
+    functions = _functions("stuck_if_flagged", on_error="zero", timeout_s=0.5, workers=1)
     try:
-        scores = functions.score(["p"], ["12"], [(0, {"answer": "12"})])
-        assert functions._pool is None, "the pool with the stuck worker was stopped"
-        again = functions.score(["p"], ["12"], [(0, {"answer": "12"})])
+        functions.score(["p"], ["r"], [(0, {})])  # start the worker
+        stuck_worker = functions._pool._pool[0].pid
+        start = time.monotonic()
+        scores = functions.score(["p"] * 3, ["r"] * 3,
+                                 [(0, {"stuck": True}), (1, {}), (2, {})])
+        seconds = time.monotonic() - start
     finally:
         functions.close()
-    assert (scores.scores, scores.errors) == ([[0.0, 1.0]], [1])
-    assert (again.scores, again.errors) == ([[0.0, 1.0]], [1])
+    assert (scores.scores, scores.errors) == ([[0.0], [1.0], [1.0]], [1, 0, 0])
+    # One deadline (0.5 s + 5 s slack) and a restart, not one deadline per later call.
+    assert seconds < 0.5 + 5.0 + 4.0
+    assert not _running(stuck_worker)
     assert mp.active_children() == []
+
+
+def test_a_stuck_call_is_named_with_on_error_error() -> None:
+    functions = _functions("stuck_if_flagged", timeout_s=0.5, workers=1)
+    try:
+        with pytest.raises(RewardFunctionError, match=r"'tests.rewards.user_functions:stuck_if_"
+                                                      r"flagged' ran past its timeout of 0.5 s "
+                                                      r"\(reward.timeout_s\) and could not be "
+                                                      r"interrupted; its worker was stopped on "
+                                                      r"prompt record #4"):
+            functions.score(["p"], ["r"], [(4, {"stuck": True})])
+    finally:
+        functions.close()
 
 
 def test_reward_config_checks_its_functions_before_any_process_group() -> None:

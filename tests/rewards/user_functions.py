@@ -51,12 +51,14 @@ def record_matches_prompt(prompt: str, response: str, record: dict[str, Any]) ->
     return {"score": float(record["answer"]) / 10, "matched": 1.0}
 
 
-def uninterruptible(prompt: str, response: str, record: dict[str, Any]) -> float:
-    """Hangs where the worker's timer cannot reach it (as a stuck C extension would)."""
-    import signal
+def stuck_if_flagged(prompt: str, response: str, record: dict[str, Any]) -> float:
+    """On a record with ``stuck``, hangs where the worker's timer cannot reach it (as a stuck C
+    extension would); 1 elsewhere."""
+    if record.get("stuck"):
+        import signal
 
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
-    time.sleep(60)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        time.sleep(60)
     return 1.0
 
 
