@@ -183,9 +183,7 @@ class RewardFunctions:
         outcomes: list[tuple[str, Any]] = []
         while len(outcomes) < len(calls):
             if self._pool is None:
-                self._pool = mp.get_context("spawn").Pool(self.workers)
-                # Spawned workers import the entry script again; that is not the calls' time.
-                self._pool.apply_async(_ready).get(_START_S)
+                self._start()
             pending = [self._pool.apply_async(_call, call) for call in calls[len(outcomes):]]
             last = time.monotonic()
             for result in pending:
@@ -195,6 +193,19 @@ class RewardFunctions:
                     break
                 last = time.monotonic()
         return outcomes
+
+    def _start(self) -> None:
+        """Start the workers and wait until one runs (spawned workers import the entry script
+        again: that time is not any call's)."""
+        self._pool = mp.get_context("spawn").Pool(self.workers)
+        try:
+            self._pool.apply_async(_ready).get(_START_S)
+        except mp.TimeoutError as error:
+            self.close()
+            raise RewardFunctionError(
+                f"the reward function workers did not start within {_START_S:.0f} s; a worker "
+                "imports the run's entry script again: check that it imports without side "
+                "effects and keeps its work behind `if __name__ == \"__main__\":`") from error
 
     def _outcome(self, result: Any, deadline: float) -> tuple[str, Any]:
         try:

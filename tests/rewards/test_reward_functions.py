@@ -237,3 +237,14 @@ def test_workers_of_a_killed_rank_exit_by_themselves_within_the_timeout(tmp_path
     while any(_running(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_running(pid) for pid in workers)
+
+
+def test_workers_that_do_not_start_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_rlhf.rewards import pool
+
+    monkeypatch.setattr(pool, "_START_S", 0.001)  # no spawned process starts that fast
+    functions = _functions("graded")
+    with pytest.raises(RewardFunctionError, match=r"workers did not start within 0 s; a worker "
+                                                  r"imports the run's entry script again"):
+        functions.score(["p"], ["r"], [(0, {})])
+    assert functions._pool is None and mp.active_children() == []
