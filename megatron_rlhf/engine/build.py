@@ -198,6 +198,7 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
                 dst.model if dst else None, groups[shadow], plan[shadow])
     engine = PPOEngine(plan, workers, weight_syncs, config.rollout.max_prompt_length,
                        config.generation, eos_id, pad_id, context,
-                       reuse_generation_logprobs=config.rollout.reuse_generation_logprobs)
+                       reuse_generation_logprobs=config.rollout.reuse_generation_logprobs,
+                       transfer_timeout_s=config.runtime.transfer_timeout_s)
     engine.sync_weights()
     return engine

@@ -54,7 +54,7 @@ from megatron_rlhf.models.prompting import encode_prompt
 from megatron_rlhf.models.tokenizer import Tokenizer, load_tokenizer
 from megatron_rlhf.rewards import RewardFunctions
 from megatron_rlhf.runtime.bootstrap import initialize_runtime
-from megatron_rlhf.runtime.checkpoint_store import select_checkpoint
+from megatron_rlhf.runtime.checkpoint_store import check_writable_dir, select_checkpoint
 from megatron_rlhf.runtime.context import RunContext
 from megatron_rlhf.runtime.faults import PreemptionWatcher, install_fault_tracker
 from megatron_rlhf.runtime.logging import get_logger
@@ -222,6 +222,12 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
     plan = make_plan(config, cluster_from_environment(config.cluster.pools), sources)
     if eval_prompts:
         check_evaluation_size(plan, config, len(eval_prompts))
+    if config.faults.stop_file and Path(config.faults.stop_file).exists():
+        raise ValueError(f"faults.stop_file={config.faults.stop_file} exists already, so the run "
+                         "would stop after its first step; remove it first")
+    check_writable_dir(config.run_dir, "run_dir (--run-dir)")
+    if config.checkpoint.save_dir:
+        check_writable_dir(config.checkpoint.save_dir, "checkpoint.save_dir (--save-dir)")
     initialize_runtime(config.runtime)
     context = RunContext(Tracer(enabled=config.trace),
                          install_fault_tracker(config.faults, config.runtime.distributed.timeout_s),
@@ -234,6 +240,8 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
             check_compatible(resume_from, config, tokenizer.fingerprint)
         if dist.get_rank() == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
+            if resume_from is None:
+                _set_aside_previous_run(run_dir)
             (run_dir / "config.yaml").write_text(to_yaml(config))
             (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
         # A Hugging Face tokenizer ends replies with any of its EOS ids (Llama-3, Qwen).
@@ -292,7 +300,7 @@ def _train(run: RunState, start: int, run_dir: Path, exporter: HFExporter,
         first_eval = eval_metrics(_drop_metrics_from(run_dir / "metrics.jsonl", start))
     context = run.engine.context
     writer = MetricsWriter(run_dir, config.steps)
-    preemption = PreemptionWatcher()
+    preemption = PreemptionWatcher(config.faults.stop_file)
     stop = False
     try:
         for step in range(start, config.steps):
@@ -321,7 +329,7 @@ def _train(run: RunState, start: int, run_dir: Path, exporter: HFExporter,
                 with context.stage("export/hf"), run.engine.resident():
                     exporter.export(run.engine, run_dir / "hf" / f"step_{step + 1:08d}")
             if stop:
-                logger.warning("stopping after step %d on SIGTERM%s", step, "" if config.checkpoint
+                logger.warning("stopping after step %d on request%s", step, "" if config.checkpoint
                                .save_dir else " (no checkpoint.save_dir: nothing was saved)")
                 break
         if evaluator is not None and not stop:
@@ -343,6 +351,26 @@ def _warn_on_hacking(first: dict[str, float], current: dict[str, float], step: i
                                evaluation.hacking_rm_rise):
         logger.warning("reward hacking suspected before step %d on held-out prompts: %s",
                        step, line)
+
+
+_RUN_OUTPUTS = ("metrics.jsonl", "config.yaml", "plan.json", "timeline.json", "hf")
+"""What a run writes into its ``run_dir``."""
+
+
+def _set_aside_previous_run(run_dir: Path) -> None:
+    """Move a previous run's outputs (its metrics and what belongs to them) into
+    ``run_dir/previous/<time>/``, so a fresh run in the same directory overwrites nothing."""
+    if not (run_dir / "metrics.jsonl").is_file():
+        return
+    target = run_dir / "previous" / time.strftime("%Y%m%d-%H%M%S")
+    while target.exists():
+        target = target.with_name(target.name + "-1")
+    target.mkdir(parents=True)
+    for name in _RUN_OUTPUTS:
+        if (run_dir / name).exists():
+            (run_dir / name).rename(target / name)
+    logger.warning("run_dir %s held a previous run's metrics: moved them, with its config, plan, "
+                   "timeline and exports, to %s", run_dir, target)
 
 
 def _drop_metrics_from(path: Path, step: int) -> dict:

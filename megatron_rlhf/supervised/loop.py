@@ -45,6 +45,7 @@ from megatron_rlhf.models.hf_tokenizer import TOKENIZER_FILES, HFTokenizer, is_h
 from megatron_rlhf.models.tokenizer import Tokenizer, load_tokenizer
 from megatron_rlhf.models.trainer import ModelTrainer
 from megatron_rlhf.runtime.bootstrap import initialize_runtime
+from megatron_rlhf.runtime.checkpoint_store import check_writable_dir
 from megatron_rlhf.runtime.device import compute_device
 from megatron_rlhf.runtime.logging import get_logger, setup_logging
 from megatron_rlhf.runtime.metrics import MetricsWriter
@@ -275,6 +276,7 @@ def run_supervised(config: SupervisedConfig, objective: Objective) -> TrainingRe
     if (Path(config.out_dir) / CHECKPOINT_DIR).exists():
         raise ValueError(f"{config.out_dir} already holds a {CHECKPOINT_DIR}/: choose another "
                          "out_dir or delete it")
+    check_writable_dir(config.out_dir, "out_dir")  # the synthetic data is written there first
     source, tokenizer = _start(config)
     arch = (arch_spec(source.description, source.path) if source is not None and source.is_hf
             else resolve_arch(config.model.arch))
