@@ -93,9 +93,11 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (),
     ctx = _context()
     results: mp.Queue = ctx.Queue()
     port = free_port()
+    # Not daemonic: a rank may start worker processes of its own (reward functions' pool), which
+    # a daemonic process may not; the ``finally`` below kills every rank either way.
     procs = [
         ctx.Process(target=_child, args=(fn, rank, world_size, port, args, env or {}, timeout_s,
-                                         backend, results), daemon=True)
+                                         backend, results), daemon=False)
         for rank in range(world_size)
     ]
     for proc in procs:

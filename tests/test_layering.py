@@ -15,7 +15,7 @@ LAYERS: list[set[str]] = [
     {"runtime"},
     {"topology"},
     {"models"},
-    {"data", "generation", "algorithms", "refit", "planner"},
+    {"data", "generation", "algorithms", "refit", "planner", "rewards"},
     {"config"},
     {"builder"},
     {"engine", "supervised"},

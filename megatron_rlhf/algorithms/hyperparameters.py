@@ -42,6 +42,12 @@ class PPOAlgorithmConfig:
     """GAE lambda, in [0, 1]."""
     clip_ratio: float = 0.2
     """Clip range ``eps`` of the policy ratio, in (0, 1)."""
+    clip_ratio_low: float | None = None
+    """Clip range below 1 (the ratio is clipped at ``1 - clip_ratio_low``), in (0, 1); None:
+    ``clip_ratio``."""
+    clip_ratio_high: float | None = None
+    """Clip range above 1 (at ``1 + clip_ratio_high``), > 0; None: ``clip_ratio``. DAPO's
+    clip-higher uses ``clip_ratio_low=0.2, clip_ratio_high=0.28``."""
     dual_clip: float | None = None
     """Dual-clip bound ``c`` (> 1) for negative advantages; None disables it."""
     value_clip: float | None = 0.2
@@ -81,6 +87,12 @@ class PPOAlgorithmConfig:
     seq_mean_token_sum (see ``aggregate_loss``)."""
 
     @property
+    def clip_ratios(self) -> tuple[float, float]:
+        """``(low, high)``: the policy ratio is clipped to ``[1 - low, 1 + high]``."""
+        return (self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low,
+                self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high)
+
+    @property
     def uses_critic(self) -> bool:
         """Whether the estimator needs a value model (only gae); the others need no critic."""
         return self.advantage_estimator == "gae"
@@ -113,6 +125,16 @@ class PPOAlgorithmConfig:
         _require(
             0.0 < self.clip_ratio < 1.0,
             f"clip_ratio({self.clip_ratio}) must be in (0, 1); e.g. clip_ratio=0.2",
+        )
+        _require(
+            self.clip_ratio_low is None or 0.0 < self.clip_ratio_low < 1.0,
+            f"clip_ratio_low({self.clip_ratio_low}) must be in (0, 1); e.g. clip_ratio_low=0.2, "
+            "or None for clip_ratio",
+        )
+        _require(
+            _positive_or_none(self.clip_ratio_high),
+            f"clip_ratio_high({self.clip_ratio_high}) must be > 0; e.g. clip_ratio_high=0.28, "
+            "or None for clip_ratio",
         )
         _require(
             self.dual_clip is None or self.dual_clip > 1.0,

@@ -29,12 +29,17 @@ def compute_policy_loss(
     clip_ratio: float,
     dual_clip: float | None = None,
     loss_aggregation: str = "token_mean",
+    clip_ratio_high: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate objective of PPO (Schulman et al., 2017), optionally dual-clipped.
 
     Per token, with ``ratio = exp(log_prob - old_log_prob)``::
 
-        loss = max(-A * ratio, -A * clip(ratio, 1 - clip_ratio, 1 + clip_ratio))
+        loss = max(-A * ratio, -A * clip(ratio, 1 - clip_ratio, 1 + clip_ratio_high))
+
+    ``clip_ratio_high`` defaults to ``clip_ratio``; a larger one is DAPO's "clip-higher" (Yu et
+    al., 2025): low-probability tokens with positive advantages may grow further, which keeps
+    the policy's entropy from collapsing.
 
     and, with dual clipping (Ye et al., 2020), for ``A < 0`` the loss is further capped at
     ``-A * dual_clip`` so a huge ratio on a negative advantage cannot dominate.
@@ -44,10 +49,12 @@ def compute_policy_loss(
         old_log_prob: ``[batch, response_len]`` log-probs under the policy that sampled.
         advantages: ``[batch, response_len]`` advantages.
         response_mask: ``[batch, response_len]`` 0/1 mask of real response tokens.
-        clip_ratio: Clip range ``eps`` of the ratio.
+        clip_ratio: Clip range ``eps`` of the ratio below 1 (and above, without
+            ``clip_ratio_high``).
         dual_clip: Lower bound ``c > 1`` of the dual clip; ``None`` disables it.
         loss_aggregation: How the per-token losses become ``pg_loss``, one of
             ``LOSS_AGGREGATIONS`` (see ``aggregate_loss``); the clip metrics stay token means.
+        clip_ratio_high: Clip range of the ratio above 1; ``None``: ``clip_ratio``.
 
     Returns:
         ``(pg_loss, metrics)``: the 0-dim loss and detached 0-dim metrics ``pg_loss``,
@@ -62,7 +69,8 @@ def compute_policy_loss(
     advantages = torch.where(mask, advantages, 0.0)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_ratio, 1.0 + clip_ratio)
+    high = clip_ratio if clip_ratio_high is None else clip_ratio_high
+    clipped = -advantages * ratio.clamp(1.0 - clip_ratio, 1.0 + high)
     pg_losses = torch.maximum(unclipped, clipped)
     dual_active = torch.zeros_like(pg_losses, dtype=torch.bool)
     if dual_clip is not None:

@@ -20,6 +20,7 @@ from megatron_rlhf.models.gpt import (
 )
 from megatron_rlhf.models.tokenizer import TokenizerConfig
 from megatron_rlhf.models.trainer import OptimizerSettings
+from megatron_rlhf.rewards import ON_ERROR_POLICIES, RewardFunctionSpec, parse_reward_functions
 from megatron_rlhf.runtime.bootstrap import RuntimeConfig
 from megatron_rlhf.runtime.faults import FaultConfig
 from megatron_rlhf.topology.cluster import DevicePool
@@ -200,25 +201,50 @@ class RolloutConfig:
 
 @dataclass
 class RewardConfig:
-    """How a response is scored.
+    """How a response is scored: ``model_weight * rm + rule_weight * rule + sum_f weight_f * f``.
 
     Attributes:
         model_weight: weight of the reward model's score.
         rule: a rule-based reward added to it: ``synthetic`` (the shipped task's rule, on decoded
             text) or ``none``.
         rule_weight: weight of the rule's score.
+        functions: reward functions, each ``{name: "package.module:function", weight: 1.0,
+            ...keyword arguments}``, called as ``function(prompt, response, record, **kwargs)``
+            with the prompt's whole data record (docs/rewards.md); checked (imports, callable,
+            keyword arguments, finite weight) when the config is built.
+        on_error: a function that raises, runs past ``timeout_s`` or returns no finite number:
+            ``error`` (stop, naming the function and the record) or ``zero`` (score 0, counted
+            in ``reward/errors``).
+        timeout_s: the longest one call of a reward function may run, seconds.
+        workers: worker processes per scoring rank that call the reward functions.
     """
 
     model_weight: float = 1.0
     rule: str = "none"
     rule_weight: float = 1.0
+    functions: list[dict[str, Any]] = field(default_factory=list)
+    on_error: str = "error"
+    timeout_s: float = 10.0
+    workers: int = 2
 
     def __post_init__(self) -> None:
         if self.rule not in ("none", "synthetic"):
             raise ValueError(f"reward.rule={self.rule!r}: use 'synthetic' or 'none'")
-        if self.rule == "none" and self.model_weight == 0:
+        specs = self.specs
+        if self.on_error not in ON_ERROR_POLICIES:
+            raise ValueError(f"reward.on_error={self.on_error!r}: use one of {ON_ERROR_POLICIES}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"reward.timeout_s={self.timeout_s} must be > 0")
+        if self.workers < 1:
+            raise ValueError(f"reward.workers={self.workers} must be >= 1")
+        if self.rule == "none" and self.model_weight == 0 and not specs:
             raise ValueError("reward.model_weight=0 with reward.rule='none' leaves no reward; "
-                             "set a rule or a non-zero model_weight")
+                             "set a rule, reward.functions or a non-zero model_weight")
+
+    @property
+    def specs(self) -> list[RewardFunctionSpec]:
+        """``functions``, checked (the modules are imported once)."""
+        return parse_reward_functions(self.functions)
 
 
 @dataclass

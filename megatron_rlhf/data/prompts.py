@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -21,6 +22,8 @@ class PromptStream:
         prompts: token ids of every prompt (each non-empty).
         batch_size: prompts per step.
         seed: seed of the per-pass permutations.
+        records: each prompt's whole data record (what reward functions receive); default: an
+            empty record each.
 
     Attributes:
         fingerprint: digest of everything that decides step ``k``'s batch (prompts, batch size,
@@ -28,10 +31,12 @@ class PromptStream:
             data at the same position.
 
     Raises:
-        ValueError: no prompts, an empty prompt, or a batch larger than the prompt set.
+        ValueError: no prompts, an empty prompt, a batch larger than the prompt set, or records
+            that do not match the prompts one to one.
     """
 
-    def __init__(self, prompts: Sequence[Sequence[int]], batch_size: int, seed: int) -> None:
+    def __init__(self, prompts: Sequence[Sequence[int]], batch_size: int, seed: int,
+                 records: Sequence[Mapping[str, Any]] | None = None) -> None:
         if not prompts:
             raise ValueError("the prompt set is empty; check the data paths and the PPO split")
         empty = [i for i, p in enumerate(prompts) if not p]
@@ -40,7 +45,11 @@ class PromptStream:
         if batch_size > len(prompts):
             raise ValueError(f"rollout.prompts_per_step({batch_size}) exceeds the "
                              f"{len(prompts)} prompts available; lower it or add prompts")
+        if records is not None and len(records) != len(prompts):
+            raise ValueError(f"{len(records)} records for {len(prompts)} prompts; give one "
+                             "record per prompt")
         self.prompts = [list(p) for p in prompts]
+        self.records = list(records) if records is not None else [{} for _ in prompts]
         self.batch_size = batch_size
         self.seed = seed
         self.batches_per_pass = len(self.prompts) // batch_size
@@ -53,10 +62,18 @@ class PromptStream:
         The sample id keys a prompt's sampling noise; it is ``step * batch_size + i``, so the same
         prompt drawn in two passes gets different noise.
         """
+        ids = [step * self.batch_size + i for i in range(self.batch_size)]
+        return [self.prompts[i] for i in self._chosen(step)], ids
+
+    def batch_records(self, step: int) -> list[tuple[int, Mapping[str, Any]]]:
+        """Step ``step``'s prompts' ``(index in the prompt set, record)``, in :meth:`batch`'s
+        order."""
+        return [(i, self.records[i]) for i in self._chosen(step)]
+
+    def _chosen(self, step: int) -> list[int]:
+        """Indices of step ``step``'s prompts: a slice of its pass's permutation."""
         pass_index, position = divmod(step, self.batches_per_pass)
         order = torch.randperm(len(self.prompts),
                                generator=torch.Generator().manual_seed(self.seed + pass_index))
         start = position * self.batch_size
-        chosen = order[start:start + self.batch_size].tolist()
-        ids = [step * self.batch_size + i for i in range(self.batch_size)]
-        return [self.prompts[i] for i in chosen], ids
+        return order[start:start + self.batch_size].tolist()

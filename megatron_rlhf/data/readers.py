@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,9 @@ class PreferenceRecord:
     rejected: str | None = None
     messages: Conversation | None = None
     """The prompt's turns for a conversation-shaped record (``prompt`` then joins their text)."""
+    row: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+    """The whole record as read (every field, ``answer`` or ``tests`` included): what reward
+    functions receive (docs/rewards.md)."""
 
 
 @dataclass(frozen=True)
@@ -210,14 +213,13 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | tuple[str, s
             yield number, value
 
 
-def _parquet_rows(path: Path, columns: list[str]) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yield ``(row, values)`` for the configured columns that exist in the file."""
+def _parquet_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield ``(row, values)`` with every column (reward functions see the whole record)."""
     try:
         parquet = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as err:
         raise DataError(f"{path} is not a readable Parquet file: {err}") from err
-    present = [name for name in columns if name in parquet.schema_arrow.names]
-    batches = parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=present)
+    batches = parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS)
     number = 0
     while True:
         try:
@@ -281,7 +283,7 @@ def read_records(
     if suffix in _JSONL_SUFFIXES:
         rows, unit = _jsonl_rows(file), "line"
     elif suffix in _PARQUET_SUFFIXES:
-        rows, unit = _parquet_rows(file, list(_columns(config).values())), "row"
+        rows, unit = _parquet_rows(file), "row"
     else:
         raise DataError(
             f"{file}: unknown extension {suffix!r}; use {_JSONL_SUFFIXES + _PARQUET_SUFFIXES}"
@@ -299,7 +301,7 @@ def read_records(
             reason, column, detail = checked
             tally.bad(BadRecord(reason, str(file), number, unit, column, detail))
             continue
-        records.append(checked)
+        records.append(replace(checked, row=row))
     tally.summary.num_kept = len(records)
     if tally.summary.num_bad:
         logger.warning("skipped %d bad records\n%s", tally.summary.num_bad, tally.summary.format())

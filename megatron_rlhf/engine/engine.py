@@ -24,6 +24,7 @@ from megatron_rlhf.engine.batch import (
     replica_input_layout,
     replica_output_layout,
 )
+from megatron_rlhf.engine.function_rewards import FunctionRewards, Record, row_token_ids
 from megatron_rlhf.engine.transfer import RowLayout, TransferChannels
 from megatron_rlhf.engine.workers import ModelWorker
 from megatron_rlhf.generation import GenerationConfig, GenerationOutput
@@ -225,7 +226,9 @@ class PPOEngine:
 
     # ------------------------------------------------------------ experience
     def make_experience(self, rollout: DistBatch, temperature: float,
-                        rule_reward: RuleReward | None = None, chunk: int = 0) -> DistBatch:
+                        rule_reward: RuleReward | None = None, chunk: int = 0,
+                        function_rewards: FunctionRewards | None = None,
+                        records: Sequence[Record] | None = None) -> DistBatch:
         """Old log-probs, reference log-probs, values and scores of a rollout, on the trainers.
 
         Without a critic there are no values, and with ``reuse_generation_logprobs`` the old
@@ -235,7 +238,9 @@ class PPOEngine:
         model's ``rm_scores`` and the rule's ``rule_scores`` (zero without a rule). Rows move
         on each pair of models' own channel (``transfer_pairs``) and sends are left in flight
         there (``finish_transfers`` waits for them), so a rank that only produced the rollout
-        goes straight on to its next chunk.
+        goes straight on to its next chunk. With ``function_rewards`` the reward model's ranks
+        also score their rows with them (``records``: each row's prompt record), adding
+        ``function_scores`` and ``reward_errors`` (``engine/function_rewards.py``).
 
         Raises:
             ValueError: reusing generation's log-probs at another ``temperature``.
@@ -246,13 +251,15 @@ class PPOEngine:
                              f"generation at {self.generation.temperature} "
                              "(rollout.reuse_generation_logprobs=true)")
         computations = {
-            "old_logprobs": ({"old_logprobs": (r,)},
-                             lambda w, f: {"old_logprobs": w.compute_log_prob(f, p, temperature)}),
-            "ref_logprobs": ({"ref_logprobs": (r,)},
-                             lambda w, f: {"ref_logprobs": w.compute_log_prob(f, p, temperature)}),
-            "values": ({"values": (r,)}, lambda w, f: {"values": w.compute_values(f, p)}),
-            "scores": ({"rm_scores": (), "rule_scores": ()},
-                       lambda w, f: self._scores(w, f, rule_reward)),
+            "old_logprobs": ({"old_logprobs": (r,)}, lambda w, f, rows: {
+                "old_logprobs": w.compute_log_prob(f, p, temperature)}),
+            "ref_logprobs": ({"ref_logprobs": (r,)}, lambda w, f, rows: {
+                "ref_logprobs": w.compute_log_prob(f, p, temperature)}),
+            "values": ({"values": (r,)}, lambda w, f, rows: {"values": w.compute_values(f, p)}),
+            "scores": (self._score_shapes(function_rewards),
+                       lambda w, f, rows: self._scores(
+                           w, f, rule_reward, function_rewards,
+                           records[rows[0]:rows[1]] if records else None)),
         }
         passes = [(role, *computations[output]) for role, output in self.experience_passes()]
         inputs = rollout.select(["input_ids", "attention_mask"])
@@ -265,7 +272,8 @@ class PPOEngine:
             results = None
             if staged_inputs.fields is not None:
                 with self.context.span("experience", role, chunk):
-                    results = compute(self.workers[role], staged_inputs.fields)
+                    results = compute(self.workers[role], staged_inputs.fields,
+                                      staged_inputs.rows())
                 if any(value is None for value in results.values()):
                     results = None  # a pipeline stage without outputs
             outputs.append(DistBatch(
@@ -280,16 +288,32 @@ class PPOEngine:
         with self.context.span("transfer", "wait-sends"):
             self.channels.drain()
 
+    @staticmethod
+    def _score_shapes(function_rewards: FunctionRewards | None) -> dict[str, tuple[int, ...]]:
+        shapes: dict[str, tuple[int, ...]] = {"rm_scores": (), "rule_scores": ()}
+        if function_rewards is not None:
+            shapes.update(function_scores=(function_rewards.count,), reward_errors=())
+        return shapes
+
     def _scores(self, worker: ModelWorker, fields: dict[str, torch.Tensor],
-                rule_reward: RuleReward | None) -> dict[str, torch.Tensor | None]:
+                rule_reward: RuleReward | None, function_rewards: FunctionRewards | None,
+                records: Sequence[Record] | None) -> dict[str, torch.Tensor | None]:
         rm_scores = worker.compute_scores(fields)
         if rm_scores is None:
-            return {"rm_scores": None, "rule_scores": None}
+            return dict.fromkeys(self._score_shapes(function_rewards))
         rule_scores = torch.zeros_like(rm_scores)
         if rule_reward is not None:
             rule_scores = rule_scores_of(fields["input_ids"], fields["attention_mask"],
                                          self.prompt_length, rule_reward).to(rm_scores)
-        return {"rm_scores": rm_scores, "rule_scores": rule_scores}
+        scores = {"rm_scores": rm_scores, "rule_scores": rule_scores}
+        if function_rewards is not None:
+            rows = rm_scores.shape[0]
+            found = function_rewards.score(
+                fields["input_ids"], fields["attention_mask"], self.prompt_length,
+                records if records is not None else [(-1, {})] * rows,
+                keep_extras=worker.pg_collection.tp.rank() == 0)
+            scores.update({name: value.to(rm_scores.device) for name, value in found.items()})
+        return scores
 
     # -------------------------------------------------------------- training
     def update(self, role: str, experience: DistBatch, minibatch_rows: torch.Tensor,
@@ -338,11 +362,7 @@ def _replica_share(rows: torch.Tensor, dp_rank: int, dp: int) -> torch.Tensor:
 
 def rule_scores_of(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
                    rule_reward: RuleReward) -> torch.Tensor:
-    """The rule's score of every row ``[b]`` (float32, on the CPU: the rule reads Python lists).
-
-    The rows come to the host in one copy rather than one synchronising read per row.
-    """
-    ids, mask = input_ids.cpu(), attention_mask.cpu().bool()
-    p = prompt_length
-    return torch.tensor([rule_reward(row[:p][valid[:p]].tolist(), row[p:][valid[p:]].tolist())
-                         for row, valid in zip(ids, mask, strict=True)], dtype=torch.float32)
+    """The rule's score of every row ``[b]`` (float32, on the CPU: the rule reads Python lists)."""
+    return torch.tensor([rule_reward(prompt, response) for prompt, response in
+                         row_token_ids(input_ids, attention_mask, prompt_length)],
+                        dtype=torch.float32)

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_rlhf.algorithms import kl_penalty, mean_sequence_kl
 from megatron_rlhf.engine.engine import PPOEngine, RuleReward
+from megatron_rlhf.engine.function_rewards import FunctionRewards
 from megatron_rlhf.generation import GenerationConfig
 from megatron_rlhf.runtime.logging import get_logger
 
@@ -47,11 +49,16 @@ class HeldOutEvaluator:
         rule_reward: the rule score of an answer, or None (rule scores are then 0).
         decode: token ids -> text, for the logged examples.
         log_examples: how many answers of each mode to log per evaluation.
+        function_rewards: the run's reward functions, if any: each answer is also scored by
+            them (``eval/<mode>/reward/<function>``, ``eval/<mode>/reward/errors``).
+        records: each held-out prompt's record, what the reward functions receive (default:
+            empty records).
     """
 
     def __init__(self, engine: PPOEngine, prompts: Sequence[Sequence[int]],
                  rule_reward: RuleReward | None, decode: Callable[[list[int]], str],
-                 log_examples: int = 0) -> None:
+                 log_examples: int = 0, function_rewards: FunctionRewards | None = None,
+                 records: Sequence[Mapping[str, Any]] | None = None) -> None:
         if not prompts:
             raise ValueError("the held-out evaluation set is empty; set evaluation.paths or "
                              "evaluation.num_prompts=0")
@@ -61,10 +68,13 @@ class HeldOutEvaluator:
         self.rule_reward = rule_reward
         self.decode = decode
         self.log_examples = log_examples
+        self.function_rewards = function_rewards
+        self.records = list(enumerate(records if records is not None else [{}] * len(prompts)))
 
     def evaluate(self) -> dict[str, float]:
         """``eval/<mode>/{rm_score,rm_score_std,rule_score,answers,response_length}`` for both
-        modes, and
+        modes (and ``eval/<mode>/reward/<function>`` and ``eval/<mode>/reward/errors`` with
+        reward functions), and
         ``eval/sampled/kl`` (KL per sequence to the reference; greedy tokens give no unbiased
         estimate); identical on every rank."""
         metrics: dict[str, float] = {}
@@ -82,10 +92,13 @@ class HeldOutEvaluator:
         engine.generation = answering_config(sampling, mode)
         try:
             rollout = engine.generate_rollout(self.prompts, self.ids)
-            batch = engine.make_experience(rollout, sampling.temperature, self.rule_reward)
+            batch = engine.make_experience(rollout, sampling.temperature, self.rule_reward, 0,
+                                           self.function_rewards, self.records)
             engine.finish_transfers()
         finally:
             engine.generation = sampling
+        if self.function_rewards is not None:
+            self.function_rewards.take_extras()  # a dict's other keys are logged in training only
         if batch.fields is None:
             return {}
         fields = batch.fields
@@ -96,6 +109,11 @@ class HeldOutEvaluator:
                    f"eval/{mode}/rule_score": fields["rule_scores"].mean().item(),
                    f"eval/{mode}/answers": float(mask.shape[0]),
                    f"eval/{mode}/response_length": mask.sum(dim=1).float().mean().item()}
+        if self.function_rewards is not None:
+            scores = fields["function_scores"]
+            for i, spec in enumerate(self.function_rewards.functions.specs):
+                metrics[f"eval/{mode}/{spec.metric}"] = scores[:, i].mean().item()
+            metrics[f"eval/{mode}/reward/errors"] = fields["reward_errors"].sum().item()
         if mode == "sampled":
             kl = kl_penalty(fields["old_logprobs"], fields["ref_logprobs"], mask, "k1")
             metrics["eval/sampled/kl"] = mean_sequence_kl(kl, mask).item()

@@ -9,6 +9,8 @@ collective is needed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from megatron_rlhf.algorithms import (
@@ -28,19 +30,22 @@ from megatron_rlhf.algorithms import (
     mean_sequence_kl,
     normalize_scores,
 )
+from megatron_rlhf.rewards import RewardFunctionSpec
 
 
 def compute_advantages(fields: dict[str, torch.Tensor], config: PPOAlgorithmConfig,
                        kl_controller: KLController, score_moments: RunningMoments,
                        reward_model_weight: float, rule_weight: float,
-                       samples_per_prompt: int = 1
+                       samples_per_prompt: int = 1,
+                       functions: Sequence[RewardFunctionSpec] = ()
                        ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Add ``advantages`` and ``returns`` to an experience batch; update the KL controller.
 
     Args:
         fields: ``old_logprobs``, ``ref_logprobs``, ``values`` (gae only), ``response_mask``
-            ``[B, R]``, ``rm_scores`` and ``rule_scores`` ``[B]``; the whole batch, groups of
-            ``samples_per_prompt`` rows contiguous.
+            ``[B, R]``, ``rm_scores`` and ``rule_scores`` ``[B]``, and with ``functions``
+            ``function_scores`` ``[B, k]`` and ``reward_errors`` ``[B]``; the whole batch, groups
+            of ``samples_per_prompt`` rows contiguous.
         config: PPO settings.
         kl_controller: its current coefficient weighs the KL penalty; it is then updated with
             this batch's KL.
@@ -48,6 +53,9 @@ def compute_advantages(fields: dict[str, torch.Tensor], config: PPOAlgorithmConf
         reward_model_weight: weight of the reward model's score in the sequence score.
         rule_weight: weight of the rule-based score.
         samples_per_prompt: rows per group (grpo, rloo).
+        functions: the reward functions, whose weighted scores are added to the sequence score
+            and whose batch means are logged as ``reward/<function>``, with ``reward/errors``
+            the failed calls.
 
     Returns:
         The fields with ``advantages``, ``returns`` and ``kl`` added, and step metrics.
@@ -55,6 +63,14 @@ def compute_advantages(fields: dict[str, torch.Tensor], config: PPOAlgorithmConf
     mask = fields["response_mask"]
     kl = kl_penalty(fields["old_logprobs"], fields["ref_logprobs"], mask, config.kl_estimator)
     raw_scores = reward_model_weight * fields["rm_scores"] + rule_weight * fields["rule_scores"]
+    function_metrics = {}
+    if functions:
+        function_scores = fields["function_scores"]
+        weights = torch.tensor([spec.weight for spec in functions]).to(function_scores)
+        raw_scores = raw_scores + (function_scores * weights).sum(dim=-1)
+        function_metrics = {spec.metric: function_scores[:, i].mean().item()
+                            for i, spec in enumerate(functions)}
+        function_metrics["reward/errors"] = fields["reward_errors"].sum().item()
     scores = normalize_scores(raw_scores, config.reward_norm, score_moments)
     kl_coef = kl_controller.value
     rewards = compute_token_level_rewards(scores, kl, mask, kl_coef, config.reward_clip)
@@ -69,6 +85,7 @@ def compute_advantages(fields: dict[str, torch.Tensor], config: PPOAlgorithmConf
         "kl_coef": kl_coef,
         "response_length": mask.sum(dim=1).float().mean().item(),
         "returns_mean": masked_mean(returns, mask).item(),
+        **function_metrics,
     }
     if "values" in fields:
         metrics["values_mean"] = masked_mean(fields["values"], mask).item()

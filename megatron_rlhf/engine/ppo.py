@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from megatron_rlhf.data.demonstrations import DemonstrationStream
 from megatron_rlhf.engine.batch import DistBatch, concat
 from megatron_rlhf.engine.engine import PPOEngine, RuleReward
 from megatron_rlhf.engine.experience import compute_advantages
+from megatron_rlhf.engine.function_rewards import FunctionRewards, Record
 from megatron_rlhf.engine.step_metrics import (
     accumulate_train_sums,
     apply_nan_policy,
@@ -61,6 +62,8 @@ class Experience:
     step: int
     batch: DistBatch
     metrics: dict[str, float]
+    reward_sums: dict[str, float] = field(default_factory=dict)
+    """This rank's totals of the reward functions' extra keys (``FunctionRewards.take_extras``)."""
 
 
 def sample_rows(prompts: Sequence[Sequence[int]], ids: Sequence[int], samples_per_prompt: int
@@ -95,13 +98,17 @@ class PPOAlgorithm:
         demonstrations: PPO-ptx's supervised rows of each actor update (``ptx``); None: PPO
             alone.
         ptx_coef: the weight of their mean NLL in the actor's loss (``ptx.coef``).
+        function_rewards: the reward functions (``reward.functions``), if any.
+        records: step -> its prompts' ``(index, record)``, in ``prompts``' order (what the
+            reward functions receive); None: empty records.
     """
 
     def __init__(self, engine: PPOEngine, algorithm: PPOAlgorithmConfig, rollout: RolloutConfig,
                  reward: RewardConfig, seed: int, prompts: PromptSource, total_steps: int,
                  rule_reward: RuleReward | None = None, on_nan: str = "stop",
                  demonstrations: DemonstrationStream | None = None,
-                 ptx_coef: float = 0.0) -> None:
+                 ptx_coef: float = 0.0, function_rewards: FunctionRewards | None = None,
+                 records: Callable[[int], Sequence[Record]] | None = None) -> None:
         self.engine = engine
         self.algorithm = algorithm
         self.rollout = rollout
@@ -113,6 +120,8 @@ class PPOAlgorithm:
         self.on_nan = on_nan
         self.demonstrations = demonstrations
         self.ptx_coef = ptx_coef
+        self.function_rewards = function_rewards
+        self.records = records
         self.kl_controller = build_kl_controller(algorithm)
         self.score_moments = RunningMoments()
         self._queue: deque[Experience] = deque()
@@ -131,7 +140,7 @@ class PPOAlgorithm:
                 if step + ahead < self.total_steps:
                     self._queue.append(self.produce(step + ahead))
         experience = self._queue.popleft()
-        train_sums = self.consume(experience)
+        train_sums = {**self.consume(experience), **experience.reward_sums}
         if self.staleness and step + self.staleness < self.total_steps:
             # Shadows generate ahead while the trainers above were busy; then both meet here.
             self._queue.append(self.produce(step + self.staleness))
@@ -173,14 +182,19 @@ class PPOAlgorithm:
         its rows wherever they were generated.
         """
         engine = self.engine
-        prompts, ids = sample_rows(*self.prompts(step), self.rollout.samples_per_prompt)
+        n = self.rollout.samples_per_prompt
+        prompts, ids = sample_rows(*self.prompts(step), n)
+        records = None
+        if self.function_rewards is not None and self.records is not None:
+            records = [record for record in self.records(step) for _ in range(n)]
         size = len(prompts) // self.rollout.pipeline_chunks
         parts = []
         for chunk, start in enumerate(range(0, len(prompts), size)):
             rollout = engine.generate_rollout(prompts[start:start + size],
                                                 ids[start:start + size], chunk)
-            parts.append(engine.make_experience(rollout, engine.generation.temperature,
-                                                self.rule_reward, chunk))
+            parts.append(engine.make_experience(
+                rollout, engine.generation.temperature, self.rule_reward, chunk,
+                self.function_rewards, records[start:start + size] if records else None))
         engine.finish_transfers()
         batch = concat(parts)
         metrics: dict[str, float] = {}
@@ -190,12 +204,14 @@ class PPOAlgorithm:
                 batch.fields, metrics = compute_advantages(
                     batch.fields, self.algorithm, self.kl_controller, self.score_moments,
                     self.reward.model_weight, self.reward.rule_weight,
-                    self.rollout.samples_per_prompt)
+                    self.rollout.samples_per_prompt,
+                    self.reward.specs if self.function_rewards is not None else ())
             bad = nonfinite_experience(batch.fields)
             if bad:
                 self.load_state_dict(before)  # the KL controller must not learn from NaNs
                 metrics.update(bad)
-        return Experience(step, batch, metrics)
+        extras = self.function_rewards.take_extras() if self.function_rewards else {}
+        return Experience(step, batch, metrics, extras)
 
     def consume(self, experience: Experience) -> dict[str, float]:
         """Train actor and critic on an experience batch; returns this rank's loss sums.

@@ -14,6 +14,7 @@ import time
 from collections.abc import Collection
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -46,10 +47,12 @@ from megatron_rlhf.engine.checkpointing import (
 from megatron_rlhf.engine.engine import RuleReward
 from megatron_rlhf.engine.evaluation import HeldOutEvaluator, eval_metrics, hacking_report
 from megatron_rlhf.engine.export import HFExporter
+from megatron_rlhf.engine.function_rewards import FunctionRewards
 from megatron_rlhf.engine.ppo import PPOAlgorithm
 from megatron_rlhf.models.hf_tokenizer import HFTokenizer, checkpoint_tokenizer
 from megatron_rlhf.models.prompting import encode_prompt
 from megatron_rlhf.models.tokenizer import Tokenizer, load_tokenizer
+from megatron_rlhf.rewards import RewardFunctions
 from megatron_rlhf.runtime.bootstrap import initialize_runtime
 from megatron_rlhf.runtime.checkpoint_store import check_writable_dir, select_checkpoint
 from megatron_rlhf.runtime.context import RunContext
@@ -87,18 +90,26 @@ def load_prompts(config: RunConfig, tokenizer: Tokenizer | HFTokenizer) -> Promp
         for summary in summaries:
             logger.info("%s", summary.format())
         records = [(record.prompt, record.messages) for record in splits.ppo]
+        rows = [record.row or {} for record in splits.ppo]
     else:
-        records = [(record["prompt"], None) for record in
-                   generate_records(config.prompts.synthetic)]
+        rows = generate_records(config.prompts.synthetic)
+        records = [(record["prompt"], None) for record in rows]
     return PromptStream(_encode(records, config, tokenizer, "prompts"),
-                        config.rollout.prompts_per_step, config.runtime.seed)
+                        config.rollout.prompts_per_step, config.runtime.seed, rows)
 
 
 def load_eval_prompts(config: RunConfig, tokenizer: Tokenizer | HFTokenizer) -> list[list[int]]:
     """Tokenised held-out prompts (``evaluation``), or [] when the run has none."""
+    return load_eval_set(config, tokenizer)[0]
+
+
+def load_eval_set(config: RunConfig, tokenizer: Tokenizer | HFTokenizer
+                  ) -> tuple[list[list[int]], list[dict[str, Any]]]:
+    """Tokenised held-out prompts and their whole records (for the reward functions), or
+    ``([], [])`` when the run has none."""
     evaluation = config.evaluation
     if not evaluation.num_prompts:
-        return []
+        return [], []
     if evaluation.paths:
         read, summaries = read_files(list(evaluation.paths), config.prompts.reader, tokenizer)
         if not read:
@@ -107,14 +118,16 @@ def load_eval_prompts(config: RunConfig, tokenizer: Tokenizer | HFTokenizer) -> 
                 "prompts.reader); fix the files or set evaluation.num_prompts=0 to run without "
                 "held-out evaluation", *(summary.format() for summary in summaries)]))
         records = [(record.prompt, record.messages) for record in read]
+        rows = [record.row or {} for record in read]
     elif not config.prompts.paths:
-        records = [(record["prompt"], None)
-                   for record in generate_records(config.prompts.synthetic, "test")]
+        rows = generate_records(config.prompts.synthetic, "test")
+        records = [(record["prompt"], None) for record in rows]
     else:
         logger.info("no held-out evaluation: the prompts come from files and evaluation.paths "
                     "is empty")
-        return []
-    return _encode(records[:evaluation.num_prompts], config, tokenizer, "held-out prompts")
+        return [], []
+    count = evaluation.num_prompts
+    return _encode(records[:count], config, tokenizer, "held-out prompts"), rows[:count]
 
 
 def load_demonstrations(config: RunConfig, tokenizer: Tokenizer | HFTokenizer
@@ -174,6 +187,16 @@ def rule_reward_for(config: RunConfig, tokenizer: Tokenizer) -> RuleReward | Non
     return lambda prompt, response: rule_score(tokenizer.decode(prompt), tokenizer.decode(response))
 
 
+def function_rewards_for(config: RunConfig, tokenizer: Tokenizer | HFTokenizer
+                         ) -> FunctionRewards | None:
+    """The configured reward functions (``reward.functions``) on decoded text, or None."""
+    reward = config.reward
+    if not reward.functions:
+        return None
+    return FunctionRewards(RewardFunctions(reward.specs, reward.on_error, reward.timeout_s,
+                                           reward.workers), tokenizer.decode)
+
+
 def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
     """Run PPO as configured; returns the run directory. Every rank calls it.
 
@@ -199,7 +222,7 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
     check_checkpoint_tokenizers(sources, tokenizer)
     candidates = resume_candidates(config.checkpoint)
     prompts = load_prompts(config, tokenizer)
-    eval_prompts = load_eval_prompts(config, tokenizer)
+    eval_prompts, eval_records = load_eval_set(config, tokenizer)
     demonstrations = load_demonstrations(config, tokenizer)
     plan = make_plan(config, cluster_from_environment(config.cluster.pools), sources)
     if eval_prompts:
@@ -215,6 +238,7 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
                          install_fault_tracker(config.faults, config.runtime.distributed.timeout_s),
                          MemoryMeter(enabled=True))
     run_dir = Path(config.run_dir)
+    function_rewards = function_rewards_for(config, tokenizer)  # its workers start when used
     with context.stage("setup", signature=_shape_signature(config)):
         resume_from = select_checkpoint(candidates) if candidates else None
         if resume_from is not None:
@@ -238,17 +262,23 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
                                  config.runtime.seed, prompts.batch, config.steps,
                                  rule_reward_for(config, tokenizer),
                                  on_nan=config.faults.on_nan, demonstrations=demonstrations,
-                                 ptx_coef=config.ptx.coef)
+                                 ptx_coef=config.ptx.coef, function_rewards=function_rewards,
+                                 records=prompts.batch_records)
         run = RunState(engine, algorithm, prompts, config, tokenizer.fingerprint)
         exporter = HFExporter(config, sources, tokenizer)
         evaluator = (HeldOutEvaluator(engine, eval_prompts, algorithm.rule_reward,
-                                      tokenizer.decode, config.evaluation.log_examples)
+                                      tokenizer.decode, config.evaluation.log_examples,
+                                      function_rewards, eval_records)
                      if eval_prompts else None)
     start = 0
     if resume_from is not None:
         with context.stage("checkpoint/load"), engine.resident():
             start = load_rl_checkpoint(run, resume_from, skip_state)
-    _train(run, start, run_dir, exporter, evaluator)
+    try:
+        _train(run, start, run_dir, exporter, evaluator)
+    finally:
+        if function_rewards is not None:
+            function_rewards.close()  # the worker processes, also when a step raised
     return run_dir
 
 

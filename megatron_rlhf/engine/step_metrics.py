@@ -132,6 +132,9 @@ def share_metrics(step_metrics: dict[str, float], train_sums: dict[str, float],
         if totals.get(f"{role}/steps"):
             replicas = totals[f"{role}/steps"]
             metrics[f"{role}/grad_norm"] = totals[f"{role}/grad_norm_sum"] / replicas
+    for key, value in totals.items():  # reward functions' extra keys (FunctionRewards)
+        if key.startswith("reward/") and key.endswith("_total"):
+            metrics[key[:-6]] = value / totals[f"{key[:-6]}_count"]
     metrics["policy_loss"] = metrics.get("actor/pg_loss", 0.0)
     metrics["value_loss"] = metrics.get("critic/vf_loss", metrics.get("actor/vf_loss", 0.0))
     return metrics

@@ -57,9 +57,10 @@ def actor_loss_fn(worker: ModelWorker, prompt_length: int, temperature: float,
         count = tokens if token_mean else aggregation_denominator(mask, config.loss_aggregation)
         logprobs, entropy = worker.token_logprobs(output, batch, prompt_length, temperature,
                                                   with_entropy=config.entropy_coef > 0)
+        low, high = config.clip_ratios
         loss, metrics = compute_policy_loss(logprobs, batch["old_logprobs"], batch["advantages"],
-                                            mask, config.clip_ratio, config.dual_clip,
-                                            config.loss_aggregation)
+                                            mask, low, config.dual_clip, config.loss_aggregation,
+                                            high)
         if config.kl_in == "loss":
             kl_loss, kl_metrics = compute_kl_loss(logprobs, batch["ref_logprobs"], mask,
                                                   config.kl_loss_estimator,

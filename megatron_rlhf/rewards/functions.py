@@ -1,0 +1,119 @@
+"""One ``reward.functions`` entry: which function, its weight, its keyword arguments.
+
+An entry is a mapping ``{name: "package.module:function", weight: 1.0, **kwargs}``; the function
+is called as ``function(prompt, response, record, **kwargs)`` (see ``pool.py``). Everything that
+can be checked without calling it is checked here, when the run's config is built, before any
+process group exists: the module imports, the attribute is callable, the weight is a finite
+number, and no two functions share the metric name ``reward/<function>``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+ON_ERROR_POLICIES = ("error", "zero")
+"""``reward.on_error``: raise naming the function and the record, or score the call 0 and count
+it in ``reward/errors``."""
+
+RESERVED_KEYS = ("name", "weight")
+"""Keys of an entry that are not keyword arguments of the function."""
+
+
+@dataclass(frozen=True)
+class RewardFunctionSpec:
+    """A checked ``reward.functions`` entry.
+
+    Attributes:
+        target: ``package.module:function``.
+        weight: the weight of its score in the sequence score (beside ``reward.model_weight``
+            and ``reward.rule_weight``).
+        kwargs: keyword arguments of every call (the entry's other keys).
+    """
+
+    target: str
+    weight: float = 1.0
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def metric(self) -> str:
+        """``reward/<function>``: the batch mean of its (unweighted) score."""
+        return f"reward/{self.target.rpartition(':')[2]}"
+
+
+def import_function(target: str, where: str = "reward.functions") -> Callable[..., Any]:
+    """The callable named by ``package.module:function``.
+
+    Raises:
+        ValueError: a malformed name, a module that does not import, or an attribute that is
+            missing or not callable; the message names ``where`` and the fix.
+    """
+    module_name, colon, attribute = target.partition(":")
+    if not colon or not module_name or not attribute:
+        raise ValueError(f"{where}.name={target!r} must be 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:  # noqa: BLE001 - any failure of the user's module is refused here
+        raise ValueError(f"{where}.name={target!r}: module {module_name!r} does not import "
+                         f"({type(error).__name__}: {error}); check the name and that it is on "
+                         "PYTHONPATH") from error
+    function: Any = module
+    for part in attribute.split("."):
+        function = getattr(function, part, None)
+    if not callable(function):
+        raise ValueError(f"{where}.name={target!r}: {module_name!r} has no callable "
+                         f"{attribute!r}")
+    return function
+
+
+def parse_reward_functions(entries: Sequence[Mapping[str, Any]]) -> list[RewardFunctionSpec]:
+    """Check ``reward.functions`` and return one spec per entry.
+
+    Raises:
+        ValueError: an entry that is not a mapping or has no ``name``, a function that does not
+            import or is not callable, a weight that is not a finite number, or two functions
+            with the same metric name; each names ``reward.functions[i]``.
+    """
+    specs = []
+    for index, entry in enumerate(entries):
+        where = f"reward.functions[{index}]"
+        if not isinstance(entry, Mapping) or "name" not in entry:
+            raise ValueError(f"{where}={entry!r} must be a mapping with a 'name' "
+                             "('package.module:function') and optionally 'weight' and the "
+                             "function's keyword arguments")
+        target, weight = entry["name"], entry.get("weight", 1.0)
+        if not isinstance(target, str):
+            raise ValueError(f"{where}.name={target!r} must be 'package.module:function'")
+        if (isinstance(weight, bool) or not isinstance(weight, int | float)
+                or not math.isfinite(weight)):
+            raise ValueError(f"{where}.weight={weight!r} must be a finite number")
+        function = import_function(target, where)
+        kwargs = {key: value for key, value in entry.items() if key not in RESERVED_KEYS}
+        _check_arguments(function, kwargs, where)
+        specs.append(RewardFunctionSpec(target, float(weight), kwargs))
+    metrics = [spec.metric for spec in specs]
+    for index, metric in enumerate(metrics):
+        if metric in metrics[:index]:
+            raise ValueError(f"reward.functions[{index}].name={specs[index].target!r}: another "
+                             f"function is also logged as {metric!r}; give one of them another "
+                             "function name (a wrapper in your module)")
+    return specs
+
+
+def _check_arguments(function: Callable[..., Any], kwargs: dict[str, Any], where: str) -> None:
+    """Refuse keys the function cannot take (a typo would otherwise fail at the first call)."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # builtins without a signature: checked at the first call
+        return
+    try:
+        signature.bind("prompt", "response", {}, **kwargs)
+    except TypeError as error:
+        raise ValueError(f"{where}: {error} when called as function(prompt, response, record, "
+                         f"**{sorted(kwargs)}); the entry's keys other than {RESERVED_KEYS} are "
+                         "its keyword arguments: fix the key or the function's "
+                         "signature") from error

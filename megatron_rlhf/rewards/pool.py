@@ -1,0 +1,255 @@
+"""Reward functions called in a pool of worker processes, with a per-call timeout.
+
+    functions = RewardFunctions(specs, on_error="error", timeout_s=10.0, workers=4)
+    scores = functions.score(prompts, responses, records)   # one call per row and function
+    functions.close()                                         # always: the run's ``finally``
+
+Each call ``function(prompt, response, record, **kwargs)`` runs in a worker process started
+with ``spawn`` (the ranks of a run may be forked from a fork server or hold threads of their
+own, which a forked worker must not inherit), so a slow function does not serialise the step and
+one that crashes does not take the rank with it. A call must return a finite number, or a dict
+of finite numbers with a ``"score"`` key: ``"score"`` is the function's score, weighted and
+added to the sequence score; its other keys are logged as ``reward/<function>/<key>``.
+
+A call that raises, runs past ``timeout_s`` or returns anything else is a failed call: with
+``on_error="error"`` :class:`RewardFunctionError` names the function, the record (its index in
+the prompt set and an excerpt) and what went wrong; with ``"zero"`` it scores 0 and is counted in
+``reward/errors``. The worker enforces the timeout with an interval timer; a call stuck where
+the timer cannot interrupt it (inside a C extension) is caught by the pool's own deadline, after
+which the pool's processes are terminated and the calls after it run on new ones.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import numbers
+import signal
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_rlhf.rewards.functions import ON_ERROR_POLICIES, RewardFunctionSpec, import_function
+
+SCORE_KEY = "score"
+"""The key of a dict-valued result that is the function's score."""
+
+_GRACE_S = 5.0
+"""Slack of the pool's deadline beyond a worker's own timer (pickling, scheduling)."""
+
+_START_S = 300.0
+"""The longest new workers may take to start (importing the entry script again)."""
+
+_EXCERPT_CHARS = 120
+
+_imported: dict[str, Callable[..., Any]] = {}
+"""The worker's imported functions, by target."""
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function failed on a record with ``reward.on_error=error``."""
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _alarm(signum: int, frame: Any) -> None:
+    raise _Timeout
+
+
+def _not_a_number(value: Any) -> str | None:
+    """Why ``value`` is not a finite number, or None."""
+    if not isinstance(value, numbers.Real):  # bools count as 0 and 1
+        return f"{type(value).__name__} {value!r:.60}, not a number"
+    if not math.isfinite(value):
+        return f"{value}, not a finite number"
+    return None
+
+
+def _checked(value: Any) -> tuple[str, Any]:
+    """``("ok", score)`` for a finite number, ``("ok", dict)`` for a dict of them with
+    ``"score"``, else ``("bad", why)``."""
+    if isinstance(value, Mapping):
+        if SCORE_KEY not in value:
+            return "bad", f"returned a dict without a {SCORE_KEY!r} key: {sorted(value)}"
+        for key, item in value.items():
+            why = _not_a_number(item)
+            if why is not None:
+                return "bad", f"returned {{{key!r}: {why}}}"
+        return "ok", {str(key): float(item) for key, item in value.items()}
+    why = _not_a_number(value)
+    return ("bad", f"returned {why}") if why is not None else ("ok", float(value))
+
+
+def _ready() -> None:
+    """A call that returns once a worker runs it."""
+
+
+def _call(target: str, prompt: str, response: str, record: Mapping[str, Any],
+          kwargs: dict[str, Any], timeout_s: float) -> tuple[str, Any]:
+    """Run one call in a worker: ``("ok", float | dict)``, ``("bad", why)``, ``("raised", why)``
+    or ``("timeout", why)``."""
+    if target not in _imported:
+        _imported[target] = import_function(target)
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        value = _imported[target](prompt, response, record, **kwargs)
+    except _Timeout:
+        return "timeout", f"ran past its timeout of {timeout_s} s (reward.timeout_s)"
+    except Exception as error:  # noqa: BLE001 - the user's function may raise anything
+        return "raised", f"raised {type(error).__name__}: {error}"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    return _checked(value)
+
+
+@dataclass
+class RewardScores:
+    """The scores of a batch of rows.
+
+    Attributes:
+        scores: ``[rows][functions]`` each function's unweighted score (0 for a failed call).
+        errors: ``[rows]`` failed calls of each row (``on_error="zero"``).
+        extras: ``reward/<function>/<key>`` -> the values of a dict result's other keys.
+    """
+
+    scores: list[list[float]]
+    errors: list[int]
+    extras: dict[str, list[float]] = field(default_factory=dict)
+
+
+class RewardFunctions:
+    """The configured reward functions and the worker pool that runs them.
+
+    Args:
+        specs: the checked ``reward.functions``.
+        on_error: ``error`` or ``zero`` (see the module docstring).
+        timeout_s: the longest one call may run.
+        workers: worker processes (started at the first :meth:`score`, on the ranks that score).
+
+    Raises:
+        ValueError: an unknown ``on_error``, or a timeout or worker count that is not positive.
+    """
+
+    def __init__(self, specs: Sequence[RewardFunctionSpec], on_error: str = "error",
+                 timeout_s: float = 10.0, workers: int = 2) -> None:
+        if on_error not in ON_ERROR_POLICIES:
+            raise ValueError(f"reward.on_error={on_error!r}: use one of {ON_ERROR_POLICIES}")
+        if not timeout_s > 0:
+            raise ValueError(f"reward.timeout_s={timeout_s} must be > 0")
+        if workers < 1:
+            raise ValueError(f"reward.workers={workers} must be >= 1")
+        self.specs = list(specs)
+        self.on_error = on_error
+        self.timeout_s = float(timeout_s)
+        self.workers = workers
+        self._pool: Any = None
+
+    def score(self, prompts: Sequence[str], responses: Sequence[str],
+              records: Sequence[tuple[int, Mapping[str, Any]]]) -> RewardScores:
+        """Call every function on every row.
+
+        Args:
+            prompts: each row's prompt text.
+            responses: each row's decoded response.
+            records: each row's ``(index in the prompt set, record)``.
+
+        Raises:
+            RewardFunctionError: the first failed call in row order, with ``on_error="error"``.
+        """
+        if not self.specs or not prompts:
+            return RewardScores([[] for _ in prompts], [0] * len(prompts))
+        calls = [(spec.target, prompt, response, record, spec.kwargs, self.timeout_s)
+                 for prompt, response, (_, record) in zip(prompts, responses, records,
+                                                          strict=True)
+                 for spec in self.specs]
+        flat = self._run(calls)
+        k = len(self.specs)
+        return self._collect([flat[i:i + k] for i in range(0, len(flat), k)], records)
+
+    def _run(self, calls: list[tuple]) -> list[tuple[str, Any]]:
+        """Every call's outcome, in order.
+
+        Calls are collected in submission order; as the pool starts them in that order, each
+        one is due within ``timeout_s`` (plus slack) of the one before it. One that is not has a
+        worker stuck where its timer cannot reach: the pool is stopped, and the calls after it
+        start again on new workers (a call may then run twice; keep functions pure).
+        """
+        outcomes: list[tuple[str, Any]] = []
+        while len(outcomes) < len(calls):
+            if self._pool is None:
+                self._start()
+            pending = [self._pool.apply_async(_call, call) for call in calls[len(outcomes):]]
+            last = time.monotonic()
+            for result in pending:
+                outcomes.append(self._outcome(result, last + self.timeout_s + _GRACE_S))
+                if outcomes[-1][0] == "lost":
+                    self.close()
+                    break
+                last = time.monotonic()
+        return outcomes
+
+    def _start(self) -> None:
+        """Start the workers and wait until one runs (spawned workers import the entry script
+        again: that time is not any call's)."""
+        self._pool = mp.get_context("spawn").Pool(self.workers)
+        try:
+            self._pool.apply_async(_ready).get(_START_S)
+        except mp.TimeoutError as error:
+            self.close()
+            raise RewardFunctionError(
+                f"the reward function workers did not start within {_START_S:.0f} s; a worker "
+                "imports the run's entry script again: check that it imports without side "
+                "effects and keeps its work behind `if __name__ == \"__main__\":`") from error
+
+    def _outcome(self, result: Any, deadline: float) -> tuple[str, Any]:
+        try:
+            return result.get(max(0.0, deadline - time.monotonic()))
+        except mp.TimeoutError:
+            return "lost", (f"ran past its timeout of {self.timeout_s} s (reward.timeout_s) "
+                            "and could not be interrupted; its worker was stopped")
+        except Exception as error:  # noqa: BLE001 - a worker that died, unpicklable results
+            return "lost", f"failed in its worker process ({type(error).__name__}: {error})"
+
+    def _collect(self, outcomes: list[list[tuple[str, Any]]],
+                 records: Sequence[tuple[int, Mapping[str, Any]]]) -> RewardScores:
+        result = RewardScores([], [])
+        for row, (index, record) in zip(outcomes, records, strict=True):
+            scores, errors = [], 0
+            for spec, (status, value) in zip(self.specs, row, strict=True):
+                if status != "ok":
+                    if self.on_error == "error":
+                        raise RewardFunctionError(
+                            f"reward function {spec.target!r} {value} on prompt record "
+                            f"#{index} ({_excerpt(record)}); fix the function, or set "
+                            "reward.on_error=zero to score such calls 0 and count them in "
+                            "reward/errors")
+                    scores.append(0.0)
+                    errors += 1
+                    continue
+                if isinstance(value, dict):
+                    for key, item in value.items():
+                        if key != SCORE_KEY:
+                            result.extras.setdefault(f"{spec.metric}/{key}", []).append(item)
+                    value = value[SCORE_KEY]
+                scores.append(value)
+            result.scores.append(scores)
+            result.errors.append(errors)
+        return result
+
+    def close(self) -> None:
+        """Stop the worker processes (a later :meth:`score` starts new ones)."""
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None
+
+
+def _excerpt(record: Mapping[str, Any]) -> str:
+    text = json.dumps(record, ensure_ascii=False, default=str)
+    return text if len(text) <= _EXCERPT_CHARS else text[:_EXCERPT_CHARS] + "..."

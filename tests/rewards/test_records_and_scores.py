@@ -1,0 +1,93 @@
+"""The record's way to a reward function and the score's way back: readers keep every field,
+the prompt stream hands out each step's records in its prompts' order, the engine's adapter
+decodes rows for the functions, and ``compute_advantages`` weighs and logs their scores."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from megatron_rlhf.algorithms import PPOAlgorithmConfig, RunningMoments, build_kl_controller
+from megatron_rlhf.data import ReaderConfig, read_records
+from megatron_rlhf.data.prompts import PromptStream
+from megatron_rlhf.engine.experience import compute_advantages
+from megatron_rlhf.engine.function_rewards import FunctionRewards, row_token_ids
+from megatron_rlhf.rewards import RewardFunctions, RewardFunctionSpec, parse_reward_functions
+
+ROWS = [{"prompt": "What is 6 * 7?", "answer": "42", "tests": ["assert f() == 42"], "id": 3},
+        {"prompt": "Name a colour.", "answer": "red", "tests": [], "id": 4}]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_readers_keep_the_whole_record(tmp_path: Path, suffix: str) -> None:
+    path = tmp_path / f"prompts{suffix}"
+    if suffix == ".jsonl":
+        path.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    else:
+        pq.write_table(pa.Table.from_pylist(ROWS), path)
+    records, _ = read_records(path, ReaderConfig(required=["prompt"]))
+    assert [record.row for record in records] == ROWS
+    assert records[0].prompt == "What is 6 * 7?"
+
+
+def test_the_prompt_stream_gives_each_steps_records_in_its_prompts_order() -> None:
+    prompts = [[10 + i] for i in range(6)]
+    records = [{"answer": str(10 + i)} for i in range(6)]
+    stream = PromptStream(prompts, batch_size=2, seed=5, records=records)
+    for step in range(5):  # across passes
+        chosen, _ = stream.batch(step)
+        assert [(index, record) for index, record in stream.batch_records(step)] == [
+            (p[0] - 10, {"answer": str(p[0])}) for p in chosen]
+    assert PromptStream(prompts, 2, 5).batch_records(0)[0][1] == {}
+    with pytest.raises(ValueError, match="5 records for 6 prompts"):
+        PromptStream(prompts, 2, 5, records=records[:5])
+
+
+def test_function_rewards_decode_each_row_and_keep_extras() -> None:
+    input_ids = torch.tensor([[0, 7, 8, 1, 2, 0], [5, 6, 8, 3, 0, 0]])
+    mask = torch.tensor([[0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]])
+    assert row_token_ids(input_ids, mask, 3) == [([7, 8], [1, 2]), ([5, 6, 8], [3])]
+    words = {1: "it", 2: "42", 3: "red", 5: "name", 6: "a", 7: "six", 8: "times"}
+    rewards = FunctionRewards(RewardFunctions(parse_reward_functions([
+        {"name": "tests.rewards.user_functions:answer_in_response"},
+        {"name": "tests.rewards.user_functions:graded"}])),
+        lambda ids: " ".join(words[i] for i in ids))
+    try:
+        found = rewards.score(input_ids, mask, 3, [(0, ROWS[0]), (1, ROWS[1])],
+                              keep_extras=True)
+    finally:
+        rewards.close()
+    torch.testing.assert_close(found["function_scores"], torch.tensor([[1.0, 0.5], [1.0, 0.5]]))
+    torch.testing.assert_close(found["reward_errors"], torch.tensor([0.0, 0.0]))
+    # graded logs len(response): "it 42" and "red"
+    assert rewards.take_extras() == {"reward/graded/length_total": 8.0,
+                                     "reward/graded/length_count": 2.0}
+    assert rewards.take_extras() == {}
+
+
+def test_compute_advantages_weighs_function_scores_beside_the_model_and_the_rule() -> None:
+    mask = torch.ones(4, 3, dtype=torch.long)
+    logprobs = -torch.ones(4, 3)
+    fields = {"old_logprobs": logprobs, "ref_logprobs": logprobs.clone(), "response_mask": mask,
+              "rm_scores": torch.tensor([1.0, 2.0, 3.0, 4.0]),
+              "rule_scores": torch.tensor([0.0, 1.0, 0.0, 1.0]),
+              "function_scores": torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [0.0, 1.0]]),
+              "reward_errors": torch.tensor([0.0, 1.0, 0.0, 2.0])}
+    config = PPOAlgorithmConfig(advantage_estimator="grpo", kl_in="loss",
+                                grpo_std_normalize=False)
+    specs = [RewardFunctionSpec("m:correct", 2.0), RewardFunctionSpec("m:formatted", -1.0)]
+    out, metrics = compute_advantages(fields, config, build_kl_controller(config),
+                                      RunningMoments(), 0.5, 3.0, samples_per_prompt=2,
+                                      functions=specs)
+    # 0.5 * rm + 3 * rule + 2 * correct - formatted: [2.5, 4.0, 2.5, 4.0]
+    assert metrics["reward_mean"] == pytest.approx(3.25)
+    assert metrics["reward/correct"] == pytest.approx(0.5)
+    assert metrics["reward/formatted"] == pytest.approx(0.5)
+    assert metrics["reward/errors"] == 3.0
+    # group means 3.25 and 3.25: advantages -0.75, 0.75, -0.75, 0.75 on every token
+    torch.testing.assert_close(out["advantages"][:, 0], torch.tensor([-0.75, 0.75, -0.75, 0.75]))
