@@ -129,10 +129,30 @@ def init_distributed(config: DistributedConfig | None = None) -> None:
             # A failed or timed-out NCCL collective raises in this process (the fault tracker
             # names the culprit) instead of the watchdog killing it; an explicit setting wins.
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-    dist.init_process_group(
-        backend=backend, timeout=datetime.timedelta(seconds=config.timeout_s), **kwargs
-    )
+    timeout = datetime.timedelta(seconds=config.timeout_s)
+    store = restart_attempt_store(timeout)
+    if store is not None:
+        kwargs.update(store=store, rank=int(os.environ["RANK"]),
+                      world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
     logger.info("initialised %s world of %d ranks", backend, dist.get_world_size())
+
+
+def restart_attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """torchrun's agent store under a prefix of this restart attempt, or None outside it.
+
+    torchrun (torch 2.13, ``--max-restarts``) restarts the workers against the same store
+    without a per-attempt prefix, so the restarted ranks read the process-group addresses the
+    dead attempt published (gloo: "connectFullMesh failed ... Connection refused") and no
+    restart ever joins; the fault records of the dead attempt would mislead too. A prefix per
+    ``TORCHELASTIC_RESTART_COUNT`` gives every attempt keys of its own.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"megatron_rlhf/attempt_{attempt}", agent_store)
 
 
 def destroy_distributed() -> None:

@@ -29,6 +29,7 @@ def recorded(monkeypatch) -> dict:
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     return calls
 
 
@@ -95,3 +96,23 @@ def test_processes_started_without_torchrun_are_refused(monkeypatch, env: dict,
                            "without torchrun's RANK/WORLD_SIZE each would train alone"):
             init_distributed(DistributedConfig(backend="gloo"))
         assert "RANK" not in os.environ
+
+
+def test_each_torchrun_restart_attempt_gets_keys_of_its_own(recorded: dict, monkeypatch) -> None:
+    """Restarted workers read the dead attempt's addresses from torchrun's store otherwise."""
+    from datetime import timedelta
+
+    from megatron_rlhf.runtime.distributed import free_port
+
+    port = free_port()
+    agent_store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    init_distributed(DistributedConfig(backend="gloo", timeout_s=10))
+    assert (recorded["rank"], recorded["world_size"]) == (3, 4)
+    recorded["store"].set("default_pg/rank_3", "address")
+    assert agent_store.get("megatron_rlhf/attempt_2/default_pg/rank_3") == b"address"
+    assert not agent_store.check(["default_pg/rank_3"])
