@@ -127,8 +127,10 @@ def _columns(config: ReaderConfig) -> dict[str, str]:
     return _text_fields(config) | {"messages": config.fields.messages}
 
 
-def _prompt_tokens(prompt: str, messages: Conversation | None,
-                   tokenizer: Tokenizer | HFTokenizer) -> int:
+def prompt_tokens(prompt: str, messages: Conversation | None,
+                  tokenizer: Tokenizer | HFTokenizer) -> int:
+    """The length ``ReaderConfig.max_prompt_tokens`` limits: the prompt's text without BOS, or a
+    conversation through the chat template without the generation prompt."""
     if messages is not None and isinstance(tokenizer, HFTokenizer) and tokenizer.has_chat_template:
         return len(tokenizer.encode_chat(messages))
     return len(tokenizer.encode(prompt))
@@ -177,7 +179,7 @@ def _check_length(record: PreferenceRecord, config: ReaderConfig,
                   tokenizer: Tokenizer | HFTokenizer | None
                   ) -> PreferenceRecord | tuple[str, str, str]:
     if config.max_prompt_tokens is not None and tokenizer is not None:
-        num_tokens = _prompt_tokens(record.prompt, record.messages, tokenizer)
+        num_tokens = prompt_tokens(record.prompt, record.messages, tokenizer)
         if num_tokens > config.max_prompt_tokens:
             column = config.fields.prompt if record.messages is None else config.fields.messages
             return (

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import asdict, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -252,3 +253,49 @@ def test_fault_config_defaults_stop_on_nan_and_check_consistency() -> None:
     config = FaultConfig()
     assert config.on_nan == "stop" and config.check_consistency
     assert CheckpointConfig().keep_last == 2
+
+
+def _prompt_file(path: Path, prompts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"prompt": prompt}) + "\n" for prompt in prompts))
+    return path
+
+
+def _suggested(setting: str, message: str) -> int:
+    match = re.search(rf"{re.escape(setting)}=(\d+)", message)
+    assert match, f"{setting} not suggested in: {message}"
+    return int(match.group(1))
+
+
+def test_the_prompt_length_refusal_gives_values_that_work(tmp_path: Path) -> None:
+    from megatron_rlhf.engine.runner import load_prompts
+    from megatron_rlhf.models.tokenizer import load_tokenizer
+
+    words = "the cat sat on the mat and looked at the dog".split()
+    texts = [" ".join(words[:n]) for n in range(2, len(words) + 1)] * 4
+    data = _prompt_file(tmp_path / "prompts.jsonl", texts)
+    overrides = [f"prompts.paths=[{data}]", "prompts.split.sft=0", "prompts.split.rm=0",
+                 "prompts.split.ppo=1", "rollout.prompts_per_step=4", "rollout.max_prompt_length=8"]
+    config = load_config(RunConfig, TINY, overrides)
+    tokenizer = load_tokenizer(config.tokenizer)
+    with pytest.raises(ValueError) as error:
+        load_prompts(config, tokenizer)
+    message = str(error.value)
+    assert "longer than rollout.max_prompt_length=8 tokens" in message
+    assert "BOS and the chat template add up to 1)" in message
+    reader_limit = _suggested("prompts.reader.max_prompt_tokens", message)
+    assert reader_limit == 7
+    kept = load_prompts(replace(config, prompts=replace(
+        config.prompts, reader=replace(config.prompts.reader, max_prompt_tokens=reader_limit))),
+        tokenizer)
+    assert kept.prompts and max(map(len, kept.prompts)) <= 8
+    longest = _suggested("rollout.max_prompt_length", message.split(";", 1)[1])
+    widened = load_prompts(replace(config, rollout=replace(config.rollout,
+                                                           max_prompt_length=longest)), tokenizer)
+    assert len(widened.prompts) == len(texts)
+
+
+def test_synthetic_prompts_too_long_are_not_sent_to_the_reader(
+        capsys: pytest.CaptureFixture) -> None:
+    code, err = _tool(["rollout.max_prompt_length=6"], capsys)
+    assert code == 2 and "longer than rollout.max_prompt_length=6 tokens" in err
+    assert "; set rollout.max_prompt_length=" in err and "prompts.reader" not in err
