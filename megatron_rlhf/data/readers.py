@@ -2,10 +2,13 @@
 or conversation-shaped (``messages``, or ``chosen``/``rejected`` as lists of turns; see
 ``data/conversations.py``).
 
+A ``.json`` file may also hold one JSON array of record objects (what ``json.dump(records, f)``
+writes): it is read whole, and its records are numbered 1, 2, ... in the array.
+
 Every record is checked; a bad one is classified by one of :data:`BAD_REASONS` and, by the
 ``on_bad_record`` policy, either counted and skipped or refused with a :class:`DataError` that names
 file, line (JSONL) or row (Parquet), field and reason. Problems with a whole file (missing, not
-Parquet, unknown extension) always raise :class:`DataError`. Whitespace-only JSONL lines are
+Parquet, unknown extension, a JSON array that does not parse) always raise :class:`DataError`. Whitespace-only JSONL lines are
 ignored, not counted.
 """
 
@@ -76,9 +79,9 @@ class BadRecord:
     path: str
     """The file."""
     line: int
-    """1-based line (JSONL) or row (Parquet) number."""
+    """1-based line (JSONL), record (a JSON array's element) or row (Parquet) number."""
     unit: str
-    """``line`` or ``row``."""
+    """``line``, ``record`` or ``row``."""
     field: str | None
     """The offending column, when one is to blame."""
     detail: str
@@ -202,14 +205,44 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | tuple[str, s
             if not text.strip():
                 continue
             try:
-                value = json.loads(text)
+                # Without its line ending, a truncated line's error points into the line.
+                value = json.loads(text.rstrip("\r\n"))
             except json.JSONDecodeError as err:
                 yield number, ("invalid_json", f"column {err.colno}: {err.msg}")
                 continue
-            if not isinstance(value, dict):
-                yield number, ("not_an_object", f"a JSON {type(value).__name__}, not an object")
-                continue
-            yield number, value
+            yield number, _object_or_reason(value)
+
+
+def _object_or_reason(value: Any) -> dict[str, Any] | tuple[str, str]:
+    if isinstance(value, dict):
+        return value
+    return "not_an_object", f"a JSON {type(value).__name__}, not an object"
+
+
+def _is_json_array(path: Path) -> bool:
+    """Whether a ``.json`` file's first non-blank character opens an array."""
+    with path.open("rb") as handle:
+        for raw in handle:
+            text = raw.lstrip(b"\xef\xbb\xbf \t\r\n")
+            if text:
+                return text.startswith(b"[")
+    return False
+
+
+def _json_array_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | tuple[str, str]]]:
+    """Yield ``(index, row)`` (1-based) for every element of a file holding one JSON array."""
+    try:
+        values = json.loads(path.read_bytes().decode("utf-8-sig"))
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path} holds a JSON array that is not valid UTF-8 (byte {err.start}: "
+                        f"{err.reason})") from err
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path} holds a JSON array that does not parse: line {err.lineno} "
+                        f"column {err.colno}: {err.msg}. Fix the file, or write it as JSON "
+                        "Lines (.jsonl, one object per line) so that bad records can be "
+                        "skipped") from err
+    for number, value in enumerate(values, start=1):
+        yield number, _object_or_reason(value)
 
 
 def _parquet_rows(path: Path, columns: list[str]) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -259,7 +292,8 @@ def read_records(
     """Read and check one JSONL or Parquet file.
 
     Args:
-        path: a ``.jsonl``/``.json`` (one JSON object per line) or ``.parquet`` file.
+        path: a ``.jsonl``/``.json`` (one JSON object per line), a ``.json`` holding one
+            array of objects, or a ``.parquet`` file.
         config: column names, required fields, bad-record policy and prompt token limit.
         tokenizer: encodes prompts for the ``max_prompt_tokens`` check; required when it is set.
 
@@ -280,7 +314,9 @@ def read_records(
     if not file.is_file():
         raise DataError(f"data file {file} does not exist")
     suffix = file.suffix.lower()
-    if suffix in _JSONL_SUFFIXES:
+    if suffix == ".json" and _is_json_array(file):
+        rows, unit = _json_array_rows(file), "record"
+    elif suffix in _JSONL_SUFFIXES:
         rows, unit = _jsonl_rows(file), "line"
     elif suffix in _PARQUET_SUFFIXES:
         rows, unit = _parquet_rows(file, list(_columns(config).values())), "row"
