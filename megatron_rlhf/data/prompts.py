@@ -21,6 +21,7 @@ class PromptStream:
         prompts: token ids of every prompt (each non-empty).
         batch_size: prompts per step.
         seed: seed of the per-pass permutations.
+        origin: where the prompts come from, for the refusals (e.g. the split that chose them).
 
     Attributes:
         fingerprint: digest of everything that decides step ``k``'s batch (prompts, batch size,
@@ -31,15 +32,18 @@ class PromptStream:
         ValueError: no prompts, an empty prompt, or a batch larger than the prompt set.
     """
 
-    def __init__(self, prompts: Sequence[Sequence[int]], batch_size: int, seed: int) -> None:
+    def __init__(self, prompts: Sequence[Sequence[int]], batch_size: int, seed: int,
+                 origin: str = "") -> None:
+        where = f" ({origin})" if origin else ""
         if not prompts:
-            raise ValueError("the prompt set is empty; check the data paths and the PPO split")
+            raise ValueError(f"the prompt set is empty{where}; check the data paths and the PPO "
+                             "split")
         empty = [i for i, p in enumerate(prompts) if not p]
         if empty:
             raise ValueError(f"prompts {empty[:5]} are empty after tokenisation; drop them")
         if batch_size > len(prompts):
             raise ValueError(f"rollout.prompts_per_step({batch_size}) exceeds the "
-                             f"{len(prompts)} prompts available; lower it or add prompts")
+                             f"{len(prompts)} prompts available{where}; lower it or add prompts")
         self.prompts = [list(p) for p in prompts]
         self.batch_size = batch_size
         self.seed = seed

@@ -82,17 +82,27 @@ def run_tokenizer(config: RunConfig, sources: dict[str, ModelSource]) -> Tokeniz
 
 def load_prompts(config: RunConfig, tokenizer: Tokenizer | HFTokenizer) -> PromptStream:
     """Tokenised PPO prompts from the configured files, or the synthetic task."""
+    origin = ""
     if config.prompts.paths:
         data = DataConfig(list(config.prompts.paths), config.prompts.reader, config.prompts.split)
         splits, summaries = load_splits(data, tokenizer)
         for summary in summaries:
             logger.info("%s", summary.format())
         records = [(record.prompt, record.messages) for record in splits.ppo]
+        origin = _split_origin(splits.sizes(), config.prompts.split.ppo)
     else:
         records = [(record["prompt"], None) for record in
                    generate_records(config.prompts.synthetic)]
     prompts = _encode(records, config, tokenizer, "prompts", bool(config.prompts.paths))
-    return PromptStream(prompts, config.rollout.prompts_per_step, config.runtime.seed)
+    return PromptStream(prompts, config.rollout.prompts_per_step, config.runtime.seed, origin)
+
+
+def _split_origin(sizes: dict[str, int], ppo_share: float) -> str:
+    """Which share of the files PPO reads, with the split's counts, for the prompt refusals."""
+    counts = ", ".join(f"{name} {count}" for name, count in sizes.items())
+    return (f"PPO uses only the ppo share of prompts.paths, prompts.split.ppo={ppo_share:g}: "
+            f"{sizes['ppo']} of the {sum(sizes.values())} good records ({counts}); raise "
+            "prompts.split.ppo to use more of them")
 
 
 def load_eval_prompts(config: RunConfig, tokenizer: Tokenizer | HFTokenizer) -> list[list[int]]:

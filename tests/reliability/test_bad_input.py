@@ -299,3 +299,14 @@ def test_synthetic_prompts_too_long_are_not_sent_to_the_reader(
     code, err = _tool(["rollout.max_prompt_length=6"], capsys)
     assert code == 2 and "longer than rollout.max_prompt_length=6 tokens" in err
     assert "; set rollout.max_prompt_length=" in err and "prompts.reader" not in err
+
+
+def test_too_few_prompts_names_the_ppo_share_of_the_split(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    data = _prompt_file(tmp_path / "prompts.jsonl", [f"prompt number {i}" for i in range(40)])
+    code, err = _tool([f"prompts.paths=[{data}]"], capsys)
+    assert code == 2
+    assert re.search(r"rollout.prompts_per_step\(16\) exceeds the (\d+) prompts available "
+                     r"\(PPO uses only the ppo share of prompts.paths, prompts.split.ppo=0.3: "
+                     r"\1 of the 40 good records \(sft \d+, rm \d+, ppo \1\); raise "
+                     r"prompts.split.ppo to use more of them\)", err), err
