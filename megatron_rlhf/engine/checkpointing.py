@@ -45,6 +45,7 @@ from megatron_rlhf.data.prompts import PromptStream
 from megatron_rlhf.engine.engine import PPOEngine
 from megatron_rlhf.engine.ppo import PPOAlgorithm
 from megatron_rlhf.models.checkpoint import (
+    INFO_FILE,
     CheckpointInfo,
     ModelDescription,
     load_sharded_checkpoint,
@@ -108,7 +109,7 @@ def resume_candidates(config: CheckpointConfig) -> list[Path]:
     Raises:
         FileNotFoundError: resuming was asked for and there is nothing to resume from.
         ValueError: a fresh run, or a run resumed from another directory, would write over the
-            complete checkpoints in ``save_dir``.
+            complete checkpoints in ``save_dir``; ``resume_from`` is one model's checkpoint.
     """
     existing = complete_checkpoints(config.save_dir) if config.save_dir else []
     if config.resume_from:
@@ -117,6 +118,7 @@ def resume_candidates(config: CheckpointConfig) -> list[Path]:
             what = "does not exist" if not path.exists() else f"has no {MANIFEST} (incomplete)"
             raise FileNotFoundError(f"checkpoint.resume_from={path} {what}; name a complete "
                                     "step_<k> directory of a save dir")
+        _refuse_model_checkpoint(path)
         if existing and path.resolve().parent != Path(config.save_dir).resolve():
             raise ValueError(_occupied(config.save_dir, existing, f"checkpoint.resume_from="
                                        f"{path} is in another directory, and this run's saves"))
@@ -157,6 +159,21 @@ def _warn_abandoned(path: Path, existing: list[Path]) -> None:
         logger.warning("resuming from %s abandons the later checkpoints %s of the same "
                        "directory; they are removed when this run's first save completes",
                        path, ", ".join(later))
+
+
+def _refuse_model_checkpoint(path: Path) -> None:
+    """Refuse one model's checkpoint (from SFT or RM training) given to resume a PPO run.
+
+    Raises:
+        ValueError: naming the ``models.*_checkpoint`` setting that starts a run from it.
+    """
+    if (path / RL_STATE).is_file() or not (path / INFO_FILE).is_file():
+        return
+    role = read_checkpoint_info(path).metadata.get("role")
+    setting = "models.reward_checkpoint" if role == "reward" else "models.actor_checkpoint"
+    raise ValueError(f"checkpoint.resume_from={path} is the checkpoint of one model (role "
+                     f"{role!r}), not of a PPO run, so there is no run to continue: start a new "
+                     f"run from it with {setting}={path} and no checkpoint.resume_from")
 
 
 def check_compatible(path: Path, config: RunConfig, tokenizer_fingerprint: str) -> None:

@@ -203,11 +203,12 @@ def test_corrupted_run_state_is_refused(tmp_path: Path) -> None:
         read_rl_state(tmp_path)
 
 
-def _model_checkpoint(path: Path, fingerprint: str) -> Path:
+def _model_checkpoint(path: Path, fingerprint: str, role: str = "reward") -> Path:
     path.mkdir(parents=True)
-    info = CheckpointInfo(model=ModelDescription(2, 64, 4, 4, 128, 512, 64, head="scalar"),
+    head = "scalar" if role == "reward" else "lm"
+    info = CheckpointInfo(model=ModelDescription(2, 64, 4, 4, 128, 512, 64, head=head),
                           tp_size=1, pp_size=1,
-                          metadata={"role": "reward", "tokenizer_fingerprint": fingerprint})
+                          metadata={"role": role, "tokenizer_fingerprint": fingerprint})
     (path / INFO_FILE).write_text(json.dumps(asdict(info)))
     return path
 
@@ -310,3 +311,29 @@ def test_too_few_prompts_names_the_ppo_share_of_the_split(tmp_path: Path,
                      r"\(PPO uses only the ppo share of prompts.paths, prompts.split.ppo=0.3: "
                      r"\1 of the 40 good records \(sft \d+, rm \d+, ppo \1\); raise "
                      r"prompts.split.ppo to use more of them\)", err), err
+
+
+def test_a_model_checkpoint_given_to_resume_points_to_models_actor_checkpoint(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    sft = _model_checkpoint(tmp_path / "sft" / "checkpoint", "f" * 64, role="actor")
+    (sft / "manifest.json").write_text(json.dumps({"format_version": 1, "files": {}}))
+    code, err = _tool([f"checkpoint.resume_from={sft}"], capsys)
+    assert code == 2
+    assert (f"checkpoint.resume_from={sft} is the checkpoint of one model (role 'actor'), not of "
+            f"a PPO run, so there is no run to continue: start a new run from it with "
+            f"models.actor_checkpoint={sft} and no checkpoint.resume_from") in err
+
+
+def test_a_ppo_run_checkpoint_given_as_a_model_names_its_models(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    step = tmp_path / "ckpt" / "step_00000004"
+    for role in ("actor", "critic"):
+        _model_checkpoint(step / role, "f" * 64, role="actor")
+    _rl_state(step, RunConfig())
+    (step / "manifest.json").write_text(json.dumps({"format_version": 1, "files": {}}))
+    code, err = _tool([f"models.actor_checkpoint={step}"], capsys)
+    assert code == 2 and "unfinished" not in err and "did not finish" not in err
+    assert (f"{step} is a checkpoint of a whole PPO run, not of one model: its models are in "
+            f"['actor', 'critic']; name one of them (e.g. models.actor_checkpoint={step}/actor) "
+            f"to start a new run from it, or continue that run with "
+            f"checkpoint.resume_from={step}") in err
