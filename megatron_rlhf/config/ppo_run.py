@@ -7,7 +7,7 @@ them (with inheritance and dotted overrides) and every dataclass validates itsel
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from megatron_rlhf.algorithms import GROUP_ESTIMATORS, PPOAlgorithmConfig
 from megatron_rlhf.data import ReaderConfig, SplitConfig, SyntheticTaskConfig
@@ -387,6 +387,13 @@ class EvalConfig:
 @dataclass
 class RunConfig:
     """Everything a PPO run needs; the tiny CPU default runs on 4 ranks."""
+
+    INPUT_PATHS: ClassVar[tuple[str, ...]] = (
+        "prompts.paths", "evaluation.paths", "ptx.paths", "models.actor_checkpoint",
+        "models.reward_checkpoint", "tokenizer.hf_dir", "tokenizer.model_path",
+        "tokenizer.corpus_path", "checkpoint.resume_from")
+    """What the run reads; relative values are relative to the YAML file that gives them
+    (``config.loader``)."""
 
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
