@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from dataclasses import asdict, replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from megatron_rlhf.builder.sources import resolve_sources
 from megatron_rlhf.config.loader import load_config
@@ -337,3 +339,14 @@ def test_a_ppo_run_checkpoint_given_as_a_model_names_its_models(
             f"['actor', 'critic']; name one of them (e.g. models.actor_checkpoint={step}/actor) "
             f"to start a new run from it, or continue that run with "
             f"checkpoint.resume_from={step}") in err
+
+
+def test_the_memory_check_on_cpu_uses_this_machines_memory(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    host_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    code, err = _tool(["models.arch=llama-13b"], capsys)
+    assert code == 2 and "actor needs ~218.2 GiB per device" in err
+    assert f"but pool 'local' has {round(host_gib, 1):g} GiB" in err
