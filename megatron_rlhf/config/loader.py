@@ -105,10 +105,23 @@ def load_config(schema: type[T], path: str | Path | None = None,
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:
         key = getattr(error, "full_key", None) or "?"
+        if empty_value:  # OmegaConf reads ``a.b=`` as null, which a typed field refuses
+            raise ConfigError(f"{source}: {key} has no value; "
+                              f"{_empty_value_hint(merged, key)}") from None
         reason = str(error.msg).splitlines()[0]
-        if empty_value:  # OmegaConf reads ``a.b=`` as null, not as an empty string
-            reason += f"; for an empty string write {key}=''"
         raise ConfigError(f"{source}: invalid config key {key!r}: {reason}") from None
+
+
+def _empty_value_hint(merged: DictConfig, key: str) -> str:
+    """How to write an empty value of ``key``'s type on the command line."""
+    current = OmegaConf.select(merged, key, default=None, throw_on_missing=False)
+    if isinstance(current, ListConfig):
+        return f"for an empty list write {key}=[]"
+    if isinstance(current, DictConfig):
+        return f"for an empty mapping write {key}={{}}"
+    if isinstance(current, str):
+        return f"for an empty string write {key}=''"
+    return f"give one, e.g. {key}={current}"
 
 
 def to_yaml(config: Any) -> str:

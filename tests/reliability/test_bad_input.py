@@ -65,6 +65,22 @@ def test_an_empty_override_value_says_how_to_write_an_empty_string() -> None:
     assert config.models.reward_checkpoint == ""
 
 
+@pytest.mark.parametrize("override, message, empty", [
+    ("prompts.paths=", "prompts.paths has no value; for an empty list write prompts.paths=[]",
+     "prompts.paths=[]"),
+    ("models.offload=", "models.offload has no value; for an empty mapping write "
+     "models.offload={}", "models.offload={}"),
+    ("steps=", "steps has no value; give one, e.g. steps=20", None),
+])
+def test_an_empty_override_says_how_to_write_an_empty_value_of_its_type(
+        override: str, message: str, empty: str | None) -> None:
+    with pytest.raises(ValueError) as error:
+        load_config(RunConfig, TINY, [override])
+    assert str(error.value) == f"override {override!r}: {message}"
+    if empty is not None:
+        load_config(RunConfig, TINY, [empty])
+
+
 def test_optimizer_settings_are_those_of_the_role_and_only_trained_roles_have_them() -> None:
     config = load_config(RunConfig, TINY, ["actor_optimizer.lr=0.5", "critic_optimizer.lr=0.25"])
     assert (config.optimizer("actor").lr, config.optimizer("critic").lr) == (0.5, 0.25)
