@@ -385,6 +385,22 @@ class EvalConfig:
 
 
 @dataclass
+class ActorOptimizerSettings(OptimizerSettings):
+    """The actor's optimizer settings (``OptimizerSettings``); refusals name
+    ``actor_optimizer``."""
+
+    SECTION: ClassVar[str] = "actor_optimizer"
+
+
+@dataclass
+class CriticOptimizerSettings(OptimizerSettings):
+    """The critic's optimizer settings (``OptimizerSettings``); refusals name
+    ``critic_optimizer``."""
+
+    SECTION: ClassVar[str] = "critic_optimizer"
+
+
+@dataclass
 class RunConfig:
     """Everything a PPO run needs; the tiny CPU default runs on 4 ranks."""
 
@@ -405,8 +421,8 @@ class RunConfig:
     prompts: PromptsConfig = field(default_factory=PromptsConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     algorithm: PPOAlgorithmConfig = field(default_factory=PPOAlgorithmConfig)
-    actor_optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
-    critic_optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    actor_optimizer: ActorOptimizerSettings = field(default_factory=ActorOptimizerSettings)
+    critic_optimizer: CriticOptimizerSettings = field(default_factory=CriticOptimizerSettings)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     evaluation: EvalConfig = field(default_factory=EvalConfig)
     ptx: PTXConfig = field(default_factory=PTXConfig)

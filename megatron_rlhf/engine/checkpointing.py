@@ -192,8 +192,9 @@ def check_compatible(path: Path, config: RunConfig, tokenizer_fingerprint: str) 
     changed = sorted(k for k in saved.keys() | ours.keys() if saved.get(k) != ours.get(k))
     for key in changed:
         if key.startswith(_MUST_MATCH):
-            raise ValueError(f"checkpoint {path} was saved with {key}={saved.get(key)!r}; this "
-                             f"run has {ours.get(key)!r}. Resume with the checkpoint's value, or "
+            raise ValueError(f"checkpoint {path} was saved with {key}="
+                             f"{_as_written(saved, key)!r}; this run has "
+                             f"{_as_written(ours, key)!r}. Resume with the checkpoint's value, or "
                              "start a new run in another --save-dir")
     noted = [f"{k}: {saved.get(k)!r} -> {ours.get(k)!r}" for k in changed
              if not k.startswith(_MAY_CHANGE)]
@@ -439,6 +440,14 @@ def _restore_rng(path: Path, state: dict, engine: PPOEngine) -> None:
 
 def _config_dict(config: RunConfig) -> dict[str, Any]:
     return json.loads(json.dumps(asdict(config)))
+
+
+def _as_written(flat: dict[str, Any], key: str) -> Any:
+    """``key``'s value in a flattened config; a mapping given whole (``models.arch``) whole."""
+    if key in flat:
+        return flat[key]
+    return {name[len(key) + 1:]: value for name, value in flat.items()
+            if name.startswith(f"{key}.")} or None
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

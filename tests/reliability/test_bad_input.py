@@ -81,6 +81,17 @@ def test_an_empty_override_says_how_to_write_an_empty_value_of_its_type(
         load_config(RunConfig, TINY, [empty])
 
 
+@pytest.mark.parametrize("override, message", [
+    ("actor_optimizer.lr=-1", "actor_optimizer.lr=-1.0 must be positive"),
+    ("critic_optimizer.min_lr=1", "critic_optimizer.min_lr=1.0 must be in [0, lr=0.001]"),
+    ("critic_optimizer.lr_schedule=step", "critic_optimizer.lr_schedule='step' is not one of"),
+])
+def test_optimizer_refusals_name_the_section_the_user_wrote(override: str, message: str) -> None:
+    with pytest.raises(ValueError) as error:
+        load_config(RunConfig, TINY, [override])
+    assert str(error.value).startswith(message)
+
+
 def test_optimizer_settings_are_those_of_the_role_and_only_trained_roles_have_them() -> None:
     config = load_config(RunConfig, TINY, ["actor_optimizer.lr=0.5", "critic_optimizer.lr=0.25"])
     assert (config.optimizer("actor").lr, config.optimizer("critic").lr) == (0.5, 0.25)
@@ -200,6 +211,13 @@ def test_resume_refuses_another_model_or_tokenizer_and_warns_of_other_changes(
     with pytest.raises(ValueError, match="trained with another tokenizer .*sha256 abc123, this "
                        "run's is def456"):
         check_compatible(path, saved, "def456")
+    mapping = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 512,
+               "seq_length": 128, "ffn_hidden_size": 256}
+    given_as_mapping = replace(saved, models=replace(saved.models, arch=mapping))
+    with pytest.raises(ValueError) as error:
+        check_compatible(path, given_as_mapping, "abc123")
+    assert "was saved with models.arch='tiny'; this run has {'num_layers': 2, " in str(error.value)
+    assert "None" not in str(error.value)
     logger = logging.getLogger("megatron_rlhf.engine.checkpointing")
     logger.addHandler(caplog.handler)
     try:
