@@ -10,6 +10,8 @@ import json
 import logging
 import os
 import re
+import subprocess
+import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -384,3 +386,24 @@ def test_the_memory_check_on_cpu_uses_this_machines_memory(
     code, err = _tool(["models.arch=llama-13b"], capsys)
     assert code == 2 and "actor needs ~218.2 GiB per device" in err
     assert f"but pool 'local' has {round(host_gib, 1):g} GiB" in err
+
+
+def test_a_refusal_is_printed_by_rank_0_only_and_every_rank_exits_2(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setenv("RANK", "1")
+    assert _tool(["placement.strategy=bogus"], capsys) == (2, "")
+    assert _tool(["rollout.max_prompt_length=2"], capsys) == (2, "")
+    monkeypatch.setenv("RANK", "0")
+    code, err = _tool(["placement.strategy=bogus"], capsys)
+    assert code == 2 and "run_ppo: bad configuration: placement.strategy='bogus'" in err
+
+
+@pytest.mark.multirank
+def test_under_torchrun_a_refusal_is_printed_once() -> None:
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", "tools/run_ppo.py",
+                           "placement.strategy=bogus"],
+                          cwd=repo, capture_output=True, text=True, timeout=240)
+    assert done.returncode != 0
+    assert done.stderr.count("run_ppo: bad configuration: placement.strategy='bogus'") == 1
