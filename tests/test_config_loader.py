@@ -25,7 +25,7 @@ def _yaml(path: Path, text: str) -> Path:
 def test_paths_a_yaml_reads_are_relative_to_its_folder(tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     _yaml(tmp_path / "configs" / "base" / "common.yaml",
-          f"base: {EXAMPLES / 'ppo_tiny.yaml'}\nevaluation:\n  paths: [held_out.jsonl]\n")
+          f"base: {EXAMPLES / 'ppo_tiny.yaml'}\nevaluation:\n  paths: [held_out.jsonl]\n  num_prompts: 8\n")
     config_file = _yaml(tmp_path / "configs" / "run.yaml",
                         "base: base/common.yaml\nprompts:\n  paths: [data/train.jsonl, "
                         "/abs/other.jsonl]\nmodels:\n  actor_checkpoint: ../ckpt/sft\n"

@@ -407,3 +407,23 @@ def test_under_torchrun_a_refusal_is_printed_once() -> None:
                           cwd=repo, capture_output=True, text=True, timeout=240)
     assert done.returncode != 0
     assert done.stderr.count("run_ppo: bad configuration: placement.strategy='bogus'") == 1
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["steps=-1"], "steps=-1 must be >= 0 (0 only evaluates the initial policy)"),
+    (["generation.max_new_tokens=0"],
+     "generation.max_new_tokens=0 leaves PPO no response to score; give at least 1"),
+    (["rollout.max_staleness=3"], "rollout.max_staleness=3 is used only with "
+                                  "rollout.async_rollout=true; set that too, or drop max_staleness"),
+    (["evaluation.paths=[/data/held_out.jsonl]"],
+     "evaluation.paths=['/data/held_out.jsonl'] is read only when evaluation.num_prompts > 0, and "
+     "it is 0 (evaluation off); set evaluation.num_prompts (e.g. 64), or drop evaluation.paths"),
+    (["ptx.paths=[/data/sft.jsonl]"], "ptx.paths is used only by PPO-ptx, which ptx.coef=0 turns "
+                                      "off; set ptx.coef > 0 (e.g. ptx.coef=0.5), or drop "
+                                      "ptx.paths"),
+    (["ptx.rows=4"], "ptx.rows is used only by PPO-ptx, which ptx.coef=0 turns off"),
+])
+def test_a_meaningless_or_ignored_setting_is_refused(overrides: list[str], message: str) -> None:
+    with pytest.raises(ValueError) as error:
+        load_config(RunConfig, TINY, overrides)
+    assert message in str(error.value)
