@@ -75,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run_pipeline(args.run_dir, args.data, overrides, sft, rm)
     except (ConfigError, ValueError) as error:
-        print(f"run_pipeline: {error}", file=sys.stderr)
+        # Every rank refuses alike: only rank 0 says why.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"run_pipeline: {error}", file=sys.stderr)
         return 2
     finally:
         destroy_distributed()

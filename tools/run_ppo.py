@@ -133,6 +133,13 @@ def auto_placement(config: RunConfig, profile: str | None) -> RunConfig:
     return chosen
 
 
+def _refuse(message: str) -> int:
+    """Exit status 2 for bad input; every rank refuses alike, so only rank 0 says why."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"run_ppo: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)
     try:
@@ -140,8 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.placement == "auto":
             config = auto_placement(config, args.profile)
     except (ConfigError, ValueError) as error:
-        print(f"run_ppo: bad configuration: {error}", file=sys.stderr)
-        return 2
+        return _refuse(f"bad configuration: {error}")
     from megatron_rlhf.engine.runner import run_ppo
     from megatron_rlhf.runtime.distributed import destroy_distributed
     from megatron_rlhf.runtime.faults import NonFiniteError, RankFailure
@@ -151,8 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_dir = run_ppo(config)
     except (ValueError, FileNotFoundError) as error:
-        print(f"run_ppo: {error}", file=sys.stderr)
-        return 2
+        return _refuse(str(error))
     except (RankFailure, NonFiniteError) as error:
         print(f"run_ppo: rank {os.environ.get('RANK', '0')}: {error}", file=sys.stderr)
         return 1

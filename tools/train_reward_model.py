@@ -1,7 +1,8 @@
 """Pairwise (Bradley-Terry) training of the scalar-head reward model on prompt/chosen/rejected.
 
 CPU, the tiny model on the synthetic task, 2 gloo ranks, from the SFT run's trunk
-(``examples/rm_tiny.yaml`` reads ``runs/sft_tiny/checkpoint``: run tools/train_sft.py first)::
+(``examples/rm_tiny.yaml`` reads the repository's ``runs/sft_tiny/checkpoint``: run
+tools/train_sft.py from the repository root first)::
 
     torchrun --nproc-per-node 2 tools/train_reward_model.py
     torchrun --nproc-per-node 2 tools/train_reward_model.py --init-from none --steps 60

@@ -11,8 +11,10 @@ from megatron_rlhf.algorithms.rewards import SCORE_NORMALIZATIONS
 
 
 def _require(ok: bool, message: str) -> None:
+    """Refuse with ``message``, named as a run's configuration spells the field
+    (``algorithm.<field>``)."""
     if not ok:
-        raise ValueError(message)
+        raise ValueError(f"algorithm.{message}")
 
 
 def _positive_or_none(value: float | None) -> bool:

@@ -7,7 +7,7 @@ them (with inheritance and dotted overrides) and every dataclass validates itsel
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from megatron_rlhf.algorithms import GROUP_ESTIMATORS, PPOAlgorithmConfig
 from megatron_rlhf.data import ReaderConfig, SplitConfig, SyntheticTaskConfig
@@ -192,6 +192,9 @@ class RolloutConfig:
         if self.prompts_per_step % self.pipeline_chunks:
             raise ValueError(f"rollout.prompts_per_step({self.prompts_per_step}) is not a multiple "
                              f"of rollout.pipeline_chunks({self.pipeline_chunks})")
+        if self.max_staleness != 1 and not self.async_rollout:
+            raise ValueError(f"rollout.max_staleness={self.max_staleness} is used only with "
+                             "rollout.async_rollout=true; set that too, or drop max_staleness")
 
     @property
     def rows_per_step(self) -> int:
@@ -306,6 +309,10 @@ class PTXConfig:
             raise ValueError(f"ptx.coef={self.coef} must be >= 0 (0 turns PPO-ptx off)")
         if self.rows < 0:
             raise ValueError(f"ptx.rows={self.rows} must be >= 0 (0: the PPO mini-batch's rows)")
+        if not self.enabled and (self.rows or self.paths):
+            given = "ptx.rows" if self.rows else "ptx.paths"
+            raise ValueError(f"{given} is used only by PPO-ptx, which ptx.coef=0 turns off; set "
+                             f"ptx.coef > 0 (e.g. ptx.coef=0.5), or drop {given}")
 
     @property
     def enabled(self) -> bool:
@@ -403,6 +410,10 @@ class EvalConfig:
         for name in ("hacking_tolerance", "hacking_rm_rise"):
             if getattr(self, name) < 0:
                 raise ValueError(f"evaluation.{name}={getattr(self, name)} must be >= 0")
+        if self.paths and not self.num_prompts:
+            raise ValueError(f"evaluation.paths={list(self.paths)} is read only when "
+                             "evaluation.num_prompts > 0, and it is 0 (evaluation off); set "
+                             "evaluation.num_prompts (e.g. 64), or drop evaluation.paths")
 
     def due(self, step: int, start: int) -> bool:
         """Whether to evaluate before step ``step`` of a run (or resumption) starting at
@@ -411,8 +422,31 @@ class EvalConfig:
 
 
 @dataclass
+class ActorOptimizerSettings(OptimizerSettings):
+    """The actor's optimizer settings (``OptimizerSettings``); refusals name
+    ``actor_optimizer``."""
+
+    SECTION: ClassVar[str] = "actor_optimizer"
+
+
+@dataclass
+class CriticOptimizerSettings(OptimizerSettings):
+    """The critic's optimizer settings (``OptimizerSettings``); refusals name
+    ``critic_optimizer``."""
+
+    SECTION: ClassVar[str] = "critic_optimizer"
+
+
+@dataclass
 class RunConfig:
     """Everything a PPO run needs; the tiny CPU default runs on 4 ranks."""
+
+    INPUT_PATHS: ClassVar[tuple[str, ...]] = (
+        "prompts.paths", "evaluation.paths", "ptx.paths", "models.actor_checkpoint",
+        "models.reward_checkpoint", "tokenizer.hf_dir", "tokenizer.model_path",
+        "tokenizer.corpus_path", "checkpoint.resume_from")
+    """What the run reads; relative values are relative to the YAML file that gives them
+    (``config.loader``)."""
 
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
@@ -424,8 +458,8 @@ class RunConfig:
     prompts: PromptsConfig = field(default_factory=PromptsConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     algorithm: PPOAlgorithmConfig = field(default_factory=PPOAlgorithmConfig)
-    actor_optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
-    critic_optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    actor_optimizer: ActorOptimizerSettings = field(default_factory=ActorOptimizerSettings)
+    critic_optimizer: CriticOptimizerSettings = field(default_factory=CriticOptimizerSettings)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     evaluation: EvalConfig = field(default_factory=EvalConfig)
     ptx: PTXConfig = field(default_factory=PTXConfig)
@@ -439,10 +473,17 @@ class RunConfig:
         """Fits the placement to the algorithm: a critic-free estimator places no critic.
 
         Raises:
-            ValueError: an option that needs a critic (AC-Share, a critic ratio, interleaving2)
-                with a critic-free estimator, critic-free ratios with gae, fewer than 2
-                samples per prompt for grpo or rloo, or an option Megatron-FSDP cannot serve.
+            ValueError: negative steps, no new tokens, an option that needs a critic (AC-Share,
+                a critic ratio, interleaving2) with a critic-free estimator, critic-free ratios
+                with gae, fewer than 2 samples per prompt for grpo or rloo, or an option
+                Megatron-FSDP cannot serve.
         """
+        if self.steps < 0:
+            raise ValueError(f"steps={self.steps} must be >= 0 (0 only evaluates the initial "
+                             "policy)")
+        if self.generation.max_new_tokens < 1:
+            raise ValueError(f"generation.max_new_tokens={self.generation.max_new_tokens} leaves "
+                             "PPO no response to score; give at least 1")
         algorithm, placement = self.algorithm, self.placement
         if algorithm.uses_critic and not placement.critic:
             raise ValueError(

@@ -8,7 +8,7 @@ dataclass validates itself on construction. ``supervised.loop`` runs them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from megatron_rlhf.data.schema import ReaderConfig, SplitConfig
 from megatron_rlhf.data.synthetic import SyntheticTaskConfig
@@ -134,6 +134,12 @@ class SupervisedConfig:
         out_dir: ``config.yaml``, ``metrics.jsonl``, ``tokenizer.model``, ``checkpoint/`` (and
             ``data/`` for the synthetic task); must not hold a checkpoint yet.
     """
+
+    INPUT_PATHS: ClassVar[tuple[str, ...]] = (
+        "data.paths", "data.eval_paths", "model.init_checkpoint", "tokenizer.hf_dir",
+        "tokenizer.model_path", "tokenizer.corpus_path")
+    """What the run reads; relative values are relative to the YAML file that gives them
+    (``config.loader``)."""
 
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     data: SupervisedDataConfig = field(default_factory=SupervisedDataConfig)

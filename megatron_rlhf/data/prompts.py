@@ -24,6 +24,7 @@ class PromptStream:
         seed: seed of the per-pass permutations.
         records: each prompt's whole data record (what reward functions receive); default: an
             empty record each.
+        origin: where the prompts come from, for the refusals (e.g. the split that chose them).
 
     Attributes:
         fingerprint: digest of everything that decides step ``k``'s batch (prompts, batch size,
@@ -36,15 +37,17 @@ class PromptStream:
     """
 
     def __init__(self, prompts: Sequence[Sequence[int]], batch_size: int, seed: int,
-                 records: Sequence[Mapping[str, Any]] | None = None) -> None:
+                 records: Sequence[Mapping[str, Any]] | None = None, origin: str = "") -> None:
+        where = f" ({origin})" if origin else ""
         if not prompts:
-            raise ValueError("the prompt set is empty; check the data paths and the PPO split")
+            raise ValueError(f"the prompt set is empty{where}; check the data paths and the PPO "
+                             "split")
         empty = [i for i, p in enumerate(prompts) if not p]
         if empty:
             raise ValueError(f"prompts {empty[:5]} are empty after tokenisation; drop them")
         if batch_size > len(prompts):
             raise ValueError(f"rollout.prompts_per_step({batch_size}) exceeds the "
-                             f"{len(prompts)} prompts available; lower it or add prompts")
+                             f"{len(prompts)} prompts available{where}; lower it or add prompts")
         if records is not None and len(records) != len(prompts):
             raise ValueError(f"{len(records)} records for {len(prompts)} prompts; give one "
                              "record per prompt")

@@ -2,10 +2,13 @@
 or conversation-shaped (``messages``, or ``chosen``/``rejected`` as lists of turns; see
 ``data/conversations.py``).
 
+A ``.json`` file may also hold one JSON array of record objects (what ``json.dump(records, f)``
+writes): it is read whole, and its records are numbered 1, 2, ... in the array.
+
 Every record is checked; a bad one is classified by one of :data:`BAD_REASONS` and, by the
 ``on_bad_record`` policy, either counted and skipped or refused with a :class:`DataError` that names
 file, line (JSONL) or row (Parquet), field and reason. Problems with a whole file (missing, not
-Parquet, unknown extension) always raise :class:`DataError`. Whitespace-only JSONL lines are
+Parquet, unknown extension, a JSON array that does not parse) always raise :class:`DataError`. Whitespace-only JSONL lines are
 ignored, not counted.
 """
 
@@ -79,9 +82,9 @@ class BadRecord:
     path: str
     """The file."""
     line: int
-    """1-based line (JSONL) or row (Parquet) number."""
+    """1-based line (JSONL), record (a JSON array's element) or row (Parquet) number."""
     unit: str
-    """``line`` or ``row``."""
+    """``line``, ``record`` or ``row``."""
     field: str | None
     """The offending column, when one is to blame."""
     detail: str
@@ -130,8 +133,10 @@ def _columns(config: ReaderConfig) -> dict[str, str]:
     return _text_fields(config) | {"messages": config.fields.messages}
 
 
-def _prompt_tokens(prompt: str, messages: Conversation | None,
-                   tokenizer: Tokenizer | HFTokenizer) -> int:
+def prompt_tokens(prompt: str, messages: Conversation | None,
+                  tokenizer: Tokenizer | HFTokenizer) -> int:
+    """The length ``ReaderConfig.max_prompt_tokens`` limits: the prompt's text without BOS, or a
+    conversation through the chat template without the generation prompt."""
     if messages is not None and isinstance(tokenizer, HFTokenizer) and tokenizer.has_chat_template:
         return len(tokenizer.encode_chat(messages))
     return len(tokenizer.encode(prompt))
@@ -180,7 +185,7 @@ def _check_length(record: PreferenceRecord, config: ReaderConfig,
                   tokenizer: Tokenizer | HFTokenizer | None
                   ) -> PreferenceRecord | tuple[str, str, str]:
     if config.max_prompt_tokens is not None and tokenizer is not None:
-        num_tokens = _prompt_tokens(record.prompt, record.messages, tokenizer)
+        num_tokens = prompt_tokens(record.prompt, record.messages, tokenizer)
         if num_tokens > config.max_prompt_tokens:
             column = config.fields.prompt if record.messages is None else config.fields.messages
             return (
@@ -203,14 +208,44 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | tuple[str, s
             if not text.strip():
                 continue
             try:
-                value = json.loads(text)
+                # Without its line ending, a truncated line's error points into the line.
+                value = json.loads(text.rstrip("\r\n"))
             except json.JSONDecodeError as err:
                 yield number, ("invalid_json", f"column {err.colno}: {err.msg}")
                 continue
-            if not isinstance(value, dict):
-                yield number, ("not_an_object", f"a JSON {type(value).__name__}, not an object")
-                continue
-            yield number, value
+            yield number, _object_or_reason(value)
+
+
+def _object_or_reason(value: Any) -> dict[str, Any] | tuple[str, str]:
+    if isinstance(value, dict):
+        return value
+    return "not_an_object", f"a JSON {type(value).__name__}, not an object"
+
+
+def _is_json_array(path: Path) -> bool:
+    """Whether a ``.json`` file's first non-blank character opens an array."""
+    with path.open("rb") as handle:
+        for raw in handle:
+            text = raw.lstrip(b"\xef\xbb\xbf \t\r\n")
+            if text:
+                return text.startswith(b"[")
+    return False
+
+
+def _json_array_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | tuple[str, str]]]:
+    """Yield ``(index, row)`` (1-based) for every element of a file holding one JSON array."""
+    try:
+        values = json.loads(path.read_bytes().decode("utf-8-sig"))
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path} holds a JSON array that is not valid UTF-8 (byte {err.start}: "
+                        f"{err.reason})") from err
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path} holds a JSON array that does not parse: line {err.lineno} "
+                        f"column {err.colno}: {err.msg}. Fix the file, or write it as JSON "
+                        "Lines (.jsonl, one object per line) so that bad records can be "
+                        "skipped") from err
+    for number, value in enumerate(values, start=1):
+        yield number, _object_or_reason(value)
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -259,7 +294,8 @@ def read_records(
     """Read and check one JSONL or Parquet file.
 
     Args:
-        path: a ``.jsonl``/``.json`` (one JSON object per line) or ``.parquet`` file.
+        path: a ``.jsonl``/``.json`` (one JSON object per line), a ``.json`` holding one
+            array of objects, or a ``.parquet`` file.
         config: column names, required fields, bad-record policy and prompt token limit.
         tokenizer: encodes prompts for the ``max_prompt_tokens`` check; required when it is set.
 
@@ -280,7 +316,9 @@ def read_records(
     if not file.is_file():
         raise DataError(f"data file {file} does not exist")
     suffix = file.suffix.lower()
-    if suffix in _JSONL_SUFFIXES:
+    if suffix == ".json" and _is_json_array(file):
+        rows, unit = _json_array_rows(file), "record"
+    elif suffix in _JSONL_SUFFIXES:
         rows, unit = _jsonl_rows(file), "line"
     elif suffix in _PARQUET_SUFFIXES:
         rows, unit = _parquet_rows(file), "row"

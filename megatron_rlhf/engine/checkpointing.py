@@ -52,6 +52,7 @@ from megatron_rlhf.engine.experience_ahead import (
 )
 from megatron_rlhf.engine.ppo import PPOAlgorithm
 from megatron_rlhf.models.checkpoint import (
+    INFO_FILE,
     CheckpointInfo,
     ModelDescription,
     load_sharded_checkpoint,
@@ -115,7 +116,7 @@ def resume_candidates(config: CheckpointConfig) -> list[Path]:
     Raises:
         FileNotFoundError: resuming was asked for and there is nothing to resume from.
         ValueError: a fresh run, or a run resumed from another directory, would write over the
-            complete checkpoints in ``save_dir``.
+            complete checkpoints in ``save_dir``; ``resume_from`` is one model's checkpoint.
     """
     existing = complete_checkpoints(config.save_dir) if config.save_dir else []
     if config.resume_from:
@@ -124,6 +125,7 @@ def resume_candidates(config: CheckpointConfig) -> list[Path]:
             what = "does not exist" if not path.exists() else f"has no {MANIFEST} (incomplete)"
             raise FileNotFoundError(f"checkpoint.resume_from={path} {what}; name a complete "
                                     "step_<k> directory of a save dir")
+        _refuse_model_checkpoint(path)
         if existing and path.resolve().parent != Path(config.save_dir).resolve():
             raise ValueError(_occupied(config.save_dir, existing, f"checkpoint.resume_from="
                                        f"{path} is in another directory, and this run's saves"))
@@ -166,6 +168,21 @@ def _warn_abandoned(path: Path, existing: list[Path]) -> None:
                        path, ", ".join(later))
 
 
+def _refuse_model_checkpoint(path: Path) -> None:
+    """Refuse one model's checkpoint (from SFT or RM training) given to resume a PPO run.
+
+    Raises:
+        ValueError: naming the ``models.*_checkpoint`` setting that starts a run from it.
+    """
+    if (path / RL_STATE).is_file() or not (path / INFO_FILE).is_file():
+        return
+    role = read_checkpoint_info(path).metadata.get("role")
+    setting = "models.reward_checkpoint" if role == "reward" else "models.actor_checkpoint"
+    raise ValueError(f"checkpoint.resume_from={path} is the checkpoint of one model (role "
+                     f"{role!r}), not of a PPO run, so there is no run to continue: start a new "
+                     f"run from it with {setting}={path} and no checkpoint.resume_from")
+
+
 def check_compatible(path: Path, config: RunConfig, tokenizer_fingerprint: str) -> None:
     """Refuse a resume with another model, tokenizer or AC-Share; warn about other changes.
 
@@ -182,8 +199,9 @@ def check_compatible(path: Path, config: RunConfig, tokenizer_fingerprint: str) 
     changed = sorted(k for k in saved.keys() | ours.keys() if saved.get(k) != ours.get(k))
     for key in changed:
         if key.startswith(_MUST_MATCH):
-            raise ValueError(f"checkpoint {path} was saved with {key}={saved.get(key)!r}; this "
-                             f"run has {ours.get(key)!r}. Resume with the checkpoint's value, or "
+            raise ValueError(f"checkpoint {path} was saved with {key}="
+                             f"{_as_written(saved, key)!r}; this run has "
+                             f"{_as_written(ours, key)!r}. Resume with the checkpoint's value, or "
                              "start a new run in another --save-dir")
     noted = [f"{k}: {saved.get(k)!r} -> {ours.get(k)!r}" for k in changed
              if not k.startswith(_MAY_CHANGE)]
@@ -430,6 +448,14 @@ def _restore_rng(path: Path, state: dict, engine: PPOEngine) -> None:
 
 def _config_dict(config: RunConfig) -> dict[str, Any]:
     return json.loads(json.dumps(asdict(config)))
+
+
+def _as_written(flat: dict[str, Any], key: str) -> Any:
+    """``key``'s value in a flattened config; a mapping given whole (``models.arch``) whole."""
+    if key in flat:
+        return flat[key]
+    return {name[len(key) + 1:]: value for name, value in flat.items()
+            if name.startswith(f"{key}.")} or None
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

@@ -31,6 +31,7 @@ from megatron_rlhf.data import (
 )
 from megatron_rlhf.data.demonstrations import DemonstrationStream
 from megatron_rlhf.data.prompts import PromptStream
+from megatron_rlhf.data.readers import prompt_tokens
 from megatron_rlhf.engine.build import (
     build_engine,
     check_checkpoint_tokenizers,
@@ -84,6 +85,7 @@ def run_tokenizer(config: RunConfig, sources: dict[str, ModelSource]) -> Tokeniz
 
 def load_prompts(config: RunConfig, tokenizer: Tokenizer | HFTokenizer) -> PromptStream:
     """Tokenised PPO prompts from the configured files, or the synthetic task."""
+    origin = ""
     if config.prompts.paths:
         data = DataConfig(list(config.prompts.paths), config.prompts.reader, config.prompts.split)
         splits, summaries = load_splits(data, tokenizer)
@@ -91,11 +93,21 @@ def load_prompts(config: RunConfig, tokenizer: Tokenizer | HFTokenizer) -> Promp
             logger.info("%s", summary.format())
         records = [(record.prompt, record.messages) for record in splits.ppo]
         rows = [record.row or {} for record in splits.ppo]
+        origin = _split_origin(splits.sizes(), config.prompts.split.ppo)
     else:
         rows = generate_records(config.prompts.synthetic)
         records = [(record["prompt"], None) for record in rows]
-    return PromptStream(_encode(records, config, tokenizer, "prompts"),
-                        config.rollout.prompts_per_step, config.runtime.seed, rows)
+    prompts = _encode(records, config, tokenizer, "prompts", bool(config.prompts.paths))
+    return PromptStream(prompts, config.rollout.prompts_per_step, config.runtime.seed, rows,
+                        origin)
+
+
+def _split_origin(sizes: dict[str, int], ppo_share: float) -> str:
+    """Which share of the files PPO reads, with the split's counts, for the prompt refusals."""
+    counts = ", ".join(f"{name} {count}" for name, count in sizes.items())
+    return (f"PPO uses only the ppo share of prompts.paths, prompts.split.ppo={ppo_share:g}: "
+            f"{sizes['ppo']} of the {sum(sizes.values())} good records ({counts}); raise "
+            "prompts.split.ppo to use more of them")
 
 
 def load_eval_prompts(config: RunConfig, tokenizer: Tokenizer | HFTokenizer) -> list[list[int]]:
@@ -127,7 +139,8 @@ def load_eval_set(config: RunConfig, tokenizer: Tokenizer | HFTokenizer
                     "is empty")
         return [], []
     count = evaluation.num_prompts
-    return _encode(records[:count], config, tokenizer, "held-out prompts"), rows[:count]
+    return (_encode(records[:count], config, tokenizer, "held-out prompts",
+                    bool(evaluation.paths)), rows[:count])
 
 
 def load_demonstrations(config: RunConfig, tokenizer: Tokenizer | HFTokenizer
@@ -166,18 +179,45 @@ def _read_demonstrations(config: RunConfig, tokenizer: Tokenizer | HFTokenizer
 
 
 def _encode(records: list[tuple[str, list | None]], config: RunConfig,
-            tokenizer: Tokenizer | HFTokenizer,
-            what: str) -> list[list[int]]:
-    """Token ids of ``(text, messages)`` prompts, through the chat template where it applies."""
+            tokenizer: Tokenizer | HFTokenizer, what: str, from_files: bool) -> list[list[int]]:
+    """Token ids of ``(text, messages)`` prompts, through the chat template where it applies.
+
+    Raises:
+        ValueError: a prompt longer than ``rollout.max_prompt_length``; the message gives the
+            exact values that fix it (``from_files``: the records were read with
+            ``prompts.reader``, whose limit can drop them).
+    """
     limit = config.rollout.max_prompt_length
     prompts = [encode_prompt(tokenizer, text, messages, config.prompts.chat_template)
                for text, messages in records]
     too_long = [i for i, p in enumerate(prompts) if len(p) > limit]
     if too_long:
-        raise ValueError(f"{len(too_long)} {what} are longer than rollout.max_prompt_length="
-                         f"{limit} tokens (first: #{too_long[0]}, {len(prompts[too_long[0]])} "
-                         "tokens); raise the limit or set prompts.reader.max_prompt_tokens")
+        raise ValueError(_too_long_message(records, prompts, too_long, limit, tokenizer, what,
+                                           from_files))
     return prompts
+
+
+def _too_long_message(records: list[tuple[str, list | None]], prompts: list[list[int]],
+                      too_long: list[int], limit: int, tokenizer: Tokenizer | HFTokenizer,
+                      what: str, from_files: bool) -> str:
+    """The refusal of over-long prompts, with the settings that would accept or drop them.
+
+    ``prompts.reader.max_prompt_tokens`` counts the prompt's own tokens, the rollout limit also
+    BOS and the chat template; the reader's value is the limit less the largest such overhead.
+    """
+    first = too_long[0]
+    message = (f"{len(too_long)} {what} are longer than rollout.max_prompt_length={limit} "
+               f"tokens (first: #{first}, {len(prompts[first])} tokens with BOS and chat "
+               f"template); set rollout.max_prompt_length={max(map(len, prompts))} to keep them")
+    if not from_files:
+        return message
+    overhead = max(len(ids) - prompt_tokens(text, messages, tokenizer)
+                   for (text, messages), ids in zip(records, prompts, strict=True))
+    if limit - overhead < 1:
+        return message
+    return (f"{message}, or prompts.reader.max_prompt_tokens={limit - overhead} to drop them "
+            f"when reading (it counts the prompt's text alone; BOS and the chat template add "
+            f"up to {overhead})")
 
 
 def rule_reward_for(config: RunConfig, tokenizer: Tokenizer) -> RuleReward | None:

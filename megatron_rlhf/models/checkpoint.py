@@ -428,6 +428,13 @@ def read_checkpoint_info(directory: str | Path) -> CheckpointInfo:
         raise FileNotFoundError(f"checkpoint directory {path} does not exist{hint}")
     info_path = path / INFO_FILE
     if not info_path.is_file():
+        models = sorted(sub.name for sub in path.iterdir() if (sub / INFO_FILE).is_file())
+        if models:
+            raise ValueError(
+                f"{path} is a checkpoint of a whole PPO run, not of one model: its models are "
+                f"in {models}; name one of them (e.g. models.actor_checkpoint={path / models[0]})"
+                f" to start a new run from it, or continue that run with "
+                f"checkpoint.resume_from={path}")
         raise ValueError(f"{path} is not a complete megatron_rlhf checkpoint: {INFO_FILE} is "
                          "missing (it is written last; the save did not finish)")
     try:

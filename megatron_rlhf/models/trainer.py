@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -79,6 +79,10 @@ class OptimizerSettings:
             ``models.fsdp_checkpoint``).
     """
 
+    SECTION: ClassVar[str] = "optimizer"
+    """The configuration section these settings are read from, named by the refusals (a run's
+    ``actor_optimizer`` and ``critic_optimizer`` are subclasses that name themselves)."""
+
     lr: float = 1e-5
     min_lr: float = 0.0
     weight_decay: float = 0.0
@@ -94,40 +98,42 @@ class OptimizerSettings:
     fsdp: bool = False
 
     def __post_init__(self) -> None:
+        section = self.SECTION
         if not self.lr > 0:
-            raise ValueError(f"optimizer.lr={self.lr} must be positive")
+            raise ValueError(f"{section}.lr={self.lr} must be positive")
         if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"optimizer.min_lr={self.min_lr} must be in [0, lr={self.lr}]")
+            raise ValueError(f"{section}.min_lr={self.min_lr} must be in [0, lr={self.lr}]")
         if self.clip_grad < 0:
-            raise ValueError(f"optimizer.clip_grad={self.clip_grad} must be >= 0 (0 disables)")
+            raise ValueError(f"{section}.clip_grad={self.clip_grad} must be >= 0 (0 disables)")
         if self.lr_schedule not in _SCHEDULES:
-            raise ValueError(f"optimizer.lr_schedule={self.lr_schedule!r} is not one of {_SCHEDULES}")
+            raise ValueError(f"{section}.lr_schedule={self.lr_schedule!r} is not one of "
+                             f"{_SCHEDULES}")
         if self.lr_warmup_steps < 0 or self.lr_decay_steps < 0:
-            raise ValueError("optimizer.lr_warmup_steps and lr_decay_steps must be >= 0")
+            raise ValueError(f"{section}.lr_warmup_steps and lr_decay_steps must be >= 0")
         self._check_cpu_offload()
         if self.fsdp and not self.distributed_optimizer:
-            raise ValueError("optimizer.fsdp=true needs optimizer.distributed_optimizer=true "
+            raise ValueError(f"{section}.fsdp=true needs {section}.distributed_optimizer=true "
                              "(megatron steps Megatron-FSDP's shards with its distributed "
                              "optimizer)")
         if self.fsdp and self.cpu_offload_fraction:
-            raise ValueError(f"optimizer.fsdp=true with optimizer.cpu_offload_fraction="
+            raise ValueError(f"{section}.fsdp=true with {section}.cpu_offload_fraction="
                              f"{self.cpu_offload_fraction}: the optimizer CPU offload is wired for "
                              "the distributed optimizer only; set one of them off")
 
     def _check_cpu_offload(self) -> None:
-        fraction = self.cpu_offload_fraction
+        fraction, section = self.cpu_offload_fraction, self.SECTION
         if not 0.0 <= fraction <= 1.0:
-            raise ValueError(f"optimizer.cpu_offload_fraction={fraction} must be in [0, 1]")
+            raise ValueError(f"{section}.cpu_offload_fraction={fraction} must be in [0, 1]")
         if fraction and not self.distributed_optimizer:
-            raise ValueError(f"optimizer.cpu_offload_fraction={fraction} needs "
-                             "optimizer.distributed_optimizer=true (megatron offloads the "
+            raise ValueError(f"{section}.cpu_offload_fraction={fraction} needs "
+                             f"{section}.distributed_optimizer=true (megatron offloads the "
                              "distributed optimizer's shards)")
         if fraction and not torch.cuda.is_available():
-            raise ValueError(f"optimizer.cpu_offload_fraction={fraction} moves optimizer state "
+            raise ValueError(f"{section}.cpu_offload_fraction={fraction} moves optimizer state "
                              "from a CUDA device to the host and needs CUDA, which this machine "
                              "lacks; set it to 0")
         if fraction and not transformer_engine_importable():
-            raise ValueError(f"optimizer.cpu_offload_fraction={fraction} needs Transformer "
+            raise ValueError(f"{section}.cpu_offload_fraction={fraction} needs Transformer "
                              "Engine: megatron-core 0.16.1 offloads through its precision-aware "
                              "optimizer, whose config reads TE's version; install "
                              "transformer-engine or set it to 0")

@@ -197,9 +197,26 @@ class ClusterSpec:
 
 
 def cluster_from_environment(pools: list[DevicePool] | None = None) -> ClusterSpec:
-    """The configured pools, or one pool shaped like torchrun's world (nodes x local ranks)."""
+    """The configured pools, or one pool shaped like torchrun's world (nodes x local ranks)
+    whose memory is this machine's (:func:`local_device_memory_gib`)."""
     if pools:
         return ClusterSpec(tuple(pools))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    return ClusterSpec((DevicePool("local", nodes=world // local, devices_per_node=local),))
+    return ClusterSpec((DevicePool("local", nodes=world // local, devices_per_node=local,
+                                   memory_gib=local_device_memory_gib(local)),))
+
+
+def local_device_memory_gib(local_ranks: int) -> float:
+    """The memory one of this machine's ``local_ranks`` ranks has, GiB (one decimal): its CUDA
+    device's, or without CUDA the host's RAM shared by the ranks (an unknown amount: the
+    ``DevicePool`` default)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # sysconf lacks these names on some systems
+        return DevicePool.memory_gib
+    return round(host / 2**30 / local_ranks, 1)

@@ -41,7 +41,7 @@ from megatron_rlhf.topology.models import (
     ModelSpec,
     arch_preset,
 )
-from megatron_rlhf.topology.placement_config import SEPARATION, PlacementConfig
+from megatron_rlhf.topology.placement_config import CUSTOM, SEPARATION, PlacementConfig
 from megatron_rlhf.topology.plan import ModelPlacement, PlacementPlan
 from megatron_rlhf.topology.validate import validate_plan
 
@@ -67,6 +67,9 @@ class _Region:
     name: str
     segments: tuple[_Segment, ...]
     ratios: dict[str, float]
+    preset: str = ""
+    """The strategy whose preset gave ``ratios``; empty when the user gave them or for the
+    regions of separation."""
 
     @property
     def devices(self) -> int:
@@ -171,7 +174,8 @@ def _regions(cluster: ClusterSpec, config: PlacementConfig, roles: list[str]) ->
     nodes = [_Segment(node.first_rank, node.size, node.pool_index) for node in cluster.nodes()]
     if not config.separated:
         ratios = config.role_ratios()
-        return [_Region("cluster", tuple(nodes), {role: ratios[role] for role in roles})]
+        preset = "" if config.strategy == CUSTOM else config.strategy
+        return [_Region("cluster", tuple(nodes), {role: ratios[role] for role in roles}, preset)]
     if config.strategy == SEPARATION:
         train, infer = _split(nodes, config.train_fraction)
     else:
@@ -248,6 +252,18 @@ def _pack(region: _Region, specs: Mapping[str, ModelSpec]) -> dict[str, ModelPla
     return placements
 
 
+def _zero_devices_message(region: _Region, role: str, ratio: float) -> str:
+    """Why ``role`` gets no device, in the terms the user chose: a strategy or its ratios."""
+    if region.preset:
+        return (f"placement.strategy={region.preset!r} places {role} on {ratio:g} of the "
+                f"devices, which rounds to zero on this cluster's {region.devices}: "
+                f"{region.preset} needs at least {math.ceil(1 / ratio - _EPS)} devices; add "
+                "ranks or use placement.strategy='flattening'")
+    return (f"placement.ratios gives {role} ratio {ratio} of the {region.devices} devices of "
+            f"region {region.name!r}, which rounds to zero devices: raise the ratio to at least "
+            f"{1 / region.devices:.3g}")
+
+
 @dataclass(frozen=True)
 class _Cursor:
     """Where the next block may start: a segment index and a device offset inside it."""
@@ -280,10 +296,7 @@ def _inside_node(region: _Region, role: str, ratio: float, cursor: _Cursor
     """An aligned block inside one segment, sized a divisor of the segment."""
     target = math.floor(ratio * region.devices + _EPS)
     if target < 1:
-        raise ValueError(
-            f"{role} ratio {ratio} of the {region.devices} devices of region {region.name!r} "
-            f"rounds to zero devices: raise the ratio to at least {1 / region.devices:.3g}"
-        )
+        raise ValueError(_zero_devices_message(region, role, ratio))
     segment, offset = cursor.segment, cursor.offset
     # Terminates: after wrapping to (0, 0) the block fits, as its size divides the segment.
     while True:

@@ -25,7 +25,7 @@ from megatron_rlhf.topology.models import (
     TRAINABLE_ROLES,
     divisors_text,
 )
-from megatron_rlhf.topology.placement_config import DISJOINT_ROLES, SEPARATED
+from megatron_rlhf.topology.placement_config import CUSTOM, DISJOINT_ROLES, SEPARATED
 from megatron_rlhf.topology.plan import ModelPlacement, PlacementPlan
 
 
@@ -96,11 +96,15 @@ def _check_parallel_fits(plan: PlacementPlan, model: ModelPlacement) -> None:
                 f"pool {pool.kind!r}: choose tp in {divisors_text(pool.devices_per_node)}"
             )
     if model.size % (tp * pp):
+        strategy = plan.config.strategy
+        ratio, other = ((f"placement.ratios gives {model.ratio}", "change its ratio")
+                        if strategy == CUSTOM else
+                        (f"ratio {model.ratio} of placement.strategy={strategy!r}",
+                         "choose another placement.strategy"))
         raise ValueError(
-            f"{role} is placed on {model.size} device{'s' * (model.size != 1)} (ratio "
-            f"{model.ratio}), not a multiple of tp*pp = {tp}*{pp} = {tp * pp}: choose {role} "
-            f"tp*pp in {divisors_text(model.size)} (placement.parallel[{role!r}]) or change "
-            "its ratio"
+            f"{role} is placed on {model.size} device{'s' * (model.size != 1)} ({ratio}), not "
+            f"a multiple of tp*pp = {tp}*{pp} = {tp * pp}: choose {role} tp*pp in "
+            f"{divisors_text(model.size)} (placement.parallel[{role!r}]) or {other}"
         )
 
 

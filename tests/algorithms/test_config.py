@@ -39,7 +39,7 @@ def test_defaults_are_plain_ppo() -> None:
 def test_edge_values_are_kept_and_the_next_one_is_refused(field: str, edge: object,
                                                           beyond: object) -> None:
     assert getattr(PPOAlgorithmConfig(**{field: edge}), field) == edge
-    with pytest.raises(ValueError, match=rf"^{field}\("):
+    with pytest.raises(ValueError, match=rf"^algorithm\.{field}\("):
         PPOAlgorithmConfig(**{field: beyond})
 
 
@@ -71,7 +71,7 @@ def test_edge_values_are_kept_and_the_next_one_is_refused(field: str, edge: obje
     ],
 )
 def test_bad_field_raises_naming_it(field: str, value: object) -> None:
-    with pytest.raises(ValueError, match=rf"^{field}\(") as error:
+    with pytest.raises(ValueError, match=rf"^algorithm\.{field}\(") as error:
         PPOAlgorithmConfig(**{field: value})
     assert str(value) in str(error.value)  # the message shows the refused value
 
@@ -100,5 +100,5 @@ def test_kl_in_loss_takes_the_kl_out_of_the_reward() -> None:
 
 
 def test_adaptive_kl_with_kl_in_loss_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"^adaptive_kl\(True\) .* kl_in\('loss'\)"):
+    with pytest.raises(ValueError, match=r"^algorithm.adaptive_kl\(True\) .* kl_in\('loss'\)"):
         PPOAlgorithmConfig(kl_in="loss", adaptive_kl=True)

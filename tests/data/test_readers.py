@@ -287,3 +287,31 @@ def test_prompt_limit_counts_the_chat_template_of_conversations(tmp_path: Path) 
     assert summary.examples[0].reason == "prompt_too_long"
     assert summary.examples[0].field == "messages"
     assert summary.examples[0].detail == f"{templated} tokens > max_prompt_tokens(20)"
+
+
+def test_a_json_file_holding_an_array_of_records_is_read_as_records(tmp_path: Path) -> None:
+    path = tmp_path / "prefs.json"
+    path.write_text(json.dumps([GOOD, {**GOOD, "chosen": 3}, "text", GOOD], indent=2))
+    records, summary = read_records(path, ReaderConfig())
+    assert len(records) == 2 and records[0].prompt == GOOD["prompt"]
+    assert summary.counts == {"not_a_string": 1, "not_an_object": 1}
+    assert [bad.describe() for bad in summary.examples] == [
+        f"{path} record 2, field 'chosen': not_a_string (expected text, got int)",
+        f"{path} record 3: not_an_object (a JSON str, not an object)"]
+
+
+def test_a_json_array_that_does_not_parse_names_its_line_and_column(tmp_path: Path) -> None:
+    path = tmp_path / "prefs.json"
+    path.write_text('[\n  {"prompt": "a"},\n  {"prompt": "b",}\n]\n')
+    with pytest.raises(DataError, match=r"prefs.json holds a JSON array that does not parse: "
+                       r"line 3 column 18: Expecting property name"):
+        read_records(path, ReaderConfig(required=["prompt"]))
+
+
+def test_a_json_lines_error_names_the_column_where_the_line_breaks(tmp_path: Path) -> None:
+    path = _write_jsonl(tmp_path / "data.jsonl", [b'{"prompt": "a", "response": "b"',
+                                                  b'{"prompt": "a",, "response": "b"}'])
+    _, summary = read_records(path, ReaderConfig(required=["prompt"]))
+    assert [bad.detail for bad in summary.examples] == [
+        "column 32: Expecting ',' delimiter", "column 16: Expecting property name enclosed in "
+        "double quotes"]

@@ -48,7 +48,9 @@ def test_shipped_configs_load_and_rm_inherits_the_sft_model() -> None:
     sft = load_config(SFTConfig, ROOT / "examples" / "sft_tiny.yaml")
     rm = load_config(RMConfig, ROOT / "examples" / "rm_tiny.yaml")
     assert (sft.model.arch, rm.model.arch) == ("tiny", "tiny")
-    assert rm.model.init_checkpoint == f"{sft.out_dir}/checkpoint"
+    # The RM reads (relative to its YAML) what sft_tiny writes (relative to the working
+    # directory) when both are launched from the repository root, as the docs do.
+    assert Path(rm.model.init_checkpoint) == ROOT / sft.out_dir / "checkpoint"
     assert rm.train.global_batch_size == sft.train.global_batch_size
     assert sft.data.reader.required == ["prompt", "response"]
     assert rm.data.reader.required == ["prompt", "chosen", "rejected"]

@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
+import subprocess
+import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from megatron_rlhf.builder.sources import resolve_sources
 from megatron_rlhf.config.loader import load_config
@@ -60,6 +65,33 @@ def test_an_empty_override_value_says_how_to_write_an_empty_string() -> None:
     assert "for an empty string write models.reward_checkpoint=''" in str(error.value)
     config = load_config(RunConfig, TINY, ["models.reward_checkpoint=''"])
     assert config.models.reward_checkpoint == ""
+
+
+@pytest.mark.parametrize("override, message, empty", [
+    ("prompts.paths=", "prompts.paths has no value; for an empty list write prompts.paths=[]",
+     "prompts.paths=[]"),
+    ("models.offload=", "models.offload has no value; for an empty mapping write "
+     "models.offload={}", "models.offload={}"),
+    ("steps=", "steps has no value; give one, e.g. steps=20", None),
+])
+def test_an_empty_override_says_how_to_write_an_empty_value_of_its_type(
+        override: str, message: str, empty: str | None) -> None:
+    with pytest.raises(ValueError) as error:
+        load_config(RunConfig, TINY, [override])
+    assert str(error.value) == f"override {override!r}: {message}"
+    if empty is not None:
+        load_config(RunConfig, TINY, [empty])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("actor_optimizer.lr=-1", "actor_optimizer.lr=-1.0 must be positive"),
+    ("critic_optimizer.min_lr=1", "critic_optimizer.min_lr=1.0 must be in [0, lr=0.001]"),
+    ("critic_optimizer.lr_schedule=step", "critic_optimizer.lr_schedule='step' is not one of"),
+])
+def test_optimizer_refusals_name_the_section_the_user_wrote(override: str, message: str) -> None:
+    with pytest.raises(ValueError) as error:
+        load_config(RunConfig, TINY, [override])
+    assert str(error.value).startswith(message)
 
 
 def test_optimizer_settings_are_those_of_the_role_and_only_trained_roles_have_them() -> None:
@@ -181,6 +213,13 @@ def test_resume_refuses_another_model_or_tokenizer_and_warns_of_other_changes(
     with pytest.raises(ValueError, match="trained with another tokenizer .*sha256 abc123, this "
                        "run's is def456"):
         check_compatible(path, saved, "def456")
+    mapping = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 512,
+               "seq_length": 128, "ffn_hidden_size": 256}
+    given_as_mapping = replace(saved, models=replace(saved.models, arch=mapping))
+    with pytest.raises(ValueError) as error:
+        check_compatible(path, given_as_mapping, "abc123")
+    assert "was saved with models.arch='tiny'; this run has {'num_layers': 2, " in str(error.value)
+    assert "None" not in str(error.value)
     logger = logging.getLogger("megatron_rlhf.engine.checkpointing")
     logger.addHandler(caplog.handler)
     try:
@@ -202,11 +241,12 @@ def test_corrupted_run_state_is_refused(tmp_path: Path) -> None:
         read_rl_state(tmp_path)
 
 
-def _model_checkpoint(path: Path, fingerprint: str) -> Path:
+def _model_checkpoint(path: Path, fingerprint: str, role: str = "reward") -> Path:
     path.mkdir(parents=True)
-    info = CheckpointInfo(model=ModelDescription(2, 64, 4, 4, 128, 512, 64, head="scalar"),
+    head = "scalar" if role == "reward" else "lm"
+    info = CheckpointInfo(model=ModelDescription(2, 64, 4, 4, 128, 512, 64, head=head),
                           tp_size=1, pp_size=1,
-                          metadata={"role": "reward", "tokenizer_fingerprint": fingerprint})
+                          metadata={"role": role, "tokenizer_fingerprint": fingerprint})
     (path / INFO_FILE).write_text(json.dumps(asdict(info)))
     return path
 
@@ -252,3 +292,138 @@ def test_fault_config_defaults_stop_on_nan_and_check_consistency() -> None:
     config = FaultConfig()
     assert config.on_nan == "stop" and config.check_consistency
     assert CheckpointConfig().keep_last == 2
+
+
+def _prompt_file(path: Path, prompts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"prompt": prompt}) + "\n" for prompt in prompts))
+    return path
+
+
+def _suggested(setting: str, message: str) -> int:
+    match = re.search(rf"{re.escape(setting)}=(\d+)", message)
+    assert match, f"{setting} not suggested in: {message}"
+    return int(match.group(1))
+
+
+def test_the_prompt_length_refusal_gives_values_that_work(tmp_path: Path) -> None:
+    from megatron_rlhf.engine.runner import load_prompts
+    from megatron_rlhf.models.tokenizer import load_tokenizer
+
+    words = "the cat sat on the mat and looked at the dog".split()
+    texts = [" ".join(words[:n]) for n in range(2, len(words) + 1)] * 4
+    data = _prompt_file(tmp_path / "prompts.jsonl", texts)
+    overrides = [f"prompts.paths=[{data}]", "prompts.split.sft=0", "prompts.split.rm=0",
+                 "prompts.split.ppo=1", "rollout.prompts_per_step=4", "rollout.max_prompt_length=8"]
+    config = load_config(RunConfig, TINY, overrides)
+    tokenizer = load_tokenizer(config.tokenizer)
+    with pytest.raises(ValueError) as error:
+        load_prompts(config, tokenizer)
+    message = str(error.value)
+    assert "longer than rollout.max_prompt_length=8 tokens" in message
+    assert "BOS and the chat template add up to 1)" in message
+    reader_limit = _suggested("prompts.reader.max_prompt_tokens", message)
+    assert reader_limit == 7
+    kept = load_prompts(replace(config, prompts=replace(
+        config.prompts, reader=replace(config.prompts.reader, max_prompt_tokens=reader_limit))),
+        tokenizer)
+    assert kept.prompts and max(map(len, kept.prompts)) <= 8
+    longest = _suggested("rollout.max_prompt_length", message.split(";", 1)[1])
+    widened = load_prompts(replace(config, rollout=replace(config.rollout,
+                                                           max_prompt_length=longest)), tokenizer)
+    assert len(widened.prompts) == len(texts)
+
+
+def test_synthetic_prompts_too_long_are_not_sent_to_the_reader(
+        capsys: pytest.CaptureFixture) -> None:
+    code, err = _tool(["rollout.max_prompt_length=6"], capsys)
+    assert code == 2 and "longer than rollout.max_prompt_length=6 tokens" in err
+    assert "; set rollout.max_prompt_length=" in err and "prompts.reader" not in err
+
+
+def test_too_few_prompts_names_the_ppo_share_of_the_split(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    data = _prompt_file(tmp_path / "prompts.jsonl", [f"prompt number {i}" for i in range(40)])
+    code, err = _tool([f"prompts.paths=[{data}]"], capsys)
+    assert code == 2
+    assert re.search(r"rollout.prompts_per_step\(16\) exceeds the (\d+) prompts available "
+                     r"\(PPO uses only the ppo share of prompts.paths, prompts.split.ppo=0.3: "
+                     r"\1 of the 40 good records \(sft \d+, rm \d+, ppo \1\); raise "
+                     r"prompts.split.ppo to use more of them\)", err), err
+
+
+def test_a_model_checkpoint_given_to_resume_points_to_models_actor_checkpoint(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    sft = _model_checkpoint(tmp_path / "sft" / "checkpoint", "f" * 64, role="actor")
+    (sft / "manifest.json").write_text(json.dumps({"format_version": 1, "files": {}}))
+    code, err = _tool([f"checkpoint.resume_from={sft}"], capsys)
+    assert code == 2
+    assert (f"checkpoint.resume_from={sft} is the checkpoint of one model (role 'actor'), not of "
+            f"a PPO run, so there is no run to continue: start a new run from it with "
+            f"models.actor_checkpoint={sft} and no checkpoint.resume_from") in err
+
+
+def test_a_ppo_run_checkpoint_given_as_a_model_names_its_models(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    step = tmp_path / "ckpt" / "step_00000004"
+    for role in ("actor", "critic"):
+        _model_checkpoint(step / role, "f" * 64, role="actor")
+    _rl_state(step, RunConfig())
+    (step / "manifest.json").write_text(json.dumps({"format_version": 1, "files": {}}))
+    code, err = _tool([f"models.actor_checkpoint={step}"], capsys)
+    assert code == 2 and "unfinished" not in err and "did not finish" not in err
+    assert (f"{step} is a checkpoint of a whole PPO run, not of one model: its models are in "
+            f"['actor', 'critic']; name one of them (e.g. models.actor_checkpoint={step}/actor) "
+            f"to start a new run from it, or continue that run with "
+            f"checkpoint.resume_from={step}") in err
+
+
+def test_the_memory_check_on_cpu_uses_this_machines_memory(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    host_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    code, err = _tool(["models.arch=llama-13b"], capsys)
+    assert code == 2 and "actor needs ~218.2 GiB per device" in err
+    assert f"but pool 'local' has {round(host_gib, 1):g} GiB" in err
+
+
+def test_a_refusal_is_printed_by_rank_0_only_and_every_rank_exits_2(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setenv("RANK", "1")
+    assert _tool(["placement.strategy=bogus"], capsys) == (2, "")
+    assert _tool(["rollout.max_prompt_length=2"], capsys) == (2, "")
+    monkeypatch.setenv("RANK", "0")
+    code, err = _tool(["placement.strategy=bogus"], capsys)
+    assert code == 2 and "run_ppo: bad configuration: placement.strategy='bogus'" in err
+
+
+@pytest.mark.multirank
+def test_under_torchrun_a_refusal_is_printed_once() -> None:
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", "tools/run_ppo.py",
+                           "placement.strategy=bogus"],
+                          cwd=repo, capture_output=True, text=True, timeout=240)
+    assert done.returncode != 0
+    assert done.stderr.count("run_ppo: bad configuration: placement.strategy='bogus'") == 1
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["steps=-1"], "steps=-1 must be >= 0 (0 only evaluates the initial policy)"),
+    (["generation.max_new_tokens=0"],
+     "generation.max_new_tokens=0 leaves PPO no response to score; give at least 1"),
+    (["rollout.max_staleness=3"], "rollout.max_staleness=3 is used only with "
+                                  "rollout.async_rollout=true; set that too, or drop max_staleness"),
+    (["evaluation.paths=[/data/held_out.jsonl]"],
+     "evaluation.paths=['/data/held_out.jsonl'] is read only when evaluation.num_prompts > 0, and "
+     "it is 0 (evaluation off); set evaluation.num_prompts (e.g. 64), or drop evaluation.paths"),
+    (["ptx.paths=[/data/sft.jsonl]"], "ptx.paths is used only by PPO-ptx, which ptx.coef=0 turns "
+                                      "off; set ptx.coef > 0 (e.g. ptx.coef=0.5), or drop "
+                                      "ptx.paths"),
+    (["ptx.rows=4"], "ptx.rows is used only by PPO-ptx, which ptx.coef=0 turns off"),
+])
+def test_a_meaningless_or_ignored_setting_is_refused(overrides: list[str], message: str) -> None:
+    with pytest.raises(ValueError) as error:
+        load_config(RunConfig, TINY, overrides)
+    assert message in str(error.value)

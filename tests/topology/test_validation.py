@@ -38,8 +38,12 @@ def test_config_refusals(kwargs: dict, message: str) -> None:
 
 @pytest.mark.parametrize("cluster,config,models,message", [
     (CLUSTERS["1x8"], PlacementConfig("custom", ratios=[1, 1, 0.1, 0.5]), "tiny",
-     r"ref ratio 0.1 of the 8 devices of region 'cluster' rounds to zero devices: raise the "
-     r"ratio to at least 0.125"),
+     r"placement.ratios gives ref ratio 0.1 of the 8 devices of region 'cluster', which rounds "
+     r"to zero devices: raise the ratio to at least 0.125"),
+    (ClusterSpec.homogeneous(1, 1), PlacementConfig("interleaving"), "tiny",
+     r"placement.strategy='interleaving' places ref on 0.5 of the devices, which rounds to zero "
+     r"on this cluster's 1: interleaving needs at least 2 devices; add ranks or use "
+     r"placement.strategy='flattening'"),
     (ONE_BY_FOUR, PlacementConfig(tp=4, pp=2), "tiny",
      r"actor needs tp\*pp = 4\*2 = 8 devices but the cluster has 4: lower actor.tp or actor.pp"),
     (CLUSTERS["16x8"], PlacementConfig(tp=16), "llama-65b",
@@ -54,7 +58,8 @@ def test_config_refusals(kwargs: dict, message: str) -> None:
     (CLUSTERS["1x8"], PlacementConfig(pp=3), "small",
      r"actor.pp\(3\) does not divide num_layers\(4\) of 'small': choose pp in \{1,2,4\}"),
     (ONE_BY_FOUR, PlacementConfig("interleaving", tp=4), "tiny",
-     r"ref is placed on 2 devices \(ratio 0.5\), not a multiple of tp\*pp = 4\*1 = 4"),
+     r"ref is placed on 2 devices \(ratio 0.5 of placement.strategy='interleaving'\), not a "
+     r"multiple of tp\*pp = 4\*1 = 4: .* or choose another placement.strategy"),
     (ClusterSpec.homogeneous(1, 1), PlacementConfig("separation"), "tiny",
      "'separation' needs at least 2 devices"),
     (CLUSTERS["2x8"], PlacementConfig("hetero-separation"), "tiny",

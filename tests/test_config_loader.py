@@ -1,0 +1,82 @@
+"""The config loader's path rule: what a YAML names for the run to read is relative to that
+YAML's folder (like ``base:``), an override's is relative to the working directory, and both
+end absolute, so a run's saved config.yaml loads from anywhere."""
+
+from __future__ import annotations
+
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+
+import pytest
+
+from megatron_rlhf.config.loader import load_config, to_yaml
+from megatron_rlhf.config.ppo_run import RunConfig
+from megatron_rlhf.config.supervised_run import SFTConfig
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _yaml(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_paths_a_yaml_reads_are_relative_to_its_folder(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    _yaml(tmp_path / "configs" / "base" / "common.yaml",
+          f"base: {EXAMPLES / 'ppo_tiny.yaml'}\nevaluation:\n  paths: [held_out.jsonl]\n  num_prompts: 8\n")
+    config_file = _yaml(tmp_path / "configs" / "run.yaml",
+                        "base: base/common.yaml\nprompts:\n  paths: [data/train.jsonl, "
+                        "/abs/other.jsonl]\nmodels:\n  actor_checkpoint: ../ckpt/sft\n"
+                        "tokenizer:\n  model_path: ~/tok.model\nrun_dir: runs/mine\n")
+    monkeypatch.chdir(tmp_path / "configs" / "base")  # anywhere but the YAML's folder
+    config = load_config(RunConfig, config_file)
+    assert config.prompts.paths == [str(tmp_path / "configs" / "data" / "train.jsonl"),
+                                    "/abs/other.jsonl"]
+    assert config.evaluation.paths == [str(tmp_path / "configs" / "base" / "held_out.jsonl")]
+    assert config.models.actor_checkpoint == str(tmp_path / "ckpt" / "sft")
+    assert config.tokenizer.model_path == "~/tok.model"
+    assert config.run_dir == "runs/mine"  # what the run writes: where it is launched
+
+
+def test_override_paths_are_relative_to_the_working_directory_and_saved_absolute(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = load_config(RunConfig, EXAMPLES / "ppo_tiny.yaml",
+                         ["prompts.paths=[data/train.jsonl]", "models.reward_checkpoint=rm",
+                          "models.actor_checkpoint=''"])
+    assert config.prompts.paths == [str(tmp_path / "data" / "train.jsonl")]
+    assert (config.models.reward_checkpoint, config.models.actor_checkpoint) == (
+        str(tmp_path / "rm"), "")
+    saved = _yaml(tmp_path / "run" / "config.yaml", to_yaml(config))
+    assert load_config(RunConfig, saved).prompts.paths == config.prompts.paths
+
+
+def test_supervised_configs_follow_the_same_rule(tmp_path: Path) -> None:
+    config_file = _yaml(tmp_path / "sft.yaml", f"base: {EXAMPLES / 'sft_tiny.yaml'}\n"
+                        "data:\n  paths: [train.jsonl]\n  eval_paths: [test.jsonl]\n")
+    config = load_config(SFTConfig, config_file)
+    assert (config.data.paths, config.data.eval_paths) == (
+        [str(tmp_path / "train.jsonl")], [str(tmp_path / "test.jsonl")])
+
+
+def test_every_path_field_is_either_read_or_written() -> None:
+    written = {"run_dir", "checkpoint.save_dir", "models.hf_cache_dir", "tokenizer.cache_dir",
+               "out_dir", "model.hf_cache_dir"}
+    for schema in (RunConfig, SFTConfig):
+        fields = _leaf_names(schema())
+        pathlike = {name for name in fields if name.endswith(
+            ("path", "paths", "_dir", "checkpoint", "resume_from"))}
+        assert pathlike - written == set(schema.INPUT_PATHS), schema.__name__
+
+
+def _leaf_names(config: object, prefix: str = "") -> list[str]:
+    names = []
+    for item in fields(config):
+        value = getattr(config, item.name)
+        if is_dataclass(value):
+            names += _leaf_names(value, f"{prefix}{item.name}.")
+        else:
+            names.append(f"{prefix}{item.name}")
+    return names
