@@ -145,8 +145,14 @@ _WARNING_FILTERS: tuple[tuple[str, type[Warning], str], ...] = (
     ("", DeprecationWarning, r"megatron\.core.*"),
     (r".*torch\.jit\.script_method.*is deprecated.*", Warning, ""),
     (r".*full scope is deprecated.*", Warning, ""),
-    # megatron's distributed optimizer still calls the deprecated all_gather_into_tensor alias.
+    # megatron's distributed optimizer still calls the deprecated all_gather_into_tensor and
+    # reduce_scatter_tensor aliases.
     (r".*all_gather_into_tensor.*is deprecated.*", FutureWarning, ""),
+    (r".*reduce_scatter_tensor.*is deprecated.*", FutureWarning, ""),
+    # megatron reads ``.grad`` of non-leaf tensors during backward; on CPU the read passes through
+    # the CUDA-to-CPU torch function mode, which torch then names as the reader.
+    (r".*\.grad attribute of a Tensor that is not a leaf Tensor.*", UserWarning,
+     r"megatron_rlhf\.runtime\.cpu_compat"),
 )
 
 # What apply_cpu_compat replaced, for undo_cpu_compat: (owner, attribute) -> original value.
