@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers.metrics import metrics_match
 from tests.multirank import run_on_ranks
 
 COMPARED = ("reward_mean", "rm_score", "kl", "policy_loss", "value_loss", "response_length")
@@ -68,7 +69,7 @@ def _schedules() -> dict:
 
 
 def _same(a: dict, b: dict) -> bool:
-    return all(a[k] == pytest.approx(b[k], rel=2e-4, abs=2e-5) for k in COMPARED)
+    return metrics_match(a, b, COMPARED)
 
 
 @pytest.mark.multirank

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers.metrics import assert_metrics_match
 from tests.multirank import run_on_ranks
 
 STRATEGIES = ("flattening", "interleaving", "interleaving2", "separation", "hetero-separation")
@@ -76,11 +77,7 @@ def _check_same_metrics(results: dict[str, list[dict[str, float]]]) -> None:
     reference = results["flattening"]
     for strategy, steps in results.items():
         for step, (metrics, ref) in enumerate(zip(steps, reference, strict=True)):
-            for key in COMPARED:
-                if key not in ref:
-                    continue
-                assert metrics[key] == pytest.approx(ref[key], rel=2e-4, abs=2e-5), (
-                    f"{strategy} step {step} {key}: {metrics[key]} vs flattening {ref[key]}")
+            assert_metrics_match(metrics, ref, COMPARED, f"{strategy} step {step} vs flattening")
     first = reference[0]
     assert first["response_length"] > 1 and first["kl"] == pytest.approx(0.0, abs=1e-5)
     assert abs(reference[1]["kl"]) > 1e-4, "the policy moved: step 2 must show a KL to the reference"
