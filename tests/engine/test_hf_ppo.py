@@ -53,6 +53,7 @@ def _job(root: str, actor: str, reward: str, prompts: str) -> list:
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(360)
 def test_ppo_from_hf_directories_exports_a_model_transformers_loads(tmp_path: Path) -> None:
     from safetensors.torch import load_file
     from transformers import (

@@ -55,6 +55,7 @@ def _job(root: str, actor: str, reward: str, data: str) -> None:
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(360)
 def test_sft_and_rm_start_from_hf_directories_and_export_back(tmp_path: Path) -> None:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification

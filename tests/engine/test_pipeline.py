@@ -21,6 +21,7 @@ def _torchrun(*args: str, timeout: int = 400) -> subprocess.CompletedProcess:
 
 @pytest.mark.multirank
 @pytest.mark.slow
+@pytest.mark.timeout(480)
 def test_pipeline_chains_sft_rm_and_ppo(tmp_path: Path) -> None:
     run_dir = tmp_path / "pipeline"
     done = _torchrun("tools/run_pipeline.py", "--run-dir", str(run_dir), "--sft-steps", "12",

@@ -85,6 +85,7 @@ def _check_same_metrics(results: dict[str, list[dict[str, float]]]) -> None:
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("ac_share", [False, True], ids=["ac-nonshare", "ac-share"])
+@pytest.mark.timeout(480)
 def test_every_placement_gives_the_same_ppo_metrics(ac_share: bool) -> None:
     per_rank = run_on_ranks(_run_strategies, world_size=4, args=(ac_share, 2), timeout_s=420)
     assert all(r == per_rank[0] for r in per_rank), "metrics must be identical on every rank"

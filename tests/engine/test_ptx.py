@@ -163,6 +163,7 @@ def _gradients_both_ways() -> dict:
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(360)
 def test_ptx_gradient_is_the_policy_loss_plus_coef_times_the_mean_nll() -> None:
     results = run_on_ranks(_gradients_both_ways, world_size=2, timeout_s=300)
     for result in results:
@@ -217,6 +218,7 @@ def _ptx_share_of_the_gradient_with_ac_share() -> dict:
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(360)
 def test_ptx_adds_coef_times_the_nll_gradient_to_an_ac_share_actor() -> None:
     """With a value head on the actor (AC-Share) the NLL reads the logits only: the gradient
     with PPO-ptx minus the one without is ``coef`` times the demonstrations' NLL gradient."""

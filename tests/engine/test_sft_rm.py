@@ -208,6 +208,7 @@ def _write_renamed_jsonl(path: Path) -> None:
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(420)
 def test_cli_tools_train_sft_then_reward_model_under_torchrun(tmp_path: Path) -> None:
     data = tmp_path / "qa.jsonl"
     _write_renamed_jsonl(data)

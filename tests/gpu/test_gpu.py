@@ -91,6 +91,7 @@ def _ppo_steps(ac_share: bool) -> tuple[list[dict[str, float]], set[str]]:
 
 
 @pytest.mark.parametrize("ac_share", [False, True], ids=["ac-nonshare", "ac-share"])
+@pytest.mark.timeout(360)
 def test_bf16_flattening_ppo_steps_keep_every_model_input_on_the_gpu(ac_share: bool) -> None:
     metrics, seen = run_on_ranks(_ppo_steps, 1, args=(ac_share,), timeout_s=300,
                                  backend="nccl")[0]
@@ -117,6 +118,7 @@ def _sft_then_rm(root: str) -> tuple[list[dict], list[dict]]:
     return sft, rm
 
 
+@pytest.mark.timeout(360)
 def test_sft_and_reward_model_steps_run_in_bf16(tmp_path: Path) -> None:
     sft, rm = run_on_ranks(_sft_then_rm, 1, args=(str(tmp_path),), timeout_s=300,
                            backend="nccl")[0]
@@ -209,6 +211,7 @@ def _memory_options() -> dict[str, dict]:
 
 @pytest.mark.skipif(not transformer_engine_importable(),
                     reason="optimizer CPU offload needs Transformer Engine (models/trainer.py)")
+@pytest.mark.timeout(360)
 def test_optimizer_cpu_offload_and_recompute_train_like_the_plain_optimizer() -> None:
     """megatron's HybridDeviceOptimizer (half and all of the optimizer on the host) and full
     recomputation give the plain run's losses: the first step's exactly (same weights), later ones

@@ -143,6 +143,7 @@ def test_tp1_single_process_outputs_and_round_trip(tmp_path: Path) -> None:
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(360)
 def test_tp2_and_pp2_outputs_and_round_trip(tmp_path: Path) -> None:
     cases = _cases(tmp_path, ["llama", "llama3-tied", "qwen2-tied", "qwen3", "qwen2-rm"])
     run_on_ranks(_two_rank_job, world_size=2, args=(cases,), timeout_s=300)

@@ -266,6 +266,7 @@ def _disagreement(root: str) -> dict:
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(720)
 def test_resume_is_bit_exact_needs_every_piece_and_survives_faults(tmp_path: Path) -> None:
     root = str(tmp_path)
     with pytest.raises(MultiRankError, match="code -9"):
