@@ -32,7 +32,7 @@ def _config(root: Path, actor: Path, reward: Path, prompts: Path):
 
 def _job(root: str, actor: str, reward: str, prompts: str) -> list:
     from megatron_rlhf.engine import runner
-    from tests.models.test_checkpoint import full_logits
+    from tests.helpers.models import full_logits
 
     captured = {}
     build = runner.build_engine

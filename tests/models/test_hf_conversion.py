@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.helpers.models import full_logits
 from tests.model_fixtures import whole_world_groups
-from tests.models.test_checkpoint import full_logits
 from tests.multirank import run_on_ranks
 from tools.make_tiny_hf import make_hf_model
 
