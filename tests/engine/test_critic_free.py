@@ -16,17 +16,13 @@ from megatron_rlhf.algorithms import PPOAlgorithmConfig
 from megatron_rlhf.config.ppo_run import RolloutConfig, RunConfig
 from megatron_rlhf.engine.ppo import sample_rows
 from megatron_rlhf.topology.placement_config import PlacementConfig
-from tests.helpers.metrics import assert_metrics_match
+from tests.helpers.metrics import assert_metrics_match, even_token_share
 from tests.multirank import run_on_ranks
 
 STRATEGIES = ("flattening", "interleaving", "separation")
 COMPARED = ("reward_mean", "rm_score", "rule_score", "kl", "policy_loss", "response_length",
             "returns_mean", "actor/pg_clipfrac", "actor/grad_norm", "actor/kl_loss")
 PROMPTS, SAMPLES = 4, 4
-
-
-def _even_token_share(prompt: list[int], response: list[int]) -> float:
-    return sum(1 for t in response if t % 2 == 0) / max(1, len(response))
 
 
 def _algorithm(estimator: str) -> PPOAlgorithmConfig:
@@ -84,7 +80,7 @@ def _run_strategies(estimator: str, steps: int) -> dict:
         plan = make_plan(config, cluster_from_environment(None))
         engine = build_engine(config, plan, eos_id=3, pad_id=0)
         algorithm = PPOAlgorithm(engine, config.algorithm, config.rollout, config.reward, seed=5,
-                                 prompts=batch, total_steps=steps, rule_reward=_even_token_share)
+                                 prompts=batch, total_steps=steps, rule_reward=even_token_share)
         results["metrics"][strategy] = [algorithm.step(s) for s in range(steps)]
         results["roles"][strategy] = (sorted(plan.models), sorted(engine.workers))
         if strategy == "flattening":  # every rank is a trainer: it holds the whole batch

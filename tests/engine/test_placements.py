@@ -10,16 +10,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.metrics import assert_metrics_match
+from tests.helpers.metrics import assert_metrics_match, even_token_share
 from tests.multirank import run_on_ranks
 
 STRATEGIES = ("flattening", "interleaving", "interleaving2", "separation", "hetero-separation")
 COMPARED = ("reward_mean", "rm_score", "rule_score", "kl", "policy_loss", "value_loss",
             "response_length", "actor/pg_clipfrac", "actor/grad_norm")
-
-
-def _even_token_share(prompt: list[int], response: list[int]) -> float:
-    return sum(1 for t in response if t % 2 == 0) / max(1, len(response))
 
 
 def _run_strategies(ac_share: bool, steps: int, strategies: tuple[str, ...] = STRATEGIES,
@@ -68,7 +64,7 @@ def _run_strategies(ac_share: bool, steps: int, strategies: tuple[str, ...] = ST
         algorithm = PPOAlgorithm(
             engine, config.algorithm, config.rollout, config.reward, seed=5,
             prompts=lambda s: (prompts[16 * s:16 * (s + 1)], list(range(16 * s, 16 * (s + 1)))),
-            total_steps=steps, rule_reward=_even_token_share)
+            total_steps=steps, rule_reward=even_token_share)
         results[strategy] = [algorithm.step(s) for s in range(steps)]
     return results
 

@@ -6,10 +6,14 @@ metric fall out of the test unnoticed.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import pytest
 
+TIMING = ("step_seconds", "samples_per_s")
+"""Measurements of a run, not results of its math: they differ between identical runs."""
 REL, ABS = 2e-4, 2e-5
 """Placements and schedules reduce in different orders: float32 sums agree to about this."""
 
@@ -52,3 +56,16 @@ def assert_metrics_match(got: Mapping[str, float], want: Mapping[str, float],
     for key in keys:
         assert got[key] == pytest.approx(want[key], rel=rel, abs=abs), (
             f"{label} {key}: {got[key]} vs reference {want[key]}")
+
+
+def run_metrics(run_dir: str | Path) -> list[dict]:
+    """The records of ``run_dir/metrics.jsonl`` without timings and memory peaks."""
+    lines = Path(run_dir, "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items()
+             if k not in TIMING and not k.startswith("memory/")} for line in lines]
+
+
+def even_token_share(prompt: list[int], response: list[int]) -> float:
+    """A rule reward of token ids: the share of even ids in the response (cheap, varied, and
+    the same on every rank)."""
+    return sum(1 for t in response if t % 2 == 0) / max(1, len(response))
