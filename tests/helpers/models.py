@@ -31,3 +31,17 @@ def full_logits(model, pg_collection, batch: dict[str, torch.Tensor]) -> torch.T
     dist.all_gather(shards, output.contiguous(), group=tp_group)
     logits = torch.cat(shards, dim=-1)[..., : model.real_vocab_size]
     return logits if values is None else torch.cat([logits, values[..., None]], dim=-1)
+
+
+def full_forward_logprobs(model, pg_collection, out, temperature: float) -> torch.Tensor:
+    """``[b, R]`` log-probs of a generation's response tokens from one forward over prompt +
+    response (``out`` a ``GenerationOutput``), 0 on padding: what generation must reproduce."""
+    from megatron_rlhf.models.forward_backward import model_inputs
+    from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
+
+    with torch.no_grad():
+        logits = model(*model_inputs({"input_ids": out.input_ids,
+                                      "attention_mask": out.attention_mask}))
+    logprobs, _ = vocab_parallel_logprobs(logits[:, :-1], out.input_ids[:, 1:], pg_collection.tp,
+                                          model.real_vocab_size, temperature)
+    return logprobs[:, out.prompt_length - 1:] * out.response_mask
