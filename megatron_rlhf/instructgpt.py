@@ -125,7 +125,9 @@ def run_pipeline(run_dir: str | Path, data_paths: Sequence[str], ppo_overrides: 
         with _timed(seconds, "untrained"):
             run_ppo(dataclasses.replace(
                 ppo, steps=0, run_dir=str(run_dir / "untrained"),
-                models=dataclasses.replace(ppo.models, actor_checkpoint="")))
+                models=dataclasses.replace(ppo.models, actor_checkpoint=""),
+                checkpoint=dataclasses.replace(ppo.checkpoint, save_dir="", save_interval=0,
+                                               resume="off", resume_from="")))
     with _timed(seconds, "ppo"):
         run_ppo(ppo)
     return dataclasses.replace(read_result(run_dir, ppo), stage_seconds=seconds)

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check, in one call (docs/gpu.md): the gpu-marked tests, tools/run_ppo.py for 3 steps in
-# fp32 and in bf16 at world size 1, and the bf16 throughput benchmark of a ~1B Llama shape. Each
-# part has its own time limit (about 6 minutes in all on one H200); logs go to $LOG_DIR (default
-# $OUT when set, else runs/gpu_check) and the last line printed is one JSON summary.
+# fp32 and in bf16 at world size 1, the bf16 throughput benchmark of a ~1B Llama shape and, with 2
+# or more GPUs, 3 fp32 steps under NCCL across all of them with flattening and with separation
+# (their metrics compared in the summary). Each part has its own time limit (about 6 minutes in
+# all on one H200, 14 with several GPUs); logs go to $LOG_DIR (default $OUT when set, else
+# runs/gpu_check) and the last line printed is one JSON summary.
 #
 #   bash scripts/gpu_check.sh                 # on a GPU machine (or on CPU: GPU parts skip)
 #
@@ -10,7 +12,7 @@
 # and bring .whl/ along: they are installed into a temporary directory when megatron-core is
 # missing. Exit status: 0 when every part that ran passed, 1 otherwise.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 LOG_DIR=${LOG_DIR:-${OUT:-runs/gpu_check}}
 mkdir -p "$LOG_DIR"
 if [ -z "${PYTHON:-}" ]; then
@@ -52,5 +54,16 @@ if "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else
       "models.params_dtype=$dtype"
   done
   run_part throughput 240 "$PYTHON" benchmarks/gpu_throughput.py
+  gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
+  if [ "$gpus" -ge 2 ]; then
+    # The engine under NCCL across devices: transfer channels, shadows and weight sync
+    # (separation), the same steps on one layout (flattening) to compare with, fp32 without TF32.
+    for placement in flattening separation; do
+      run_part "nccl_$placement" 240 "$PYTHON" -m torch.distributed.run --standalone \
+        --nproc-per-node "$gpus" tools/run_ppo.py --steps 3 --placement "$placement" \
+        --run-dir "$LOG_DIR/nccl_$placement" models.params_dtype=float32 runtime.allow_tf32=false \
+        runtime.transfer_timeout_s=120 runtime.distributed.timeout_s=120
+    done
+  fi
 fi
 exec "$PYTHON" scripts/gpu_check_summary.py "$LOG_DIR"

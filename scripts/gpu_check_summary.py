@@ -31,6 +31,33 @@ def _pytest_counts(log: Path) -> dict[str, int]:
     return {word.rstrip("s") if word.startswith("error") else word: int(n) for n, word in found}
 
 
+def _records(path: Path) -> list[dict]:
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return [json.loads(line) for line in lines if line.startswith("{")]
+
+
+def _placement_agreement(log_dir: Path) -> dict:
+    """Each NCCL run's last metrics, and the largest difference between the placements' per-step
+    ``reward_mean``, ``kl`` and ``policy_loss`` (the same steps, fp32: only the reduction order
+    differs)."""
+    runs = {placement: _records(log_dir / f"nccl_{placement}" / "metrics.jsonl")
+            for placement in ("flattening", "separation")}
+    found = {placement: records for placement, records in runs.items() if records}
+    if not found:
+        return {}
+    result: dict = {}
+    for placement, records in found.items():
+        last = [record for record in records if "reward_mean" in record][-1:] or records[-1:]
+        result[placement] = {key: last[0].get(key) for key in (
+            "step", "reward_mean", "kl", "policy_loss", "step_seconds")}
+    steps = [(a, b) for a, b in zip(runs["flattening"], runs["separation"], strict=False)
+             if "reward_mean" in a and "reward_mean" in b]  # evaluation-only records have none
+    if len(found) == 2 and len(runs["flattening"]) == len(runs["separation"]) and steps:
+        result["max_abs_diff"] = max(abs(a[key] - b[key]) for a, b in steps
+                                     for key in ("reward_mean", "kl", "policy_loss"))
+    return result
+
+
 def summarize(log_dir: Path) -> tuple[dict, bool]:
     parts = {}
     for line in (log_dir / "parts.txt").read_text().splitlines():
@@ -55,6 +82,12 @@ def summarize(log_dir: Path) -> tuple[dict, bool]:
     throughput = _last_json(log_dir / "throughput.log")
     if throughput is not None:
         summary["throughput"] = throughput
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        summary["skipped"] = "one GPU: the NCCL runs across devices (flattening, separation) " \
+                             "need 2 or more"
+    nccl = _placement_agreement(log_dir)
+    if nccl:
+        summary["nccl"] = nccl
     passed = all(part["exit"] == 0 for part in parts.values())
     if torch.cuda.is_available():
         passed = passed and summary["gpu_tests"].get("passed", 0) > 0

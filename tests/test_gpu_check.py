@@ -55,3 +55,23 @@ def test_throughput_benchmark_figures_are_consistent(tmp_path: Path) -> None:
     flop = 3 * 128 * (2 * figures["matmul_params"] + 4 * 2 * 32 * 64)
     assert train["tflops"] == pytest.approx(flop / train["step_s"] / 1e12)
     assert decode["tokens_per_s"] == pytest.approx(4 * 8 / decode["seconds"])
+
+
+def test_the_summary_compares_the_nccl_placements_step_by_step(tmp_path: Path) -> None:
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from gpu_check_summary import _placement_agreement
+    finally:
+        sys.path.pop(0)
+    assert _placement_agreement(tmp_path) == {}
+    for placement, shift in (("flattening", 0.0), ("separation", 0.004)):
+        (tmp_path / f"nccl_{placement}").mkdir()
+        records = [{"step": step, "reward_mean": 0.1 * step, "kl": 0.01 + shift * step,
+                    "policy_loss": -0.2, "step_seconds": 1.0} for step in range(3)]
+        records.append({"step": 3, "eval/greedy/rule_score": 0.5})
+        (tmp_path / f"nccl_{placement}" / "metrics.jsonl").write_text(
+            "".join(json.dumps(record) + "\n" for record in records))
+    result = _placement_agreement(tmp_path)
+    assert result["max_abs_diff"] == pytest.approx(0.008)
+    assert result["separation"] == {"step": 2, "reward_mean": 0.2, "kl": pytest.approx(0.018),
+                                    "policy_loss": -0.2, "step_seconds": 1.0}

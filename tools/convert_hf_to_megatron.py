@@ -72,5 +72,8 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     try:
         main()
+    except (ValueError, FileNotFoundError) as error:
+        print(f"convert_hf_to_megatron: {error}", file=sys.stderr)
+        sys.exit(2)
     finally:
         destroy_distributed()

@@ -96,7 +96,7 @@ def next_token_logprobs(model: torch.nn.Module, output: GenerationOutput,
     with torch.no_grad():
         logits = model(*model_inputs(batch))
     p = output.prompt_length
-    return torch.log_softmax(logits[:, p - 1:-1, :model.real_vocab_size].float() / temperature,
+    return torch.log_softmax(logits[:, p - 1:-1, :model.token_vocab_size].float() / temperature,
                              dim=-1)
 
 

@@ -31,6 +31,10 @@ Checkpoints and resume (a preempted job, SIGTERM, saves after its current step a
 
     torchrun --nproc-per-node 4 tools/run_ppo.py --save-dir ckpt --save-interval 5
     torchrun --nproc-per-node 4 tools/run_ppo.py --save-dir ckpt --resume
+    torchrun --max-restarts 3 --nproc-per-node 4 tools/run_ppo.py --save-dir ckpt --resume auto
+
+A fresh run refuses a --save-dir that holds another run's checkpoints; --resume auto continues
+when there is a checkpoint and starts fresh otherwise (for requeued or restarted jobs).
 
 Exit status: 0 done (or preempted and saved), 1 a rank failed (the message names it and its
 stage) or NaN/Inf with faults.on_nan=stop, 2 bad configuration, data or checkpoint.
@@ -79,8 +83,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--run-dir", help="where metrics, config and plan are written")
     parser.add_argument("--save-dir", help="where resumable checkpoints are written")
     parser.add_argument("--save-interval", type=int, help="save every N steps (and at the end)")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from the latest valid checkpoint in --save-dir")
+    parser.add_argument("--resume", nargs="?", const="latest", metavar="auto",
+                        help="continue from the latest valid checkpoint in --save-dir; "
+                        "--resume auto: continue if --save-dir holds one, else start fresh")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = parser.parse_args(argv)
     strategy = None if args.placement == "auto" else args.placement
@@ -103,8 +108,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         overrides.append(f"algorithm.advantage_estimator={ALGORITHMS[args.algorithm]}")
     if args.ac_share:
         overrides.append("placement.ac_share=true")
-    if args.resume:
-        overrides.append("checkpoint.resume=true")
+    if args.resume is not None and "=" in args.resume:
+        # nargs="?" takes a following a.b=c override as the flag's value: hand it back.
+        args.overrides.insert(0, args.resume)
+        args.resume = "latest"
+    if args.resume not in (None, "latest", "auto"):
+        parser.error(f"argument --resume: {args.resume!r} is not 'auto' (--resume alone "
+                     "continues from the latest checkpoint)")
+    if args.resume is not None:
+        overrides.append(f"checkpoint.resume={args.resume}")
     return args, overrides + args.overrides
 
 

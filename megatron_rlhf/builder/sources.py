@@ -30,7 +30,7 @@ from megatron_rlhf.models.checkpoint import (
 from megatron_rlhf.models.gpt import ModelBuildOptions, resolve_transformer_impl
 from megatron_rlhf.models.hf_config import read_hf_config
 from megatron_rlhf.models.hf_import import cached_full_state, is_hf_dir
-from megatron_rlhf.models.hf_llama import weight_files
+from megatron_rlhf.models.hf_llama import check_weight_files
 from megatron_rlhf.models.weights import load_full_state
 from megatron_rlhf.topology.models import (
     ACTOR,
@@ -57,12 +57,15 @@ class ModelSource:
         hf_config: the Hugging Face ``config.json`` the weights came from (the directory's own,
             or the one a megatron_rlhf checkpoint recorded as ``hf_config``), else None; the
             base of an export.
+        kind: what the directory holds, for messages: its Hugging Face architecture
+            (``Qwen2ForCausalLM``) or ``megatron_rlhf '<role>'``.
     """
 
     path: str
     description: ModelDescription
     is_hf: bool = False
     hf_config: dict[str, Any] | None = None
+    kind: str = "megatron_rlhf"
 
 
 def read_source(path: str) -> ModelSource:
@@ -73,10 +76,12 @@ def read_source(path: str) -> ModelSource:
     """
     if is_hf_dir(path):
         description, hf_config = read_hf_config(path)
-        weight_files(path)  # a missing weight file is named now, not after distributed setup
-        return ModelSource(path, description, True, hf_config)
+        check_weight_files(path)  # missing or truncated: named now, not after distributed setup
+        architectures = hf_config.get("architectures") or [f"{hf_config['model_type']} causal-LM"]
+        return ModelSource(path, description, True, hf_config, architectures[0])
     info = read_checkpoint_info(path)
-    return ModelSource(path, info.model, False, info.metadata.get("hf_config"))
+    return ModelSource(path, info.model, False, info.metadata.get("hf_config"),
+                       f"megatron_rlhf {info.metadata['role']!r}")
 
 
 def arch_spec(description: ModelDescription, name: str) -> ArchSpec:
@@ -112,7 +117,50 @@ def resolve_sources(config: RunConfig) -> dict[str, ModelSource]:
         if path not in read:
             read[path] = read_source(path)
         sources[role] = read[path]
+    _check_heads(sources)
     return sources
+
+
+# Role -> (its field, heads whose weights it can use, what it needs): anything else would be
+# loaded with a new, random head (a reward model that scores noise, a policy that samples it).
+_HEAD_NEEDS = {
+    ACTOR: ("models.actor_checkpoint", ("lm", "lm+scalar"),
+            "an LM head: a ...ForCausalLM directory or an SFT checkpoint (tools/train_sft.py)"),
+    REWARD: ("models.reward_checkpoint", ("scalar",),
+             "a trained scalar head: a ...ForSequenceClassification directory with num_labels=1 "
+             "or a reward-model checkpoint (tools/train_reward_model.py)"),
+}
+
+
+def _check_heads(sources: dict[str, ModelSource]) -> None:
+    """Refuse a source whose head its role cannot use (the critic shares the reward model's).
+
+    Raises:
+        ValueError: naming the field, what the directory holds and what the role needs.
+    """
+    for role, (field, heads, needs) in _HEAD_NEEDS.items():
+        source = sources.get(role)
+        if source is not None and source.description.head not in heads:
+            name = "reward model" if role == REWARD else role
+            raise ValueError(f"{field}={source.path} is a {source.kind} checkpoint (head "
+                             f"{source.description.head!r}); the {name} needs {needs}")
+
+
+def fresh_heads(config: RunConfig, sources: dict[str, ModelSource]) -> list[str]:
+    """One line per role whose model has a head its source lacks (the AC-Share value head on an
+    SFT policy): that head starts from ``models.init_seed`` on the loaded trunk."""
+    notes = []
+    fields = {ACTOR: "models.actor_checkpoint", REF: "models.actor_checkpoint",
+              CRITIC: "models.reward_checkpoint", REWARD: "models.reward_checkpoint"}
+    for role, source in sources.items():
+        missing = (set(role_head(role, config.placement.ac_share).split("+"))
+                   - set(source.description.head.split("+")))
+        if missing:
+            head = "value" if missing == {"scalar"} else "LM"
+            notes.append(f"{role}: the {head} head is new (drawn from models.init_seed="
+                         f"{config.models.init_seed}); the rest comes from {fields[role]}="
+                         f"{source.path}")
+    return notes
 
 
 def role_head(role: str, ac_share: bool) -> str:

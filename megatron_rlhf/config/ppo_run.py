@@ -287,9 +287,17 @@ class PTXConfig:
         return self.coef > 0
 
 
+RESUME_MODES = ("off", "latest", "auto")
+"""``checkpoint.resume``: start fresh, continue from the latest checkpoint (which must exist), or
+continue when one exists and start fresh otherwise."""
+
+
 @dataclass
 class CheckpointConfig:
     """Resumable checkpoints of the whole run (docs/reliability.md).
+
+    A fresh run (``resume=off``) refuses a ``save_dir`` that holds complete checkpoints: they are
+    another run's, and its saves and their pruning would replace them.
 
     Attributes:
         save_dir: where checkpoints are written, one ``step_<k>`` directory each (``k`` steps
@@ -298,17 +306,26 @@ class CheckpointConfig:
         save_interval: also save after every this many steps (0: only at the end or on SIGTERM).
         keep_last: complete checkpoints kept (0: all); older ones are removed only after a newer
             one is complete.
-        resume: continue from the latest valid checkpoint in ``save_dir``.
+        resume: ``off`` (a fresh run), ``latest`` (``--resume``: continue from the latest valid
+            checkpoint in ``save_dir``, which must hold one) or ``auto`` (``--resume auto``:
+            continue when ``save_dir`` holds a complete checkpoint, else start fresh; for jobs
+            that are requeued or restarted by torchrun). ``true``/``false`` mean latest/off.
         resume_from: continue from this checkpoint directory instead (a ``step_<k>`` directory).
     """
 
     save_dir: str = ""
     save_interval: int = 0
     keep_last: int = 2
-    resume: bool = False
+    resume: str = "off"
     resume_from: str = ""
 
     def __post_init__(self) -> None:
+        # YAML's and the CLI's booleans (a str field receives them as "True"/"False").
+        self.resume = {"true": "latest", "false": "off"}.get(str(self.resume).lower(),
+                                                             str(self.resume))
+        if self.resume not in RESUME_MODES:
+            raise ValueError(f"checkpoint.resume={self.resume!r} is not one of {RESUME_MODES} "
+                             "(--resume is latest, --resume auto is auto)")
         if self.save_interval < 0:
             raise ValueError(f"checkpoint.save_interval={self.save_interval} must be >= 0 "
                              "(0 saves only at the end and on SIGTERM)")
@@ -317,11 +334,13 @@ class CheckpointConfig:
         if self.save_interval and not self.save_dir:
             raise ValueError(f"checkpoint.save_interval={self.save_interval} needs a "
                              "checkpoint.save_dir (--save-dir) to write to")
-        if self.resume and not self.resume_from and not self.save_dir:
-            raise ValueError("checkpoint.resume (--resume) looks for the latest checkpoint in "
-                             "checkpoint.save_dir; set --save-dir, or name one with "
-                             "checkpoint.resume_from=PATH")
-
+        if self.resume != "off" and not self.resume_from and not self.save_dir:
+            raise ValueError(f"checkpoint.resume={self.resume} (--resume) looks for the latest "
+                             "checkpoint in checkpoint.save_dir; set --save-dir, or name one "
+                             "with checkpoint.resume_from=PATH")
+        if self.resume_from and self.resume == "auto":
+            raise ValueError("checkpoint.resume=auto and checkpoint.resume_from both choose "
+                             "where to resume from; give one of them")
 
 @dataclass
 class EvalConfig:

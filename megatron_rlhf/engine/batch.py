@@ -12,7 +12,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.engine.transfer import RowLayout, execute_transfers, plan_transfers
+from megatron_rlhf.engine.transfer import (
+    RowLayout,
+    TransferChannels,
+    execute_transfers,
+    plan_transfers,
+)
 from megatron_rlhf.topology.plan import ModelPlacement
 
 Schema = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
@@ -42,14 +47,15 @@ class DistBatch:
         return self.layout.held_by(dist.get_rank())
 
     def moved_to(self, target: RowLayout, node_of=lambda rank: 0,
-                  pending_sends: list | None = None) -> DistBatch:
+                  channels: TransferChannels | None = None) -> DistBatch:
         """The same batch under ``target`` (every rank of the job calls it).
 
-        With ``pending_sends`` this rank's sends stay in flight (see ``execute_transfers``).
+        With ``channels`` the rows move on their pair's channel and this rank's sends stay in
+        flight there (see ``execute_transfers``).
         """
         plan = plan_transfers(self.layout, target, node_of)
         fields = execute_transfers(plan, self.layout, target, self.fields, self.schema,
-                                   pending_sends)
+                                   channels)
         return DistBatch(target, self.schema, fields)
 
     def select(self, names: list[str]) -> DistBatch:
@@ -62,12 +68,12 @@ class DistBatch:
 
 
 def merge(batches: list[DistBatch], target: RowLayout, node_of=lambda rank: 0,
-          pending_sends: list | None = None) -> DistBatch:
+          channels: TransferChannels | None = None) -> DistBatch:
     """Move several batches of the same rows to ``target`` and join their fields."""
     schema: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     fields: dict[str, torch.Tensor] | None = None
     for batch in batches:
-        moved = batch.moved_to(target, node_of, pending_sends)
+        moved = batch.moved_to(target, node_of, channels)
         schema.update(moved.schema)
         if moved.fields is not None:
             fields = {**(fields or {}), **moved.fields}
@@ -92,6 +98,10 @@ def replica_input_layout(model: ModelPlacement, batch_size: int) -> RowLayout:
 
 def replica_output_layout(model: ModelPlacement, batch_size: int) -> RowLayout:
     """Replica ``d``'s results sit on the TP ranks of its last pipeline stage."""
+    return RowLayout.sharded(batch_size, output_ranks(model))
+
+
+def output_ranks(model: ModelPlacement) -> list[list[int]]:
+    """The TP ranks of each replica's last pipeline stage, in DP order."""
     last = model.pp - 1
-    return RowLayout.sharded(batch_size, [
-        [model.global_rank(tp, d, last) for tp in range(model.tp)] for d in range(model.dp)])
+    return [[model.global_rank(tp, d, last) for tp in range(model.tp)] for d in range(model.dp)]

@@ -137,6 +137,9 @@ def check_checkpoint_tokenizers(sources: dict[str, ModelSource],
                              "checkpoint's own tokenizer")
         if source.is_hf:
             if not is_hf_tokenizer_dir(source.path):
+                logger.warning("%s checkpoint %s ships no tokenizer.json: nothing shows it was "
+                               "trained with this run's tokenizer %s; copy its tokenizer there "
+                               "to have it checked", role, source.path, tokenizer.source)
                 continue
             recorded = HFTokenizer.load(source.path).fingerprint
         else:
@@ -152,7 +155,7 @@ def check_checkpoint_tokenizers(sources: dict[str, ModelSource],
 def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int, ...],
                  pad_id: int, load_initial: bool = True,
                  sources: dict[str, ModelSource] | None = None,
-                 context: RunContext | None = None) -> PPOEngine:
+                 context: RunContext | None = None, token_vocab_size: int = 0) -> PPOEngine:
     """Build this rank's models and the engine. Collective: every rank calls it.
 
     Args:
@@ -161,6 +164,8 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
             frozen reference and reward model, which no RL checkpoint holds, always load theirs.
         sources: the initial checkpoints (default: read from the configuration).
         context: the run's tracer and fault tracker, given to the engine (default: none).
+        token_vocab_size: the tokenizer's ids, when the models embed more rows (see
+            ``ModelBuildOptions.token_vocab_size``); 0: every row.
     """
     sources = resolve_sources(config) if sources is None else sources
     groups = build_process_groups(
@@ -172,7 +177,8 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
     for role in plan.roles_on(rank):
         pgc = groups[role]
         options = replace(role_options(config, sources, SHADOW_OF.get(role, role)),
-                          recompute=config.models.recompute_of(role))
+                          recompute=config.models.recompute_of(role),
+                          token_vocab_size=token_vocab_size)
         models[role] = build_model(plan[role].spec.arch, options, pgc,
                                    runtime_seed=config.runtime.seed,
                                    init_seed=config.models.init_seed)
@@ -198,6 +204,7 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
                 dst.model if dst else None, groups[shadow], plan[shadow])
     engine = PPOEngine(plan, workers, weight_syncs, config.rollout.max_prompt_length,
                        config.generation, eos_id, pad_id, context,
-                       reuse_generation_logprobs=config.rollout.reuse_generation_logprobs)
+                       reuse_generation_logprobs=config.rollout.reuse_generation_logprobs,
+                       transfer_timeout_s=config.runtime.transfer_timeout_s)
     engine.sync_weights()
     return engine

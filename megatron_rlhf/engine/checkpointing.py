@@ -59,6 +59,7 @@ from megatron_rlhf.models.fsdp_checkpoint import (
 )
 from megatron_rlhf.runtime.checkpoint_store import (
     MANIFEST,
+    checkpoint_step,
     complete_checkpoints,
     publish,
     read_torch_file,
@@ -101,28 +102,61 @@ def resume_candidates(config: CheckpointConfig) -> list[Path]:
     """The checkpoints a run may resume from, newest first ([] for a fresh run). No process
     group needed: it runs before any distributed work.
 
+    A fresh run never writes into a ``save_dir`` that holds complete checkpoints: its saves would
+    replace them and its pruning remove them.
+
     Raises:
         FileNotFoundError: resuming was asked for and there is nothing to resume from.
+        ValueError: a fresh run, or a run resumed from another directory, would write over the
+            complete checkpoints in ``save_dir``.
     """
+    existing = complete_checkpoints(config.save_dir) if config.save_dir else []
     if config.resume_from:
         path = Path(config.resume_from)
         if not (path / MANIFEST).is_file():
             what = "does not exist" if not path.exists() else f"has no {MANIFEST} (incomplete)"
             raise FileNotFoundError(f"checkpoint.resume_from={path} {what}; name a complete "
                                     "step_<k> directory of a save dir")
+        if existing and path.resolve().parent != Path(config.save_dir).resolve():
+            raise ValueError(_occupied(config.save_dir, existing, f"checkpoint.resume_from="
+                                       f"{path} is in another directory, and this run's saves"))
+        _warn_abandoned(path, existing)
         return [path]
-    if not config.resume:
+    if config.resume == "off":
+        if existing:
+            raise ValueError(_occupied(config.save_dir, existing, "a fresh run's saves"))
         return []
-    candidates = complete_checkpoints(config.save_dir)[::-1]
+    candidates = existing[::-1]
     unfinished = unfinished_saves(config.save_dir)
     for path in unfinished:
         logger.warning("ignoring %s: an unfinished save (the run stopped while writing it)", path)
-    if not candidates:
+    if not candidates and config.resume == "latest":
         raise FileNotFoundError(
             f"--resume: no complete checkpoint in checkpoint.save_dir={config.save_dir} "
-            f"({len(unfinished)} unfinished saves); start without --resume, or point --save-dir "
-            "at the directory the run saved to")
+            f"({len(unfinished)} unfinished saves); start without --resume (or with --resume "
+            "auto), or point --save-dir at the directory the run saved to")
+    if not candidates:
+        logger.info("--resume auto: no complete checkpoint in %s; starting a fresh run",
+                    config.save_dir)
     return candidates
+
+
+def _occupied(save_dir: str, existing: list[Path], who: str) -> str:
+    """The refusal to write into a save dir that holds another run's checkpoints."""
+    names = ", ".join(p.name for p in existing[-3:])
+    return (f"checkpoint.save_dir={save_dir} holds {len(existing)} complete checkpoints "
+            f"({'..., ' if len(existing) > 3 else ''}{names}) that {who} would replace and "
+            "prune; continue that run with --resume (or --resume auto, which starts fresh when "
+            "there is nothing to resume), or give a new --save-dir")
+
+
+def _warn_abandoned(path: Path, existing: list[Path]) -> None:
+    """Say which later checkpoints of the same directory a resume from ``path`` abandons."""
+    later = [p.name for p in existing if checkpoint_step(p) > checkpoint_step(path)]
+    if later:
+        logger.warning("resuming from %s abandons the later checkpoints %s of the same "
+                       "directory; they are removed when this run's first save completes",
+                       path, ", ".join(later))
 
 
 def check_compatible(path: Path, config: RunConfig, tokenizer_fingerprint: str) -> None:

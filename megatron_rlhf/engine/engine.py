@@ -20,10 +20,11 @@ import torch.distributed as dist
 from megatron_rlhf.engine.batch import (
     DistBatch,
     merge,
+    output_ranks,
     replica_input_layout,
     replica_output_layout,
 )
-from megatron_rlhf.engine.transfer import RowLayout
+from megatron_rlhf.engine.transfer import RowLayout, TransferChannels
 from megatron_rlhf.engine.workers import ModelWorker
 from megatron_rlhf.generation import GenerationConfig, GenerationOutput
 from megatron_rlhf.models.offload import PARTS, WEIGHTS
@@ -52,13 +53,18 @@ class PPOEngine:
         context: where the operators' spans and fault stages are recorded (default: nowhere).
         reuse_generation_logprobs: the rollout carries generation's policy log-probs as
             ``old_logprobs`` and the experience skips the policy's forward pass.
+        transfer_timeout_s: timeout of the channels that move rows between models (a receiver
+            may wait through a whole generation or scoring stage).
+
+    Building is collective: it creates the transfer channels (process groups) on every rank.
     """
 
     def __init__(self, plan: PlacementPlan, workers: dict[str, ModelWorker],
                  weight_syncs: dict[str, WeightSync], prompt_length: int,
                  generation: GenerationConfig, eos_id: int | tuple[int, ...],
                  pad_id: int, context: RunContext | None = None,
-                 reuse_generation_logprobs: bool = False) -> None:
+                 reuse_generation_logprobs: bool = False,
+                 transfer_timeout_s: float = 1800.0) -> None:
         self.plan = plan
         self.workers = workers
         self.weight_syncs = weight_syncs
@@ -70,7 +76,7 @@ class PPOEngine:
         self.reuse_generation_logprobs = reuse_generation_logprobs
         self.rank = dist.get_rank()
         self._node_of = lambda r: plan.cluster.locate(r).node
-        self._pending_sends: list = []
+        self.channels = TransferChannels(self.transfer_pairs(), transfer_timeout_s)
 
     # ----------------------------------------------------------------- roles
     @property
@@ -97,6 +103,30 @@ class PPOEngine:
         """Every rank of every trainable model holds every experience row."""
         ranks = sorted({r for role in self.trainable_roles for r in self.plan[role].ranks})
         return RowLayout.replicated(batch_size, ranks)
+
+    def experience_passes(self) -> list[tuple[str, str]]:
+        """``(role, output)`` of every forward pass :meth:`make_experience` runs, in order: old
+        log-probs (unless generation's are reused), reference log-probs, values (with a critic),
+        scores."""
+        passes = [] if self.reuse_generation_logprobs else [(self.policy_for_inference,
+                                                             "old_logprobs")]
+        passes.append((REF, "ref_logprobs"))
+        if self.critic_for_inference is not None:
+            passes.append((self.critic_for_inference, "values"))
+        return [*passes, (REWARD, "scores")]
+
+    def transfer_pairs(self) -> list[tuple[list[int], list[int]]]:
+        """Every pair of rank sets that rows move between: the rollout from the generating
+        ranks to each experience model and to the trainers, and each experience model's
+        results from its last pipeline stage to the trainers."""
+        generating = [rank for _, ranks, _ in self.generation_replicas() for rank in ranks]
+        trainers = sorted(self.trainer_layout(1).rows)
+        pairs = [(generating, trainers)]
+        for role, _ in self.experience_passes():
+            pairs.append((generating, list(self.plan[role].ranks)))
+            pairs.append(([r for ranks in output_ranks(self.plan[role]) for r in ranks],
+                          trainers))
+        return pairs
 
     def rollout_schema(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """Fields of a rollout batch with their fixed per-row shapes."""
@@ -202,9 +232,10 @@ class PPOEngine:
         log-probs come with the rollout (one pass fewer each). The inputs of all forward passes
         are moved first, then each model computes on its
         own ranks, so models on disjoint ranks run at the same time. Scores come as the reward
-        model's ``rm_scores`` and the rule's ``rule_scores`` (zero without a rule). Sends are
-        left in flight (``finish_transfers`` waits for them), so a rank that only produced the
-        rollout goes straight on to its next chunk.
+        model's ``rm_scores`` and the rule's ``rule_scores`` (zero without a rule). Rows move
+        on each pair of models' own channel (``transfer_pairs``) and sends are left in flight
+        there (``finish_transfers`` waits for them), so a rank that only produced the rollout
+        goes straight on to its next chunk.
 
         Raises:
             ValueError: reusing generation's log-probs at another ``temperature``.
@@ -214,22 +245,20 @@ class PPOEngine:
             raise ValueError(f"old log-probs at temperature {temperature} cannot come from "
                              f"generation at {self.generation.temperature} "
                              "(rollout.reuse_generation_logprobs=true)")
-        passes = [
-            (None if self.reuse_generation_logprobs else self.policy_for_inference,
-             {"old_logprobs": (r,)},
-             lambda w, f: {"old_logprobs": w.compute_log_prob(f, p, temperature)}),
-            (REF, {"ref_logprobs": (r,)},
-             lambda w, f: {"ref_logprobs": w.compute_log_prob(f, p, temperature)}),
-            (self.critic_for_inference, {"values": (r,)},
-             lambda w, f: {"values": w.compute_values(f, p)}),
-            (REWARD, {"rm_scores": (), "rule_scores": ()},
-             lambda w, f: self._scores(w, f, rule_reward)),
-        ]
-        passes = [one for one in passes if one[0] is not None]
+        computations = {
+            "old_logprobs": ({"old_logprobs": (r,)},
+                             lambda w, f: {"old_logprobs": w.compute_log_prob(f, p, temperature)}),
+            "ref_logprobs": ({"ref_logprobs": (r,)},
+                             lambda w, f: {"ref_logprobs": w.compute_log_prob(f, p, temperature)}),
+            "values": ({"values": (r,)}, lambda w, f: {"values": w.compute_values(f, p)}),
+            "scores": ({"rm_scores": (), "rule_scores": ()},
+                       lambda w, f: self._scores(w, f, rule_reward)),
+        }
+        passes = [(role, *computations[output]) for role, output in self.experience_passes()]
         inputs = rollout.select(["input_ids", "attention_mask"])
         with self.context.span("transfer", "experience-inputs", chunk):
             staged = [inputs.moved_to(replica_input_layout(self.plan[role], rollout.batch_size),
-                                      self._node_of, self._pending_sends)
+                                      self._node_of, self.channels)
                       for role, _, _ in passes]
         outputs = []
         for (role, shapes, compute), staged_inputs in zip(passes, staged, strict=True):
@@ -244,14 +273,12 @@ class PPOEngine:
                 {name: (torch.float32, shape) for name, shape in shapes.items()}, results))
         with self.context.span("transfer", "experience-outputs", chunk):
             return merge([rollout, *outputs], self.trainer_layout(rollout.batch_size),
-                         self._node_of, self._pending_sends)
+                         self._node_of, self.channels)
 
     def finish_transfers(self) -> None:
         """Wait for this rank's sends still in flight."""
         with self.context.span("transfer", "wait-sends"):
-            for request, _ in self._pending_sends:
-                request.wait()
-        self._pending_sends.clear()
+            self.channels.drain()
 
     def _scores(self, worker: ModelWorker, fields: dict[str, torch.Tensor],
                 rule_reward: RuleReward | None) -> dict[str, torch.Tensor | None]:

@@ -7,8 +7,9 @@ The actor becomes a ``...ForCausalLM`` (under AC-Share its value head is left ou
 ``...ForSequenceClassification``; the family follows the layers (models/hf_config.py), the
 source ``config.json``'s other fields (token ids, ...) are kept, and the tokenizer files of the
 run's Hugging Face tokenizer are copied next to each model, so ``from_pretrained`` loads both.
-Each model's full state is gathered on its own ranks (a Megatron-FSDP model's shards over DP
-first, ``ModelTrainer.full_weights``); its first rank writes the files.
+Each model's full state is gathered onto its first rank only, in the parameters' dtype and on the
+host (a Megatron-FSDP model's shards over DP first, ``ModelTrainer.full_weights``), which writes
+the files; the other DP replicas take no part.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from megatron_rlhf.models.checkpoint import ModelDescription
 from megatron_rlhf.models.hf_llama import full_state_to_hf, save_hf_checkpoint
 from megatron_rlhf.models.hf_tokenizer import HFTokenizer
 from megatron_rlhf.models.tokenizer import Tokenizer
-from megatron_rlhf.models.weights import gather_full_state
+from megatron_rlhf.models.weights import gather_full_state_to_first_rank
 from megatron_rlhf.topology.models import ACTOR, CRITIC
 
 _VALUE_HEAD = "output_layer.value_head.weight"
@@ -56,8 +57,10 @@ class HFExporter:
             pgc = worker.pg_collection
             # Megatron-FSDP holds each weight whole only while a layer computes: gather it.
             weights = worker.trainer.full_weights() if worker.trainer.settings.fsdp else None
-            full_state = gather_full_state(worker.model, pgc, weights=weights)
-            if pgc.tp.rank() or pgc.pp.rank() or pgc.dp.rank():
+            if pgc.dp.rank():
+                continue
+            full_state = gather_full_state_to_first_rank(worker.model, pgc, weights=weights)
+            if full_state is None:
                 continue
             description = ModelDescription.from_model(worker.model)
             if description.head == "lm+scalar":

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megatron_rlhf.builder.sources import ModelSource, resolve_sources
+from megatron_rlhf.builder.sources import ModelSource, fresh_heads, resolve_sources
 from megatron_rlhf.config.loader import to_yaml
 from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.data import (
@@ -47,11 +47,11 @@ from megatron_rlhf.engine.engine import RuleReward
 from megatron_rlhf.engine.evaluation import HeldOutEvaluator, eval_metrics, hacking_report
 from megatron_rlhf.engine.export import HFExporter
 from megatron_rlhf.engine.ppo import PPOAlgorithm
-from megatron_rlhf.models.hf_tokenizer import HFTokenizer, is_hf_tokenizer_dir
+from megatron_rlhf.models.hf_tokenizer import HFTokenizer, checkpoint_tokenizer
 from megatron_rlhf.models.prompting import encode_prompt
 from megatron_rlhf.models.tokenizer import Tokenizer, load_tokenizer
 from megatron_rlhf.runtime.bootstrap import initialize_runtime
-from megatron_rlhf.runtime.checkpoint_store import select_checkpoint
+from megatron_rlhf.runtime.checkpoint_store import check_writable_dir, select_checkpoint
 from megatron_rlhf.runtime.context import RunContext
 from megatron_rlhf.runtime.faults import PreemptionWatcher, install_fault_tracker
 from megatron_rlhf.runtime.logging import get_logger
@@ -66,11 +66,16 @@ logger = get_logger(__name__)
 
 def run_tokenizer(config: RunConfig, sources: dict[str, ModelSource]) -> Tokenizer | HFTokenizer:
     """The configured tokenizer, or the actor's own when it starts from a Hugging Face directory
-    that ships one and no tokenizer is configured."""
+    and no tokenizer is configured.
+
+    Raises:
+        FileNotFoundError: that directory has no ``tokenizer.json`` (the message says how to
+            write one).
+    """
     actor = sources.get(ACTOR)
     configured = config.tokenizer.hf_dir or config.tokenizer.model_path
-    if not configured and actor is not None and actor.is_hf and is_hf_tokenizer_dir(actor.path):
-        return HFTokenizer.load(actor.path)
+    if not configured and actor is not None and actor.is_hf:
+        return checkpoint_tokenizer(actor.path, "models.actor_checkpoint")
     return load_tokenizer(config.tokenizer)
 
 
@@ -199,6 +204,12 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
     plan = make_plan(config, cluster_from_environment(config.cluster.pools), sources)
     if eval_prompts:
         check_evaluation_size(plan, config, len(eval_prompts))
+    if config.faults.stop_file and Path(config.faults.stop_file).exists():
+        raise ValueError(f"faults.stop_file={config.faults.stop_file} exists already, so the run "
+                         "would stop after its first step; remove it first")
+    check_writable_dir(config.run_dir, "run_dir (--run-dir)")
+    if config.checkpoint.save_dir:
+        check_writable_dir(config.checkpoint.save_dir, "checkpoint.save_dir (--save-dir)")
     initialize_runtime(config.runtime)
     context = RunContext(Tracer(enabled=config.trace),
                          install_fault_tracker(config.faults, config.runtime.distributed.timeout_s),
@@ -210,13 +221,19 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
             check_compatible(resume_from, config, tokenizer.fingerprint)
         if dist.get_rank() == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.yaml").write_text(to_yaml(config))
+            if resume_from is None:
+                _set_aside_previous_run(run_dir)
+            notes = [f"initial weights: {note}" for note in fresh_heads(config, sources)]
+            for note in notes:
+                logger.info("%s", note)
+            (run_dir / "config.yaml").write_text(
+                to_yaml(config) + "".join(f"# {note}\n" for note in notes))
             (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
         # A Hugging Face tokenizer ends replies with any of its EOS ids (Llama-3, Qwen).
         eos = getattr(tokenizer, "eos_ids", tokenizer.eos_id)
         engine = build_engine(config, plan, eos, tokenizer.pad_id,
                               load_initial=resume_from is None, sources=sources,
-                              context=context)
+                              context=context, token_vocab_size=tokenizer.vocab_size)
         algorithm = PPOAlgorithm(engine, config.algorithm, config.rollout, config.reward,
                                  config.runtime.seed, prompts.batch, config.steps,
                                  rule_reward_for(config, tokenizer),
@@ -262,7 +279,7 @@ def _train(run: RunState, start: int, run_dir: Path, exporter: HFExporter,
         first_eval = eval_metrics(_drop_metrics_from(run_dir / "metrics.jsonl", start))
     context = run.engine.context
     writer = MetricsWriter(run_dir, config.steps)
-    preemption = PreemptionWatcher()
+    preemption = PreemptionWatcher(config.faults.stop_file)
     stop = False
     try:
         for step in range(start, config.steps):
@@ -291,7 +308,7 @@ def _train(run: RunState, start: int, run_dir: Path, exporter: HFExporter,
                 with context.stage("export/hf"), run.engine.resident():
                     exporter.export(run.engine, run_dir / "hf" / f"step_{step + 1:08d}")
             if stop:
-                logger.warning("stopping after step %d on SIGTERM%s", step, "" if config.checkpoint
+                logger.warning("stopping after step %d on request%s", step, "" if config.checkpoint
                                .save_dir else " (no checkpoint.save_dir: nothing was saved)")
                 break
         if evaluator is not None and not stop:
@@ -313,6 +330,26 @@ def _warn_on_hacking(first: dict[str, float], current: dict[str, float], step: i
                                evaluation.hacking_rm_rise):
         logger.warning("reward hacking suspected before step %d on held-out prompts: %s",
                        step, line)
+
+
+_RUN_OUTPUTS = ("metrics.jsonl", "config.yaml", "plan.json", "timeline.json", "hf")
+"""What a run writes into its ``run_dir``."""
+
+
+def _set_aside_previous_run(run_dir: Path) -> None:
+    """Move a previous run's outputs (its metrics and what belongs to them) into
+    ``run_dir/previous/<time>/``, so a fresh run in the same directory overwrites nothing."""
+    if not (run_dir / "metrics.jsonl").is_file():
+        return
+    target = run_dir / "previous" / time.strftime("%Y%m%d-%H%M%S")
+    while target.exists():
+        target = target.with_name(target.name + "-1")
+    target.mkdir(parents=True)
+    for name in _RUN_OUTPUTS:
+        if (run_dir / name).exists():
+            (run_dir / name).rename(target / name)
+    logger.warning("run_dir %s held a previous run's metrics: moved them, with its config, plan, "
+                   "timeline and exports, to %s", run_dir, target)
 
 
 def _drop_metrics_from(path: Path, step: int) -> dict:

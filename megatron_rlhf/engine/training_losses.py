@@ -48,7 +48,7 @@ def actor_loss_fn(worker: ModelWorker, prompt_length: int, temperature: float,
             logits = split_policy_value(output)[0] if worker.head == "lm+scalar" else output
             nll_sum, tokens = next_token_nll(logits, batch["input_ids"], batch["loss_mask"],
                                              worker.pg_collection.tp,
-                                             worker.model.real_vocab_size)
+                                             worker.model.token_vocab_size)
             no_count = torch.zeros((), dtype=torch.int, device=output.device)
             return (nll_sum * batch["ptx_weight"][0], no_count,
                     {"ptx_nll_total": nll_sum.detach(), "ptx_tokens": tokens})

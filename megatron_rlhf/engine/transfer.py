@@ -6,12 +6,13 @@ a DP replica of a model needs its shard on all of its ranks; a model's outputs a
 ranks of its last pipeline stage; the trainers need every row. Moving a batch from one layout to
 another is planned by the pure function :func:`plan_transfers` (every rank computes the same plan,
 so no metadata is exchanged) and executed with batched asynchronous point-to-point operations by
-:func:`execute_transfers`.
+:func:`execute_transfers`, on the pair's own communicator from :class:`TransferChannels`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import datetime
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -104,10 +105,86 @@ def plan_transfers(source: RowLayout, target: RowLayout,
     return plan
 
 
+ChannelKey = frozenset[frozenset[int]]
+"""The unordered pair of rank sets that a transfer moves rows between."""
+
+
+def channel_key(first: Iterable[int], second: Iterable[int]) -> ChannelKey:
+    """The channel of transfers between the ranks of ``first`` and those of ``second``."""
+    return frozenset({frozenset(first), frozenset(second)})
+
+
+def _sort_key(key: ChannelKey) -> tuple:
+    return tuple(sorted(tuple(sorted(ranks)) for ranks in key))
+
+
+class TransferChannels:
+    """One process group per pair of rank sets that exchange batch rows.
+
+    Rows never move on the world group: under NCCL a send left in flight orders its
+    communicator's stream, so on the world group it would hold back every later world collective
+    (stage checks, metrics) until its receiver, perhaps still training, takes it; pending
+    point-to-point beside other collectives on one communicator is what NCCL documents as unsafe.
+    On a pair's own group a send may stay in flight while its rank computes (the pipelined stages
+    hide transfers that way); it is drained before that group carries the pair's next transfer.
+    The groups have their own timeout: a receiver may wait through a whole stage (generation,
+    scoring) that outlasts the world's collective timeout.
+
+    Building is collective: every rank creates every group, in the same order.
+
+    Args:
+        pairs: the rank sets that exchange rows, as (one side, other side).
+        timeout_s: the groups' timeout (``runtime.transfer_timeout_s``).
+    """
+
+    def __init__(self, pairs: Iterable[tuple[Iterable[int], Iterable[int]]],
+                 timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._groups: dict[ChannelKey, dist.ProcessGroup | None] = {}
+        for key in sorted({channel_key(a, b) for a, b in pairs}, key=_sort_key):
+            ranks = sorted(frozenset().union(*key))
+            self._groups[key] = None if len(ranks) < 2 else dist.new_group(
+                ranks, timeout=datetime.timedelta(seconds=timeout_s))
+        self._pending: dict[ChannelKey, list] = {key: [] for key in self._groups}
+
+    @property
+    def keys(self) -> list[ChannelKey]:
+        """Every channel, in creation order."""
+        return list(self._groups)
+
+    def group(self, key: ChannelKey) -> dist.ProcessGroup | None:
+        """The group of ``key`` (None for a single rank's local copies).
+
+        Raises:
+            KeyError: no channel was built for this pair of rank sets.
+        """
+        if key not in self._groups:
+            sides = " and ".join(str(sorted(ranks)) for ranks in sorted(key, key=sorted))
+            raise KeyError(f"no transfer channel between ranks {sides}: the engine moves rows "
+                           "between a pair it did not list when it built its channels")
+        return self._groups[key]
+
+    def keep_in_flight(self, key: ChannelKey, request: dist.Work, tensor: torch.Tensor) -> None:
+        """Hold a send's handle (and the tensor it reads) until the channel is drained."""
+        self._pending[key].append((request, tensor))
+
+    def drain(self, key: ChannelKey | None = None) -> None:
+        """Wait for this rank's sends in flight on ``key``'s channel (default: on every one)."""
+        for one in ([key] if key is not None else self._groups):
+            for request, _ in self._pending[one]:
+                request.wait()
+            self._pending[one].clear()
+
+    @property
+    def in_flight(self) -> int:
+        """This rank's sends not yet drained, over all channels."""
+        return sum(len(pending) for pending in self._pending.values())
+
+
 def execute_transfers(plan: list[Transfer], source: RowLayout, target: RowLayout,
                       fields: Mapping[str, torch.Tensor] | None,
                       schema: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
-                      pending_sends: list | None = None) -> dict[str, torch.Tensor] | None:
+                      channels: TransferChannels | None = None) -> dict[str, torch.Tensor] | None:
     """Run ``plan`` on this rank: send what it holds, receive what it needs.
 
     Every rank of the job calls this with the same plan (ranks in neither layout return at once).
@@ -119,13 +196,20 @@ def execute_transfers(plan: list[Transfer], source: RowLayout, target: RowLayout
         plan: from :func:`plan_transfers` for ``source`` and ``target``.
         fields: this rank's rows of each field (``source.held_by(rank)`` rows), or None.
         schema: every field's dtype and per-row shape, known to all ranks.
-        pending_sends: if given, this rank's sends are left in flight and their work handles
-            appended here (with the tensors they read), so the rank can go on computing; the
-            caller waits on them later. Receives always complete before returning.
+        channels: if given, the transfer runs on the channel of the two layouts' rank sets, after
+            this rank's earlier sends on it are drained, and this rank's sends are left in flight
+            there (the rank goes on computing; ``channels.drain`` waits for them). Without it, on
+            the world group, and every operation completes before returning. Receives always
+            complete before returning.
 
     Returns:
         This rank's rows of every field under ``target``, or None if it needs none.
     """
+    key = channel_key(source.rows, target.rows)
+    group = dist.group.WORLD
+    if channels is not None:
+        group = channels.group(key)
+        channels.drain(key)
     rank = dist.get_rank()
     device = comm_device()
     mine_src, mine_dst = source.held_by(rank), target.held_by(rank)
@@ -145,17 +229,16 @@ def execute_transfers(plan: list[Transfer], source: RowLayout, target: RowLayout
             for name in schema:
                 chunk = fields[name][transfer.start - mine_src[0]:transfer.end - mine_src[0]]
                 sends.append(chunk.to(device, schema[name][0]).contiguous())
-                # World: plans name global ranks, which may belong to any models.
-                ops.append(dist.P2POp(dist.isend, sends[-1], transfer.dst, group=dist.group.WORLD))
+                ops.append(dist.P2POp(dist.isend, sends[-1], transfer.dst, group=group))
         elif transfer.dst == rank:
             for name in schema:
                 view = outputs[name][transfer.start - mine_dst[0]:transfer.end - mine_dst[0]]
-                ops.append(dist.P2POp(dist.irecv, view, transfer.src, group=dist.group.WORLD))
+                ops.append(dist.P2POp(dist.irecv, view, transfer.src, group=group))
     if ops:
         requests = dist.batch_isend_irecv(ops)
         for op, request in zip(ops, requests, strict=True):
-            if pending_sends is not None and op.op is dist.isend:
-                pending_sends.append((request, op.tensor))
+            if channels is not None and op.op is dist.isend:
+                channels.keep_in_flight(key, request, op.tensor)
             else:
                 request.wait()
     return outputs

@@ -128,7 +128,7 @@ class ModelWorker:
         response = batch["input_ids"][:, prompt_len:]
         return vocab_parallel_logprobs(
             logits[:, prompt_len - 1:-1], response, self.pg_collection.tp,
-            self.model.real_vocab_size, temperature, with_entropy)
+            self.model.token_vocab_size, temperature, with_entropy)
 
     def token_values(self, output: torch.Tensor, prompt_len: int) -> torch.Tensor:
         """Values ``[b, R]``: the value of the state before each response token."""

@@ -48,7 +48,8 @@ class RecomputeNextTokenLogits:
         Args:
             model: this rank's (TP shard of the) GPT model, in eval mode.
             pg_collection: the model's process groups.
-            real_vocab_size: columns at or past it are vocabulary padding and are dropped.
+            real_vocab_size: columns at or past it are dropped (vocabulary padding, and
+                embedding rows past the tokenizer: ``model.token_vocab_size``).
             has_value_channel: the model's output carries an AC-Share value channel last.
         """
         self.model = model
@@ -80,7 +81,8 @@ class CachedNextTokenLogits:
             model: this rank's (TP shard of the) GPT model, in eval mode.
             batch_size: rows of every call.
             max_length: longest sequence (prompt + response) the cache must hold.
-            real_vocab_size: columns at or past it are vocabulary padding and are dropped.
+            real_vocab_size: columns at or past it are dropped (vocabulary padding, and
+                embedding rows past the tokenizer: ``model.token_vocab_size``).
             decode_model: runs the one-token calls after the prefill (``model`` itself when
                 None; a compiled ``model`` under ``GenerationConfig.compile_decode``).
         """

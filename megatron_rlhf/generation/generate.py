@@ -214,7 +214,7 @@ def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollec
     if config.use_kv_cache:
         _check_attention_takes_padding_masks(core)
     has_value_channel = _has_value_channel(core)
-    vocab_size = getattr(core, "real_vocab_size", core.vocab_size)
+    vocab_size = getattr(core, "token_vocab_size", core.vocab_size)
     seq_length = core.max_sequence_length
     _check_inputs(prompts, prompt_indices, config, eos_id, pad_id, vocab_size, seq_length)
     size = config.micro_batch_size or len(prompts)

@@ -138,6 +138,9 @@ class ModelBuildOptions:
             the core attention); ``full`` (every transformer layer keeps only its input and is
             recomputed in the backward pass, ``recompute_method=uniform``, one layer per unit).
             Forward-only passes never recompute.
+        token_vocab_size: ids the tokenizer has, when the embedding has more rows (Hugging Face
+            checkpoints pad it, Qwen2.5's by hundreds of rows): LM logits at or past it are never
+            sampled and take no part in any log-probability or loss; 0: every row is a token.
     """
 
     head: str = "lm"
@@ -153,6 +156,7 @@ class ModelBuildOptions:
     head_dim: int = 0
     rope_scaling_factor: float = 0.0
     recompute: str = "none"
+    token_vocab_size: int = 0
 
     def __post_init__(self) -> None:
         if self.head not in HEAD_KINDS:
@@ -174,9 +178,10 @@ class ModelBuildOptions:
         if self.recompute not in RECOMPUTE_GRANULARITIES:
             raise ValueError(f"model.recompute={self.recompute!r}: use one of "
                              f"{RECOMPUTE_GRANULARITIES}")
-        if self.head_dim < 0 or self.rope_scaling_factor < 0:
-            raise ValueError(f"model.head_dim={self.head_dim} and model.rope_scaling_factor="
-                             f"{self.rope_scaling_factor} must be >= 0 (0: the default)")
+        if self.head_dim < 0 or self.rope_scaling_factor < 0 or self.token_vocab_size < 0:
+            raise ValueError(f"model.head_dim={self.head_dim}, model.rope_scaling_factor="
+                             f"{self.rope_scaling_factor} and model.token_vocab_size="
+                             f"{self.token_vocab_size} must be >= 0 (0: the default)")
 
 
 class ScalarHead(torch.nn.Module):
@@ -310,7 +315,14 @@ def build_gpt_model(arch: Architecture, options: ModelBuildOptions,
         options: head and numerics.
         pg_collection: the model's own process groups (tp, pp, cp, dp, embd, pos_embd, ...).
         seed: seed of the model's tensor-parallel dropout streams.
+
+    Raises:
+        ValueError: ``options.token_vocab_size`` exceeds the embedding's rows.
     """
+    if options.token_vocab_size > arch.vocab_size:
+        raise ValueError(f"model.token_vocab_size={options.token_vocab_size} exceeds the "
+                         f"{arch.vocab_size} rows the architecture embeds; use the model's own "
+                         "tokenizer")
     config = transformer_config(arch, options, pg_collection)
     seed_model_parallel_rng(seed, tp_rank=pg_collection.tp.rank())
     pp_rank, pp_size = pg_collection.pp.rank(), pg_collection.pp.size()
@@ -339,6 +351,7 @@ def build_gpt_model(arch: Architecture, options: ModelBuildOptions,
     # the rank's device in params_dtype, as megatron's Float16Module does for bf16.
     model.to(device=compute_device(), dtype=config.params_dtype)
     model.real_vocab_size = arch.vocab_size
+    model.token_vocab_size = options.token_vocab_size or arch.vocab_size
     model.rope_scaling_factor = options.rope_scaling_factor
     model.head_kind = options.head
     model.transformer_impl = options.transformer_impl

@@ -8,7 +8,8 @@ into a cache, and loaded into a model at any TP/PP.
 The cache holds the *full state* (megatron names, TP=1/PP=1 layout, see ``weights.py``) as one
 safetensors file under ``<cache>/<fingerprint>/``; the fingerprint is the sha256 of config.json
 and of every weight file's bytes, so a changed checkpoint converts again. Each entry is written to
-a temporary file and renamed, so a reader sees a complete file or none.
+a temporary file and renamed, so a reader sees a complete file or none; the entry's own sha256,
+written next to it first, is checked on every hit, and an entry that differs is converted again.
 """
 
 from __future__ import annotations
@@ -24,15 +25,36 @@ from safetensors.torch import save_file
 
 from megatron_rlhf.models.checkpoint import INFO_FILE
 from megatron_rlhf.models.hf_config import CONFIG_FILE, read_hf_config
-from megatron_rlhf.models.hf_llama import hf_to_full_state, load_hf_state, weight_files
+from megatron_rlhf.models.hf_llama import (
+    file_sha256,
+    hf_to_full_state,
+    load_hf_state,
+    weight_files,
+)
+from megatron_rlhf.runtime.logging import get_logger
 
 FULL_STATE_FILE = "full_state.safetensors"
 _CHUNK = 1 << 24
+logger = get_logger(__name__)
 
 
 def is_hf_dir(path: str | Path) -> bool:
     """A directory with ``config.json`` and no ``megatron_rlhf.json``: a Hugging Face one."""
     return (Path(path) / CONFIG_FILE).is_file() and not (Path(path) / INFO_FILE).is_file()
+
+
+def _sha256_file(entry: Path) -> Path:
+    return entry.with_name(entry.name + ".sha256")
+
+
+def _cache_problem(entry: Path) -> str | None:
+    """Why a cache entry cannot be used as it is, or None when its bytes are those written."""
+    recorded = _sha256_file(entry)
+    if not recorded.is_file():
+        return "has no recorded sha256 (written by an earlier version)"
+    if recorded.read_text().strip() != file_sha256(entry):
+        return "is corrupt (its sha256 differs from the one recorded when it was written)"
+    return None
 
 
 def hf_fingerprint(hf_dir: str | Path) -> str:
@@ -59,17 +81,25 @@ def cached_full_state(hf_dir: str | Path, cache_dir: str | Path) -> Path:
     description, _ = read_hf_config(hf_dir)
     entry = Path(cache_dir).expanduser() / hf_fingerprint(hf_dir)[:32] / FULL_STATE_FILE
     if entry.is_file():
-        return entry
+        problem = _cache_problem(entry)
+        if problem is None:
+            return entry
+        logger.warning("%s %s; converting again", entry, problem)
     full_state = hf_to_full_state(load_hf_state(hf_dir), description, str(hf_dir))
     entry.parent.mkdir(parents=True, exist_ok=True)
+    metadata = {"source": str(Path(hf_dir).resolve()),
+                "description": json.dumps(asdict(description))}
     fd, temp = tempfile.mkstemp(dir=entry.parent, prefix=".full_state.", suffix=".tmp")
     os.close(fd)
     try:
         save_file({name: t.contiguous() for name, t in full_state.items()}, temp,
-                  metadata={"source": str(Path(hf_dir).resolve()),
-                            "description": json.dumps(asdict(description))})
+                  metadata=metadata)
+        # The checksum lands first: a crash before the rename leaves a mismatch, not a gap.
+        Path(temp + ".sha256").write_text(file_sha256(Path(temp)))
+        os.replace(temp + ".sha256", _sha256_file(entry))
         os.replace(temp, entry)
     except BaseException:
         Path(temp).unlink(missing_ok=True)
+        Path(temp + ".sha256").unlink(missing_ok=True)
         raise
     return entry

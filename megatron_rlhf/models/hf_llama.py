@@ -34,12 +34,16 @@ which is megatron's ``rotary_interleaved=False`` (tests compare logits). Safeten
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import shutil
+import struct
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from megatron_rlhf.models.checkpoint import ModelDescription
@@ -48,6 +52,8 @@ from megatron_rlhf.models.hf_tokenizer import TOKENIZER_FILES
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer some older checkpoints carry
 _INDEX = "model.safetensors.index.json"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_CHUNK = 1 << 24
 
 
 def weight_files(hf_dir: str | Path) -> list[str]:
@@ -70,15 +76,94 @@ def weight_files(hf_dir: str | Path) -> list[str]:
     return names
 
 
-def load_hf_state(hf_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Read every tensor of ``model.safetensors`` (or of the shards its index names).
+def check_weight_files(hf_dir: str | Path) -> list[str]:
+    """:func:`weight_files`, each checked to be as long as its header says (reads the headers
+    only, so a truncated download is named before any process group exists).
 
     Raises:
         FileNotFoundError: naming the missing file.
+        ValueError: naming a file that is truncated or has no readable header.
+    """
+    names = weight_files(hf_dir)
+    for name in names:
+        path = Path(hf_dir) / name
+        size = path.stat().st_size
+        try:
+            with open(path, "rb") as stream:
+                (header_size,) = struct.unpack("<Q", stream.read(8))
+                header = json.loads(stream.read(min(header_size, size)))
+            ends = [entry["data_offsets"][1] for key, entry in header.items()
+                    if key != "__metadata__"]
+        except (struct.error, ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+            raise ValueError(f"{path} is not a readable safetensors file (its header: {exc}); "
+                             "download or save it again") from exc
+        described = 8 + header_size + max(ends, default=0)
+        if size != described:
+            raise ValueError(f"{path} is truncated: it has {size} bytes, its header describes "
+                             f"{described}; download or save it again")
+    return names
+
+
+def recorded_sha256(path: Path) -> tuple[str, str] | None:
+    """The sha256 a download recorded for a file, and where it was recorded; None if none was.
+
+    ``hf download --local-dir`` keeps the LFS etag (the file's sha256) as the second line of
+    ``<dir>/.cache/huggingface/download/<name>.metadata``, trusted while the file is not newer
+    than the record (as huggingface_hub does: a model saved over it again is not corrupt). A
+    snapshot in the hub cache links to a blob named by its sha256.
+    """
+    metadata = path.parent / ".cache" / "huggingface" / "download" / f"{path.name}.metadata"
+    if metadata.is_file():
+        lines = metadata.read_text().splitlines()
+        try:
+            fresh = len(lines) >= 3 and path.stat().st_mtime - 1 <= float(lines[2])
+        except ValueError:
+            fresh = False
+        if fresh and _SHA256.fullmatch(lines[1]):
+            return lines[1], str(metadata)
+    if path.is_symlink() and _SHA256.fullmatch(path.resolve().name):
+        return path.resolve().name, f"the name of the hub cache's blob {path.resolve()}"
+    return None
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes, hex."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        while chunk := stream.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _check_recorded_sha256(path: Path) -> None:
+    recorded = recorded_sha256(path)
+    if recorded is None:
+        return
+    expected, where = recorded
+    actual = file_sha256(path)
+    if actual != expected:
+        raise ValueError(f"{path} has sha256 {actual[:12]}..., but its download recorded "
+                         f"{expected[:12]}... ({where}): the file is corrupt; download it again")
+
+
+def load_hf_state(hf_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Read every tensor of ``model.safetensors`` (or of the shards its index names), each file
+    checked against the sha256 its download recorded, where it recorded one.
+
+    Raises:
+        FileNotFoundError: naming the missing file.
+        ValueError: naming a file that is truncated, unreadable or differs from its recorded
+            sha256.
     """
     state: dict[str, torch.Tensor] = {}
-    for name in weight_files(hf_dir):
-        state.update(load_file(Path(hf_dir) / name))
+    for name in check_weight_files(hf_dir):
+        path = Path(hf_dir) / name
+        _check_recorded_sha256(path)
+        try:
+            state.update(load_file(path))
+        except SafetensorError as exc:
+            raise ValueError(f"{path} is not a readable safetensors file ({exc}); download or "
+                             "save it again") from exc
     return state
 
 

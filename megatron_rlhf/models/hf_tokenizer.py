@@ -41,6 +41,27 @@ def is_hf_tokenizer_dir(directory: str | Path) -> bool:
     return (Path(directory) / "tokenizer.json").is_file()
 
 
+def checkpoint_tokenizer(directory: str | Path, field: str) -> HFTokenizer:
+    """The tokenizer a Hugging Face checkpoint named by ``field`` ships with.
+
+    Without ``tokenizer.json`` the checkpoint's token ids are unknown, and another tokenizer whose
+    vocabulary happens to fit would train with the wrong ids.
+
+    Raises:
+        FileNotFoundError: naming the field, the missing file and how to write it.
+    """
+    root = Path(directory)
+    if not is_hf_tokenizer_dir(root):
+        source = (f"'{root}'" if (root / "tokenizer.model").is_file()
+                  else "<the model's hub name or directory>")
+        raise FileNotFoundError(
+            f"{field}={root} has no tokenizer.json, so its token ids are unknown: write it with "
+            f"AutoTokenizer.from_pretrained({source}).save_pretrained('{root}') (transformers) or "
+            f"Tokenizer.save('{root / 'tokenizer.json'}') (tokenizers), or name the tokenizer "
+            "with tokenizer.hf_dir")
+    return HFTokenizer.load(root)
+
+
 def checked_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
     """``ids`` as ints, refusing any outside ``[0, vocab_size)`` (the tokenizers' decode check).
 

@@ -35,7 +35,8 @@ def vocab_parallel_logprobs(
             ``[r * v_local, (r + 1) * v_local)`` of the padded vocabulary).
         targets: ``[...]`` token ids in the real vocabulary.
         tp_group: the model's tensor-parallel group.
-        real_vocab_size: size of the unpadded vocabulary; columns at or past it are ignored.
+        real_vocab_size: columns at or past it are ignored: the model's ``token_vocab_size``
+            (its unpadded vocabulary, cut to the tokenizer's ids when the embedding has more).
         temperature: sampling temperature the log-probs refer to.
         with_entropy: also return the entropy of the distribution.
 

@@ -204,3 +204,46 @@ def gather_full_state(model: GPTModel, pg_collection: ProcessGroupCollection,
     for stage in stages:
         full.update(stage or {})
     return full
+
+
+@torch.no_grad()
+def gather_full_state_to_first_rank(model: GPTModel, pg_collection: ProcessGroupCollection,
+                                    weights: Mapping[str, torch.Tensor] | None = None
+                                    ) -> dict[str, torch.Tensor] | None:
+    """Gather the full state onto the first rank of the model's TP and PP groups only, in the
+    parameters' dtype and on the CPU, one tensor at a time (for export at scale: no rank holds
+    more than one full fp32 copy, and no GPU more than one full tensor).
+
+    Collective over the model's TP and PP groups (a DP replica's own); every rank of the replica
+    calls it.
+
+    Args:
+        weights: this rank's TP shards by local parameter name, to gather instead of the
+            parameters (a Megatron-FSDP model's: ``ModelTrainer.full_weights``).
+
+    Returns:
+        The full state on TP rank 0 of PP stage 0, None on every other rank.
+    """
+    tp_group, pp_group = pg_collection.tp, pg_collection.pp
+    first = tp_group.rank() == 0
+    stage_state: dict[str, torch.Tensor] = {}
+    for name, param, rule in shard_rules(model):
+        tensor = (param if weights is None else weights[name]).detach().contiguous()
+        if rule.partition_dim is not None and tp_group.size() > 1:
+            shards = [torch.empty_like(tensor) for _ in range(tp_group.size())] if first else None
+            dist.gather(tensor, shards, dst=dist.get_global_rank(tp_group, 0), group=tp_group)
+            if first:
+                stage_state[rule.global_name] = _full_of_shards(shards, rule).cpu()
+        elif first:
+            stage_state[rule.global_name] = tensor.cpu().clone()
+    if not first:
+        return None
+    if pp_group.size() == 1:
+        return stage_state
+    stages: list[dict[str, torch.Tensor] | None] | None = (
+        [None] * pp_group.size() if pp_group.rank() == 0 else None)
+    # Host tensors: pickled CUDA tensors would be unpickled onto the sender's device index.
+    dist.gather_object(stage_state, stages, dst=dist.get_global_rank(pp_group, 0), group=pp_group)
+    if stages is None:
+        return None
+    return {name: tensor for stage in stages for name, tensor in (stage or {}).items()}

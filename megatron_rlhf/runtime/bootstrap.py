@@ -2,9 +2,9 @@
 
     initialize_runtime(RuntimeConfig(seed=1234))
 
-sets up rank-aware logging, joins the distributed job (torchrun or a world of one), makes
-megatron-core usable on a machine without CUDA, creates megatron's shared scratch buffer and seeds
-every host RNG. Models seed their own tensor-parallel RNG streams when they are built, because one
+sets up rank-aware logging, joins the distributed job (torchrun or a world of one; under torchrun
+a worker ends itself when its launcher is killed), makes megatron-core usable on a machine without
+CUDA, creates megatron's shared scratch buffer and seeds every host RNG. Models seed their own tensor-parallel RNG streams when they are built, because one
 process may hold several models with different TP layouts. The changes this makes to torch,
 megatron-core and the warning filters are the ones listed in ``runtime.patches``; importing the
 package makes none of them.
@@ -18,6 +18,7 @@ import torch
 
 from megatron_rlhf.runtime.cpu_compat import check_megatron_core_version
 from megatron_rlhf.runtime.distributed import DistributedConfig, init_distributed
+from megatron_rlhf.runtime.launcher_watch import watch_launcher
 from megatron_rlhf.runtime.logging import setup_logging
 from megatron_rlhf.runtime.patches import (
     add_warning_filters,
@@ -37,6 +38,9 @@ class RuntimeConfig:
         log_all_ranks: log from every rank instead of rank 0 only.
         allow_tf32: let fp32 matrix products and convolutions on NVIDIA GPUs use TF32 tensor
             cores (as megatron's training scripts do); no effect on CPU.
+        transfer_timeout_s: timeout of the process groups that move rows between models: a
+            receiver may wait through a whole stage of its sender (generation of long responses,
+            scoring), which can outlast ``distributed.timeout_s``.
         distributed: how to join the job.
     """
 
@@ -44,11 +48,15 @@ class RuntimeConfig:
     log_level: str = "INFO"
     log_all_ranks: bool = False
     allow_tf32: bool = True
+    transfer_timeout_s: float = 1800.0
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def __post_init__(self) -> None:
         if self.seed < 0:
             raise ValueError(f"runtime.seed={self.seed} must be non-negative")
+        if not self.transfer_timeout_s > 0:
+            raise ValueError(f"runtime.transfer_timeout_s={self.transfer_timeout_s} must be "
+                             "positive")
 
 
 def initialize_runtime(config: RuntimeConfig | None = None) -> None:
@@ -62,5 +70,6 @@ def initialize_runtime(config: RuntimeConfig | None = None) -> None:
         torch.backends.cuda.matmul.allow_tf32 = config.allow_tf32
         torch.backends.cudnn.allow_tf32 = config.allow_tf32
     init_distributed(config.distributed)
+    watch_launcher()
     ensure_megatron_memory_buffer()
     seed_everything(config.seed)

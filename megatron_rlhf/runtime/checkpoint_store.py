@@ -24,6 +24,7 @@ import os
 import re
 import secrets
 import shutil
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -60,6 +61,30 @@ def complete_checkpoints(save_dir: str | Path) -> list[Path]:
         return []
     found = [p for p in root.iterdir() if _NAME.match(p.name) and (p / MANIFEST).is_file()]
     return sorted(found, key=checkpoint_step)
+
+
+def check_writable_dir(path: str | Path, field: str) -> None:
+    """Create ``path`` if needed and check that this process can write files in it, so that a
+    run finds an unusable output directory before its first step rather than at its first save.
+    No process group needed; every rank may call it (the probe file is per process).
+
+    Raises:
+        ValueError: ``path`` is a file, cannot be created or cannot be written; names ``field``.
+    """
+    directory = Path(path)
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"{field}={path} is an existing file, not a directory; give a "
+                         "directory path")
+    probe = directory / f".write-probe-{socket.gethostname()}-{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        action = "written" if directory.is_dir() else "created"
+        raise ValueError(f"{field}={path} cannot be {action} ({type(error).__name__}: "
+                         f"{error.strerror or error}); give a directory this job can write, or "
+                         "fix its permissions") from error
 
 
 def unfinished_saves(save_dir: str | Path) -> list[Path]:

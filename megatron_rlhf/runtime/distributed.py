@@ -22,6 +22,8 @@ from megatron_rlhf.runtime.logging import get_logger
 logger = get_logger(__name__)
 
 _BACKENDS = ("auto", "nccl", "gloo")
+_LAUNCHER_SIZES = ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+"""Variables in which srun, mpirun and PMI launchers give the number of processes started."""
 
 
 @dataclass
@@ -60,16 +62,55 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def launched_without_torchrun() -> str | None:
+    """The launcher variable that says several processes were started without torchrun's
+    variables (each would silently run alone as a world of one), or None."""
+    for name in _LAUNCHER_SIZES:
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 1 and (name != "SLURM_STEP_NUM_TASKS"
+                                                   or "SLURM_PROCID" in os.environ):
+            return f"{name}={value}"
+    return None
+
+
+def local_device_index(local_rank: int, device_count: int) -> int:
+    """This process's CUDA device: ``LOCAL_RANK``, or 0 when the process sees one GPU only (each
+    process given its own, by ``CUDA_VISIBLE_DEVICES`` or Slurm's ``--gpus-per-task``).
+
+    Raises:
+        ValueError: more processes on this node than GPUs it can see.
+    """
+    if local_rank < device_count:
+        return local_rank
+    if device_count == 1:
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+    raise ValueError(f"LOCAL_RANK={local_rank} but this process sees {device_count} GPUs "
+                     f"(CUDA_VISIBLE_DEVICES={visible}); start at most {device_count} processes "
+                     f"per node (torchrun --nproc-per-node {device_count}), or give each "
+                     "process a GPU of its own")
+
+
 def init_distributed(config: DistributedConfig | None = None) -> None:
     """Initialise the default process group (idempotent).
 
     Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT as torchrun sets them; if they
     are absent, starts a one-process world.
+
+    Raises:
+        ValueError: several processes were started by another launcher (srun, mpirun) without
+            torchrun's variables, or this node has fewer visible GPUs than processes.
     """
     config = config or DistributedConfig()
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
+        launcher = launched_without_torchrun()
+        if launcher is not None:
+            raise ValueError(f"{launcher}: several processes were started, but without "
+                             "torchrun's RANK/WORLD_SIZE each would train alone as a world of "
+                             "one; start one torchrun per node (srun --ntasks-per-node=1 "
+                             "torchrun --nproc-per-node N ...; examples/slurm/ppo_16x8.sbatch)")
         os.environ.update(
             RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(free_port()),
@@ -77,7 +118,8 @@ def init_distributed(config: DistributedConfig | None = None) -> None:
     backend = resolve_backend(config.backend)
     kwargs = {}
     if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", local_device_index(int(os.environ.get("LOCAL_RANK", "0")),
+                                                         torch.cuda.device_count()))
         torch.cuda.set_device(device)
         if backend == "nccl":
             # Binds the NCCL communicators to this GPU and creates them eagerly: lazily created

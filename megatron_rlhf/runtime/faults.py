@@ -71,11 +71,16 @@ class FaultConfig:
         grace_s: seconds a rank that saw a collective fail waits for the other ranks to report,
             before it names the ranks that stopped; a failure surfaces within the process-group
             timeout (``runtime.distributed.timeout_s``) plus this.
+        stop_file: a path whose appearance, checked at every step boundary, stops the run as
+            SIGTERM does (finish the step, save, exit 0); for schedulers whose warning cannot
+            reach the workers in time (the Slurm example traps ``--signal=B:USR1@...`` in the
+            batch shell and touches it). Empty: none. It must not exist when the run starts.
     """
 
     check_consistency: bool = True
     on_nan: str = "stop"
     grace_s: float = 3.0
+    stop_file: str = ""
 
     def __post_init__(self) -> None:
         if self.on_nan not in _NAN_POLICIES:
@@ -264,14 +269,17 @@ def install_fault_tracker(config: FaultConfig, timeout_s: float) -> FaultTracker
 
 
 class PreemptionWatcher:
-    """Turns SIGTERM into a stop that every rank agrees on at a step boundary.
+    """Turns SIGTERM, or the appearance of a stop file, into a stop that every rank agrees on at a
+    step boundary.
 
     The handler only sets a flag; :meth:`requested` all-reduces it (MAX) over the default group,
-    so one signalled rank is enough and all ranks stop after the same step.
+    so one signalled rank (or one rank that sees the file) is enough and all ranks stop after the
+    same step.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, stop_file: str = "") -> None:
         self.signalled = False
+        self.stop_file = stop_file
         self._previous = signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
@@ -280,6 +288,10 @@ class PreemptionWatcher:
 
     def requested(self) -> bool:
         """Whether any rank was signalled (collective over the default group)."""
+        if self.stop_file and not self.signalled and os.path.exists(self.stop_file):
+            self.signalled = True
+            logger.warning("stop file %s found: finishing the current step, then saving and "
+                           "exiting", self.stop_file)
         flag = torch.tensor([1 if self.signalled else 0], dtype=torch.int32,
                             device=comm_device())
         # World: one signalled rank stops every rank after the same step.

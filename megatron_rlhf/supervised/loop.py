@@ -41,10 +41,11 @@ from megatron_rlhf.data.synthetic import write_task_jsonl
 from megatron_rlhf.models.checkpoint import save_model_checkpoint
 from megatron_rlhf.models.forward_backward import Batch, LossFn, run_microbatches
 from megatron_rlhf.models.gpt import ModelBuildOptions
-from megatron_rlhf.models.hf_tokenizer import TOKENIZER_FILES, HFTokenizer, is_hf_tokenizer_dir
+from megatron_rlhf.models.hf_tokenizer import TOKENIZER_FILES, HFTokenizer, checkpoint_tokenizer
 from megatron_rlhf.models.tokenizer import Tokenizer, load_tokenizer
 from megatron_rlhf.models.trainer import ModelTrainer
 from megatron_rlhf.runtime.bootstrap import initialize_runtime
+from megatron_rlhf.runtime.checkpoint_store import check_writable_dir
 from megatron_rlhf.runtime.device import compute_device
 from megatron_rlhf.runtime.logging import get_logger, setup_logging
 from megatron_rlhf.runtime.metrics import MetricsWriter
@@ -224,13 +225,14 @@ class _Batches:
 
 
 def _build(config: SupervisedConfig, objective: Objective, spec: ModelSpec, total_steps: int,
-           source: ModelSource | None) -> tuple[ModelTrainer, ProcessGroupCollection]:
+           source: ModelSource | None,
+           token_vocab_size: int) -> tuple[ModelTrainer, ProcessGroupCollection]:
     pgc = build_model_process_groups(spec, config.runtime.distributed.timeout_s)
     # The numerics (QKV bias, QK-norm, RoPE, ...) are the starting checkpoint's.
     base = source.description.build_options() if source is not None else ModelBuildOptions()
     options = replace(base, head=objective.head, params_dtype=config.model.params_dtype,
                       tie_embeddings=base.tie_embeddings and objective.head == "lm",
-                      recompute=config.model.recompute)
+                      recompute=config.model.recompute, token_vocab_size=token_vocab_size)
     model = build_model(spec.arch, options, pgc, runtime_seed=config.runtime.seed,
                         init_seed=config.model.init_seed)
     # Before the trainer exists: the optimizer copies the weights it starts from.
@@ -247,9 +249,8 @@ def _start(config: SupervisedConfig) -> tuple[ModelSource | None, Tokenizer | HF
     """The checkpoint to start from and the tokenizer (a Hugging Face start's own by default)."""
     source = read_source(config.model.init_checkpoint) if config.model.init_checkpoint else None
     configured = config.tokenizer.hf_dir or config.tokenizer.model_path
-    if (not configured and source is not None and source.is_hf
-            and is_hf_tokenizer_dir(source.path)):
-        return source, HFTokenizer.load(source.path)
+    if not configured and source is not None and source.is_hf:
+        return source, checkpoint_tokenizer(source.path, "model.init_checkpoint")
     return source, load_tokenizer(config.tokenizer)
 
 
@@ -275,6 +276,7 @@ def run_supervised(config: SupervisedConfig, objective: Objective) -> TrainingRe
     if (Path(config.out_dir) / CHECKPOINT_DIR).exists():
         raise ValueError(f"{config.out_dir} already holds a {CHECKPOINT_DIR}/: choose another "
                          "out_dir or delete it")
+    check_writable_dir(config.out_dir, "out_dir")  # the synthetic data is written there first
     source, tokenizer = _start(config)
     arch = (arch_spec(source.description, source.path) if source is not None and source.is_hf
             else resolve_arch(config.model.arch))
@@ -286,7 +288,7 @@ def run_supervised(config: SupervisedConfig, objective: Objective) -> TrainingRe
                                             len(held_out))
     initialize_runtime(config.runtime)
     device = compute_device()
-    trainer, pgc = _build(config, objective, spec, total_steps, source)
+    trainer, pgc = _build(config, objective, spec, total_steps, source, tokenizer.vocab_size)
     batches = _Batches(config, objective, tokenizer, train, held_out[:num_evaluated],
                        (dp, pgc.dp.rank()), device)
     out = Path(config.out_dir)
@@ -313,7 +315,7 @@ def run_supervised(config: SupervisedConfig, objective: Objective) -> TrainingRe
 def _train_loop(config: SupervisedConfig, objective: Objective, trainer: ModelTrainer,
                 pgc: ProcessGroupCollection, batches: _Batches, total_steps: int,
                 device: torch.device) -> list[dict[str, float]]:
-    loss_fn, keys = objective.loss_fn(pgc.tp, trainer.model.real_vocab_size), objective.metric_keys
+    loss_fn, keys = objective.loss_fn(pgc.tp, trainer.model.token_vocab_size), objective.metric_keys
     interval = config.train.eval_interval
     writer, history = MetricsWriter(config.out_dir, total_steps, progress=False), []
     try:

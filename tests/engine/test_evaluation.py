@@ -90,7 +90,8 @@ def _chain_then_recompute(run_dir: Path) -> dict:
     elapsed = time.perf_counter() - start
     saved = run_dir / "ppo" / "config.yaml"
     flat = "placement.strategy=flattening"
-    run_ppo(load_config(RunConfig, saved, [f"run_dir={run_dir / 'sft_again'}", "steps=0", flat]))
+    run_ppo(load_config(RunConfig, saved, [f"run_dir={run_dir / 'sft_again'}", "steps=0", flat,
+                                           "checkpoint.save_dir=''"]))
     run_ppo(load_config(RunConfig, saved, [f"run_dir={run_dir / 'final_again'}",
                                            "checkpoint.resume=true", flat]))
     return {"held_out": result.held_out, "report": format_report(result),

@@ -5,6 +5,7 @@ policy's logits equal our final policy's."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,37 @@ def test_ppo_from_hf_directories_exports_a_model_transformers_loads(tmp_path: Pa
     assert len(list((tmp_path / "cache").glob("*/full_state.safetensors"))) == 2
     metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(metrics) == 2
+
+
+def _padded_job(root: str, actor: str, reward: str, prompts: str) -> None:
+    from megatron_rlhf.engine.runner import run_ppo
+
+    run_ppo(_padded_config(Path(root), Path(actor), Path(reward), Path(prompts)))
+
+
+def _padded_config(root: Path, actor: Path, reward: Path, prompts: Path):
+    from megatron_rlhf.config.loader import load_config
+    from megatron_rlhf.config.ppo_run import RunConfig
+
+    return load_config(RunConfig, str(_EXAMPLE), [
+        f"models.actor_checkpoint={actor}", f"models.reward_checkpoint={reward}",
+        f"models.hf_cache_dir={root / 'cache'}", f"prompts.paths=[{prompts}]",
+        f"run_dir={root / 'run'}", "models.export_hf=false", "steps=1", "reward.rule=synthetic",
+        "placement.ac_share=true", "rollout.reuse_generation_logprobs=true",
+        "runtime.distributed.timeout_s=90"])
+
+
+@pytest.mark.multirank
+def test_ppo_on_an_embedding_padded_past_the_tokenizer(tmp_path: Path) -> None:
+    """The tiny Qwen2 embeds 320 rows for a 300-id tokenizer, as Qwen2.5 pads its embedding: the
+    rule reward decodes every response (an id >= 300 would fail), the old log-probs are
+    generation's and match the training pass's, and the AC-Share value head that starts on the
+    policy's trunk is noted in config.yaml."""
+    actor, reward, prompts = make_tiny_qwen_pair(tmp_path)
+    run_on_ranks(_padded_job, world_size=1, args=(
+        str(tmp_path), str(actor), str(reward), str(prompts)), timeout_s=300)
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert abs(record["actor/ppo_kl"]) < 1e-5
+    assert (f"# initial weights: actor: the value head is new (drawn from models.init_seed=1234); "
+            f"the rest comes from models.actor_checkpoint={actor}") in (
+        tmp_path / "run" / "config.yaml").read_text()

@@ -83,3 +83,98 @@ def test_execution_moves_rows_between_layouts() -> None:
     results = run_on_ranks(_move_between_models, world_size=4, timeout_s=60)
     assert results[0] == torch.linspace(0, 1, 8).bfloat16().float().tolist()
     assert results[1:] == [[], [], []]
+
+
+def _channels() -> dict:
+    from megatron_rlhf.engine.transfer import TransferChannels, channel_key, execute_transfers
+
+    rank = dist.get_rank()
+    channels = TransferChannels([([2, 3], [0, 1]), ([0, 1], [2, 3]), ([2, 3], [0, 1, 2, 3]),
+                                 ([1], [1])], timeout_s=30)
+    groups = {tuple(sorted(map(tuple, map(sorted, key)))): channels.group(key)
+              for key in channels.keys}
+    members = {key: None if group is None or group == dist.GroupMember.NON_GROUP_MEMBER
+               else dist.get_process_group_ranks(group) for key, group in groups.items()}
+    schema = {"x": (torch.float32, (2,))}
+    source, target = RowLayout.sharded(4, [[2], [3]]), RowLayout.replicated(4, [0, 1])
+    held = source.held_by(rank)
+    mine = {"x": torch.arange(8.0).view(4, 2)[held[0]:held[1]]} if held else None
+    got = execute_transfers(plan_transfers(source, target), source, target, mine, schema,
+                            channels)
+    in_flight = channels.in_flight
+    channels.drain()
+    missing = None
+    try:
+        channels.group(channel_key([0], [3]))
+    except KeyError as error:
+        missing = str(error)
+    return {"members": members, "got": None if got is None else got["x"].tolist(),
+            "in_flight": in_flight, "after_drain": channels.in_flight, "missing": missing,
+            "world": any(group == dist.group.WORLD for group in groups.values())}
+
+
+@pytest.mark.multirank
+def test_each_pair_of_rank_sets_has_its_own_group_and_sends_stay_in_flight_there() -> None:
+    results = run_on_ranks(_channels, world_size=4, timeout_s=60)
+    members = results[0]["members"]
+    assert sorted(members) == [((0, 1), (2, 3)), ((0, 1, 2, 3), (2, 3)), ((1,),)]
+    assert results[2]["members"][((0, 1), (2, 3))] == [0, 1, 2, 3]  # same ranks, own group
+    assert results[2]["members"][((0, 1, 2, 3), (2, 3))] == [0, 1, 2, 3]
+    assert results[0]["members"][((1,),)] is None  # one rank: local copies only
+    assert not any(result["world"] for result in results)
+    expected = torch.arange(8.0).view(4, 2).tolist()
+    assert [result["got"] for result in results] == [expected, expected, None, None]
+    # Ranks 2 and 3 each sent their two rows to ranks 0 and 1 and went on without waiting.
+    assert [result["in_flight"] for result in results] == [0, 0, 2, 2]
+    assert all(result["after_drain"] == 0 for result in results)
+    assert "no transfer channel between ranks [0] and [3]" in results[0]["missing"]
+
+
+def _long_generation() -> dict:
+    import datetime
+    import time
+
+    from megatron_rlhf.config.ppo_run import ModelsConfig, RolloutConfig, RunConfig
+    from megatron_rlhf.engine.build import build_engine, make_plan
+    from megatron_rlhf.engine.ppo import PPOAlgorithm
+    from megatron_rlhf.engine.workers import ModelWorker
+    from megatron_rlhf.generation import GenerationConfig
+    from megatron_rlhf.runtime.bootstrap import initialize_runtime
+    from megatron_rlhf.runtime.patches import default_group_store
+    from megatron_rlhf.topology.cluster import cluster_from_environment
+    from megatron_rlhf.topology.placement_config import PlacementConfig
+
+    # A world whose collectives (and gloo's point-to-point receives) time out after 3 s.
+    store, rank, world_size = default_group_store(), dist.get_rank(), dist.get_world_size()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.PrefixStore("short-timeout", store), rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=3))
+    initialize_runtime()
+    config = RunConfig(placement=PlacementConfig(strategy="separation"),
+                       models=ModelsConfig(arch="tiny", init_seed=4),
+                       rollout=RolloutConfig(prompts_per_step=4, max_prompt_length=8,
+                                             micro_batch_size=1, num_minibatches=1,
+                                             pipeline_chunks=2),
+                       generation=GenerationConfig(max_new_tokens=4, seed=2), steps=1)
+    engine = build_engine(config, make_plan(config, cluster_from_environment()), 3, 0)
+    generate = ModelWorker.generate
+
+    def slow_generate(self, *args, **kwargs):
+        time.sleep(5)  # a generation stage longer than the world's collective timeout
+        return generate(self, *args, **kwargs)
+
+    ModelWorker.generate = slow_generate
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
+    algorithm = PPOAlgorithm(engine, config.algorithm, config.rollout, config.reward, seed=3,
+                             prompts=lambda step: (prompts, [0, 1, 2, 3]), total_steps=1)
+    metrics = algorithm.step(0)
+    return {"roles": sorted(engine.workers), "reward_mean": metrics["reward_mean"]}
+
+
+@pytest.mark.multirank
+def test_a_stage_longer_than_the_world_timeout_completes_on_the_transfer_channels() -> None:
+    """Trainers wait for the rollout through 2 x 5 s of generation with a 3 s world timeout:
+    on the world group their receives timed out; the channels have their own timeout."""
+    results = run_on_ranks(_long_generation, world_size=4, timeout_s=240)
+    assert "actor" in results[0]["roles"] and "actor" not in results[3]["roles"]
+    assert len({result["reward_mean"] for result in results}) == 1

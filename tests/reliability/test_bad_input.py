@@ -22,6 +22,7 @@ from megatron_rlhf.engine.build import check_checkpoint_tokenizers
 from megatron_rlhf.engine.checkpointing import check_compatible, read_rl_state
 from megatron_rlhf.engine.step_metrics import nonfinite_report
 from megatron_rlhf.models.checkpoint import INFO_FILE, CheckpointInfo, ModelDescription
+from megatron_rlhf.runtime.checkpoint_store import commit, hash_files
 from megatron_rlhf.runtime.faults import FaultConfig, RankFailure
 from tools import run_ppo as run_ppo_tool
 
@@ -32,8 +33,8 @@ TINY = "examples/ppo_tiny.yaml"
     (["placement.strategy=bogus"], "placement.strategy='bogus' is unknown: choose one of"),
     (["checkpoint.save_interval=5"], "checkpoint.save_interval=5 needs a checkpoint.save_dir "
                                      "(--save-dir)"),
-    (["checkpoint.resume=true"], "checkpoint.resume (--resume) looks for the latest checkpoint "
-                                 "in checkpoint.save_dir; set --save-dir"),
+    (["checkpoint.resume=true"], "checkpoint.resume=latest (--resume) looks for the latest "
+                                 "checkpoint in checkpoint.save_dir; set --save-dir"),
     (["checkpoint.keep_last=-1"], "checkpoint.keep_last=-1 must be >= 0 (0 keeps all)"),
     (["faults.on_nan=ignore"], "faults.on_nan='ignore': use one of ('skip', 'stop')"),
     (["faults.grace_s=-1"], "faults.grace_s=-1.0 must be >= 0"),
@@ -76,7 +77,7 @@ def _tool(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str]:
 def test_the_tool_exits_2_on_bad_input_before_distributed_work(
         tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     code, err = _tool(["--resume"], capsys)
-    assert code == 2 and "bad configuration: checkpoint.resume (--resume)" in err
+    assert code == 2 and "bad configuration: checkpoint.resume=latest (--resume)" in err
     code, err = _tool(["--resume", "--save-dir", str(tmp_path / "empty")], capsys)
     assert code == 2 and "--resume: no complete checkpoint in checkpoint.save_dir=" in err
     code, err = _tool(["rollout.max_prompt_length=2"], capsys)
@@ -85,6 +86,58 @@ def test_the_tool_exits_2_on_bad_input_before_distributed_work(
         run_ppo_tool.parse_args(["--placement", "sideways"])
     assert error.value.code == 2
     assert "invalid choice: 'sideways'" in capsys.readouterr().err
+
+
+def test_a_fresh_run_leaves_another_runs_checkpoints_alone(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A second run into the same --save-dir, without --resume, used to prune the first run's
+    later checkpoints at its first save; now it stops before any work and names the fixes."""
+    save_dir = tmp_path / "ck"
+    for step in (1, 2, 3):
+        final = save_dir / f"step_{step:08d}"
+        temp = save_dir / f"{final.name}.tmp-test"
+        temp.mkdir(parents=True)
+        (temp / "rl_state.json").write_text("{}")
+        commit(temp, final, step, hash_files(temp, ["rl_state.json"]))
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    code, err = _tool(["--steps", "1", "--save-dir", str(save_dir), "--save-interval", "1",
+                       "--run-dir", str(tmp_path / "run")], capsys)
+    assert code == 2
+    assert f"checkpoint.save_dir={save_dir} holds 3 complete checkpoints" in err
+    assert "continue that run with --resume (or --resume auto" in err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_an_unusable_save_dir_is_refused_before_the_first_step(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    code, err = _tool(["--save-dir", str(afile), "--run-dir", str(tmp_path / "run")], capsys)
+    assert code == 2 and f"checkpoint.save_dir (--save-dir)={afile} is an existing file" in err
+    code, err = _tool(["--save-dir", str(afile / "ck"), "--run-dir", str(tmp_path / "run")],
+                      capsys)
+    assert code == 2 and "checkpoint.save_dir (--save-dir)=" in err and "cannot be created" in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("argv, resume, overrides", [
+    (["--resume"], "latest", []),
+    (["--resume", "auto"], "auto", []),
+    (["--resume", "steps=3"], "latest", ["steps=3"]),
+    ([], None, []),
+])
+def test_resume_flag_forms(argv: list[str], resume: str | None, overrides: list[str]) -> None:
+    _, parsed = run_ppo_tool.parse_args(argv)
+    assert [o for o in parsed if o.startswith("checkpoint.resume")] == (
+        [f"checkpoint.resume={resume}"] if resume else [])
+    assert [o for o in parsed if not o.startswith("checkpoint.")] == overrides
+
+
+def test_resume_flag_refuses_other_words(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as error:
+        run_ppo_tool.parse_args(["--resume", "sometimes"])
+    assert error.value.code == 2
+    assert "argument --resume: 'sometimes' is not 'auto'" in capsys.readouterr().err
 
 
 def test_the_tool_exits_1_when_a_rank_fails(monkeypatch: pytest.MonkeyPatch,

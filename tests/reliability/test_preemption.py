@@ -1,5 +1,7 @@
-"""Preemption under torchrun: SIGTERM to one worker makes every rank finish its current step,
-save a checkpoint and exit 0 (the ranks agree on the stop at the step boundary)."""
+"""Preemption and a lost launcher under torchrun: SIGTERM to one worker makes every rank finish
+its current step, save a checkpoint and exit 0 (the ranks agree on the stop at the step
+boundary); SIGKILL to torchrun's agent makes every worker stop within seconds, leaving only
+complete checkpoints behind."""
 
 from __future__ import annotations
 
@@ -12,6 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+
+from megatron_rlhf.runtime.checkpoint_store import complete_checkpoints, verify_checkpoint
+from megatron_rlhf.runtime.launcher_watch import EXIT_ORPHANED, LauncherWatch
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -76,3 +81,103 @@ def test_sigterm_to_one_rank_finishes_the_step_saves_and_exits_zero(tmp_path: Pa
     assert saved == [f"step_{len(steps):08d}"], saved
     assert (save_dir / saved[0] / "manifest.json").is_file()
     assert "stopping after step" in output
+
+
+def _pid_running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.multirank
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the workers through /proc")
+def test_workers_stop_when_the_launcher_is_killed(tmp_path: Path) -> None:
+    """Workers of a SIGKILLed agent used to train on to the last step and keep saving."""
+    run_dir, save_dir = tmp_path / "run", tmp_path / "ckpt"
+    log = (tmp_path / "log.txt").open("w")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", str(REPO / "tools" / "run_ppo.py"), "--steps", "500",
+               "--run-dir", str(run_dir), "--save-dir", str(save_dir), "--save-interval", "1",
+               "--placement", "flattening", "rollout.prompts_per_step=8", "rollout.ppo_epochs=1",
+               "rollout.num_minibatches=1", "generation.max_new_tokens=6",
+               "runtime.distributed.timeout_s=60"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    job = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+    workers: list[int] = []
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        _wait_for(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 1, 240,
+                  "the first step")
+        workers = _children(job.pid)
+        assert len(workers) == 2, workers
+        job.kill()
+        job.wait(timeout=30)
+        _wait_for(lambda: not any(_pid_running(pid) for pid in workers), 30,
+                  "the orphaned workers to stop")
+    finally:
+        if job.poll() is None:
+            job.kill()
+        for pid in workers:
+            if _pid_running(pid):
+                os.kill(pid, signal.SIGKILL)
+        log.close()
+    output = (tmp_path / "log.txt").read_text()
+    assert "its launcher (torchrun's agent, pid" in output and "is gone" in output, output[-3000:]
+    steps = len(metrics.read_text().splitlines())
+    assert steps < 500
+    for checkpoint in complete_checkpoints(save_dir):
+        assert verify_checkpoint(checkpoint) == [], checkpoint
+
+
+class _DeadStore:
+    def __init__(self) -> None:
+        self.probes = 0
+
+    def check(self, keys: list[str]) -> bool:
+        self.probes += 1
+        raise RuntimeError("Broken pipe")
+
+
+def test_the_watch_names_a_lost_launcher_and_a_store_that_stopped_answering() -> None:
+    assert LauncherWatch(os.getppid()).problem() is None
+    lost = LauncherWatch(launcher_pid=os.getppid() + 100_000).problem()
+    assert lost is not None and f"pid {os.getppid() + 100_000}) is gone" in lost
+    store = _DeadStore()
+    watch = LauncherWatch(os.getppid(), store, store_failures=3)
+    assert [watch.problem() for _ in range(2)] == [None, None]
+    reason = watch.problem()
+    assert reason is not None and "stopped answering (3 probes: RuntimeError: Broken pipe)" in reason
+    assert store.probes == 3 and EXIT_ORPHANED != 0
+
+
+def test_a_stop_file_finishes_the_step_saves_and_exits_zero(tmp_path: Path) -> None:
+    """The Slurm example's path: the batch shell touches the file on --signal=B:USR1@..."""
+    import threading
+
+    from tools import run_ppo as run_ppo_tool
+
+    run_dir, save_dir, stop = tmp_path / "run", tmp_path / "ckpt", tmp_path / "STOP"
+    metrics = run_dir / "metrics.jsonl"
+
+    def touch_after_the_first_step() -> None:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not (metrics.is_file() and metrics.read_text()):
+            time.sleep(0.1)
+        stop.touch()
+
+    argv = ["--steps", "200", "--placement", "flattening", "--run-dir", str(run_dir),
+            "--save-dir", str(save_dir), f"faults.stop_file={stop}", "rollout.prompts_per_step=8",
+            "rollout.ppo_epochs=1", "rollout.num_minibatches=1", "generation.max_new_tokens=4"]
+    stop.touch()
+    assert run_ppo_tool.main(argv) == 2  # a stale stop file is refused before any work
+    stop.unlink()
+    toucher = threading.Thread(target=touch_after_the_first_step, daemon=True)
+    toucher.start()
+    assert run_ppo_tool.main(argv) == 0
+    toucher.join()
+    steps = len(metrics.read_text().splitlines())
+    assert 1 <= steps < 200
+    saved = complete_checkpoints(save_dir)
+    assert [p.name for p in saved] == [f"step_{steps:08d}"] and verify_checkpoint(saved[0]) == []
