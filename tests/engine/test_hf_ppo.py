@@ -106,6 +106,7 @@ def _padded_config(root: Path, actor: Path, reward: Path, prompts: Path):
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(360)
 def test_ppo_on_an_embedding_padded_past_the_tokenizer(tmp_path: Path) -> None:
     """The tiny Qwen2 embeds 320 rows for a 300-id tokenizer, as Qwen2.5 pads its embedding: the
     rule reward decodes every response (an id >= 300 would fail), the old log-probs are
