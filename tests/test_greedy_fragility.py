@@ -131,11 +131,18 @@ def test_tool_decodes_and_measures_kl_like_hand_loops() -> None:
         sum(out["kl_by_hand"]) / len(out["kl_by_hand"]), rel=1e-3)
 
 
-def test_bad_noise_levels_are_refused() -> None:
+def test_bad_noise_levels_are_refused(capsys) -> None:
+    """A usage error (exit code 2) that names the bad values, not any other exit."""
     tool = load_script("tools/greedy_fragility.py")
-    for argv in (["--config", "c.yaml", "--noise", "0"], ["--config", "c.yaml", "--draws", "0"]):
-        with pytest.raises(SystemExit):
+    for argv, shown in ((["--config", "c.yaml", "--noise", "0"], "got [0.0], 3"),
+                        (["--config", "c.yaml", "--noise", "0.01", "-0.5"], "got [0.01, -0.5], 3"),
+                        (["--config", "c.yaml", "--draws", "0"], "got [0.01, 0.03], 0")):
+        with pytest.raises(SystemExit) as exit_info:
             tool.parse_args(argv)
+        assert exit_info.value.code == 2, argv
+        error = capsys.readouterr().err
+        assert "--noise levels must be > 0 and --draws >= 1" in error and shown in error, error
+    assert tool.parse_args(["--config", "c.yaml", "--noise", "0.02", "--draws", "1"]).draws == 1
 
 
 def test_missing_inputs_are_refused_before_any_process_group(tmp_path, capsys) -> None:

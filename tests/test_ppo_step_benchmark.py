@@ -93,6 +93,7 @@ def test_stage_seconds_average_the_ranks_that_ran_a_stage() -> None:
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(360)
 def test_the_benchmark_runs_run_ppo_and_prints_one_line_per_configuration() -> None:
     done = subprocess.run(
         [sys.executable, "benchmarks/ppo_step.py", "--world-sizes", "1", "--steps", "2",

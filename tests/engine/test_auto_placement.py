@@ -27,6 +27,39 @@ def test_auto_picks_a_placement_the_engine_accepts() -> None:
     assert "samples/s" in reason
 
 
+def test_auto_picks_the_fastest_predicted_placement_the_engine_accepts() -> None:
+    """The winner is the feasible candidate of highest predicted samples/s among those the
+    engine can build, priced as the run steps (synchronously here: no overlap of consecutive
+    steps), and there was a choice to make."""
+    from megatron_rlhf.engine.auto_placement import ENGINE_MEMORY_OPTIONS, with_memory_options
+    from megatron_rlhf.planner import RolloutSpec, SearchSpace, auto_place
+    from megatron_rlhf.topology.models import resolve_arch
+
+    cluster = ClusterSpec((DevicePool("A100-80GB", nodes=1, devices_per_node=4),))
+    config = _config()
+    assert not config.rollout.async_rollout
+    chosen, _ = choose_placement(config, cluster)
+    ranked = auto_place(cluster, resolve_arch(config.models.arch),
+                        RolloutSpec.from_run_config(config, overlap=False), None,
+                        SearchSpace(critic=config.placement.critic,
+                                    memory_options=ENGINE_MEMORY_OPTIONS))
+    accepted = []
+    for candidate in ranked:
+        if not candidate.prediction.feasible:
+            continue
+        placement = dataclasses.replace(candidate.config, ac_share=True)
+        try:
+            make_plan(with_memory_options(dataclasses.replace(config, placement=placement),
+                                          candidate.prediction.memory.options), cluster)
+        except ValueError:
+            continue
+        accepted.append((placement, candidate.prediction.samples_per_s))
+    speeds = [speed for _, speed in accepted]
+    assert len(set(speeds)) > 1, "candidates of different speeds to choose from"
+    assert max(speed for placement, speed in accepted if placement == chosen.placement) == max(
+        speeds)
+
+
 def test_auto_skips_candidates_whose_batches_do_not_split() -> None:
     cluster = ClusterSpec((DevicePool("A100-80GB", nodes=1, devices_per_node=4),))
     # 4 prompts split over DP=4 x micro-batch 2 nowhere: every candidate with dp > 2 is refused.

@@ -110,6 +110,7 @@ def _assert_same_evaluation(ours: dict, again: dict) -> None:
 
 @pytest.mark.multirank
 @pytest.mark.slow
+@pytest.mark.timeout(660)
 def test_pipeline_evaluates_untrained_sft_and_final_policies(tmp_path: Path) -> None:
     out = run_on_ranks(_chain_then_recompute, world_size=2, args=(tmp_path,), timeout_s=600)[0]
     held = out["held_out"]

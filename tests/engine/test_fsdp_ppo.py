@@ -15,7 +15,6 @@ are refused before anything is built.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,6 +24,7 @@ from megatron_rlhf.config.ppo_run import ModelsConfig, RunConfig
 from megatron_rlhf.topology.cluster import DevicePool, cluster_from_environment
 from megatron_rlhf.topology.placement_config import PlacementConfig
 from tests.engine.two_steps import two_ppo_steps
+from tests.helpers.metrics import run_metrics
 from tests.multirank import run_on_ranks
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -32,7 +32,6 @@ RTOL, ATOL = 1e-5, 1e-6
 EXPORT_ATOL = 1e-6
 """Exported weights of the FSDP and the resident run after two steps (observed: 0.0, both models:
 the two steps give the same weights to the bit)."""
-TIMING = ("step_seconds", "samples_per_s")
 
 
 def _config(fsdp: bool, **changes) -> RunConfig:
@@ -128,12 +127,6 @@ def _resume_config(root: str, name: str, steps: int, fsdp: bool = True, **checkp
     return config
 
 
-def _metrics(run_dir: str) -> list[dict]:
-    lines = Path(run_dir, "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items()
-             if k not in TIMING and not k.startswith("memory/")} for line in lines]
-
-
 def _resume(root: str) -> dict:
     import torch.distributed as dist
 
@@ -144,7 +137,7 @@ def _resume(root: str) -> dict:
     run_ppo(_resume_config(root, "B", steps=4, save_dir=f"{root}/ckpt", resume=True))
     out: dict = {}
     if dist.get_rank() == 0:
-        out["metrics"] = (_metrics(f"{root}/A"), _metrics(f"{root}/B"))
+        out["metrics"] = (run_metrics(f"{root}/A"), run_metrics(f"{root}/B"))
         out["saved"] = sorted(p.name for p in Path(root, "ckpt").iterdir())
     for name, fsdp, tp in (("resident", False, 1), ("tp2", True, 2)):
         config = _resume_config(root, name, steps=3, fsdp=fsdp,

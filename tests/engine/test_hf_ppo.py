@@ -33,7 +33,7 @@ def _config(root: Path, actor: Path, reward: Path, prompts: Path):
 
 def _job(root: str, actor: str, reward: str, prompts: str) -> list:
     from megatron_rlhf.engine import runner
-    from tests.models.test_checkpoint import full_logits
+    from tests.helpers.models import full_logits
 
     captured = {}
     build = runner.build_engine
@@ -54,6 +54,7 @@ def _job(root: str, actor: str, reward: str, prompts: str) -> list:
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(360)
 def test_ppo_from_hf_directories_exports_a_model_transformers_loads(tmp_path: Path) -> None:
     from safetensors.torch import load_file
     from transformers import (
@@ -105,6 +106,7 @@ def _padded_config(root: Path, actor: Path, reward: Path, prompts: Path):
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(360)
 def test_ppo_on_an_embedding_padded_past_the_tokenizer(tmp_path: Path) -> None:
     """The tiny Qwen2 embeds 320 rows for a 300-id tokenizer, as Qwen2.5 pads its embedding: the
     rule reward decodes every response (an id >= 300 would fail), the old log-probs are

@@ -213,6 +213,7 @@ def test_recorded_stage_peaks_agree_with_the_planner() -> None:
                 f"planned {expected:.0f}")
     for strategy in ("flattening", "separation"):
         resident, offloaded = (per_rank[0][strategy, o][0] for o in ("never", "always"))
+        assert offloaded and offloaded.keys() == resident.keys(), strategy
         assert all(offloaded[key] < resident[key] for key in offloaded)
     resident, auto = per_rank[0]["separation", "never"][0], per_rank[0]["separation", "auto"][0]
     assert auto["memory/train_peak_bytes"] < resident["memory/train_peak_bytes"]

@@ -3,7 +3,7 @@
 - chunked (pipelined) production of experience gives exactly the metrics of the sequential one;
 - asynchronous separation trains step k on experience generated one step earlier (checked
   against a synchronous run whose policy never changes, which generates what stale shadows do),
-  and its timeline shows shadow generation overlapping actor training;
+  and its timeline shows the shadows generating step 1 before the actor has trained on step 0;
 - spans land on the ranks that hold each model.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers.metrics import metrics_match
 from tests.multirank import run_on_ranks
 
 COMPARED = ("reward_mean", "rm_score", "kl", "policy_loss", "value_loss", "response_length")
@@ -68,10 +69,11 @@ def _schedules() -> dict:
 
 
 def _same(a: dict, b: dict) -> bool:
-    return all(a[k] == pytest.approx(b[k], rel=2e-4, abs=2e-5) for k in COMPARED)
+    return metrics_match(a, b, COMPARED)
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(660)
 def test_pipelined_and_asynchronous_schedules() -> None:
     per_rank = run_on_ranks(_schedules, world_size=4, timeout_s=600)
     results = per_rank[0]
@@ -92,8 +94,12 @@ def test_pipelined_and_asynchronous_schedules() -> None:
     spans = {rank: per_rank[rank]["async"][1] for rank in range(4)}
     assert all(stage != "generate" for rank in (0, 1) for stage, *_ in spans[rank])
     assert all(stage != "train" for rank in (2, 3) for stage, *_ in spans[rank])
-    generation = [(s, e) for _, model, s, e in spans[2] if model == "shadow_actor"]
-    training = [(s, e) for stage, _, s, e in spans[0] if stage == "train"]
-    overlap = sum(max(0.0, min(e1, e2) - max(s1, s2))
-                  for s1, e1 in generation for s2, e2 in training)
-    assert overlap > 0, "asynchronous separation must generate while the actor trains"
+    # An order, not a duration (the 2-core test machine stretches every span): the shadows
+    # start generating step 1's experience before the actor has finished training on step 0's.
+    generation_starts = [start for stage, model, start, _ in spans[2]
+                         if stage == "generate" and model == "shadow_actor"]
+    first_sync = next(i for i, (stage, *_) in enumerate(spans[0]) if stage == "sync_weights")
+    step0_training = [end for stage, _, _, end in spans[0][:first_sync] if stage == "train"]
+    assert len(generation_starts) == 3 and step0_training, (generation_starts, spans[0])
+    assert generation_starts[1] < max(step0_training), (
+        "asynchronous separation must generate step 1 while the actor trains on step 0")

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers.metrics import assert_metrics_match, even_token_share
 from tests.multirank import run_on_ranks
 
 STRATEGIES = ("flattening", "interleaving", "interleaving2", "separation", "hetero-separation")
 COMPARED = ("reward_mean", "rm_score", "rule_score", "kl", "policy_loss", "value_loss",
             "response_length", "actor/pg_clipfrac", "actor/grad_norm")
-
-
-def _even_token_share(prompt: list[int], response: list[int]) -> float:
-    return sum(1 for t in response if t % 2 == 0) / max(1, len(response))
 
 
 def _run_strategies(ac_share: bool, steps: int, strategies: tuple[str, ...] = STRATEGIES,
@@ -67,7 +64,7 @@ def _run_strategies(ac_share: bool, steps: int, strategies: tuple[str, ...] = ST
         algorithm = PPOAlgorithm(
             engine, config.algorithm, config.rollout, config.reward, seed=5,
             prompts=lambda s: (prompts[16 * s:16 * (s + 1)], list(range(16 * s, 16 * (s + 1)))),
-            total_steps=steps, rule_reward=_even_token_share)
+            total_steps=steps, rule_reward=even_token_share)
         results[strategy] = [algorithm.step(s) for s in range(steps)]
     return results
 
@@ -76,11 +73,7 @@ def _check_same_metrics(results: dict[str, list[dict[str, float]]]) -> None:
     reference = results["flattening"]
     for strategy, steps in results.items():
         for step, (metrics, ref) in enumerate(zip(steps, reference, strict=True)):
-            for key in COMPARED:
-                if key not in ref:
-                    continue
-                assert metrics[key] == pytest.approx(ref[key], rel=2e-4, abs=2e-5), (
-                    f"{strategy} step {step} {key}: {metrics[key]} vs flattening {ref[key]}")
+            assert_metrics_match(metrics, ref, COMPARED, f"{strategy} step {step} vs flattening")
     first = reference[0]
     assert first["response_length"] > 1 and first["kl"] == pytest.approx(0.0, abs=1e-5)
     assert abs(reference[1]["kl"]) > 1e-4, "the policy moved: step 2 must show a KL to the reference"
@@ -88,6 +81,7 @@ def _check_same_metrics(results: dict[str, list[dict[str, float]]]) -> None:
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("ac_share", [False, True], ids=["ac-nonshare", "ac-share"])
+@pytest.mark.timeout(480)
 def test_every_placement_gives_the_same_ppo_metrics(ac_share: bool) -> None:
     per_rank = run_on_ranks(_run_strategies, world_size=4, args=(ac_share, 2), timeout_s=420)
     assert all(r == per_rank[0] for r in per_rank), "metrics must be identical on every rank"

@@ -5,7 +5,8 @@ The gradient test computes the actor's gradient twice on 2 DP ranks: through the
 supervised rows shared out over the replicas, in micro-batches of one row, megatron's schedule
 dividing by the PPO token count) and by plain autograd on the whole mini-batch, with the policy
 loss and the NLL written out from ``log_softmax``. They agree only if the rows, the weight and
-the normalisation are all right.
+the normalisation are all right. The same step's critic gradient is checked the same way against
+the clipped value loss written out, with the recorded values moved so that the clip bites.
 """
 
 from __future__ import annotations
@@ -94,26 +95,33 @@ def _engine_gradient(ac_share: bool = False):
                              prompts=lambda step: (prompts, list(range(4))), total_steps=1,
                              demonstrations=_FixedDemonstrations(), ptx_coef=COEF)
     experience = algorithm.produce(0)
-    worker = engine.workers["actor"]
-    model, trainer = worker.model, worker.trainer
-    captured = {}
+    captured: dict[str, dict] = {}
 
-    def gradients_only(microbatches, loss_fn):
-        """The actor's reduced gradient instead of an update."""
-        trainer.module.train()
-        trainer.module.zero_grad_buffer()
-        run_microbatches(trainer.module, worker.pg_collection, microbatches, loss_fn,
-                         forward_only=False)
-        captured.update(microbatches=len(microbatches),
-                        grads=[param.main_grad.clone() for param in model.parameters()])
-        return {"metrics": [], "grad_norm": 0.0}
+    def gradients_only(role: str):
+        """The model's reduced gradient instead of an update."""
+        worker = engine.workers[role]
+        trainer = worker.trainer
 
-    trainer.train_step = gradients_only
+        def train_step(microbatches, loss_fn):
+            trainer.module.train()
+            trainer.module.zero_grad_buffer()
+            run_microbatches(trainer.module, worker.pg_collection, microbatches, loss_fn,
+                             forward_only=False)
+            captured[role] = dict(microbatches=len(microbatches), grads=[
+                param.main_grad.clone() for param in worker.model.parameters()])
+            return {"metrics": [], "grad_norm": 0.0}
+
+        trainer.train_step = train_step
+
+    for role in ("actor", "critic"):
+        if role in engine.workers:
+            gradients_only(role)
 
     def gradient_of(coef: float) -> dict:
+        """The actor's gradient (the critic's, if any, is left in ``captured["critic"]``)."""
         algorithm.ptx_coef = coef
         algorithm.consume(experience)
-        return dict(captured)
+        return {**captured["actor"], "critic": captured.get("critic")}
 
     return engine, experience, gradient_of
 
@@ -137,6 +145,7 @@ def _gradients_both_ways() -> dict:
     from megatron_rlhf.models.forward_backward import model_inputs
 
     engine, experience, gradient_of = _engine_gradient()
+    _moved_old_values(experience.batch.fields)
     captured = gradient_of(COEF)
     model = engine.workers["actor"].model
     fields = experience.batch.fields
@@ -159,16 +168,60 @@ def _gradients_both_ways() -> dict:
     nll_only = torch.autograd.grad(COEF * nll, params)
     return {"relative_error": worst / scale,
             "ptx_share": max(float(g.abs().max()) for g in nll_only) / scale,
-            "microbatches": captured["microbatches"]}
+            "microbatches": captured["microbatches"],
+            **_critic_gradient_check(engine, fields, captured["critic"])}
+
+
+def _critic_gradient_check(engine, fields: dict, captured: dict) -> dict:
+    """The critic's gradient from the engine against autograd of the clipped value loss
+    ``0.5 * mean over response tokens of max((V - R)^2, (V_old + clip(V - V_old) - R)^2)``, with
+    ``V`` the value head at the position before each response token. The old values of the
+    experience were moved (``_moved_old_values``) so that both branches of the clip are taken."""
+    import torch
+
+    from megatron_rlhf.models.forward_backward import model_inputs
+
+    model = engine.workers["critic"].model
+    params = list(model.parameters())
+    output = model(*model_inputs(fields)).float()[..., 0]
+    values = output[:, engine.prompt_length - 1:-1]
+    mask = fields["response_mask"].bool()
+    old, returns = fields["values"], fields["returns"]
+    clip = 0.2
+    clipped = old + (values - old).clamp(-clip, clip)
+    per_token = torch.maximum((values - returns).square(), (clipped - returns).square())
+    loss = 0.5 * per_token[mask].mean()
+    reference = [torch.zeros_like(p) if g is None else g
+                 for p, g in zip(params, torch.autograd.grad(loss, params, allow_unused=True),
+                                 strict=True)]
+    scale = max(float(g.abs().max()) for g in reference)
+    worst = max(float((got - want).abs().max())
+                for got, want in zip(captured["grads"], reference, strict=True))
+    moved = (values.detach() - old).abs()[mask]
+    return {"critic_relative_error": worst / scale,
+            "critic_both_branches": bool((moved > clip).any() and (moved < clip).any())}
+
+
+def _moved_old_values(fields: dict) -> None:
+    """Shift the recorded values by up to +-0.4 (the same draw on every rank), so that the
+    value clip (0.2) is active on some tokens and not on others."""
+    import torch
+
+    generator = torch.Generator().manual_seed(21)
+    shift = (torch.rand(fields["values"].shape, generator=generator) - 0.5) * 0.8
+    fields["values"] = fields["values"] + shift * fields["response_mask"]
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(360)
 def test_ptx_gradient_is_the_policy_loss_plus_coef_times_the_mean_nll() -> None:
     results = run_on_ranks(_gradients_both_ways, world_size=2, timeout_s=300)
     for result in results:
         assert result["microbatches"] == 4, "2 PPO rows and 2 demonstrations per replica"
         assert result["ptx_share"] > 0.05, "the NLL term moves the gradient measurably"
         assert result["relative_error"] < 1e-4
+        assert result["critic_both_branches"], "the value clip is taken and not taken"
+        assert result["critic_relative_error"] < 1e-4
 
 
 def test_demonstrations_are_the_sft_portion_or_the_named_files(tmp_path) -> None:
@@ -217,6 +270,7 @@ def _ptx_share_of_the_gradient_with_ac_share() -> dict:
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(360)
 def test_ptx_adds_coef_times_the_nll_gradient_to_an_ac_share_actor() -> None:
     """With a value head on the actor (AC-Share) the NLL reads the logits only: the gradient
     with PPO-ptx minus the one without is ``coef`` times the demonstrations' NLL gradient."""

@@ -44,8 +44,8 @@ def _experience_both_ways() -> dict:
     mask = computed["response_mask"].bool()
     return {
         "passes": passes,
-        "same_other_fields": all(torch.equal(computed[k], reused[k]) for k in computed
-                                 if k != "old_logprobs"),
+        "same_other_fields": computed.keys() == reused.keys() and all(
+            torch.equal(computed[k], reused[k]) for k in computed if k != "old_logprobs"),
         "max_diff": (computed["old_logprobs"] - reused["old_logprobs"])[mask].abs().max().item(),
         "tokens": int(mask.sum()),
         "padding_zero": bool((reused["old_logprobs"][~mask] == 0).all()),

@@ -11,9 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +25,7 @@ from megatron_rlhf.supervised.loop import data_parallel_size
 from megatron_rlhf.supervised.reward_model import pairwise_loss, preference_microbatches
 from megatron_rlhf.supervised.sft import sft_loss
 from megatron_rlhf.topology import ClusterSpec, ModelSpec, arch_preset
+from tests.helpers.launch import run_tool
 from tests.multirank import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -192,15 +190,6 @@ def test_reward_model_from_sft_trunk_ranks_held_out_pairs(tmp_path: Path) -> Non
         ("scalar", "reward", 2)
 
 
-def _run_tool(script: str, args: list[str], nproc: int = 0,
-              timeout: float = 180) -> subprocess.CompletedProcess:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc-per-node={nproc}"] if nproc else [sys.executable]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([*launcher, str(ROOT / "tools" / script), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-
-
 def _write_renamed_jsonl(path: Path) -> None:
     """The synthetic records with other column names, one bad line, and no chosen/rejected."""
     records = generate_records(SyntheticTaskConfig(seed=3, num_train=400), "train")
@@ -210,17 +199,18 @@ def _write_renamed_jsonl(path: Path) -> None:
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(420)
 def test_cli_tools_train_sft_then_reward_model_under_torchrun(tmp_path: Path) -> None:
     data = tmp_path / "qa.jsonl"
     _write_renamed_jsonl(data)
-    sft = _run_tool("train_sft.py", [
+    sft = run_tool("train_sft.py", [
         "--data", str(data), "--steps", "6", "--out-dir", str(tmp_path / "sft"),
         "data.reader.fields.prompt=question", "data.reader.fields.response=answer",
         "data.split.sft=1", "data.split.rm=0",
         "data.split.ppo=0", "data.eval_fraction=0.2"], nproc=2)
     assert sft.returncode == 0, sft.stderr[-3000:]
     assert "kept 400 of 401 records" in sft.stderr and "invalid_json: 1" in sft.stderr
-    rm = _run_tool("train_reward_model.py", [
+    rm = run_tool("train_reward_model.py", [
         "--init-from", str(tmp_path / "sft" / "checkpoint"), "--tp", "2", "--steps", "4",
         "--out-dir", str(tmp_path / "rm"), *SMALL_TASK], nproc=2)
     assert rm.returncode == 0, rm.stderr[-3000:]
@@ -235,7 +225,7 @@ def test_cli_tools_train_sft_then_reward_model_under_torchrun(tmp_path: Path) ->
 def test_bad_data_is_refused_with_a_clear_message(tmp_path: Path) -> None:
     data = tmp_path / "qa.jsonl"
     _write_renamed_jsonl(data)
-    result = _run_tool("train_sft.py", [
+    result = run_tool("train_sft.py", [
         "--data", str(data), "--out-dir", str(tmp_path / "sft"), "data.reader.on_bad_record=error",
         "data.reader.fields.prompt=question", "data.reader.fields.response=answer"], timeout=120)
     assert result.returncode == 2

@@ -14,6 +14,7 @@ from megatron_rlhf.generation import (
     generate_sequences,
 )
 from tests.generation.helpers import build_tiny, make_prompts
+from tests.helpers.models import full_forward_logprobs
 
 EOS, PAD = 249, 0
 LENGTHS = [5, 1, 12, 7, 3]
@@ -27,20 +28,6 @@ def _generate(tiny, prompts, config, indices=None, eos_id=EOS) -> GenerationOutp
 
 def _responses(out: GenerationOutput) -> list[list[int]]:
     return [row[:n].tolist() for row, n in zip(out.responses, out.response_lengths, strict=True)]
-
-
-def _full_forward_logprobs(tiny, out: GenerationOutput, temperature: float) -> torch.Tensor:
-    """``[b, R]`` log-probs of the response tokens from one forward over prompt + response."""
-    from megatron_rlhf.models.forward_backward import model_inputs
-    from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
-
-    model, pgc = tiny
-    with torch.no_grad():
-        logits = model(*model_inputs({"input_ids": out.input_ids,
-                                      "attention_mask": out.attention_mask}))
-    logprobs, _ = vocab_parallel_logprobs(logits[:, :-1], out.input_ids[:, 1:], pgc.tp,
-                                          model.real_vocab_size, temperature)
-    return logprobs[:, out.prompt_length - 1:] * out.response_mask
 
 
 @pytest.mark.parametrize("head", ["lm", "lm+scalar"])
@@ -83,13 +70,13 @@ def test_train_eval_mode_is_restored(tiny, training: bool) -> None:
 def test_logprobs_equal_one_full_forward(tiny) -> None:
     prompts = make_prompts(LENGTHS, seed=1)
     plain = _generate(tiny, prompts, GenerationConfig(max_new_tokens=20, temperature=0.7, seed=3))
-    reference = _full_forward_logprobs(tiny, plain, temperature=0.7)
+    reference = full_forward_logprobs(*tiny, plain, temperature=0.7)
     torch.testing.assert_close(plain.response_policy_logprobs, reference, rtol=0, atol=1e-4)
     torch.testing.assert_close(plain.response_logprobs, reference, rtol=0, atol=1e-4)
 
     filtered = _generate(tiny, prompts, GenerationConfig(max_new_tokens=20, temperature=0.7,
                                                          top_k=50, top_p=0.9, seed=3))
-    reference = _full_forward_logprobs(tiny, filtered, temperature=0.7)
+    reference = full_forward_logprobs(*tiny, filtered, temperature=0.7)
     torch.testing.assert_close(filtered.response_policy_logprobs, reference, rtol=0, atol=1e-4)
     real = filtered.response_mask.bool()
     assert torch.all(filtered.response_logprobs[real] > reference[real])
@@ -165,7 +152,7 @@ def test_greedy_every_decodes_the_rows_its_index_picks_greedily(tiny) -> None:
     rows = torch.tensor(picked)
     assert torch.all(mixed.response_logprobs[rows] == 0)
     assert torch.all(mixed.response_logprobs[~rows][real[~rows]] < 0)
-    policy = _full_forward_logprobs(tiny, mixed, 1.0)
+    policy = full_forward_logprobs(*tiny, mixed, 1.0)
     torch.testing.assert_close(mixed.response_policy_logprobs, policy, rtol=0, atol=1e-5)
     alone = _generate(tiny, prompts[2:3], GenerationConfig(**base, greedy_every=2), indices[2:3])
     assert _responses(alone) == _responses(mixed)[2:3]

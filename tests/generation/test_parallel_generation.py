@@ -13,22 +13,11 @@ import torch
 import torch.distributed as dist
 
 from tests.generation.helpers import build_tiny, make_prompts
+from tests.helpers.models import full_forward_logprobs
 from tests.multirank import run_on_ranks
 
 EOS, PAD = 249, 0
 INDICES = [10, 11, 12, 13]
-
-
-def _full_forward_logprobs(model, pgc, out, temperature: float) -> torch.Tensor:
-    from megatron_rlhf.models.forward_backward import model_inputs
-    from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
-
-    with torch.no_grad():
-        logits = model(*model_inputs({"input_ids": out.input_ids,
-                                      "attention_mask": out.attention_mask}))
-    logprobs, _ = vocab_parallel_logprobs(logits[:, :-1], out.input_ids[:, 1:], pgc.tp,
-                                          model.real_vocab_size, temperature)
-    return logprobs[:, out.prompt_length - 1:] * out.response_mask
 
 
 def _responses(out) -> list[list[int]]:
@@ -69,7 +58,7 @@ def _check_parallel_generation() -> dict[str, float]:
         tokens = [torch.empty_like(out.input_ids) for _ in range(2)]
         dist.all_gather(tokens, out.input_ids, group=pgc2.tp)
         assert torch.equal(tokens[0], tokens[1]), "TP ranks sampled different tokens"
-    reference = _full_forward_logprobs(tp2, pgc2, out, sampled.temperature)
+    reference = full_forward_logprobs(tp2, pgc2, out, sampled.temperature)
     torch.testing.assert_close(out.response_policy_logprobs, reference, rtol=0, atol=1e-4)
     return {"max_logprob_diff_tp2_vs_tp1": worst}
 

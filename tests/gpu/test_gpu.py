@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rlhf.models.gpt import transformer_engine_importable
+from tests.helpers.metrics import assert_metrics_match
 from tests.multirank import run_on_ranks
 
 pytestmark = pytest.mark.gpu
@@ -48,7 +49,8 @@ def test_every_built_model_lives_on_the_gpu_in_bf16() -> None:
     assert run_on_ranks(_misplaced_parameters, 1, timeout_s=180, backend="nccl") == [[]]
 
 
-def _ppo_steps(ac_share: bool) -> tuple[list[dict[str, float]], set[str]]:
+def _ppo_steps(ac_share: bool, params_dtype: str = "auto"
+               ) -> tuple[list[dict[str, float]], set[str]]:
     import torch
 
     from megatron_rlhf.config.ppo_run import ModelsConfig, RewardConfig, RolloutConfig, RunConfig
@@ -71,12 +73,13 @@ def _ppo_steps(ac_share: bool) -> tuple[list[dict[str, float]], set[str]]:
     initialize_runtime()
     config = RunConfig(
         placement=PlacementConfig(strategy="flattening", ac_share=ac_share),
-        models=ModelsConfig(arch="tiny", init_seed=9),
+        models=ModelsConfig(arch="tiny", init_seed=9, params_dtype=params_dtype),
         rollout=RolloutConfig(prompts_per_step=16, max_prompt_length=8, micro_batch_size=4,
                               ppo_epochs=2, num_minibatches=2),
         generation=GenerationConfig(max_new_tokens=8, seed=3, micro_batch_size=8),
         reward=RewardConfig(model_weight=0.5, rule="none"), steps=2)
-    assert config.models.params_dtype == "bfloat16", "auto is bf16 on CUDA"
+    if params_dtype == "auto":
+        assert config.models.params_dtype == "bfloat16", "auto is bf16 on CUDA"
     plan = make_plan(config, cluster_from_environment())
     engine = build_engine(config, plan, eos_id=3, pad_id=0)
     generator = torch.Generator().manual_seed(0)
@@ -91,6 +94,7 @@ def _ppo_steps(ac_share: bool) -> tuple[list[dict[str, float]], set[str]]:
 
 
 @pytest.mark.parametrize("ac_share", [False, True], ids=["ac-nonshare", "ac-share"])
+@pytest.mark.timeout(360)
 def test_bf16_flattening_ppo_steps_keep_every_model_input_on_the_gpu(ac_share: bool) -> None:
     metrics, seen = run_on_ranks(_ppo_steps, 1, args=(ac_share,), timeout_s=300,
                                  backend="nccl")[0]
@@ -99,6 +103,27 @@ def test_bf16_flattening_ppo_steps_keep_every_model_input_on_the_gpu(ac_share: b
         for key in ("reward_mean", "kl", "policy_loss", "value_loss", "actor/grad_norm"):
             assert math.isfinite(step[key]), (key, step)
     assert metrics[1]["kl"] != 0.0, "the second step samples from an updated policy"
+
+
+@pytest.mark.timeout(660)
+def test_bf16_ppo_step_metrics_track_the_float32_run() -> None:
+    """Step 0 in bf16 against the same step with float32 weights: same seeds, so the same
+    initial weights up to bf16 rounding and the same sampling draws. Sampled tokens may still
+    differ where bf16 moves a token across a sampling boundary, so the comparison is of batch
+    means with a tolerance (10%, or 0.05 absolute near 0) far above rounding and far below what
+    a wrong cast (a score, value or log-prob read in the wrong dtype or scale) would give.
+    Step 1 is not compared: it samples from policies that the two runs updated differently."""
+    bf16 = run_on_ranks(_ppo_steps, 1, args=(False,), timeout_s=300, backend="nccl")[0][0]
+    fp32 = run_on_ranks(_ppo_steps, 1, args=(False, "float32"), timeout_s=300,
+                        backend="nccl")[0][0]
+    first, reference = bf16[0], fp32[0]
+    assert reference["kl"] == pytest.approx(0.0, abs=1e-6), "step 0: the actor is the reference"
+    assert first["kl"] == pytest.approx(0.0, abs=1e-3), first
+    assert_metrics_match(first, reference, ("reward_mean", "rm_score", "response_length",
+                                            "values_mean", "returns_mean", "value_loss"),
+                         "bf16 step 0 vs float32", rel=0.1, abs=0.05)
+    # A gradient in the wrong scale is off by a factor; one of other tokens, by far less.
+    assert first["actor/grad_norm"] == pytest.approx(reference["actor/grad_norm"], rel=0.5)
 
 
 def _sft_then_rm(root: str) -> tuple[list[dict], list[dict]]:
@@ -117,6 +142,7 @@ def _sft_then_rm(root: str) -> tuple[list[dict], list[dict]]:
     return sft, rm
 
 
+@pytest.mark.timeout(360)
 def test_sft_and_reward_model_steps_run_in_bf16(tmp_path: Path) -> None:
     sft, rm = run_on_ranks(_sft_then_rm, 1, args=(str(tmp_path),), timeout_s=300,
                            backend="nccl")[0]
@@ -209,6 +235,7 @@ def _memory_options() -> dict[str, dict]:
 
 @pytest.mark.skipif(not transformer_engine_importable(),
                     reason="optimizer CPU offload needs Transformer Engine (models/trainer.py)")
+@pytest.mark.timeout(360)
 def test_optimizer_cpu_offload_and_recompute_train_like_the_plain_optimizer() -> None:
     """megatron's HybridDeviceOptimizer (half and all of the optimizer on the host) and full
     recomputation give the plain run's losses: the first step's exactly (same weights), later ones

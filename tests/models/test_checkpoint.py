@@ -16,38 +16,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.helpers.models import full_logits
 from tests.model_fixtures import TinyArch, whole_world_groups
 from tests.multirank import run_on_ranks
 
 # 300 pads to 384 at TP=1 and to 512 at TP=2: loading crosses a vocabulary-padding change.
 _ARCH = TinyArch(num_layers=2, vocab_size=300)
-
-
-def full_logits(model, pg_collection, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
-    """The model output over the real vocabulary (plus the value channel for ``lm+scalar``),
-    gathered across TP; None on pipeline stages other than the last."""
-    from megatron_rlhf.models.forward_backward import run_microbatches
-    from megatron_rlhf.models.gpt import split_policy_value
-
-    outputs: list[torch.Tensor] = []
-
-    def keep_output(output: torch.Tensor, _batch) -> tuple[torch.Tensor, dict]:
-        outputs.append(output.detach())
-        return output.sum() * 0.0, {}
-
-    run_microbatches(model, pg_collection, [batch], keep_output, forward_only=True)
-    if not outputs:
-        return None
-    output, values = outputs[0], None
-    if model.head_kind == "scalar":
-        return output
-    if model.head_kind == "lm+scalar":
-        output, values = split_policy_value(output)
-    tp_group = pg_collection.tp
-    shards = [torch.empty_like(output) for _ in range(tp_group.size())]
-    dist.all_gather(shards, output.contiguous(), group=tp_group)
-    logits = torch.cat(shards, dim=-1)[..., : model.real_vocab_size]
-    return logits if values is None else torch.cat([logits, values[..., None]], dim=-1)
 
 
 def _batch() -> dict[str, torch.Tensor]:

@@ -251,6 +251,7 @@ def _load_at_another_dp_size(root: str) -> dict[str, object]:
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(780)
 def test_fsdp_checkpoint_resumes_bit_exactly_and_loads_at_another_dp_size(
         tmp_path: Path) -> None:
     for rank in run_on_ranks(_save_and_resume, world_size=2, args=(str(tmp_path),),

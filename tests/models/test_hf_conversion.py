@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.helpers.models import full_logits
 from tests.model_fixtures import whole_world_groups
-from tests.models.test_checkpoint import full_logits
 from tests.multirank import run_on_ranks
 from tools.make_tiny_hf import make_hf_model
 
@@ -143,6 +143,7 @@ def test_tp1_single_process_outputs_and_round_trip(tmp_path: Path) -> None:
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(360)
 def test_tp2_and_pp2_outputs_and_round_trip(tmp_path: Path) -> None:
     cases = _cases(tmp_path, ["llama", "llama3-tied", "qwen2-tied", "qwen3", "qwen2-rm"])
     run_on_ranks(_two_rank_job, world_size=2, args=(cases,), timeout_s=300)

@@ -115,6 +115,7 @@ def _compare() -> list[str]:
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(480)
 def test_recompute_gives_bitwise_the_same_training_steps() -> None:
     per_rank = run_on_ranks(_compare, world_size=2, timeout_s=400)
     assert len(per_rank[0]) == 4

@@ -68,6 +68,7 @@ def _compare() -> None:
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(360)
 def test_update_is_independent_of_layout_and_optimizer_sharding() -> None:
     run_on_ranks(_compare, world_size=4, timeout_s=300)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -130,6 +131,26 @@ def test_hetero_separation_generates_on_both_pools_by_relative_speed() -> None:
     p = _predict("hetero-separation", cluster=cluster, tp=4)
     assert "generation:shadow_actor+actor" in _tasks(p)
     assert p.memory.sequences_per_round.keys() == {"shadow_actor", "actor"}
+
+
+@pytest.mark.parametrize("slow_speed", [0.4, 0.8])
+def test_hetero_separation_splits_the_rows_by_the_pools_speeds(slow_speed: float) -> None:
+    """Two actor replicas on the A100 pool (speed 1) and two shadow replicas on the V100 pool:
+    each replica's rows are the batch times its pool's share of the summed speeds, rounded up."""
+    from megatron_rlhf.planner.memory import generation_rows, pool_of_replicas
+
+    cluster = ClusterSpec((
+        DevicePool("A100-80GB", 1, 8, memory_gib=80, relative_speed=1.0),
+        DevicePool("V100-32GB", 2, 4, memory_gib=32, relative_speed=slow_speed),
+    ))
+    plan = plan_placement(cluster, PlacementConfig("hetero-separation", tp=4), "llama-7b")
+    assert pool_of_replicas(plan, "actor") == {0: 2}
+    assert pool_of_replicas(plan, "shadow_actor") == {1: 2}
+    rows = generation_rows(plan, ROLLOUT.batch)
+    total_speed = 2 * 1.0 + 2 * slow_speed
+    assert rows == {"actor": {0: math.ceil(ROLLOUT.batch / total_speed)},
+                    "shadow_actor": {1: math.ceil(ROLLOUT.batch * slow_speed / total_speed)}}
+    assert ROLLOUT.batch <= 2 * rows["actor"][0] + 2 * rows["shadow_actor"][1] < ROLLOUT.batch + 4
 
 
 def test_ac_share_places_no_critic() -> None:

@@ -12,6 +12,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 # Records every piece of process-wide state that the package has ever been tempted to change.
@@ -56,6 +58,7 @@ def _run(body: str) -> str:
     return result.stdout
 
 
+@pytest.mark.timeout(360)
 def test_importing_every_module_changes_nothing_global() -> None:
     out = _run("""
         import importlib, pkgutil
@@ -74,6 +77,7 @@ def test_importing_every_module_changes_nothing_global() -> None:
     assert "imported" in out
 
 
+@pytest.mark.timeout(360)
 def test_cpu_patches_apply_and_undo() -> None:
     out = _run("""
         from megatron_rlhf.runtime import patches
