@@ -64,6 +64,7 @@ def _run_failing(tmp_path: str) -> dict:
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(460)
 def test_a_user_reward_function_sees_each_rows_record_on_two_ranks(tmp_path: Path) -> None:
     with (tmp_path / "prompts.jsonl").open("w") as out:
         for prompt, answer in PROMPTS.items():
@@ -86,6 +87,7 @@ def test_a_user_reward_function_sees_each_rows_record_on_two_ranks(tmp_path: Pat
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(460)
 def test_a_failing_reward_function_stops_the_run_naming_the_record(tmp_path: Path) -> None:
     with (tmp_path / "prompts.jsonl").open("w") as out:
         for prompt, answer in PROMPTS.items():

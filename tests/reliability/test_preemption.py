@@ -92,6 +92,7 @@ def _pid_running(pid: int) -> bool:
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(360)
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the workers through /proc")
 def test_workers_stop_when_the_launcher_is_killed(tmp_path: Path) -> None:
     """Workers of a SIGKILLed agent used to train on to the last step and keep saving."""
