@@ -80,3 +80,18 @@ def _leaf_names(config: object, prefix: str = "") -> list[str]:
         else:
             names.append(f"{prefix}{item.name}")
     return names
+
+
+def test_plain_optimizer_settings_take_their_roles_section(tmp_path: Path) -> None:
+    """Settings built in Python as a plain OptimizerSettings (one object for both roles) are
+    refused under their role's name, and the run's YAML loads back."""
+    from megatron_rlhf.models.trainer import OptimizerSettings
+
+    shared = OptimizerSettings(lr=0.5)
+    config = RunConfig(actor_optimizer=shared, critic_optimizer=shared)
+    assert type(config.actor_optimizer).SECTION == "actor_optimizer"
+    assert type(config.critic_optimizer).SECTION == "critic_optimizer"
+    assert config.actor_optimizer is not config.critic_optimizer
+    assert (config.actor_optimizer.lr, config.critic_optimizer.lr) == (0.5, 0.5)
+    (tmp_path / "config.yaml").write_text(to_yaml(config))
+    assert load_config(RunConfig, tmp_path / "config.yaml").actor_optimizer.lr == 0.5

@@ -6,7 +6,7 @@ them (with inheritance and dotted overrides) and every dataclass validates itsel
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
 
 from megatron_rlhf.algorithms import GROUP_ESTIMATORS, PPOAlgorithmConfig
@@ -421,6 +421,14 @@ class EvalConfig:
         return step == start or bool(self.interval and step % self.interval == 0)
 
 
+def _in_section(settings: OptimizerSettings, section: type[OptimizerSettings]
+                ) -> OptimizerSettings:
+    """``settings`` as an instance of its role's ``section`` subclass (the same values)."""
+    if isinstance(settings, section):
+        return settings
+    return section(**{f.name: getattr(settings, f.name) for f in fields(settings)})
+
+
 @dataclass
 class ActorOptimizerSettings(OptimizerSettings):
     """The actor's optimizer settings (``OptimizerSettings``); refusals name
@@ -478,6 +486,10 @@ class RunConfig:
                 with gae, fewer than 2 samples per prompt for grpo or rloo, or an option
                 Megatron-FSDP cannot serve.
         """
+        # Settings built in Python as a plain OptimizerSettings take their role's section, so
+        # refusals name it and the YAML written for the run loads back.
+        self.actor_optimizer = _in_section(self.actor_optimizer, ActorOptimizerSettings)
+        self.critic_optimizer = _in_section(self.critic_optimizer, CriticOptimizerSettings)
         if self.steps < 0:
             raise ValueError(f"steps={self.steps} must be >= 0 (0 only evaluates the initial "
                              "policy)")

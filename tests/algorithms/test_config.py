@@ -102,3 +102,4 @@ def test_kl_in_loss_takes_the_kl_out_of_the_reward() -> None:
 def test_adaptive_kl_with_kl_in_loss_is_refused() -> None:
     with pytest.raises(ValueError, match=r"^algorithm.adaptive_kl\(True\) .* kl_in\('loss'\)"):
         PPOAlgorithmConfig(kl_in="loss", adaptive_kl=True)
+

@@ -22,22 +22,11 @@ from megatron_rlhf.runtime.checkpoint_store import (
     read_manifest,
     verify_checkpoint,
 )
+from tests.helpers.processes import children
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 6
 MEASURED = ("step_seconds", "samples_per_s")
-
-
-def _workers(agent: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == agent and fields[0] not in ("Z", "X"):
-            found.append(int(stat.parent.name))
-    return found
 
 
 def _steps_done(run_dir: Path) -> int:
@@ -66,7 +55,7 @@ def _job(tmp_path: Path, name: str, kills_after_steps: tuple[int, ...]) -> tuple
                 while _steps_done(run_dir) < after and time.monotonic() < deadline:
                     time.sleep(0.1)
                 time.sleep(chaos.uniform(0.0, 2.0))  # somewhere inside the next step or save
-                workers = _workers(job.pid)
+                workers = children(job.pid)
                 assert workers, "no workers to kill"
                 os.kill(chaos.choice(workers), signal.SIGKILL)
                 time.sleep(1.0)

@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,20 +16,12 @@ import pytest
 
 from megatron_rlhf.runtime.checkpoint_store import complete_checkpoints, verify_checkpoint
 from megatron_rlhf.runtime.launcher_watch import EXIT_ORPHANED, LauncherWatch
+from tests.helpers.launch import tool_command, tool_env
+from tests.helpers.processes import children, pid_running, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _children(pid: int) -> list[int]:
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            children.append(int(stat.parent.name))
-    return children
+_SMALL = ["rollout.prompts_per_step=8", "rollout.ppo_epochs=1", "rollout.num_minibatches=1",
+          "generation.max_new_tokens=6", "runtime.distributed.timeout_s=60"]
 
 
 def _rank_of(pid: int) -> int | None:
@@ -42,31 +33,19 @@ def _rank_of(pid: int) -> int | None:
     return int(ranks[0]) if ranks else None
 
 
-def _wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
-
-
 @pytest.mark.multirank
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the workers through /proc")
 def test_sigterm_to_one_rank_finishes_the_step_saves_and_exits_zero(tmp_path: Path) -> None:
     run_dir, save_dir = tmp_path / "run", tmp_path / "ckpt"
     log = (tmp_path / "log.txt").open("w")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "4", str(REPO / "tools" / "run_ppo.py"), "--steps", "500",
-               "--run-dir", str(run_dir), "--save-dir", str(save_dir),
-               "rollout.prompts_per_step=8", "rollout.ppo_epochs=1", "rollout.num_minibatches=1",
-               "generation.max_new_tokens=6", "runtime.distributed.timeout_s=60"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    job = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+    command = tool_command("run_ppo.py", [
+        "--steps", "500", "--run-dir", str(run_dir), "--save-dir", str(save_dir), *_SMALL], nproc=4)
+    job = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=tool_env())
     try:
         metrics = run_dir / "metrics.jsonl"
-        _wait_for(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 1, 240,
+        wait_for(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 1, 240,
                   "the first step")
-        workers = {_rank_of(pid): pid for pid in _children(job.pid)}
+        workers = {_rank_of(pid): pid for pid in children(job.pid)}
         os.kill(workers[3], signal.SIGTERM)
         returncode = job.wait(timeout=120)
     finally:
@@ -83,14 +62,6 @@ def test_sigterm_to_one_rank_finishes_the_step_saves_and_exits_zero(tmp_path: Pa
     assert "stopping after step" in output
 
 
-def _pid_running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
-
-
 @pytest.mark.multirank
 @pytest.mark.timeout(360)
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the workers through /proc")
@@ -98,30 +69,26 @@ def test_workers_stop_when_the_launcher_is_killed(tmp_path: Path) -> None:
     """Workers of a SIGKILLed agent used to train on to the last step and keep saving."""
     run_dir, save_dir = tmp_path / "run", tmp_path / "ckpt"
     log = (tmp_path / "log.txt").open("w")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "2", str(REPO / "tools" / "run_ppo.py"), "--steps", "500",
-               "--run-dir", str(run_dir), "--save-dir", str(save_dir), "--save-interval", "1",
-               "--placement", "flattening", "rollout.prompts_per_step=8", "rollout.ppo_epochs=1",
-               "rollout.num_minibatches=1", "generation.max_new_tokens=6",
-               "runtime.distributed.timeout_s=60"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    job = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+    command = tool_command("run_ppo.py", [
+        "--steps", "500", "--run-dir", str(run_dir), "--save-dir", str(save_dir),
+        "--save-interval", "1", "--placement", "flattening", *_SMALL], nproc=2)
+    job = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=tool_env())
     workers: list[int] = []
     try:
         metrics = run_dir / "metrics.jsonl"
-        _wait_for(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 1, 240,
+        wait_for(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 1, 240,
                   "the first step")
-        workers = _children(job.pid)
+        workers = children(job.pid)
         assert len(workers) == 2, workers
         job.kill()
         job.wait(timeout=30)
-        _wait_for(lambda: not any(_pid_running(pid) for pid in workers), 30,
+        wait_for(lambda: not any(pid_running(pid) for pid in workers), 30,
                   "the orphaned workers to stop")
     finally:
         if job.poll() is None:
             job.kill()
         for pid in workers:
-            if _pid_running(pid):
+            if pid_running(pid):
                 os.kill(pid, signal.SIGKILL)
         log.close()
     output = (tmp_path / "log.txt").read_text()
