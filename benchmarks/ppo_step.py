@@ -202,9 +202,8 @@ def run_config(world: int, placement: str, arch: dict, args: argparse.Namespace,
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
-        reasons = [line for line in done.stderr.splitlines() if line.startswith("run_ppo:")]
-        raise RuntimeError(f"{' '.join(command)} failed:\n"
-                           + "\n".join(reasons or done.stderr.splitlines()[-30:]))
+        raise RuntimeError(f"{' '.join(command)} failed (exit {done.returncode}):\n"
+                           + "\n".join(done.stderr.splitlines()[-30:]))
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "step_seconds" in r]
     timeline = json.loads((run_dir / "timeline.json").read_text())

@@ -16,10 +16,10 @@ that is never resumed from and is removed by the next save.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import threading
-import time
 
 import torch.distributed as dist
 
@@ -69,10 +69,10 @@ class LauncherWatch:
                         f"{type(error).__name__}: {str(error).splitlines()[0][:200]})")
         return None
 
-    def run(self, interval_s: float) -> None:
-        """Poll every ``interval_s`` seconds; end the process when :meth:`problem` says why."""
-        while True:
-            time.sleep(interval_s)
+    def run(self, interval_s: float, stop: threading.Event) -> None:
+        """Poll every ``interval_s`` seconds until ``stop`` is set; end the process when
+        :meth:`problem` says why."""
+        while not stop.wait(interval_s):
             reason = self.problem()
             if reason is not None:
                 logger.error("stopping rank %s: %s. The last complete checkpoint is intact; "
@@ -103,13 +103,20 @@ def watch_launcher(interval_s: float = 1.0) -> bool:
         return True
     if _TORCHRUN_VARIABLE not in os.environ:
         return False
-    watch = LauncherWatch(os.getppid())
+    watch, stop = LauncherWatch(os.getppid()), threading.Event()
 
     def run() -> None:
         watch.store = _probe_store()
-        watch.run(interval_s)
+        watch.run(interval_s, stop)
+
+    def finish() -> None:
+        # A daemon thread still inside the store's C++ code while the interpreter shuts down can
+        # abort the process after a successful run: stop it first.
+        stop.set()
+        thread.join(timeout=10)
 
     thread = threading.Thread(target=run, name="launcher-watch", daemon=True)
     thread.start()
+    atexit.register(finish)
     _started.append(thread)
     return True
