@@ -63,12 +63,17 @@ def _run_failing(tmp_path: str) -> dict:
     return {"error": None, "children": []}
 
 
+def _write_prompts(directory: Path) -> None:
+    """The prompts with their answers, as the runs read them (``prompts.jsonl``)."""
+    with (directory / "prompts.jsonl").open("w") as out:
+        for prompt, answer in PROMPTS.items():
+            out.write(json.dumps({"prompt": prompt, "answer": str(answer)}) + "\n")
+
+
 @pytest.mark.multirank
 @pytest.mark.timeout(460)
 def test_a_user_reward_function_sees_each_rows_record_on_two_ranks(tmp_path: Path) -> None:
-    with (tmp_path / "prompts.jsonl").open("w") as out:
-        for prompt, answer in PROMPTS.items():
-            out.write(json.dumps({"prompt": prompt, "answer": str(answer)}) + "\n")
+    _write_prompts(tmp_path)
     results = run_on_ranks(_run, world_size=2, args=(str(tmp_path),), timeout_s=400)
     metrics = results[0]["metrics"]
     # Held-out evaluation (the same four prompts) before step 0 and after the last step.
@@ -89,9 +94,7 @@ def test_a_user_reward_function_sees_each_rows_record_on_two_ranks(tmp_path: Pat
 @pytest.mark.multirank
 @pytest.mark.timeout(460)
 def test_a_failing_reward_function_stops_the_run_naming_the_record(tmp_path: Path) -> None:
-    with (tmp_path / "prompts.jsonl").open("w") as out:
-        for prompt, answer in PROMPTS.items():
-            out.write(json.dumps({"prompt": prompt, "answer": str(answer)}) + "\n")
+    _write_prompts(tmp_path)
     results = run_on_ranks(_run_failing, world_size=2, args=(str(tmp_path),), timeout_s=400)
     errors = [result["error"] for result in results]
     named = [error for error in errors if error and error.startswith("RewardFunctionError")]

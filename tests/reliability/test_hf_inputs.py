@@ -83,13 +83,18 @@ def test_a_value_head_started_on_the_sft_trunk_is_reported(tiny: tuple[Path, Pat
                                f"models.actor_checkpoint={actor}")
 
 
+def _without_tokenizer(model: Path, bare: Path) -> Path:
+    """A copy of the HF directory ``model`` with its weights and config only."""
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(model / name, bare / name)
+    return bare
+
+
 def test_a_hugging_face_directory_without_tokenizer_json_is_refused(tiny: tuple[Path, Path],
                                                                     tmp_path: Path) -> None:
     actor, reward = tiny
-    bare = tmp_path / "bare"
-    bare.mkdir()
-    for name in ("config.json", "model.safetensors"):
-        shutil.copyfile(actor / name, bare / name)
+    bare = _without_tokenizer(actor, tmp_path / "bare")
     config = _config(bare, reward)
     with pytest.raises(FileNotFoundError, match=r"models.actor_checkpoint=.*bare has no "
                        r"tokenizer.json, so its token ids are unknown: write it with "
@@ -105,10 +110,7 @@ def test_a_hugging_face_directory_without_tokenizer_json_is_refused(tiny: tuple[
 def test_a_reward_directory_without_tokenizer_json_is_warned_of(
         tiny: tuple[Path, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     actor, reward = tiny
-    bare = tmp_path / "bare-rm"
-    bare.mkdir()
-    for name in ("config.json", "model.safetensors"):
-        shutil.copyfile(reward / name, bare / name)
+    bare = _without_tokenizer(reward, tmp_path / "bare-rm")
     config = _config(actor, bare)
     sources = resolve_sources(config)
     logger = logging.getLogger("megatron_rlhf.engine.build")
