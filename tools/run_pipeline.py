@@ -9,6 +9,9 @@ Writes ``<run-dir>/{data,sft,rm,untrained,ppo}``, a curves picture ``<run-dir>/c
 held-out prompts) and prints a report comparing the untrained, SFT and final PPO policies on the
 held-out prompts. ``--seed`` seeds the synthetic task and every stage. Anything after the flags
 is a ``section.key=value`` override of the PPO configuration (examples/ppo_pipeline.yaml).
+
+The console holds a set-up summary, each stage's progress bar, warnings and the report; the full
+log is ``<run-dir>/log.txt``. ``--verbose`` puts every rank's log on the console instead.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.engine.evaluation import MODES
 from megatron_rlhf.instructgpt import format_report, run_pipeline
 from megatron_rlhf.runtime.distributed import destroy_distributed
+from megatron_rlhf.runtime.logging import log_to_file
 from megatron_rlhf.topology.placement_config import STRATEGIES
 
 
@@ -46,8 +50,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="override of the reward-model configuration (repeatable)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the synthetic task and of every stage's runtime")
+    parser.add_argument("--verbose", action="store_true",
+                        help="every rank's log on the console (default: rank 0's, in "
+                        "<run-dir>/log.txt, the console keeping warnings)")
     parser.add_argument("overrides", nargs="*", help="PPO section.key=value overrides")
     return parser.parse_args(argv)
+
+
+def summary(args: argparse.Namespace) -> str:
+    """What the run will do, in the console's first lines."""
+    data = ", ".join(args.data) if args.data else "the synthetic task"
+    log = "on the console" if args.verbose else str(args.run_dir / "log.txt")
+    return (f"run_pipeline: {os.environ.get('WORLD_SIZE', '1')} ranks, placement "
+            f"{args.placement}, seed {args.seed}\n"
+            f"  stages: tokenizer, SFT, reward model, PPO; data: {data}\n"
+            f"  run directory: {args.run_dir}; log: {log}")
 
 
 def curves(records: list[dict]) -> dict[str, list[dict]]:
@@ -72,6 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     sft = [seed, *([f"train.max_steps={args.sft_steps}"] if args.sft_steps else []),
            *args.sft_set]
     rm = [seed, *([f"train.max_steps={args.rm_steps}"] if args.rm_steps else []), *args.rm_set]
+    if args.verbose:
+        for stage in (overrides, sft, rm):
+            stage.insert(0, "runtime.log_all_ranks=true")
+    else:
+        log_to_file(args.run_dir / "log.txt")
+    if os.environ.get("RANK", "0") == "0":
+        print(summary(args), file=sys.stderr)
     try:
         result = run_pipeline(args.run_dir, args.data, overrides, sft, rm)
     except (ConfigError, ValueError) as error:

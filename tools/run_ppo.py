@@ -86,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--resume", nargs="?", const="latest", metavar="auto",
                         help="continue from the latest valid checkpoint in --save-dir; "
                         "--resume auto: continue if --save-dir holds one, else start fresh")
+    parser.add_argument("--verbose", action="store_true",
+                        help="every rank logs (default: rank 0 only)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = parser.parse_args(argv)
     strategy = None if args.placement == "auto" else args.placement
@@ -108,6 +110,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         overrides.append(f"algorithm.advantage_estimator={ALGORITHMS[args.algorithm]}")
     if args.ac_share:
         overrides.append("placement.ac_share=true")
+    if args.verbose:
+        overrides.append("runtime.log_all_ranks=true")
     if args.resume is not None and "=" in args.resume:
         # nargs="?" takes a following a.b=c override as the flag's value: hand it back.
         args.overrides.insert(0, args.resume)

@@ -31,6 +31,8 @@ def parser_for(prog: str, doc: str, default_config: str) -> argparse.ArgumentPar
     parser.add_argument("--steps", type=int, help="stop after this many optimizer steps")
     parser.add_argument("--seed", type=int, help="seed of every RNG and of the data order")
     parser.add_argument("--out-dir", help="run directory (must not hold a checkpoint)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="every rank logs (default: rank 0 only)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     return parser
 
@@ -39,7 +41,8 @@ def overrides_from(args: argparse.Namespace, extra: dict[str, Any] | None = None
     """The flags as ``key=value`` overrides, then the free overrides."""
     flags = {"model.tp": args.tp, "model.pp": args.pp, "train.max_steps": args.steps,
              "runtime.seed": args.seed, "out_dir": args.out_dir,
-             "data.paths": f"[{','.join(args.data)}]" if args.data else None, **(extra or {})}
+             "data.paths": f"[{','.join(args.data)}]" if args.data else None,
+             "runtime.log_all_ranks": "true" if args.verbose else None, **(extra or {})}
     return [f"{key}={value}" for key, value in flags.items() if value is not None] + args.overrides
 
 

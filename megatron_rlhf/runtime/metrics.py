@@ -24,13 +24,15 @@ class MetricsWriter:
         run_dir: the run directory (created on rank 0).
         total_steps: length of the progress bar.
         tensorboard: also write TensorBoard event files.
-        progress: show a tqdm progress bar with the headline metrics.
+        progress: show a tqdm progress bar with the headline metrics (not for a run of no
+            steps).
+        label: the progress bar's name.
     """
 
-    HEADLINE = ("reward_mean", "kl", "samples_per_s")
+    HEADLINE = ("reward_mean", "kl", "samples_per_s", "loss", "accuracy")
 
     def __init__(self, run_dir: str | os.PathLike[str], total_steps: int,
-                 tensorboard: bool = True, progress: bool = True) -> None:
+                 tensorboard: bool = True, progress: bool = True, label: str = "ppo") -> None:
         self.enabled = _is_rank_zero()
         self._file = None
         self._tb = None
@@ -44,10 +46,10 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(path / "tensorboard"))
-        if progress:
+        if progress and total_steps > 0:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, desc="ppo", unit="step", dynamic_ncols=True)
+            self._bar = tqdm(total=total_steps, desc=label, unit="step", dynamic_ncols=True)
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         """Record one step's metrics (floats and ints)."""
@@ -61,7 +63,9 @@ class MetricsWriter:
                 if isinstance(value, int | float):
                     self._tb.add_scalar(key, value, step)
         if self._bar is not None:
-            self._bar.update(1)
+            # A run's last held-out evaluation is a record of its own after the last step.
+            if self._bar.n < self._bar.total:
+                self._bar.update(1)
             self._bar.set_postfix({k: f"{metrics[k]:.3g}" for k in self.HEADLINE if k in metrics})
 
     def close(self) -> None:

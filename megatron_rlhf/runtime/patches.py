@@ -134,7 +134,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch("warnings.filters",
           "megatron-core announces every optional GPU extra it did not find (Transformer Engine, "
           "Apex) and uses deprecated torch APIs (torch.jit.script_method, all_gather_into_tensor "
-          "alias); on CPU these say nothing about a run. Those raised while megatron-core is "
+          "and reduce_scatter_tensor aliases, ShardedTensor in its checkpoints); on CPU these say nothing about a run. Those raised while megatron-core is "
           "being imported come before any call and still show (pytest filters them itself)",
           "add_warning_filters (initialize_runtime); never undone"),
 )
@@ -149,6 +149,8 @@ _WARNING_FILTERS: tuple[tuple[str, type[Warning], str], ...] = (
     # reduce_scatter_tensor aliases.
     (r".*all_gather_into_tensor.*is deprecated.*", FutureWarning, ""),
     (r".*reduce_scatter_tensor.*is deprecated.*", FutureWarning, ""),
+    # megatron's torch_dist checkpoints are written and read through torch's ShardedTensor.
+    (r".*we are deprecating ShardedTensor.*", FutureWarning, ""),
     # megatron reads ``.grad`` of non-leaf tensors during backward; on CPU the read passes through
     # the CUDA-to-CPU torch function mode, which torch then names as the reader.
     (r".*\.grad attribute of a Tensor that is not a leaf Tensor.*", UserWarning,

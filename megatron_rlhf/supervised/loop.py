@@ -317,7 +317,8 @@ def _train_loop(config: SupervisedConfig, objective: Objective, trainer: ModelTr
                 device: torch.device) -> list[dict[str, float]]:
     loss_fn, keys = objective.loss_fn(pgc.tp, trainer.model.token_vocab_size), objective.metric_keys
     interval = config.train.eval_interval
-    writer, history = MetricsWriter(config.out_dir, total_steps, progress=False), []
+    writer, history = MetricsWriter(config.out_dir, total_steps,
+                                     label=objective.name), []
     try:
         for step in range(total_steps):
             start = time.perf_counter()
