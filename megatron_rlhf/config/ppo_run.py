@@ -447,7 +447,29 @@ class CriticOptimizerSettings(OptimizerSettings):
 
 @dataclass
 class RunConfig:
-    """Everything a PPO run needs; the tiny CPU default runs on 4 ranks."""
+    """Everything a PPO run needs; the tiny CPU default runs on 4 ranks.
+
+    Attributes:
+        runtime: seed, logging and distributed start-up.
+        placement: which ranks each model runs on, and its parallel layout.
+        models: which networks the four roles are, their precision and memory options.
+        rollout: how many prompts and answers a step takes, and how they are trained on.
+        generation: how answers are sampled.
+        reward: what scores an answer: the reward model, a rule, Python functions.
+        tokenizer: the tokenizer of every model (or a Hugging Face directory's).
+        prompts: the prompt files (or the synthetic task) and how records are read and split.
+        cluster: the device pools (one pool of the launched ranks by default).
+        algorithm: the RL algorithm's estimator, losses and KL control.
+        actor_optimizer: the actor's optimizer and learning-rate schedule.
+        critic_optimizer: the critic's optimizer and learning-rate schedule.
+        checkpoint: saving and resuming the whole run.
+        evaluation: held-out evaluation of the policy during the run.
+        ptx: PPO-ptx, the supervised loss on demonstrations mixed into the actor's updates.
+        faults: what a rank failure, a hang or a NaN does.
+        steps: PPO steps (0 only evaluates the initial policy).
+        run_dir: where ``metrics.jsonl``, ``config.yaml``, ``plan.json`` and TensorBoard events
+            are written.
+    """
 
     INPUT_PATHS: ClassVar[tuple[str, ...]] = (
         "prompts.paths", "evaluation.paths", "ptx.paths", "models.actor_checkpoint",
