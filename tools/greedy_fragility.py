@@ -20,7 +20,7 @@ Prints one JSON line per model: ``checkpoint``, ``noise`` (0 for the original), 
 Why: the greedy score of a model whose next-token distributions are nearly flat over the right
 words hangs on tiny margins between them, so it can fall under a change of the policy that PPO's
 KL penalty would call negligible; the sampled score, an average over the distribution, does not.
-docs/quickstart.md uses this on the default run's SFT model.
+docs/results/main-job-history.md uses this on the default run's SFT model.
 """
 
 from __future__ import annotations

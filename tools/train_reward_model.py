@@ -7,7 +7,7 @@ tools/train_sft.py from the repository root first)::
     torchrun --nproc-per-node 2 tools/train_reward_model.py
     torchrun --nproc-per-node 2 tools/train_reward_model.py --init-from none --steps 60
 
-Your own JSONL/Parquet file in the rm-static schema (see docs/quickstart.md)::
+Your own JSONL/Parquet file in the rm-static schema (see docs/howto/bring-data.md)::
 
     torchrun --nproc-per-node 2 tools/train_reward_model.py --data data/prefs.jsonl \\
         --init-from runs/sft_tiny/checkpoint data.eval_paths=[data/prefs_test.jsonl]

@@ -5,7 +5,7 @@ CPU, the tiny model on the synthetic task, 2 gloo ranks (DP=2)::
     torchrun --nproc-per-node 2 tools/train_sft.py
     torchrun --nproc-per-node 2 tools/train_sft.py --tp 2 --steps 50 --out-dir runs/sft_tp2
 
-Your own JSONL/Parquet file in the rm-static schema (see docs/quickstart.md)::
+Your own JSONL/Parquet file in the rm-static schema (see docs/howto/bring-data.md)::
 
     torchrun --nproc-per-node 2 tools/train_sft.py --data data/qa.jsonl \\
         data.reader.fields.prompt=question data.reader.fields.response=answer

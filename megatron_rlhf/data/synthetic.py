@@ -14,7 +14,7 @@ denominator is at least ``RULE_MIN_WORDS``.
 
 Reference responses mix topic words, neutral filler and other topics' words at a random on-topic
 rate, so their rule scores spread over [0, 1] and reinforcement learning has room above a
-fine-tuned model (docs/quickstart.md: the pipeline's sampled held-out answers 0.44-0.51 after
+fine-tuned model (docs/results/main-job.md: the pipeline's sampled held-out answers 0.44-0.51 after
 SFT, 0.65-0.71 after PPO).
 With ``contrast_fraction`` a share of the pairs instead set a response against an edit of itself
 that breaks one part of the rule, and ``distinct_topic_words`` keeps loops out of the answers SFT

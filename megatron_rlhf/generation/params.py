@@ -58,7 +58,7 @@ class GenerationConfig:
     ``torch.compile(model, dynamic=True)``; the prefill and every pass outside generation stay
     eager. Fewer, fused ops per step: at ``benchmarks/ppo_step.py``'s shape on CPU 1.6x a decode
     step, 1.4x a ``generate_sequences`` call and 1.2x the generate stage of ``run_ppo``
-    (docs/benchmarks.md). The fused kernels round differently, so log-probs differ from
+    (docs/results/ppo-step-speed.md). The fused kernels round differently, so log-probs differ from
     the eager path at rounding level (up to 1e-6 measured) and a token can differ where a
     sampling uniform falls that close to a boundary; hence off by default. The first call
     compiles (about 7 s on a 2-core CPU with torch's compile cache warm, 25 s cold). Needs

@@ -217,7 +217,7 @@ class _Batches:
 
     def _epoch_order(self, epoch: int) -> list[int]:
         """The shuffle of epoch ``epoch``, drawn once per epoch (a draw at every step cost 3 ms
-        a rank, about 3% of a tiny model's step; docs/benchmarks.md)."""
+        a rank, about 3% of a tiny model's step; docs/results/wall-clock.md)."""
         if self._order is None or self._order[0] != epoch:
             self._order = (epoch, random.Random(f"{self.config.runtime.seed}:{epoch}").sample(
                 range(len(self.train)), len(self.train)))

@@ -224,7 +224,7 @@ def test_over_cap_edits_differ_from_their_answer_only_by_the_repeat_cap() -> Non
 
 def test_a_quarter_of_the_pipelines_sft_answers_fall_under_the_rules_floor() -> None:
     """examples/ppo_pipeline.yaml draws answers of 4 to 16 words, so SFT sees short answers and its
-    greedy answers stop early, which PPO can mend (docs/quickstart.md); the pairs stay ordered by
+    greedy answers stop early, which PPO can mend (docs/results/main-job-history.md); the pairs stay ordered by
     the rule and the answers SFT imitates still never loop."""
     pipeline = load_config(RunConfig, EXAMPLES / "ppo_pipeline.yaml").prompts.synthetic
     config = dataclasses.replace(pipeline, num_train=3000, num_test=0)

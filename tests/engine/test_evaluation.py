@@ -40,7 +40,7 @@ def test_hacking_report_is_silent_unless_reward_up_and_rule_down(change: dict) -
 
 
 def test_hacking_threshold_is_the_standard_error_of_the_mean_change() -> None:
-    """The previous default run's greedy answers at seed 0 (docs/quickstart.md): the reward
+    """The previous default run's greedy answers at seed 0 (docs/results/main-job-history.md): the reward
     model's mean rose by 2.9 over 128 answers whose scores spread by 6.2, while the rule score
     fell by 0.16.
     A threshold in per-answer standard deviations (half of one: 3.1) missed it."""

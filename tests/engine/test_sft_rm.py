@@ -57,7 +57,7 @@ def test_shipped_configs_load_and_rm_inherits_the_sft_model() -> None:
 
 
 def test_pipeline_stage_configs_differ_from_the_tiny_runs_only_in_length_and_split() -> None:
-    # tools/run_pipeline.py trains SFT longer than the standalone example (docs/quickstart.md: the
+    # tools/run_pipeline.py trains SFT longer than the standalone example (docs/results/main-job-history.md: the
     # SFT model needs it to stop repeating words) and gives the reward model half the prompts;
     # nothing else differs.
     ppo = load_config(RunConfig, ROOT / "examples" / "ppo_pipeline.yaml")
