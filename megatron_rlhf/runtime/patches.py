@@ -140,10 +140,17 @@ PATCHES: tuple[Patch, ...] = (
 )
 
 _WARNING_FILTERS: tuple[tuple[str, type[Warning], str], ...] = (
-    # (message regex, category, module regex)
+    # (message regex, category, module regex); each a notice of third-party code about itself
+    # that no setting of a run changes. Our own warnings match none of them.
+    # megatron announces every optional GPU extra it did not find, once per importing module.
     (r".*(Transformer Engine|Apex|apex|transformer_engine).*", Warning, ""),
+    # megatron's own deprecation notices about its APIs.
     ("", DeprecationWarning, r"megatron\.core.*"),
+    # torch warns about its own deprecated torch.jit.script_method when megatron's imports
+    # reach it.
     (r".*torch\.jit\.script_method.*is deprecated.*", Warning, ""),
+    # megatron's TransformerConfig warns that its own default cuda_graph_scope ("full") is
+    # deprecated, at every model built.
     (r".*full scope is deprecated.*", Warning, ""),
     # megatron's distributed optimizer still calls the deprecated all_gather_into_tensor and
     # reduce_scatter_tensor aliases.
