@@ -30,6 +30,7 @@ from megatron_rlhf.engine.evaluation import MODES
 from megatron_rlhf.instructgpt import format_report, run_pipeline
 from megatron_rlhf.runtime.distributed import destroy_distributed
 from megatron_rlhf.runtime.logging import log_to_file
+from megatron_rlhf.runtime.refusal import refuse
 from megatron_rlhf.topology.placement_config import STRATEGIES
 
 
@@ -99,10 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run_pipeline(args.run_dir, args.data, overrides, sft, rm)
     except (ConfigError, ValueError) as error:
-        # Every rank refuses alike: only rank 0 says why.
-        if os.environ.get("RANK", "0") == "0":
-            print(f"run_pipeline: {error}", file=sys.stderr)
-        return 2
+        return refuse("run_pipeline", str(error))
     finally:
         destroy_distributed()
     if os.environ.get("RANK", "0") == "0":

@@ -53,6 +53,7 @@ add_warning_filters()  # megatron-core warns about missing GPU extras while it i
 
 from megatron_rlhf.config.loader import ConfigError, load_config
 from megatron_rlhf.config.ppo_run import RunConfig
+from megatron_rlhf.runtime.refusal import refuse
 from megatron_rlhf.topology.placement_config import STRATEGIES
 
 ALGORITHMS = {"ppo": "gae", "grpo": "grpo", "rloo": "rloo", "reinforce++": "reinforce++"}
@@ -137,13 +138,6 @@ def auto_placement(config: RunConfig, profile: str | None) -> RunConfig:
     return chosen
 
 
-def _refuse(message: str) -> int:
-    """Exit status 2 for bad input; every rank refuses alike, so only rank 0 says why."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"run_ppo: {message}", file=sys.stderr)
-    return 2
-
-
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)
     try:
@@ -151,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.placement == "auto":
             config = auto_placement(config, args.profile)
     except (ConfigError, ValueError) as error:
-        return _refuse(f"bad configuration: {error}")
+        return refuse("run_ppo", f"bad configuration: {error}")
     from megatron_rlhf.engine.runner import run_ppo
     from megatron_rlhf.runtime.distributed import destroy_distributed
     from megatron_rlhf.runtime.faults import NonFiniteError, RankFailure
@@ -161,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_dir = run_ppo(config)
     except (ValueError, FileNotFoundError) as error:
-        return _refuse(str(error))
+        return refuse("run_ppo", str(error))
     except (RankFailure, NonFiniteError) as error:
         print(f"run_ppo: rank {os.environ.get('RANK', '0')}: {error}", file=sys.stderr)
         return 1

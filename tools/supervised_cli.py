@@ -16,6 +16,7 @@ from typing import Any
 from megatron_rlhf.config.loader import load_config
 from megatron_rlhf.data import DataError
 from megatron_rlhf.runtime.distributed import destroy_distributed
+from megatron_rlhf.runtime.refusal import refuse
 
 
 def parser_for(prog: str, doc: str, default_config: str) -> argparse.ArgumentParser:
@@ -46,26 +47,19 @@ def overrides_from(args: argparse.Namespace, extra: dict[str, Any] | None = None
     return [f"{key}={value}" for key, value in flags.items() if value is not None] + args.overrides
 
 
-def _refuse(prog: str, message: str) -> int:
-    """Exit status 2 for bad input; every rank refuses alike, so only rank 0 says why."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"{prog}: {message}", file=sys.stderr)
-    return 2
-
-
 def run(prog: str, schema: type, config_path: str, overrides: list[str],
         train: Callable[[Any], Any], summary: Callable[[Any], str]) -> int:
     """Load, run and report; 2 on bad configuration or data, 0 on success."""
     try:
         config = load_config(schema, config_path, overrides)
     except ValueError as error:
-        return _refuse(prog, f"bad configuration: {error}")
+        return refuse(prog, f"bad configuration: {error}")
     try:
         result = train(config)
     except DataError as error:
-        return _refuse(prog, f"bad data: {error}")
+        return refuse(prog, f"bad data: {error}")
     except (ValueError, FileNotFoundError, FileExistsError) as error:
-        return _refuse(prog, str(error))
+        return refuse(prog, str(error))
     finally:
         destroy_distributed()
     if os.environ.get("RANK", "0") == "0":
