@@ -10,7 +10,10 @@ examples/arithmetic/test.jsonl are answered before GRPO's first step (the SFT po
 its last, as every run's evaluation does; the tool prints their exact-match accuracy
 (``eval/<mode>/reward/math_reward``) and draws GRPO's curves into ``<run-dir>/curves.png``.
 ``--seed`` seeds both stages (data order, initialisation, sampling). Anything after the flags is
-a ``section.key=value`` override of the GRPO configuration.
+a ``section.key=value`` override of the GRPO configuration. ``--compare`` runs nothing: it draws
+finished runs (one per seed) into one picture, as docs/images/arithmetic_grpo.png::
+
+    python tools/run_arithmetic.py --compare runs/arithmetic/seed{0,1,2} --out seeds.png
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from megatron_rlhf.runtime.patches import add_warning_filters
 add_warning_filters()  # megatron-core warns about missing GPU extras while it is imported
 
 import torch.distributed as dist  # noqa: E402
-from plot_curves import plot  # noqa: E402
+from plot_curves import plot, plt, smooth  # noqa: E402  (its pyplot, on the Agg backend)
 
 from megatron_rlhf.config.loader import ConfigError, load_config  # noqa: E402
 from megatron_rlhf.config.ppo_run import RunConfig  # noqa: E402
@@ -51,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--run-dir", type=Path, help="default: runs/arithmetic/seed<seed>")
     parser.add_argument("--sft-set", action="append", default=[], metavar="KEY=VALUE",
                         help="override of the SFT configuration (repeatable)")
+    parser.add_argument("--compare", nargs="+", type=Path, metavar="RUN_DIR",
+                        help="draw these finished runs into --out instead of running")
+    parser.add_argument("--out", type=Path, default=Path("arithmetic_seeds.png"))
     parser.add_argument("overrides", nargs="*", help="GRPO section.key=value overrides")
     return parser.parse_args(argv)
 
@@ -76,10 +82,41 @@ def held_out_accuracy(records: list[dict]) -> dict[str, dict[str, float]]:
             for stage, record in (("sft", evaluations[0]), ("grpo", evaluations[-1]))}
 
 
+def grpo_records(run_dir: Path) -> list[dict]:
+    """The GRPO stage's metrics records of a finished run."""
+    return [json.loads(line) for line in
+            (run_dir / "grpo" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def compare(run_dirs: list[Path], out: Path) -> None:
+    """One panel of training-batch accuracy and one of held-out accuracy per mode, a line per
+    run (labelled by its directory's name)."""
+    runs = {run_dir.name: grpo_records(run_dir) for run_dir in run_dirs}
+    keys = {"train batches": "reward/math_reward",
+            **{f"held-out ({mode})": ACCURACY.format(mode=mode) for mode in MODES}}
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4))
+    for index, (label, records) in enumerate(runs.items()):
+        for ax, key in zip(axes, keys.values(), strict=True):
+            steps, values = zip(*[(r["step"], r[key]) for r in records if key in r], strict=True)
+            if key.startswith("eval/"):
+                ax.plot(steps, values, marker="o", color=f"C{index}", label=label)
+                continue
+            ax.plot(steps, values, color=f"C{index}", alpha=0.25, linewidth=0.8)
+            ax.plot(steps, smooth(list(values), 5), color=f"C{index}", label=label)
+    for ax, title in zip(axes, keys, strict=True):
+        ax.set_title(f"{title}: exact-match accuracy", fontsize=10)
+        ax.set_xlabel("GRPO step (step 0: the SFT policy)")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
 def report(run_dir: Path) -> str:
     """The held-out accuracies of the SFT and GRPO policies, and a picture of GRPO's curves."""
-    records = [json.loads(line) for line in
-               (run_dir / "grpo" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = grpo_records(run_dir)
     accuracy = held_out_accuracy(records)
     evaluations = {mode: [{"step": r["step"], "accuracy": r[ACCURACY.format(mode=mode)]}
                           for r in records if ACCURACY.format(mode=mode) in r] for mode in MODES}
@@ -98,6 +135,10 @@ def report(run_dir: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.compare:
+        compare(args.compare, args.out)
+        print(f"wrote {args.out}")
+        return 0
     run_dir = args.run_dir or Path(f"runs/arithmetic/seed{args.seed}")
     try:
         sft, grpo = configs(args, run_dir)
