@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 1 tools/run_arithmetic.py --seed 0 --run-dir runs/arithmetic/seed0
     torchrun --nproc-per-node 1 tools/run_arithmetic.py --seed 1 steps=60   # GRPO overrides
 
-SFT (examples/sft_arithmetic.yaml) learns from the 32 demonstrations of
+SFT (examples/sft_arithmetic.yaml) learns from the 64 demonstrations of
 examples/arithmetic/sft.jsonl; GRPO (examples/grpo_arithmetic.yaml) starts from it and is rewarded
 only by ``math_reward`` against each prompt's ``answer``. The held-out questions of
 examples/arithmetic/test.jsonl are answered before GRPO's first step (the SFT policy) and after

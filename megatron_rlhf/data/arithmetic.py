@@ -1,4 +1,4 @@
-"""The shipped verifiable task: addition questions with integer answers ("What is 3 + 4?" -> "7").
+"""The shipped verifiable task: addition questions with integer answers ("What is 14 + 7?" -> "21").
 
 Every pair ``(a, b)`` of operands in ``[low, high]`` is one question; a seeded shuffle deals them
 into three disjoint files of ``{"question", "answer"}`` records, read by the ordinary JSONL
@@ -28,17 +28,20 @@ class ArithmeticTaskConfig:
 
     Attributes:
         low: smallest operand, >= 0.
-        high: largest operand (``high=99`` gives "What is 37 + 48?" questions; the CPU example
-            uses one digit, which a 2-layer model learns in minutes).
+        high: largest operand (``high=99`` gives "What is 37 + 48?" questions). The default's
+            400 questions are more than the tiny model memorises in a short GRPO run, so what
+            it is rewarded for must carry over to questions it has not seen
+            (docs/results/rewards.md: with one-digit operands it learned its training
+            questions' answers and not addition).
         demonstrations: questions with answers for SFT.
         held_out: questions for the held-out evaluation; the rest are GRPO's prompts.
         seed: seed of the shuffle.
     """
 
     low: int = 0
-    high: int = 9
-    demonstrations: int = 32
-    held_out: int = 24
+    high: int = 19
+    demonstrations: int = 64
+    held_out: int = 48
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -49,7 +49,8 @@ def test_the_splits_are_disjoint_sums_covering_every_question() -> None:
 @pytest.mark.parametrize(("changes", "message"), [
     ({"low": 5, "high": 4}, r"low=5 and high=4"),
     ({"demonstrations": 0}, r"demonstrations=0"),
-    ({"demonstrations": 50, "held_out": 50}, r"leave GRPO some of the 100 questions"),
+    ({"high": 9, "demonstrations": 50, "held_out": 50},
+     r"leave GRPO some of the 100 questions"),
 ])
 def test_bad_task_settings_are_refused(changes: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -66,7 +67,8 @@ def test_the_reader_reads_the_records_as_the_examples_name_the_fields() -> None:
         (r["question"], r["answer"]) for r in shipped]
     prompts, _ = read_files(grpo.prompts.paths, grpo.prompts.reader)
     task = ArithmeticTaskConfig()
-    assert len(prompts) == 100 - task.demonstrations - task.held_out
+    questions = (task.high - task.low + 1) ** 2
+    assert len(prompts) == questions - task.demonstrations - task.held_out
     assert all(r.row["answer"] for r in prompts)
     # The reward the run gives: the record's answer, through the math verifier.
     record = prompts[0].row
@@ -78,6 +80,6 @@ def test_the_grpo_example_plans_on_one_rank() -> None:
     config = load_config(RunConfig, EXAMPLES / "grpo_arithmetic.yaml")
     assert config.reward.model_weight == 0 and [f["name"] for f in config.reward.functions] == [
         "megatron_rlhf.rewards.verifiers:math_reward"]
-    assert config.evaluation.num_prompts == 24
+    assert config.evaluation.num_prompts == ArithmeticTaskConfig().held_out
     plan = make_plan(config, ClusterSpec((DevicePool("cpu", nodes=1, devices_per_node=1),)))
     assert set(plan.roles) == {"actor", "ref", "reward"}
