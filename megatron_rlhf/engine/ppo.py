@@ -14,7 +14,8 @@ experience produced ``max_staleness`` steps earlier while the shadows already ge
 ``k + max_staleness``: the trainable models and the shadows hold disjoint ranks, so the two
 halves run at the same time. The behaviour log-probs
 recorded by the shadow are the ones PPO's importance ratio uses, so the update stays correct
-off-policy.
+off-policy. With ``algorithm.dynamic_sampling`` producing a step may take several generation
+rounds, and the groups trained on are chosen from them (``engine/dynamic_sampling.py``).
 """
 
 from __future__ import annotations
@@ -219,7 +220,7 @@ class PPOAlgorithm:
         later rounds: dynamic sampling's refills), the rows on the trainer ranks."""
         engine = self.engine
         n = self.rollout.samples_per_prompt
-        source = (self.prompts(step, round_index) if round_index else self.prompts(step))
+        source = self.prompts(step, round_index) if round_index else self.prompts(step)
         prompts, ids = sample_rows(*source, n)
         records = None
         if self.function_rewards is not None and self.records is not None:
