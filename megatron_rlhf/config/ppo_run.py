@@ -6,6 +6,7 @@ them (with inheritance and dotted overrides) and every dataclass validates itsel
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
 
@@ -21,6 +22,7 @@ from megatron_rlhf.models.gpt import (
 from megatron_rlhf.models.tokenizer import TokenizerConfig
 from megatron_rlhf.models.trainer import OptimizerSettings
 from megatron_rlhf.rewards import ON_ERROR_POLICIES, RewardFunctionSpec, parse_reward_functions
+from megatron_rlhf.rewards.overlong import OverlongPenalty
 from megatron_rlhf.runtime.bootstrap import RuntimeConfig
 from megatron_rlhf.runtime.faults import FaultConfig
 from megatron_rlhf.topology.cluster import DevicePool
@@ -220,6 +222,10 @@ class RewardConfig:
             in ``reward/errors``).
         timeout_s: the longest one call of a reward function may run, seconds.
         workers: worker processes per scoring rank that call the reward functions.
+        overlong_buffer: DAPO's overlong penalty, by generated tokens: 0 off; else a response
+            longer than ``generation.max_new_tokens - overlong_buffer`` tokens loses score
+            linearly, up to ``overlong_penalty`` at ``max_new_tokens`` (``rewards/overlong.py``).
+        overlong_penalty: the largest penalty (> 0).
     """
 
     model_weight: float = 1.0
@@ -229,6 +235,8 @@ class RewardConfig:
     on_error: str = "error"
     timeout_s: float = 10.0
     workers: int = 2
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.rule not in ("none", "synthetic"):
@@ -240,6 +248,12 @@ class RewardConfig:
             raise ValueError(f"reward.timeout_s={self.timeout_s} must be > 0")
         if self.workers < 1:
             raise ValueError(f"reward.workers={self.workers} must be >= 1")
+        if self.overlong_buffer < 0:
+            raise ValueError(f"reward.overlong_buffer={self.overlong_buffer} must be >= 0 (0 turns "
+                             "the overlong penalty off)")
+        if not (math.isfinite(self.overlong_penalty) and self.overlong_penalty > 0):
+            raise ValueError(f"reward.overlong_penalty={self.overlong_penalty} must be a finite "
+                             "number > 0; e.g. 1.0")
         if self.rule == "none" and self.model_weight == 0 and not specs:
             raise ValueError("reward.model_weight=0 with reward.rule='none' leaves no reward; "
                              "set a rule, reward.functions or a non-zero model_weight")
@@ -248,6 +262,12 @@ class RewardConfig:
     def specs(self) -> list[RewardFunctionSpec]:
         """``functions``, checked (the modules are imported once)."""
         return parse_reward_functions(self.functions)
+
+    def overlong(self, max_new_tokens: int) -> OverlongPenalty | None:
+        """The overlong penalty of responses of at most ``max_new_tokens``, or None when off."""
+        if not self.overlong_buffer:
+            return None
+        return OverlongPenalty(max_new_tokens, self.overlong_buffer, self.overlong_penalty)
 
 
 @dataclass
@@ -529,6 +549,11 @@ class RunConfig:
         self.placement.role_ratios()
         self._check_fsdp()
         self._check_optimizer_sharding()
+        if self.reward.overlong_buffer > self.generation.max_new_tokens:
+            raise ValueError(
+                f"reward.overlong_buffer={self.reward.overlong_buffer} exceeds "
+                f"generation.max_new_tokens={self.generation.max_new_tokens}, the length it "
+                "counts back from; lower it (DAPO: a quarter of max_new_tokens)")
         n = self.rollout.samples_per_prompt
         if algorithm.advantage_estimator in GROUP_ESTIMATORS and n < 2:
             raise ValueError(

@@ -14,6 +14,17 @@ from typing import Any
 
 import torch
 
+REFILL_ID_STRIDE = 1 << 44
+"""Sample ids of refill round ``r`` start at ``r * REFILL_ID_STRIDE``: apart from the first
+rounds' ids (``step * batch_size + i``) and the held-out ones (``2**40 + i``,
+``engine.evaluation.EVAL_ID_OFFSET``) for any run shorter than 2**40 rows."""
+
+
+def hash_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (so nearby steps and rounds get unrelated permutations)."""
+    digest = hashlib.sha256(json.dumps(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
 
 class PromptStream:
     """Batches of tokenised prompts, by step.
@@ -59,22 +70,36 @@ class PromptStream:
         self.fingerprint = hashlib.sha256(
             json.dumps([self.prompts, batch_size, seed]).encode()).hexdigest()[:16]
 
-    def batch(self, step: int) -> tuple[list[list[int]], list[int]]:
+    def batch(self, step: int, round_index: int = 0) -> tuple[list[list[int]], list[int]]:
         """Step ``step``'s prompts and their sample ids (unique over the run).
 
         The sample id keys a prompt's sampling noise; it is ``step * batch_size + i``, so the same
-        prompt drawn in two passes gets different noise.
+        prompt drawn in two passes gets different noise. ``round_index > 0`` asks for the
+        prompts of a dynamic-sampling refill round (:meth:`_chosen`), whose ids add
+        ``round_index * REFILL_ID_STRIDE``.
         """
-        ids = [step * self.batch_size + i for i in range(self.batch_size)]
-        return [self.prompts[i] for i in self._chosen(step)], ids
+        ids = [round_index * REFILL_ID_STRIDE + step * self.batch_size + i
+               for i in range(self.batch_size)]
+        return [self.prompts[i] for i in self._chosen(step, round_index)], ids
 
-    def batch_records(self, step: int) -> list[tuple[int, Mapping[str, Any]]]:
+    def batch_records(self, step: int, round_index: int = 0
+                      ) -> list[tuple[int, Mapping[str, Any]]]:
         """Step ``step``'s prompts' ``(index in the prompt set, record)``, in :meth:`batch`'s
         order."""
-        return [(i, self.records[i]) for i in self._chosen(step)]
+        return [(i, self.records[i]) for i in self._chosen(step, round_index)]
 
-    def _chosen(self, step: int) -> list[int]:
-        """Indices of step ``step``'s prompts: a slice of its pass's permutation."""
+    def _chosen(self, step: int, round_index: int = 0) -> list[int]:
+        """Indices of step ``step``'s prompts: a slice of its pass's permutation.
+
+        A refill round draws from a permutation of its own, seeded by step and round, so the
+        data a run reads stays a pure function of the step (a resume needs nothing more) and
+        the steps' first rounds are the batches of a run without dynamic sampling.
+        """
+        if round_index:
+            seed = hash_seed(self.seed, step, round_index)
+            order = torch.randperm(len(self.prompts),
+                                   generator=torch.Generator().manual_seed(seed))
+            return order[:self.batch_size].tolist()
         pass_index, position = divmod(step, self.batches_per_pass)
         order = torch.randperm(len(self.prompts),
                                generator=torch.Generator().manual_seed(self.seed + pass_index))

@@ -31,13 +31,15 @@ from megatron_rlhf.algorithms import (
     normalize_scores,
 )
 from megatron_rlhf.rewards import RewardFunctionSpec
+from megatron_rlhf.rewards.overlong import OverlongPenalty
 
 
 def compute_advantages(fields: dict[str, torch.Tensor], config: PPOAlgorithmConfig,
                        kl_controller: KLController, score_moments: RunningMoments,
                        reward_model_weight: float, rule_weight: float,
                        samples_per_prompt: int = 1,
-                       functions: Sequence[RewardFunctionSpec] = ()
+                       functions: Sequence[RewardFunctionSpec] = (),
+                       overlong: OverlongPenalty | None = None
                        ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Add ``advantages`` and ``returns`` to an experience batch; update the KL controller.
 
@@ -56,18 +58,20 @@ def compute_advantages(fields: dict[str, torch.Tensor], config: PPOAlgorithmConf
         functions: the reward functions, whose weighted scores are added to the sequence score
             and whose batch means are logged as ``reward/<function>``, with ``reward/errors``
             the failed calls.
+        overlong: DAPO's overlong penalty by generated tokens, added to the sequence score and
+            logged as ``reward/overlong``; None: none.
 
     Returns:
         The fields with ``advantages``, ``returns`` and ``kl`` added, and step metrics.
     """
     mask = fields["response_mask"]
     kl = kl_penalty(fields["old_logprobs"], fields["ref_logprobs"], mask, config.kl_estimator)
-    raw_scores = reward_model_weight * fields["rm_scores"] + rule_weight * fields["rule_scores"]
+    raw_scores = sequence_scores(fields, reward_model_weight, rule_weight, functions, overlong)
     function_metrics = {}
+    if overlong is not None:
+        function_metrics["reward/overlong"] = overlong(mask).mean().item()
     if functions:
         function_scores = fields["function_scores"]
-        weights = torch.tensor([spec.weight for spec in functions]).to(function_scores)
-        raw_scores = raw_scores + (function_scores * weights).sum(dim=-1)
         function_metrics = {spec.metric: function_scores[:, i].mean().item()
                             for i, spec in enumerate(functions)}
         function_metrics["reward/errors"] = fields["reward_errors"].sum().item()
@@ -90,6 +94,21 @@ def compute_advantages(fields: dict[str, torch.Tensor], config: PPOAlgorithmConf
     if "values" in fields:
         metrics["values_mean"] = masked_mean(fields["values"], mask).item()
     return {**fields, "advantages": advantages, "returns": returns, "kl": kl}, metrics
+
+
+def sequence_scores(fields: dict[str, torch.Tensor], reward_model_weight: float,
+                    rule_weight: float, functions: Sequence[RewardFunctionSpec] = (),
+                    overlong: OverlongPenalty | None = None) -> torch.Tensor:
+    """Each row's weighted score ``[B]`` before normalisation and KL: the reward model's, the
+    rule's and the reward functions', plus the overlong penalty."""
+    scores = reward_model_weight * fields["rm_scores"] + rule_weight * fields["rule_scores"]
+    if functions:
+        function_scores = fields["function_scores"]
+        weights = torch.tensor([spec.weight for spec in functions]).to(function_scores)
+        scores = scores + (function_scores * weights).sum(dim=-1)
+    if overlong is not None:
+        scores = scores + overlong(fields["response_mask"]).to(scores)
+    return scores
 
 
 def _advantages(rewards: torch.Tensor, fields: dict[str, torch.Tensor],

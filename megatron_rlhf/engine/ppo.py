@@ -14,7 +14,8 @@ experience produced ``max_staleness`` steps earlier while the shadows already ge
 ``k + max_staleness``: the trainable models and the shadows hold disjoint ranks, so the two
 halves run at the same time. The behaviour log-probs
 recorded by the shadow are the ones PPO's importance ratio uses, so the update stays correct
-off-policy.
+off-policy. With ``algorithm.dynamic_sampling`` producing a step may take several generation
+rounds, and the groups trained on are chosen from them (``engine/dynamic_sampling.py``).
 """
 
 from __future__ import annotations
@@ -35,8 +36,14 @@ from megatron_rlhf.algorithms import (
 from megatron_rlhf.config.ppo_run import RewardConfig, RolloutConfig
 from megatron_rlhf.data.demonstrations import DemonstrationStream
 from megatron_rlhf.engine.batch import DistBatch, concat
+from megatron_rlhf.engine.dynamic_sampling import (
+    gather_groups,
+    informative_groups,
+    select_groups,
+    shared_decision,
+)
 from megatron_rlhf.engine.engine import PPOEngine, RuleReward
-from megatron_rlhf.engine.experience import compute_advantages
+from megatron_rlhf.engine.experience import compute_advantages, sequence_scores
 from megatron_rlhf.engine.function_rewards import FunctionRewards, Record
 from megatron_rlhf.engine.step_metrics import (
     accumulate_train_sums,
@@ -46,13 +53,15 @@ from megatron_rlhf.engine.step_metrics import (
     share_metrics,
 )
 from megatron_rlhf.engine.training_losses import actor_loss_fn, critic_loss_fn
+from megatron_rlhf.rewards import RewardFunctionSpec
 from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.topology.models import ACTOR, CRITIC
 
 logger = get_logger(__name__)
 
-PromptSource = Callable[[int], tuple[Sequence[Sequence[int]], Sequence[int]]]
-"""step -> (prompts, their sample ids)."""
+PromptSource = Callable[..., tuple[Sequence[Sequence[int]], Sequence[int]]]
+"""``(step)`` -> (prompts, their sample ids); with dynamic sampling also called as ``(step,
+round_index)`` for a refill round's prompts (``PromptStream.batch``)."""
 
 
 @dataclass
@@ -99,8 +108,8 @@ class PPOAlgorithm:
             alone.
         ptx_coef: the weight of their mean NLL in the actor's loss (``ptx.coef``).
         function_rewards: the reward functions (``reward.functions``), if any.
-        records: step -> its prompts' ``(index, record)``, in ``prompts``' order (what the
-            reward functions receive); None: empty records.
+        records: step (and refill round, as ``prompts``) -> its prompts' ``(index, record)``, in
+            ``prompts``' order (what the reward functions receive); None: empty records.
     """
 
     def __init__(self, engine: PPOEngine, algorithm: PPOAlgorithmConfig, rollout: RolloutConfig,
@@ -108,7 +117,7 @@ class PPOAlgorithm:
                  rule_reward: RuleReward | None = None, on_nan: str = "stop",
                  demonstrations: DemonstrationStream | None = None,
                  ptx_coef: float = 0.0, function_rewards: FunctionRewards | None = None,
-                 records: Callable[[int], Sequence[Record]] | None = None) -> None:
+                 records: Callable[..., Sequence[Record]] | None = None) -> None:
         self.engine = engine
         self.algorithm = algorithm
         self.rollout = rollout
@@ -122,6 +131,7 @@ class PPOAlgorithm:
         self.ptx_coef = ptx_coef
         self.function_rewards = function_rewards
         self.records = records
+        self._overlong = reward.overlong(engine.generation.max_new_tokens)
         self.kl_controller = build_kl_controller(algorithm)
         self.score_moments = RunningMoments()
         self._queue: deque[Experience] = deque()
@@ -181,12 +191,41 @@ class PPOAlgorithm:
         groups, and every trainer rank receives the whole batch, so a group baseline sees all of
         its rows wherever they were generated.
         """
+        batch = self._scored_round(step, 0)
+        metrics: dict[str, float] = {}
+        if self.algorithm.dynamic_sampling:
+            batch, metrics = self._dynamic_sample(step, batch)
+        if batch.fields is not None:
+            before = self.state_dict()
+            with self.engine.context.span("advantages"):
+                batch.fields, advantage_metrics = compute_advantages(
+                    batch.fields, self.algorithm, self.kl_controller, self.score_moments,
+                    self.reward.model_weight, self.reward.rule_weight,
+                    self.rollout.samples_per_prompt,
+                    self._function_specs, self._overlong)
+            metrics.update(advantage_metrics)
+            bad = nonfinite_experience(batch.fields)
+            if bad:
+                self.load_state_dict(before)  # the KL controller must not learn from NaNs
+                metrics.update(bad)
+        extras = self.function_rewards.take_extras() if self.function_rewards else {}
+        return Experience(step, batch, metrics, extras)
+
+    @property
+    def _function_specs(self) -> Sequence[RewardFunctionSpec]:
+        return self.reward.specs if self.function_rewards is not None else ()
+
+    def _scored_round(self, step: int, round_index: int) -> DistBatch:
+        """Generate and score one round of step ``step``'s prompts (round 0: the step's batch;
+        later rounds: dynamic sampling's refills), the rows on the trainer ranks."""
         engine = self.engine
         n = self.rollout.samples_per_prompt
-        prompts, ids = sample_rows(*self.prompts(step), n)
+        source = self.prompts(step, round_index) if round_index else self.prompts(step)
+        prompts, ids = sample_rows(*source, n)
         records = None
         if self.function_rewards is not None and self.records is not None:
-            records = [record for record in self.records(step) for _ in range(n)]
+            chosen = self.records(step, round_index) if round_index else self.records(step)
+            records = [record for record in chosen for _ in range(n)]
         size = len(prompts) // self.rollout.pipeline_chunks
         parts = []
         for chunk, start in enumerate(range(0, len(prompts), size)):
@@ -196,22 +235,25 @@ class PPOAlgorithm:
                 rollout, engine.generation.temperature, self.rule_reward, chunk,
                 self.function_rewards, records[start:start + size] if records else None))
         engine.finish_transfers()
-        batch = concat(parts)
-        metrics: dict[str, float] = {}
-        if batch.fields is not None:
-            before = self.state_dict()
-            with self.engine.context.span("advantages"):
-                batch.fields, metrics = compute_advantages(
-                    batch.fields, self.algorithm, self.kl_controller, self.score_moments,
-                    self.reward.model_weight, self.reward.rule_weight,
-                    self.rollout.samples_per_prompt,
-                    self.reward.specs if self.function_rewards is not None else ())
-            bad = nonfinite_experience(batch.fields)
-            if bad:
-                self.load_state_dict(before)  # the KL controller must not learn from NaNs
-                metrics.update(bad)
-        extras = self.function_rewards.take_extras() if self.function_rewards else {}
-        return Experience(step, batch, metrics, extras)
+        return concat(parts)
+
+    def _dynamic_sample(self, step: int, batch: DistBatch) -> tuple[DistBatch, dict[str, float]]:
+        """DAPO's dynamic sampling (``engine/dynamic_sampling.py``): refill rounds until the step
+        has ``prompts_per_step`` groups of unequal scores or ``max_refill_rounds`` ran."""
+        n, wanted = self.rollout.samples_per_prompt, self.rollout.prompts_per_step
+
+        def informative(fields: dict[str, torch.Tensor]) -> list[bool]:
+            scores = sequence_scores(fields, self.reward.model_weight, self.reward.rule_weight,
+                                     self._function_specs, self._overlong)
+            return informative_groups(scores, n)
+
+        batches = [batch]
+        flags = [shared_decision(batch, informative)]
+        while sum(map(sum, flags)) < wanted and len(batches) <= self.algorithm.max_refill_rounds:
+            batches.append(self._scored_round(step, len(batches)))
+            flags.append(shared_decision(batches[-1], informative))
+        selection = select_groups(flags, wanted)
+        return gather_groups(batches, selection.chosen, n), selection.metrics()
 
     def consume(self, experience: Experience) -> dict[str, float]:
         """Train actor and critic on an experience batch; returns this rank's loss sums.

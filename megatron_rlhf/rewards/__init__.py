@@ -9,6 +9,8 @@ Map of the files:
   a per-call timeout and the ``reward.on_error`` policy.
 - ``verifiers.py``: math final-answer equivalence, exact and regex match, a format check, and
   DAPO's overlong penalty.
+- ``overlong.py``: ``OverlongPenalty``: that penalty on a batch's generated token counts
+  (``reward.overlong_buffer``); the one module here that imports torch, so import it directly.
 
 See ``docs/rewards.md``.
 """

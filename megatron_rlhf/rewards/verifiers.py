@@ -10,12 +10,14 @@ directly::
         - {name: "megatron_rlhf.rewards.verifiers:format_reward", weight: 0.1,
            pattern: '(?s).*\\\\boxed\\{.+\\}.*'}
 
-Math equivalence uses Hugging Face's ``math-verify`` where it is installed and
-``use_math_verify`` is true; otherwise (and always in the tests) the pure-Python fallback
-:func:`math_equal`: the response's final answer (the last ``\\boxed{...}``, else the last number)
+Math equivalence uses Hugging Face's ``math-verify`` (the optional extra: ``pip install
+megatron_rlhf[math]``) where it is installed and ``use_math_verify`` is true; otherwise the
+pure-Python fallback :func:`math_equal`: the response's final answer (the last ``\\boxed{...}``, else the last number)
 and the reference compare as exact fractions when both are integers, decimals or fractions
 (``1,000``, ``-0.5``, ``1/2``, ``\\frac{1}{2}``, ``12.``), else as normalised text.
-:func:`overlong_penalty` is DAPO's soft length penalty (Yu et al. 2025, eq. 13).
+:func:`overlong_penalty` is DAPO's soft length penalty (Yu et al. 2025, eq. 13), which a run
+applies to the generated token counts with ``reward.overlong_buffer`` (``rewards/overlong.py``);
+a reward function sees only text, so it cannot count tokens.
 """
 
 from __future__ import annotations
@@ -92,7 +94,10 @@ def _math_verify(response: str, reference: str) -> bool | None:
         from math_verify import parse, verify
     except ImportError:
         return None
-    return bool(verify(parse(reference), parse(response)))
+    # No timeouts of its own: they use signal.alarm, which fails outside a main thread; the
+    # reward pool's per-call timeout (reward.timeout_s) bounds the call instead.
+    return bool(verify(parse(reference, parsing_timeout=None),
+                       parse(response, parsing_timeout=None), timeout_seconds=None))
 
 
 def math_reward(prompt: str, response: str, record: dict[str, Any], *,

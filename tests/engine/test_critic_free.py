@@ -25,11 +25,29 @@ COMPARED = ("reward_mean", "rm_score", "rule_score", "kl", "policy_loss", "respo
 PROMPTS, SAMPLES = 4, 4
 
 
+REFILLS = 2
+"""``algorithm.max_refill_rounds`` of the dynamic-sampling variant."""
+DYNAMIC = ("dynamic_sampling/kept_groups", "dynamic_sampling/dropped_groups",
+           "dynamic_sampling/filled_groups", "dynamic_sampling/rounds")
+
+
 def _algorithm(estimator: str) -> PPOAlgorithmConfig:
     if estimator == "grpo":
         return PPOAlgorithmConfig(advantage_estimator="grpo", kl_in="loss", kl_loss_coef=0.05,
                                   loss_aggregation="seq_mean_token_mean", entropy_coef=0.01)
+    if estimator == "dapo":
+        return PPOAlgorithmConfig(advantage_estimator="grpo", kl_in="loss", kl_loss_coef=0.05,
+                                  clip_ratio_low=0.2, clip_ratio_high=0.28,
+                                  dynamic_sampling=True, max_refill_rounds=REFILLS)
     return PPOAlgorithmConfig(advantage_estimator=estimator, entropy_coef=0.01)
+
+
+def pass_or_fail(prompt: list[int], response: list[int]) -> float:
+    """A 0/1 rule reward whose groups are often all equal: prompts starting with a multiple of 3
+    always fail, the others pass when most response ids are even."""
+    if prompt[0] % 3 == 0:
+        return 0.0
+    return float(2 * sum(1 for t in response if t % 2 == 0) > len(response))
 
 
 def _groups(fields: dict, prompt_length: int) -> dict[str, bool]:
@@ -58,34 +76,46 @@ def _run_strategies(estimator: str, steps: int) -> dict:
 
     initialize_runtime()
     prompts_gen = torch.Generator().manual_seed(0)
+    rounds = REFILLS + 1
     prompts = [torch.randint(4, 500, (int(n),), generator=prompts_gen).tolist()
-               for n in torch.randint(2, 9, (PROMPTS * (steps + 1),), generator=prompts_gen)]
+               for n in torch.randint(2, 9, (PROMPTS * (steps + 1) * rounds,),
+                                      generator=prompts_gen)]
 
-    def batch(step: int) -> tuple[list[list[int]], list[int]]:
-        rows = range(PROMPTS * step, PROMPTS * (step + 1))
+    def batch(step: int, round_index: int = 0) -> tuple[list[list[int]], list[int]]:
+        first = PROMPTS * (step * rounds + round_index)
+        rows = range(first, first + PROMPTS)
         return [prompts[i] for i in rows], list(rows)
 
+    dapo = estimator == "dapo"
+    strategies = [*STRATEGIES, "async-separation"] if dapo else STRATEGIES
     results: dict = {"metrics": {}, "roles": {}, "groups": None}
-    for strategy in STRATEGIES:
+    for strategy in strategies:
+        asynchronous = strategy == "async-separation"
         config = RunConfig(
-            placement=PlacementConfig(strategy=strategy),
+            placement=PlacementConfig(strategy="separation" if asynchronous else strategy),
             models=ModelsConfig(arch="tiny", init_seed=9),
             rollout=RolloutConfig(prompts_per_step=PROMPTS, samples_per_prompt=SAMPLES,
                                   max_prompt_length=8, micro_batch_size=2, ppo_epochs=2,
-                                  num_minibatches=2),
+                                  num_minibatches=2, async_rollout=asynchronous),
             generation=GenerationConfig(max_new_tokens=6, seed=3),
-            reward=RewardConfig(model_weight=0.5, rule="none", rule_weight=1.0),
+            # The config's rule only names that one is passed (the runner builds its own).
+            reward=RewardConfig(model_weight=0.0 if dapo else 0.5,
+                                rule="synthetic" if dapo else "none", rule_weight=1.0),
             algorithm=_algorithm(estimator), steps=steps)
         config.actor_optimizer.lr = 1e-3
         plan = make_plan(config, cluster_from_environment(None))
         engine = build_engine(config, plan, eos_id=3, pad_id=0)
         algorithm = PPOAlgorithm(engine, config.algorithm, config.rollout, config.reward, seed=5,
-                                 prompts=batch, total_steps=steps, rule_reward=even_token_share)
+                                 prompts=batch, total_steps=steps,
+                                 rule_reward=pass_or_fail if dapo else even_token_share)
         results["metrics"][strategy] = [algorithm.step(s) for s in range(steps)]
         results["roles"][strategy] = (sorted(plan.models), sorted(engine.workers))
         if strategy == "flattening":  # every rank is a trainer: it holds the whole batch
             experience = algorithm.produce(steps)
-            results["groups"] = _groups(experience.batch.fields, config.rollout.max_prompt_length)
+            fields = experience.batch.fields
+            results["groups"] = _groups(fields, config.rollout.max_prompt_length)
+            results["group_scores"] = fields["rule_scores"].reshape(-1, SAMPLES).tolist()
+            results["produced"] = experience.metrics
     return results
 
 
@@ -112,6 +142,36 @@ def test_critic_free_metrics_match_across_placements(estimator: str) -> None:
             assert not {"critic", "shadow_critic"} & (set(placed) | set(built)), strategy
         assert rank["roles"]["separation"][0] == ["actor", "ref", "reward", "shadow_actor"]
     assert per_rank[0]["groups"] == {"same_prompt": True, "distinct": True, "groups_differ": True}
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(660)
+def test_dynamic_sampling_keeps_groups_of_unequal_rewards_under_every_placement() -> None:
+    """DAPO (dynamic sampling, clip-higher, token-mean) with a 0/1 rule: the same groups are
+    dropped, refilled and trained on under every placement, asynchronous separation included
+    (its step 0 is on-policy like the synchronous ones; step 1 trains on stale experience)."""
+    per_rank = run_on_ranks(_run_strategies, world_size=4, args=("dapo", 2), timeout_s=600)
+    metrics = [rank["metrics"] for rank in per_rank]
+    assert all(m == metrics[0] for m in metrics), "metrics must be identical on every rank"
+    reference = metrics[0]["flattening"]
+    compared = [*COMPARED, *DYNAMIC]
+    for strategy, steps in metrics[0].items():
+        compared_steps = steps[:1] if strategy == "async-separation" else steps
+        for step, (got, ref) in enumerate(zip(compared_steps, reference, strict=False)):
+            assert_metrics_match(got, ref, compared, f"dapo {strategy} step {step}")
+        for got in steps:
+            assert got["dynamic_sampling/kept_groups"] + got[
+                "dynamic_sampling/filled_groups"] == PROMPTS
+    produced = [per_rank[0]["produced"], *reference]
+    assert any(m["dynamic_sampling/dropped_groups"] > 0 and m["dynamic_sampling/rounds"] > 1
+               for m in produced), "the rule must make some groups all equal and force a refill"
+    assert all(1 <= m["dynamic_sampling/rounds"] <= REFILLS + 1 for m in produced)
+    # The trained groups: the informative ones first, then any all-equal top-up.
+    kept = int(per_rank[0]["produced"]["dynamic_sampling/kept_groups"])
+    scores = per_rank[0]["group_scores"]
+    assert [len(set(group)) > 1 for group in scores] == [True] * kept + [False] * (
+        PROMPTS - kept)
+    assert per_rank[0]["groups"]["same_prompt"] and per_rank[0]["groups"]["distinct"]
 
 
 def test_rows_of_a_prompt_are_contiguous_with_their_own_sample_ids() -> None:

@@ -1,7 +1,7 @@
 """Asynchronous separation resumes bit for bit: 4 steps == 2 steps + resume + 2 steps, with the
 experience the shadows produced ahead stored in the checkpoint (pipelined in 2 chunks, with
 dropout so that the RNG streams matter, an adaptive KL controller and PPO-ptx; and GRPO with 2
-samples per prompt). Leaving the stored experience out of the resume changes the steps after it,
+samples per prompt and dynamic sampling's refill rounds). Leaving the stored experience out of the resume changes the steps after it,
 so the test can fail."""
 
 from __future__ import annotations
@@ -39,10 +39,14 @@ def _config(root: str, name: str, algorithm: str, steps: int, **checkpoint):
                               num_minibatches=2, pipeline_chunks=2, async_rollout=True,
                               max_staleness=1),
         generation=GenerationConfig(max_new_tokens=6, seed=3),
-        reward=RewardConfig(model_weight=0.5, rule="synthetic"),
+        # GRPO scores by the rule alone, whose groups are often all equal: dynamic sampling
+        # drops and refills them, and its refill rounds must resume bit for bit too.
+        reward=RewardConfig(model_weight=0.0 if grpo else 0.5, rule="synthetic"),
         ptx=PTXConfig(coef=0.0 if grpo else 0.5),
         checkpoint=CheckpointConfig(**checkpoint), steps=steps, run_dir=f"{root}/{name}")
     config.algorithm.advantage_estimator = "grpo" if grpo else "gae"
+    config.algorithm.dynamic_sampling = grpo
+    config.algorithm.max_refill_rounds = 1
     config.algorithm.adaptive_kl = True
     config.actor_optimizer.lr = config.critic_optimizer.lr = 1e-3
     return config
@@ -92,3 +96,5 @@ def test_asynchronous_runs_resume_bit_exactly_with_the_experience_produced_ahead
         assert runs["B"] == runs["A"][2:], f"{algorithm}: the resumed run differs"
         assert runs["C"][0] != runs["A"][2], \
             f"{algorithm}: regenerating the stored experience changed nothing"
+    assert any(m["dynamic_sampling/rounds"] == 2 for m in results["grpo"]["A"]), \
+        "some GRPO step refilled its batch"

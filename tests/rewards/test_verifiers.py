@@ -4,6 +4,9 @@ followed by more numbers, the first number of a response instead of its last).""
 
 from __future__ import annotations
 
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from megatron_rlhf.rewards.verifiers import (
@@ -110,3 +113,40 @@ def test_overlong_penalty_scales_and_refuses_a_bad_buffer() -> None:
         overlong_penalty(5, 20, 0)
     with pytest.raises(ValueError, match=r"buffer_length\(21\)"):
         overlong_penalty(5, 20, 21)
+
+
+FOOLING = [
+    ("37 + 48 = 85", "85", 1.0),
+    ("37 + 48 = 85", "37", 0.0),           # in the text, but not the answer
+    ("850", "85", 0.0),                    # contains the reference as a substring
+    ("8.5", "85", 0.0),                    # the same digits
+    ("The answer is 85 apples", "85", 1.0),
+    ("The total is 1,000 dollars", "1000", 1.0),
+    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+    ("\\boxed{12} because 12 + 1 = 13", "12", 1.0),
+    ("It is -3", "3", 0.0),
+    ("\\boxed{1/3}", "0.333", 0.0),        # a rounded decimal is not the fraction
+]
+"""Responses that substring, first-number or plain-text matching would grade wrongly."""
+
+
+@pytest.mark.parametrize(("response", "reference", "score"), FOOLING)
+def test_the_fallback_grades_what_fools_string_matching(response: str, reference: str,
+                                                        score: float) -> None:
+    assert math_reward("q", response, {"answer": reference}, use_math_verify=False) == score
+
+
+def test_without_math_verify_the_fallback_decides(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # import math_verify raises
+    for response, reference, score in FOOLING:
+        assert math_reward("q", response, {"answer": reference}) == score, response
+
+
+def test_math_verify_agrees_on_the_same_cases_even_off_the_main_thread() -> None:
+    """Runs where the optional extra ``math`` (``math-verify``) is installed."""
+    pytest.importorskip("math_verify")
+    verdicts = [math_reward("q", response, {"answer": reference})
+                for response, reference, _ in FOOLING]
+    assert verdicts == [score for _, _, score in FOOLING]
+    with ThreadPoolExecutor(1) as pool:  # math-verify's own timeouts would need the main thread
+        assert pool.submit(math_reward, "q", "so \\boxed{85}", {"answer": "85"}).result() == 1.0
