@@ -344,6 +344,10 @@ class CheckpointConfig:
             continue when ``save_dir`` holds a complete checkpoint, else start fresh; for jobs
             that are requeued or restarted by torchrun). ``true``/``false`` mean latest/off.
         resume_from: continue from this checkpoint directory instead (a ``step_<k>`` directory).
+        async_save: write the model shards in a background thread while the next step runs (the
+            step waits only for a host copy of its shards); the checkpoint is completed (manifest,
+            rename) after that step, or at once after the last step and on SIGTERM. Megatron-FSDP
+            shards are always written synchronously.
     """
 
     save_dir: str = ""
@@ -351,6 +355,7 @@ class CheckpointConfig:
     keep_last: int = 2
     resume: str = "off"
     resume_from: str = ""
+    async_save: bool = True
 
     def __post_init__(self) -> None:
         # YAML's and the CLI's booleans (a str field receives them as "True"/"False").
