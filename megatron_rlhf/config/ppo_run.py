@@ -66,7 +66,10 @@ class ModelsConfig:
         dropout: hidden and attention dropout of every model (PPO usually runs with 0; with
             dropout the log-probs of the experience and training passes differ by noise).
         hf_cache_dir: where Hugging Face checkpoints given as ``actor_checkpoint`` or
-            ``reward_checkpoint`` are converted to, once per checkpoint content.
+            ``reward_checkpoint`` are converted to (by rank 0), once per checkpoint content;
+            every rank must see it (on a multi-node job, a shared filesystem: the default under
+            ``~/.cache`` is refused when some rank does not see rank 0's files). Or convert ahead
+            of time with ``tools/convert_hf_to_megatron.py`` and name its output instead.
         export_hf: also write the trained actor (``lm`` head) and critic (``scalar`` head) as
             Hugging Face directories, ``<run_dir>/hf/step_<k>/{actor,critic}``, at every
             checkpoint save and after the last step.
