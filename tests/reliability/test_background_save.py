@@ -20,61 +20,19 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.metrics import run_metrics
+from tests.helpers.runs import capture_engine, separation_config, trained_weights
 from tests.multirank import MultiRankError, run_on_ranks
 
 STEPS = 2
 
 
 def _config(root: str, name: str, **checkpoint):
-    from megatron_rlhf.config.ppo_run import (
-        CheckpointConfig,
-        ModelsConfig,
-        RewardConfig,
-        RolloutConfig,
-        RunConfig,
-    )
-    from megatron_rlhf.generation import GenerationConfig
-    from megatron_rlhf.runtime.bootstrap import RuntimeConfig
-    from megatron_rlhf.runtime.distributed import DistributedConfig
-    from megatron_rlhf.topology.placement_config import PlacementConfig
-
-    config = RunConfig(
-        runtime=RuntimeConfig(seed=7, distributed=DistributedConfig(timeout_s=60)),
-        placement=PlacementConfig(strategy="separation"),
-        models=ModelsConfig(arch="tiny", init_seed=9, dropout=0.1),
-        rollout=RolloutConfig(prompts_per_step=8, max_prompt_length=16, micro_batch_size=2,
-                              ppo_epochs=1, num_minibatches=2),
-        generation=GenerationConfig(max_new_tokens=6, seed=3),
-        reward=RewardConfig(model_weight=0.5, rule="synthetic"),
-        checkpoint=CheckpointConfig(**checkpoint), steps=STEPS, run_dir=f"{root}/{name}")
+    config = separation_config(root, name, STEPS, 0.1, checkpoint)
     config.actor_optimizer.lr = config.critic_optimizer.lr = 1e-3
     # megatron's plain optimizer: the critic's weights and Adam moments are tensors of their own
     # (not views of the distributed optimizer's buffers, which megatron's writer copies anyway).
     config.critic_optimizer.distributed_optimizer = False
     return config
-
-
-def _capture_engine() -> dict:
-    """The engine of the last run, kept in the returned dict."""
-    from megatron_rlhf.engine import runner
-
-    captured: dict = {}
-    if not hasattr(runner, "_original_build_engine"):
-        runner._original_build_engine = runner.build_engine
-
-    def capture(*args, **kwargs):
-        captured["engine"] = runner._original_build_engine(*args, **kwargs)
-        return captured["engine"]
-
-    runner.build_engine = capture
-    return captured
-
-
-def _weights(engine) -> dict:
-    return {f"{role}.{key}": value.detach().clone()
-            for role in ("actor", "critic") if role in engine.workers
-            for key, value in engine.workers[role].model.state_dict().items()
-            if hasattr(value, "detach")}
 
 
 def _equal_on_every_rank(a: dict, b: dict) -> bool:
@@ -158,9 +116,9 @@ def _runs(root: str) -> dict:
     from megatron_rlhf.engine.runner import run_ppo
     from megatron_rlhf.runtime.checkpoint_store import complete_checkpoints, verify_checkpoint
 
-    captured = _capture_engine()
+    captured = capture_engine()
     run_ppo(_config(root, "A", save_dir=f"{root}/ckpt-A", save_interval=1, async_save=False))
-    weights_a = _weights(captured["engine"])
+    weights_a = trained_weights(captured["engine"])
     released = _hold_back_writes()
     runs = {"B": {"save_dir": f"{root}/ckpt-B", "save_interval": 1},
             "resumed-B1": {"resume_from": f"{root}/ckpt-B/step_00000001"},
@@ -168,7 +126,7 @@ def _runs(root: str) -> dict:
     out: dict = {"released": released}
     for name, checkpoint in runs.items():
         run_ppo(_config(root, name, **checkpoint))
-        out[f"{name}_weights_equal"] = _equal_on_every_rank(_weights(captured["engine"]),
+        out[f"{name}_weights_equal"] = _equal_on_every_rank(trained_weights(captured["engine"]),
                                                             weights_a)
         out[f"{name}_released"] = list(released)
         released.clear()
