@@ -3,6 +3,8 @@ built, and its trained weights."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -58,3 +60,19 @@ def trained_weights(engine) -> dict:
             for role in ("actor", "critic") if role in engine.workers
             for key, value in engine.workers[role].model.state_dict().items()
             if hasattr(value, "detach")}
+
+
+def run_killed_while_saving_step_2(fn: Callable[[str], None], world_size: int, root: Path,
+                                   timeout_s: float) -> None:
+    """Run ``fn(root)`` on ranks that SIGKILL themselves while saving step 2 into
+    ``root/ckpt``; check that step 1 is complete and step 2 only a temp dir."""
+    import pytest
+
+    from tests.multirank import MultiRankError, run_on_ranks
+
+    with pytest.raises(MultiRankError, match="code -9"):
+        run_on_ranks(fn, world_size=world_size, args=(str(root),), timeout_s=timeout_s)
+    save_dir = root / "ckpt"
+    assert (save_dir / "step_00000001" / "manifest.json").is_file()
+    assert not (save_dir / "step_00000002").exists()
+    assert list(save_dir.glob("step_00000002.tmp-*")), "the killed save left its temp directory"
