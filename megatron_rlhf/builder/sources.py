@@ -14,12 +14,19 @@ cache (models/hf_import.py) and loaded at the run's TP/PP.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import datetime
+import itertools
+import json
+import secrets
+import socket
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.models.checkpoint import (
@@ -32,6 +39,8 @@ from megatron_rlhf.models.hf_config import read_hf_config
 from megatron_rlhf.models.hf_import import cached_full_state, is_hf_dir
 from megatron_rlhf.models.hf_llama import check_weight_files
 from megatron_rlhf.models.weights import load_full_state
+from megatron_rlhf.runtime.checkpoint_store import on_rank0
+from megatron_rlhf.runtime.patches import default_group_store
 from megatron_rlhf.topology.models import (
     ACTOR,
     CRITIC,
@@ -216,9 +225,20 @@ def role_options(config: RunConfig, sources: dict[str, ModelSource],
                    attention_backend=config.models.attention_backend)
 
 
+HF_CONVERSION_WAIT_S = 6 * 3600.0
+"""How long the other ranks wait for rank 0's conversion of Hugging Face sources: hashing and
+converting a large checkpoint takes far longer than a collective's timeout."""
+_conversions = itertools.count()  # the same on every rank: each calls load_initial_weights alike
+
+
 def load_initial_weights(models: dict[str, Any], groups: Any, placed: Collection[str],
                          sources: dict[str, ModelSource], cache_dir: str) -> None:
     """Load every placed role's source into its model; collective over the world.
+
+    Hugging Face sources are converted by rank 0 into ``cache_dir``, which every rank must see
+    (checked: with several nodes it must be on a shared filesystem); the other ranks wait for it
+    in the job's store, up to :data:`HF_CONVERSION_WAIT_S`, not in a collective. Each rank then
+    reads from the converted file only the tensors of its own model part, one at a time.
 
     Args:
         models: this rank's models (roles placed elsewhere are absent).
@@ -226,27 +246,91 @@ def load_initial_weights(models: dict[str, Any], groups: Any, placed: Collection
         placed: the roles of the plan.
         sources: from :func:`resolve_sources`.
         cache_dir: where Hugging Face sources are converted to (by rank 0, once).
+
+    Raises:
+        ValueError: the conversion failed on rank 0, or some ranks do not see ``cache_dir``.
     """
     hf_paths = sorted({s.path for s in sources.values() if s.is_hf})
-    box: list[Any] = [({}, None)]
-    if dist.get_rank() == 0:
-        try:
-            box[0] = ({path: str(cached_full_state(path, cache_dir)) for path in hf_paths}, None)
-        except (OSError, ValueError) as exc:  # every rank must hear of it, not wait
-            box[0] = ({}, f"{type(exc).__name__}: {exc}")
-    # World: every rank loads the conversions rank 0 made.
-    dist.broadcast_object_list(box, src=0, group=dist.group.WORLD)
-    cached, error = box[0]
-    if error is not None:
-        raise ValueError(f"converting a Hugging Face checkpoint failed on rank 0: {error}")
+    cached = _converted_by_rank0(hf_paths, cache_dir) if hf_paths else {}
     for role, source in sources.items():
         model = models.get(role)
         if role not in placed:
             continue
         if source.is_hf:
             if model is not None:
-                load_full_state(model, groups[role], load_file(cached[source.path]),
-                                new_head=True)
+                with safe_open(cached[source.path], framework="pt") as converted:
+                    load_full_state(model, groups[role], SafetensorsState(converted),
+                                    new_head=True)
         else:
             # megatron's dist_checkpointing is collective: every rank takes part in each load.
             load_model_checkpoint(model, groups[role], source.path, new_head=True)
+
+
+def _converted_by_rank0(hf_paths: list[str], cache_dir: str) -> dict[str, str]:
+    """Rank 0 converts (or finds in the cache) every Hugging Face source; every rank gets the
+    converted files' paths through the job's store."""
+    check_shared_directory(Path(cache_dir).expanduser(), "models.hf_cache_dir")
+    store = default_group_store()
+    key = f"megatron_rlhf/hf_conversion/{next(_conversions)}"
+    if dist.get_rank() == 0:
+        try:
+            result = {"cached": {path: str(cached_full_state(path, cache_dir))
+                                 for path in hf_paths}}
+        except (OSError, ValueError) as exc:  # every rank must hear of it, not wait
+            result = {"error": f"{type(exc).__name__}: {exc}"}
+        store.set(key, json.dumps(result))
+    else:
+        store.wait([key], datetime.timedelta(seconds=HF_CONVERSION_WAIT_S))
+        result = json.loads(store.get(key))
+    if "error" in result:
+        raise ValueError(f"converting a Hugging Face checkpoint failed on rank 0: "
+                         f"{result['error']}")
+    return result["cached"]
+
+
+def check_shared_directory(directory: Path, field: str) -> None:
+    """Refuse a directory that some ranks do not see as rank 0 does (a node-local path, such as
+    the default under ``~/.cache``, in a job over several nodes); collective over the world.
+
+    Raises:
+        ValueError: naming the hosts that do not see it, the field and the fixes.
+    """
+    def probe() -> str:
+        directory.mkdir(parents=True, exist_ok=True)
+        name = f".shared-probe-{secrets.token_hex(8)}"
+        (directory / name).write_bytes(b"")
+        return name
+
+    name = on_rank0(probe)
+    seen: list = [None] * dist.get_world_size()
+    # World: every rank reports whether it sees the file rank 0 wrote.
+    dist.all_gather_object(seen, (socket.gethostname(), (directory / name).is_file()),
+                           group=dist.group.WORLD)
+    on_rank0(lambda: (directory / name).unlink())
+    blind = [f"{rank} ({host})" for rank, (host, sees) in enumerate(seen) if not sees]
+    if blind:
+        raise ValueError(
+            f"{field}={directory} is not shared: ranks {', '.join(blind)} do not see the files "
+            "rank 0 writes there, so they could not read its conversion; set "
+            f"{field} to a directory on a filesystem every node mounts, or convert ahead of "
+            "time with tools/convert_hf_to_megatron.py and give its output as the checkpoint")
+
+
+class SafetensorsState(Mapping[str, torch.Tensor]):
+    """A full state in an open safetensors file, each tensor read only when asked for (so a
+    rank reads its own model part's tensors, one at a time, not the whole file)."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+        self._names = sorted(handle.keys())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._handle.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)

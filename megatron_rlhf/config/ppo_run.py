@@ -68,7 +68,10 @@ class ModelsConfig:
         dropout: hidden and attention dropout of every model (PPO usually runs with 0; with
             dropout the log-probs of the experience and training passes differ by noise).
         hf_cache_dir: where Hugging Face checkpoints given as ``actor_checkpoint`` or
-            ``reward_checkpoint`` are converted to, once per checkpoint content.
+            ``reward_checkpoint`` are converted to (by rank 0), once per checkpoint content;
+            every rank must see it (on a multi-node job, a shared filesystem: the default under
+            ``~/.cache`` is refused when some rank does not see rank 0's files). Or convert ahead
+            of time with ``tools/convert_hf_to_megatron.py`` and name its output instead.
         export_hf: also write the trained actor (``lm`` head) and critic (``scalar`` head) as
             Hugging Face directories, ``<run_dir>/hf/step_<k>/{actor,critic}``, at every
             checkpoint save and after the last step.
@@ -364,6 +367,10 @@ class CheckpointConfig:
             continue when ``save_dir`` holds a complete checkpoint, else start fresh; for jobs
             that are requeued or restarted by torchrun). ``true``/``false`` mean latest/off.
         resume_from: continue from this checkpoint directory instead (a ``step_<k>`` directory).
+        async_save: write the model shards in a background thread while the next step runs (the
+            step waits only for a host copy of its shards); the checkpoint is completed (manifest,
+            rename) after that step, or at once after the last step and on SIGTERM. Megatron-FSDP
+            shards are always written synchronously.
     """
 
     save_dir: str = ""
@@ -371,6 +378,7 @@ class CheckpointConfig:
     keep_last: int = 2
     resume: str = "off"
     resume_from: str = ""
+    async_save: bool = True
 
     def __post_init__(self) -> None:
         # YAML's and the CLI's booleans (a str field receives them as "True"/"False").

@@ -201,7 +201,8 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
             src, dst = workers.get(source), workers.get(shadow)
             weight_syncs[source] = build_weight_sync(
                 src.model if src else None, groups[source], plan[source],
-                dst.model if dst else None, groups[shadow], plan[shadow])
+                dst.model if dst else None, groups[shadow], plan[shadow],
+                timeout_s=config.runtime.transfer_timeout_s)
     engine = PPOEngine(plan, workers, weight_syncs, config.rollout.max_prompt_length,
                        config.generation, eos_id, pad_id, context,
                        reuse_generation_logprobs=config.rollout.reuse_generation_logprobs,

@@ -5,7 +5,9 @@
     check_compatible(path, config, tokenizer_fingerprint)
     step = load_rl_checkpoint(run, path)                 # every rank; shadows re-synced
     ...
-    save_rl_checkpoint(run, step)                        # every rank
+    saver = CheckpointSaver(config.checkpoint)
+    saver.save(run, step)                                # every rank; files written behind
+    saver.commit()                                       # every rank, after the next step
 
 One checkpoint, ``<save_dir>/step_00000004`` (4 steps done; the data position is the step)::
 
@@ -30,8 +32,10 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from collections.abc import Collection
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.utils import extract_nonpersistent, extract_sharded_base
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
@@ -51,6 +56,7 @@ from megatron_rlhf.engine.experience_ahead import (
     write_experience_ahead,
 )
 from megatron_rlhf.engine.ppo import PPOAlgorithm
+from megatron_rlhf.models.background_save import BackgroundSaveQueue, ThreadedSaveStrategy
 from megatron_rlhf.models.checkpoint import (
     INFO_FILE,
     CheckpointInfo,
@@ -58,6 +64,7 @@ from megatron_rlhf.models.checkpoint import (
     load_sharded_checkpoint,
     model_sharded_state_dict,
     read_checkpoint_info,
+    start_sharded_checkpoint,
     write_sharded_checkpoint,
 )
 from megatron_rlhf.models.fsdp_checkpoint import (
@@ -229,14 +236,79 @@ def read_rl_state(path: Path) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ saving
 
 
-def save_rl_checkpoint(run: RunState, step: int) -> Path:
-    """Write the run's state after ``step`` steps into ``<save_dir>/step_<step>``; collective.
+class CheckpointSaver:
+    """The saves of one run; collective (every rank calls each method at the same point).
 
-    Returns:
-        The complete checkpoint directory.
+    Synchronous (``checkpoint.async_save=false``): :meth:`save` returns once the checkpoint is
+    complete. Asynchronous: :meth:`save` gathers the run state, writes the small files, plans the
+    model shards and copies them to host memory (the step waits for this much), and a background
+    thread writes the shard files while training goes on; :meth:`commit` (the runner calls it
+    after the next step, or at once after the last save) waits for the write on every rank,
+    writes the metadata, hashes, writes the manifest and renames, as the synchronous save does.
+    Until then the save is a ``.tmp-`` directory, which a resume never picks.
+
+    :meth:`report` gives the seconds of the last save: ``checkpoint/save_s`` (what the step
+    waited for), and for a background save ``checkpoint/write_s`` (rank 0's write in the
+    background) and ``checkpoint/commit_s`` (waiting for every rank's write, then metadata,
+    hashing, manifest, rename).
     """
-    config = run.config.checkpoint
-    final = Path(config.save_dir).absolute() / f"step_{step:08d}"
+
+    def __init__(self, config: CheckpointConfig) -> None:
+        self.config = config
+        self.queue = BackgroundSaveQueue() if config.async_save else None
+        self._pending: tuple[Path, list[ThreadedSaveStrategy]] | None = None
+        self._seconds: dict[str, float] = {}
+
+    @property
+    def pending(self) -> bool:
+        """Whether a save is written in the background and not yet committed."""
+        return self._pending is not None
+
+    def save(self, run: RunState, step: int) -> None:
+        """Save the run's state after ``step`` steps into ``<save_dir>/step_<step>`` (a
+        pending background save is committed first)."""
+        self.commit()
+        begin = time.perf_counter()
+        final = Path(self.config.save_dir).absolute() / f"step_{step:08d}"
+        temp, requests = _write_run_state(run, step, final, self.queue is not None)
+        finish = partial(publish, temp, final, step, self.config.keep_last)
+        if requests:
+            requests[-1][0].add_finalize_fn(finish)
+            for request, _ in requests:
+                self.queue.schedule_async_request(request)
+            self._pending = (final, [strategy for _, strategy in requests])
+        else:
+            finish()
+        self._seconds = {"checkpoint/save_s": time.perf_counter() - begin}
+        if not requests:
+            logger.info("saved checkpoint %s in %.2f s", final, self._seconds["checkpoint/save_s"])
+
+    def commit(self) -> None:
+        """Complete the save whose files are being written in the background, if any."""
+        if self._pending is None:
+            return
+        final, strategies = self._pending
+        self._pending = None
+        begin = time.perf_counter()
+        self.queue.maybe_finalize_async_calls(blocking=True)
+        self._seconds.update({
+            "checkpoint/write_s": sum(writer.write_seconds for strategy in strategies
+                                      for writer in strategy.writers),
+            "checkpoint/commit_s": time.perf_counter() - begin})
+        logger.info("saved checkpoint %s: %s", final, ", ".join(
+            f"{key.split('/')[1]} {value:.2f}" for key, value in self._seconds.items()))
+
+    def report(self) -> dict[str, float]:
+        """The last save's seconds (see the class), once; {} when none is left to report."""
+        seconds, self._seconds = self._seconds, {}
+        return seconds
+
+
+def _write_run_state(run: RunState, step: int, final: Path, background: bool
+                     ) -> tuple[Path, list[tuple[AsyncRequest, ThreadedSaveStrategy]]]:
+    """Write a checkpoint's files into a new temporary directory; with ``background``, the
+    megatron shards of the trained models are left to the returned requests (in role order).
+    Megatron-FSDP shards are always written here."""
     roles = _trained_roles(run.engine)
     fsdp = {role: run.config.optimizer(role).fsdp for role in roles}
     states = {role: ({}, {}, {}) if fsdp[role] else _role_state(run.engine, role, False)
@@ -247,6 +319,7 @@ def save_rl_checkpoint(run: RunState, step: int) -> Path:
                            group=dist.group.WORLD)
     temp = shared_temp_dir(final, stale="step_*.tmp-*")
     write_experience_ahead(run.algorithm, temp)
+    requests = []
     for role in roles:
         holder = next(h["roles"][role] for h in hosts if role in h["roles"])
         info = CheckpointInfo(model=ModelDescription(**holder["description"]),
@@ -254,6 +327,8 @@ def save_rl_checkpoint(run: RunState, step: int) -> Path:
                               metadata={"role": role, "step": step})
         if fsdp[role]:
             write_fsdp_checkpoint(run.engine.workers[role].trainer.fsdp_state(), temp / role, info)
+        elif background:
+            requests.append(start_sharded_checkpoint(states[role][0], temp / role, info))
         else:
             write_sharded_checkpoint(states[role][0], temp / role, info)
     rank = dist.get_rank()
@@ -261,9 +336,7 @@ def save_rl_checkpoint(run: RunState, step: int) -> Path:
     torch.save(_rng_state(), temp / "rng" / f"rank_{rank:05d}.pt")
     if rank == 0:
         _write_run_files(temp, run, step, hosts, roles)
-    publish(temp, final, step, config.keep_last)
-    logger.info("saved checkpoint %s", final)
-    return final
+    return temp, requests
 
 
 def _trained_roles(engine: PPOEngine) -> list[str]:

@@ -39,11 +39,11 @@ from megatron_rlhf.engine.build import (
     make_plan,
 )
 from megatron_rlhf.engine.checkpointing import (
+    CheckpointSaver,
     RunState,
     check_compatible,
     load_rl_checkpoint,
     resume_candidates,
-    save_rl_checkpoint,
 )
 from megatron_rlhf.engine.engine import RuleReward
 from megatron_rlhf.engine.evaluation import HeldOutEvaluator, eval_metrics, hacking_report
@@ -57,7 +57,11 @@ from megatron_rlhf.rewards import RewardFunctions
 from megatron_rlhf.runtime.bootstrap import initialize_runtime
 from megatron_rlhf.runtime.checkpoint_store import check_writable_dir, select_checkpoint
 from megatron_rlhf.runtime.context import RunContext
-from megatron_rlhf.runtime.faults import PreemptionWatcher, install_fault_tracker
+from megatron_rlhf.runtime.faults import (
+    NonFiniteError,
+    PreemptionWatcher,
+    install_fault_tracker,
+)
 from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.runtime.memory import MemoryMeter
 from megatron_rlhf.runtime.metrics import MetricsWriter
@@ -341,7 +345,9 @@ def _train(run: RunState, start: int, run_dir: Path, exporter: HFExporter,
     """Steps ``start`` to ``config.steps``; checkpoints by interval, at the end and on SIGTERM.
 
     Held-out evaluations (``evaluation``) go into the record of the step they precede; the one
-    after the last step is a record of its own, numbered ``config.steps``.
+    after the last step is a record of its own, numbered ``config.steps``. A save's seconds go
+    into the next step's record (the last save's are logged); a save written in the background
+    is completed after the next step.
     """
     config = run.config
     first_eval: dict[str, float] = {}
@@ -350,6 +356,7 @@ def _train(run: RunState, start: int, run_dir: Path, exporter: HFExporter,
     context = run.engine.context
     writer = MetricsWriter(run_dir, config.steps)
     preemption = PreemptionWatcher(config.faults.stop_file)
+    saver = CheckpointSaver(config.checkpoint)
     stop = False
     try:
         for step in range(start, config.steps):
@@ -361,18 +368,29 @@ def _train(run: RunState, start: int, run_dir: Path, exporter: HFExporter,
                 _warn_on_hacking(first_eval, held_out, step, config)
             begin = time.perf_counter()
             with context.stage(f"step {step}", signature=(step, run.prompts.fingerprint)):
-                metrics = run.algorithm.step(step)
+                try:
+                    metrics = run.algorithm.step(step)
+                except NonFiniteError:  # raised by every rank alike: the save can complete
+                    saver.commit()
+                    raise
                 stop = preemption.requested()
             seconds = time.perf_counter() - begin
             metrics.update(step_seconds=seconds,
                            samples_per_s=config.rollout.rows_per_step / seconds, **held_out)
-            writer.write(step, metrics)
-            if config.checkpoint.save_dir and (
-                    stop or step + 1 == config.steps or (config.checkpoint.save_interval and (
-                        step + 1) % config.checkpoint.save_interval == 0)):
+            if saver.pending:
+                with context.stage("checkpoint/commit"):
+                    saver.commit()
+            # Written before the next save is complete: a resume from it keeps this record.
+            writer.write(step, {**metrics, **saver.report()})
+            last = stop or step + 1 == config.steps
+            if config.checkpoint.save_dir and (last or (config.checkpoint.save_interval and (
+                    step + 1) % config.checkpoint.save_interval == 0)):
                 with context.stage("checkpoint/save"), run.engine.resident():
-                    save_rl_checkpoint(run, step + 1)
-            if config.models.export_hf and (stop or step + 1 == config.steps or (
+                    saver.save(run, step + 1)
+                if last:
+                    with context.stage("checkpoint/commit"):
+                        saver.commit()
+            if config.models.export_hf and (last or (
                     config.checkpoint.save_dir and config.checkpoint.save_interval and (
                         step + 1) % config.checkpoint.save_interval == 0)):
                 with context.stage("export/hf"), run.engine.resident():

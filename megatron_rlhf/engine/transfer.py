@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.runtime.device import comm_device
+from megatron_rlhf.runtime.patches import default_group_store
 
 
 @dataclass(frozen=True)
@@ -130,22 +131,52 @@ class TransferChannels:
     The groups have their own timeout: a receiver may wait through a whole stage (generation,
     scoring) that outlasts the world's collective timeout.
 
+    Receives are posted only when their sender is ready: a sender writes one key per receiver
+    into the job's store before it posts its sends, and a receiver waits for its senders' keys
+    (up to ``timeout_s``) before it posts its receives. So the backend's operations (and NCCL's
+    watchdog, which counts from their enqueueing) cover the data movement, not the sender's
+    whole stage; the wait itself is a store read.
+
     Building is collective: every rank creates every group, in the same order.
 
     Args:
         pairs: the rank sets that exchange rows, as (one side, other side).
-        timeout_s: the groups' timeout (``runtime.transfer_timeout_s``).
+        timeout_s: the groups' timeout and the longest wait for a sender
+            (``runtime.transfer_timeout_s``).
+        store: the job's key-value store for the handshakes (default: the default group's).
     """
 
     def __init__(self, pairs: Iterable[tuple[Iterable[int], Iterable[int]]],
-                 timeout_s: float) -> None:
+                 timeout_s: float, store: dist.Store | None = None) -> None:
         self.timeout_s = timeout_s
+        self.store = store if store is not None else default_group_store()
         self._groups: dict[ChannelKey, dist.ProcessGroup | None] = {}
         for key in sorted({channel_key(a, b) for a, b in pairs}, key=_sort_key):
             ranks = sorted(frozenset().union(*key))
             self._groups[key] = None if len(ranks) < 2 else dist.new_group(
                 ranks, timeout=datetime.timedelta(seconds=timeout_s))
         self._pending: dict[ChannelKey, list] = {key: [] for key in self._groups}
+        self._transfers: dict[ChannelKey, int] = {key: 0 for key in self._groups}
+
+    def handshake(self, key: ChannelKey, rank: int, receivers: Iterable[int],
+                  senders: Iterable[int]) -> None:
+        """Tell ``receivers`` that this rank's rows of the channel's next transfer are ready,
+        then wait until ``senders`` have said so for this rank; every rank of the channel calls
+        it once per transfer, before posting its operations.
+
+        Raises:
+            torch.distributed.DistStoreError: a sender was not ready within ``timeout_s``.
+        """
+        count = self._transfers[key] = self._transfers[key] + 1
+        channel = list(self._groups).index(key)
+        name = f"megatron_rlhf/transfer/{channel}/{count}/{{}}-{{}}".format
+        for receiver in receivers:
+            self.store.set(name(rank, receiver), b"1")
+        ready = [name(sender, rank) for sender in senders]
+        if ready:
+            self.store.wait(ready, datetime.timedelta(seconds=self.timeout_s))
+            for done in ready:
+                self.store.delete_key(done)
 
     @property
     def keys(self) -> list[ChannelKey]:
@@ -197,7 +228,8 @@ def execute_transfers(plan: list[Transfer], source: RowLayout, target: RowLayout
         fields: this rank's rows of each field (``source.held_by(rank)`` rows), or None.
         schema: every field's dtype and per-row shape, known to all ranks.
         channels: if given, the transfer runs on the channel of the two layouts' rank sets, after
-            this rank's earlier sends on it are drained, and this rank's sends are left in flight
+            this rank's earlier sends on it are drained and its senders are ready (the channel's
+            handshake), and this rank's sends are left in flight
             there (the rank goes on computing; ``channels.drain`` waits for them). Without it, on
             the world group, and every operation completes before returning. Receives always
             complete before returning.
@@ -207,10 +239,12 @@ def execute_transfers(plan: list[Transfer], source: RowLayout, target: RowLayout
     """
     key = channel_key(source.rows, target.rows)
     group = dist.group.WORLD
+    rank = dist.get_rank()
     if channels is not None:
         group = channels.group(key)
         channels.drain(key)
-    rank = dist.get_rank()
+        channels.handshake(key, rank, {t.dst for t in plan if t.src == rank != t.dst},
+                           {t.src for t in plan if t.dst == rank != t.src})
     device = comm_device()
     mine_src, mine_dst = source.held_by(rank), target.held_by(rank)
     outputs: dict[str, torch.Tensor] | None = None

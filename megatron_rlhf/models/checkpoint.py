@@ -37,6 +37,7 @@ from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedStateDict, ShardedTensor
 from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
 from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 from megatron.core.models.gpt import GPTModel
@@ -46,6 +47,7 @@ from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from megatron_rlhf.models.background_save import ThreadedSaveStrategy
 from megatron_rlhf.models.gpt import ModelBuildOptions, PolicyValueHead
 from megatron_rlhf.runtime.checkpoint_store import on_rank0, publish, shared_temp_dir
 from megatron_rlhf.topology.models import ArchSpec, ModelSpec
@@ -371,6 +373,21 @@ def write_sharded_checkpoint(sharded_state_dict: ShardedStateDict, directory: Pa
     dist_checkpointing.save(sharded_state_dict, str(directory),
                             sharded_strategy=InProcessSaveStrategy())
     return replace(info, files=on_rank0(lambda: write_info(directory, info)))
+
+
+def start_sharded_checkpoint(sharded_state_dict: ShardedStateDict, directory: Path,
+                             info: CheckpointInfo) -> tuple[AsyncRequest, ThreadedSaveStrategy]:
+    """:func:`write_sharded_checkpoint` whose shard files are written in the background: plans
+    and stages this rank's shards now (collective over every rank of the job) and returns
+    megatron's request, to schedule on a ``models.background_save.BackgroundSaveQueue``; its
+    finalisation (collective) writes the metadata and ``megatron_rlhf.json``. The strategy
+    reports the write's seconds."""
+    on_rank0(lambda: directory.mkdir(parents=True, exist_ok=True))
+    strategy = ThreadedSaveStrategy()
+    request = dist_checkpointing.save(sharded_state_dict, str(directory),
+                                      sharded_strategy=strategy, async_sharded_save=True)
+    request.add_finalize_fn(lambda: on_rank0(lambda: write_info(directory, info)))
+    return request, strategy
 
 
 def write_info(directory: Path, info: CheckpointInfo) -> dict[str, int]:

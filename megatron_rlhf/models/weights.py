@@ -134,7 +134,7 @@ def init_weights(model: GPTModel, pg_collection: ProcessGroupCollection, seed: i
 
 @torch.no_grad()
 def load_full_state(model: GPTModel, pg_collection: ProcessGroupCollection,
-                    full_state: dict[str, torch.Tensor], new_head: bool = False) -> None:
+                    full_state: Mapping[str, torch.Tensor], new_head: bool = False) -> None:
     """Copy this rank's shards out of a full state.
 
     Args:

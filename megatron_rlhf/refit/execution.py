@@ -9,7 +9,10 @@ id. Padded vocabulary rows, which no source holds, are zeroed afterwards.
 
 from __future__ import annotations
 
+import datetime
+
 import torch
+import torch.distributed as dist
 from megatron.core.resharding import ReshardPlan, TransferOp, execute_reshard_plan
 from megatron.core.resharding.copy_services.base import CopyService
 from megatron.core.resharding.copy_services.gloo_copy_service import GlooCopyService
@@ -18,26 +21,57 @@ from megatron.core.resharding.copy_services.nccl_copy_service import NCCLCopySer
 from megatron_rlhf.refit.layout import box_slices
 from megatron_rlhf.refit.transfer_plan import RefitPlan, ZeroFill
 
-COPY_BACKENDS = ("nccl", "gloo")
-"""Copy services by megatron's backend name (``nvshmem`` needs NVSHMEM on GPUs; pass an instance).
+COPY_BACKENDS = ("pair", "nccl", "gloo")
+"""Copy services by name (``nvshmem`` needs NVSHMEM on GPUs; pass an instance).
 
-``nccl`` is megatron's ``NCCLCopyService``: ``batch_isend_irecv`` on the default process group,
-whatever its backend (NCCL on GPUs, gloo on CPU). ``gloo`` is ``GlooCopyService``: a separate
-gloo group over the world, with GPU tensors staged through host memory.
+``pair`` is :class:`PairCopyService`: megatron's ``NCCLCopyService`` with the sends and receives
+on a process group of the two models' ranks only, with its own timeout. ``nccl`` is megatron's
+``NCCLCopyService``: ``batch_isend_irecv`` on the default process group, whatever its backend
+(NCCL on GPUs, gloo on CPU). ``gloo`` is ``GlooCopyService``: a separate gloo group over the
+world, with GPU tensors staged through host memory.
 """
 
 
-def make_copy_service(backend: str | CopyService) -> CopyService:
-    """A megatron copy service by backend name, or ``backend`` itself if it is one.
+class PairCopyService(NCCLCopyService):
+    """megatron's ``NCCLCopyService`` whose remote sends and receives run on ``group`` (the
+    source's and destination's ranks) instead of the default group: a shadow waiting for its
+    trainer's weights then holds no world operation back, and waits under the group's timeout
+    (``runtime.transfer_timeout_s``), not the world's. Same-rank copies are megatron's."""
 
-    ``"gloo"`` creates a process group over the world: collective, so every rank must call this
-    at the same point.
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.group = group
+
+    def run(self) -> None:
+        remote = ([op for op in self.send_ops if op.dest_rank != self.rank],
+                  [op for op in self.recv_ops if op.src_rank != self.rank])
+        self.send_ops = [op for op in self.send_ops if op.dest_rank == self.rank]
+        self.recv_ops = [op for op in self.recv_ops if op.src_rank == self.rank]
+        super().run()  # the local copies
+        ops = [*(dist.P2POp(dist.isend, op.tensor, op.dest_rank, group=self.group)
+                 for op in remote[0]),
+               *(dist.P2POp(dist.irecv, op.tensor, op.src_rank, group=self.group)
+                 for op in remote[1])]
+        if ops:
+            for request in dist.batch_isend_irecv(ops):
+                request.wait()
+
+
+def make_copy_service(backend: str | CopyService, ranks: list[int],
+                      timeout_s: float) -> CopyService:
+    """A copy service by name, or ``backend`` itself if it is one.
+
+    ``"pair"`` creates a process group of ``ranks`` (the two models' ranks) with ``timeout_s``,
+    ``"gloo"`` one over the world: collective, so every rank must call this at the same point.
 
     Raises:
         ValueError: an unknown backend name.
     """
     if isinstance(backend, CopyService):
         return backend
+    if backend == "pair":
+        group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s))
+        return PairCopyService(group if dist.get_rank() in ranks else None)
     if backend == "nccl":
         return NCCLCopyService()
     if backend == "gloo":

@@ -62,7 +62,8 @@ def build_weight_sync(
     dst_model: torch.nn.Module | None,
     dst_pg_collection: ProcessGroupCollection | None,
     dst_layout: LayoutLike,
-    copy_service: str | CopyService = "nccl",
+    copy_service: str | CopyService = "pair",
+    timeout_s: float = 1800.0,
 ) -> ReshardWeightSync:
     """Plan the copy of ``src_model``'s weights into ``dst_model``; call on every rank.
 
@@ -75,8 +76,11 @@ def build_weight_sync(
         dst_model: this rank's part of the destination, None where it holds none.
         dst_pg_collection: the destination's process groups on this rank, or None.
         dst_layout: the destination's rank block and grid.
-        copy_service: ``"nccl"`` (``batch_isend_irecv`` on the default group: NCCL on GPUs,
-            gloo on CPU), ``"gloo"`` (a separate gloo group), or a megatron ``CopyService``.
+        copy_service: ``"pair"`` (``batch_isend_irecv`` on a group of the two models' ranks,
+            created here), ``"nccl"`` (on the default group: NCCL on GPUs, gloo on CPU),
+            ``"gloo"`` (a separate gloo group), or a megatron ``CopyService``.
+        timeout_s: the ``pair`` group's timeout (``runtime.transfer_timeout_s``): a shadow may
+            wait through its trainer's whole training stage.
 
     Returns:
         The synchronisation; its ``sync()`` is collective over the default group.
@@ -99,7 +103,8 @@ def build_weight_sync(
     src_shards = [entry[0] for entry in gathered if entry and entry[0] is not None]
     dst_shards = [entry[1] for entry in gathered if entry and entry[1] is not None]
     plan = plan_refit(src_shards, dst_shards)
-    service = make_copy_service(copy_service)
+    service = make_copy_service(copy_service, sorted({*src_layout.ranks, *dst_layout.ranks}),
+                                timeout_s)
     sync = ReshardWeightSync(plan, rank, src_model, dst_model, service)
     logger.info("refit plan: %d transfers (%d local), %d elements over the network",
                 len(plan.transfers), sum(t.is_local for t in plan.transfers),

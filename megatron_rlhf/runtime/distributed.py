@@ -10,6 +10,7 @@ same in a plain ``python`` run as under torchrun.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import socket
 from dataclasses import dataclass
@@ -147,12 +148,29 @@ def restart_attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
     restart ever joins; the fault records of the dead attempt would mislead too. A prefix per
     ``TORCHELASTIC_RESTART_COUNT`` gives every attempt keys of its own.
     """
+    attempt = restart_attempt()
+    if attempt is None:
+        return None
+    return attempt_store(attempt, timeout.total_seconds())
+
+
+def restart_attempt() -> int | None:
+    """This worker's torchrun restart attempt (0 first), or None outside torchrun's agent."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
         return None
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"megatron_rlhf/attempt_{attempt}", agent_store)
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def attempt_store(attempt: int, timeout_s: float) -> dist.Store:
+    """The keys of one torchrun restart attempt in the agent's store (this attempt's process
+    group and fault records; an earlier attempt's, read after a restart)."""
+    return dist.PrefixStore(f"megatron_rlhf/attempt_{attempt}", _agent_store(timeout_s))
+
+
+@functools.cache
+def _agent_store(timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                         is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def destroy_distributed() -> None:

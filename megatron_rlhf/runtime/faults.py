@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.runtime.device import comm_device
+from megatron_rlhf.runtime.distributed import attempt_store, restart_attempt
 from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.runtime.patches import default_group_store, set_default_group_timeout
 
@@ -207,17 +208,68 @@ class FaultTracker:
                            f"{self.stage_name!r} when a collective failed: {first}")
 
     def _read_records(self) -> dict[int, dict | None]:
-        records: dict[int, dict | None] = {}
-        for rank in range(self.world_size):
-            key = _KEY.format(rank=rank)
-            try:
-                records[rank] = json.loads(self.store.get(key)) if self.store.check([key]) else None
-            except Exception:  # noqa: BLE001 - the store host itself may be the dead rank
-                records[rank] = {"status": "unknown", "stage": "?", "since": time.time(),
-                                 "detail": "the job's store is unreachable (its host, rank 0 "
-                                           "or the launcher, is probably gone)",
-                                 "pid": -1, "host": ""}
-        return records
+        return read_stage_records(self.store, self.world_size)
+
+
+def read_stage_records(store: dist.Store, world_size: int) -> dict[int, dict | None]:
+    """Every rank's last stage record in ``store`` (None: the rank never wrote one)."""
+    records: dict[int, dict | None] = {}
+    for rank in range(world_size):
+        key = _KEY.format(rank=rank)
+        try:
+            records[rank] = json.loads(store.get(key)) if store.check([key]) else None
+        except Exception:  # noqa: BLE001 - the store host itself may be the dead rank
+            records[rank] = {"status": "unknown", "stage": "?", "since": time.time(),
+                             "detail": "the job's store is unreachable (its host, rank 0 "
+                                       "or the launcher, is probably gone)",
+                             "pid": -1, "host": ""}
+    return records
+
+
+def previous_attempt_report(records: dict[int, dict | None], attempt: int) -> str | None:
+    """What the stage records of a torchrun attempt that ended say about why it ended; None when
+    it left none. Under NCCL a hung collective ends with the watchdog aborting the processes,
+    so no rank of that attempt could print this; its records stay in the agent's store.
+
+    The likely culprit: a rank that raised; else the ranks still in an older stage than the
+    last one any rank entered (the others went on into a collective and waited for them).
+    """
+    if all(record is None for record in records.values()):
+        return None
+    now = time.time()
+    lines = [f"torchrun restarted the job (attempt {attempt}); attempt {attempt - 1} ended "
+             "with these stage records:"]
+    for rank, record in records.items():
+        if record is None:
+            lines.append(f"  rank {rank}: no record (it did not start)")
+            continue
+        state = {"running": "no error reported (killed, aborted by the NCCL watchdog, or hung "
+                            "until the restart)",
+                 "failed": f"saw a collective fail: {record['detail']}",
+                 "raised": f"raised {record['detail']}"}.get(record["status"], record["detail"])
+        lines.append(f"  rank {rank}: stage {record['stage']!r}, entered "
+                     f"{now - record['since']:.0f} s before this report; {state}")
+    lines.append(_likely_culprit(records))
+    return "\n".join(lines)
+
+
+def _likely_culprit(records: dict[int, dict | None]) -> str:
+    known = {rank: r for rank, r in records.items() if r is not None and r["status"] != "unknown"}
+    raised = [f"rank {rank} raised {r['detail']} in stage {r['stage']!r}"
+              for rank, r in known.items() if r["status"] == "raised"]
+    if raised:
+        return "Likely cause: " + "; ".join(raised)
+    if not known:
+        return "Likely cause: unknown (the store held no readable record)"
+    latest = max(known.values(), key=lambda r: r["since"])["stage"]
+    behind = {rank: r for rank, r in known.items() if r["stage"] != latest}
+    if behind:
+        named = ", ".join(f"rank {rank} in {r['stage']!r}" for rank, r in behind.items())
+        return (f"Likely cause: {named}, while the other ranks had gone on to {latest!r} and "
+                "waited for them in a collective: hung or died there")
+    return (f"Likely cause: every rank was in stage {latest!r}; a collective in it hung or a "
+            "rank died in it (under NCCL, TORCH_NCCL_DUMP_ON_TIMEOUT=1 writes the flight "
+            "recorder's record of the collective each rank was in)")
 
 
 def _describe(rank: int, record: dict | None) -> str:
@@ -262,10 +314,21 @@ def install_fault_tracker(config: FaultConfig, timeout_s: float) -> FaultTracker
     """A tracker of this rank's stages (collective-free; call after ``init_distributed``).
 
     Also sets the default group's collective timeout to ``timeout_s``, for a group that another
-    component created with a different one.
+    component created with a different one. Under torchrun's agent the records go into this
+    restart attempt's keys of the agent's store, and after a restart rank 0 logs what the
+    previous attempt's records say (:func:`previous_attempt_report`).
     """
     set_default_group_timeout(timeout_s)
-    return FaultTracker(config, default_group_store())
+    attempt = restart_attempt()
+    if attempt is None:
+        return FaultTracker(config, default_group_store())
+    tracker = FaultTracker(config, attempt_store(attempt, timeout_s))
+    if attempt > 0 and tracker.rank == 0:
+        records = read_stage_records(attempt_store(attempt - 1, timeout_s), tracker.world_size)
+        report = previous_attempt_report(records, attempt)
+        if report is not None:
+            logger.warning("%s", report)
+    return tracker
 
 
 class PreemptionWatcher:

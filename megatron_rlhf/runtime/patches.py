@@ -131,6 +131,14 @@ PATCHES: tuple[Patch, ...] = (
           "models.checkpoint reads and writes megatron's torch_dist format without megatron's "
           "global-state save/load entry points",
           "called directly in models/checkpoint.py"),
+    Patch("megatron.core.dist_checkpointing.strategies.filesystem_async._get_write_results_"
+          "queue (private API), replaced while a background save prepares its buckets; "
+          "torch.distributed.checkpoint.filesystem._write_item (private API) called directly",
+          "megatron's asynchronous writer collects results through a spawn-context manager "
+          "process (refused in daemonic ranks, re-runs a launcher without a __main__ guard); "
+          "models.background_save writes from a thread of the rank with torch's item writer, "
+          "as megatron's writer processes do",
+          "called in models/background_save.py (ThreadedWriter)"),
     Patch("warnings.filters",
           "megatron-core announces every optional GPU extra it did not find (Transformer Engine, "
           "Apex) and uses deprecated torch APIs (torch.jit.script_method, all_gather_into_tensor "

@@ -178,3 +178,43 @@ def test_a_stage_longer_than_the_world_timeout_completes_on_the_transfer_channel
     results = run_on_ranks(_long_generation, world_size=4, timeout_s=240)
     assert "actor" in results[0]["roles"] and "actor" not in results[3]["roles"]
     assert len({result["reward_mean"] for result in results}) == 1
+
+
+def _late_sender() -> dict:
+    import time
+
+    from megatron_rlhf.engine.transfer import TransferChannels, execute_transfers
+
+    rank = dist.get_rank()
+    channels = TransferChannels([([2, 3], [0, 1])], timeout_s=30)
+    posted: list[float] = []
+    batch = dist.batch_isend_irecv
+
+    def timed(ops):
+        posted.append(time.time())
+        return batch(ops)
+
+    dist.batch_isend_irecv = timed
+    source, target = RowLayout.sharded(4, [[2], [3]]), RowLayout.replicated(4, [0, 1])
+    held = source.held_by(rank)
+    if held:
+        time.sleep(2.0)  # the senders' stage: the receivers reach the transfer first
+    mine = {"x": torch.arange(8.0).view(4, 2)[held[0]:held[1]]} if held else None
+    got = execute_transfers(plan_transfers(source, target), source, target, mine,
+                            {"x": (torch.float32, (2,))}, channels)
+    channels.drain()
+    dist.batch_isend_irecv = batch
+    return {"posted": posted[0], "got": None if got is None else got["x"].tolist()}
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(90)
+def test_receives_are_posted_when_the_senders_are_ready() -> None:
+    """Senders 2 and 3 reach the transfer 2 s after receivers 0 and 1; the receivers post their
+    receives only after both senders have posted their sends (without the handshake, 2 s
+    before)."""
+    results = run_on_ranks(_late_sender, world_size=4, timeout_s=60)
+    expected = torch.arange(8.0).view(4, 2).tolist()
+    assert [result["got"] for result in results] == [expected, expected, None, None]
+    senders_ready = max(results[2]["posted"], results[3]["posted"])
+    assert min(results[0]["posted"], results[1]["posted"]) >= senders_ready - 0.05

@@ -14,6 +14,14 @@ import pytest
 
 TIMING = ("step_seconds", "samples_per_s")
 """Measurements of a run, not results of its math: they differ between identical runs."""
+MEASURED_PREFIXES = ("memory/", "checkpoint/")
+"""Groups of measurements: memory peaks, and checkpoint save seconds (present in the records
+after saves, which differ between a synchronous and a background save)."""
+
+
+def is_measurement(key: str) -> bool:
+    """Whether a metric measures the run (time, memory) rather than results of its math."""
+    return key in TIMING or key.startswith(MEASURED_PREFIXES)
 REL, ABS = 2e-4, 2e-5
 """Placements and schedules reduce in different orders: float32 sums agree to about this."""
 
@@ -59,10 +67,10 @@ def assert_metrics_match(got: Mapping[str, float], want: Mapping[str, float],
 
 
 def run_metrics(run_dir: str | Path) -> list[dict]:
-    """The records of ``run_dir/metrics.jsonl`` without timings and memory peaks."""
+    """The records of ``run_dir/metrics.jsonl`` without measurements (:func:`is_measurement`)."""
     lines = Path(run_dir, "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items()
-             if k not in TIMING and not k.startswith("memory/")} for line in lines]
+    return [{k: v for k, v in json.loads(line).items() if not is_measurement(k)}
+            for line in lines]
 
 
 def even_token_share(prompt: list[int], response: list[int]) -> float:

@@ -130,3 +130,32 @@ def test_overlapping_layouts() -> None:
     results = run_on_ranks(_run_cases, world_size=4, args=(cases,), timeout_s=150)
     for case in range(len(cases)):
         _check(results, case)
+
+
+def _pair_service_groups(cases: list[tuple[ModelLayout, ModelLayout, str, int]]) -> dict:
+    """The cases' results, and the ranks of the group of every point-to-point operation."""
+    batch, groups = dist.batch_isend_irecv, []
+
+    def recorded(ops):
+        groups.extend("world" if op.group in (None, dist.group.WORLD)
+                      else dist.get_process_group_ranks(op.group) for op in ops)
+        return batch(ops)
+
+    dist.batch_isend_irecv = recorded
+    try:
+        return {"rounds": _run_cases(cases), "groups": groups}
+    finally:
+        dist.batch_isend_irecv = batch
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(180)
+def test_the_pair_service_syncs_on_the_two_models_own_group() -> None:
+    """The default service: every send and receive on a group of the source's and destination's
+    ranks (here 0-2 of 4), none on the world group; the shadow still equals the actor."""
+    cases = [(L(0, tp=2), L(2, tp=1), "pair", 2)]
+    results = run_on_ranks(_pair_service_groups, world_size=4, args=(cases,), timeout_s=150)
+    _check([result["rounds"] for result in results], 0)
+    assert results[2]["groups"], "the destination received nothing"
+    for result in results:
+        assert all(group == [0, 1, 2] for group in result["groups"]), result["groups"]

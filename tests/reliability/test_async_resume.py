@@ -6,14 +6,12 @@ so the test can fail."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.metrics import run_metrics
 from tests.multirank import run_on_ranks
-
-MEASURED = ("step_seconds", "samples_per_s")
 
 
 def _config(root: str, name: str, algorithm: str, steps: int, **checkpoint):
@@ -52,12 +50,6 @@ def _config(root: str, name: str, algorithm: str, steps: int, **checkpoint):
     return config
 
 
-def _metrics(run_dir: str) -> list[dict]:
-    lines = Path(run_dir, "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items()
-             if k not in MEASURED and not k.startswith("memory/")} for line in lines]
-
-
 def _runs(root: str, algorithm: str) -> dict:
     import torch.distributed as dist
 
@@ -75,7 +67,7 @@ def _runs(root: str, algorithm: str) -> dict:
             skip_state=("experience",))
     if dist.get_rank() != 0:
         return {}
-    return {"stored": stored, **{name: _metrics(f"{root}/{algorithm}-{name}")
+    return {"stored": stored, **{name: run_metrics(f"{root}/{algorithm}-{name}")
                                  for name in ("A", "saving", "B", "C")}}
 
 

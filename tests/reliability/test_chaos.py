@@ -6,7 +6,6 @@ left behind verifies."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -22,11 +21,11 @@ from megatron_rlhf.runtime.checkpoint_store import (
     read_manifest,
     verify_checkpoint,
 )
+from tests.helpers.metrics import run_metrics
 from tests.helpers.processes import children
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 6
-MEASURED = ("step_seconds", "samples_per_s")
 
 
 def _steps_done(run_dir: Path) -> int:
@@ -66,12 +65,6 @@ def _job(tmp_path: Path, name: str, kills_after_steps: tuple[int, ...]) -> tuple
     return code, log_path.read_text()
 
 
-def _metrics(run_dir: Path) -> list[dict]:
-    return [{k: v for k, v in json.loads(line).items()
-             if k not in MEASURED and not k.startswith("memory/")}
-            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def _model_files(checkpoint: Path) -> dict:
     """The sha256 of the files that hold the trained models' weights and optimizer state (not
     the dist checkpoint's ``.metadata``, which differs between writes of the same tensors)."""
@@ -88,11 +81,13 @@ def _model_files(checkpoint: Path) -> dict:
 def test_a_job_killed_at_random_recovers_to_the_uninterrupted_result(tmp_path: Path) -> None:
     code, log = _job(tmp_path, "calm", kills_after_steps=())
     assert code == 0, log[-3000:]
-    code, log = _job(tmp_path, "chaos", kills_after_steps=(1, 3))
+    # After 2 and 4 records: a checkpoint written in the background is complete only after the
+    # next step, so a kill after the first record would find none and start afresh.
+    code, log = _job(tmp_path, "chaos", kills_after_steps=(2, 4))
     assert code == 0, log[-3000:]
     assert log.count("resumed from") >= 2, "the job did not restart from its checkpoints twice"
     calm, chaos = tmp_path / "calm", tmp_path / "chaos"
-    assert _metrics(chaos / "run") == _metrics(calm / "run")
+    assert run_metrics(chaos / "run") == run_metrics(calm / "run")
     saved = complete_checkpoints(chaos / "ckpt")
     assert [p.name for p in saved] == [f"step_{k:08d}" for k in range(1, STEPS + 1)]
     assert all(verify_checkpoint(p) == [] for p in saved)

@@ -32,36 +32,23 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.metrics import assert_metrics_match, run_metrics
-from tests.multirank import MultiRankError, run_on_ranks
+from tests.helpers.runs import (
+    capture_engine,
+    run_killed_while_saving_step_2,
+    separation_config,
+    trained_weights,
+)
+from tests.multirank import run_on_ranks
 
 STEPS = 2
 PIECES = ("optimizer", "scheduler", "kl_controller", "data_position", "rng")
 
 
 def _config(root: str, name: str, **checkpoint):
-    from megatron_rlhf.config.ppo_run import (
-        CheckpointConfig,
-        ModelsConfig,
-        PTXConfig,
-        RewardConfig,
-        RolloutConfig,
-        RunConfig,
-    )
-    from megatron_rlhf.generation import GenerationConfig
-    from megatron_rlhf.runtime.bootstrap import RuntimeConfig
-    from megatron_rlhf.runtime.distributed import DistributedConfig
-    from megatron_rlhf.topology.placement_config import PlacementConfig
+    from megatron_rlhf.config.ppo_run import PTXConfig
 
-    config = RunConfig(
-        runtime=RuntimeConfig(seed=7, distributed=DistributedConfig(timeout_s=60)),
-        placement=PlacementConfig(strategy="separation"),
-        models=ModelsConfig(arch="tiny", init_seed=9, dropout=_DROPOUT[0]),
-        rollout=RolloutConfig(prompts_per_step=8, max_prompt_length=16, micro_batch_size=2,
-                              ppo_epochs=1, num_minibatches=2),
-        generation=GenerationConfig(max_new_tokens=6, seed=3),
-        reward=RewardConfig(model_weight=0.5, rule="synthetic"),
-        ptx=PTXConfig(coef=0.5),
-        checkpoint=CheckpointConfig(**checkpoint), steps=STEPS, run_dir=f"{root}/{name}")
+    config = separation_config(root, name, STEPS, _DROPOUT[0], checkpoint,
+                               ptx=PTXConfig(coef=0.5))
     config.algorithm.adaptive_kl = True
     config.algorithm.kl_target = 0.01
     config.algorithm.kl_horizon = 16
@@ -78,19 +65,8 @@ _DROPOUT = [0.0]
 
 def _patch(dropout: float) -> dict:
     """Dropout of the runs that follow, and the engine of the last run kept in the returned dict."""
-    from megatron_rlhf.engine import runner
-
     _DROPOUT[0] = dropout
-    captured: dict = {}
-    if not hasattr(runner, "_original_build_engine"):
-        runner._original_build_engine = runner.build_engine
-
-    def capture(*args, **kwargs):
-        captured["engine"] = runner._original_build_engine(*args, **kwargs)
-        return captured["engine"]
-
-    runner.build_engine = capture
-    return captured
+    return capture_engine()
 
 
 def _killed_run(root: str) -> None:
@@ -112,13 +88,6 @@ def _killed_run(root: str) -> None:
     run_ppo(_config(root, "killed", save_dir=f"{root}/ckpt", save_interval=1))
 
 
-def _weights(engine) -> dict:
-    return {f"{role}.{key}": value.detach().clone()
-            for role in ("actor", "critic") if role in engine.workers
-            for key, value in engine.workers[role].model.state_dict().items()
-            if hasattr(value, "detach")}
-
-
 def _same_weights(a: dict, b: dict) -> bool:
     import torch
 
@@ -134,9 +103,9 @@ def _resume_checks(root: str) -> dict:
     rank0 = dist.get_rank() == 0
     out: dict = {}
     run_ppo(_config(root, "A"))
-    weights_a, metrics_a = _weights(captured["engine"]), run_metrics(f"{root}/A")
+    weights_a, metrics_a = trained_weights(captured["engine"]), run_metrics(f"{root}/A")
     run_ppo(_config(root, "killed", save_dir=f"{root}/ckpt", resume=True))
-    out["resumed_weights_equal"] = _same_weights(_weights(captured["engine"]), weights_a)
+    out["resumed_weights_equal"] = _same_weights(trained_weights(captured["engine"]), weights_a)
     if rank0:
         out["resumed_metrics_equal"] = run_metrics(f"{root}/killed") == metrics_a
         out["metrics_steps"] = [m["step"] for m in run_metrics(f"{root}/killed")]
@@ -144,7 +113,7 @@ def _resume_checks(root: str) -> dict:
     step_1 = f"{root}/ckpt/step_00000001"
     for piece in PIECES:
         run_ppo(_config(root, f"drop-{piece}", resume_from=step_1), skip_state=(piece,))
-        same = _same_weights(_weights(captured["engine"]), weights_a)
+        same = _same_weights(trained_weights(captured["engine"]), weights_a)
         if rank0:
             same = same and run_metrics(f"{root}/drop-{piece}")[-1] == metrics_a[-1]
         gathered: list = [None] * dist.get_world_size()
@@ -234,7 +203,7 @@ def _nan_checks(root: str) -> dict:
     except NonFiniteError as error:
         out["nan_stop"] = str(error)
     ppo.actor_loss_fn = loss_fn
-    weights = _weights(captured["engine"])
+    weights = trained_weights(captured["engine"])
     out["weights_finite_after_stop"] = all(bool(torch.isfinite(w).all()) for w in weights.values()
                                            if w.is_floating_point())
     return out
@@ -260,12 +229,7 @@ def _disagreement(root: str) -> dict:
 @pytest.mark.timeout(720)
 def test_resume_is_bit_exact_needs_every_piece_and_survives_faults(tmp_path: Path) -> None:
     root = str(tmp_path)
-    with pytest.raises(MultiRankError, match="code -9"):
-        run_on_ranks(_killed_run, world_size=4, args=(root,), timeout_s=240)
-    ckpt = tmp_path / "ckpt"
-    assert (ckpt / "step_00000001" / "manifest.json").is_file()
-    assert not (ckpt / "step_00000002").exists()
-    assert list(ckpt.glob("step_00000002.tmp-*")), "the killed save left its temp directory"
+    run_killed_while_saving_step_2(_killed_run, 4, tmp_path, timeout_s=240)
 
     results = run_on_ranks(_resume_checks, world_size=4, args=(root,), timeout_s=420)
     first = results[0]
