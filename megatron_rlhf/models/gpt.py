@@ -141,6 +141,10 @@ class ModelBuildOptions:
         token_vocab_size: ids the tokenizer has, when the embedding has more rows (Hugging Face
             checkpoints pad it, Qwen2.5's by hundreds of rows): LM logits at or past it are never
             sampled and take no part in any log-probability or loss; 0: every row is a token.
+        packed_sequences: full forwards (training and scoring, not decoding) pack each
+            micro-batch's real tokens into one row with sequence boundaries instead of computing
+            padding (``models.packing``); needs attention that takes boundaries (``sdpa`` or
+            Transformer Engine).
     """
 
     head: str = "lm"
@@ -157,6 +161,7 @@ class ModelBuildOptions:
     rope_scaling_factor: float = 0.0
     recompute: str = "none"
     token_vocab_size: int = 0
+    packed_sequences: bool = True
 
     def __post_init__(self) -> None:
         if self.head not in HEAD_KINDS:
@@ -178,6 +183,12 @@ class ModelBuildOptions:
         if self.recompute not in RECOMPUTE_GRANULARITIES:
             raise ValueError(f"model.recompute={self.recompute!r}: use one of "
                              f"{RECOMPUTE_GRANULARITIES}")
+        if (self.packed_sequences and self.transformer_impl == "local"
+                and self.attention_backend != "sdpa"):
+            raise ValueError(f"packed sequences need attention that takes sequence boundaries "
+                             f"(attention_backend='sdpa' or Transformer Engine), got "
+                             f"attention_backend={self.attention_backend!r}; set "
+                             "packed_sequences=false")
         if self.head_dim < 0 or self.rope_scaling_factor < 0 or self.token_vocab_size < 0:
             raise ValueError(f"model.head_dim={self.head_dim}, model.rope_scaling_factor="
                              f"{self.rope_scaling_factor} and model.token_vocab_size="
@@ -355,6 +366,7 @@ def build_gpt_model(arch: Architecture, options: ModelBuildOptions,
     model.rope_scaling_factor = options.rope_scaling_factor
     model.head_kind = options.head
     model.transformer_impl = options.transformer_impl
+    model.packed_sequences = options.packed_sequences
     return model
 
 
