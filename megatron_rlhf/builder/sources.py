@@ -213,7 +213,8 @@ def role_options(config: RunConfig, sources: dict[str, ModelSource],
                                                 needs_kv_cache=config.generation.use_kv_cache)
     return replace(base, head=head, params_dtype=config.models.params_dtype,
                    dropout=config.models.dropout, transformer_impl=transformer_impl,
-                   attention_backend=config.models.attention_backend)
+                   attention_backend=config.models.attention_backend,
+                   packed_sequences=config.models.packed_sequences)
 
 
 def load_initial_weights(models: dict[str, Any], groups: Any, placed: Collection[str],

@@ -194,7 +194,9 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
         workers[role] = ModelWorker(role, model, groups[role], trainer,
                                     config.rollout.micro_batch_size,
                                     offload=offload[role],
-                                    meter=context.memory if context else None)
+                                    meter=context.memory if context else None,
+                                    max_tokens_per_micro_batch=(
+                                        config.rollout.max_tokens_per_micro_batch))
     weight_syncs = {}
     for shadow, source in SHADOW_OF.items():
         if shadow in plan.models:

@@ -17,7 +17,12 @@ import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_rlhf.generation import GenerationConfig, GenerationOutput, generate_sequences
-from megatron_rlhf.models.forward_backward import Batch, run_microbatches, split_microbatches
+from megatron_rlhf.models.forward_backward import (
+    Batch,
+    run_microbatches,
+    split_microbatches,
+    token_budget_microbatches,
+)
 from megatron_rlhf.models.gpt import last_token_scores, split_policy_value
 from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
 from megatron_rlhf.models.offload import GRADS, OPTIMIZER, PARTS, WEIGHTS, StateOffloader
@@ -37,6 +42,8 @@ class ModelWorker:
         pg_collection: the model's groups.
         trainer: optimizer wrapper for trainable roles.
         micro_batch_size: rows per forward/backward micro-batch.
+        max_tokens_per_micro_batch: > 0: micro-batches of at most this many real tokens
+            instead (``rollout.max_tokens_per_micro_batch``).
         offload: ``never`` (always resident) or ``always``: between operators the model's
             weights, gradient buffers and optimizer state live in host memory; an operator
             brings back what it needs (the weights; all three to train) and sends it back after.
@@ -47,12 +54,14 @@ class ModelWorker:
 
     def __init__(self, role: str, model: torch.nn.Module, pg_collection: ProcessGroupCollection,
                  trainer: ModelTrainer | None, micro_batch_size: int,
-                 offload: str = "never", meter: MemoryMeter | None = None) -> None:
+                 offload: str = "never", meter: MemoryMeter | None = None,
+                 max_tokens_per_micro_batch: int = 0) -> None:
         self.role = role
         self.model = model
         self.pg_collection = pg_collection
         self.trainer = trainer
         self.micro_batch_size = micro_batch_size
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
         self.device = model_device(model)
         self.offload = offload
         self.offloader = StateOffloader(model, trainer)
@@ -172,4 +181,7 @@ class ModelWorker:
             return self.trainer.train_step(microbatches, loss_fn)
 
     def _microbatches(self, fields: Fields) -> list[Fields]:
-        return split_microbatches(to_device(fields, self.device), self.micro_batch_size)
+        fields = to_device(fields, self.device)
+        if self.max_tokens_per_micro_batch:
+            return token_budget_microbatches(fields, self.max_tokens_per_micro_batch)
+        return split_microbatches(fields, self.micro_batch_size)

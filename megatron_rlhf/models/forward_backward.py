@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -141,3 +142,19 @@ def split_microbatches(fields: Batch, micro_batch_size: int) -> list[Batch]:
     rows = next(iter(fields.values())).shape[0]
     return [{k: v[i:i + micro_batch_size] for k, v in fields.items()}
             for i in range(0, rows, micro_batch_size)]
+
+
+def token_budget_microbatches(fields: Batch, max_tokens: int) -> list[Batch]:
+    """Consecutive rows grouped into micro-batches of at most ``max_tokens`` real tokens
+    (``attention_mask``); a row longer than the budget forms its own. Row order is kept, so
+    results concatenate back in order."""
+    tokens = fields["attention_mask"].sum(dim=1).tolist()
+    bounds, total = [0], 0
+    for row, count in enumerate(tokens):
+        if total and total + count > max_tokens:
+            bounds.append(row)
+            total = 0
+        total += count
+    bounds.append(len(tokens))
+    return [{k: v[a:b] for k, v in fields.items()} for a, b in pairwise(bounds)]
+

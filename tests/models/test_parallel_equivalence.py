@@ -1,7 +1,9 @@
 """A tiny GPTModel gives the same loss and gradients at TP1/PP1, TP2, PP2 (1F1B) and TP2xPP2.
 
 All four layouts run inside one 4-rank gloo job; every layout sees the same two micro-batches
-(left- and right-padded sequences), so the layouts differ only in how the model is split.
+(left- and right-padded sequences), so the layouts differ only in how the model is split. The
+reference is the padded forward at TP1/PP1; every layout runs packed sequences (the default),
+so packing is checked under TP and across pipeline stages too.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ def _microbatches() -> list[dict[str, torch.Tensor]]:
     return batches
 
 
-def _layout_loss_and_grads(tp: int, pp: int) -> tuple[float, dict[str, torch.Tensor]]:
+def _layout_loss_and_grads(tp: int, pp: int, packed: bool = True
+                           ) -> tuple[float, dict[str, torch.Tensor]]:
     from megatron_rlhf.models.forward_backward import run_microbatches
     from megatron_rlhf.models.gpt import ModelBuildOptions, build_gpt_model
     from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
@@ -36,7 +39,7 @@ def _layout_loss_and_grads(tp: int, pp: int) -> tuple[float, dict[str, torch.Ten
 
     pgc = whole_world_groups(tp, pp)
     arch = TinyArch()
-    model = build_gpt_model(arch, ModelBuildOptions(), pgc)
+    model = build_gpt_model(arch, ModelBuildOptions(packed_sequences=packed), pgc)
     init_weights(model, pgc, seed=11)
 
     def loss_fn(logits, batch):
@@ -57,9 +60,9 @@ def _compare_layouts() -> dict[str, float]:
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
 
     initialize_runtime()
-    ref_loss, ref_grads = _layout_loss_and_grads(1, 1)
+    ref_loss, ref_grads = _layout_loss_and_grads(1, 1, packed=False)
     worst: dict[str, float] = {}
-    for tp, pp in [(2, 1), (1, 2), (2, 2)]:
+    for tp, pp in [(1, 1), (2, 1), (1, 2), (2, 2)]:
         loss, grads = _layout_loss_and_grads(tp, pp)
         assert abs(loss - ref_loss) < 1e-5, f"tp{tp} pp{pp}: loss {loss} != {ref_loss}"
         assert grads.keys() == ref_grads.keys(), f"tp{tp} pp{pp}: {grads.keys() ^ ref_grads.keys()}"
@@ -77,4 +80,4 @@ def _compare_layouts() -> dict[str, float]:
 @pytest.mark.multirank
 def test_loss_and_grads_match_across_tp_pp_layouts() -> None:
     results = run_on_ranks(_compare_layouts, world_size=4, timeout_s=240)
-    assert all(r.keys() == {"tp2pp1", "tp1pp2", "tp2pp2"} for r in results)
+    assert all(r.keys() == {"tp1pp1", "tp2pp1", "tp1pp2", "tp2pp2"} for r in results)
