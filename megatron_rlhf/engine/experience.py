@@ -84,6 +84,8 @@ def compute_advantages(fields: dict[str, torch.Tensor], config: PPOAlgorithmConf
         "kl": sequence_kl,
         "kl_coef": kl_coef,
         "response_length": mask.sum(dim=1).float().mean().item(),
+        "prompt_length": (fields["attention_mask"].sum(dim=1) - mask.sum(dim=1)).float()
+        .mean().item(),
         "returns_mean": masked_mean(returns, mask).item(),
         **function_metrics,
     }

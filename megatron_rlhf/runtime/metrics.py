@@ -27,7 +27,8 @@ class MetricsWriter:
         progress: show a tqdm progress bar with the headline metrics.
     """
 
-    HEADLINE = ("reward_mean", "kl", "samples_per_s")
+    HEADLINE = ("reward_mean", "kl", "samples_per_s", "throughput/tokens_per_s_per_device",
+                "throughput/train_mfu", "throughput/generate_mfu")
 
     def __init__(self, run_dir: str | os.PathLike[str], total_steps: int,
                  tensorboard: bool = True, progress: bool = True) -> None:
@@ -62,7 +63,8 @@ class MetricsWriter:
                     self._tb.add_scalar(key, value, step)
         if self._bar is not None:
             self._bar.update(1)
-            self._bar.set_postfix({k: f"{metrics[k]:.3g}" for k in self.HEADLINE if k in metrics})
+            self._bar.set_postfix({k.removeprefix("throughput/"): f"{metrics[k]:.3g}"
+                                   for k in self.HEADLINE if k in metrics})
 
     def close(self) -> None:
         """Flush and close every sink."""

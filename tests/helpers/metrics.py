@@ -59,10 +59,11 @@ def assert_metrics_match(got: Mapping[str, float], want: Mapping[str, float],
 
 
 def run_metrics(run_dir: str | Path) -> list[dict]:
-    """The records of ``run_dir/metrics.jsonl`` without timings and memory peaks."""
+    """The records of ``run_dir/metrics.jsonl`` without timings, throughput and memory
+    peaks."""
     lines = Path(run_dir, "metrics.jsonl").read_text().splitlines()
     return [{k: v for k, v in json.loads(line).items()
-             if k not in TIMING and not k.startswith("memory/")} for line in lines]
+             if k not in TIMING and not k.startswith(("memory/", "throughput/"))} for line in lines]
 
 
 def even_token_share(prompt: list[int], response: list[int]) -> float:

@@ -51,7 +51,7 @@ def _config(root: str, name: str, algorithm: str, steps: int, **checkpoint):
 def _metrics(run_dir: str) -> list[dict]:
     lines = Path(run_dir, "metrics.jsonl").read_text().splitlines()
     return [{k: v for k, v in json.loads(line).items()
-             if k not in MEASURED and not k.startswith("memory/")} for line in lines]
+             if k not in MEASURED and not k.startswith(("memory/", "throughput/"))} for line in lines]
 
 
 def _runs(root: str, algorithm: str) -> dict:

@@ -68,7 +68,7 @@ def _job(tmp_path: Path, name: str, kills_after_steps: tuple[int, ...]) -> tuple
 
 def _metrics(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in json.loads(line).items()
-             if k not in MEASURED and not k.startswith("memory/")}
+             if k not in MEASURED and not k.startswith(("memory/", "throughput/"))}
             for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
