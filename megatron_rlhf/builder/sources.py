@@ -214,7 +214,9 @@ def role_options(config: RunConfig, sources: dict[str, ModelSource],
     return replace(base, head=head, params_dtype=config.models.params_dtype,
                    dropout=config.models.dropout, transformer_impl=transformer_impl,
                    attention_backend=config.models.attention_backend,
-                   packed_sequences=config.models.packed_sequences)
+                   packed_sequences=config.models.packed_sequences,
+                   sequence_parallel=(config.models.sequence_parallel
+                                      and config.models.packed_sequences))
 
 
 def load_initial_weights(models: dict[str, Any], groups: Any, placed: Collection[str],

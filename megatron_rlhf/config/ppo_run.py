@@ -67,6 +67,9 @@ class ModelsConfig:
             micro-batch's real tokens into one row with sequence boundaries and computes no
             padding (``models.packing``); needs ``attention_backend=sdpa`` (or Transformer
             Engine). false: the padded rows, as generation lays them out.
+        sequence_parallel: megatron's sequence parallelism for every model with TP > 1 when
+            ``packed_sequences`` is on (ignored otherwise): norms, dropout and residuals hold
+            ``1/tp`` of the sequence; generation runs without it.
         dropout: hidden and attention dropout of every model (PPO usually runs with 0; with
             dropout the log-probs of the experience and training passes differ by noise).
         hf_cache_dir: where Hugging Face checkpoints given as ``actor_checkpoint`` or
@@ -97,6 +100,7 @@ class ModelsConfig:
     transformer_impl: str = "auto"
     attention_backend: str = "sdpa"
     packed_sequences: bool = True
+    sequence_parallel: bool = True
     dropout: float = 0.0
     hf_cache_dir: str = "~/.cache/megatron_rlhf/converted"
     export_hf: bool = False

@@ -73,6 +73,8 @@ class SupervisedModelConfig:
         packed_sequences: train and evaluate on each micro-batch's real tokens packed into one
             row with sequence boundaries, computing no padding (``models.packing``); false: the
             padded rows.
+        sequence_parallel: megatron's sequence parallelism when ``tp > 1`` and
+            ``packed_sequences`` is on (ignored otherwise).
     """
 
     arch: Any = "tiny"
@@ -84,6 +86,7 @@ class SupervisedModelConfig:
     hf_cache_dir: str = "~/.cache/megatron_rlhf/converted"
     recompute: str = "none"
     packed_sequences: bool = True
+    sequence_parallel: bool = True
 
     def __post_init__(self) -> None:
         resolve_arch(self.arch)

@@ -25,7 +25,11 @@ from megatron_rlhf.models.forward_backward import (
     split_microbatches,
     token_budget_microbatches,
 )
-from megatron_rlhf.models.gpt import last_token_scores, split_policy_value
+from megatron_rlhf.models.gpt import (
+    last_token_scores,
+    split_policy_value,
+    without_sequence_parallel,
+)
 from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
 from megatron_rlhf.models.offload import GRADS, OPTIMIZER, PARTS, WEIGHTS, StateOffloader
 from megatron_rlhf.models.trainer import ModelTrainer
@@ -168,7 +172,8 @@ class ModelWorker:
                  config: GenerationConfig, eos_id: int | tuple[int, ...],
                  pad_id: int) -> GenerationOutput:
         """Sample one response per prompt (every TP rank returns the same tokens)."""
-        with self.resident(WEIGHTS), self._measured("generate") as rows:
+        with (self.resident(WEIGHTS), without_sequence_parallel(self.model),
+              self._measured("generate") as rows):
             output = generate_sequences(self._module(), self.pg_collection, prompts,
                                         prompt_indices, config, eos_id, pad_id,
                                         on_cache=self.meter.observe)
