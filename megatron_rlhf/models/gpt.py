@@ -42,6 +42,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.utils import set_model_to_sequence_parallel
 
 from megatron_rlhf.models.attention import CachedRopeSelfAttention, SDPAttention
+from megatron_rlhf.models.te_attention import packed_te_core_attention
 from megatron_rlhf.runtime.cpu_compat import seed_model_parallel_rng
 from megatron_rlhf.runtime.device import compute_device
 
@@ -296,9 +297,11 @@ def transformer_config(arch: Architecture, options: ModelBuildOptions,
         bf16=dtype == torch.bfloat16,
         pipeline_dtype=dtype,
         use_cpu_initialization=not torch.cuda.is_available(),
-        bias_dropout_fusion=False,
+        # TE's kernels: fused RoPE (thd included) and jit-fused bias-dropout-add; the local
+        # modules run none (no Apex: megatron's masked-softmax and wgrad fusions stay off)
+        bias_dropout_fusion=options.transformer_impl == "transformer_engine",
         masked_softmax_fusion=False,
-        apply_rope_fusion=False,
+        apply_rope_fusion=options.transformer_impl == "transformer_engine",
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         **recompute_fields(options.recompute),
@@ -371,8 +374,11 @@ def _layer_spec(options: ModelBuildOptions) -> ModuleSpec:
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return with_explicit_attention_masks(
+        spec = with_explicit_attention_masks(
             get_gpt_layer_with_transformer_engine_spec(qk_layernorm=options.qk_norm))
+        if options.packed_sequences:
+            spec.submodules.self_attention.submodules.core_attention = packed_te_core_attention()
+        return spec
     spec = with_explicit_attention_masks(
         get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=options.qk_norm))
     spec.submodules.self_attention.module = CachedRopeSelfAttention
