@@ -118,14 +118,15 @@ def packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         context = varlen(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                          scale=scale)
         return context.reshape(context.shape[0], -1)
-    # [t, n, d] -> [n, t, d]: SDPA's batch-less layout, sliced per sequence along t
-    query, key, value = (x.transpose(0, 1) for x in (query, key, value))
+    # [t, n, d] -> [1, n, t, d], sliced per sequence along t (CPU SDPA is several times
+    # slower on batch-less 3-d inputs)
+    query, key, value = (x[None].transpose(1, 2) for x in (query, key, value))
     bounds = cu_seqlens.tolist()
-    contexts = [F.scaled_dot_product_attention(query[:, a:b], key[:, a:b], value[:, a:b],
+    contexts = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
                                                dropout_p=dropout, is_causal=True, scale=scale,
                                                enable_gqa=True)
                 for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
-    context = torch.cat(contexts, dim=1).transpose(0, 1)
+    context = torch.cat(contexts, dim=2)[0].transpose(0, 1)
     return context.reshape(context.shape[0], -1)
 
 
