@@ -17,8 +17,9 @@ Model FLOP (Narayanan et al. 2021, counted as executed, causal attention as the 
 where N_matmul counts the weights of every matrix product (attention, MLP, LM head; not the
 embedding lookup), L layers, s the sequence length, h the hidden size. MFU = achieved / the
 GPU's bf16 dense peak from its spec sheet; the measured matmul rate is reported beside it. Each
-attention backend (``--attention``) is measured on a fresh model in the same process, so their
-ratio is not blurred by another run's conditions.
+attention variant (``--attention``: ``packed``, SDPA over packed sequences, the default of every
+run; ``sdpa`` and ``megatron``, the padded rows with an explicit mask) is measured on a fresh
+model in the same process, so their ratio is not blurred by another run's conditions.
 
 Decode memory traffic per step (a lower bound: weights once, the KV cache once):
     bytes = 2 * N_matmul + 2 (K and V) * L * b * kv_len * kv_heads * head_dim * 2
@@ -56,8 +57,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--decode-batch", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--attention", default="sdpa,megatron",
-                        help="core attention backends to measure, each on a fresh model")
+    parser.add_argument("--attention", default="packed,sdpa",
+                        help="attention variants to measure (packed, sdpa, megatron), each on a "
+                             "fresh model")
     return parser.parse_args()
 
 
@@ -112,7 +114,8 @@ def reset_peak() -> None:
 
 def measure(args: argparse.Namespace, arch, backend: str, device: torch.device,
             dtype: torch.dtype, limits: dict[str, float], spec: tuple) -> dict:
-    """Training and decoding figures of one freshly built model with ``backend`` attention."""
+    """Training and decoding figures of one freshly built model with ``backend`` attention
+    (``packed``: SDPA over packed sequences)."""
     from megatron_rlhf.generation import GenerationConfig, generate_sequences
     from megatron_rlhf.models.gpt import ModelBuildOptions, build_gpt_model
     from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
@@ -123,8 +126,9 @@ def measure(args: argparse.Namespace, arch, backend: str, device: torch.device,
     spec_flops, spec_bytes = spec
     pgc = build_model_process_groups(ModelSpec("actor", arch, trainable=True))
     reset_peak()
-    model = build_gpt_model(arch, ModelBuildOptions(params_dtype=str(dtype)[6:],
-                                                    attention_backend=backend), pgc)
+    options = ModelBuildOptions(params_dtype=str(dtype)[6:], packed_sequences=backend == "packed",
+                                attention_backend="sdpa" if backend == "packed" else backend)
+    model = build_gpt_model(arch, options, pgc)
     memory = {"weights_gib": peak_gib()}
     params = sum(p.numel() for p in model.parameters())
     trainer = ModelTrainer(model, pgc, OptimizerSettings(lr=1e-5))

@@ -3,12 +3,14 @@
     python benchmarks/ppo_step.py                         # the issue's shape, world sizes 1 and 2
     python benchmarks/ppo_step.py --shape large           # hidden 1024, 8 layers
     python benchmarks/ppo_step.py --world-sizes 2 --placements flattening separation
+    python benchmarks/ppo_step.py --world-sizes 1 --layouts padded packed   # packing's gain
 
 Each configuration is a real run: ``torchrun --standalone --nproc-per-node N tools/run_ppo.py``
 with the architecture written out in the config (``models.arch`` as a mapping), ``trace=true``,
 the shipped task's prompts (6-15 tokens) with ``rollout.max_prompt_length`` = ``--prompt-length``,
 every response exactly ``--response-length`` tokens long (``generation.stop_at_eos=false``), fp32,
-one PPO epoch and one mini-batch. The per-stage seconds come from the run's own timeline
+one PPO epoch and one mini-batch, each layout of ``--layouts`` (``packed``, the default of every
+run, or ``padded``: ``models.packed_sequences=false``) in turn. The per-stage seconds come from the run's own timeline
 (``timeline.json``), averaged over the steps after the first (warm-up) and, for each stage, over
 the ranks that ran it; the step time is the median ``step_seconds`` of those steps.
 
@@ -36,7 +38,9 @@ n - 1 calls feeds one token at context Pw + t; the engine writes every micro-bat
 into the ``work`` of its ``generate`` span in the timeline (one TP rank of each replica counted;
 without the KV cache each call is forward(b * (Pw + t), Pw + t), t < n). The experience and
 training passes run at the fixed width S (the engine re-pads the rollout to P + R), so they are
-counted from the configuration. Achieved FLOP/s of a stage = its FLOP / its seconds; "roofline" =
+counted from the configuration, padding included: under ``packed`` they run the real tokens only
+(``padded_token_share`` of the line says how much that drops), so their roofline is a lower
+bound there; compare the layouts by their seconds. Achieved FLOP/s of a stage = its FLOP / its seconds; "roofline" =
 that / the large-square rate (one line per configuration, JSON, which also gives the smallest and
 largest recorded Pw and the number of generation micro-batches counted, over the measured steps).
 """
@@ -181,10 +185,10 @@ def stage_seconds(timeline: dict, first_step_end: float) -> dict[str, float]:
 
 
 def run_config(world: int, placement: str, arch: dict, args: argparse.Namespace,
-               out: Path) -> dict:
+               out: Path, layout: str = "packed") -> dict:
     """One ``tools/run_ppo.py`` run; the figures of its steps after the first."""
     arch_override = "{" + ", ".join(f"{k}: {str(v).lower()}" for k, v in arch.items()) + "}"
-    run_dir = out / f"ws{world}_{placement}"
+    run_dir = out / f"ws{world}_{placement}_{layout}"
     micro = max(1, args.batch // (world * 2))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", str(world), str(ROOT / "tools" / "run_ppo.py"),
@@ -195,7 +199,7 @@ def run_config(world: int, placement: str, arch: dict, args: argparse.Namespace,
                f"rollout.micro_batch_size={micro}", "rollout.ppo_epochs=1",
                "rollout.num_minibatches=1", f"generation.max_new_tokens={args.response_length}",
                "generation.stop_at_eos=false", "trace=true", "evaluation.num_prompts=0",
-               *args.overrides]
+               f"models.packed_sequences={str(layout == 'packed').lower()}", *args.overrides]
     if placement == "separation-async":
         command[command.index("separation-async")] = "separation"
         command.append("rollout.async_rollout=true")
@@ -211,15 +215,17 @@ def run_config(world: int, placement: str, arch: dict, args: argparse.Namespace,
     # the second step's first generation span marks the end of the warm-up step
     warm = starts[len(starts) // args.steps] if len(starts) >= args.steps else 0.0
     measured = steps[1:] or steps
+    real = statistics.mean(r["prompt_length"] + r["response_length"] for r in measured)
     return {"step_seconds": statistics.median(r["step_seconds"] for r in measured),
+            "padded_token_share": 1 - real / (args.prompt_length + args.response_length),
             "stages": stage_seconds(timeline, warm), "measured_steps": len(measured),
             "generation_work": generation_work(timeline, warm)}
 
 
 def figures(world: int, placement: str, arch_fields: dict, args: argparse.Namespace,
-            rates: dict[str, float], out: Path) -> dict:
+            rates: dict[str, float], out: Path, layout: str = "packed") -> dict:
     arch = ArchSpec("benchmark", **arch_fields)
-    run = run_config(world, placement, arch_fields, args, out)
+    run = run_config(world, placement, arch_fields, args, out, layout)
     work = run["generation_work"]
     flops = {"generate": generation_flops(arch, work) / run["measured_steps"],
              **step_flops(arch, args.batch, args.prompt_length, args.response_length)}
@@ -235,7 +241,8 @@ def figures(world: int, placement: str, arch_fields: dict, args: argparse.Namesp
         stages[key] = entry
     total = sum(flops.values())
     widths = [w["prompt_width"] for w in work]
-    return {"world_size": world, "placement": placement, "shape": args.shape,
+    return {"world_size": world, "placement": placement, "layout": layout,
+            "padded_token_share": round(run["padded_token_share"], 4), "shape": args.shape,
             "batch": args.batch, "prompt_length": args.prompt_length,
             "response_length": args.response_length,
             "generation_prompt_widths": [min(widths), max(widths)],
@@ -257,6 +264,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-length", type=int, default=32)
     parser.add_argument("--response-length", type=int, default=32)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--layouts", nargs="+", choices=("packed", "padded"), default=["packed"],
+                        help="sequence layouts of the full forwards, each a run of its own")
     parser.add_argument("--square", type=int, default=2048)
     parser.add_argument("overrides", nargs="*", help="more section.key=value for run_ppo")
     args = parser.parse_args(argv)
@@ -269,8 +278,9 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for world in args.world_sizes:
             for placement in (["flattening"] if world == 1 else args.placements):
-                print(json.dumps(figures(world, placement, arch, args, rates, Path(tmp))),
-                      flush=True)
+                for layout in args.layouts:
+                    print(json.dumps(figures(world, placement, arch, args, rates, Path(tmp),
+                                             layout)), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, in one call (docs/gpu.md): the gpu-marked tests, tools/run_ppo.py for 3 steps in
-# fp32 and in bf16 at world size 1, the bf16 throughput benchmark of a ~1B Llama shape and, with 2
+# fp32 and in bf16 at world size 1, the bf16 throughput benchmark of a ~1B Llama shape (its training
+# step over packed sequences, the default of every run, and over padded rows) and, with 2
 # or more GPUs, 3 fp32 steps under NCCL across all of them with flattening and with separation
 # (their metrics compared in the summary). Each part has its own time limit (about 6 minutes in
 # all on one H200, 14 with several GPUs); logs go to $LOG_DIR (default $OUT when set, else

@@ -36,5 +36,8 @@ def test_llama7b_example_is_the_paper_setting() -> None:
     config = load_config(RunConfig, EXAMPLES / "ppo_llama7b.yaml")
     assert (config.models.arch, config.models.params_dtype) == ("llama-7b", "bfloat16")
     assert (config.placement.strategy, config.placement.tp) == ("separation", 8)
+    assert config.rollout.async_rollout and config.rollout.max_tokens_per_micro_batch == 8192
+    assert config.models.packed_sequences and config.models.sequence_parallel
     plan = make_plan(config, ClusterSpec((DevicePool("A100-80GB", 16, 8),)))
-    assert plan["shadow_actor"].tp == 8 and plan["actor"].dp * plan["actor"].tp == 64
+    assert plan["shadow_actor"].tp == 8 and (plan["actor"].tp, plan["critic"].tp) == (4, 4)
+    assert plan["actor"].dp * plan["actor"].tp == 64

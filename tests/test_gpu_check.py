@@ -15,7 +15,7 @@ from tests.scripts import REPO
 TINY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--query-groups", "2", "--ffn", "128",
         "--vocab", "256", "--seq", "32", "--micro-batch", "2", "--micro-batches", "2",
         "--train-steps", "1", "--decode-batch", "4", "--prompt", "8", "--new-tokens", "8",
-        "--attention", "sdpa,megatron"]
+        "--attention", "packed,sdpa,megatron"]
 
 
 _RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -46,8 +46,9 @@ def test_throughput_benchmark_figures_are_consistent(tmp_path: Path) -> None:
     result = _run([sys.executable, "benchmarks/gpu_throughput.py", *TINY], tmp_path, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     figures = json.loads(result.stdout.strip().splitlines()[-1])
-    assert sorted(figures["attention"]) == ["megatron", "sdpa"]
+    assert sorted(figures["attention"]) == ["megatron", "packed", "sdpa"]
     train, decode = figures["attention"]["sdpa"]["train"], figures["attention"]["sdpa"]["decode"]
+    assert figures["attention"]["packed"]["train"]["tokens_per_step"] == 2 * 2 * 32
     assert train["tokens_per_step"] == 2 * 2 * 32
     assert train["tokens_per_s"] * train["step_s"] == pytest.approx(train["tokens_per_step"])
     # 2 layers x (attention 64x16x(4+2*2) + 4x16x64 + MLP 3x64x128) + LM head 256x64

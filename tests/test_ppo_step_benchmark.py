@@ -97,11 +97,14 @@ def test_stage_seconds_average_the_ranks_that_ran_a_stage() -> None:
 def test_the_benchmark_runs_run_ppo_and_prints_one_line_per_configuration() -> None:
     done = subprocess.run(
         [sys.executable, "benchmarks/ppo_step.py", "--world-sizes", "1", "--steps", "2",
-         "--batch", "4", "--prompt-length", "16", "--response-length", "3", "--square", "128"],
+         "--batch", "4", "--prompt-length", "16", "--response-length", "3", "--square", "128",
+         "--layouts", "padded", "packed"],
         cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stderr[-2000:]
-    (line,) = done.stdout.strip().splitlines()
-    result = json.loads(line)
+    padded, result = (json.loads(line) for line in done.stdout.strip().splitlines())
+    assert (padded["layout"], result["layout"]) == ("padded", "packed")
+    # the same prompts and responses: the shipped task's prompts are shorter than 16 tokens
+    assert 0 < padded["padded_token_share"] == result["padded_token_share"] < 1
     assert result["world_size"] == 1 and result["placement"] == "flattening"
     assert result["samples_per_s"] == pytest.approx(4 / result["step_seconds"], rel=1e-2)
     stages = result["stages"]

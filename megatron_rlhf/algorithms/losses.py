@@ -134,6 +134,7 @@ def compute_value_loss(
     returns: torch.Tensor,
     response_mask: torch.Tensor,
     value_clip: float | None = None,
+    loss_aggregation: str = "token_mean",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss ``0.5 * max((V - R)^2, (V_clip - R)^2)``.
 
@@ -146,6 +147,8 @@ def compute_value_loss(
         returns: ``[batch, response_len]`` return targets.
         response_mask: ``[batch, response_len]`` 0/1 mask of real response tokens.
         value_clip: Clip range of the value change; ``None`` gives the plain squared error.
+        loss_aggregation: How the per-token losses reduce (``aggregation``); the metrics are
+            token means whatever it is.
 
     Returns:
         ``(vf_loss, metrics)``: the 0-dim loss and detached 0-dim metrics ``vf_loss``,
@@ -165,9 +168,9 @@ def compute_value_loss(
         clipped = (values_clipped - returns).square()
         vf_losses = torch.maximum(unclipped, clipped)
         clip_active = clipped > unclipped
-    vf_loss = 0.5 * masked_mean(vf_losses, response_mask)
+    vf_loss = 0.5 * aggregate_loss(vf_losses, response_mask, loss_aggregation)
     metrics = {
-        "vf_loss": vf_loss.detach(),
+        "vf_loss": 0.5 * masked_mean(vf_losses, response_mask).detach(),
         "vf_clipfrac": masked_mean(clip_active.to(vf_losses.dtype), response_mask).detach(),
         "vpred_mean": masked_mean(values, response_mask).detach(),
     }
@@ -188,7 +191,8 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def compute_entropy_loss(
-    entropy: torch.Tensor, response_mask: torch.Tensor, entropy_coef: float
+    entropy: torch.Tensor, response_mask: torch.Tensor, entropy_coef: float,
+    loss_aggregation: str = "token_mean",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Entropy bonus as a loss term, ``-entropy_coef * mean entropy``.
 
@@ -196,9 +200,12 @@ def compute_entropy_loss(
         entropy: ``[batch, response_len]`` per-token entropy (see ``entropy_from_logits``).
         response_mask: ``[batch, response_len]`` 0/1 mask of real response tokens.
         entropy_coef: Weight of the bonus; minimising the loss raises the entropy.
+        loss_aggregation: How the per-token entropies reduce in the loss (``aggregation``), so
+            that the bonus splits over micro-batches as the policy loss does.
 
     Returns:
-        ``(entropy_loss, metrics)``: the 0-dim loss and the detached 0-dim metric ``entropy``.
+        ``(entropy_loss, metrics)``: the 0-dim loss and the detached 0-dim metric ``entropy``
+        (the token mean).
     """
-    mean_entropy = masked_mean(entropy, response_mask)
-    return -entropy_coef * mean_entropy, {"entropy": mean_entropy.detach()}
+    loss = -entropy_coef * aggregate_loss(entropy, response_mask, loss_aggregation)
+    return loss, {"entropy": masked_mean(entropy, response_mask).detach()}

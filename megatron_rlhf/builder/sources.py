@@ -222,7 +222,10 @@ def role_options(config: RunConfig, sources: dict[str, ModelSource],
                                                 needs_kv_cache=config.generation.use_kv_cache)
     return replace(base, head=head, params_dtype=config.models.params_dtype,
                    dropout=config.models.dropout, transformer_impl=transformer_impl,
-                   attention_backend=config.models.attention_backend)
+                   attention_backend=config.models.attention_backend,
+                   packed_sequences=config.models.packed_sequences,
+                   sequence_parallel=(config.models.sequence_parallel
+                                      and config.models.packed_sequences))
 
 
 HF_CONVERSION_WAIT_S = 6 * 3600.0

@@ -65,6 +65,13 @@ class ModelsConfig:
         attention_backend: core attention of the ``local`` implementation: ``sdpa`` (torch's
             fused scaled-dot-product attention) or ``megatron`` (its ``DotProductAttention``,
             which materialises the score matrix; for comparison).
+        packed_sequences: every full forward (log-probs, values, scores, training) packs each
+            micro-batch's real tokens into one row with sequence boundaries and computes no
+            padding (``models.packing``); needs ``attention_backend=sdpa`` (or Transformer
+            Engine). false: the padded rows, as generation lays them out.
+        sequence_parallel: megatron's sequence parallelism for every model with TP > 1 when
+            ``packed_sequences`` is on (ignored otherwise): norms, dropout and residuals hold
+            ``1/tp`` of the sequence; generation runs without it.
         dropout: hidden and attention dropout of every model (PPO usually runs with 0; with
             dropout the log-probs of the experience and training passes differ by noise).
         hf_cache_dir: where Hugging Face checkpoints given as ``actor_checkpoint`` or
@@ -97,6 +104,8 @@ class ModelsConfig:
     params_dtype: str = "auto"
     transformer_impl: str = "auto"
     attention_backend: str = "sdpa"
+    packed_sequences: bool = True
+    sequence_parallel: bool = True
     dropout: float = 0.0
     hf_cache_dir: str = "~/.cache/megatron_rlhf/converted"
     export_hf: bool = False
@@ -132,6 +141,9 @@ class ModelsConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"models.attention_backend={self.attention_backend!r}: use one of "
                              f"{ATTENTION_BACKENDS}")
+        if self.packed_sequences and self.attention_backend == "megatron":
+            raise ValueError("models.attention_backend=megatron takes no sequence boundaries; "
+                             "set models.packed_sequences=false too (or use sdpa)")
 
     def offload_policy(self, role: str) -> str:
         """The offload policy of ``role`` (a shadow takes its trained model's); ``auto`` is
@@ -171,6 +183,12 @@ class RolloutConfig:
             full forward of the generating model; saves one of the experience passes. They
             equal the forward's only up to rounding (about 1e-6 on the tiny test model,
             ``tests/engine/test_reuse_generation_logprobs.py``), so it is off by default.
+        max_tokens_per_micro_batch: > 0: every forward and training pass groups a replica's
+            rows, in order, into micro-batches of at most this many real tokens (prompt +
+            response; a longer row goes alone) instead of ``micro_batch_size`` rows, like verl's
+            dynamic batch size. Needs ``models.packed_sequences``. Every loss is a per-token
+            sum divided by the step's count, so the update is the same either way. 0: fixed
+            ``micro_batch_size`` rows.
     """
 
     prompts_per_step: int = 8
@@ -183,6 +201,7 @@ class RolloutConfig:
     async_rollout: bool = False
     max_staleness: int = 1
     reuse_generation_logprobs: bool = False
+    max_tokens_per_micro_batch: int = 0
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "samples_per_prompt", "max_prompt_length",
@@ -197,6 +216,10 @@ class RolloutConfig:
         if self.prompts_per_step % self.pipeline_chunks:
             raise ValueError(f"rollout.prompts_per_step({self.prompts_per_step}) is not a multiple "
                              f"of rollout.pipeline_chunks({self.pipeline_chunks})")
+        if self.max_tokens_per_micro_batch < 0:
+            raise ValueError(f"rollout.max_tokens_per_micro_batch="
+                             f"{self.max_tokens_per_micro_batch} must be >= 0 (0: fixed "
+                             "micro_batch_size rows)")
         if self.max_staleness != 1 and not self.async_rollout:
             raise ValueError(f"rollout.max_staleness={self.max_staleness} is used only with "
                              "rollout.async_rollout=true; set that too, or drop max_staleness")
@@ -562,6 +585,10 @@ class RunConfig:
                 f"reward.overlong_buffer={self.reward.overlong_buffer} exceeds "
                 f"generation.max_new_tokens={self.generation.max_new_tokens}, the length it "
                 "counts back from; lower it (DAPO: a quarter of max_new_tokens)")
+        if self.rollout.max_tokens_per_micro_batch and not self.models.packed_sequences:
+            raise ValueError("rollout.max_tokens_per_micro_batch groups rows of any count, which "
+                             "only packed sequences run in one shape: set "
+                             "models.packed_sequences=true or max_tokens_per_micro_batch=0")
         n = self.rollout.samples_per_prompt
         if algorithm.advantage_estimator in GROUP_ESTIMATORS and n < 2:
             raise ValueError(

@@ -70,6 +70,11 @@ class SupervisedModelConfig:
         hf_cache_dir: where a Hugging Face ``init_checkpoint`` is converted to, once.
         recompute: activation recomputation in training passes: ``none``, ``selective`` (the
             core attention) or ``full`` (every layer; ``models.gpt.ModelBuildOptions``).
+        packed_sequences: train and evaluate on each micro-batch's real tokens packed into one
+            row with sequence boundaries, computing no padding (``models.packing``); false: the
+            padded rows.
+        sequence_parallel: megatron's sequence parallelism when ``tp > 1`` and
+            ``packed_sequences`` is on (ignored otherwise).
     """
 
     arch: Any = "tiny"
@@ -80,6 +85,8 @@ class SupervisedModelConfig:
     init_checkpoint: str = ""
     hf_cache_dir: str = "~/.cache/megatron_rlhf/converted"
     recompute: str = "none"
+    packed_sequences: bool = True
+    sequence_parallel: bool = True
 
     def __post_init__(self) -> None:
         resolve_arch(self.arch)

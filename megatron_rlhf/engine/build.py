@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
+import torch
 import torch.distributed as dist
 
 from megatron_rlhf.builder.networks import build_model
@@ -24,6 +25,7 @@ from megatron_rlhf.builder.sources import (
 from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.engine.engine import PPOEngine
 from megatron_rlhf.engine.memory_plan import offload_policies
+from megatron_rlhf.engine.throughput import WorkMeter, device_peak_flops
 from megatron_rlhf.engine.workers import ModelWorker
 from megatron_rlhf.models.checkpoint import read_checkpoint_info
 from megatron_rlhf.models.hf_tokenizer import HFTokenizer, is_hf_tokenizer_dir
@@ -31,6 +33,7 @@ from megatron_rlhf.models.tokenizer import Tokenizer
 from megatron_rlhf.models.trainer import ModelTrainer
 from megatron_rlhf.refit import build_weight_sync
 from megatron_rlhf.runtime.context import RunContext
+from megatron_rlhf.runtime.device import compute_device
 from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.topology.cluster import ClusterSpec
 from megatron_rlhf.topology.groups import build_process_groups
@@ -186,6 +189,8 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
                if load_initial or role not in TRAINABLE_ROLES}
     load_initial_weights(models, groups, plan.models, initial, config.models.hf_cache_dir)
     offload = offload_policies(config, plan)
+    work = WorkMeter(device_peak_flops(compute_device(),
+                                       getattr(torch, config.models.params_dtype)))
     for role, model in models.items():
         trainer = None
         if role in TRAINABLE_ROLES:
@@ -194,7 +199,10 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
         workers[role] = ModelWorker(role, model, groups[role], trainer,
                                     config.rollout.micro_batch_size,
                                     offload=offload[role],
-                                    meter=context.memory if context else None)
+                                    meter=context.memory if context else None,
+                                    max_tokens_per_micro_batch=(
+                                        config.rollout.max_tokens_per_micro_batch),
+                                    work=work)
     weight_syncs = {}
     for shadow, source in SHADOW_OF.items():
         if shadow in plan.models:

@@ -91,6 +91,9 @@ def compute_advantages(fields: dict[str, torch.Tensor], config: PPOAlgorithmConf
         "returns_mean": masked_mean(returns, mask).item(),
         **function_metrics,
     }
+    if "attention_mask" in fields:  # every PPO step's batch; its throughput counts the prompts
+        metrics["prompt_length"] = (fields["attention_mask"].sum(dim=1)
+                                    - mask.sum(dim=1)).float().mean().item()
     if "values" in fields:
         metrics["values_mean"] = masked_mean(fields["values"], mask).item()
     return {**fields, "advantages": advantages, "returns": returns, "kl": kl}, metrics

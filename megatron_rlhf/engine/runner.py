@@ -50,6 +50,7 @@ from megatron_rlhf.engine.evaluation import HeldOutEvaluator, eval_metrics, hack
 from megatron_rlhf.engine.export import HFExporter
 from megatron_rlhf.engine.function_rewards import FunctionRewards
 from megatron_rlhf.engine.ppo import PPOAlgorithm
+from megatron_rlhf.engine.throughput import step_throughput
 from megatron_rlhf.models.hf_tokenizer import HFTokenizer, checkpoint_tokenizer
 from megatron_rlhf.models.prompting import encode_prompt
 from megatron_rlhf.models.tokenizer import Tokenizer, load_tokenizer
@@ -377,6 +378,8 @@ def _train(run: RunState, start: int, run_dir: Path, exporter: HFExporter,
             seconds = time.perf_counter() - begin
             metrics.update(step_seconds=seconds,
                            samples_per_s=config.rollout.rows_per_step / seconds, **held_out)
+            metrics.update(step_throughput(run.engine, metrics, config.rollout.rows_per_step,
+                                           seconds))
             if saver.pending:
                 with context.stage("checkpoint/commit"):
                     saver.commit()

@@ -68,13 +68,15 @@ def actor_loss_fn(worker: ModelWorker, prompt_length: int, temperature: float,
             loss = loss + config.kl_loss_coef * kl_loss
             metrics.update(kl_metrics)
         if entropy is not None:
-            entropy_loss, entropy_metrics = compute_entropy_loss(entropy, mask, config.entropy_coef)
+            entropy_loss, entropy_metrics = compute_entropy_loss(entropy, mask, config.entropy_coef,
+                                                                 config.loss_aggregation)
             loss = loss + entropy_loss
             metrics.update(entropy_metrics)
         if worker.head == "lm+scalar":
             values = worker.token_values(output, prompt_length)
             value_loss, value_metrics = compute_value_loss(
-                values, batch["values"], batch["returns"], mask, config.value_clip)
+                values, batch["values"], batch["returns"], mask, config.value_clip,
+                config.loss_aggregation)
             loss = loss + config.value_loss_coef * value_loss
             metrics.update(value_metrics)
         return loss * count, count.int(), _as_sums(tokens, metrics)

@@ -10,15 +10,26 @@ transfers use, which is the CPU under gloo).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from megatron_rlhf.engine.throughput import WorkMeter, forward_flops
 from megatron_rlhf.generation import GenerationConfig, GenerationOutput, generate_sequences
-from megatron_rlhf.models.forward_backward import Batch, run_microbatches, split_microbatches
-from megatron_rlhf.models.gpt import last_token_scores, split_policy_value
+from megatron_rlhf.models.forward_backward import (
+    Batch,
+    run_microbatches,
+    split_microbatches,
+    token_budget_microbatches,
+)
+from megatron_rlhf.models.gpt import (
+    last_token_scores,
+    split_policy_value,
+    without_sequence_parallel,
+)
 from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
 from megatron_rlhf.models.offload import GRADS, OPTIMIZER, PARTS, WEIGHTS, StateOffloader
 from megatron_rlhf.models.trainer import ModelTrainer
@@ -37,6 +48,10 @@ class ModelWorker:
         pg_collection: the model's groups.
         trainer: optimizer wrapper for trainable roles.
         micro_batch_size: rows per forward/backward micro-batch.
+        max_tokens_per_micro_batch: > 0: micro-batches of at most this many real tokens
+            instead (``rollout.max_tokens_per_micro_batch``).
+        work: where this rank's share of the model FLOPs and the seconds of its training and
+            generation go (``engine.throughput``); None: not recorded.
         offload: ``never`` (always resident) or ``always``: between operators the model's
             weights, gradient buffers and optimizer state live in host memory; an operator
             brings back what it needs (the weights; all three to train) and sends it back after.
@@ -47,12 +62,15 @@ class ModelWorker:
 
     def __init__(self, role: str, model: torch.nn.Module, pg_collection: ProcessGroupCollection,
                  trainer: ModelTrainer | None, micro_batch_size: int,
-                 offload: str = "never", meter: MemoryMeter | None = None) -> None:
+                 offload: str = "never", meter: MemoryMeter | None = None,
+                 max_tokens_per_micro_batch: int = 0, work: WorkMeter | None = None) -> None:
         self.role = role
         self.model = model
         self.pg_collection = pg_collection
         self.trainer = trainer
         self.micro_batch_size = micro_batch_size
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
+        self.work = work
         self.device = model_device(model)
         self.offload = offload
         self.offloader = StateOffloader(model, trainer)
@@ -154,10 +172,13 @@ class ModelWorker:
                  config: GenerationConfig, eos_id: int | tuple[int, ...],
                  pad_id: int) -> GenerationOutput:
         """Sample one response per prompt (every TP rank returns the same tokens)."""
-        with self.resident(WEIGHTS):
-            return generate_sequences(self._module(), self.pg_collection, prompts,
-                                      prompt_indices, config, eos_id, pad_id,
-                                      on_cache=self.meter.observe)
+        with (self.resident(WEIGHTS), without_sequence_parallel(self.model),
+              self._measured("generate") as rows):
+            output = generate_sequences(self._module(), self.pg_collection, prompts,
+                                        prompt_indices, config, eos_id, pad_id,
+                                        on_cache=self.meter.observe)
+            rows.append((output.attention_mask, 1))
+        return output
 
     def train(self, fields: Fields, loss_fn, supervised: Fields | None = None
               ) -> dict[str, Any]:
@@ -168,8 +189,30 @@ class ModelWorker:
         microbatches = self._microbatches(fields)
         if supervised is not None:
             microbatches += self._microbatches(supervised)
-        with self.resident(WEIGHTS, GRADS, OPTIMIZER):
+        with self.resident(WEIGHTS, GRADS, OPTIMIZER), self._measured("train") as rows:
+            rows += [(batch["attention_mask"], 3) for batch in microbatches]
             return self.trainer.train_step(microbatches, loss_fn)
 
+    @contextlib.contextmanager
+    def _measured(self, stage: str) -> Iterator[list[tuple[torch.Tensor, int]]]:
+        """Time ``stage`` and record this rank's share of its model FLOPs; the body appends
+        ``(attention_mask, forwards)`` of the rows it ran."""
+        rows: list[tuple[torch.Tensor, int]] = []
+        start = time.perf_counter()
+        yield rows
+        if self.work is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        ranks = self.pg_collection.tp.size() * self.pg_collection.pp.size()
+        flops = sum(forwards * forward_flops(self.model.config, self.model.real_vocab_size,
+                                             mask.sum(dim=1))
+                    for mask, forwards in rows)
+        self.work.record(stage, flops / ranks, seconds)
+
     def _microbatches(self, fields: Fields) -> list[Fields]:
-        return split_microbatches(to_device(fields, self.device), self.micro_batch_size)
+        fields = to_device(fields, self.device)
+        if self.max_tokens_per_micro_batch:
+            return token_budget_microbatches(fields, self.max_tokens_per_micro_batch)
+        return split_microbatches(fields, self.micro_batch_size)

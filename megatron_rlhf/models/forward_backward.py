@@ -3,12 +3,16 @@
 Every pass that touches a model (a training step, the log-probs of the experience stage) goes
 through :func:`run_microbatches`, which hands megatron's ``get_forward_backward_func()`` the model's
 own process groups. With PP=1 that is the no-pipelining loop, with PP>1 the 1F1B schedule.
+
+A model built with ``packed_sequences`` runs each micro-batch packed (``models.packing``): the
+loss function still receives the padded ``[b, s, ...]`` output, so it is the same either way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -16,6 +20,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_model_config
+
+from megatron_rlhf.models.packing import PackedRows, pack_rows, packed_length
 
 Batch = dict[str, torch.Tensor]
 # (output, batch) -> (loss, metrics), or (loss_sum, num_tokens, metrics) when the model's config
@@ -45,17 +51,31 @@ def model_inputs(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return input_ids, positions, causal_padding_mask(batch["attention_mask"])
 
 
-def _loss_with_safe_metrics(loss_fn: LossFn, output: torch.Tensor, batch: Batch):
+def _loss_with_safe_metrics(loss_fn: LossFn, output: torch.Tensor, batch: Batch,
+                            packed: PackedRows | None = None):
+    if packed is not None:
+        output = packed.unpack(output)
     *losses, metrics = loss_fn(output, batch)
     # megatron scales the returned loss *in place*; metrics that alias it would silently change.
     return *losses, {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
                      for k, v in metrics.items()}
 
 
-def _forward_step(loss_fn: LossFn, data_iterator, model):
+def _forward_step(loss_fn: LossFn, length: int | None, data_iterator, model):
     batch = next(data_iterator)
-    output = model(*model_inputs(batch))
-    return output, partial(_loss_with_safe_metrics, loss_fn, batch=batch)
+    if length is None:
+        output = model(*model_inputs(batch))
+        return output, partial(_loss_with_safe_metrics, loss_fn, batch=batch)
+    packed = pack_rows(batch["input_ids"], batch["attention_mask"], length)
+    output = model(packed.input_ids, packed.position_ids, None, packed_seq_params=packed.params)
+    return output, partial(_loss_with_safe_metrics, loss_fn, batch=batch, packed=packed)
+
+
+def packs_sequences(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (or the GPTModel inside its wrappers) was built to pack sequences."""
+    while not hasattr(model, "packed_sequences") and hasattr(model, "module"):
+        model = model.module
+    return bool(getattr(model, "packed_sequences", False))
 
 
 def run_microbatches(
@@ -74,7 +94,7 @@ def run_microbatches(
         model: this rank's stage of the model (a GPTModel or megatron DDP wrapper).
         pg_collection: the model's process groups.
         microbatches: each with ``input_ids`` and ``attention_mask`` ``[b, s]`` and whatever
-            ``loss_fn`` reads.
+            ``loss_fn`` reads; of one shape unless the model packs sequences.
         loss_fn: ``(output, batch) -> (loss, metrics)``, megatron scaling the loss by
             ``1 / len(microbatches)`` before the backward pass; or, for models built with
             ``calculate_per_token_loss``, ``(loss_sum, num_tokens, metrics)``.
@@ -85,24 +105,30 @@ def run_microbatches(
     """
     if not microbatches:
         raise ValueError("run_microbatches needs at least one micro-batch")
-    shapes = {tuple(mb["input_ids"].shape) for mb in microbatches}
-    if len(shapes) > 1:
-        # Pipeline stages exchange activations of one fixed shape per call.
-        raise ValueError(f"micro-batches of one call must share a shape, got {sorted(shapes)}")
     pp_size = pg_collection.pp.size()
     config = get_model_config(model)
-    first = microbatches[0]["input_ids"]
+    length = None
+    if packs_sequences(model):
+        multiple = pg_collection.tp.size() if config.sequence_parallel else 1
+        length = packed_length([mb["attention_mask"] for mb in microbatches], multiple)
+        seq_length, micro_batch_size = length, 1
+    else:
+        shapes = {tuple(mb["input_ids"].shape) for mb in microbatches}
+        if len(shapes) > 1:
+            # Pipeline stages exchange activations of one fixed shape per call.
+            raise ValueError(f"micro-batches of one call must share a shape, got {sorted(shapes)}")
+        seq_length, micro_batch_size = microbatches[0]["input_ids"].shape[::-1]
     schedule = get_forward_backward_func(pp_size=pp_size, vp_size=None)
     kwargs: dict[str, Any] = {}
     if pp_size > 1:
         kwargs["p2p_communicator"] = P2PCommunicator(pp_group=pg_collection.pp, config=config)
     results = schedule(
-        forward_step_func=partial(_forward_step, loss_fn),
+        forward_step_func=partial(_forward_step, loss_fn, length),
         data_iterator=iter(microbatches),
         model=[model],
         num_microbatches=len(microbatches),
-        seq_length=first.shape[1],
-        micro_batch_size=first.shape[0],
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
         forward_only=forward_only,
         pg_collection=pg_collection,
         **kwargs,
@@ -116,3 +142,19 @@ def split_microbatches(fields: Batch, micro_batch_size: int) -> list[Batch]:
     rows = next(iter(fields.values())).shape[0]
     return [{k: v[i:i + micro_batch_size] for k, v in fields.items()}
             for i in range(0, rows, micro_batch_size)]
+
+
+def token_budget_microbatches(fields: Batch, max_tokens: int) -> list[Batch]:
+    """Consecutive rows grouped into micro-batches of at most ``max_tokens`` real tokens
+    (``attention_mask``); a row longer than the budget forms its own. Row order is kept, so
+    results concatenate back in order."""
+    tokens = fields["attention_mask"].sum(dim=1).tolist()
+    bounds, total = [0], 0
+    for row, count in enumerate(tokens):
+        if total and total + count > max_tokens:
+            bounds.append(row)
+            total = 0
+        total += count
+    bounds.append(len(tokens))
+    return [{k: v[a:b] for k, v in fields.items()} for a, b in pairwise(bounds)]
+

@@ -21,6 +21,8 @@ whatever is reduced or compared (log-probs, values, scores, losses) is computed 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -29,11 +31,18 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.utils import set_model_to_sequence_parallel
 
 from megatron_rlhf.models.attention import CachedRopeSelfAttention, SDPAttention
+from megatron_rlhf.models.te_attention import packed_te_core_attention
 from megatron_rlhf.runtime.cpu_compat import seed_model_parallel_rng
 from megatron_rlhf.runtime.device import compute_device
 
@@ -141,6 +150,15 @@ class ModelBuildOptions:
         token_vocab_size: ids the tokenizer has, when the embedding has more rows (Hugging Face
             checkpoints pad it, Qwen2.5's by hundreds of rows): LM logits at or past it are never
             sampled and take no part in any log-probability or loss; 0: every row is a token.
+        packed_sequences: full forwards (training and scoring, not decoding) pack each
+            micro-batch's real tokens into one row with sequence boundaries instead of computing
+            padding (``models.packing``); needs attention that takes boundaries (``sdpa`` or
+            Transformer Engine).
+        sequence_parallel: with TP > 1, megatron's sequence parallelism: the activations
+            outside attention and MLP (norms, dropout, residuals) are split along the sequence
+            over the TP ranks instead of replicated. Needs ``packed_sequences`` (the packed row
+            is padded to a multiple of TP); generation runs without it
+            (:func:`without_sequence_parallel`).
     """
 
     head: str = "lm"
@@ -157,6 +175,8 @@ class ModelBuildOptions:
     rope_scaling_factor: float = 0.0
     recompute: str = "none"
     token_vocab_size: int = 0
+    packed_sequences: bool = True
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.head not in HEAD_KINDS:
@@ -178,6 +198,16 @@ class ModelBuildOptions:
         if self.recompute not in RECOMPUTE_GRANULARITIES:
             raise ValueError(f"model.recompute={self.recompute!r}: use one of "
                              f"{RECOMPUTE_GRANULARITIES}")
+        if (self.packed_sequences and self.transformer_impl == "local"
+                and self.attention_backend != "sdpa"):
+            raise ValueError(f"packed sequences need attention that takes sequence boundaries "
+                             f"(attention_backend='sdpa' or Transformer Engine), got "
+                             f"attention_backend={self.attention_backend!r}; set "
+                             "packed_sequences=false")
+        if self.sequence_parallel and not self.packed_sequences:
+            raise ValueError("sequence_parallel splits a packed row over the TP ranks; padded "
+                             "rows are not a multiple of TP: set packed_sequences=true or "
+                             "sequence_parallel=false")
         if self.head_dim < 0 or self.rope_scaling_factor < 0 or self.token_vocab_size < 0:
             raise ValueError(f"model.head_dim={self.head_dim}, model.rope_scaling_factor="
                              f"{self.rope_scaling_factor} and model.token_vocab_size="
@@ -188,25 +218,37 @@ class ScalarHead(torch.nn.Module):
     """A replicated ``hidden -> 1`` projection standing where megatron expects its output layer.
 
     Its output is fp32 whatever the parameter dtype: values and scores are regressed and compared
-    across sequences, where bf16's 8-bit mantissa is too coarse.
+    across sequences, where bf16's 8-bit mantissa is too coarse. Under sequence parallelism it
+    gathers the sequence first (every TP rank then computes every value, as without it); its
+    ``sequence_parallel`` follows the model's (``without_sequence_parallel``).
     """
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, dtype: torch.dtype,
+                 tp_group: torch.distributed.ProcessGroup | None = None,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden_states: torch.Tensor, weight: torch.Tensor | None = None,
                 runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+        if self.sequence_parallel:
+            # every TP rank's loss sees every value: its gradient is whole, split it back
+            hidden_states = gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False, group=self.tp_group)
         return F.linear(hidden_states.float(), self.weight.float()), None
 
 
 class PolicyValueHead(torch.nn.Module):
     """AC-Share head: the LM head's local logits with a value channel appended."""
 
-    def __init__(self, lm_head: torch.nn.Module, hidden_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, lm_head: torch.nn.Module, hidden_size: int, dtype: torch.dtype,
+                 tp_group: torch.distributed.ProcessGroup | None = None,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.lm_head = lm_head
-        self.value_head = ScalarHead(hidden_size, dtype)
+        self.value_head = ScalarHead(hidden_size, dtype, tp_group, sequence_parallel)
 
     def forward(self, hidden_states: torch.Tensor, weight: torch.Tensor | None = None,
                 runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
@@ -239,6 +281,7 @@ def transformer_config(arch: Architecture, options: ModelBuildOptions,
         num_attention_heads=arch.num_attention_heads,
         num_query_groups=arch.num_query_groups,
         tensor_model_parallel_size=pg_collection.tp.size(),
+        sequence_parallel=options.sequence_parallel and pg_collection.tp.size() > 1,
         pipeline_model_parallel_size=pg_collection.pp.size(),
         normalization="RMSNorm",
         layernorm_epsilon=options.norm_epsilon,
@@ -254,9 +297,11 @@ def transformer_config(arch: Architecture, options: ModelBuildOptions,
         bf16=dtype == torch.bfloat16,
         pipeline_dtype=dtype,
         use_cpu_initialization=not torch.cuda.is_available(),
-        bias_dropout_fusion=False,
+        # TE's kernels: fused RoPE (thd included) and jit-fused bias-dropout-add; the local
+        # modules run none (no Apex: megatron's masked-softmax and wgrad fusions stay off)
+        bias_dropout_fusion=options.transformer_impl == "transformer_engine",
         masked_softmax_fusion=False,
-        apply_rope_fusion=False,
+        apply_rope_fusion=options.transformer_impl == "transformer_engine",
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         **recompute_fields(options.recompute),
@@ -286,20 +331,74 @@ def with_explicit_attention_masks(spec: ModuleSpec) -> ModuleSpec:
     return spec
 
 
+class TorchNorm:
+    """megatron's ``WrappedTorchNorm`` (torch's ``RMSNorm`` or ``LayerNorm``) without its refusal
+    of sequence parallelism: a norm is per token, so it runs on a sequence chunk unchanged.
+
+    Norms whose input is split along the sequence (:class:`SequenceSplitTorchNorm`: before
+    attention and MLP, the final one) mark their weights ``sequence_parallel``, so that megatron
+    sums their gradients over the TP ranks (``finalize_model_grads``), as it does for Apex's and
+    TE's norms; the query/key norms inside attention see the whole sequence and are not marked.
+    """
+
+    splits_sequence = False
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5,
+                **_unused) -> torch.nn.Module:
+        norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = norm_cls(hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = cls.splits_sequence and config.sequence_parallel
+        return norm
+
+
+class SequenceSplitTorchNorm(TorchNorm):
+    """:class:`TorchNorm` on sequence-split activations (see there)."""
+
+    splits_sequence = True
+
+
+def _sequence_parallel_spec(spec: ModuleSpec, qk_norm: bool) -> ModuleSpec:
+    """The local layer spec with norms that run under sequence parallelism."""
+    spec.submodules.input_layernorm = SequenceSplitTorchNorm
+    spec.submodules.pre_mlp_layernorm = SequenceSplitTorchNorm
+    if qk_norm:
+        attention = spec.submodules.self_attention.submodules
+        attention.q_layernorm = attention.k_layernorm = TorchNorm
+    return spec
+
+
 def _layer_spec(options: ModelBuildOptions) -> ModuleSpec:
     if options.transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return with_explicit_attention_masks(
+        spec = with_explicit_attention_masks(
             get_gpt_layer_with_transformer_engine_spec(qk_layernorm=options.qk_norm))
+        if options.packed_sequences:
+            spec.submodules.self_attention.submodules.core_attention = packed_te_core_attention()
+        return spec
     spec = with_explicit_attention_masks(
         get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=options.qk_norm))
     spec.submodules.self_attention.module = CachedRopeSelfAttention
     if options.attention_backend == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    if options.sequence_parallel:
+        spec = _sequence_parallel_spec(spec, options.qk_norm)
     return spec
+
+
+def _decoder_spec(options: ModelBuildOptions, config: TransformerConfig,
+                  pp_rank: int) -> ModuleSpec | TransformerBlockSubmodules:
+    """The layer spec, or under sequence parallelism with the local layers the block's (whose
+    final norm megatron otherwise takes from its module-level default)."""
+    spec = _layer_spec(options)
+    if not config.sequence_parallel or options.transformer_impl != "local":
+        return spec
+    return TransformerBlockSubmodules(
+        layer_specs=[spec] * get_num_layers_to_build(config, pp_rank=pp_rank),
+        layer_norm=SequenceSplitTorchNorm)
 
 
 def build_gpt_model(arch: Architecture, options: ModelBuildOptions,
@@ -329,7 +428,7 @@ def build_gpt_model(arch: Architecture, options: ModelBuildOptions,
     post_process = pp_rank == pp_size - 1
     model = GPTModel(
         config=config,
-        transformer_layer_spec=_layer_spec(options),
+        transformer_layer_spec=_decoder_spec(options, config, pp_rank),
         vocab_size=padded_vocab_size(arch.vocab_size, pg_collection.tp.size()),
         max_sequence_length=arch.seq_length,
         pre_process=pp_rank == 0,
@@ -342,10 +441,12 @@ def build_gpt_model(arch: Architecture, options: ModelBuildOptions,
         pg_collection=pg_collection,
     )
     if post_process and options.head == "scalar":
-        model.output_layer = ScalarHead(arch.hidden_size, config.params_dtype)
+        model.output_layer = ScalarHead(arch.hidden_size, config.params_dtype,
+                                        pg_collection.tp, config.sequence_parallel)
     elif post_process and options.head == "lm+scalar":
         model.output_layer = PolicyValueHead(model.output_layer, arch.hidden_size,
-                                             config.params_dtype)
+                                             config.params_dtype, pg_collection.tp,
+                                             config.sequence_parallel)
     # megatron leaves some modules on the host whatever use_cpu_initialization says (its torch
     # norm wrapper, our scalar heads) and keeps norms in fp32: one move puts every parameter on
     # the rank's device in params_dtype, as megatron's Float16Module does for bf16.
@@ -355,7 +456,23 @@ def build_gpt_model(arch: Architecture, options: ModelBuildOptions,
     model.rope_scaling_factor = options.rope_scaling_factor
     model.head_kind = options.head
     model.transformer_impl = options.transformer_impl
+    model.packed_sequences = options.packed_sequences
     return model
+
+
+@contextmanager
+def without_sequence_parallel(model: torch.nn.Module) -> Iterator[None]:
+    """Run ``model`` (a GPTModel built by :func:`build_gpt_model`) without sequence parallelism
+    for the duration: decoding steps of one token cannot be split over the TP ranks (megatron's
+    own inference turns it off the same way, ``set_model_to_sequence_parallel``)."""
+    if not model.config.sequence_parallel:
+        yield
+        return
+    set_model_to_sequence_parallel(model, False)
+    try:
+        yield
+    finally:
+        set_model_to_sequence_parallel(model, True)
 
 
 def last_token_scores(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

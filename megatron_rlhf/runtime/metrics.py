@@ -29,7 +29,8 @@ class MetricsWriter:
         label: the progress bar's name.
     """
 
-    HEADLINE = ("reward_mean", "kl", "samples_per_s", "loss", "accuracy")
+    HEADLINE = ("reward_mean", "kl", "samples_per_s", "throughput/tokens_per_s_per_device",
+                "throughput/train_mfu", "throughput/generate_mfu", "loss", "accuracy")
 
     def __init__(self, run_dir: str | os.PathLike[str], total_steps: int,
                  tensorboard: bool = True, progress: bool = True, label: str = "ppo") -> None:
@@ -66,7 +67,8 @@ class MetricsWriter:
             # A run's last held-out evaluation is a record of its own after the last step.
             if self._bar.n < self._bar.total:
                 self._bar.update(1)
-            self._bar.set_postfix({k: f"{metrics[k]:.3g}" for k in self.HEADLINE if k in metrics})
+            self._bar.set_postfix({k.removeprefix("throughput/"): f"{metrics[k]:.3g}"
+                                   for k in self.HEADLINE if k in metrics})
 
     def close(self) -> None:
         """Flush and close every sink."""

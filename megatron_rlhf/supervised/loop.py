@@ -232,7 +232,10 @@ def _build(config: SupervisedConfig, objective: Objective, spec: ModelSpec, tota
     base = source.description.build_options() if source is not None else ModelBuildOptions()
     options = replace(base, head=objective.head, params_dtype=config.model.params_dtype,
                       tie_embeddings=base.tie_embeddings and objective.head == "lm",
-                      recompute=config.model.recompute, token_vocab_size=token_vocab_size)
+                      recompute=config.model.recompute, token_vocab_size=token_vocab_size,
+                      packed_sequences=config.model.packed_sequences,
+                      sequence_parallel=(config.model.sequence_parallel
+                                         and config.model.packed_sequences))
     model = build_model(spec.arch, options, pgc, runtime_seed=config.runtime.seed,
                         init_seed=config.model.init_seed)
     # Before the trainer exists: the optimizer copies the weights it starts from.

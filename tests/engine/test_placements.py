@@ -2,7 +2,8 @@
 
 With the same seed and synchronous execution, flattening, interleaving, interleaving2,
 separation and heterogeneous separation (generation split between pools by speed) give the same
-per-step rewards, KL and losses on 4 gloo ranks, for AC-NonShare and AC-Share. Each strategy moves data differently (separation also resyncs shadows every step), so
+per-step rewards, KL and losses on 4 gloo ranks, for AC-NonShare and AC-Share; and so does
+flattening with padded rows (``models.packed_sequences=false``) against the packed default. Each strategy moves data differently (separation also resyncs shadows every step), so
 any routing or sync mistake shows up as a metric mismatch.
 """
 
@@ -13,7 +14,8 @@ import pytest
 from tests.helpers.metrics import assert_metrics_match, even_token_share
 from tests.multirank import run_on_ranks
 
-STRATEGIES = ("flattening", "interleaving", "interleaving2", "separation", "hetero-separation")
+STRATEGIES = ("flattening", "interleaving", "interleaving2", "separation", "hetero-separation",
+              "flattening-padded")
 COMPARED = ("reward_mean", "rm_score", "rule_score", "kl", "policy_loss", "value_loss",
             "response_length", "actor/pg_clipfrac", "actor/grad_norm")
 
@@ -47,9 +49,11 @@ def _run_strategies(ac_share: bool, steps: int, strategies: tuple[str, ...] = ST
     results = {}
     for strategy in strategies:
         config = RunConfig(
-            placement=PlacementConfig(strategy=strategy, ac_share=ac_share),
+            placement=PlacementConfig(strategy=strategy.removesuffix("-padded"),
+                                      ac_share=ac_share),
             models=ModelsConfig(arch="tiny", init_seed=9, offload=dict.fromkeys(
-                ("actor", "critic", "ref", "reward"), offload)),
+                ("actor", "critic", "ref", "reward"), offload),
+                packed_sequences=not strategy.endswith("-padded")),
             rollout=RolloutConfig(prompts_per_step=16, max_prompt_length=8, micro_batch_size=2,
                                   ppo_epochs=2, num_minibatches=2),
             generation=GenerationConfig(max_new_tokens=6, seed=3),

@@ -142,7 +142,10 @@ def _sft_layouts(root: str) -> dict[str, list[dict[str, float]]]:
     pp2 = _sft(f"{root}/pp2", ["train.max_steps=3", "model.pp=2"])
     recomputed = _sft(f"{root}/pp2-recompute", ["train.max_steps=3", "model.pp=2",
                                                 "model.recompute=full"])
-    return {"dp2": dp2, "tp2": tp2, "pp2": pp2, "pp2-recompute": recomputed}
+    padded = _sft(f"{root}/dp2-padded", ["train.max_steps=3", "train.eval_interval=3",
+                                         "model.packed_sequences=false"])
+    return {"dp2": dp2, "tp2": tp2, "pp2": pp2, "pp2-recompute": recomputed,
+            "dp2-padded": padded}
 
 
 @pytest.mark.multirank
@@ -153,7 +156,7 @@ def test_sft_loss_falls_and_does_not_depend_on_the_layout(tmp_path: Path) -> Non
                         for h in histories)
     assert runs == other_rank, "every rank reports the same reduced metrics"
     assert runs.pop("pp2-recompute") == runs["pp2"], "model.recompute=full changed a metric"
-    for layout in ("tp2", "pp2"):
+    for layout in ("tp2", "pp2", "dp2-padded"):  # dp2 itself runs packed sequences
         for key in ("loss", "grad_norm"):
             reference = [step[key] for step in runs["dp2"][:3]]
             assert [step[key] for step in runs[layout]] == pytest.approx(reference, rel=1e-4), \

@@ -14,14 +14,16 @@ import pytest
 
 TIMING = ("step_seconds", "samples_per_s")
 """Measurements of a run, not results of its math: they differ between identical runs."""
-MEASURED_PREFIXES = ("memory/", "checkpoint/")
-"""Groups of measurements: memory peaks, and checkpoint save seconds (present in the records
-after saves, which differ between a synchronous and a background save)."""
+MEASURED_PREFIXES = ("memory/", "checkpoint/", "throughput/")
+"""Groups of measurements: memory peaks, throughput, and checkpoint save seconds (present in the
+records after saves, which differ between a synchronous and a background save)."""
 
 
 def is_measurement(key: str) -> bool:
     """Whether a metric measures the run (time, memory) rather than results of its math."""
     return key in TIMING or key.startswith(MEASURED_PREFIXES)
+
+
 REL, ABS = 2e-4, 2e-5
 """Placements and schedules reduce in different orders: float32 sums agree to about this."""
 

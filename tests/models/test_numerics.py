@@ -120,7 +120,8 @@ def test_sdpa_attention_equals_megatrons_on_real_tokens_with_gradients(groups) -
     results = {}
     for backend in ("megatron", "sdpa"):
         model = build_gpt_model(arch, ModelBuildOptions(params_dtype="float32",
-                                                        attention_backend=backend), groups)
+                                                        attention_backend=backend,
+                                                        packed_sequences=False), groups)
         init_weights(model, groups, seed=5)
         output = model(*model_inputs(batch))
         output[real].square().mean().backward()

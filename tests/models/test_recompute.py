@@ -54,7 +54,8 @@ def _train(tp: int, pp: int, recompute: str, dropout: float, steps: int = 2):
     arch = TinyArch()
     # The megatron backend with dropout: attention dropout inside the recomputed core attention.
     options = ModelBuildOptions(recompute=recompute, dropout=dropout,
-                                attention_backend="megatron" if dropout else "sdpa")
+                                attention_backend="megatron" if dropout else "sdpa",
+                                packed_sequences=not dropout)
     model = build_gpt_model(arch, options, pgc, seed=11)
     init_weights(model, pgc, seed=5)
     trainer = ModelTrainer(model, pgc, OptimizerSettings(lr=1e-2), total_steps=steps)

@@ -1,0 +1,104 @@
+"""Packed sequences: a micro-batch's real tokens back to back, without padding (THD layout).
+
+A padded micro-batch ``[b, s]`` (left-padded prompts, right-padded responses, or right-padded
+supervised rows) becomes one row of its real tokens, ``[1, t]``, with megatron's
+``PackedSeqParams`` (``qkv_format="thd"``, cumulative sequence lengths) telling attention and
+RoPE where each sequence starts: RoPE positions restart at every sequence
+(``rope_utils._apply_rotary_pos_emb_thd``) and attention stays inside it
+(``models.attention.packed_causal_attention``, or TE's ``thd`` kernels). The model then computes
+no padding at all; :meth:`PackedRows.unpack` puts its output back at the padded positions (zeros
+elsewhere, which every loss masks), so the losses and result pickers read ``[b, s, ...]`` as before.
+
+Every micro-batch of one schedule call is packed to the same length (the call's most real tokens,
+rounded up to a multiple of ``multiple``): pipeline stages exchange activations of one shape, and
+sequence parallelism splits the packed row over the TP ranks. The tail past the real tokens is one
+more sequence of padding whose outputs are dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+
+@dataclass
+class PackedRows:
+    """One micro-batch packed into a single row.
+
+    Attributes:
+        input_ids: ``[1, t]`` the real tokens of every row in order, then the padding tail.
+        position_ids: ``[1, t]`` each token's position inside its own sequence.
+        params: megatron's THD parameters (cu_seqlens over the rows with tokens, and the tail).
+        index: ``[n]`` where each of the ``n`` real tokens sits in the flattened ``[b * s]``
+            padded micro-batch.
+        shape: ``(b, s)`` of the padded micro-batch.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    params: PackedSeqParams
+    index: torch.Tensor
+    shape: tuple[int, int]
+
+    def unpack(self, output: torch.Tensor) -> torch.Tensor:
+        """``[1, t, c]`` model output -> ``[b, s, c]``, zeros at the padded positions."""
+        rows, seq = self.shape
+        real = output[0, :self.index.numel()]
+        padded = real.new_zeros(rows * seq, *real.shape[1:])
+        return padded.index_copy(0, self.index, real).view(rows, seq, *real.shape[1:])
+
+
+def real_tokens(attention_mask: torch.Tensor) -> int:
+    """Real (unmasked) tokens of a ``[b, s]`` validity mask."""
+    return int(attention_mask.count_nonzero())
+
+
+def packed_length(attention_masks: Sequence[torch.Tensor], multiple: int = 1) -> int:
+    """The one packed length of a schedule call: its micro-batches' most real tokens, rounded up
+    to a multiple of ``multiple`` (the TP size under sequence parallelism)."""
+    most = max(real_tokens(mask) for mask in attention_masks)
+    return -(-max(most, 1) // multiple) * multiple
+
+
+def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, length: int) -> PackedRows:
+    """Pack the real tokens of ``[b, s]`` rows into one row of ``length`` tokens.
+
+    A row's real tokens must be contiguous (padding only before and after them), which is how
+    every batch of the project is laid out; positions then count from each row's first real
+    token. RoPE depends on relative positions only, so the outputs equal the padded forward's.
+
+    Raises:
+        ValueError: the rows hold more than ``length`` real tokens, or a row's real tokens are
+            not contiguous.
+    """
+    valid = attention_mask.bool()
+    lengths = valid.sum(dim=1)
+    total = int(lengths.sum())
+    if total > length:
+        raise ValueError(f"{total} real tokens do not fit a packed row of {length}")
+    rows, seq = valid.shape
+    columns = torch.arange(seq, device=valid.device).expand(rows, seq)
+    first = torch.where(valid, columns, seq).min(dim=1).values
+    last = torch.where(valid, columns, -1).max(dim=1).values
+    if bool(((last - first + 1).clamp(min=0) != lengths).any()):
+        raise ValueError("packed sequences need each row's real tokens contiguous (padding only "
+                         "before and after them); set models.packed_sequences=false for others")
+    index = valid.flatten().nonzero().squeeze(1)
+    starts = torch.repeat_interleave(first, lengths)
+    positions = columns.flatten()[index] - starts
+    tail = length - total
+    seqlens = lengths[lengths > 0]
+    if tail:
+        seqlens = torch.cat([seqlens, seqlens.new_tensor([tail])])
+    cu_seqlens = torch.zeros(seqlens.numel() + 1, dtype=torch.int32, device=valid.device)
+    cu_seqlens[1:] = seqlens.cumsum(0)
+    pad_ids = input_ids.new_zeros(tail)
+    packed_ids = torch.cat([input_ids.flatten()[index], pad_ids])
+    packed_positions = torch.cat([positions, torch.arange(tail, device=valid.device)])
+    max_seqlen = int(seqlens.max())
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                             max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+    return PackedRows(packed_ids[None], packed_positions[None], params, index, (rows, seq))

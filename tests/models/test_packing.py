@@ -1,0 +1,102 @@
+"""Packed sequences (THD) against the padded forward, in one process on CPU.
+
+The packed forward computes no padding; every real token's output, and the gradients of a loss
+over real tokens, must equal the padded forward's within fp32 rounding, for every head, for left
+and right padding, GQA and the Hugging Face numerics options.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rlhf.models.forward_backward import run_microbatches
+from megatron_rlhf.models.gpt import ModelBuildOptions, build_gpt_model
+from megatron_rlhf.models.packing import pack_rows, packed_length
+from megatron_rlhf.models.weights import init_weights
+from tests.model_fixtures import TinyArch, whole_world_groups
+
+# Left-padded prompts with right-padded responses, a row without padding, a right-padded row.
+MASK = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 0, 0],
+                     [1, 1, 1, 1, 1, 1, 1, 1, 1],
+                     [0, 1, 1, 1, 1, 0, 0, 0, 0],
+                     [1, 1, 1, 0, 0, 0, 0, 0, 0]])
+
+
+@pytest.fixture(scope="module")
+def groups():
+    from megatron_rlhf.runtime.bootstrap import initialize_runtime
+
+    initialize_runtime()
+    return whole_world_groups(1, 1)
+
+
+def _batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    ids = torch.randint(1, 250, MASK.shape, generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids * MASK, "attention_mask": MASK.clone()}
+
+
+def test_pack_rows_lays_real_tokens_back_to_back_and_unpack_restores_them() -> None:
+    batch = _batch()
+    packed = pack_rows(batch["input_ids"], batch["attention_mask"], length=26)
+    real = int(MASK.sum())
+    assert real == 21
+    assert packed.input_ids.shape == (1, 26)
+    assert torch.equal(packed.input_ids[0, :real], batch["input_ids"][MASK.bool()])
+    assert packed.params.cu_seqlens_q.tolist() == [0, 5, 14, 18, 21, 26], "the tail is one more"
+    assert packed.params.max_seqlen_q == 9
+    assert packed.position_ids[0].tolist() == [*range(5), *range(9), *range(4), *range(3),
+                                               *range(5)]
+    unpacked = packed.unpack(packed.input_ids[..., None].float())[..., 0]
+    assert torch.equal(unpacked, batch["input_ids"].float())
+    assert packed_length([MASK, MASK[:2]], multiple=4) == 24
+    assert packed_length([MASK[2:]]) == 7
+    with pytest.raises(ValueError, match="21 real tokens do not fit a packed row of 20"):
+        pack_rows(batch["input_ids"], batch["attention_mask"], length=20)
+    holey = torch.tensor([[1, 0, 1]])
+    with pytest.raises(ValueError, match="models.packed_sequences=false"):
+        pack_rows(holey, holey, length=3)
+
+
+def _outputs_and_grads(options: ModelBuildOptions, arch, groups, microbatches):
+    model = build_gpt_model(arch, options, groups)
+    init_weights(model, groups, seed=5)
+    outputs = []
+
+    def loss_fn(output, batch):
+        outputs.append(output.detach())
+        real = batch["attention_mask"].bool()
+        weights = torch.linspace(0.5, 1.5, output.shape[-1])
+        return (output[real].float() * weights).sin().sum(), {}
+
+    run_microbatches(model, groups, microbatches, loss_fn, forward_only=False)
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    return outputs, grads
+
+
+@pytest.mark.parametrize("head", ["lm", "scalar", "lm+scalar"])
+@pytest.mark.parametrize("numerics", [{}, {"qkv_bias": True, "qk_norm": True}])
+def test_packed_forward_and_gradients_equal_the_padded_ones(groups, head, numerics) -> None:
+    arch = TinyArch(num_attention_heads=4, num_query_groups=2)
+    microbatches = [_batch(0), _batch(1)]
+    results = {}
+    for packed in (False, True):
+        options = ModelBuildOptions(head=head, params_dtype="float32", packed_sequences=packed,
+                                    **numerics)
+        results[packed] = _outputs_and_grads(options, arch, groups, microbatches)
+    real = MASK.bool()
+    for padded_out, packed_out in zip(results[False][0], results[True][0], strict=True):
+        torch.testing.assert_close(packed_out[real], padded_out[real], rtol=1e-5, atol=1e-5)
+        assert not packed_out[~real].any(), "padding positions hold no output"
+    for name, grad in results[False][1].items():
+        # fp32 sums in another order: tolerance relative to the gradient's scale
+        torch.testing.assert_close(results[True][1][name], grad, rtol=1e-4,
+                                   atol=1e-5 * float(grad.abs().max()),
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_packing_needs_attention_that_takes_boundaries() -> None:
+    with pytest.raises(ValueError, match="set packed_sequences=false"):
+        ModelBuildOptions(attention_backend="megatron")
+    assert not ModelBuildOptions(attention_backend="megatron",
+                                 packed_sequences=False).packed_sequences
