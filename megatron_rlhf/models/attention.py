@@ -52,10 +52,6 @@ class SDPAttention(DotProductAttention):
         if not self._sdpa_applies(attention_bias, packed_seq_params):
             return super().forward(query, key, value, attention_mask, attn_mask_type,
                                    attention_bias, packed_seq_params)
-        repeats = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
-        if repeats > 1:
-            key = key.repeat_interleave(repeats, dim=2)
-            value = value.repeat_interleave(repeats, dim=2)
         # [s, b, n, d] -> [b, n, s, d]
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         bias = None
@@ -65,8 +61,11 @@ class SDPAttention(DotProductAttention):
         elif query.shape[2] > 1:
             raise ValueError("SDPAttention needs an explicit attention mask for multi-token "
                              "queries (megatron_rlhf always passes causal + padding masks)")
+        # enable_gqa: each group of query heads reads its shared key/value head in place
+        # (no repeat_interleave copy of K and V, which in decoding is the whole KV cache)
+        grouped = self.num_query_groups_per_partition != self.num_attention_heads_per_partition
         context = F.scaled_dot_product_attention(query, key, value, attn_mask=bias,
-                                                 scale=self.softmax_scale)
+                                                 scale=self.softmax_scale, enable_gqa=grouped)
         # [b, n, sq, d] -> [sq, b, n * d]
         context = context.permute(2, 0, 1, 3).contiguous()
         return context.view(*context.shape[:2], self.hidden_size_per_partition)
