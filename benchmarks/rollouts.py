@@ -99,7 +99,7 @@ def compare_loops(args: argparse.Namespace) -> dict:
              for mb in (0, args.micro_batch) for batching in ("static", "continuous")}
     best = dict.fromkeys(cases, float("inf"))
     outputs = {}
-    for name, config in cases.items():  # warm-up
+    for config in cases.values():  # warm-up
         _timed(model, pgc, prompts, config, end_ids)
     for _ in range(args.repeats):
         for name, config in cases.items():

@@ -70,8 +70,8 @@ class GenerationConfig:
     and a slot whose sequence ended takes the next waiting prompt at the next stop check.
     ``static``: the reference loop, ``micro_batch_size`` prompts at a time, each micro-batch
     decoding until its longest sequence ends. Both give every prompt the same tokens (their
-    log-probs agree to rounding). ``continuous`` needs ``use_kv_cache`` and the local layer
-    spec."""
+    log-probs agree to rounding). ``continuous`` needs the local layer spec; with
+    ``use_kv_cache=False`` the static loop runs."""
     cuda_graphs: str = "auto"
     """``auto``: with ``batching=continuous`` on a CUDA device, capture the decode step into one
     CUDA graph per generate call and replay it per token; ``off``: run it eagerly. Never used
@@ -110,16 +110,14 @@ class GenerationConfig:
                  "use_kv_cache=True (got use_kv_cache=False)")
         _require(self.batching in ("continuous", "static"),
                  f"generation.batching={self.batching!r} must be 'continuous' or 'static'")
-        _require(not self.continuous or self.use_kv_cache,
-                 "generation.batching=continuous decodes through a KV cache; set "
-                 "batching=static to use use_kv_cache=False")
         _require(self.cuda_graphs in ("auto", "off"),
                  f"generation.cuda_graphs={self.cuda_graphs!r} must be 'auto' or 'off'")
 
     @property
     def continuous(self) -> bool:
-        """Whether the continuous-batching loop runs (``batching``)."""
-        return self.batching == "continuous"
+        """Whether the continuous-batching loop runs (``batching``; it decodes through the KV
+        cache, so ``use_kv_cache=False`` runs the static loop)."""
+        return self.batching == "continuous" and self.use_kv_cache
 
     @property
     def filters_distribution(self) -> bool:

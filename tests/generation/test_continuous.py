@@ -128,6 +128,10 @@ def test_refit_weights_copied_in_place_are_the_ones_decoded_with(world) -> None:
     assert not torch.equal(after.input_ids, before.input_ids)
 
 
+def test_without_the_kv_cache_the_static_loop_runs() -> None:
+    assert BASE.continuous and not dataclasses.replace(BASE, use_kv_cache=False).continuous
+
+
 def test_buckets_and_graph_switch() -> None:
     assert [batch_bucket(n, 0) for n in (1, 2, 3, 5, 64, 65)] == [1, 2, 4, 8, 64, 128]
     assert [batch_bucket(n, 6) for n in (1, 3, 5, 100)] == [1, 4, 6, 6]
@@ -140,7 +144,6 @@ def test_buckets_and_graph_switch() -> None:
 
 @pytest.mark.parametrize("fields,match", [
     ({"batching": "dynamic"}, "generation.batching='dynamic' must be 'continuous' or 'static'"),
-    ({"use_kv_cache": False}, "batching=continuous decodes through a KV cache"),
     ({"cuda_graphs": "on"}, "generation.cuda_graphs='on' must be 'auto' or 'off'"),
 ])
 def test_bad_batching_settings_are_refused(fields, match) -> None:
