@@ -78,10 +78,11 @@ def test_the_summary_compares_the_nccl_placements_step_by_step(tmp_path: Path) -
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU dry run")
+@pytest.mark.timeout(330)
 def test_rollouts_gpu_check_runs_at_tiny_shapes_on_cpu_and_says_what_it_skipped(
         tmp_path: Path) -> None:
     result = _run([sys.executable, "benchmarks/rollouts.py", "--gpu-check"], tmp_path,
-                  timeout=400)
+                  timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["device"] == "cpu" and any("cuda graphs" in s for s in figures["skipped"])
