@@ -25,7 +25,9 @@ over the context):
     N_layers = L * (h * (h + 2 * kv) + h * h + m * h * ffn),  N_head = h * V (h for a scalar head)
     generation   = sum over the generation micro-batches the run recorded, each of b rows padded
                    to its own longest prompt Pw, n model calls (n = R when no row stops early):
-                   forward(b * Pw, Pw, heads=b) + sum_{t=1}^{n-1} forward(b, Pw + t)
+                   forward(b * Pw, Pw, heads=b) + sum_{t=1}^{n-1} forward(b, Pw + t);
+                   under continuous batching each prefill is such a record with n = 1, and the
+                   n decode steps over b slots of C cache positions count n * forward(b, C)
     experience   = forward(B * S, S) for each of actor, ref (LM head) and critic, reward (scalar)
     training     = 3 * forward(B * S, S) for actor and critic
 with B prompts, P = --prompt-length and R = --response-length, S = P + R, L layers, h hidden size,
@@ -122,12 +124,15 @@ def generation_flops(arch: ArchSpec, micro_batches: Iterable[Mapping[str, Any]])
     Args:
         arch: the generating model's architecture (LM head).
         micro_batches: ``generation.MicroBatchWork`` records as dicts (``rows``,
-            ``prompt_width``, ``forwards``, ``kv_cache``), as the timeline holds them.
+            ``prompt_width``, ``forwards``, ``kv_cache``, ``decode_context``), as the timeline
+            holds them.
     """
     total = 0
     for work in micro_batches:
         b, width, calls = work["rows"], work["prompt_width"], work["forwards"]
-        if not work["kv_cache"]:
+        if work.get("decode_context", 0):  # continuous batching's fixed-shape decode steps
+            total += calls * forward_flops(arch, b, work["decode_context"])
+        elif not work["kv_cache"]:
             total += sum(forward_flops(arch, b * (width + t), width + t) for t in range(calls))
         elif calls > 0:
             total += forward_flops(arch, b * width, width, heads=b) + sum(

@@ -73,15 +73,16 @@ def summarize(log_dir: Path) -> tuple[dict, bool]:
     }
     if not torch.cuda.is_available():
         summary["skipped"] = "no CUDA device: the gpu tests were collected and skipped; " \
-                             "run_ppo and the throughput benchmark need a GPU"
+                             "run_ppo, the throughput and the rollouts benchmarks need a GPU"
     for dtype in ("float32", "bfloat16"):
         last = _last_json(log_dir / f"ppo_{dtype}" / "metrics.jsonl")
         if last is not None:
             summary[f"run_ppo_{dtype}"] = {key: last.get(key) for key in (
                 "step", "reward_mean", "kl", "policy_loss", "value_loss", "step_seconds")}
-    throughput = _last_json(log_dir / "throughput.log")
-    if throughput is not None:
-        summary["throughput"] = throughput
+    for part in ("throughput", "rollouts"):
+        figures = _last_json(log_dir / f"{part}.log")
+        if figures is not None:
+            summary[part] = figures
     if torch.cuda.is_available() and torch.cuda.device_count() < 2:
         summary["skipped"] = "one GPU: the NCCL runs across devices (flattening, separation) " \
                              "need 2 or more"

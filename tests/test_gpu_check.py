@@ -76,3 +76,21 @@ def test_the_summary_compares_the_nccl_placements_step_by_step(tmp_path: Path) -
     assert result["max_abs_diff"] == pytest.approx(0.008)
     assert result["separation"] == {"step": 2, "reward_mean": 0.2, "kl": pytest.approx(0.018),
                                     "policy_loss": -0.2, "step_seconds": 1.0}
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU dry run")
+@pytest.mark.timeout(330)
+def test_rollouts_gpu_check_runs_at_tiny_shapes_on_cpu_and_says_what_it_skipped(
+        tmp_path: Path) -> None:
+    result = _run([sys.executable, "benchmarks/rollouts.py", "--gpu-check"], tmp_path,
+                  timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["device"] == "cpu" and any("cuda graphs" in s for s in figures["skipped"])
+    assert sorted(figures["1.1b"]) == ["batch2_graphs_off", "batch2_graphs_on",
+                                       "batch4_graphs_off", "batch4_graphs_on"]
+    for name, case in figures["1.1b"].items():
+        batch = int(name[5])
+        assert case["tokens_per_s"] == pytest.approx(batch / case["step_ms"] * 1e3, rel=1e-2)
+    assert figures["profile"]["kernels_per_step"] == 0 and figures["profile"]["host_ms_per_step"] > 0
+    assert (figures["7b"]["batch"], figures["7b"]["new_tokens"]) == (2, 8)

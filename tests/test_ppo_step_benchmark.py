@@ -58,6 +58,13 @@ def test_generation_flops_count_the_micro_batches_as_they_ran() -> None:
     assert ppo_step.generation_flops(arch, records) == first + second
     recomputed = [{"rows": 2, "prompt_width": 5, "forwards": 2, "kv_cache": False}]
     assert ppo_step.generation_flops(arch, recomputed) == forward(10, 5, lm) + forward(12, 6, lm)
+    # continuous batching: a prefill record, then 7 decode steps of 4 slots over 32 positions
+    continuous = [{"rows": 2, "prompt_width": 5, "forwards": 1, "kv_cache": True,
+                   "decode_context": 0},
+                  {"rows": 4, "prompt_width": 0, "forwards": 7, "kv_cache": True,
+                   "decode_context": 32}]
+    assert ppo_step.generation_flops(arch, continuous) == (
+        forward(10, 5, lm) - (10 - 2) * 2 * head + 7 * forward(4, 32, lm))
 
 
 def test_generation_work_reads_one_tp_rank_of_each_replica_after_the_warm_up() -> None:

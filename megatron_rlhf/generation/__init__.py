@@ -7,20 +7,19 @@ Map of the files (details in docs/generation.md):
   top-p filtering, inverse-CDF sampling; pure tensor functions.
 - ``forward.py``: next-token logits with megatron's ``StaticInferenceContext`` (KV cache) or by
   full recomputation.
-- ``generate.py``: ``generate_sequences``, its ``GenerationOutput`` and the ``MicroBatchWork`` it
-  ran.
+- ``decode_step.py``: ``SlotDecoder``, the decode step of fixed shape over slots (buffers
+  allocated once per bucket, updated in place), and ``DecodeGraph``, its CUDA graph.
+- ``continuous.py``: continuous batching inside one call (finished slots take waiting prompts).
+- ``output.py``: ``GenerationOutput`` and the ``MicroBatchWork`` a call ran.
+- ``generate.py``: ``generate_sequences``, with the static loop (``batching=static``) as the
+  reference.
 """
 
 from __future__ import annotations
 
 from megatron_rlhf.generation.forward import CachedNextTokenLogits, RecomputeNextTokenLogits
-from megatron_rlhf.generation.generate import (
-    GenerationOutput,
-    MicroBatchWork,
-    concat_outputs,
-    generate_sequences,
-    left_pad,
-)
+from megatron_rlhf.generation.generate import generate_sequences, left_pad
+from megatron_rlhf.generation.output import GenerationOutput, MicroBatchWork, concat_outputs
 from megatron_rlhf.generation.params import GenerationConfig
 from megatron_rlhf.generation.sampling import (
     SampledTokens,

@@ -11,9 +11,13 @@ Layout of one batch of ``b`` prompts, longest prompt ``P``, response budget ``R`
     prompt_mask     [b, P]       1 on real prompt tokens
     response_mask   [b, R]       1 on generated tokens (EOS included)
 
-Each micro-batch is padded to its own longest prompt, so the output also records what each one
-ran (``GenerationOutput.micro_batches``: rows, prompt width, model calls), which is what a FLOP
-count needs.
+Two decode loops (``generation.batching``): ``continuous`` (the default, ``continuous.py``) keeps
+a fixed set of slots full, prefilling a waiting prompt into the slot of one that ended, with a
+decode step of fixed shape (CUDA graphs on a GPU); ``static`` (the reference) decodes
+``micro_batch_size`` prompts at a time until the longest of them ends. Both draw the same tokens
+for every prompt. Each static micro-batch is padded to its own longest prompt, so the output also
+records what each ran (``GenerationOutput.micro_batches``: rows, prompt width, model calls),
+which is what a FLOP count needs.
 
 Parallelism: every TP rank of the model calls this with the same prompts and gets the same tokens
 (the last position's logits are all-gathered over TP and sampled identically everywhere). Each DP
@@ -24,12 +28,13 @@ step), so a prompt gets the same response on any rank, replica or batch. PP > 1 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from megatron_rlhf.generation.continuous import generate_continuous
 from megatron_rlhf.generation.forward import CachedNextTokenLogits, RecomputeNextTokenLogits
+from megatron_rlhf.generation.output import GenerationOutput, MicroBatchWork, concat_outputs
 from megatron_rlhf.generation.params import GenerationConfig
 from megatron_rlhf.generation.sampling import (
     greedy_row_mask,
@@ -37,67 +42,7 @@ from megatron_rlhf.generation.sampling import (
     sample_tokens,
     uniforms_for_steps,
 )
-
-
-@dataclass(frozen=True)
-class MicroBatchWork:
-    """The model calls one micro-batch of ``generate_sequences`` ran.
-
-    With the KV cache: one prefill over ``rows x prompt_width`` positions (its logits give the
-    first token), then ``forwards - 1`` one-token steps whose context is ``prompt_width + t``
-    positions, ``t = 1 .. forwards - 1``. Without it: ``forwards`` full forwards over
-    ``prompt_width + t`` positions, ``t = 0 .. forwards - 1``. Every call runs all ``rows``, also
-    those that have stopped.
-    """
-
-    rows: int
-    prompt_width: int
-    """The micro-batch's padded prompt width: its longest prompt."""
-    forwards: int
-    """Calls of the model (the decode loop's iterations that ran)."""
-    kv_cache: bool
-    """Whether the calls went through the KV cache."""
-
-
-@dataclass
-class GenerationOutput:
-    """Prompts and responses of one batch, in the order of the prompts given.
-
-    Padding positions hold ``pad_id`` in ``input_ids`` and 0 in the masks and log-probs.
-    """
-
-    input_ids: torch.Tensor
-    """``[b, P + R]`` int64: left-padded prompt, then right-padded response."""
-    attention_mask: torch.Tensor
-    """``[b, P + R]`` int64: 1 on real (prompt or response) tokens."""
-    prompt_mask: torch.Tensor
-    """``[b, P]`` int64: 1 on real prompt tokens."""
-    response_mask: torch.Tensor
-    """``[b, R]`` int64: 1 on generated tokens, EOS included."""
-    response_logprobs: torch.Tensor
-    """``[b, R]`` float32: log-probability of each generated token under the distribution it was
-    actually drawn from (temperature, then top-k, then top-p, renormalised); 0 for greedy (a point
-    mass)."""
-    response_policy_logprobs: torch.Tensor
-    """``[b, R]`` float32: log-probability under ``softmax(logits / temperature)`` over the real
-    vocabulary, without top-k/top-p; what a full forward at that temperature (PPO's old
-    log-probs) computes, up to rounding. Equal to ``response_logprobs`` when nothing filters."""
-    prompt_lengths: torch.Tensor
-    """``[b]`` int64: real prompt tokens."""
-    response_lengths: torch.Tensor
-    """``[b]`` int64: generated tokens."""
-    micro_batches: tuple[MicroBatchWork, ...] = ()
-    """What each micro-batch ran, in order (``generate_sequences`` fills it)."""
-
-    @property
-    def prompt_length(self) -> int:
-        """``P``, the padded prompt width."""
-        return self.prompt_mask.shape[1]
-
-    @property
-    def responses(self) -> torch.Tensor:
-        """``[b, R]`` the response part of ``input_ids``."""
-        return self.input_ids[:, self.prompt_length:]
+from megatron_rlhf.models.attention import CachedRopeSelfAttention
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int,
@@ -164,6 +109,25 @@ def _check_attention_takes_padding_masks(model: torch.nn.Module) -> None:
                              "set generation.use_kv_cache=false")
 
 
+def _check_slot_attention(model: torch.nn.Module) -> None:
+    """Refuse continuous batching for models whose attention cannot decode over slots."""
+    if not any(isinstance(m, CachedRopeSelfAttention) for m in model.modules()):
+        raise ValueError("generation.batching=continuous needs the local layer spec's "
+                         "CachedRopeSelfAttention (models.transformer_impl=local); set "
+                         "generation.batching=static for this model")
+
+
+def _decode_model(model: torch.nn.Module, config: GenerationConfig) -> torch.nn.Module | None:
+    """The compiled model that runs the one-token decode calls (None: ``model`` itself).
+
+    The static loop's cached length grows every step (``dynamic=True``: one graph serves every
+    step); continuous batching's step has one shape per call.
+    """
+    if not config.compile_decode:
+        return None
+    return torch.compile(_unwrap(model), dynamic=not config.continuous)
+
+
 def _has_value_channel(model: torch.nn.Module) -> bool:
     """Whether the model's output carries a value channel; refuses models without an LM head."""
     head = getattr(model, "head_kind", "lm")
@@ -222,6 +186,12 @@ def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollec
     model.eval()
     try:
         with torch.no_grad():
+            if config.continuous:
+                _check_slot_attention(core)
+                budgets = [min(config.max_new_tokens, seq_length - len(p)) for p in prompts]
+                return generate_continuous(model, _decode_model(model, config), prompts,
+                                           prompt_indices, budgets, config, eos_id, pad_id,
+                                           vocab_size, on_cache)
             outputs = [
                 _generate_micro_batch(model, pg_collection, prompts[i:i + size],
                                       prompt_indices[i:i + size], config, eos_id, pad_id,
@@ -244,11 +214,8 @@ def _generate_micro_batch(model: torch.nn.Module, pg_collection: ProcessGroupCol
     budgets = torch.tensor(budget_list, device=device)
     max_new = max(budget_list)
     if config.use_kv_cache:
-        # dynamic=True: the cached length grows every step; one graph serves every step
-        decode_model = torch.compile(_unwrap(model), dynamic=True) if config.compile_decode \
-            else None
         next_logits = CachedNextTokenLogits(model, len(prompts), input_ids.shape[1] + max_new,
-                                            vocab_size, decode_model)
+                                            vocab_size, _decode_model(model, config))
     else:
         next_logits = RecomputeNextTokenLogits(model, pg_collection, vocab_size, has_value_channel)
     noise_keys = prompt_noise_keys(config.seed, prompt_indices, device)
@@ -314,28 +281,3 @@ def _decode_loop(next_logits: CachedNextTokenLogits | RecomputeNextTokenLogits,
         response_lengths=response_lengths,
         micro_batches=(MicroBatchWork(b, prompt_width, forwards, config.use_kv_cache),),
     )
-
-
-def concat_outputs(outputs: Sequence[GenerationOutput], pad_id: int) -> GenerationOutput:
-    """Stack the outputs of consecutive prompt batches into one, re-padded to the widest prompt
-    (on the left) and the longest response (on the right)."""
-    prompt_width = max(out.prompt_length for out in outputs)
-    steps = max(out.response_mask.shape[1] for out in outputs)
-
-    def pad(tensor: torch.Tensor, left: int, right: int, value: float) -> torch.Tensor:
-        return torch.nn.functional.pad(tensor, (left, right), value=value)
-
-    parts = {name: [] for name in ("input_ids", "attention_mask", "prompt_mask", "response_mask",
-                                   "response_logprobs", "response_policy_logprobs")}
-    for out in outputs:
-        left, right = prompt_width - out.prompt_length, steps - out.response_mask.shape[1]
-        parts["input_ids"].append(pad(out.input_ids, left, right, pad_id))
-        parts["attention_mask"].append(pad(out.attention_mask, left, right, 0))
-        parts["prompt_mask"].append(pad(out.prompt_mask, left, 0, 0))
-        for name in ("response_mask", "response_logprobs", "response_policy_logprobs"):
-            parts[name].append(pad(getattr(out, name), 0, right, 0))
-    return GenerationOutput(
-        **{name: torch.cat(tensors) for name, tensors in parts.items()},
-        prompt_lengths=torch.cat([out.prompt_lengths for out in outputs]),
-        response_lengths=torch.cat([out.response_lengths for out in outputs]),
-        micro_batches=tuple(work for out in outputs for work in out.micro_batches))

@@ -64,6 +64,19 @@ class GenerationConfig:
     compiles (about 7 s on a 2-core CPU with torch's compile cache warm, 25 s cold). Needs
     ``use_kv_cache``."""
 
+    batching: str = "continuous"
+    """How prompts share the decode batch. ``continuous``: ``micro_batch_size`` slots (all
+    prompts, rounded up to a power of two, when 0) decode together with a step of fixed shape,
+    and a slot whose sequence ended takes the next waiting prompt at the next stop check.
+    ``static``: the reference loop, ``micro_batch_size`` prompts at a time, each micro-batch
+    decoding until its longest sequence ends. Both give every prompt the same tokens (their
+    log-probs agree to rounding). ``continuous`` needs the local layer spec; with
+    ``use_kv_cache=False`` the static loop runs."""
+    cuda_graphs: str = "auto"
+    """``auto``: with ``batching=continuous`` on a CUDA device, capture the decode step into one
+    CUDA graph per generate call and replay it per token; ``off``: run it eagerly. Never used
+    on CPU."""
+
     def __post_init__(self) -> None:
         """Checks every field.
 
@@ -95,6 +108,16 @@ class GenerationConfig:
         _require(not self.compile_decode or self.use_kv_cache,
                  "generation.compile_decode=True compiles the KV-cached decode step; it needs "
                  "use_kv_cache=True (got use_kv_cache=False)")
+        _require(self.batching in ("continuous", "static"),
+                 f"generation.batching={self.batching!r} must be 'continuous' or 'static'")
+        _require(self.cuda_graphs in ("auto", "off"),
+                 f"generation.cuda_graphs={self.cuda_graphs!r} must be 'auto' or 'off'")
+
+    @property
+    def continuous(self) -> bool:
+        """Whether the continuous-batching loop runs (``batching``; it decodes through the KV
+        cache, so ``use_kv_cache=False`` runs the static loop)."""
+        return self.batching == "continuous" and self.use_kv_cache
 
     @property
     def filters_distribution(self) -> bool:

@@ -24,7 +24,9 @@ On a CUDA device with half-precision inputs it is torch's FlashAttention varlen 
 torch has it.
 
 :class:`CachedRopeSelfAttention` replaces megatron's ``SelfAttention`` in the same local spec so
-that KV-cached decoding rotates each key once instead of the whole cache at every step.
+that KV-cached decoding rotates each key once instead of the whole cache at every step, and so
+that it can decode over a :class:`~megatron_rlhf.models.slot_cache.SlotInferenceContext` (each
+row at its own position, shapes fixed for every step).
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
 )
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+
+from megatron_rlhf.models.slot_cache import SlotInferenceContext
 
 _MASKED_SCORE = -10000.0  # megatron's attention_mask_func
 
@@ -75,10 +80,6 @@ class SDPAttention(DotProductAttention):
         if not self._sdpa_applies(attention_bias, packed_seq_params):
             return super().forward(query, key, value, attention_mask, attn_mask_type,
                                    attention_bias, packed_seq_params)
-        repeats = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
-        if repeats > 1:
-            key = key.repeat_interleave(repeats, dim=2)
-            value = value.repeat_interleave(repeats, dim=2)
         # [s, b, n, d] -> [b, n, s, d]
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         bias = None
@@ -88,8 +89,11 @@ class SDPAttention(DotProductAttention):
         elif query.shape[2] > 1:
             raise ValueError("SDPAttention needs an explicit attention mask for multi-token "
                              "queries (megatron_rlhf always passes causal + padding masks)")
+        # enable_gqa: each group of query heads reads its shared key/value head in place
+        # (no repeat_interleave copy of K and V, which in decoding is the whole KV cache)
+        grouped = self.num_query_groups_per_partition != self.num_attention_heads_per_partition
         context = F.scaled_dot_product_attention(query, key, value, attn_mask=bias,
-                                                 scale=self.softmax_scale)
+                                                 scale=self.softmax_scale, enable_gqa=grouped)
         # [b, n, sq, d] -> [sq, b, n * d]
         context = context.permute(2, 0, 1, 3).contiguous()
         return context.view(*context.shape[:2], self.hidden_size_per_partition)
@@ -166,6 +170,8 @@ class CachedRopeSelfAttention(SelfAttention):
                                         rotary_pos_cos=None, rotary_pos_sin=None,
                                         rotary_pos_cos_sin=None, sequence_len_offset=None,
                                         **kwargs):
+        if isinstance(inference_context, SlotInferenceContext):
+            return self._slot_key_value(inference_context, query, key, value, rotary_pos_emb)
         if not self._rotates_before_caching(inference_context, rotary_pos_emb, rotary_pos_cos):
             return super()._adjust_key_value_for_inference(
                 inference_context, query, key, value, rotary_pos_emb, rotary_pos_cos,
@@ -180,6 +186,33 @@ class CachedRopeSelfAttention(SelfAttention):
         return super()._adjust_key_value_for_inference(
             inference_context, query, key, value, None, rotary_pos_cos, rotary_pos_sin,
             rotary_pos_cos_sin, sequence_len_offset, **kwargs)
+
+    def _slot_key_value(self, context: SlotInferenceContext, query: torch.Tensor,
+                        key: torch.Tensor, value: torch.Tensor, rotary_pos_emb):
+        """Rotate the new queries and keys at their slots' positions, write the keys and values
+        into the slots' memory and return what attention reads (module docstring of
+        ``models.slot_cache``): a prefill's own keys, or a decode step's whole cache."""
+        keys, values = context.layer_memory(self.layer_number, lambda: tuple(
+            self._allocate_memory(context.max_sequence_length, context.max_batch_size, size,
+                                  t.dtype) for size, t in ((self.key_hidden_size, key),
+                                                           (self.val_hidden_size, value))))
+        prefill = context.prefill_slots is not None
+        if rotary_pos_emb is not None:
+            if not isinstance(rotary_pos_emb, tuple):
+                rotary_pos_emb = (rotary_pos_emb, rotary_pos_emb)
+            if prefill:  # positions 0 .. s-1 of every row
+                freqs = [f[: key.shape[0]] for f in rotary_pos_emb]
+            else:  # [L, 1, 1, d] -> each slot's own position, [1, slots, 1, d]
+                freqs = [f[:, 0, 0][context.positions][None, :, None] for f in rotary_pos_emb]
+            query, key = (self._rotate(t, f) for t, f in zip((query, key), freqs, strict=True))
+        if prefill:
+            keys[: key.shape[0]].index_copy_(1, context.prefill_slots, key)
+            values[: value.shape[0]].index_copy_(1, context.prefill_slots, value)
+            return query, key, value, None, self.attn_mask_type, None
+        at = context.positions.view(1, -1, 1, 1)
+        keys.scatter_(0, at.expand_as(key), key)
+        values.scatter_(0, at.expand_as(value), value)
+        return query, keys, values, None, AttnMaskType.no_mask, None
 
     def _rotates_before_caching(self, inference_context, rotary_pos_emb,
                                 rotary_pos_cos) -> bool:

@@ -2,9 +2,11 @@
 
 With the same seed and synchronous execution, flattening, interleaving, interleaving2,
 separation and heterogeneous separation (generation split between pools by speed) give the same
-per-step rewards, KL and losses on 4 gloo ranks, for AC-NonShare and AC-Share; and so does
-flattening with padded rows (``models.packed_sequences=false``) against the packed default. Each strategy moves data differently (separation also resyncs shadows every step), so
-any routing or sync mistake shows up as a metric mismatch.
+per-step rewards, KL and losses on 4 gloo ranks, for AC-NonShare and AC-Share. Each strategy
+moves data differently (separation also resyncs shadows every step), so any routing or sync
+mistake shows up as a metric mismatch. Every placement generates with continuous batching over
+packed sequences (the defaults); ``flattening/reference`` generates through the static loop and
+trains on padded rows, the paths those defaults must reproduce.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ from tests.helpers.metrics import assert_metrics_match, even_token_share
 from tests.multirank import run_on_ranks
 
 STRATEGIES = ("flattening", "interleaving", "interleaving2", "separation", "hetero-separation",
-              "flattening-padded")
+              "flattening/reference")
+"""Placements with the default generation and training paths; ``/reference``: with the static
+generation loop (``generation.batching=static``) and padded rows
+(``models.packed_sequences=false``)."""
 COMPARED = ("reward_mean", "rm_score", "rule_score", "kl", "policy_loss", "value_loss",
             "response_length", "actor/pg_clipfrac", "actor/grad_norm")
 
@@ -48,21 +53,23 @@ def _run_strategies(ac_share: bool, steps: int, strategies: tuple[str, ...] = ST
                for n in torch.randint(2, 9, (16 * steps,), generator=prompts_gen)]
     results = {}
     for strategy in strategies:
+        placement, _, variant = strategy.partition("/")
+        reference = variant == "reference"
         config = RunConfig(
-            placement=PlacementConfig(strategy=strategy.removesuffix("-padded"),
-                                      ac_share=ac_share),
+            placement=PlacementConfig(strategy=placement, ac_share=ac_share),
             models=ModelsConfig(arch="tiny", init_seed=9, offload=dict.fromkeys(
                 ("actor", "critic", "ref", "reward"), offload),
-                packed_sequences=not strategy.endswith("-padded")),
+                packed_sequences=not reference),
             rollout=RolloutConfig(prompts_per_step=16, max_prompt_length=8, micro_batch_size=2,
                                   ppo_epochs=2, num_minibatches=2),
-            generation=GenerationConfig(max_new_tokens=6, seed=3),
+            generation=GenerationConfig(max_new_tokens=6, seed=3,
+                                        batching="static" if reference else "continuous"),
             reward=RewardConfig(model_weight=0.5, rule="none", rule_weight=1.0),
             steps=steps)
         config.algorithm.entropy_coef = 0.01
         config.actor_optimizer.lr = 1e-3
         config.critic_optimizer.lr = 1e-3
-        pools = hetero_pools if strategy == "hetero-separation" else None
+        pools = hetero_pools if placement == "hetero-separation" else None
         plan = make_plan(config, cluster_from_environment(pools))
         engine = build_engine(config, plan, eos_id=3, pad_id=0)
         algorithm = PPOAlgorithm(

@@ -38,7 +38,7 @@ def test_kv_cache_greedy_equals_recomputation(tiny, head: str) -> None:
     cached = _generate(model_and_groups, prompts, config)
     recomputed = _generate(model_and_groups, prompts,
                            GenerationConfig(max_new_tokens=16, greedy=True, stop_at_eos=False,
-                                            use_kv_cache=False))
+                                            use_kv_cache=False, batching="static"))
     assert torch.equal(cached.input_ids, recomputed.input_ids)
     assert cached.input_ids.shape == (5, 12 + 16)
     assert cached.response_lengths.tolist() == [16] * 5
@@ -98,7 +98,8 @@ def test_batch_split_and_order_do_not_change_samples(tiny, use_kv_cache: bool) -
     prompts = make_prompts([4, 9, 2, 6, 11, 3], seed=3)
     indices = [100, 7, 42, 3, 55, 8]
     config = GenerationConfig(max_new_tokens=10, temperature=1.0, top_p=0.95, seed=9,
-                              use_kv_cache=use_kv_cache)
+                              use_kv_cache=use_kv_cache,
+                              batching="continuous" if use_kv_cache else "static")
     whole = _responses(_generate(tiny, prompts, config, indices))
     first = _responses(_generate(tiny, prompts[:2], config, indices[:2]))
     rest = _responses(_generate(tiny, prompts[:1:-1], config, indices[:1:-1]))
@@ -173,14 +174,14 @@ def _model_call_widths(tiny, prompts, config, eos_id=EOS) -> tuple[GenerationOut
 
 @pytest.mark.parametrize("use_kv_cache", [True, False])
 def test_micro_batch_work_is_what_the_model_ran(tiny, use_kv_cache: bool) -> None:
-    """Each micro-batch is padded to its own longest prompt, and the record says so: rows,
+    """The static loop (``batching=static``): each micro-batch is padded to its own longest prompt, and the record says so: rows,
     prompt width and model calls equal a count from the prompts, and the shapes of the calls
     the model saw (a prefill of the prompt width then one token per call with the cache; the
     whole sequence so far without it)."""
     lengths, micro, new_tokens = [4, 9, 2, 6, 11, 3, 5], 3, 4
     config = GenerationConfig(max_new_tokens=new_tokens, temperature=1.0, seed=2,
                               stop_at_eos=False, micro_batch_size=micro,
-                              use_kv_cache=use_kv_cache)
+                              use_kv_cache=use_kv_cache, batching="static")
     out, shapes = _model_call_widths(tiny, make_prompts(lengths, seed=8), config)
 
     by_hand = [MicroBatchWork(rows=len(lengths[i:i + micro]),
@@ -207,7 +208,7 @@ def test_micro_batch_work_counts_the_calls_of_an_early_stop(tiny) -> None:
     tokens = free.responses[0].tolist()
     step = next(t for t in range(2, 10) if tokens[t] not in tokens[:t])
     out, shapes = _model_call_widths(
-        tiny, [prompt] * 2, GenerationConfig(max_new_tokens=10, greedy=True,
+        tiny, [prompt] * 2, GenerationConfig(max_new_tokens=10, greedy=True, batching="static",
                                              stop_check_interval=1), eos_id=tokens[step])
     assert out.micro_batches == (MicroBatchWork(2, 6, step + 1, True),)
     assert len(shapes) == step + 1 < 10

@@ -1,0 +1,132 @@
+"""Continuous batching inside one ``generate_sequences`` call.
+
+The prompts wait in a queue (in the order given). ``slots`` of them decode together through a
+:class:`~megatron_rlhf.generation.decode_step.SlotDecoder`; every ``stop_check_interval`` steps
+the host reads which slots have ended, keeps their responses and prefills the next waiting
+prompts into those slots, so the decode batch stays full until the queue drains. A prompt's
+tokens depend only on its own noise key, budget and logits, so they are the tokens the static
+loop (``generation.batching=static``) draws for it; the log-probs agree to rounding (the
+prompt's keys sit at other absolute positions and are read among more masked keys).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import torch
+
+from megatron_rlhf.generation.decode_step import (
+    DecodeGraph,
+    SlotDecoder,
+    SlotPrompt,
+    batch_bucket,
+    graphs_enabled,
+    length_bucket,
+)
+from megatron_rlhf.generation.output import GenerationOutput, MicroBatchWork
+from megatron_rlhf.generation.params import GenerationConfig
+from megatron_rlhf.generation.sampling import prompt_noise_keys
+
+
+def generate_continuous(model: torch.nn.Module, decode_model: torch.nn.Module | None,
+                        prompts: Sequence[Sequence[int]], prompt_indices: Sequence[int],
+                        budgets: Sequence[int], config: GenerationConfig,
+                        eos_id: int | Sequence[int] | None, pad_id: int, vocab_size: int,
+                        on_cache: Callable[[int], None] | None) -> GenerationOutput:
+    """Generate one response per prompt with continuous batching (module docstring).
+
+    Args:
+        model: this rank's shard of the GPT model (local spec), in eval mode, under no_grad.
+        decode_model: runs the decode steps (``model`` when None).
+        prompts: token ids per prompt.
+        prompt_indices: noise ids per prompt.
+        budgets: most response tokens per prompt (0: an empty response, nothing runs).
+        config, eos_id, pad_id: as ``generate_sequences``.
+        vocab_size: logits columns at or past it are dropped.
+        on_cache: called once with the bytes of the KV cache.
+    """
+    device = next(model.parameters()).device
+    greedy_every = config.greedy_every if not config.greedy else 0
+    keys = prompt_noise_keys(config.seed, prompt_indices).tolist()
+    waiting = deque(i for i, budget in enumerate(budgets) if budget > 0)
+    slots = batch_bucket(len(waiting), config.micro_batch_size) if waiting else 0
+    work: list[MicroBatchWork] = []
+    responses: dict[int, tuple[torch.Tensor, ...]] = {}
+    if waiting:
+        # a prefill left-pads its prompts to the longest of them, so a short prompt's response
+        # starts past its own length: bound by the longest prompt plus the largest budget
+        length = length_bucket(max(len(prompts[i]) for i in waiting)
+                               + max(budgets[i] for i in waiting))
+        decoder = SlotDecoder(model, slots, length, vocab_size, config, eos_id, pad_id,
+                              decode_model)
+        occupant: list[int | None] = [None] * slots
+        graph = None
+        decode_calls = 0
+        while True:
+            free = [s for s, prompt in enumerate(occupant) if prompt is None][:len(waiting)]
+            entering = [waiting.popleft() for _ in free]
+            if entering:
+                decoder.prefill(free, [
+                    SlotPrompt(prompts[i], keys[i], budgets[i],
+                               bool(greedy_every) and prompt_indices[i] % greedy_every == 0)
+                    for i in entering])
+                work.append(MicroBatchWork(len(entering), max(len(prompts[i]) for i in entering),
+                                           1, True))
+                for slot, prompt in zip(free, entering, strict=True):
+                    occupant[slot] = prompt
+            if graph is None and graphs_enabled(config, device):
+                graph = DecodeGraph(decoder)
+            run = graph or decoder
+            for _ in range(config.stop_check_interval):
+                run.step()
+            decode_calls += config.stop_check_interval
+            active = decoder.active.tolist()
+            for slot, prompt in enumerate(occupant):
+                if prompt is not None and not active[slot]:
+                    responses[prompt] = _take(decoder, slot)
+                    occupant[slot] = None
+            if not waiting and all(prompt is None for prompt in occupant):
+                break
+        work.append(MicroBatchWork(slots, 0, decode_calls, True, decode_context=length))
+        if on_cache is not None:
+            on_cache(decoder.cache_bytes())
+    return _assemble(prompts, responses, pad_id, device, tuple(work))
+
+
+def _take(decoder: SlotDecoder, slot: int) -> tuple[torch.Tensor, ...]:
+    """A finished slot's response: ``(tokens, logprobs, policy_logprobs)``, each ``[n]``."""
+    n = int(decoder.steps[slot])
+    return tuple(buffer[slot, :n].clone() for buffer in
+                 (decoder.out_tokens, decoder.out_logprobs, decoder.out_policy_logprobs))
+
+
+def _assemble(prompts: Sequence[Sequence[int]], responses: dict[int, tuple[torch.Tensor, ...]],
+              pad_id: int, device: torch.device,
+              work: tuple[MicroBatchWork, ...]) -> GenerationOutput:
+    """The batch layout of ``generate_sequences`` (prompts left-padded to the longest, responses
+    right-padded to the longest) from each prompt's response."""
+    b = len(prompts)
+    width = max(len(p) for p in prompts)
+    steps = max((len(r[0]) for r in responses.values()), default=0)
+    input_ids = torch.full((b, width + steps), pad_id, dtype=torch.long, device=device)
+    attention_mask = torch.zeros(b, width + steps, dtype=torch.long, device=device)
+    logprobs = torch.zeros(b, steps, dtype=torch.float32, device=device)
+    policy_logprobs = torch.zeros_like(logprobs)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt):width] = torch.tensor(list(prompt), device=device)
+        attention_mask[row, width - len(prompt):width] = 1
+        if row in responses:
+            tokens, lp, policy = responses[row]
+            n = len(tokens)
+            input_ids[row, width:width + n] = tokens
+            attention_mask[row, width:width + n] = 1
+            logprobs[row, :n] = lp
+            policy_logprobs[row, :n] = policy
+    prompt_mask = attention_mask[:, :width].clone()
+    response_mask = attention_mask[:, width:].clone()
+    return GenerationOutput(
+        input_ids=input_ids, attention_mask=attention_mask, prompt_mask=prompt_mask,
+        response_mask=response_mask, response_logprobs=logprobs,
+        response_policy_logprobs=policy_logprobs, prompt_lengths=prompt_mask.sum(dim=1),
+        response_lengths=response_mask.sum(dim=1), micro_batches=work)

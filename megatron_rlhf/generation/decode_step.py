@@ -1,0 +1,225 @@
+"""A decode step of fixed shape over slots, and its CUDA graph.
+
+:class:`SlotDecoder` allocates, once per (slots, length) bucket, every tensor a decode step reads
+or writes: the KV cache (:class:`~megatron_rlhf.models.slot_cache.SlotInferenceContext`), each
+slot's position, key mask, last token, response step, budget, noise key, greedy flag, active
+flag and its outputs (tokens, both log-probs). :meth:`SlotDecoder.step` is a function of those
+tensors alone, updated in place, with no host branch on their values: the same kernels run at
+every token, so on CUDA the step is captured once into a graph (:class:`DecodeGraph`) and
+replayed per token; on CPU it runs eagerly.
+
+:meth:`SlotDecoder.prefill` puts new prompts into free slots (an ordinary, variable-shape
+forward); its logits give each prompt's first token, sampled with the step's own rule. The
+sampling noise of a slot's token is a hash of (noise key, response step), computed inside the
+step, so a prompt draws the same numbers whatever slot, batch or order it decodes in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron_rlhf.generation.params import GenerationConfig
+from megatron_rlhf.generation.sampling import SampledTokens, sample_tokens, uniforms_at_step
+from megatron_rlhf.models.forward_backward import causal_padding_mask
+from megatron_rlhf.models.slot_cache import SlotInferenceContext
+
+LENGTH_BUCKET = 32
+"""Cache lengths are rounded up to a multiple of this, so calls of similar lengths share a
+bucket (and, on CUDA, the shapes a graph was captured at)."""
+
+
+def batch_bucket(rows: int, limit: int) -> int:
+    """Slots for ``rows`` prompts: the next power of two, at most ``limit`` (0: no limit)."""
+    bucket = 1 << max(rows - 1, 0).bit_length()
+    return min(bucket, limit) if limit else bucket
+
+
+def length_bucket(length: int) -> int:
+    """Positions per slot for sequences of up to ``length`` tokens."""
+    return -(-length // LENGTH_BUCKET) * LENGTH_BUCKET
+
+
+@dataclass(frozen=True)
+class SlotPrompt:
+    """A prompt entering a slot."""
+
+    tokens: Sequence[int]
+    noise_key: int
+    """Its :func:`~megatron_rlhf.generation.sampling.prompt_noise_keys` entry."""
+    budget: int
+    """Most response tokens, >= 1."""
+    greedy: bool
+    """Takes the argmax although the config samples (``greedy_every``)."""
+
+
+class SlotDecoder:
+    """Fixed-shape decoding state of ``slots`` rows of up to ``max_length`` positions."""
+
+    def __init__(self, model: torch.nn.Module, slots: int, max_length: int, vocab_size: int,
+                 config: GenerationConfig, eos_id: int | Sequence[int] | None, pad_id: int,
+                 decode_model: torch.nn.Module | None = None) -> None:
+        """Allocate the buffers (the KV memory is allocated by the first prefill).
+
+        Args:
+            model: this rank's shard of the GPT model (local spec), in eval mode.
+            slots: rows decoded together.
+            max_length: positions per slot (a :func:`length_bucket`).
+            vocab_size: logits columns at or past it are dropped.
+            config: sampling settings.
+            eos_id: the end token(s), used when ``config.stop_at_eos``.
+            pad_id: the token a finished slot writes.
+            decode_model: runs the decode steps (``model`` when None; a compiled ``model``).
+        """
+        device = next(model.parameters()).device
+        self.model = model
+        self.decode_model = model if decode_model is None else decode_model
+        self.vocab_size = vocab_size
+        self.config = config
+        self.pad_id = pad_id
+        self.max_length = max_length
+        self.context = SlotInferenceContext(slots, max_length, device)
+        self.eos_ids = (torch.as_tensor(eos_id, device=device).reshape(-1)
+                        if config.stop_at_eos else None)
+        self.tokens = torch.full((slots,), pad_id, dtype=torch.long, device=device)
+        self.key_valid = torch.zeros(slots, max_length, dtype=torch.bool, device=device)
+        self.steps = torch.zeros(slots, dtype=torch.long, device=device)
+        self.budgets = torch.zeros(slots, dtype=torch.long, device=device)
+        self.noise_keys = torch.zeros(slots, dtype=torch.long, device=device)
+        self.greedy = (torch.zeros(slots, dtype=torch.bool, device=device)
+                       if config.greedy_every and not config.greedy else None)
+        self.active = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.out_tokens = torch.full((slots, max_length), pad_id, dtype=torch.long,
+                                     device=device)
+        self.out_logprobs = torch.zeros(slots, max_length, dtype=torch.float32, device=device)
+        self.out_policy_logprobs = torch.zeros_like(self.out_logprobs)
+        self.all_slots = torch.arange(slots, device=device)
+
+    @property
+    def slots(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[slots]``: where each slot's next fed token is written."""
+        return self.context.positions
+
+    def prefill(self, slots: Sequence[int], prompts: Sequence[SlotPrompt]) -> None:
+        """Encode ``prompts`` (left-padded together) into ``slots`` and sample their first token.
+
+        Overwrites whatever the slots held; the positions past the new prompts are masked.
+        """
+        device = self.tokens.device
+        width = max(len(p.tokens) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        real = torch.zeros(len(prompts), width, dtype=torch.bool)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt.tokens):] = torch.tensor(list(prompt.tokens))
+            real[row, width - len(prompt.tokens):] = True
+        ids, real = ids.to(device), real.to(device)
+        rows = torch.tensor(list(slots), dtype=torch.long, device=device)
+        self.key_valid[rows] = False
+        self.key_valid[rows, :width] = real
+        self.positions[rows] = width - 1  # the last prompt token's; _record advances it
+        self.steps[rows] = 0
+        self.active[rows] = True
+        self.budgets[rows] = torch.tensor([p.budget for p in prompts], device=device)
+        self.noise_keys[rows] = torch.tensor([p.noise_key for p in prompts], device=device)
+        if self.greedy is not None:
+            self.greedy[rows] = torch.tensor([p.greedy for p in prompts], device=device)
+        self.context.start_prefill(rows)
+        positions = torch.arange(width, device=device).expand(len(prompts), width)
+        logits = self._logits(self.model, ids, positions, causal_padding_mask(real))
+        self._record(rows, self._sample(logits, rows))
+
+    def step(self) -> None:
+        """Feed every slot's last token and sample its next one, all in place.
+
+        Slots that are not active compute too (fixed shape) but change nothing that is read
+        back: their position, step and outputs stay where they ended.
+        """
+        self.key_valid.scatter_(1, self.positions[:, None], True)
+        self.context.start_decode()
+        logits = self._logits(self.decode_model, self.tokens[:, None], self.positions[:, None],
+                              ~self.key_valid[:, None, None, :])
+        self._record(self.all_slots, self._sample(logits, self.all_slots))
+
+    def _logits(self, model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        output = model(ids, positions, mask, inference_context=self.context,
+                       runtime_gather_output=True)
+        # materialize_only_last_token_logits: [rows, 1, padded vocab (+ value channel)]
+        return output[:, -1, : self.vocab_size].float()
+
+    def _sample(self, logits: torch.Tensor, rows: torch.Tensor) -> SampledTokens:
+        uniforms = uniforms_at_step(self.noise_keys[rows], self.steps[rows])
+        greedy = None if self.greedy is None else self.greedy[rows]
+        return sample_tokens(logits, uniforms, self.config, greedy)
+
+    def _record(self, rows: torch.Tensor, sampled: SampledTokens) -> None:
+        """Write the sampled tokens of active ``rows`` at their step and advance those rows."""
+        active, steps = self.active[rows], self.steps[rows]
+        token = torch.where(active, sampled.tokens, self.pad_id)
+        at = (rows, steps)
+        self.out_tokens.index_put_(at, token)
+        self.out_logprobs.index_put_(at, torch.where(active, sampled.logprobs, 0.0))
+        self.out_policy_logprobs.index_put_(at, torch.where(active, sampled.policy_logprobs, 0.0))
+        ended = steps + 1 >= self.budgets[rows]
+        if self.eos_ids is not None:
+            ended = ended | torch.isin(token, self.eos_ids)
+        continues = active & ~ended
+        self.tokens.index_put_((rows,), token)
+        # an ended slot keeps its position (it may be the last one of the cache)
+        self.positions.index_put_((rows,), self.positions[rows] + continues.long())
+        self.steps.index_put_((rows,), steps + active.long())
+        self.active.index_put_((rows,), continues)
+
+    def cache_bytes(self) -> int:
+        """Bytes of the KV memory allocated so far."""
+        return self.context.cache_bytes()
+
+
+class DecodeGraph:
+    """:meth:`SlotDecoder.step` captured into one CUDA graph and replayed per token.
+
+    The graph holds the addresses of the decoder's buffers and of the model's parameters: it is
+    valid while they stay where they are. Generation captures it inside one ``generate_sequences``
+    call and drops it at the end, so weight updates between calls (refit copies into the same
+    storage; offloading frees and re-allocates it) never meet a stale graph; within a call the
+    weights do not change.
+    """
+
+    WARMUP_STEPS = 2
+
+    def __init__(self, decoder: SlotDecoder) -> None:
+        """Warm up on a side stream and capture (kernels are launched once for warm-up, and the
+        state they advanced is restored, so capturing does not consume a token)."""
+        self.decoder = decoder
+        state = (decoder.tokens, decoder.positions, decoder.steps, decoder.active)
+        saved = [t.clone() for t in state]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(self.WARMUP_STEPS):
+                decoder.step()
+                for tensor, value in zip(state, saved, strict=True):
+                    tensor.copy_(value)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            decoder.step()
+        # the warm-up wrote keys, key flags and outputs at the positions the next real step
+        # writes again with the same values; only the advanced counters needed restoring
+        for tensor, value in zip(state, saved, strict=True):
+            tensor.copy_(value)
+
+    def step(self) -> None:
+        """One decode step (replays the captured kernels)."""
+        self.graph.replay()
+
+
+def graphs_enabled(config: GenerationConfig, device: torch.device) -> bool:
+    """Whether ``config.cuda_graphs`` asks for graphs on ``device`` (auto: on CUDA)."""
+    return config.continuous and config.cuda_graphs == "auto" and device.type == "cuda"

@@ -1,0 +1,159 @@
+"""Continuous batching (``generation.batching=continuous``) against the static loop it replaces.
+
+Every prompt gets the static loop's tokens whatever the number of slots, the stop-check interval,
+the end ids or the number of samples per prompt; a finished slot really takes the next waiting
+prompt; every decode call has one shape; weights refitted in place are the ones decoded with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_rlhf.generation import GenerationConfig, GenerationOutput, generate_sequences
+from megatron_rlhf.generation.decode_step import batch_bucket, graphs_enabled, length_bucket
+from tests.generation.helpers import INIT_SEED, build_tiny, make_prompts
+
+PAD = 0
+SAMPLES = 2  # responses per prompt, as rollout.samples_per_prompt
+BASE = GenerationConfig(max_new_tokens=12, temperature=1.0, top_p=0.95, seed=4,
+                        greedy_every=SAMPLES)
+EXACT = ("input_ids", "attention_mask", "prompt_mask", "response_mask", "prompt_lengths",
+         "response_lengths")
+
+
+def _generate(tiny, config: GenerationConfig, eos_id, prompts=None) -> GenerationOutput:
+    model, pgc = tiny
+    prompts = prompts or [p for p in make_prompts([4, 9, 2, 6, 11, 3, 5], seed=6)
+                          for _ in range(SAMPLES)]
+    return generate_sequences(model, pgc, prompts, list(range(30, 30 + len(prompts))), config,
+                              eos_id=eos_id, pad_id=PAD)
+
+
+def _assert_same_samples(out: GenerationOutput, reference: GenerationOutput) -> None:
+    for name in EXACT:
+        assert torch.equal(getattr(out, name), getattr(reference, name)), name
+    for name in ("response_logprobs", "response_policy_logprobs"):
+        torch.testing.assert_close(getattr(out, name), getattr(reference, name), rtol=0,
+                                   atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def end_ids(tiny) -> tuple[int, int]:
+    """Two end ids that the static loop emits early in some rows and late or never in others."""
+    free = _generate(tiny, dataclasses.replace(BASE, batching="static", stop_at_eos=False), None)
+    responses = free.responses.tolist()
+    return responses[0][2], responses[5][6]
+
+
+@pytest.fixture(scope="module")
+def static_reference(tiny, end_ids) -> GenerationOutput:
+    out = _generate(tiny, dataclasses.replace(BASE, batching="static", stop_check_interval=1),
+                    end_ids)
+    lengths = out.response_lengths
+    assert lengths.min() < 7 and lengths.max() == BASE.max_new_tokens, "lengths must vary"
+    return out
+
+
+@pytest.mark.parametrize("slots,interval", [(0, 1), (1, 3), (3, 1), (3, 8), (4, 5), (16, 2)])
+def test_continuous_batching_gives_the_static_loops_tokens(tiny, end_ids, static_reference,
+                                                           slots: int, interval: int) -> None:
+    config = dataclasses.replace(BASE, micro_batch_size=slots, stop_check_interval=interval)
+    _assert_same_samples(_generate(tiny, config, end_ids), static_reference)
+
+
+@pytest.mark.parametrize("config", [
+    GenerationConfig(max_new_tokens=10, greedy=True, micro_batch_size=2),
+    GenerationConfig(max_new_tokens=10, temperature=0.7, top_k=20, seed=8, micro_batch_size=3,
+                     stop_check_interval=2),
+], ids=["greedy", "top-k"])
+def test_continuous_batching_equals_static_with_other_samplers(tiny, end_ids, config) -> None:
+    reference = _generate(tiny, dataclasses.replace(config, batching="static"), end_ids[0])
+    _assert_same_samples(_generate(tiny, config, end_ids[0]), reference)
+
+
+def _call_shapes(tiny, config, eos_id) -> tuple[GenerationOutput, list[tuple[int, int]]]:
+    shapes = []
+    hook = tiny[0].register_forward_pre_hook(
+        lambda module, args: shapes.append(tuple(args[0].shape)))
+    try:
+        return _generate(tiny, config, eos_id), shapes
+    finally:
+        hook.remove()
+
+
+def test_a_finished_slot_takes_the_next_prompt_and_decode_calls_keep_one_shape(tiny) -> None:
+    """With 4 slots for 14 prompts whose lengths vary widely (30 end ids, about one token in
+    eight ends a reply), prompts enter as others end (several prefills, each into the slots
+    that ended), every decode call feeds [4, 1], and the decode calls run fewer row steps than
+    the static loop's micro-batches of 4, which decode until their longest row ends."""
+    config = dataclasses.replace(BASE, micro_batch_size=4, stop_check_interval=1)
+    end_ids = list(range(200, 230))
+    out, shapes = _call_shapes(tiny, config, end_ids)
+    assert out.response_lengths.max() - out.response_lengths.min() >= 6
+    *prefills, decode = out.micro_batches
+    assert len(prefills) > 14 // 4 and sum(w.rows for w in prefills) == 14
+    assert prefills[0].rows == 4 and all(1 <= w.rows <= 4 for w in prefills)
+    assert (decode.rows, decode.prompt_width, decode.decode_context) == (4, 0, 32)
+    assert shapes.count((4, 1)) == decode.forwards
+    assert sorted(shapes[i] for i in range(len(shapes)) if shapes[i] != (4, 1)) == sorted(
+        (w.rows, w.prompt_width) for w in prefills)
+    static = _generate(tiny, dataclasses.replace(config, batching="static"), end_ids)
+    static_row_steps = sum(w.rows * (w.forwards - 1) for w in static.micro_batches)
+    assert decode.rows * decode.forwards < static_row_steps
+    assert sum(out.response_lengths) == sum(static.response_lengths)
+
+
+def test_refit_weights_copied_in_place_are_the_ones_decoded_with(world) -> None:
+    """A refit writes new weights into the parameters' own storage (megatron's resharding copies
+    into views of them): no parameter moves, which is what a captured CUDA graph relies on, and
+    the next generate call decodes with the new weights: the tokens of a model built with them."""
+    from megatron_rlhf.models.weights import init_weights
+    from megatron_rlhf.refit import ModelLayout, build_weight_sync
+
+    target, pgc = build_tiny()
+    source, _ = build_tiny()
+    init_weights(source, pgc, seed=INIT_SEED + 1)
+    config = dataclasses.replace(BASE, micro_batch_size=3, stop_at_eos=False)
+    before = _generate((target, pgc), config, None)
+    addresses = [p.data_ptr() for p in target.parameters()]
+
+    build_weight_sync(source, pgc, ModelLayout(0), target, pgc, ModelLayout(0)).sync()
+
+    assert [p.data_ptr() for p in target.parameters()] == addresses
+    after = _generate((target, pgc), config, None)
+    _assert_same_samples(after, _generate((source, pgc), config, None))
+    assert not torch.equal(after.input_ids, before.input_ids)
+
+
+def test_without_the_kv_cache_the_static_loop_runs() -> None:
+    assert BASE.continuous and not dataclasses.replace(BASE, use_kv_cache=False).continuous
+
+
+def test_buckets_and_graph_switch() -> None:
+    assert [batch_bucket(n, 0) for n in (1, 2, 3, 5, 64, 65)] == [1, 2, 4, 8, 64, 128]
+    assert [batch_bucket(n, 6) for n in (1, 3, 5, 100)] == [1, 4, 6, 6]
+    assert [length_bucket(n) for n in (1, 32, 33, 100)] == [32, 32, 64, 128]
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert not graphs_enabled(BASE, cpu) and graphs_enabled(BASE, cuda)
+    assert not graphs_enabled(dataclasses.replace(BASE, cuda_graphs="off"), cuda)
+    assert not graphs_enabled(dataclasses.replace(BASE, batching="static"), cuda)
+
+
+@pytest.mark.parametrize("fields,match", [
+    ({"batching": "dynamic"}, "generation.batching='dynamic' must be 'continuous' or 'static'"),
+    ({"cuda_graphs": "on"}, "generation.cuda_graphs='on' must be 'auto' or 'off'"),
+])
+def test_bad_batching_settings_are_refused(fields, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        GenerationConfig(**fields)
+
+
+def test_models_without_slot_attention_are_refused(tiny) -> None:
+    from megatron_rlhf.models.attention import as_megatron_self_attention
+
+    with as_megatron_self_attention(tiny[0]), pytest.raises(
+            ValueError, match="batching=continuous needs .*CachedRopeSelfAttention"):
+        _generate(tiny, BASE, 249)
