@@ -26,7 +26,7 @@ RUN pip install --no-cache-dir einops numpy sentencepiece tokenizers "jinja2>=3.
 COPY . .
 # The smoke test imports the runner (every module a run needs) and parses the CLI.
 RUN pip install --no-cache-dir --no-deps -e . \
- && python -c "import torch, megatron.core, megatron_rlhf.engine.runner; print('torch', \
+ && python -c "import torch, megatron.core, megatron_rlhf.engine.run.runner; print('torch', \
 torch.__version__, 'megatron-core', megatron.core.__version__)" \
  && python tools/run_ppo.py --help >/dev/null \
  && python scripts/check_te_version.py --min 2.9 --below 2.12 --required "${REQUIRE_TE_RANGE}"

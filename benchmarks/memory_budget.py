@@ -3,7 +3,7 @@ with every model offloaded between stages, per placement of the tiny CPU configu
 
     python benchmarks/memory_budget.py --budget-mib 8
 
-One JSON line per placement. The peaks are ``engine.memory_plan.stage_peaks`` over the planner's
+One JSON line per placement. The peaks are ``engine.run.stage_memory.stage_peaks`` over the planner's
 per-model bytes (``tests/engine/test_memory.py`` holds them to the engine's recorded peaks on the
 CPU): model state and the KV cache of generation, which is what grows with the batch; activations
 are not counted. ``examples/ppo_tiny.yaml`` on 4 ranks in bf16 (the planner's bytes are bf16);
@@ -28,7 +28,7 @@ def config_for(placement: str, prompts: int):
     """The run configuration, or None when the placement refuses that batch."""
     from megatron_rlhf.config.loader import load_config
     from megatron_rlhf.config.ppo_run import RunConfig
-    from megatron_rlhf.engine.build import make_plan
+    from megatron_rlhf.engine.run.build import make_plan
     from megatron_rlhf.topology.cluster import ClusterSpec, DevicePool
 
     overrides = BASE + [f"placement.strategy={placement}", f"rollout.prompts_per_step={prompts}"]
@@ -41,7 +41,7 @@ def config_for(placement: str, prompts: int):
 
 def peak_bytes(placement: str, prompts: int, offload: str) -> float | None:
     """The predicted largest stage peak over the ranks (None: the batch is refused)."""
-    from megatron_rlhf.engine.memory_plan import planner_role_bytes, stage_peaks
+    from megatron_rlhf.engine.run.stage_memory import planner_role_bytes, stage_peaks
 
     planned = config_for(placement, prompts)
     if planned is None:

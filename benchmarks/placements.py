@@ -56,9 +56,9 @@ def worker(args: argparse.Namespace) -> None:
 
     from megatron_rlhf.config.loader import load_config
     from megatron_rlhf.config.ppo_run import RunConfig
-    from megatron_rlhf.engine.build import build_engine, make_plan
-    from megatron_rlhf.engine.ppo import PPOAlgorithm
-    from megatron_rlhf.engine.runner import load_prompts, rule_reward_for
+    from megatron_rlhf.engine.run.build import build_engine, make_plan
+    from megatron_rlhf.engine.step.ppo import PPOAlgorithm
+    from megatron_rlhf.engine.run.runner import load_prompts, rule_reward_for
     from megatron_rlhf.models.tokenizer import Tokenizer
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
     from megatron_rlhf.runtime.context import RunContext
@@ -193,7 +193,7 @@ def planner_comparison(results: dict[str, dict], batch: int, profile_path: Path)
     """Predicted against measured samples/s ranking and stage times, on this machine's profile."""
     from megatron_rlhf.config.loader import load_config
     from megatron_rlhf.config.ppo_run import RunConfig
-    from megatron_rlhf.engine.build import make_plan
+    from megatron_rlhf.engine.run.build import make_plan
     from megatron_rlhf.planner import (
         RolloutSpec,
         compare_rankings,

@@ -27,8 +27,8 @@ from megatron_rlhf.config.loader import load_config
 from megatron_rlhf.config.ppo_run import EvalConfig, RunConfig
 from megatron_rlhf.config.supervised_run import RMConfig, SFTConfig
 from megatron_rlhf.data import SyntheticTaskConfig, write_task_jsonl
-from megatron_rlhf.engine.evaluation import eval_metrics, hacking_report
-from megatron_rlhf.engine.runner import run_ppo
+from megatron_rlhf.engine.run.evaluation import eval_metrics, hacking_report
+from megatron_rlhf.engine.run.runner import run_ppo
 from megatron_rlhf.runtime.bootstrap import initialize_runtime
 from megatron_rlhf.supervised.loop import CHECKPOINT_DIR, TOKENIZER_FILE
 from megatron_rlhf.supervised.reward_model import run_reward_training

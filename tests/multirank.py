@@ -34,7 +34,7 @@ class MultiRankError(AssertionError):
     """One or more ranks failed or timed out."""
 
 
-PRELOADED = ("torch", "megatron.core.models.gpt", "megatron_rlhf.engine.build")
+PRELOADED = ("torch", "megatron.core.models.gpt", "megatron_rlhf.engine.run.build")
 """Imported once by the fork server; most ranks need all of them."""
 
 

@@ -123,7 +123,7 @@ def test_the_image_installs_every_runtime_dependency_and_smoke_tests_the_runner(
                if name != "torch" and not re.search(rf"(^|[\s\"']){re.escape(name)}([\s\"'<>=]|$)",
                                                     installs)]
     assert not missing, f"setup.py needs {missing}, which the Dockerfile does not install"
-    assert "megatron_rlhf.engine.runner" in dockerfile and "tools/run_ppo.py --help" in dockerfile
+    assert "megatron_rlhf.engine.run.runner" in dockerfile and "tools/run_ppo.py --help" in dockerfile
     ignored = (REPO / ".dockerignore").read_text().split()
     assert {"runs", "ckpt", ".venv", ".git"} <= set(ignored)
 

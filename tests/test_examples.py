@@ -8,7 +8,7 @@ import pytest
 
 from megatron_rlhf.config.loader import load_config
 from megatron_rlhf.config.ppo_run import RunConfig
-from megatron_rlhf.engine.build import make_plan
+from megatron_rlhf.engine.run.build import make_plan
 from megatron_rlhf.topology.cluster import ClusterSpec, DevicePool
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

@@ -69,7 +69,7 @@ def _answers(output) -> list[list[int]]:
 
 def _check_tool() -> dict:
     from megatron_rlhf.config.ppo_run import RunConfig
-    from megatron_rlhf.engine.evaluation import EVAL_ID_OFFSET, answering_config
+    from megatron_rlhf.engine.run.evaluation import EVAL_ID_OFFSET, answering_config
     from megatron_rlhf.generation.generate import generate_sequences
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
 

@@ -23,6 +23,9 @@ LAYERS: list[set[str]] = [
 ]
 """Lowest first; packages in one layer do not import each other."""
 
+ENGINE_ROOMS = ["execution", "step", "run"]
+"""engine/'s rooms, lowest first: a room imports only the rooms before it."""
+
 
 def _level(package: str) -> int:
     return next(i for i, layer in enumerate(LAYERS) if package in layer)
@@ -41,6 +44,16 @@ def _imported_packages(path: Path) -> set[str]:
 def _package_of(path: Path) -> str:
     relative = path.relative_to(PACKAGE)
     return relative.parts[0].removesuffix(".py")
+
+
+def _engine_rooms_imported(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module
+                 else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+        found |= {name.split(".")[2] for name in names
+                  if name.startswith("megatron_rlhf.engine.") and name.count(".") >= 2}
+    return found
 
 
 def test_every_package_is_in_a_layer() -> None:
@@ -63,8 +76,36 @@ def test_no_import_runs_against_the_layers() -> None:
 
 def test_the_layer_check_sees_a_violation(tmp_path: Path) -> None:
     bad = tmp_path / "module.py"
-    bad.write_text("from megatron_rlhf.engine.ppo import PPOAlgorithm\nimport torch\n"
+    bad.write_text("from megatron_rlhf.engine.step.ppo import PPOAlgorithm\nimport torch\n"
                    "import megatron_rlhf.models.gpt\n")
     assert _imported_packages(bad) == {"engine", "models"}
     # the supervised trainer may use models but not the PPO engine beside it
     assert _level("models") < _level("supervised") <= _level("engine")
+
+
+def test_every_engine_module_is_in_a_room() -> None:
+    engine = PACKAGE / "engine"
+    loose = [p.name for p in engine.glob("*.py") if p.name != "__init__.py"]
+    assert loose == [], "engine/ modules belong in one of its rooms"
+    rooms = {p.name for p in engine.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert rooms == set(ENGINE_ROOMS)
+    for room in ENGINE_ROOMS:
+        assert (engine / room / "README.md").is_file(), f"engine/{room}/ has no README.md"
+
+
+def test_no_engine_room_imports_a_later_room() -> None:
+    violations = []
+    for room in ENGINE_ROOMS:
+        for path in sorted((PACKAGE / "engine" / room).rglob("*.py")):
+            for target in _engine_rooms_imported(path):
+                if ENGINE_ROOMS.index(target) > ENGINE_ROOMS.index(room):
+                    violations.append(f"{path.relative_to(PACKAGE.parent)} imports "
+                                      f"megatron_rlhf.engine.{target}")
+    assert violations == []
+
+
+def test_the_room_check_sees_a_violation(tmp_path: Path) -> None:
+    bad = tmp_path / "module.py"
+    bad.write_text("from megatron_rlhf.engine.run.build import build_engine\n"
+                   "import megatron_rlhf.engine.execution.batch\nimport megatron_rlhf.engine\n")
+    assert _engine_rooms_imported(bad) == {"run", "execution"}

@@ -42,8 +42,8 @@ import torch  # noqa: E402
 from megatron_rlhf.builder.sources import resolve_sources  # noqa: E402
 from megatron_rlhf.config.loader import ConfigError, load_config  # noqa: E402
 from megatron_rlhf.config.ppo_run import RunConfig  # noqa: E402
-from megatron_rlhf.engine.evaluation import EVAL_ID_OFFSET, MODES, answering_config  # noqa: E402
-from megatron_rlhf.engine.runner import (  # noqa: E402
+from megatron_rlhf.engine.run.evaluation import EVAL_ID_OFFSET, MODES, answering_config  # noqa: E402
+from megatron_rlhf.engine.run.runner import (  # noqa: E402
     load_eval_prompts,
     rule_reward_for,
     run_tokenizer,

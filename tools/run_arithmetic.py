@@ -34,8 +34,8 @@ from plot_curves import plot, plt, smooth  # noqa: E402  (its pyplot, on the Agg
 from megatron_rlhf.config.loader import ConfigError, load_config  # noqa: E402
 from megatron_rlhf.config.ppo_run import RunConfig  # noqa: E402
 from megatron_rlhf.config.supervised_run import SFTConfig  # noqa: E402
-from megatron_rlhf.engine.evaluation import MODES  # noqa: E402
-from megatron_rlhf.engine.runner import run_ppo  # noqa: E402
+from megatron_rlhf.engine.run.evaluation import MODES  # noqa: E402
+from megatron_rlhf.engine.run.runner import run_ppo  # noqa: E402
 from megatron_rlhf.runtime.bootstrap import initialize_runtime  # noqa: E402
 from megatron_rlhf.runtime.distributed import destroy_distributed  # noqa: E402
 from megatron_rlhf.supervised.loop import CHECKPOINT_DIR, TOKENIZER_FILE  # noqa: E402

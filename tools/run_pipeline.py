@@ -26,7 +26,7 @@ from megatron_rlhf.runtime.patches import add_warning_filters
 add_warning_filters()  # megatron-core warns about missing GPU extras while it is imported
 
 from megatron_rlhf.config.loader import ConfigError
-from megatron_rlhf.engine.evaluation import MODES
+from megatron_rlhf.engine.run.evaluation import MODES
 from megatron_rlhf.instructgpt import format_report, run_pipeline
 from megatron_rlhf.runtime.distributed import destroy_distributed
 from megatron_rlhf.runtime.logging import log_to_file

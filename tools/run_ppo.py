@@ -126,8 +126,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 
 
 def auto_placement(config: RunConfig, profile: str | None) -> RunConfig:
-    """The planner's best placement for this job (see megatron_rlhf/engine/auto_placement.py)."""
-    from megatron_rlhf.engine.auto_placement import choose_placement
+    """The planner's best placement for this job (see megatron_rlhf/engine/run/auto_placement.py)."""
+    from megatron_rlhf.engine.run.auto_placement import choose_placement
     from megatron_rlhf.topology.cluster import cluster_from_environment
 
     chosen, reason = choose_placement(config, cluster_from_environment(config.cluster.pools),
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             config = auto_placement(config, args.profile)
     except (ConfigError, ValueError) as error:
         return refuse("run_ppo", f"bad configuration: {error}")
-    from megatron_rlhf.engine.runner import run_ppo
+    from megatron_rlhf.engine.run.runner import run_ppo
     from megatron_rlhf.runtime.distributed import destroy_distributed
     from megatron_rlhf.runtime.faults import NonFiniteError, RankFailure
 

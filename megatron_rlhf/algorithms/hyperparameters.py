@@ -87,7 +87,7 @@ class PPOAlgorithmConfig:
     """When whitening, also subtract the mean (False only rescales)."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling (grpo, rloo): drop groups whose responses all scored the same and
-    refill the step from further prompts (``engine/dynamic_sampling.py``)."""
+    refill the step from further prompts (``engine/step/dynamic_sampling.py``)."""
     max_refill_rounds: int = 2
     """With ``dynamic_sampling``: generation rounds after the first that may refill a step,
     >= 0; past them the batch is topped up with all-equal groups."""

@@ -87,7 +87,7 @@ class ModelsConfig:
             gradient buffers and optimizer state in host memory between the stages that use
             them (``models.offload.ref=always``; see ``models/offload.py``); ``auto`` does so
             only when a rank of the model is predicted to exceed ``memory_budget_gib`` with it
-            resident (``engine/memory_plan.py``).
+            resident (``engine/run/stage_memory.py``).
         memory_budget_gib: the memory one rank may use, GiB, for ``offload=auto``; 0: the device
             memory of the rank's pool (``cluster.pools``).
         recompute: per trained role (``actor``, ``critic``), activation recomputation in its
@@ -147,7 +147,7 @@ class ModelsConfig:
 
     def offload_policy(self, role: str) -> str:
         """The offload policy of ``role`` (a shadow takes its trained model's); ``auto`` is
-        decided per placed model by ``engine.memory_plan.offload_policies``."""
+        decided per placed model by ``engine.run.stage_memory.offload_policies``."""
         return self.offload.get(SHADOW_OF.get(role, role), "never")
 
     def recompute_of(self, role: str) -> str:

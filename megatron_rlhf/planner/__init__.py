@@ -24,7 +24,7 @@ from megatron_rlhf.planner.hardware import (
     resolve_profiles,
     shipped_profiles,
 )
-from megatron_rlhf.planner.memory import (
+from megatron_rlhf.planner.memory_fit import (
     MEMORY_OPTIONS,
     MemoryOptions,
     MemoryReport,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields
 
 from megatron_rlhf.planner import cost_model as cm
 from megatron_rlhf.planner.hardware import HardwareProfile, resolve_profiles
-from megatron_rlhf.planner.memory import (
+from megatron_rlhf.planner.memory_fit import (
     MEMORY_OPTIONS,
     MemoryOptions,
     MemoryReport,

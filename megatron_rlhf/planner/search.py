@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from megatron_rlhf.planner.hardware import HardwareProfile
-from megatron_rlhf.planner.memory import MEMORY_OPTIONS, check_memory_options
+from megatron_rlhf.planner.memory_fit import MEMORY_OPTIONS, check_memory_options
 from megatron_rlhf.planner.predict import STAGES, StepPrediction, predict_step
 from megatron_rlhf.planner.workload import RolloutSpec
 from megatron_rlhf.topology.cluster import ClusterSpec

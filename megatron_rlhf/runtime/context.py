@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_rlhf.runtime.faults import FaultTracker
-from megatron_rlhf.runtime.memory import MemoryMeter
+from megatron_rlhf.runtime.memory_meter import MemoryMeter
 from megatron_rlhf.runtime.tracing import Span, Tracer
 
 _NULL = contextlib.nullcontext()

@@ -19,7 +19,7 @@ from megatron_rlhf.data.arithmetic import (
     arithmetic_splits,
     write_arithmetic_task,
 )
-from megatron_rlhf.engine.build import make_plan
+from megatron_rlhf.engine.run.build import make_plan
 from megatron_rlhf.rewards.verifiers import math_reward
 from megatron_rlhf.topology.cluster import ClusterSpec, DevicePool
 

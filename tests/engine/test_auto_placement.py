@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from megatron_rlhf.config.ppo_run import RolloutConfig, RunConfig
-from megatron_rlhf.engine.auto_placement import choose_placement
-from megatron_rlhf.engine.build import make_plan
+from megatron_rlhf.engine.run.auto_placement import choose_placement
+from megatron_rlhf.engine.run.build import make_plan
 from megatron_rlhf.topology.cluster import ClusterSpec, DevicePool
 from megatron_rlhf.topology.placement_config import PlacementConfig
 
@@ -31,7 +31,7 @@ def test_auto_picks_the_fastest_predicted_placement_the_engine_accepts() -> None
     """The winner is the feasible candidate of highest predicted samples/s among those the
     engine can build, priced as the run steps (synchronously here: no overlap of consecutive
     steps), and there was a choice to make."""
-    from megatron_rlhf.engine.auto_placement import ENGINE_MEMORY_OPTIONS, with_memory_options
+    from megatron_rlhf.engine.run.auto_placement import ENGINE_MEMORY_OPTIONS, with_memory_options
     from megatron_rlhf.planner import RolloutSpec, SearchSpace, auto_place
     from megatron_rlhf.topology.models import resolve_arch
 
@@ -77,7 +77,7 @@ def test_a_pool_without_a_profile_is_refused_with_the_fix() -> None:
 
 def test_memory_options_fill_only_the_roles_the_config_leaves_unset() -> None:
     from megatron_rlhf.config.ppo_run import ModelsConfig
-    from megatron_rlhf.engine.auto_placement import with_memory_options
+    from megatron_rlhf.engine.run.auto_placement import with_memory_options
     from megatron_rlhf.planner import MemoryOptions
 
     options = {"actor": MemoryOptions("distributed_optimizer", recompute=True, offload=True),
@@ -94,7 +94,7 @@ def test_memory_options_fill_only_the_roles_the_config_leaves_unset() -> None:
 def test_auto_runs_a_33b_model_on_one_node_with_the_options_the_planner_needed() -> None:
     # LLaMA-33B PPO on 8 A100-80GB fits only with offloading (docs/planner.md's table).
     from megatron_rlhf.planner import RolloutSpec, load_profile, plan_memory
-    from megatron_rlhf.planner.memory import base_options
+    from megatron_rlhf.planner.memory_fit import base_options
 
     cluster = ClusterSpec((DevicePool("A100-80GB", nodes=1, devices_per_node=8),))
     config = RunConfig(rollout=RolloutConfig(prompts_per_step=64, micro_batch_size=2))

@@ -14,7 +14,7 @@ import pytest
 
 from megatron_rlhf.algorithms import PPOAlgorithmConfig
 from megatron_rlhf.config.ppo_run import RolloutConfig, RunConfig
-from megatron_rlhf.engine.ppo import sample_rows
+from megatron_rlhf.engine.step.ppo import sample_rows
 from megatron_rlhf.topology.placement_config import PlacementConfig
 from tests.helpers.metrics import assert_metrics_match, even_token_share
 from tests.multirank import run_on_ranks
@@ -68,8 +68,8 @@ def _run_strategies(estimator: str, steps: int) -> dict:
     import torch
 
     from megatron_rlhf.config.ppo_run import ModelsConfig, RewardConfig
-    from megatron_rlhf.engine.build import build_engine, make_plan
-    from megatron_rlhf.engine.ppo import PPOAlgorithm
+    from megatron_rlhf.engine.run.build import build_engine, make_plan
+    from megatron_rlhf.engine.step.ppo import PPOAlgorithm
     from megatron_rlhf.generation import GenerationConfig
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
     from megatron_rlhf.topology.cluster import cluster_from_environment
@@ -188,7 +188,7 @@ def _critic_free(**changes) -> RunConfig:
 
 
 def test_a_critic_free_run_plans_three_roles() -> None:
-    from megatron_rlhf.engine.build import make_plan
+    from megatron_rlhf.engine.run.build import make_plan
     from megatron_rlhf.topology.cluster import ClusterSpec
 
     cluster = ClusterSpec.homogeneous(1, 4)
@@ -256,7 +256,7 @@ def test_advantages_of_a_critic_free_batch(estimator: str) -> None:
         compute_rloo_outcome_advantages,
         masked_mean,
     )
-    from megatron_rlhf.engine.experience import compute_advantages
+    from megatron_rlhf.engine.step.experience import compute_advantages
 
     gen = torch.Generator().manual_seed(0)
     mask = torch.ones(8, 5, dtype=torch.long)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rlhf.config.ppo_run import EvalConfig
-from megatron_rlhf.engine.evaluation import MODES, answering_config, hacking_report
+from megatron_rlhf.engine.run.evaluation import MODES, answering_config, hacking_report
 from megatron_rlhf.generation import GenerationConfig
 from tests.multirank import run_on_ranks
 
@@ -79,7 +79,7 @@ def _chain_then_recompute(run_dir: Path) -> dict:
     under another placement (flattening instead of separation: no shadow actor)."""
     from megatron_rlhf.config.loader import load_config
     from megatron_rlhf.config.ppo_run import RunConfig
-    from megatron_rlhf.engine.runner import run_ppo
+    from megatron_rlhf.engine.run.runner import run_ppo
     from megatron_rlhf.instructgpt import format_report, run_pipeline
 
     start = time.perf_counter()
@@ -176,7 +176,7 @@ def test_held_out_answers_are_all_greedy_or_all_sampled_whatever_training_mixes(
 
 def _flattened_plan(ranks: int):
     from megatron_rlhf.config.ppo_run import ModelsConfig, RolloutConfig, RunConfig
-    from megatron_rlhf.engine.build import make_plan
+    from megatron_rlhf.engine.run.build import make_plan
     from megatron_rlhf.topology.cluster import ClusterSpec, DevicePool
     from megatron_rlhf.topology.placement_config import PlacementConfig
 
@@ -188,7 +188,7 @@ def _flattened_plan(ranks: int):
 
 
 def test_a_held_out_set_the_models_cannot_split_is_refused_with_a_size_that_works() -> None:
-    from megatron_rlhf.engine.build import check_evaluation_size
+    from megatron_rlhf.engine.run.build import check_evaluation_size
 
     config, plan = _flattened_plan(4)     # every model dp=4, micro-batches of 2: multiples of 8
     check_evaluation_size(plan, config, 16)
@@ -201,7 +201,7 @@ def test_a_held_out_set_the_models_cannot_split_is_refused_with_a_size_that_work
 def test_held_out_files_need_only_prompts_and_a_file_with_none_usable_is_refused(
         tmp_path: Path) -> None:
     from megatron_rlhf.config.ppo_run import EvalConfig, RunConfig
-    from megatron_rlhf.engine.runner import load_eval_prompts
+    from megatron_rlhf.engine.run.runner import load_eval_prompts
     from megatron_rlhf.models.tokenizer import SHIPPED_CORPUS, Tokenizer
 
     tokenizer = Tokenizer.train(SHIPPED_CORPUS, 512, tmp_path / "spm.model")

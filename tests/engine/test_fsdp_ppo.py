@@ -52,7 +52,7 @@ def _config(fsdp: bool, **changes) -> RunConfig:
 
 def _run(fsdp: bool, export_dir: Path) -> tuple[list[dict], dict[str, int]]:
     """Two PPO steps, then a Hugging Face export of the actor and critic into ``export_dir``."""
-    from megatron_rlhf.engine.export import HFExporter
+    from megatron_rlhf.engine.run.export import HFExporter
     from megatron_rlhf.models.offload import GRADS
 
     config = _config(fsdp)
@@ -130,7 +130,7 @@ def _resume_config(root: str, name: str, steps: int, fsdp: bool = True, **checkp
 def _resume(root: str) -> dict:
     import torch.distributed as dist
 
-    from megatron_rlhf.engine.runner import run_ppo
+    from megatron_rlhf.engine.run.runner import run_ppo
 
     run_ppo(_resume_config(root, "A", steps=4))
     run_ppo(_resume_config(root, "B", steps=2, save_dir=f"{root}/ckpt"))
@@ -169,7 +169,7 @@ def test_fsdp_run_resumes_bit_exactly_and_refuses_another_sharding(tmp_path: Pat
 
 
 def test_a_dist_checkpoint_is_refused_by_an_fsdp_run() -> None:
-    from megatron_rlhf.engine.checkpointing import _check_same_sharding
+    from megatron_rlhf.engine.run.checkpointing import _check_same_sharding
     from megatron_rlhf.models.checkpoint import CheckpointInfo, ModelDescription
 
     info = CheckpointInfo(ModelDescription(2, 64, 4, 2, 128, 250, 64), tp_size=1, pp_size=1,
@@ -182,7 +182,7 @@ def test_a_dist_checkpoint_is_refused_by_an_fsdp_run() -> None:
 
 
 def test_a_placement_fsdp_cannot_mesh_is_refused() -> None:
-    from megatron_rlhf.engine.build import make_plan
+    from megatron_rlhf.engine.run.build import make_plan
 
     config = _config(True, placement=PlacementConfig(strategy="interleaving2"))
     cluster = cluster_from_environment([DevicePool("local", nodes=1, devices_per_node=4)])

@@ -32,7 +32,7 @@ def _config(root: Path, actor: Path, reward: Path, prompts: Path):
 
 
 def _job(root: str, actor: str, reward: str, prompts: str) -> list:
-    from megatron_rlhf.engine import runner
+    from megatron_rlhf.engine.run import runner
     from tests.helpers.models import full_logits
 
     captured = {}
@@ -88,7 +88,7 @@ def test_ppo_from_hf_directories_exports_a_model_transformers_loads(tmp_path: Pa
 
 
 def _padded_job(root: str, actor: str, reward: str, prompts: str) -> None:
-    from megatron_rlhf.engine.runner import run_ppo
+    from megatron_rlhf.engine.run.runner import run_ppo
 
     run_ppo(_padded_config(Path(root), Path(actor), Path(reward), Path(prompts)))
 

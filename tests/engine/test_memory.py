@@ -6,7 +6,7 @@ separation, every model resident or every model offloaded; separation with ``aut
 budget that only the trainers' rank exceeds; and flattening with actor and critic under
 Megatron-FSDP, whose shards and gathered layers the planner predicts) and compares step 1's
 ``memory/<stage>_peak_bytes`` (the largest over ranks; step 0's early stages run before Adam has
-created its moments) with ``engine.memory_plan.stage_peaks`` over the planner's per-model bytes.
+created its moments) with ``engine.run.stage_memory.stage_peaks`` over the planner's per-model bytes.
 On the CPU the engine counts tensor bytes: model state and the KV cache. The tolerance,
 ``REL_TOL``, covers what the two count differently: the planner's parameter count includes
 attention biases the model does not have (0.3%), and its KV cache per sequence includes one
@@ -19,13 +19,13 @@ from __future__ import annotations
 import pytest
 
 from megatron_rlhf.config.ppo_run import ModelsConfig, RolloutConfig, RunConfig
-from megatron_rlhf.engine.memory_plan import (
+from megatron_rlhf.engine.run.stage_memory import (
     RoleBytes,
     budget_bytes,
     offload_policies,
     stage_peaks,
 )
-from megatron_rlhf.runtime.memory import MemoryMeter
+from megatron_rlhf.runtime.memory_meter import MemoryMeter
 from megatron_rlhf.runtime.tracing import Span, chrome_trace_events
 from megatron_rlhf.topology.cluster import ClusterSpec, DevicePool
 from megatron_rlhf.topology.placement_config import PlacementConfig
@@ -96,7 +96,7 @@ def test_a_span_records_its_peak_on_the_meter_and_the_timeline() -> None:
 
 
 def _plan(strategy: str, ranks: int, **models):
-    from megatron_rlhf.engine.build import make_plan
+    from megatron_rlhf.engine.run.build import make_plan
 
     config = RunConfig(placement=PlacementConfig(strategy=strategy),
                        models=ModelsConfig(arch="tiny", params_dtype="bfloat16", **models),
@@ -147,9 +147,9 @@ def _measure(strategy: str, offload: str, budget_gib: float = 0.0, generation_mi
     """Step 1's memory metrics and the prediction for the same configuration (actor and critic
     under Megatron-FSDP with ``fsdp``)."""
     from megatron_rlhf.config.ppo_run import RewardConfig
-    from megatron_rlhf.engine.build import build_engine, make_plan
-    from megatron_rlhf.engine.memory_plan import planner_role_bytes
-    from megatron_rlhf.engine.ppo import PPOAlgorithm
+    from megatron_rlhf.engine.run.build import build_engine, make_plan
+    from megatron_rlhf.engine.run.stage_memory import planner_role_bytes
+    from megatron_rlhf.engine.step.ppo import PPOAlgorithm
     from megatron_rlhf.generation import GenerationConfig
     from megatron_rlhf.models.trainer import OptimizerSettings
     from megatron_rlhf.runtime.context import RunContext

@@ -22,8 +22,8 @@ def _run(strategy: str, steps: int, chunks: int = 1, asynchronous: bool = False,
     import torch
 
     from megatron_rlhf.config.ppo_run import ModelsConfig, RewardConfig, RolloutConfig, RunConfig
-    from megatron_rlhf.engine.build import build_engine, make_plan
-    from megatron_rlhf.engine.ppo import PPOAlgorithm
+    from megatron_rlhf.engine.run.build import build_engine, make_plan
+    from megatron_rlhf.engine.step.ppo import PPOAlgorithm
     from megatron_rlhf.generation import GenerationConfig
     from megatron_rlhf.runtime.context import RunContext
     from megatron_rlhf.runtime.tracing import Tracer

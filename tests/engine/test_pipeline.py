@@ -22,7 +22,7 @@ def _ppo_start_against_checkpoints(run_dir: str) -> dict[str, float]:
     from megatron_rlhf.builder.sources import resolve_sources
     from megatron_rlhf.config.loader import load_config
     from megatron_rlhf.config.ppo_run import RunConfig
-    from megatron_rlhf.engine.build import build_engine, make_plan
+    from megatron_rlhf.engine.run.build import build_engine, make_plan
     from megatron_rlhf.models.checkpoint import load_model_checkpoint, read_checkpoint_info
     from megatron_rlhf.models.gpt import build_gpt_model
     from megatron_rlhf.runtime.bootstrap import initialize_runtime

@@ -35,8 +35,8 @@ def _run_strategies(ac_share: bool, steps: int, strategies: tuple[str, ...] = ST
         RolloutConfig,
         RunConfig,
     )
-    from megatron_rlhf.engine.build import build_engine, make_plan
-    from megatron_rlhf.engine.ppo import PPOAlgorithm
+    from megatron_rlhf.engine.run.build import build_engine, make_plan
+    from megatron_rlhf.engine.step.ppo import PPOAlgorithm
     from megatron_rlhf.generation import GenerationConfig
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
     from megatron_rlhf.topology.cluster import DevicePool, cluster_from_environment

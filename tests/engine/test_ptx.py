@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_rlhf.config.ppo_run import PTXConfig, RolloutConfig, RunConfig
-from megatron_rlhf.engine.build import make_plan
+from megatron_rlhf.engine.run.build import make_plan
 from megatron_rlhf.topology.cluster import ClusterSpec
 from megatron_rlhf.topology.placement_config import PlacementConfig
 from tests.multirank import run_on_ranks
@@ -67,8 +67,8 @@ def _engine_gradient(ac_share: bool = False):
     every actor parameter (and how many micro-batches the step had) instead of applying it."""
     from megatron_rlhf.algorithms import PPOAlgorithmConfig
     from megatron_rlhf.config.ppo_run import ModelsConfig
-    from megatron_rlhf.engine.build import build_engine
-    from megatron_rlhf.engine.ppo import PPOAlgorithm
+    from megatron_rlhf.engine.run.build import build_engine
+    from megatron_rlhf.engine.step.ppo import PPOAlgorithm
     from megatron_rlhf.generation import GenerationConfig
     from megatron_rlhf.models.forward_backward import run_microbatches
     from megatron_rlhf.models.trainer import OptimizerSettings
@@ -228,7 +228,7 @@ def test_demonstrations_are_the_sft_portion_or_the_named_files(tmp_path) -> None
     from megatron_rlhf.config.ppo_run import PromptsConfig
     from megatron_rlhf.data import DataConfig, load_splits
     from megatron_rlhf.data.synthetic import SyntheticTaskConfig, write_task_jsonl
-    from megatron_rlhf.engine.runner import load_demonstrations
+    from megatron_rlhf.engine.run.runner import load_demonstrations
     from megatron_rlhf.models.tokenizer import SHIPPED_CORPUS, Tokenizer
 
     tokenizer = Tokenizer.train(SHIPPED_CORPUS, 512, tmp_path / "spm.model")

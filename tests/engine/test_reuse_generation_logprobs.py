@@ -15,7 +15,7 @@ def _experience_both_ways() -> dict:
     import torch
 
     from megatron_rlhf.config.ppo_run import ModelsConfig, RolloutConfig, RunConfig
-    from megatron_rlhf.engine.build import build_engine, make_plan
+    from megatron_rlhf.engine.run.build import build_engine, make_plan
     from megatron_rlhf.generation import GenerationConfig
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
     from megatron_rlhf.topology.cluster import cluster_from_environment

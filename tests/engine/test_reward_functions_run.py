@@ -38,7 +38,7 @@ def _config(root: Path, function: str, *overrides: str):
 def _run(tmp_path: str) -> dict:
     import multiprocessing as mp
 
-    from megatron_rlhf.engine.runner import run_ppo
+    from megatron_rlhf.engine.run.runner import run_ppo
 
     root = Path(tmp_path)
     run_dir = run_ppo(_config(root, "record_matches_prompt", "evaluation.num_prompts=4",
@@ -53,7 +53,7 @@ def _run_failing(tmp_path: str) -> dict:
     """A function that raises on one record: the run stops; no worker process is left."""
     import multiprocessing as mp
 
-    from megatron_rlhf.engine.runner import run_ppo
+    from megatron_rlhf.engine.run.runner import run_ppo
 
     try:
         run_ppo(_config(Path(tmp_path), "fails_on_dog"))

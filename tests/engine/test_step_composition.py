@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from megatron_rlhf.algorithms import PPOAlgorithmConfig, RunningMoments, build_kl_controller
-from megatron_rlhf.engine.experience import compute_advantages
-from megatron_rlhf.engine.training_losses import actor_loss_fn, critic_loss_fn
+from megatron_rlhf.engine.step.experience import compute_advantages
+from megatron_rlhf.engine.step.training_losses import actor_loss_fn, critic_loss_fn
 
 LENGTHS = [3, 5, 1, 4, 5, 2]
 """Six right-padded responses: two groups of three for grpo and rloo."""

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_rlhf.engine.throughput import WorkMeter, forward_flops, matmul_weights, utilisation
+from megatron_rlhf.engine.execution.throughput import WorkMeter, forward_flops, matmul_weights, utilisation
 from tests.multirank import run_on_ranks
 
 
@@ -43,7 +43,7 @@ def test_utilisation_is_flops_over_capacity_summed_over_ranks() -> None:
 def _run(root: str) -> list[dict]:
     from megatron_rlhf.config.loader import load_config
     from megatron_rlhf.config.ppo_run import RunConfig
-    from megatron_rlhf.engine.runner import run_ppo
+    from megatron_rlhf.engine.run.runner import run_ppo
 
     config = load_config(RunConfig, Path("examples/ppo_tiny.yaml"), [
         f"run_dir={root}/run", "steps=2", "rollout.prompts_per_step=8",

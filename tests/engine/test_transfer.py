@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.engine.transfer import RowLayout, Transfer, plan_transfers
+from megatron_rlhf.engine.execution.transfer import RowLayout, Transfer, plan_transfers
 from tests.multirank import run_on_ranks
 
 
@@ -54,7 +54,7 @@ def test_unheld_rows_and_bad_shapes_are_refused() -> None:
 
 
 def _move_between_models() -> list[float]:
-    from megatron_rlhf.engine.transfer import execute_transfers
+    from megatron_rlhf.engine.execution.transfer import execute_transfers
 
     rank = dist.get_rank()
     full = {"ids": torch.arange(24).view(8, 3), "score": torch.linspace(0, 1, 8)}
@@ -86,7 +86,7 @@ def test_execution_moves_rows_between_layouts() -> None:
 
 
 def _channels() -> dict:
-    from megatron_rlhf.engine.transfer import TransferChannels, channel_key, execute_transfers
+    from megatron_rlhf.engine.execution.transfer import TransferChannels, channel_key, execute_transfers
 
     rank = dist.get_rank()
     channels = TransferChannels([([2, 3], [0, 1]), ([0, 1], [2, 3]), ([2, 3], [0, 1, 2, 3]),
@@ -135,9 +135,9 @@ def _long_generation() -> dict:
     import time
 
     from megatron_rlhf.config.ppo_run import ModelsConfig, RolloutConfig, RunConfig
-    from megatron_rlhf.engine.build import build_engine, make_plan
-    from megatron_rlhf.engine.ppo import PPOAlgorithm
-    from megatron_rlhf.engine.workers import ModelWorker
+    from megatron_rlhf.engine.run.build import build_engine, make_plan
+    from megatron_rlhf.engine.step.ppo import PPOAlgorithm
+    from megatron_rlhf.engine.execution.workers import ModelWorker
     from megatron_rlhf.generation import GenerationConfig
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
     from megatron_rlhf.runtime.patches import default_group_store
@@ -183,7 +183,7 @@ def test_a_stage_longer_than_the_world_timeout_completes_on_the_transfer_channel
 def _late_sender() -> dict:
     import time
 
-    from megatron_rlhf.engine.transfer import TransferChannels, execute_transfers
+    from megatron_rlhf.engine.execution.transfer import TransferChannels, execute_transfers
 
     rank = dist.get_rank()
     channels = TransferChannels([([2, 3], [0, 1])], timeout_s=30)

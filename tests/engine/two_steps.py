@@ -8,8 +8,8 @@ from megatron_rlhf.config.ppo_run import RunConfig
 def two_ppo_steps(config: RunConfig):
     """Build the engine for ``config`` on this job's ranks and run PPO steps 0 and 1 on eight
     fixed 3-token prompts (four a step); returns ``(engine, metrics of each step)``."""
-    from megatron_rlhf.engine.build import build_engine, make_plan
-    from megatron_rlhf.engine.ppo import PPOAlgorithm
+    from megatron_rlhf.engine.run.build import build_engine, make_plan
+    from megatron_rlhf.engine.step.ppo import PPOAlgorithm
     from megatron_rlhf.topology.cluster import cluster_from_environment
 
     engine = build_engine(config, make_plan(config, cluster_from_environment(None)),

@@ -40,7 +40,7 @@ def separation_config(root: str, name: str, steps: int, dropout: float = 0.0,
 def capture_engine() -> dict:
     """Keep the engine of every later ``run_ppo`` of this process in the returned dict
     (``["engine"]``, the last one's)."""
-    from megatron_rlhf.engine import runner
+    from megatron_rlhf.engine.run import runner
 
     captured: dict = {}
     if not hasattr(runner, "_original_build_engine"):

@@ -137,7 +137,7 @@ def test_hetero_separation_generates_on_both_pools_by_relative_speed() -> None:
 def test_hetero_separation_splits_the_rows_by_the_pools_speeds(slow_speed: float) -> None:
     """Two actor replicas on the A100 pool (speed 1) and two shadow replicas on the V100 pool:
     each replica's rows are the batch times its pool's share of the summed speeds, rounded up."""
-    from megatron_rlhf.planner.memory import generation_rows, pool_of_replicas
+    from megatron_rlhf.planner.memory_fit import generation_rows, pool_of_replicas
 
     cluster = ClusterSpec((
         DevicePool("A100-80GB", 1, 8, memory_gib=80, relative_speed=1.0),
@@ -211,7 +211,7 @@ def test_memory_options_can_be_limited_to_what_the_engine_runs() -> None:
 
 
 def test_fsdp_is_offered_only_where_the_engine_runs_it() -> None:
-    from megatron_rlhf.planner.memory import engine_runs_fsdp, option_menu
+    from megatron_rlhf.planner.memory_fit import engine_runs_fsdp, option_menu
 
     flat = plan_placement(A100_1X8, PlacementConfig("flattening", tp=2), "llama-7b")
     assert engine_runs_fsdp(flat, "actor") and not engine_runs_fsdp(flat, "ref")

@@ -53,7 +53,7 @@ def _config(root: str, name: str, algorithm: str, steps: int, **checkpoint):
 def _runs(root: str, algorithm: str) -> dict:
     import torch.distributed as dist
 
-    from megatron_rlhf.engine.runner import run_ppo
+    from megatron_rlhf.engine.run.runner import run_ppo
 
     save_dir = f"{root}/{algorithm}-ckpt"
     run_ppo(_config(root, f"{algorithm}-A", algorithm, steps=4))

@@ -54,7 +54,7 @@ def _killed_run(root: str) -> None:
     import os
     import signal
 
-    from megatron_rlhf.engine.runner import run_ppo
+    from megatron_rlhf.engine.run.runner import run_ppo
     from megatron_rlhf.models.background_save import ThreadedWriter
 
     write = ThreadedWriter.write_buckets_now
@@ -73,8 +73,8 @@ def _hold_back_writes() -> list[str]:
     commits the save (after its last step); returns, per write, what released it."""
     import threading
 
-    from megatron_rlhf.engine.checkpointing import CheckpointSaver
-    from megatron_rlhf.engine.ppo import PPOAlgorithm
+    from megatron_rlhf.engine.run.checkpointing import CheckpointSaver
+    from megatron_rlhf.engine.step.ppo import PPOAlgorithm
     from megatron_rlhf.models.background_save import ThreadedWriter
 
     state = {"steps": 0, "commits": 0}
@@ -118,7 +118,7 @@ def _hold_back_writes() -> list[str]:
 def _runs(root: str) -> dict:
     import torch.distributed as dist
 
-    from megatron_rlhf.engine.runner import run_ppo
+    from megatron_rlhf.engine.run.runner import run_ppo
     from megatron_rlhf.runtime.checkpoint_store import complete_checkpoints, verify_checkpoint
 
     captured = capture_engine()

@@ -23,9 +23,9 @@ from megatron_rlhf.builder.sources import resolve_sources
 from megatron_rlhf.config.loader import load_config
 from megatron_rlhf.config.ppo_run import CheckpointConfig, RunConfig
 from megatron_rlhf.data.prompts import PromptStream
-from megatron_rlhf.engine.build import check_checkpoint_tokenizers
-from megatron_rlhf.engine.checkpointing import check_compatible, read_rl_state
-from megatron_rlhf.engine.step_metrics import nonfinite_report
+from megatron_rlhf.engine.run.build import check_checkpoint_tokenizers
+from megatron_rlhf.engine.run.checkpointing import check_compatible, read_rl_state
+from megatron_rlhf.engine.step.step_metrics import nonfinite_report
 from megatron_rlhf.models.checkpoint import INFO_FILE, CheckpointInfo, ModelDescription
 from megatron_rlhf.runtime.checkpoint_store import commit, hash_files
 from megatron_rlhf.runtime.faults import FaultConfig, RankFailure
@@ -174,7 +174,7 @@ def test_resume_flag_refuses_other_words(capsys: pytest.CaptureFixture) -> None:
 
 def test_the_tool_exits_1_when_a_rank_fails(monkeypatch: pytest.MonkeyPatch,
                                             capsys: pytest.CaptureFixture) -> None:
-    from megatron_rlhf.engine import runner
+    from megatron_rlhf.engine.run import runner
 
     def failing_run(config):
         raise RankFailure("rank 2 stopped in stage 'step 3' 31 s ago (pid 7 is gone)")
@@ -220,7 +220,7 @@ def test_resume_refuses_another_model_or_tokenizer_and_warns_of_other_changes(
         check_compatible(path, given_as_mapping, "abc123")
     assert "was saved with models.arch='tiny'; this run has {'num_layers': 2, " in str(error.value)
     assert "None" not in str(error.value)
-    logger = logging.getLogger("megatron_rlhf.engine.checkpointing")
+    logger = logging.getLogger("megatron_rlhf.engine.run.checkpointing")
     logger.addHandler(caplog.handler)
     try:
         check_compatible(path, replace(saved, steps=99), "abc123")  # may change silently
@@ -306,7 +306,7 @@ def _suggested(setting: str, message: str) -> int:
 
 
 def test_the_prompt_length_refusal_gives_values_that_work(tmp_path: Path) -> None:
-    from megatron_rlhf.engine.runner import load_prompts
+    from megatron_rlhf.engine.run.runner import load_prompts
     from megatron_rlhf.models.tokenizer import load_tokenizer
 
     words = "the cat sat on the mat and looked at the dog".split()

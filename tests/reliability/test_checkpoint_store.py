@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_rlhf.config.ppo_run import CheckpointConfig
-from megatron_rlhf.engine.checkpointing import resume_candidates
+from megatron_rlhf.engine.run.checkpointing import resume_candidates
 from megatron_rlhf.runtime.checkpoint_store import (
     check_writable_dir,
     commit,
@@ -215,7 +215,7 @@ def test_checkpoint_files_are_read_without_running_pickled_code(tmp_path: Path,
 
 
 def test_a_fresh_run_sets_a_previous_runs_outputs_aside(tmp_path: Path) -> None:
-    from megatron_rlhf.engine.runner import _set_aside_previous_run
+    from megatron_rlhf.engine.run.runner import _set_aside_previous_run
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
     (tmp_path / "config.yaml").write_text("steps: 3\n")

@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 from megatron_rlhf.builder.sources import fresh_heads, resolve_sources
 from megatron_rlhf.config.loader import load_config
 from megatron_rlhf.config.ppo_run import RunConfig
-from megatron_rlhf.engine.build import check_checkpoint_tokenizers
-from megatron_rlhf.engine.runner import run_tokenizer
+from megatron_rlhf.engine.run.build import check_checkpoint_tokenizers
+from megatron_rlhf.engine.run.runner import run_tokenizer
 from megatron_rlhf.models.checkpoint import INFO_FILE, CheckpointInfo, ModelDescription
 from megatron_rlhf.models.hf_import import FULL_STATE_FILE, cached_full_state
 from megatron_rlhf.models.hf_llama import load_hf_state
@@ -113,7 +113,7 @@ def test_a_reward_directory_without_tokenizer_json_is_warned_of(
     bare = _without_tokenizer(reward, tmp_path / "bare-rm")
     config = _config(actor, bare)
     sources = resolve_sources(config)
-    logger = logging.getLogger("megatron_rlhf.engine.build")
+    logger = logging.getLogger("megatron_rlhf.engine.run.build")
     logger.addHandler(caplog.handler)
     try:
         check_checkpoint_tokenizers(sources, run_tokenizer(config, sources))

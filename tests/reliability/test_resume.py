@@ -73,7 +73,7 @@ def _killed_run(root: str) -> None:
     import os
     import signal
 
-    from megatron_rlhf.engine.runner import run_ppo
+    from megatron_rlhf.engine.run.runner import run_ppo
     from megatron_rlhf.runtime import checkpoint_store
 
     _patch(dropout=0.1)
@@ -97,7 +97,7 @@ def _same_weights(a: dict, b: dict) -> bool:
 def _resume_checks(root: str) -> dict:
     import torch.distributed as dist
 
-    from megatron_rlhf.engine.runner import run_ppo
+    from megatron_rlhf.engine.run.runner import run_ppo
 
     captured = _patch(dropout=0.1)
     rank0 = dist.get_rank() == 0
@@ -151,7 +151,7 @@ def _shadow_logprobs_check(engine, config) -> dict | None:
 def _placement_change(root: str) -> dict:
     import torch.distributed as dist
 
-    from megatron_rlhf.engine.runner import run_ppo
+    from megatron_rlhf.engine.run.runner import run_ppo
 
     _patch(dropout=0.0)
     config = _config(root, "B", save_dir=f"{root}/ckpt-B", save_interval=1)
@@ -169,9 +169,9 @@ def _placement_change(root: str) -> dict:
 def _nan_checks(root: str) -> dict:
     import torch
 
-    from megatron_rlhf.engine import ppo
-    from megatron_rlhf.engine.runner import run_ppo
-    from megatron_rlhf.engine.workers import ModelWorker
+    from megatron_rlhf.engine.step import ppo
+    from megatron_rlhf.engine.run.runner import run_ppo
+    from megatron_rlhf.engine.execution.workers import ModelWorker
     from megatron_rlhf.runtime.faults import NonFiniteError
 
     captured = _patch(dropout=0.0)
@@ -212,7 +212,7 @@ def _nan_checks(root: str) -> dict:
 def _disagreement(root: str) -> dict:
     import torch.distributed as dist
 
-    from megatron_rlhf.engine.runner import run_ppo
+    from megatron_rlhf.engine.run.runner import run_ppo
     from megatron_rlhf.runtime.faults import RankFailure
 
     config = _config(root, "disagree")

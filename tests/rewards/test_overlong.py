@@ -9,7 +9,7 @@ import torch
 
 from megatron_rlhf.algorithms import PPOAlgorithmConfig, RunningMoments, build_kl_controller
 from megatron_rlhf.config.ppo_run import RewardConfig, RunConfig
-from megatron_rlhf.engine.experience import compute_advantages
+from megatron_rlhf.engine.step.experience import compute_advantages
 from megatron_rlhf.generation import GenerationConfig
 from megatron_rlhf.rewards.overlong import OverlongPenalty
 from megatron_rlhf.rewards.verifiers import overlong_penalty

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from megatron_rlhf.runtime.context import RunContext
-from megatron_rlhf.runtime.memory import MemoryMeter
+from megatron_rlhf.runtime.memory_meter import MemoryMeter
 from megatron_rlhf.runtime.tracing import Span, Tracer, chrome_trace_events
 
 

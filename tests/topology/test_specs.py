@@ -92,7 +92,7 @@ def test_an_architecture_can_be_written_out_in_the_config() -> None:
 
     from megatron_rlhf.config.loader import load_config
     from megatron_rlhf.config.ppo_run import RunConfig
-    from megatron_rlhf.engine.build import make_plan
+    from megatron_rlhf.engine.run.build import make_plan
     from megatron_rlhf.topology.models import resolve_arch
 
     tiny = arch_preset("tiny")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.engine.batch import DistBatch
+from megatron_rlhf.engine.execution.batch import DistBatch
 
 
 def informative_groups(scores: torch.Tensor, samples_per_prompt: int) -> list[bool]:

@@ -49,13 +49,13 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from megatron_rlhf.config.ppo_run import CheckpointConfig, RunConfig
 from megatron_rlhf.data.prompts import PromptStream
-from megatron_rlhf.engine.engine import PPOEngine
-from megatron_rlhf.engine.experience_ahead import (
+from megatron_rlhf.engine.execution.ppo_engine import PPOEngine
+from megatron_rlhf.engine.step.experience_ahead import (
     describe_experience_ahead,
     restore_experience_ahead,
     write_experience_ahead,
 )
-from megatron_rlhf.engine.ppo import PPOAlgorithm
+from megatron_rlhf.engine.step.ppo import PPOAlgorithm
 from megatron_rlhf.models.background_save import BackgroundSaveQueue, ThreadedSaveStrategy
 from megatron_rlhf.models.checkpoint import (
     INFO_FILE,

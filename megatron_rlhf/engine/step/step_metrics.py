@@ -15,7 +15,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.engine.engine import PPOEngine
+from megatron_rlhf.engine.execution.ppo_engine import PPOEngine
 from megatron_rlhf.runtime.faults import NonFiniteError
 from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.topology.models import ACTOR, CRITIC, REF, REWARD

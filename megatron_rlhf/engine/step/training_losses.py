@@ -22,7 +22,7 @@ from megatron_rlhf.algorithms import (
     compute_policy_loss,
     compute_value_loss,
 )
-from megatron_rlhf.engine.workers import ModelWorker
+from megatron_rlhf.engine.execution.workers import ModelWorker
 from megatron_rlhf.models.gpt import split_policy_value
 from megatron_rlhf.models.logprobs import next_token_nll
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megatron_rlhf.engine.throughput import WorkMeter, forward_flops
+from megatron_rlhf.engine.execution.throughput import WorkMeter, forward_flops
 from megatron_rlhf.generation import GenerationConfig, GenerationOutput, generate_sequences
 from megatron_rlhf.models.forward_backward import (
     Batch,
@@ -34,7 +34,7 @@ from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
 from megatron_rlhf.models.offload import GRADS, OPTIMIZER, PARTS, WEIGHTS, StateOffloader
 from megatron_rlhf.models.trainer import ModelTrainer
 from megatron_rlhf.runtime.device import model_device, to_device
-from megatron_rlhf.runtime.memory import MemoryMeter
+from megatron_rlhf.runtime.memory_meter import MemoryMeter
 
 Fields = dict[str, torch.Tensor]
 

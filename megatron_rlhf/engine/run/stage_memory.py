@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.planner import RolloutSpec, load_profile, plan_memory
 from megatron_rlhf.planner.cost_model import FULLY_SHARDED, fsdp_gathered_bytes, kv_cache_bytes
-from megatron_rlhf.planner.memory import base_options, experience_roles, generating_roles
+from megatron_rlhf.planner.memory_fit import base_options, experience_roles, generating_roles
 from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.topology.models import SHADOW_OF, TRAINABLE_ROLES
 from megatron_rlhf.topology.plan import PlacementPlan

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from megatron_rlhf.builder.sources import ModelSource
 from megatron_rlhf.config.ppo_run import RunConfig
-from megatron_rlhf.engine.engine import PPOEngine
+from megatron_rlhf.engine.execution.ppo_engine import PPOEngine
 from megatron_rlhf.models.checkpoint import ModelDescription
 from megatron_rlhf.models.hf_llama import full_state_to_hf, save_hf_checkpoint
 from megatron_rlhf.models.hf_tokenizer import HFTokenizer

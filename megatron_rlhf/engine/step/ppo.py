@@ -15,7 +15,7 @@ experience produced ``max_staleness`` steps earlier while the shadows already ge
 halves run at the same time. The behaviour log-probs
 recorded by the shadow are the ones PPO's importance ratio uses, so the update stays correct
 off-policy. With ``algorithm.dynamic_sampling`` producing a step may take several generation
-rounds, and the groups trained on are chosen from them (``engine/dynamic_sampling.py``).
+rounds, and the groups trained on are chosen from them (``engine/step/dynamic_sampling.py``).
 """
 
 from __future__ import annotations
@@ -35,24 +35,24 @@ from megatron_rlhf.algorithms import (
 )
 from megatron_rlhf.config.ppo_run import RewardConfig, RolloutConfig
 from megatron_rlhf.data.demonstrations import DemonstrationStream
-from megatron_rlhf.engine.batch import DistBatch, concat
-from megatron_rlhf.engine.dynamic_sampling import (
+from megatron_rlhf.engine.execution.batch import DistBatch, concat
+from megatron_rlhf.engine.step.dynamic_sampling import (
     gather_groups,
     informative_groups,
     select_groups,
     shared_decision,
 )
-from megatron_rlhf.engine.engine import PPOEngine, RuleReward
-from megatron_rlhf.engine.experience import compute_advantages, sequence_scores
-from megatron_rlhf.engine.function_rewards import FunctionRewards, Record
-from megatron_rlhf.engine.step_metrics import (
+from megatron_rlhf.engine.execution.ppo_engine import PPOEngine, RuleReward
+from megatron_rlhf.engine.step.experience import compute_advantages, sequence_scores
+from megatron_rlhf.engine.execution.function_rewards import FunctionRewards, Record
+from megatron_rlhf.engine.step.step_metrics import (
     accumulate_train_sums,
     apply_nan_policy,
     experience_sources,
     nonfinite_experience,
     share_metrics,
 )
-from megatron_rlhf.engine.training_losses import actor_loss_fn, critic_loss_fn
+from megatron_rlhf.engine.step.training_losses import actor_loss_fn, critic_loss_fn
 from megatron_rlhf.rewards import RewardFunctionSpec
 from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.topology.models import ACTOR, CRITIC
@@ -238,7 +238,7 @@ class PPOAlgorithm:
         return concat(parts)
 
     def _dynamic_sample(self, step: int, batch: DistBatch) -> tuple[DistBatch, dict[str, float]]:
-        """DAPO's dynamic sampling (``engine/dynamic_sampling.py``): refill rounds until the step
+        """DAPO's dynamic sampling (``engine/step/dynamic_sampling.py``): refill rounds until the step
         has ``prompts_per_step`` groups of unequal scores or ``max_refill_rounds`` ran."""
         n, wanted = self.rollout.samples_per_prompt, self.rollout.prompts_per_step
 

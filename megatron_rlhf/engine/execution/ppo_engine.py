@@ -17,16 +17,16 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.engine.batch import (
+from megatron_rlhf.engine.execution.batch import (
     DistBatch,
     merge,
     output_ranks,
     replica_input_layout,
     replica_output_layout,
 )
-from megatron_rlhf.engine.function_rewards import FunctionRewards, Record, row_token_ids
-from megatron_rlhf.engine.transfer import RowLayout, TransferChannels
-from megatron_rlhf.engine.workers import ModelWorker
+from megatron_rlhf.engine.execution.function_rewards import FunctionRewards, Record, row_token_ids
+from megatron_rlhf.engine.execution.transfer import RowLayout, TransferChannels
+from megatron_rlhf.engine.execution.workers import ModelWorker
 from megatron_rlhf.generation import GenerationConfig, GenerationOutput
 from megatron_rlhf.models.offload import PARTS, WEIGHTS
 from megatron_rlhf.refit import WeightSync
@@ -240,7 +240,7 @@ class PPOEngine:
         there (``finish_transfers`` waits for them), so a rank that only produced the rollout
         goes straight on to its next chunk. With ``function_rewards`` the reward model's ranks
         also score their rows with them (``records``: each row's prompt record), adding
-        ``function_scores`` and ``reward_errors`` (``engine/function_rewards.py``).
+        ``function_scores`` and ``reward_errors`` (``engine/execution/function_rewards.py``).
 
         Raises:
             ValueError: reusing generation's log-probs at another ``temperature``.

@@ -32,25 +32,25 @@ from megatron_rlhf.data import (
 from megatron_rlhf.data.demonstrations import DemonstrationStream
 from megatron_rlhf.data.prompts import PromptStream
 from megatron_rlhf.data.readers import prompt_tokens
-from megatron_rlhf.engine.build import (
+from megatron_rlhf.engine.run.build import (
     build_engine,
     check_checkpoint_tokenizers,
     check_evaluation_size,
     make_plan,
 )
-from megatron_rlhf.engine.checkpointing import (
+from megatron_rlhf.engine.run.checkpointing import (
     CheckpointSaver,
     RunState,
     check_compatible,
     load_rl_checkpoint,
     resume_candidates,
 )
-from megatron_rlhf.engine.engine import RuleReward
-from megatron_rlhf.engine.evaluation import HeldOutEvaluator, eval_metrics, hacking_report
-from megatron_rlhf.engine.export import HFExporter
-from megatron_rlhf.engine.function_rewards import FunctionRewards
-from megatron_rlhf.engine.ppo import PPOAlgorithm
-from megatron_rlhf.engine.throughput import step_throughput
+from megatron_rlhf.engine.execution.ppo_engine import RuleReward
+from megatron_rlhf.engine.run.evaluation import HeldOutEvaluator, eval_metrics, hacking_report
+from megatron_rlhf.engine.run.export import HFExporter
+from megatron_rlhf.engine.execution.function_rewards import FunctionRewards
+from megatron_rlhf.engine.step.ppo import PPOAlgorithm
+from megatron_rlhf.engine.execution.throughput import step_throughput
 from megatron_rlhf.models.hf_tokenizer import HFTokenizer, checkpoint_tokenizer
 from megatron_rlhf.models.prompting import encode_prompt
 from megatron_rlhf.models.tokenizer import Tokenizer, load_tokenizer
@@ -64,7 +64,7 @@ from megatron_rlhf.runtime.faults import (
     install_fault_tracker,
 )
 from megatron_rlhf.runtime.logging import get_logger
-from megatron_rlhf.runtime.memory import MemoryMeter
+from megatron_rlhf.runtime.memory_meter import MemoryMeter
 from megatron_rlhf.runtime.metrics import MetricsWriter
 from megatron_rlhf.runtime.tracing import Tracer, write_chrome_trace
 from megatron_rlhf.topology.cluster import cluster_from_environment

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.engine.transfer import (
+from megatron_rlhf.engine.execution.transfer import (
     RowLayout,
     TransferChannels,
     execute_transfers,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_rlhf.config.ppo_run import RunConfig
-from megatron_rlhf.engine.build import make_plan
+from megatron_rlhf.engine.run.build import make_plan
 from megatron_rlhf.planner import (
     MemoryOptions,
     RolloutSpec,
@@ -23,7 +23,7 @@ from megatron_rlhf.planner import (
     explain_choice,
     load_profile,
 )
-from megatron_rlhf.planner.memory import FSDP, OFFLOAD, RECOMPUTE
+from megatron_rlhf.planner.memory_fit import FSDP, OFFLOAD, RECOMPUTE
 from megatron_rlhf.topology.cluster import ClusterSpec
 from megatron_rlhf.topology.models import SHADOW_OF, TRAINABLE_ROLES, resolve_arch
 

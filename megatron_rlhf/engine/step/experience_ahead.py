@@ -22,9 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.engine.batch import DistBatch
-from megatron_rlhf.engine.engine import PPOEngine
-from megatron_rlhf.engine.ppo import Experience, PPOAlgorithm
+from megatron_rlhf.engine.execution.batch import DistBatch
+from megatron_rlhf.engine.execution.ppo_engine import PPOEngine
+from megatron_rlhf.engine.step.ppo import Experience, PPOAlgorithm
 from megatron_rlhf.runtime.checkpoint_store import read_torch_file
 from megatron_rlhf.runtime.device import comm_device
 from megatron_rlhf.runtime.logging import get_logger

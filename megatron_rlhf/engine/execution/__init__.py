@@ -1,0 +1,1 @@
+"""PPO's operators on placed models, with the data movement between them (README.md)."""
