@@ -22,6 +22,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from megatron_rlhf.config.ppo_run import RunConfig
+from megatron_rlhf.generation.decode_step import batch_bucket, length_bucket
 from megatron_rlhf.planner import RolloutSpec, load_profile, plan_memory
 from megatron_rlhf.planner.cost_model import FULLY_SHARDED, fsdp_gathered_bytes, kv_cache_bytes
 from megatron_rlhf.planner.memory_fit import base_options, experience_roles, generating_roles
@@ -73,9 +74,12 @@ def planner_role_bytes(plan: PlacementPlan, config: RunConfig) -> dict[str, Role
     report = plan_memory(plan, rollout, (unlimited,) * len(plan.cluster.pools), options)
     # The planner's generation working set also holds the prefill's activations and the logits,
     # which the engine does not count on the CPU: only the static KV cache of the round.
+    # Continuous batching's cache has a power-of-two count of slots, each a length bucket long.
     bound = config.generation.micro_batch_size
-    kv_cache = {role: min(rows, bound or rows) * kv_cache_bytes(
-                    plan[role].spec.arch, plan[role].tp, plan[role].pp, 1, rollout.sequence_length)
+    continuous = config.generation.continuous
+    length = (length_bucket(rollout.sequence_length) if continuous else rollout.sequence_length)
+    kv_cache = {role: (batch_bucket(rows, bound) if continuous else min(rows, bound or rows))
+                * kv_cache_bytes(plan[role].spec.arch, plan[role].tp, plan[role].pp, 1, length)
                 for role, rows in report.generation_micro_batch.items()}
     # What the CPU meter sees gathered: the weights at each layer's forward (on a GPU the
     # allocator also sees the backward's gradient buckets, which the planner's fit adds).
