@@ -16,13 +16,13 @@ import time
 REFUSAL_GRACE_S = 5.0
 
 
-def refuse(prog: str, message: str, grace_s: float = REFUSAL_GRACE_S) -> int:
-    """Print ``prog: message`` on rank 0 (any other rank: after ``grace_s``, naming itself) and
-    return the exit status for bad input, 2."""
+def refuse(prog: str, message: str, grace_s: float | None = None) -> int:
+    """Print ``prog: message`` on rank 0 (any other rank: after ``grace_s``, default
+    ``REFUSAL_GRACE_S``, naming itself) and return the exit status for bad input, 2."""
     rank = os.environ.get("RANK", "0")
     if rank == "0":
         print(f"{prog}: {message}", file=sys.stderr, flush=True)
     else:
-        time.sleep(grace_s)
+        time.sleep(REFUSAL_GRACE_S if grace_s is None else grace_s)
         print(f"{prog}: rank {rank}: {message}", file=sys.stderr, flush=True)
     return 2

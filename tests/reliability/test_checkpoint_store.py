@@ -42,7 +42,7 @@ def warnings_of_store() -> list[str]:
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
     loggers = [logging.getLogger(f"megatron_rlhf.{name}")
-               for name in ("runtime.checkpoint_store", "engine.checkpointing")]
+               for name in ("runtime.checkpoint_store", "engine.run.checkpointing")]
     for logger in loggers:
         logger.addHandler(handler)
     yield records
