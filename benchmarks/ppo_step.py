@@ -245,13 +245,16 @@ def figures(world: int, placement: str, arch_fields: dict, args: argparse.Namesp
                          roofline=round(achieved / peak, 4))
         stages[key] = entry
     total = sum(flops.values())
-    widths = [w["prompt_width"] for w in work]
+    prefills = [w for w in work if not w.get("decode_context", 0)]
+    widths = [w["prompt_width"] for w in prefills]
     return {"world_size": world, "placement": placement, "layout": layout,
             "padded_token_share": round(run["padded_token_share"], 4), "shape": args.shape,
             "batch": args.batch, "prompt_length": args.prompt_length,
             "response_length": args.response_length,
             "generation_prompt_widths": [min(widths), max(widths)],
-            "generation_micro_batches": len(work),
+            "generation_micro_batches": len(prefills),
+            "generation_decode_steps": sum(w["forwards"] for w in work
+                                           if w.get("decode_context", 0)),
             "samples_per_s": round(args.batch / run["step_seconds"], 3),
             "step_seconds": round(run["step_seconds"], 4), "step_flop": round(total),
             "step_roofline": round(total / run["step_seconds"] / peak, 4),

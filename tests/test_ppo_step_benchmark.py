@@ -118,12 +118,16 @@ def test_the_benchmark_runs_run_ppo_and_prints_one_line_per_configuration() -> N
     assert {"generate", "experience/ref", "train/actor", "train/critic"} <= set(stages)
     assert all(stages[k]["seconds"] > 0 and stages[k]["flop"] > 0 for k in ("generate",
                                                                           "train/actor"))
-    # generation as it ran: one micro-batch of the step's 4 prompts, padded to its own longest
-    # prompt (the task's are shorter than --prompt-length), a prefill and 2 one-token calls
+    # generation as it ran under continuous batching: one prefill of the step's 4 prompts, padded
+    # to its own longest prompt (the task's are shorter than --prompt-length), then one
+    # stop-check interval (8) of decode steps over 4 slots of a 32-position cache
     from megatron_rlhf.topology.models import ArchSpec
 
     low, high = result["generation_prompt_widths"]
     assert result["generation_micro_batches"] == 1 and 1 <= low == high <= 16
+    assert result["generation_decode_steps"] == 8
     arch = ArchSpec("b", **ppo_step.SHAPES["default"])
     assert stages["generate"]["flop"] == ppo_step.generation_flops(
-        arch, [{"rows": 4, "prompt_width": low, "forwards": 3, "kv_cache": True}])
+        arch, [{"rows": 4, "prompt_width": low, "forwards": 1, "kv_cache": True},
+               {"rows": 4, "prompt_width": 0, "forwards": 8, "kv_cache": True,
+                "decode_context": 32}])
