@@ -11,7 +11,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_rlhf.engine.execution.throughput import WorkMeter, forward_flops, matmul_weights, utilisation
+from megatron_rlhf.engine.execution.throughput import (
+    WorkMeter,
+    device_peak_flops,
+    forward_flops,
+    matmul_weights,
+    utilisation,
+)
 from tests.multirank import run_on_ranks
 
 
@@ -24,6 +30,17 @@ def test_forward_flops_count_matmuls_and_the_attention_square() -> None:
     assert matmul_weights(config, 256) == weights
     flops = forward_flops(config, 256, torch.tensor([3, 5]))
     assert flops == 2 * weights * 8 + 4 * 2 * 64 * (9 + 25)
+
+
+def test_measuring_the_matmul_rate_leaves_the_default_generator_alone() -> None:
+    """The first run of a process measures it: a draw from the default generator would shift
+    that run's dropout masks and make it differ from a resumed or repeated run."""
+    device_peak_flops.cache_clear()
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    assert device_peak_flops(torch.device("cpu"), torch.float32) > 0
+    assert torch.equal(torch.rand(4), expected)
 
 
 def test_utilisation_is_flops_over_capacity_summed_over_ranks() -> None:

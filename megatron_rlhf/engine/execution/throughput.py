@@ -56,8 +56,11 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
         if known is not None:
             return known
     n = 4096 if device.type == "cuda" else 512
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn_like(a)
+    # A generator of its own: drawing from the default one would shift the dropout masks of the
+    # run that happens to measure first, and a resumed run would no longer repeat it.
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
     a @ b
     best = float("inf")
     for _ in range(5):
