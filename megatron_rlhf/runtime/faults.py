@@ -32,7 +32,7 @@ import signal
 import socket
 import time
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,6 +94,10 @@ class RankFailure(RuntimeError):
     """Another rank failed, hung or disagrees; the message names it and its stage."""
 
 
+class PeerStopped(RuntimeError):
+    """Ranks this rank waits for outside a collective (a transfer's handshake) have stopped."""
+
+
 class NonFiniteError(RuntimeError):
     """NaN or Inf in a model's outputs, losses or gradients (``faults.on_nan=stop``)."""
 
@@ -105,7 +109,7 @@ def is_collective_error(error: BaseException) -> bool:
     included) is when its text says a peer is gone or late, and is not when it names a cause on
     this rank (out of memory, invalid usage, a CUDA fault): that one is reported as it is.
     """
-    if isinstance(error, dist.DistNetworkError | dist.DistStoreError):
+    if isinstance(error, dist.DistNetworkError | dist.DistStoreError | PeerStopped):
         return True
     if not isinstance(error, RuntimeError):
         return False
@@ -209,6 +213,21 @@ class FaultTracker:
 
     def _read_records(self) -> dict[int, dict | None]:
         return read_stage_records(self.store, self.world_size)
+
+    def stopped_ranks(self, ranks: Iterable[int]) -> list[int]:
+        """Those of ``ranks`` whose record says they raised or failed, or whose process on this
+        host is gone: a rank waiting for them outside a collective would wait in vain."""
+        stopped = []
+        for rank in ranks:
+            key = _KEY.format(rank=rank)
+            with contextlib.suppress(Exception):  # an unreadable record is no verdict
+                if not self.store.check([key]):
+                    continue
+                record = json.loads(self.store.get(key))
+                if record["status"] in ("raised", "failed") or (
+                        record["host"] == self._host and _pid_gone(record["pid"])):
+                    stopped.append(rank)
+        return stopped
 
 
 def read_stage_records(store: dist.Store, world_size: int) -> dict[int, dict | None]:

@@ -218,3 +218,37 @@ def test_receives_are_posted_when_the_senders_are_ready() -> None:
     assert [result["got"] for result in results] == [expected, expected, None, None]
     senders_ready = max(results[2]["posted"], results[3]["posted"])
     assert min(results[0]["posted"], results[1]["posted"]) >= senders_ready - 0.05
+
+
+def _sender_raises() -> dict:
+    import time
+
+    from megatron_rlhf.engine.execution.transfer import TransferChannels, execute_transfers
+    from megatron_rlhf.runtime.faults import FaultConfig, install_fault_tracker
+
+    tracker = install_fault_tracker(FaultConfig(grace_s=0.5), timeout_s=30)
+    channels = TransferChannels([([1], [0])], timeout_s=60, stopped=tracker.stopped_ranks,
+                                poll_s=0.2)
+    source, target = RowLayout.replicated(2, [1]), RowLayout.replicated(2, [0])
+    start = time.monotonic()
+    try:
+        with tracker.stage("experience/reward"):
+            if dist.get_rank() == 1:
+                raise ValueError("the reward function cannot grade this row")
+            execute_transfers(plan_transfers(source, target), source, target, None,
+                              {"x": (torch.float32, (2,))}, channels)
+    except Exception as error:  # noqa: BLE001 - what each rank stopped with is the result
+        return {"error": f"{type(error).__name__}: {error}", "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(90)
+def test_a_receiver_stops_soon_when_its_sender_raised_before_the_transfer() -> None:
+    """A store wait does not end when the sender dies: without the look at the fault records the
+    receiver would wait the channels' whole timeout (60 s here, 30 min by default)."""
+    waiting, raising = run_on_ranks(_sender_raises, world_size=2, timeout_s=60)
+    assert raising["error"] == "ValueError: the reward function cannot grade this row"
+    assert waiting["error"].startswith("RankFailure: rank 1 raised ValueError: the reward "
+                                       "function cannot grade this row"), waiting["error"]
+    assert waiting["seconds"] < 10

@@ -77,7 +77,10 @@ class PPOEngine:
         self.reuse_generation_logprobs = reuse_generation_logprobs
         self.rank = dist.get_rank()
         self._node_of = lambda r: plan.cluster.locate(r).node
-        self.channels = TransferChannels(self.transfer_pairs(), transfer_timeout_s)
+        faults = self.context.faults
+        self.channels = TransferChannels(
+            self.transfer_pairs(), transfer_timeout_s,
+            stopped=faults.stopped_ranks if faults is not None else None)
 
     # ----------------------------------------------------------------- roles
     @property

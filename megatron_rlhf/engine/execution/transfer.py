@@ -12,6 +12,7 @@ so no metadata is exchanged) and executed with batched asynchronous point-to-poi
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.runtime.device import comm_device
+from megatron_rlhf.runtime.faults import PeerStopped
 from megatron_rlhf.runtime.patches import default_group_store
 
 
@@ -135,7 +137,9 @@ class TransferChannels:
     into the job's store before it posts its sends, and a receiver waits for its senders' keys
     (up to ``timeout_s``) before it posts its receives. So the backend's operations (and NCCL's
     watchdog, which counts from their enqueueing) cover the data movement, not the sender's
-    whole stage; the wait itself is a store read.
+    whole stage; the wait itself is a store read. A store wait does not end when a sender dies, so
+    the receiver looks every ``poll_s`` whether its senders have stopped (``stopped``, the run's
+    fault records) and then raises :class:`~megatron_rlhf.runtime.faults.PeerStopped`.
 
     Building is collective: every rank creates every group, in the same order.
 
@@ -144,12 +148,19 @@ class TransferChannels:
         timeout_s: the groups' timeout and the longest wait for a sender
             (``runtime.transfer_timeout_s``).
         store: the job's key-value store for the handshakes (default: the default group's).
+        stopped: which of the given ranks have stopped (raised, failed or gone); None: a
+            receiver waits for its senders up to ``timeout_s`` whatever became of them.
+        poll_s: how often a waiting receiver asks ``stopped``.
     """
 
     def __init__(self, pairs: Iterable[tuple[Iterable[int], Iterable[int]]],
-                 timeout_s: float, store: dist.Store | None = None) -> None:
+                 timeout_s: float, store: dist.Store | None = None,
+                 stopped: Callable[[Iterable[int]], list[int]] | None = None,
+                 poll_s: float = 1.0) -> None:
         self.timeout_s = timeout_s
         self.store = store if store is not None else default_group_store()
+        self.stopped = stopped
+        self.poll_s = poll_s
         self._groups: dict[ChannelKey, dist.ProcessGroup | None] = {}
         for key in sorted({channel_key(a, b) for a, b in pairs}, key=_sort_key):
             ranks = sorted(frozenset().union(*key))
@@ -166,17 +177,33 @@ class TransferChannels:
 
         Raises:
             torch.distributed.DistStoreError: a sender was not ready within ``timeout_s``.
+            PeerStopped: a sender stopped before it was ready.
         """
         count = self._transfers[key] = self._transfers[key] + 1
         channel = list(self._groups).index(key)
         name = f"megatron_rlhf/transfer/{channel}/{count}/{{}}-{{}}".format
         for receiver in receivers:
             self.store.set(name(rank, receiver), b"1")
+        senders = list(senders)
         ready = [name(sender, rank) for sender in senders]
-        if ready:
-            self.store.wait(ready, datetime.timedelta(seconds=self.timeout_s))
-            for done in ready:
-                self.store.delete_key(done)
+        if not ready:
+            return
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                self.store.wait(ready, datetime.timedelta(
+                    seconds=max(min(self.poll_s, remaining), 0.001)))
+                break
+            except dist.DistStoreError:
+                stopped = self.stopped(senders) if self.stopped is not None else []
+                if stopped:
+                    raise PeerStopped(f"ranks {stopped} stopped before their rows of this "
+                                      "transfer were ready") from None
+                if time.monotonic() >= deadline:
+                    raise
+        for done in ready:
+            self.store.delete_key(done)
 
     @property
     def keys(self) -> list[ChannelKey]:
