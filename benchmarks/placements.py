@@ -57,8 +57,8 @@ def worker(args: argparse.Namespace) -> None:
     from megatron_rlhf.config.loader import load_config
     from megatron_rlhf.config.ppo_run import RunConfig
     from megatron_rlhf.engine.run.build import build_engine, make_plan
-    from megatron_rlhf.engine.step.ppo import PPOAlgorithm
     from megatron_rlhf.engine.run.runner import load_prompts, rule_reward_for
+    from megatron_rlhf.engine.step.ppo import PPOAlgorithm
     from megatron_rlhf.models.tokenizer import Tokenizer
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
     from megatron_rlhf.runtime.context import RunContext

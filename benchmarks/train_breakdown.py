@@ -210,8 +210,8 @@ def build_actor(args: argparse.Namespace):
     from megatron_rlhf.builder.sources import role_options
     from megatron_rlhf.config.loader import load_config
     from megatron_rlhf.config.ppo_run import RunConfig
-    from megatron_rlhf.engine.step.training_losses import actor_loss_fn
     from megatron_rlhf.engine.execution.workers import ModelWorker
+    from megatron_rlhf.engine.step.training_losses import actor_loss_fn
     from megatron_rlhf.models.trainer import ModelTrainer
     from megatron_rlhf.topology.groups import build_model_process_groups
 

@@ -12,12 +12,12 @@ from megatron_rlhf.algorithms import PPOAlgorithmConfig
 from megatron_rlhf.config.ppo_run import RolloutConfig, RunConfig
 from megatron_rlhf.data.prompts import REFILL_ID_STRIDE, PromptStream
 from megatron_rlhf.engine.execution.batch import DistBatch
+from megatron_rlhf.engine.execution.transfer import RowLayout
 from megatron_rlhf.engine.step.dynamic_sampling import (
     gather_groups,
     informative_groups,
     select_groups,
 )
-from megatron_rlhf.engine.execution.transfer import RowLayout
 
 
 def test_groups_of_equal_scores_are_not_informative() -> None:

@@ -13,8 +13,8 @@ import torch
 
 from megatron_rlhf.algorithms import LOSS_AGGREGATIONS, PPOAlgorithmConfig
 from megatron_rlhf.config.ppo_run import ModelsConfig, RolloutConfig, RunConfig
-from megatron_rlhf.engine.step.training_losses import actor_loss_fn
 from megatron_rlhf.engine.execution.workers import ModelWorker
+from megatron_rlhf.engine.step.training_losses import actor_loss_fn
 from megatron_rlhf.models.forward_backward import token_budget_microbatches
 from megatron_rlhf.models.gpt import ModelBuildOptions, build_gpt_model
 from megatron_rlhf.models.trainer import ModelTrainer, OptimizerSettings

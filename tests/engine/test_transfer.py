@@ -86,7 +86,11 @@ def test_execution_moves_rows_between_layouts() -> None:
 
 
 def _channels() -> dict:
-    from megatron_rlhf.engine.execution.transfer import TransferChannels, channel_key, execute_transfers
+    from megatron_rlhf.engine.execution.transfer import (
+        TransferChannels,
+        channel_key,
+        execute_transfers,
+    )
 
     rank = dist.get_rank()
     channels = TransferChannels([([2, 3], [0, 1]), ([0, 1], [2, 3]), ([2, 3], [0, 1, 2, 3]),
@@ -135,9 +139,9 @@ def _long_generation() -> dict:
     import time
 
     from megatron_rlhf.config.ppo_run import ModelsConfig, RolloutConfig, RunConfig
+    from megatron_rlhf.engine.execution.workers import ModelWorker
     from megatron_rlhf.engine.run.build import build_engine, make_plan
     from megatron_rlhf.engine.step.ppo import PPOAlgorithm
-    from megatron_rlhf.engine.execution.workers import ModelWorker
     from megatron_rlhf.generation import GenerationConfig
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
     from megatron_rlhf.runtime.patches import default_group_store

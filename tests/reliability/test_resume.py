@@ -169,9 +169,9 @@ def _placement_change(root: str) -> dict:
 def _nan_checks(root: str) -> dict:
     import torch
 
-    from megatron_rlhf.engine.step import ppo
-    from megatron_rlhf.engine.run.runner import run_ppo
     from megatron_rlhf.engine.execution.workers import ModelWorker
+    from megatron_rlhf.engine.run.runner import run_ppo
+    from megatron_rlhf.engine.step import ppo
     from megatron_rlhf.runtime.faults import NonFiniteError
 
     captured = _patch(dropout=0.0)

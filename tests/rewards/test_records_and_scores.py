@@ -15,8 +15,8 @@ import torch
 from megatron_rlhf.algorithms import PPOAlgorithmConfig, RunningMoments, build_kl_controller
 from megatron_rlhf.data import ReaderConfig, read_records
 from megatron_rlhf.data.prompts import PromptStream
-from megatron_rlhf.engine.step.experience import compute_advantages
 from megatron_rlhf.engine.execution.function_rewards import FunctionRewards, row_token_ids
+from megatron_rlhf.engine.step.experience import compute_advantages
 from megatron_rlhf.rewards import RewardFunctions, RewardFunctionSpec, parse_reward_functions
 
 ROWS = [{"prompt": "What is 6 * 7?", "answer": "42", "tests": ["assert f() == 42"], "id": 3},

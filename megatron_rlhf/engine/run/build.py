@@ -24,9 +24,9 @@ from megatron_rlhf.builder.sources import (
 )
 from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.engine.execution.ppo_engine import PPOEngine
-from megatron_rlhf.engine.run.stage_memory import offload_policies
 from megatron_rlhf.engine.execution.throughput import WorkMeter, device_peak_flops
 from megatron_rlhf.engine.execution.workers import ModelWorker
+from megatron_rlhf.engine.run.stage_memory import offload_policies
 from megatron_rlhf.models.checkpoint import read_checkpoint_info
 from megatron_rlhf.models.hf_tokenizer import HFTokenizer, is_hf_tokenizer_dir
 from megatron_rlhf.models.tokenizer import Tokenizer

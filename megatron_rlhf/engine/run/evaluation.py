@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.algorithms import kl_penalty, mean_sequence_kl
-from megatron_rlhf.engine.execution.ppo_engine import PPOEngine, RuleReward
 from megatron_rlhf.engine.execution.function_rewards import FunctionRewards
+from megatron_rlhf.engine.execution.ppo_engine import PPOEngine, RuleReward
 from megatron_rlhf.generation import GenerationConfig
 from megatron_rlhf.runtime.logging import get_logger
 

@@ -32,6 +32,9 @@ from megatron_rlhf.data import (
 from megatron_rlhf.data.demonstrations import DemonstrationStream
 from megatron_rlhf.data.prompts import PromptStream
 from megatron_rlhf.data.readers import prompt_tokens
+from megatron_rlhf.engine.execution.function_rewards import FunctionRewards
+from megatron_rlhf.engine.execution.ppo_engine import RuleReward
+from megatron_rlhf.engine.execution.throughput import step_throughput
 from megatron_rlhf.engine.run.build import (
     build_engine,
     check_checkpoint_tokenizers,
@@ -45,12 +48,9 @@ from megatron_rlhf.engine.run.checkpointing import (
     load_rl_checkpoint,
     resume_candidates,
 )
-from megatron_rlhf.engine.execution.ppo_engine import RuleReward
 from megatron_rlhf.engine.run.evaluation import HeldOutEvaluator, eval_metrics, hacking_report
 from megatron_rlhf.engine.run.export import HFExporter
-from megatron_rlhf.engine.execution.function_rewards import FunctionRewards
 from megatron_rlhf.engine.step.ppo import PPOAlgorithm
-from megatron_rlhf.engine.execution.throughput import step_throughput
 from megatron_rlhf.models.hf_tokenizer import HFTokenizer, checkpoint_tokenizer
 from megatron_rlhf.models.prompting import encode_prompt
 from megatron_rlhf.models.tokenizer import Tokenizer, load_tokenizer

@@ -36,15 +36,15 @@ from megatron_rlhf.algorithms import (
 from megatron_rlhf.config.ppo_run import RewardConfig, RolloutConfig
 from megatron_rlhf.data.demonstrations import DemonstrationStream
 from megatron_rlhf.engine.execution.batch import DistBatch, concat
+from megatron_rlhf.engine.execution.function_rewards import FunctionRewards, Record
+from megatron_rlhf.engine.execution.ppo_engine import PPOEngine, RuleReward
 from megatron_rlhf.engine.step.dynamic_sampling import (
     gather_groups,
     informative_groups,
     select_groups,
     shared_decision,
 )
-from megatron_rlhf.engine.execution.ppo_engine import PPOEngine, RuleReward
 from megatron_rlhf.engine.step.experience import compute_advantages, sequence_scores
-from megatron_rlhf.engine.execution.function_rewards import FunctionRewards, Record
 from megatron_rlhf.engine.step.step_metrics import (
     accumulate_train_sums,
     apply_nan_policy,
