@@ -105,7 +105,8 @@ class ArchSpec:
                 vocabulary projection.
         """
         h = self.hidden_size
-        attention = 4 * h * h + 4 * h
+        kv = self.num_query_groups * (h // self.num_attention_heads)  # keys' width (GQA)
+        attention = h * (h + 2 * kv) + h * h + 4 * h
         mlp = (3 if self.gated_mlp else 2) * h * self.ffn_hidden_size
         per_layer = attention + mlp + 2 * h
         embedding = self.padded_vocab_size(tp) * h

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_rlhf.topology import ARCH_PRESETS, ClusterSpec, DevicePool, ModelSpec, arch_preset
+from megatron_rlhf.topology.models import ArchSpec
 from tests.topology.helpers import HETERO
 
 
@@ -48,6 +49,15 @@ def test_llama_parameter_counts_match_the_published_sizes() -> None:
     assert {"tiny", "small"} <= set(ARCH_PRESETS)
     with pytest.raises(ValueError, match="model preset 'gpt-5' is unknown"):
         arch_preset("gpt-5")
+
+
+def test_grouped_query_attention_counts_the_narrower_keys_and_values() -> None:
+    """Llama-3-8B (8 key/value heads for 32 query heads): 8.03e9 published; counting full-width
+    keys and values, as for multi-head attention, would give 8.8e9."""
+    llama3 = ArchSpec("llama-3-8b", num_layers=32, hidden_size=4096, num_attention_heads=32,
+                      vocab_size=128256, seq_length=8192, ffn_hidden_size=14336,
+                      gated_mlp=True, num_query_groups=8)
+    assert llama3.num_params() == pytest.approx(8.03e9, rel=0.005)
 
 
 def test_vocab_is_padded_not_refused() -> None:
