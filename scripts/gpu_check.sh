@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check, in one call (docs/gpu.md): the gpu-marked tests, tools/run_ppo.py for 3 steps in
 # fp32 and in bf16 at world size 1, the bf16 throughput benchmark of a ~1B Llama shape (its training
-# step over packed sequences, the default of every run, and over padded rows), the decode figures
-# of benchmarks/rollouts.py (CUDA graphs on and off, a 7B shape, a profile) and, with 2
+# step over packed sequences, the default of every run, and over padded rows), a ~1B flattening
+# PPO run's per-stage peak memory against the engine's prediction, the decode figures of
+# benchmarks/rollouts.py (CUDA graphs on and off, a 7B shape, a profile) and, with 2
 # or more GPUs, 3 fp32 steps under NCCL across all of them with flattening and with separation
 # (their metrics compared in the summary). Each part has its own time limit (about 6 minutes in
 # all on one H200, 14 with several GPUs); logs go to $LOG_DIR (default $OUT when set, else
@@ -56,6 +57,8 @@ if "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else
       "models.params_dtype=$dtype"
   done
   run_part throughput 240 "$PYTHON" benchmarks/gpu_throughput.py
+  # Per-stage peak memory of a ~1B flattening PPO run against the engine's prediction
+  run_part stage_memory 150 "$PYTHON" benchmarks/stage_memory.py
   # Decoding: 1.1B shape at batch 64 and 256 with CUDA graphs on and off, a 7B shape's decode
   # step, a profile of 10 decode steps (benchmarks/rollouts.py; its CPU dry run is a test)
   run_part rollouts 180 "$PYTHON" benchmarks/rollouts.py --gpu-check

@@ -72,14 +72,15 @@ def summarize(log_dir: Path) -> tuple[dict, bool]:
         "gpu_tests": _pytest_counts(log_dir / "gpu_tests.log"),
     }
     if not torch.cuda.is_available():
-        summary["skipped"] = "no CUDA device: the gpu tests were collected and skipped; " \
-                             "run_ppo, the throughput and the rollouts benchmarks need a GPU"
+        summary["skipped"] = ("no CUDA device: the gpu tests were collected and skipped; "
+                              "run_ppo, the throughput, stage-memory and rollouts benchmarks "
+                              "need a GPU")
     for dtype in ("float32", "bfloat16"):
         last = _last_json(log_dir / f"ppo_{dtype}" / "metrics.jsonl")
         if last is not None:
             summary[f"run_ppo_{dtype}"] = {key: last.get(key) for key in (
                 "step", "reward_mean", "kl", "policy_loss", "value_loss", "step_seconds")}
-    for part in ("throughput", "rollouts"):
+    for part in ("throughput", "stage_memory", "rollouts"):
         figures = _last_json(log_dir / f"{part}.log")
         if figures is not None:
             summary[part] = figures

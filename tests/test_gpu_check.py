@@ -94,3 +94,19 @@ def test_rollouts_gpu_check_runs_at_tiny_shapes_on_cpu_and_says_what_it_skipped(
         assert case["tokens_per_s"] == pytest.approx(batch / case["step_ms"] * 1e3, rel=1e-2)
     assert figures["profile"]["kernels_per_step"] == 0 and figures["profile"]["host_ms_per_step"] > 0
     assert (figures["7b"]["batch"], figures["7b"]["new_tokens"]) == (2, 8)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU dry run")
+def test_stage_memory_benchmark_meets_the_prediction_on_cpu(tmp_path: Path) -> None:
+    """On the CPU the meter counts what the prediction counts (state and KV cache): the GPU
+    check's comparison at 1B must then differ only by what the GPU allocator adds."""
+    result = _run([sys.executable, "benchmarks/stage_memory.py", "--layers", "2", "--hidden",
+                   "64", "--heads", "4", "--groups", "2", "--ffn", "128", "--vocab", "256",
+                   "--prompts", "4", "--prompt-length", "8", "--new-tokens", "4",
+                   "--micro-batch", "2"], tmp_path, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["device"] == "cpu"
+    assert {"generate", "experience", "train"} <= set(figures["stages"])
+    for stage, entry in figures["stages"].items():
+        assert entry["recorded_over_predicted"] == pytest.approx(1.0, abs=0.05), stage
