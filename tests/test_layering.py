@@ -7,6 +7,7 @@ order fails here with the module and the import that does it.
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_rlhf"
@@ -57,17 +58,24 @@ def test_every_package_is_in_a_layer() -> None:
     assert packages == set().union(*LAYERS)
 
 
+def _violations(paths: Iterable[Path], package: str, unit_of: Callable[[Path], str],
+                level: Callable[[str], int]) -> list[str]:
+    """Imports from ``paths`` of units right below ``package`` at the importer's level or
+    above it (a unit may import itself)."""
+    found = []
+    for path in sorted(paths):
+        source = unit_of(path)
+        for target in _imported_below(path, package) - {source}:
+            if level(target) >= level(source):
+                shown = (path.relative_to(PACKAGE.parent) if path.is_relative_to(PACKAGE.parent)
+                         else path)
+                found.append(f"{shown} imports {package}.{target}")
+    return found
+
+
 def test_no_import_runs_against_the_layers() -> None:
-    violations = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        source = _package_of(path)
-        if source == "__init__":
-            continue
-        for target in _imported_packages(path) - {source}:
-            if _level(target) >= _level(source):
-                violations.append(f"{path.relative_to(PACKAGE.parent)} imports "
-                                  f"megatron_rlhf.{target}")
-    assert violations == []
+    modules = [p for p in PACKAGE.rglob("*.py") if _package_of(p) != "__init__"]
+    assert _violations(modules, "megatron_rlhf", _package_of, _level) == []
 
 
 def test_the_layer_check_sees_a_violation(tmp_path: Path) -> None:
@@ -90,14 +98,10 @@ def test_every_engine_module_is_in_a_room() -> None:
 
 
 def test_no_engine_room_imports_a_later_room() -> None:
-    violations = []
-    for room in ENGINE_ROOMS:
-        for path in sorted((PACKAGE / "engine" / room).rglob("*.py")):
-            for target in _imported_below(path, "megatron_rlhf.engine"):
-                if ENGINE_ROOMS.index(target) > ENGINE_ROOMS.index(room):
-                    violations.append(f"{path.relative_to(PACKAGE.parent)} imports "
-                                      f"megatron_rlhf.engine.{target}")
-    assert violations == []
+    engine = PACKAGE / "engine"
+    modules = [p for room in ENGINE_ROOMS for p in (engine / room).rglob("*.py")]
+    assert _violations(modules, "megatron_rlhf.engine",
+                       lambda path: path.relative_to(engine).parts[0], ENGINE_ROOMS.index) == []
 
 
 def test_the_room_check_sees_a_violation(tmp_path: Path) -> None:
@@ -105,3 +109,5 @@ def test_the_room_check_sees_a_violation(tmp_path: Path) -> None:
     bad.write_text("from megatron_rlhf.engine.run.build import build_engine\n"
                    "import megatron_rlhf.engine.execution.batch\nimport megatron_rlhf.engine\n")
     assert _imported_below(bad, "megatron_rlhf.engine") == {"run", "execution"}
+    assert _violations([bad], "megatron_rlhf.engine", lambda path: "step",
+                       ENGINE_ROOMS.index) == [f"{bad} imports megatron_rlhf.engine.run"]
