@@ -16,6 +16,8 @@ interleaved calls: ``tokens_per_s`` (generated tokens, prefill included, per sec
 call), ``row_steps`` (decode rows computed), ``generate_flops_fraction_of_matmul`` (the model
 FLOP counted as ``ppo_step.generation_flops`` does, per second, over the 2048^3 fp32 matmul rate
 measured in the same process), and checks that both loops drew the same tokens.
+``--stop-check-intervals 1 2 4`` adds continuous batching at ``--micro-batch`` with those
+``stop_check_interval`` values (a freed slot is refilled at the next check; the default is 8).
 
 ``--gpu-check`` (``scripts/gpu_check.sh``): bf16 on CUDA, ``stop_at_eos=False``:
 * ``1.1b``: 22 layers, hidden 2048, 32 heads / 4 groups, prompt 128 + 128 new tokens, at batch 64
@@ -97,6 +99,9 @@ def compare_loops(args: argparse.Namespace) -> dict:
                  base, batching=batching, micro_batch_size=mb, **fields)
              for suffix, fields in (("", {}), ("_full_length", {"stop_at_eos": False}))
              for mb in (0, args.micro_batch) for batching in ("static", "continuous")}
+    for interval in args.stop_check_intervals:  # refills come at the stop checks
+        cases[f"continuous_mb{args.micro_batch}_check{interval}"] = dataclasses.replace(
+            base, micro_batch_size=args.micro_batch, stop_check_interval=interval)
     best = dict.fromkeys(cases, float("inf"))
     outputs = {}
     for config in cases.values():  # warm-up
@@ -117,7 +122,7 @@ def compare_loops(args: argparse.Namespace) -> dict:
             "row_steps": sum(w["rows"] * (w["forwards"] - (0 if w["decode_context"] else 1))
                              for w in work),
             "generate_flops_fraction_of_matmul": round(flops / best[name] / rate, 3)}
-        static = outputs[name.replace("continuous", "static")]
+        static = outputs[name.replace("continuous", "static").split("_check")[0]]
         if not torch.equal(out.input_ids, static.input_ids):
             raise RuntimeError(f"{name}: continuous batching drew other tokens than static")
     lengths = outputs[f"static_mb{args.micro_batch}"].response_lengths.float()
@@ -247,6 +252,9 @@ def main() -> None:
     parser.add_argument("--end-ids", type=int, default=51, help="end tokens (of 512)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (CPU)")
+    parser.add_argument("--stop-check-intervals", type=int, nargs="*", default=[],
+                        help="also continuous batching at --micro-batch with these "
+                             "stop_check_interval values (continuous_mb<N>_check<K>)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from megatron_rlhf.runtime.bootstrap import RuntimeConfig, initialize_runtime
