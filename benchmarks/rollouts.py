@@ -198,7 +198,7 @@ def gpu_check(args: argparse.Namespace) -> dict:
             step = _decode_step_s(model, pgc, prompts, new, config)
             moved = _step_bytes(model, arch, batch, prompt + new / 2)
             shape_1b[f"batch{batch}_graphs_{'on' if graphs == 'auto' else 'off'}"] = {
-                "step_ms": round(step * 1e3, 3), "tokens_per_s": round(batch / step, 1),
+                "step_ms": float(f"{step * 1e3:.4g}"), "tokens_per_s": round(batch / step, 1),
                 "fraction_of_copy_bandwidth": round(moved / step / copy, 3)}
     result["1.1b"] = shape_1b
     result["profile"] = _profile(model, pgc, arch, batches[0], prompt, generator)

@@ -49,9 +49,13 @@ def _job(tmp_path: Path, name: str, kills_after_steps: tuple[int, ...]) -> tuple
         job = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                env={**os.environ, "OMP_NUM_THREADS": "1"})
         try:
-            for after in kills_after_steps:
+            for restarts, after in enumerate(kills_after_steps):
+                # Until the previous restart has resumed, metrics.jsonl still holds the killed
+                # attempt's records: a kill then would land in start-up, before any resume.
                 deadline = time.monotonic() + 240
-                while _steps_done(run_dir) < after and time.monotonic() < deadline:
+                while ((_steps_done(run_dir) < after
+                        or log_path.read_text().count("resumed from") < restarts)
+                       and time.monotonic() < deadline):
                     time.sleep(0.1)
                 time.sleep(chaos.uniform(0.0, 2.0))  # somewhere inside the next step or save
                 workers = children(job.pid)
