@@ -16,7 +16,9 @@ interleaved calls: ``tokens_per_s`` (generated tokens, prefill included, per sec
 call), ``row_steps`` (decode rows computed), ``generate_flops_fraction_of_matmul`` (the model
 FLOP counted as ``ppo_step.generation_flops`` does, per second, over the 2048^3 fp32 matmul rate
 measured in the same process), and checks that both loops drew the same tokens.
-``--stop-check-intervals 1 2 4`` adds continuous batching at ``--micro-batch`` with those
+On CPU, ``cpu_compat_mode_cost`` is what generation saves by leaving the compatibility layer's
+CUDA-to-CPU mode: a call's time with the mode kept over its time without, static and
+continuous, all prompts together. ``--stop-check-intervals 1 2 4`` adds continuous batching at ``--micro-batch`` with those
 ``stop_check_interval`` values (a freed slot is refilled at the next check; the default is 8).
 
 ``--gpu-check`` (``scripts/gpu_check.sh``): bf16 on CUDA, ``stop_at_eos=False``:
@@ -49,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.generation import _single_rank_groups  # noqa: E402
 from benchmarks.ppo_step import SHAPES, generation_flops, matmul_rate  # noqa: E402
 from megatron_rlhf.generation import GenerationConfig, generate_sequences  # noqa: E402
+from megatron_rlhf.runtime.patches import cpu_compat_active  # noqa: E402
 from megatron_rlhf.topology.models import ArchSpec  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
@@ -125,6 +128,10 @@ def compare_loops(args: argparse.Namespace) -> dict:
         static = outputs[name.replace("continuous", "static").split("_check")[0]]
         if not torch.equal(out.input_ids, static.input_ids):
             raise RuntimeError(f"{name}: continuous batching drew other tokens than static")
+    if cpu_compat_active():
+        result["cpu_compat_mode_cost"] = _mode_cost(
+            model, pgc, prompts, {name: cases[name] for name in ("static_mb0", "continuous_mb0")},
+            end_ids, args.repeats)
     lengths = outputs[f"static_mb{args.micro_batch}"].response_lengths.float()
     result["response_lengths"] = {"mean": round(lengths.mean().item(), 1),
                                   "min": int(lengths.min()), "max": int(lengths.max())}
@@ -134,6 +141,29 @@ def compare_loops(args: argparse.Namespace) -> dict:
                 result[f"continuous_mb{mb}{suffix}"]["tokens_per_s"]
                 / result[f"static_mb{mb}{suffix}"]["tokens_per_s"], 2)
     return result
+
+
+def _mode_cost(model, pgc, prompts, configs: dict, end_ids, repeats: int) -> dict:
+    """Per case, a generate call's best time with the CUDA-to-CPU mode kept entered (as before
+    ``generate_sequences`` left it) over its best time without (as it runs)."""
+    import contextlib
+
+    from megatron_rlhf.generation import generate as generate_module
+
+    ratios = {}
+    for name, config in configs.items():
+        best = {}
+        for kept in (True, False):
+            suspend = generate_module.cuda_redirect_suspended
+            if kept:
+                generate_module.cuda_redirect_suspended = contextlib.nullcontext
+            try:
+                best[kept] = min(_timed(model, pgc, prompts, config, end_ids)[0]
+                                 for _ in range(repeats + 1))
+            finally:
+                generate_module.cuda_redirect_suspended = suspend
+        ratios[name] = round(best[True] / best[False], 2)
+    return ratios
 
 
 def _copy_bytes_per_s(device: torch.device) -> float:

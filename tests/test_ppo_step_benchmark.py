@@ -120,7 +120,8 @@ def test_the_benchmark_runs_run_ppo_and_prints_one_line_per_configuration() -> N
                                                                           "train/actor"))
     # generation as it ran under continuous batching: one prefill of the step's 4 prompts, padded
     # to its own longest prompt (the task's are shorter than --prompt-length), then one
-    # stop-check interval (8) of decode steps over 4 slots of a 32-position cache
+    # stop-check interval (8) of decode steps over 4 slots of a 32-position cache, step i
+    # attending the low + 1 + i positions the slots can have written (their mean, rounded up)
     from megatron_rlhf.topology.models import ArchSpec
 
     low, high = result["generation_prompt_widths"]
@@ -130,4 +131,4 @@ def test_the_benchmark_runs_run_ppo_and_prints_one_line_per_configuration() -> N
     assert stages["generate"]["flop"] == ppo_step.generation_flops(
         arch, [{"rows": 4, "prompt_width": low, "forwards": 1, "kv_cache": True},
                {"rows": 4, "prompt_width": 0, "forwards": 8, "kv_cache": True,
-                "decode_context": 32}])
+                "decode_context": -(-sum(min(low + 1 + i, 32) for i in range(8)) // 8)}])

@@ -3,7 +3,10 @@
 The prompts wait in a queue (in the order given). ``slots`` of them decode together through a
 :class:`~megatron_rlhf.generation.decode_step.SlotDecoder`; every ``stop_check_interval`` steps
 the host reads which slots have ended, keeps their responses and prefills the next waiting
-prompts into those slots, so the decode batch stays full until the queue drains. A prompt's
+prompts into those slots, so the decode batch stays full until the queue drains. From then on,
+whenever the slots still decoding fit a smaller power-of-two bucket, the decoder keeps only
+those rows (KV cache included): the tail of a call, where a static batch computes every ended
+row until its longest one stops, runs at the size of what is left. A prompt's
 tokens depend only on its own noise key, budget and logits, so they are the tokens the static
 loop (``generation.batching=static``) draws for it; the log-probs agree to rounding (the
 prompt's keys sit at other absolute positions and are read among more masked keys).
@@ -62,7 +65,7 @@ def generate_continuous(model: torch.nn.Module, decode_model: torch.nn.Module | 
                               decode_model)
         occupant: list[int | None] = [None] * slots
         graph = None
-        decode_calls = 0
+        decode_calls = attended = 0  # steps and attended positions at the current slot count
         while True:
             free = [s for s, prompt in enumerate(occupant) if prompt is None][:len(waiting)]
             entering = [waiting.popleft() for _ in free]
@@ -82,16 +85,46 @@ def generate_continuous(model: torch.nn.Module, decode_model: torch.nn.Module | 
                 run.step()
             decode_calls += config.stop_check_interval
             active = decoder.active.tolist()
+            decoder.forget_ended(active)
             for slot, prompt in enumerate(occupant):
                 if prompt is not None and not active[slot]:
                     responses[prompt] = _take(decoder, slot)
                     occupant[slot] = None
             if not waiting and all(prompt is None for prompt in occupant):
                 break
-        work.append(MicroBatchWork(slots, 0, decode_calls, True, decode_context=length))
+            fewer = _fewer_slots(occupant, config.micro_batch_size) if not waiting else None
+            if fewer is not None:
+                work.append(_decode_work(slots, decode_calls, decoder, attended))
+                attended = decoder.attended_positions
+                decoder.keep_slots(fewer)
+                occupant = [occupant[s] for s in fewer]
+                slots, graph, decode_calls = len(fewer), None, 0
+        work.append(_decode_work(slots, decode_calls, decoder, attended))
         if on_cache is not None:
             on_cache(decoder.cache_bytes())
     return _assemble(prompts, responses, pad_id, device, tuple(work))
+
+
+def _decode_work(slots: int, calls: int, decoder: SlotDecoder,
+                 attended_before: int) -> MicroBatchWork:
+    """The record of ``calls`` decode steps over ``slots`` slots, with the mean number of cache
+    positions they attended (rounded up)."""
+    context = decoder.max_length
+    if calls and not decoder.fixed_context:
+        context = -(-(decoder.attended_positions - attended_before) // calls)
+    return MicroBatchWork(slots, 0, calls, True, decode_context=context)
+
+
+def _fewer_slots(occupant: Sequence[int | None], limit: int) -> list[int] | None:
+    """The slots to keep once no prompt waits: those still decoding, topped up with ended ones
+    to the smaller batch bucket they fit (a bounded set of shapes, each a CUDA graph); None
+    while they still need every slot."""
+    decoding = [s for s, prompt in enumerate(occupant) if prompt is not None]
+    bucket = batch_bucket(len(decoding), limit)
+    if bucket >= len(occupant):
+        return None
+    ended = [s for s, prompt in enumerate(occupant) if prompt is None]
+    return sorted(decoding + ended[:bucket - len(decoding)])
 
 
 def _take(decoder: SlotDecoder, slot: int) -> tuple[torch.Tensor, ...]:

@@ -6,7 +6,9 @@ slot's position, key mask, last token, response step, budget, noise key, greedy 
 flag and its outputs (tokens, both log-probs). :meth:`SlotDecoder.step` is a function of those
 tensors alone, updated in place, with no host branch on their values: the same kernels run at
 every token, so on CUDA the step is captured once into a graph (:class:`DecodeGraph`) and
-replayed per token; on CPU it runs eagerly.
+replayed per token; on CPU it runs eagerly. An eager step attends only over the cache positions
+that some decoding slot may have written (a bound the host keeps from the prefill widths and the
+steps since), not the whole bucket: fewer masked keys, the same tokens.
 
 :meth:`SlotDecoder.prefill` puts new prompts into free slots (an ordinary, variable-shape
 forward); its logits give each prompt's first token, sampled with the step's own rule. The
@@ -96,6 +98,13 @@ class SlotDecoder:
         self.out_logprobs = torch.zeros(slots, max_length, dtype=torch.float32, device=device)
         self.out_policy_logprobs = torch.zeros_like(self.out_logprobs)
         self.all_slots = torch.arange(slots, device=device)
+        # compiled or captured steps keep one shape: they attend over the whole cache
+        self.fixed_context = config.compile_decode or graphs_enabled(config, device)
+        self._write_bound = [0] * slots
+        """Per slot, a host-side bound on the position its next decode token is written at."""
+        self.attended_positions = 0
+        """Cache positions attended per slot, summed over the eager decode steps run so far
+        (a fixed-context step attends ``max_length``)."""
 
     @property
     def slots(self) -> int:
@@ -129,10 +138,27 @@ class SlotDecoder:
         self.noise_keys[rows] = torch.tensor([p.noise_key for p in prompts], device=device)
         if self.greedy is not None:
             self.greedy[rows] = torch.tensor([p.greedy for p in prompts], device=device)
+        for slot in slots:
+            self._write_bound[slot] = width
         self.context.start_prefill(rows)
         positions = torch.arange(width, device=device).expand(len(prompts), width)
         logits = self._logits(self.model, ids, positions, causal_padding_mask(real))
         self._record(rows, self._sample(logits, rows))
+
+    def keep_slots(self, slots: Sequence[int]) -> None:
+        """Keep only ``slots`` (in that order) as slots ``0 .. len(slots) - 1``: a smaller decode
+        batch once no prompt waits for the slots that ended. Every buffer, the KV cache
+        included, is replaced by its kept rows; a captured graph of the old shape is stale."""
+        rows = torch.tensor(list(slots), dtype=torch.long, device=self.tokens.device)
+        for name in self._SLOT_BUFFERS:
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name)[rows])
+        self.context.keep_slots(rows)
+        self.all_slots = torch.arange(len(rows), device=rows.device)
+        self._write_bound = [self._write_bound[s] for s in slots]
+
+    _SLOT_BUFFERS = ("tokens", "key_valid", "steps", "budgets", "noise_keys", "greedy", "active",
+                     "out_tokens", "out_logprobs", "out_policy_logprobs")
 
     def step(self) -> None:
         """Feed every slot's last token and sample its next one, all in place.
@@ -140,11 +166,23 @@ class SlotDecoder:
         Slots that are not active compute too (fixed shape) but change nothing that is read
         back: their position, step and outputs stay where they ended.
         """
+        horizon = self.max_length
+        if not self.fixed_context:  # no slot has a valid key past its write bound
+            horizon = min(max(self._write_bound) + 1, self.max_length)
+            self._write_bound = [min(b + 1, self.max_length - 1) for b in self._write_bound]
+            self.attended_positions += horizon
+        self.context.horizon = horizon
         self.key_valid.scatter_(1, self.positions[:, None], True)
         self.context.start_decode()
         logits = self._logits(self.decode_model, self.tokens[:, None], self.positions[:, None],
-                              ~self.key_valid[:, None, None, :])
+                              ~self.key_valid[:, None, None, :horizon])
         self._record(self.all_slots, self._sample(logits, self.all_slots))
+
+    def forget_ended(self, active: Sequence[bool]) -> None:
+        """Tell the decoder which slots are still decoding (read at a stop check): an ended
+        slot's keys are no longer needed, so its write bound stops widening the horizon."""
+        self._write_bound = [b if a else 0 for b, a in zip(self._write_bound, active,
+                                                           strict=True)]
 
     def _logits(self, model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:

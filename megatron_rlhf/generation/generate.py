@@ -43,6 +43,7 @@ from megatron_rlhf.generation.sampling import (
     uniforms_for_steps,
 )
 from megatron_rlhf.models.attention import CachedRopeSelfAttention
+from megatron_rlhf.runtime.patches import cuda_redirect_suspended
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int,
@@ -185,7 +186,7 @@ def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollec
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), cuda_redirect_suspended():
             if config.continuous:
                 _check_slot_attention(core)
                 budgets = [min(config.max_new_tokens, seq_length - len(p)) for p in prompts]

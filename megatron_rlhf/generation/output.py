@@ -29,9 +29,10 @@ class MicroBatchWork:
     """Whether the calls went through the KV cache."""
     decode_context: int = 0
     """Non-zero for the decode steps of continuous batching (``generation.batching=continuous``):
-    ``forwards`` one-token calls over ``rows`` slots, each attending ``decode_context`` cache
-    positions (masked ones included), and no prefill (each prefill is a record of its own with
-    ``forwards=1``)."""
+    ``forwards`` one-token calls over ``rows`` slots, attending ``decode_context`` cache
+    positions on average (rounded up; masked ones included), and no prefill (each prefill is a
+    record of its own with ``forwards=1``). One record per slot count: the slots shrink to
+    smaller buckets once no prompt waits."""
 
 
 @dataclass

@@ -209,10 +209,11 @@ class CachedRopeSelfAttention(SelfAttention):
             keys[: key.shape[0]].index_copy_(1, context.prefill_slots, key)
             values[: value.shape[0]].index_copy_(1, context.prefill_slots, value)
             return query, key, value, None, self.attn_mask_type, None
-        at = context.positions.view(1, -1, 1, 1)
-        keys.scatter_(0, at.expand_as(key), key)
-        values.scatter_(0, at.expand_as(value), value)
-        return query, keys, values, None, AttnMaskType.no_mask, None
+        at = (context.positions, torch.arange(key.shape[1], device=key.device))
+        keys.index_put_(at, key[0])
+        values.index_put_(at, value[0])
+        h = context.horizon
+        return query, keys[:h], values[:h], None, AttnMaskType.no_mask, None
 
     def _rotates_before_caching(self, inference_context, rotary_pos_emb,
                                 rotary_pos_cos) -> bool:

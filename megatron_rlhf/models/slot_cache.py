@@ -15,8 +15,8 @@ Two kinds of call:
   positions ``0 .. w-1`` of the slots ``slots``; attention reads the call's own keys under the
   causal + padding mask the caller passes (as megatron's prefill does).
 * decode (:meth:`SlotInferenceContext.start_decode`): one token per slot, ``[slots, 1]``, written
-  at ``positions``; attention reads the whole cache under the ``[slots, 1, 1, max_length]`` mask
-  the caller passes.
+  at ``positions``; attention reads the first ``horizon`` positions of the cache (all of them
+  unless the caller trims it) under the ``[slots, 1, 1, horizon]`` mask the caller passes.
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ class SlotInferenceContext(StaticInferenceContext):
         self.positions = torch.zeros(slots, dtype=torch.long, device=device)
         """``[slots]``: the position the next decode token of each slot is written at."""
         self.prefill_slots: torch.Tensor | None = None
+        self.horizon = max_length
+        """Cache positions a decode step attends over (``0 .. horizon - 1``): the whole cache
+        for a step of fixed shape; fewer when the caller knows no slot has written past them."""
 
     def start_prefill(self, slots: torch.Tensor) -> None:
         """The next model call writes prompts (left-padded, positions ``0 ..``) into ``slots``."""
@@ -60,6 +63,18 @@ class SlotInferenceContext(StaticInferenceContext):
         if layer_number not in self.key_value_memory_dict:
             self.key_value_memory_dict[layer_number] = tuple(t.zero_() for t in allocate())
         return self.key_value_memory_dict[layer_number]
+
+    def keep_slots(self, slots: torch.Tensor) -> None:
+        """Keep only ``slots`` (in that order) as slots ``0 .. len(slots) - 1``.
+
+        Layer by layer, so that the memory held at any moment exceeds the old cache by one
+        layer's new keys and values only.
+        """
+        for layer_number, pair in self.key_value_memory_dict.items():
+            self.key_value_memory_dict[layer_number] = tuple(
+                t.index_select(1, slots) for t in pair)
+        self.positions = self.positions[slots]
+        self.max_batch_size = len(slots)
 
     def cache_bytes(self) -> int:
         """Bytes of the keys and values allocated so far."""

@@ -83,7 +83,8 @@ PATCHES: tuple[Patch, ...] = (
           "(schedules' token counters, optimizer found-inf flags, grad clipping, causal masks, "
           "checkpoint buffers) become CPU tensors; Tensor.type() names CUDA types for callers in "
           "megatron.core.optimizer, which accept only those",
-          "apply_cpu_compat (no CUDA only; entered, left by undo_cpu_compat)"),
+          "apply_cpu_compat (no CUDA only; entered, left by undo_cpu_compat; left for the "
+          "duration of generate_sequences by cuda_redirect_suspended)"),
     Patch("megatron.core.tensor_parallel.random._CUDA_RNG_STATE_TRACKER (+ _INITIALIZED)",
           "every megatron module draws dropout streams from get_cuda_rng_tracker(), which returns "
           "this private global; cpu_compat.CpuRNGStatesTracker keeps the streams in the CPU "
@@ -224,6 +225,25 @@ def _replace(owner: Any, name: str, value: Any) -> None:
 def cpu_compat_active() -> bool:
     """Whether :func:`apply_cpu_compat` has patched this process (and it was not undone)."""
     return bool(_modes)
+
+
+@contextlib.contextmanager
+def cuda_redirect_suspended() -> Iterator[None]:
+    """Leave the CUDA-to-CPU mode for code that never asks for a CUDA tensor (a model's forward
+    with the KV cache: generation), and enter it again on exit.
+
+    The mode sees every torch call of the process: a few microseconds of Python each, which is
+    a quarter of a tiny model's decode step on CPU (docs/results/rollouts.md). Nothing changes
+    where the mode is not active (CUDA) or another mode entered after it is on top.
+    """
+    if not _modes or _get_current_function_mode_stack()[-1:] != _modes[-1:]:
+        yield
+        return
+    _modes[-1].__exit__(None, None, None)
+    try:
+        yield
+    finally:
+        _modes[-1].__enter__()
 
 
 def undo_cpu_compat() -> None:

@@ -84,26 +84,75 @@ def _call_shapes(tiny, config, eos_id) -> tuple[GenerationOutput, list[tuple[int
         hook.remove()
 
 
+def _split(out: GenerationOutput) -> tuple[list, list]:
+    """``out.micro_batches`` as (prefills, decode phases)."""
+    return ([w for w in out.micro_batches if not w.decode_context],
+            [w for w in out.micro_batches if w.decode_context])
+
+
 def test_a_finished_slot_takes_the_next_prompt_and_decode_calls_keep_one_shape(tiny) -> None:
     """With 4 slots for 14 prompts whose lengths vary widely (30 end ids, about one token in
     eight ends a reply), prompts enter as others end (several prefills, each into the slots
-    that ended), every decode call feeds [4, 1], and the decode calls run fewer row steps than
-    the static loop's micro-batches of 4, which decode until their longest row ends."""
+    that ended), every decode call feeds [4, 1] until the queue drains and then the bucket of
+    the slots still decoding ([2, 1], [1, 1]), each attending over fewer positions than the
+    32 of the cache, and the decode calls run fewer row steps than the static loop's
+    micro-batches of 4, which decode until their longest row ends."""
     config = dataclasses.replace(BASE, micro_batch_size=4, stop_check_interval=1)
     end_ids = list(range(200, 230))
     out, shapes = _call_shapes(tiny, config, end_ids)
     assert out.response_lengths.max() - out.response_lengths.min() >= 6
-    *prefills, decode = out.micro_batches
+    prefills, decodes = _split(out)
     assert len(prefills) > 14 // 4 and sum(w.rows for w in prefills) == 14
     assert prefills[0].rows == 4 and all(1 <= w.rows <= 4 for w in prefills)
-    assert (decode.rows, decode.prompt_width, decode.decode_context) == (4, 0, 32)
-    assert shapes.count((4, 1)) == decode.forwards
-    assert sorted(shapes[i] for i in range(len(shapes)) if shapes[i] != (4, 1)) == sorted(
+    assert decodes[0].rows == 4 and len(decodes) > 1
+    assert all(later.rows < earlier.rows for earlier, later in zip(decodes, decodes[1:], strict=False))
+    # eager steps attend only up to the furthest position a decoding slot may have written
+    assert all(w.rows in (1, 2, 4) and w.prompt_width == 0 and 11 < w.decode_context < 32
+               for w in decodes)
+    assert [s for s in shapes if s[1] == 1] == [(w.rows, 1) for w in decodes
+                                                for _ in range(w.forwards)]
+    assert sorted(s for s in shapes if s[1] != 1) == sorted(
         (w.rows, w.prompt_width) for w in prefills)
     static = _generate(tiny, dataclasses.replace(config, batching="static"), end_ids)
     static_row_steps = sum(w.rows * (w.forwards - 1) for w in static.micro_batches)
-    assert decode.rows * decode.forwards < static_row_steps
+    assert sum(w.rows * w.forwards for w in decodes) < static_row_steps
     assert sum(out.response_lengths) == sum(static.response_lengths)
+
+
+def test_with_every_prompt_in_one_batch_the_decode_batch_shrinks_as_rows_end(tiny) -> None:
+    """Nothing waits for a slot (micro_batch_size=0): the 16 slots of 14 prompts become 8, 4,
+    ... as rows end, each shape the bucket of the rows still decoding, so the decode steps
+    compute fewer rows than the static batch, which runs all 14 until its longest row ends."""
+    config = dataclasses.replace(BASE, stop_check_interval=2)
+    end_ids = list(range(200, 230))
+    out = _generate(tiny, config, end_ids)
+    prefills, decodes = _split(out)
+    assert [w.rows for w in prefills] == [14]
+    assert decodes[0].rows == 16 and decodes[-1].rows < 16
+    assert all(w.forwards % 2 == 0 for w in decodes[:-1])  # shrinking happens at stop checks
+    static = _generate(tiny, dataclasses.replace(config, batching="static"), end_ids)
+    (work,) = static.micro_batches
+    assert sum(w.rows * w.forwards for w in decodes) < work.rows * (work.forwards - 1)
+    _assert_same_samples(out, static)
+
+
+@pytest.mark.parametrize("compile_decode", [False, True])
+def test_an_eager_step_attends_up_to_the_written_positions_a_fixed_shape_one_all(
+        tiny, compile_decode: bool) -> None:
+    from megatron_rlhf.generation.decode_step import SlotDecoder, SlotPrompt
+
+    model = tiny[0].eval()
+    config = dataclasses.replace(BASE, compile_decode=compile_decode)
+    decoder = SlotDecoder(model, 2, 32, model.vocab_size, config, 249, PAD)
+    with torch.no_grad():
+        decoder.prefill([0, 1], [SlotPrompt([5, 6, 7], 1, 8, False), SlotPrompt([9], 2, 8, False)])
+        horizons = []
+        for _ in range(3):
+            decoder.step()
+            horizons.append(decoder.context.horizon)
+    # the prefill wrote positions 0-2 (left-padded to 3); step i writes position 3 + i
+    assert horizons == ([32] * 3 if compile_decode else [4, 5, 6])
+    assert decoder.attended_positions == (0 if compile_decode else 15)
 
 
 def test_refit_weights_copied_in_place_are_the_ones_decoded_with(world) -> None:

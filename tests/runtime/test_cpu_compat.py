@@ -32,6 +32,22 @@ def test_cuda_allocations_land_on_cpu() -> None:
     assert torch.empty(1, device=torch.cuda.current_device()).device.type == "cpu"
 
 
+def test_generation_leaves_the_redirect_and_enters_it_again() -> None:
+    from torch.overrides import TorchFunctionMode
+
+    class Passthrough(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with patches.cuda_redirect_suspended():
+        with pytest.raises((RuntimeError, AssertionError), match="(?i)cuda|nvidia"):
+            torch.zeros(1, device="cuda")
+    assert torch.zeros(1, device="cuda").device.type == "cpu"
+    with Passthrough(), patches.cuda_redirect_suspended():  # not on top: left alone
+        assert torch.zeros(1, device="cuda").device.type == "cpu"
+    assert torch.zeros(1, device="cuda").device.type == "cpu"
+
+
 def test_streams_and_events_are_usable_no_ops() -> None:
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
