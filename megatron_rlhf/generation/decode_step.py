@@ -142,7 +142,10 @@ class SlotDecoder:
             self._write_bound[slot] = width
         self.context.start_prefill(rows)
         positions = torch.arange(width, device=device).expand(len(prompts), width)
-        logits = self._logits(self.model, ids, positions, causal_padding_mask(real))
+        # prompts of one length (a refill of one, often) need no mask: the fused causal kernel
+        padded = any(len(p.tokens) != width for p in prompts)
+        logits = self._logits(self.model, ids, positions,
+                              causal_padding_mask(real) if padded else None)
         self._record(rows, self._sample(logits, rows))
 
     def keep_slots(self, slots: Sequence[int]) -> None:
@@ -185,7 +188,7 @@ class SlotDecoder:
                                                            strict=True)]
 
     def _logits(self, model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
+                mask: torch.Tensor | None) -> torch.Tensor:
         output = model(ids, positions, mask, inference_context=self.context,
                        runtime_gather_output=True)
         # materialize_only_last_token_logits: [rows, 1, padded vocab (+ value channel)]

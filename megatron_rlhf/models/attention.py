@@ -83,17 +83,24 @@ class SDPAttention(DotProductAttention):
         # [s, b, n, d] -> [b, n, s, d]
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         bias = None
+        causal = False
         if attention_mask is not None:
             bias = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device)
             bias.masked_fill_(attention_mask, _MASKED_SCORE)
         elif query.shape[2] > 1:
-            raise ValueError("SDPAttention needs an explicit attention mask for multi-token "
-                             "queries (megatron_rlhf always passes causal + padding masks)")
+            # no padding to hide (a prefill of prompts of one length): the fused causal kernel
+            if attn_mask_type != AttnMaskType.causal or query.shape[2] != key.shape[2]:
+                raise ValueError("SDPAttention needs an explicit attention mask for multi-token "
+                                 "queries other than a causal self-attention over their own "
+                                 f"keys (got {attn_mask_type}, {query.shape[2]} queries, "
+                                 f"{key.shape[2]} keys)")
+            causal = True
         # enable_gqa: each group of query heads reads its shared key/value head in place
         # (no repeat_interleave copy of K and V, which in decoding is the whole KV cache)
         grouped = self.num_query_groups_per_partition != self.num_attention_heads_per_partition
         context = F.scaled_dot_product_attention(query, key, value, attn_mask=bias,
-                                                 scale=self.softmax_scale, enable_gqa=grouped)
+                                                 is_causal=causal, scale=self.softmax_scale,
+                                                 enable_gqa=grouped)
         # [b, n, sq, d] -> [sq, b, n * d]
         context = context.permute(2, 0, 1, 3).contiguous()
         return context.view(*context.shape[:2], self.hidden_size_per_partition)
@@ -208,7 +215,8 @@ class CachedRopeSelfAttention(SelfAttention):
         if prefill:
             keys[: key.shape[0]].index_copy_(1, context.prefill_slots, key)
             values[: value.shape[0]].index_copy_(1, context.prefill_slots, value)
-            return query, key, value, None, self.attn_mask_type, None
+            # causal over the call's own keys; padding, if any, comes as the explicit mask
+            return query, key, value, None, AttnMaskType.causal, None
         at = (context.positions, torch.arange(key.shape[1], device=key.device))
         keys.index_put_(at, key[0])
         values.index_put_(at, value[0])

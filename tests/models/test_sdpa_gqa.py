@@ -44,3 +44,35 @@ def test_sdpa_gqa_equals_repeated_keys_and_values(sq: int, sk: int, heads: int,
     reference = _repeated_reference(query, key, value, mask, dim ** -0.5)
     assert ours.shape == (sq, b, heads * dim)
     torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-6)
+
+
+def _bare_attention(heads: int, groups: int, dim: int) -> SDPAttention:
+    attention = SDPAttention.__new__(SDPAttention)
+    torch.nn.Module.__init__(attention)
+    attention.num_attention_heads_per_partition = heads
+    attention.num_query_groups_per_partition = groups
+    attention.hidden_size_per_partition = heads * dim
+    attention.softmax_scale = dim ** -0.5
+    attention._sdpa_applies = lambda *args: True
+    return attention
+
+
+def test_an_unpadded_prefill_without_a_mask_is_the_causal_masked_one() -> None:
+    """A prefill of prompts of one length passes no mask: the fused causal kernel gives what
+    the explicit causal mask gave; anything but causal self-attention over its own keys is
+    refused rather than attended unmasked."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    generator = torch.Generator().manual_seed(3)
+    s, b, heads, groups, dim = 6, 2, 4, 2, 8
+    query = torch.randn(s, b, heads, dim, generator=generator)
+    key, value = (torch.randn(s, b, groups, dim, generator=generator) for _ in range(2))
+    attention = _bare_attention(heads, groups, dim)
+    causal_mask = torch.ones(s, s, dtype=torch.bool).triu(1)[None, None]
+    fused = attention.forward(query, key, value, None, AttnMaskType.causal)
+    torch.testing.assert_close(fused, attention.forward(query, key, value, causal_mask),
+                               rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="explicit attention mask"):
+        attention.forward(query, key, value, None, AttnMaskType.no_mask)
+    with pytest.raises(ValueError, match="explicit attention mask"):
+        attention.forward(query[:3], key, value, None, AttnMaskType.causal)
