@@ -21,6 +21,17 @@ def _repeated_reference(query, key, value, mask, scale) -> torch.Tensor:
     return context.reshape(*context.shape[:2], -1)
 
 
+def _bare_attention(heads: int, groups: int, dim: int) -> SDPAttention:
+    attention = SDPAttention.__new__(SDPAttention)
+    torch.nn.Module.__init__(attention)
+    attention.num_attention_heads_per_partition = heads
+    attention.num_query_groups_per_partition = groups
+    attention.hidden_size_per_partition = heads * dim
+    attention.softmax_scale = dim ** -0.5
+    attention._sdpa_applies = lambda *args: True
+    return attention
+
+
 @pytest.mark.parametrize("sq,sk", [(7, 7), (1, 11)], ids=["prefill", "decode"])
 @pytest.mark.parametrize("heads,groups", [(4, 2), (6, 1), (4, 4)])
 def test_sdpa_gqa_equals_repeated_keys_and_values(sq: int, sk: int, heads: int,
@@ -33,28 +44,10 @@ def test_sdpa_gqa_equals_repeated_keys_and_values(sq: int, sk: int, heads: int,
                             [True] + [False] * (sk - 1)])[:, None, None, :]
     causal = torch.ones(sq, sk, dtype=torch.bool).triu(sk - sq + 1)
     mask = padding | causal
-    attention = SDPAttention.__new__(SDPAttention)
-    torch.nn.Module.__init__(attention)
-    attention.num_attention_heads_per_partition = heads
-    attention.num_query_groups_per_partition = groups
-    attention.hidden_size_per_partition = heads * dim
-    attention.softmax_scale = dim ** -0.5
-    attention._sdpa_applies = lambda *args: True
-    ours = attention.forward(query, key, value, mask)
+    ours = _bare_attention(heads, groups, dim).forward(query, key, value, mask)
     reference = _repeated_reference(query, key, value, mask, dim ** -0.5)
     assert ours.shape == (sq, b, heads * dim)
     torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-6)
-
-
-def _bare_attention(heads: int, groups: int, dim: int) -> SDPAttention:
-    attention = SDPAttention.__new__(SDPAttention)
-    torch.nn.Module.__init__(attention)
-    attention.num_attention_heads_per_partition = heads
-    attention.num_query_groups_per_partition = groups
-    attention.hidden_size_per_partition = heads * dim
-    attention.softmax_scale = dim ** -0.5
-    attention._sdpa_applies = lambda *args: True
-    return attention
 
 
 def test_an_unpadded_prefill_without_a_mask_is_the_causal_masked_one() -> None:
