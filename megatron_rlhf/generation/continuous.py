@@ -47,7 +47,8 @@ def generate_continuous(model: torch.nn.Module, decode_model: torch.nn.Module | 
         budgets: most response tokens per prompt (0: an empty response, nothing runs).
         config, eos_id, pad_id: as ``generate_sequences``.
         vocab_size: logits columns at or past it are dropped.
-        on_cache: called once with the bytes of the KV cache.
+        on_cache: called once with the bytes of the KV cache (its largest, before the slots
+            shrank).
     """
     device = next(model.parameters()).device
     greedy_every = config.greedy_every if not config.greedy else 0
@@ -66,6 +67,7 @@ def generate_continuous(model: torch.nn.Module, decode_model: torch.nn.Module | 
         occupant: list[int | None] = [None] * slots
         graph = None
         decode_calls = attended = 0  # steps and attended positions at the current slot count
+        cache_bytes = 0
         while True:
             free = [s for s, prompt in enumerate(occupant) if prompt is None][:len(waiting)]
             entering = [waiting.popleft() for _ in free]
@@ -96,12 +98,13 @@ def generate_continuous(model: torch.nn.Module, decode_model: torch.nn.Module | 
             if fewer is not None:
                 work.append(_decode_work(slots, decode_calls, decoder, attended))
                 attended = decoder.attended_positions
+                cache_bytes = max(cache_bytes, decoder.cache_bytes())
                 decoder.keep_slots(fewer)
                 occupant = [occupant[s] for s in fewer]
                 slots, graph, decode_calls = len(fewer), None, 0
         work.append(_decode_work(slots, decode_calls, decoder, attended))
-        if on_cache is not None:
-            on_cache(decoder.cache_bytes())
+        if on_cache is not None:  # the largest cache of the call: before the slots shrank
+            on_cache(max(cache_bytes, decoder.cache_bytes()))
     return _assemble(prompts, responses, pad_id, device, tuple(work))
 
 

@@ -125,11 +125,19 @@ def test_with_every_prompt_in_one_batch_the_decode_batch_shrinks_as_rows_end(tin
     compute fewer rows than the static batch, which runs all 14 until its longest row ends."""
     config = dataclasses.replace(BASE, stop_check_interval=2)
     end_ids = list(range(200, 230))
-    out = _generate(tiny, config, end_ids)
+    model, pgc = tiny
+    prompts = [p for p in make_prompts([4, 9, 2, 6, 11, 3, 5], seed=6) for _ in range(SAMPLES)]
+    caches = []
+    out = generate_sequences(model, pgc, prompts, list(range(30, 30 + len(prompts))), config,
+                             eos_id=end_ids, pad_id=PAD, on_cache=caches.append)
     prefills, decodes = _split(out)
     assert [w.rows for w in prefills] == [14]
     assert decodes[0].rows == 16 and decodes[-1].rows < 16
     assert all(w.forwards % 2 == 0 for w in decodes[:-1])  # shrinking happens at stop checks
+    # the memory accounting sees the cache of all 16 slots, not the one it shrank to
+    arch = model.config
+    head_dim = arch.kv_channels
+    assert caches == [2 * arch.num_layers * 16 * 32 * arch.num_query_groups * head_dim * 4]
     static = _generate(tiny, dataclasses.replace(config, batching="static"), end_ids)
     (work,) = static.micro_batches
     assert sum(w.rows * w.forwards for w in decodes) < work.rows * (work.forwards - 1)
