@@ -53,11 +53,17 @@ def _job(tmp_path: Path, name: str, kills_after_steps: tuple[int, ...]) -> tuple
                 # Until the previous restart has resumed, metrics.jsonl still holds the killed
                 # attempt's records: a kill then would land in start-up, before any resume.
                 deadline = time.monotonic() + 240
-                while ((_steps_done(run_dir) < after
-                        or log_path.read_text().count("resumed from") < restarts)
+                done, record_times = _steps_done(run_dir), []
+                while ((done < after or log_path.read_text().count("resumed from") < restarts)
                        and time.monotonic() < deadline):
                     time.sleep(0.1)
-                time.sleep(chaos.uniform(0.0, 2.0))  # somewhere inside the next step or save
+                    now_done = _steps_done(run_dir)
+                    if now_done > done:
+                        record_times.append(time.monotonic())
+                    done = now_done
+                # somewhere inside the next step or save, however fast this machine steps
+                step_s = (record_times[-1] - record_times[-2]) if len(record_times) > 1 else 1.0
+                time.sleep(chaos.uniform(0.0, step_s))
                 workers = children(job.pid)
                 assert workers, "no workers to kill"
                 os.kill(chaos.choice(workers), signal.SIGKILL)
