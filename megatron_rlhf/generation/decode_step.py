@@ -60,6 +60,10 @@ class SlotPrompt:
 class SlotDecoder:
     """Fixed-shape decoding state of ``slots`` rows of up to ``max_length`` positions."""
 
+    _SLOT_BUFFERS = ("tokens", "key_valid", "steps", "budgets", "noise_keys", "greedy", "active",
+                     "out_tokens", "out_logprobs", "out_policy_logprobs")
+    """The attributes with one row per slot (``greedy`` may be None)."""
+
     def __init__(self, model: torch.nn.Module, slots: int, max_length: int, vocab_size: int,
                  config: GenerationConfig, eos_id: int | Sequence[int] | None, pad_id: int,
                  decode_model: torch.nn.Module | None = None) -> None:
@@ -159,9 +163,6 @@ class SlotDecoder:
         self.context.keep_slots(rows)
         self.all_slots = torch.arange(len(rows), device=rows.device)
         self._write_bound = [self._write_bound[s] for s in slots]
-
-    _SLOT_BUFFERS = ("tokens", "key_valid", "steps", "budgets", "noise_keys", "greedy", "active",
-                     "out_tokens", "out_logprobs", "out_policy_logprobs")
 
     def step(self) -> None:
         """Feed every slot's last token and sample its next one, all in place.
