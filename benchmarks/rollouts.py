@@ -26,6 +26,9 @@ continuous, all prompts together. ``--stop-check-intervals 1 2 4`` adds continuo
   and 256, continuous batching with CUDA graphs on and off: decode step ms ((T(128 tokens) -
   T(1 token)) / 127), tokens/s and the step's bytes (weights + mean KV) per second as a fraction
   of the device copy bandwidth measured here;
+* ``1.1b_uneven``: the same shape at batch 256, answers ended by a tenth of the vocabulary:
+  static against continuous batching (graphs as ``auto``; its slots shrink as answers end, one
+  capture per slot count), tokens/s each, the slot counts it ran and the speed-up;
 * ``7b``: 32 layers, hidden 4096, MHA, batch 64, 256 prompt + 256 new tokens: ms per decode step
   (graphs on);
 * ``profile``: ``torch.profiler`` over 10 decode steps of the 1.1B shape at batch 64 (graphs as
@@ -231,6 +234,7 @@ def gpu_check(args: argparse.Namespace) -> dict:
                 "step_ms": float(f"{step * 1e3:.4g}"), "tokens_per_s": round(batch / step, 1),
                 "fraction_of_copy_bandwidth": round(moved / step / copy, 3)}
     result["1.1b"] = shape_1b
+    result["1.1b_uneven"] = _uneven_answers(model, pgc, arch, batches[-1], prompt, new, generator)
     result["profile"] = _profile(model, pgc, arch, batches[0], prompt, generator)
     del model
     if ON_GPU:
@@ -248,6 +252,33 @@ def gpu_check(args: argparse.Namespace) -> dict:
     result["7b"] = {"batch": batch, "prompt": big_prompt, "new_tokens": big_new,
                     "step_ms": round(_decode_step_s(model, pgc, prompts, big_new, config) * 1e3,
                                      3)}
+    return result
+
+
+def _uneven_answers(model, pgc, arch: ArchSpec, batch: int, prompt: int, new: int,
+                    generator) -> dict:
+    """Static against continuous batching (graphs as ``auto``), all prompts in one batch, when a
+    tenth of the vocabulary ends an answer: the continuous loop's slots shrink as answers end
+    (one capture per slot count). Best of 2 calls each; raises if the loops' tokens differ."""
+    prompts = torch.randint(0, arch.vocab_size, (batch, prompt), generator=generator).tolist()
+    end_ids = list(range(arch.vocab_size - arch.vocab_size // 10, arch.vocab_size))
+    result, outputs = {}, {}
+    for batching in ("static", "continuous"):
+        config = GenerationConfig(max_new_tokens=new, batching=batching, seed=1)
+        _timed(model, pgc, prompts, config, end_ids)
+        seconds = float("inf")
+        for _ in range(2):
+            elapsed, outputs[batching] = _timed(model, pgc, prompts, config, end_ids)
+            seconds = min(seconds, elapsed)
+        tokens = int(outputs[batching].response_lengths.sum())
+        result[batching] = {"seconds": round(seconds, 4), "tokens": tokens,
+                            "tokens_per_s": round(tokens / seconds, 1)}
+    if not torch.equal(outputs["static"].input_ids, outputs["continuous"].input_ids):
+        raise RuntimeError("continuous batching drew other tokens than static")
+    result["slot_counts"] = [w.rows for w in outputs["continuous"].micro_batches
+                             if w.decode_context]
+    result["speedup"] = round(result["continuous"]["tokens_per_s"]
+                              / result["static"]["tokens_per_s"], 2)
     return result
 
 

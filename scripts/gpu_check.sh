@@ -59,9 +59,10 @@ if "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else
   run_part throughput 240 "$PYTHON" benchmarks/gpu_throughput.py
   # Per-stage peak memory of a ~1B flattening PPO run against the engine's prediction
   run_part stage_memory 150 "$PYTHON" benchmarks/stage_memory.py
-  # Decoding: 1.1B shape at batch 64 and 256 with CUDA graphs on and off, a 7B shape's decode
+  # Decoding: 1.1B shape at batch 64 and 256 with CUDA graphs on and off, static against
+  # continuous batching with uneven answers (the slots shrink), a 7B shape's decode
   # step, a profile of 10 decode steps (benchmarks/rollouts.py; its CPU dry run is a test)
-  run_part rollouts 180 "$PYTHON" benchmarks/rollouts.py --gpu-check
+  run_part rollouts 240 "$PYTHON" benchmarks/rollouts.py --gpu-check
   gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
   if [ "$gpus" -ge 2 ]; then
     # The engine under NCCL across devices: transfer channels, shadows and weight sync

@@ -92,6 +92,10 @@ def test_rollouts_gpu_check_runs_at_tiny_shapes_on_cpu_and_says_what_it_skipped(
     for name, case in figures["1.1b"].items():
         batch = int(name[5])
         assert case["tokens_per_s"] == pytest.approx(batch / case["step_ms"] * 1e3, rel=1e-2)
+    uneven = figures["1.1b_uneven"]  # the benchmark itself raises if the loops' tokens differ
+    assert uneven["static"]["tokens"] == uneven["continuous"]["tokens"] > 0
+    assert uneven["slot_counts"][0] == 4 and uneven["speedup"] == pytest.approx(
+        uneven["continuous"]["tokens_per_s"] / uneven["static"]["tokens_per_s"], abs=0.01)
     assert figures["profile"]["kernels_per_step"] == 0 and figures["profile"]["host_ms_per_step"] > 0
     assert (figures["7b"]["batch"], figures["7b"]["new_tokens"]) == (2, 8)
 
