@@ -67,7 +67,8 @@ class GenerationConfig:
     batching: str = "continuous"
     """How prompts share the decode batch. ``continuous``: ``micro_batch_size`` slots (all
     prompts, rounded up to a power of two, when 0) decode together with a step of fixed shape,
-    and a slot whose sequence ended takes the next waiting prompt at the next stop check.
+    a slot whose sequence ended takes the next waiting prompt at the next stop check, and once
+    no prompt waits the slots shrink to the power-of-two bucket of those still decoding.
     ``static``: the reference loop, ``micro_batch_size`` prompts at a time, each micro-batch
     decoding until its longest sequence ends. Both give every prompt the same tokens (their
     log-probs agree to rounding). ``continuous`` needs the local layer spec; with
