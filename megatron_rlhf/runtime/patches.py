@@ -232,9 +232,10 @@ def cuda_redirect_suspended() -> Iterator[None]:
     """Leave the CUDA-to-CPU mode for code that never asks for a CUDA tensor (a model's forward
     with the KV cache: generation), and enter it again on exit.
 
-    The mode sees every torch call of the process: a few microseconds of Python each, which is
-    a quarter of a tiny model's decode step on CPU (docs/results/rollouts.md). Nothing changes
-    where the mode is not active (CUDA) or another mode entered after it is on top.
+    The mode sees every torch call of the process: a few microseconds of Python each, 12-18% of
+    a generate call at the rollouts benchmark's shape on CPU (``cpu_compat_mode_cost`` in
+    docs/results/rollouts.md). Nothing changes where the mode is not active (CUDA) or another
+    mode entered after it is on top.
     """
     if not _modes or _get_current_function_mode_stack()[-1:] != _modes[-1:]:
         yield

@@ -161,6 +161,10 @@ def test_an_eager_step_attends_up_to_the_written_positions_a_fixed_shape_one_all
     # the prefill wrote positions 0-2 (left-padded to 3); step i writes position 3 + i
     assert horizons == ([32] * 3 if compile_decode else [4, 5, 6])
     assert decoder.attended_positions == (0 if compile_decode else 15)
+    from megatron_rlhf.generation.continuous import _decode_work
+
+    # what the FLOP count reads: the whole bucket, or the mean attended (15 / 3)
+    assert _decode_work(2, 3, decoder, 0).decode_context == (32 if compile_decode else 5)
 
 
 def test_refit_weights_copied_in_place_are_the_ones_decoded_with(world) -> None:
