@@ -9,8 +9,6 @@ id. Padded vocabulary rows, which no source holds, are zeroed afterwards.
 
 from __future__ import annotations
 
-import datetime
-
 import torch
 import torch.distributed as dist
 from megatron.core.resharding import ReshardPlan, TransferOp, execute_reshard_plan
@@ -20,6 +18,7 @@ from megatron.core.resharding.copy_services.nccl_copy_service import NCCLCopySer
 
 from megatron_rlhf.refit.layout import box_slices
 from megatron_rlhf.refit.transfer_plan import RefitPlan, ZeroFill
+from megatron_rlhf.runtime.distributed import new_member_group
 
 COPY_BACKENDS = ("pair", "nccl", "gloo")
 """Copy services by name (``nvshmem`` needs NVSHMEM on GPUs; pass an instance).
@@ -70,8 +69,7 @@ def make_copy_service(backend: str | CopyService, ranks: list[int],
     if isinstance(backend, CopyService):
         return backend
     if backend == "pair":
-        group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s))
-        return PairCopyService(group if dist.get_rank() in ranks else None)
+        return PairCopyService(new_member_group(ranks, timeout_s, "refit_pair"))
     if backend == "nccl":
         return NCCLCopyService()
     if backend == "gloo":
@@ -96,7 +94,8 @@ def rank_reshard_plan(plan: RefitPlan, rank: int) -> ReshardPlan:
 def execute(reshard_plan: ReshardPlan, zero_fills: list[ZeroFill],
             src_module: torch.nn.Module | None, dst_module: torch.nn.Module | None,
             service: CopyService) -> None:
-    """Run this rank's part of a refit; collective over the default process group.
+    """Run this rank's part of a refit: collective over the two models' ranks with the
+    ``pair`` service (other ranks return at once), over the default group with the others.
 
     Args:
         reshard_plan: from :func:`rank_reshard_plan`.
@@ -105,6 +104,8 @@ def execute(reshard_plan: ReshardPlan, zero_fills: list[ZeroFill],
         dst_module: this rank's part of the destination model, None if it holds none.
         service: the copy service (the same kind on every rank).
     """
+    if isinstance(service, PairCopyService) and service.group is None:
+        return  # this rank holds neither model
     # megatron's executor looks parameters up by name; a rank without a side passes an empty module.
     src_module = torch.nn.Module() if src_module is None else src_module
     dst_module = torch.nn.Module() if dst_module is None else dst_module
@@ -112,10 +113,42 @@ def execute(reshard_plan: ReshardPlan, zero_fills: list[ZeroFill],
         # megatron's NCCLCopyService copies same-rank tensors on a side stream that does not
         # wait for the current one, where the optimizer may still be writing the source weights.
         torch.cuda.current_stream().synchronize()
-    execute_reshard_plan(reshard_plan, src_module, dst_module, service=service)
+    if isinstance(service, PairCopyService):
+        _execute_on_pair(reshard_plan, src_module, dst_module, service)
+    else:
+        execute_reshard_plan(reshard_plan, src_module, dst_module, service=service)
     if not zero_fills:
         return
     params = dict(dst_module.named_parameters())
     with torch.no_grad():
         for fill in zero_fills:
             params[fill.local_name].data[box_slices(fill.box)].zero_()
+
+
+def _execute_on_pair(plan: ReshardPlan, src_module: torch.nn.Module,
+                     dst_module: torch.nn.Module, service: PairCopyService) -> None:
+    """megatron's ``execute_reshard_plan`` without its closing ``dist.barrier()`` on the world.
+
+    That barrier would make every rank of the job, the shadows' included, wait for the refit
+    under the world's timeout: in synchronous separation a shadow rank with nothing to receive
+    would sit in it through its trainer's whole training stage. The pair service's ``run``
+    completes every send and receive of this rank before returning, so nothing needs the
+    barrier: the received buffers are written back here as megatron writes them back.
+    """
+    src_params = dict(src_module.named_parameters())
+    dst_params = dict(dst_module.named_parameters())
+    for op in plan.send_ops:
+        if op.param_name in src_params:
+            service.submit_send_with_id(op.task_id, src_params[op.param_name].data[
+                op.my_slice].contiguous(), op.peer_rank)
+    writebacks = []
+    for op in plan.recv_ops:
+        if op.param_name in dst_params:
+            param = dst_params[op.param_name]
+            buffer = torch.empty_like(param.data[op.my_slice].contiguous())
+            service.submit_recv_with_id(op.task_id, buffer, op.peer_rank)
+            writebacks.append((buffer, param, op.my_slice))
+    service.run()
+    with torch.no_grad():
+        for buffer, param, where in writebacks:
+            param.data[where].copy_(buffer)

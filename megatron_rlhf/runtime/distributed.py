@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_rlhf.runtime import nccl_semantics
+from megatron_rlhf.runtime.device import comm_device
 from megatron_rlhf.runtime.logging import get_logger
 
 logger = get_logger(__name__)
@@ -136,7 +138,10 @@ def init_distributed(config: DistributedConfig | None = None) -> None:
         kwargs.update(store=store, rank=int(os.environ["RANK"]),
                       world_size=int(os.environ["WORLD_SIZE"]))
     dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
-    logger.info("initialised %s world of %d ranks", backend, dist.get_world_size())
+    if backend == "gloo" and nccl_semantics.requested():
+        nccl_semantics.install()
+    logger.info("initialised %s world of %d ranks%s", backend, dist.get_world_size(),
+                " with NCCL's semantics" if nccl_semantics.installed() else "")
 
 
 def restart_attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
@@ -173,7 +178,24 @@ def _agent_store(timeout_s: float) -> dist.TCPStore:
                          is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def new_member_group(ranks: list[int], timeout_s: float, desc: str) -> dist.ProcessGroup | None:
+    """``new_group(ranks)`` (collective over the default group) whose members then run one
+    collective on it; None on the other ranks.
+
+    A group's first operation must involve every member when it is a batched point-to-point
+    (``batch_isend_irecv``'s documented NCCL rule: a lazily created communicator is set up by
+    it), and a transfer or weight sync moves data between only some of them. With the warm-up
+    no group's first batch is partial, whether the communicator was created eagerly or not.
+    """
+    group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s), group_desc=desc)
+    if dist.get_rank() not in ranks:
+        return None
+    dist.all_reduce(torch.zeros(1, device=comm_device(group)), group=group)
+    return group
+
+
 def destroy_distributed() -> None:
     """Tear the default process group down if it exists."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    nccl_semantics.uninstall()

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.runtime.device import comm_device
+from megatron_rlhf.runtime.distributed import new_member_group
 from megatron_rlhf.runtime.faults import PeerStopped
 from megatron_rlhf.runtime.patches import default_group_store
 
@@ -164,8 +165,8 @@ class TransferChannels:
         self._groups: dict[ChannelKey, dist.ProcessGroup | None] = {}
         for key in sorted({channel_key(a, b) for a, b in pairs}, key=_sort_key):
             ranks = sorted(frozenset().union(*key))
-            self._groups[key] = None if len(ranks) < 2 else dist.new_group(
-                ranks, timeout=datetime.timedelta(seconds=timeout_s))
+            self._groups[key] = None if len(ranks) < 2 else new_member_group(
+                ranks, timeout_s, f"transfer_{'_'.join(map(str, ranks))}")
         self._pending: dict[ChannelKey, list] = {key: [] for key in self._groups}
         self._transfers: dict[ChannelKey, int] = {key: 0 for key in self._groups}
 
@@ -222,9 +223,11 @@ class TransferChannels:
                            "between a pair it did not list when it built its channels")
         return self._groups[key]
 
-    def keep_in_flight(self, key: ChannelKey, request: dist.Work, tensor: torch.Tensor) -> None:
-        """Hold a send's handle (and the tensor it reads) until the channel is drained."""
-        self._pending[key].append((request, tensor))
+    def keep_in_flight(self, key: ChannelKey, request: dist.Work,
+                       tensors: list[torch.Tensor]) -> None:
+        """Hold a batch of sends' handle (and the tensors it reads) until the channel is
+        drained."""
+        self._pending[key].append((request, tensors))
 
     def drain(self, key: ChannelKey | None = None) -> None:
         """Wait for this rank's sends in flight on ``key``'s channel (default: on every one)."""
@@ -235,7 +238,7 @@ class TransferChannels:
 
     @property
     def in_flight(self) -> int:
-        """This rank's sends not yet drained, over all channels."""
+        """This rank's batches of sends not yet drained, over all channels."""
         return sum(len(pending) for pending in self._pending.values())
 
 
@@ -256,10 +259,10 @@ def execute_transfers(plan: list[Transfer], source: RowLayout, target: RowLayout
         schema: every field's dtype and per-row shape, known to all ranks.
         channels: if given, the transfer runs on the channel of the two layouts' rank sets, after
             this rank's earlier sends on it are drained and its senders are ready (the channel's
-            handshake), and this rank's sends are left in flight
-            there (the rank goes on computing; ``channels.drain`` waits for them). Without it, on
-            the world group, and every operation completes before returning. Receives always
-            complete before returning.
+            handshake), and a rank that only sends leaves its sends in flight there (it goes on
+            computing; ``channels.drain`` waits for them). Without it, on the world group, and
+            every operation completes before returning. A rank that receives waits for its whole
+            batch, sends included (under NCCL one work covers the batch).
 
     Returns:
         This rank's rows of every field under ``target``, or None if it needs none.
@@ -296,10 +299,14 @@ def execute_transfers(plan: list[Transfer], source: RowLayout, target: RowLayout
                 view = outputs[name][transfer.start - mine_dst[0]:transfer.end - mine_dst[0]]
                 ops.append(dist.P2POp(dist.irecv, view, transfer.src, group=group))
     if ops:
+        # NCCL answers a batch with ONE work that covers all of it (gloo with one per op): a
+        # rank that receives waits for the whole batch, its own sends included; a rank that only
+        # sends may leave the batch in flight on its channel.
         requests = dist.batch_isend_irecv(ops)
-        for op, request in zip(ops, requests, strict=True):
-            if channels is not None and op.op is dist.isend:
-                channels.keep_in_flight(key, request, op.tensor)
-            else:
+        if channels is not None and not any(op.op is dist.irecv for op in ops):
+            for request in requests:
+                channels.keep_in_flight(key, request, sends)
+        else:
+            for request in requests:
                 request.wait()
     return outputs
