@@ -256,3 +256,38 @@ def test_a_receiver_stops_soon_when_its_sender_raised_before_the_transfer() -> N
     assert waiting["error"].startswith("RankFailure: rank 1 raised ValueError: the reward "
                                        "function cannot grade this row"), waiting["error"]
     assert waiting["seconds"] < 10
+
+
+def _sender_goes_on() -> dict:
+    import time
+
+    from megatron_rlhf.engine.execution.transfer import TransferChannels, execute_transfers
+
+    rank = dist.get_rank()
+    channels = TransferChannels([([0], [1])], timeout_s=30)
+    source, target = RowLayout.replicated(2, [0]), RowLayout.replicated(2, [1])
+    schema = {"x": (torch.float32, (3,))}
+    plan = plan_transfers(source, target)
+    if rank == 1:
+        time.sleep(2.0)  # the receiver is still busy (training) while both chunks are sent
+    start, got, in_flight = time.monotonic(), [], []
+    for chunk in range(2):
+        rows = {"x": torch.full((2, 3), float(chunk))} if rank == 0 else None
+        out = execute_transfers(plan, source, target, rows, schema, channels)
+        got.append(None if out is None else out["x"].tolist())
+        in_flight.append(channels.in_flight)
+    sent_s = time.monotonic() - start
+    channels.drain()
+    return {"sent_s": sent_s, "got": got, "in_flight": in_flight,
+            "after_drain": channels.in_flight}
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(90)
+def test_a_second_transfer_on_a_channel_does_not_wait_for_the_first_one_to_be_received() -> None:
+    """Under NCCL a wait on an earlier send would make the sender's compute stream wait for a
+    receiver still training: the second chunk is posted without waiting for the first."""
+    sender, receiver = run_on_ranks(_sender_goes_on, world_size=2, timeout_s=60)
+    assert sender["sent_s"] < 1.5 and sender["in_flight"] == [1, 2], sender
+    assert sender["after_drain"] == 0
+    assert receiver["got"] == [[[0.0] * 3] * 2, [[1.0] * 3] * 2]

@@ -130,7 +130,8 @@ class TransferChannels:
     (stage checks, metrics) until its receiver, perhaps still training, takes it; pending
     point-to-point beside other collectives on one communicator is what NCCL documents as unsafe.
     On a pair's own group a send may stay in flight while its rank computes (the pipelined stages
-    hide transfers that way); it is drained before that group carries the pair's next transfer.
+    hide transfers that way): a later transfer on the pair only forgets the batches that have
+    completed, and :meth:`drain` (the end of a step) waits for the rest.
     The groups have their own timeout: a receiver may wait through a whole stage (generation,
     scoring) that outlasts the world's collective timeout.
 
@@ -229,6 +230,14 @@ class TransferChannels:
         drained."""
         self._pending[key].append((request, tensors))
 
+    def release_completed(self, key: ChannelKey) -> None:
+        """Forget this rank's batches of sends on ``key``'s channel that have completed, without
+        waiting for the others: under NCCL a wait would make the compute stream wait for a
+        receiver that may still be training, and sends on one communicator stay in order
+        anyway."""
+        self._pending[key] = [(request, tensors) for request, tensors in self._pending[key]
+                              if not request.is_completed()]
+
     def drain(self, key: ChannelKey | None = None) -> None:
         """Wait for this rank's sends in flight on ``key``'s channel (default: on every one)."""
         for one in ([key] if key is not None else self._groups):
@@ -257,9 +266,8 @@ def execute_transfers(plan: list[Transfer], source: RowLayout, target: RowLayout
         plan: from :func:`plan_transfers` for ``source`` and ``target``.
         fields: this rank's rows of each field (``source.held_by(rank)`` rows), or None.
         schema: every field's dtype and per-row shape, known to all ranks.
-        channels: if given, the transfer runs on the channel of the two layouts' rank sets, after
-            this rank's earlier sends on it are drained and its senders are ready (the channel's
-            handshake), and a rank that only sends leaves its sends in flight there (it goes on
+        channels: if given, the transfer runs on the channel of the two layouts' rank sets, once
+            its senders are ready (the channel's handshake), and a rank that only sends leaves its sends in flight there (it goes on
             computing; ``channels.drain`` waits for them). Without it, on the world group, and
             every operation completes before returning. A rank that receives waits for its whole
             batch, sends included (under NCCL one work covers the batch).
@@ -272,7 +280,7 @@ def execute_transfers(plan: list[Transfer], source: RowLayout, target: RowLayout
     rank = dist.get_rank()
     if channels is not None:
         group = channels.group(key)
-        channels.drain(key)
+        channels.release_completed(key)
         channels.handshake(key, rank, {t.dst for t in plan if t.src == rank != t.dst},
                            {t.src for t in plan if t.dst == rank != t.src})
     device = comm_device()
