@@ -93,10 +93,13 @@ def _device_clock() -> float:
     CUDA kernels run asynchronously: without the wait a span would measure how long the host
     took to queue its work. Waiting at span boundaries serialises host and device, which is the
     price of a true timeline (tracing is off by default). CUDA events would time the device
-    without the wait but give durations only, not times comparable across ranks.
+    without the wait but give durations only, not times comparable across ranks. Only the
+    current stream is waited for: a device-wide synchronize would also wait for NCCL's streams,
+    where a send left in flight completes only when its receiver, perhaps still training, takes
+    it.
     """
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
     return time.time()
 
 
