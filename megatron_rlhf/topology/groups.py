@@ -25,6 +25,7 @@ from megatron.core.hyper_comm_grid import HyperCommGrid
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_rlhf.runtime.logging import get_logger
+from megatron_rlhf.runtime.nccl_semantics import supports_split_group
 from megatron_rlhf.topology.grid import DIM_NAMES
 from megatron_rlhf.topology.models import ModelSpec
 from megatron_rlhf.topology.plan import ModelPlacement, PlacementPlan
@@ -106,7 +107,9 @@ def build_process_groups(plan: PlacementPlan,
     worlds: dict[str, dist.ProcessGroup | None] = {}
     for role in plan.roles:
         collections[role], worlds[role] = _model_groups(plan[role], factory)
-    logger.info("built %d process groups for %s", factory.count, ", ".join(plan.roles))
+    logger.info("built %d process groups for %s in %d creation calls (%s)", factory.count,
+                ", ".join(plan.roles), factory.calls,
+                "split_group per grid dimension" if factory.split else "new_group each")
     return RankProcessGroups(plan, collections, worlds)
 
 
@@ -133,11 +136,20 @@ def build_model_process_groups(spec: ModelSpec,
 
 
 class _GroupFactory:
-    """Creates each distinct membership once, in call order, and remembers this rank's."""
+    """Creates each distinct membership once, in call order, and remembers this rank's.
 
-    def __init__(self, rank: int, timeout: datetime.timedelta | None) -> None:
+    Under NCCL with a bound device every group creation is a communicator split that the whole
+    world blocks in, so an enumeration's new memberships (disjoint: one per replica of a grid
+    dimension) are created by one ``split_group`` call where the backend can split; otherwise
+    one ``new_group`` each. ``calls`` counts the creations either way.
+    """
+
+    def __init__(self, rank: int, timeout: datetime.timedelta | None,
+                 split: bool | None = None) -> None:
         self.rank = rank
         self.timeout = timeout
+        self.split = supports_split_group() if split is None else split
+        self.calls = 0
         self._created: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
 
     @property
@@ -146,15 +158,19 @@ class _GroupFactory:
 
     def mine(self, enumeration: list[list[int]], desc: str) -> dist.ProcessGroup | None:
         """Create the enumerated groups not created yet; return the one holding this rank."""
-        result = None
-        for ranks in enumeration:
-            key = tuple(sorted(ranks))
-            if key not in self._created:
-                group = dist.new_group(list(key), timeout=self.timeout, group_desc=desc)
-                self._created[key] = group if self.rank in key else None
-            if self.rank in key:
-                result = self._created[key]
-        return result
+        keys = [tuple(sorted(ranks)) for ranks in enumeration]
+        new = list(dict.fromkeys(key for key in keys if key not in self._created))
+        disjoint = len({rank for key in new for rank in key}) == sum(map(len, new))
+        if self.split and disjoint and new:
+            group = dist.split_group(split_ranks=[list(key) for key in new],
+                                     timeout=self.timeout, group_desc=desc)
+            self.calls += 1
+            self._created.update({key: group if self.rank in key else None for key in new})
+        for key in new if not (self.split and disjoint) else ():
+            group = dist.new_group(list(key), timeout=self.timeout, group_desc=desc)
+            self.calls += 1
+            self._created[key] = group if self.rank in key else None
+        return next((self._created[key] for key in keys if self.rank in key), None)
 
 
 def _model_groups(model: ModelPlacement, factory: _GroupFactory

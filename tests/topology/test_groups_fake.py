@@ -60,3 +60,42 @@ def test_plan_must_match_the_world(fake_world) -> None:
     with pytest.raises(ValueError, match="the plan covers 8 ranks but the default process group "
                                          "has 128"):
         build_process_groups(small)
+
+
+def test_group_creations_at_128_ranks_are_one_split_per_grid_dimension(
+        fake_world, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under NCCL each creation is a world-wide communicator split: with ``split_group`` a
+    dimension's replicas (128 single-rank groups, say) are one call, not one each."""
+    import megatron_rlhf.topology.groups as groups_module
+
+    plan = plan_placement(CLUSTER, *CONFIGS[0])
+    created: list[list[list[int]]] = []
+
+    def split_group(split_ranks, timeout, group_desc):  # the fake backend cannot split
+        created.append(split_ranks)
+        mine = None
+        for ranks in split_ranks:
+            group = dist.new_group(ranks, timeout=timeout, group_desc=group_desc)
+            mine = group if dist.get_rank() in ranks else mine
+        return mine
+
+    counts = {}
+    for split in (False, True):
+        monkeypatch.setattr(groups_module, "supports_split_group", lambda split=split: split)
+        monkeypatch.setattr(dist, "split_group", split_group)
+        fake_world(5)
+        new_group_calls = []
+        original = dist.new_group
+        monkeypatch.setattr(dist, "new_group", lambda *a, **k: new_group_calls.append(a) or
+                            original(*a, **k))
+        groups = build_process_groups(plan, timeout=datetime.timedelta(seconds=60))
+        assert check_rank_groups(plan, expected_groups(plan), groups) > 0
+        counts[split] = (len(new_group_calls), len(created))
+        monkeypatch.setattr(dist, "new_group", original)
+        dist.destroy_process_group()
+    print("group creation calls at 128 ranks (new_group, split_group):", counts)
+    memberships, _ = counts[False]
+    # every membership is created once either way; with splits, a call per new dimension
+    assert counts[True][0] == memberships
+    assert sum(map(len, created)) == memberships
+    assert counts[True][1] <= 10 * len(plan.roles) < memberships / 2, counts
