@@ -2,7 +2,7 @@
 
 With the same seed and synchronous execution, flattening, interleaving, interleaving2,
 separation and heterogeneous separation (generation split between pools by speed) give the same
-per-step rewards, KL and losses on 4 gloo ranks, for AC-NonShare and AC-Share. Each strategy
+per-step rewards, KL and losses on 4 gloo ranks, for AC-NonShare and AC-Share, and on 2. Each strategy
 moves data differently (separation also resyncs shadows every step), so any routing or sync
 mistake shows up as a metric mismatch. Every placement generates with continuous batching over
 packed sequences (the defaults); ``flattening/reference`` generates through the static loop and
@@ -42,10 +42,11 @@ def _run_strategies(ac_share: bool, steps: int, strategies: tuple[str, ...] = ST
     from megatron_rlhf.topology.cluster import DevicePool, cluster_from_environment
     from megatron_rlhf.topology.placement_config import PlacementConfig
 
-    # Two pools of 2 ranks; the slower one holds the inference models, and the actor on the fast
-    # pool generates twice the rows of each shadow replica.
-    hetero_pools = [DevicePool("fast", 1, 2, relative_speed=1.0),
-                    DevicePool("slow", 1, 2, relative_speed=0.5)]
+    # Two pools of half the ranks; the slower one holds the inference models, and the actor on
+    # the fast pool generates twice the rows of each shadow replica.
+    half = torch.distributed.get_world_size() // 2
+    hetero_pools = [DevicePool("fast", 1, half, relative_speed=1.0),
+                    DevicePool("slow", 1, half, relative_speed=0.5)]
 
     initialize_runtime()
     prompts_gen = torch.Generator().manual_seed(0)
@@ -96,6 +97,14 @@ def _check_same_metrics(results: dict[str, list[dict[str, float]]]) -> None:
 def test_every_placement_gives_the_same_ppo_metrics(ac_share: bool) -> None:
     per_rank = run_on_ranks(_run_strategies, world_size=4, args=(ac_share, 2), timeout_s=420)
     assert all(r == per_rank[0] for r in per_rank), "metrics must be identical on every rank"
+    _check_same_metrics(per_rank[0])
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_every_placement_gives_the_same_ppo_metrics_on_two_ranks() -> None:
+    per_rank = run_on_ranks(_run_strategies, world_size=2, args=(False, 2), timeout_s=240)
+    assert per_rank[0] == per_rank[1], "metrics must be identical on every rank"
     _check_same_metrics(per_rank[0])
 
 
