@@ -320,8 +320,9 @@ def check_shared_directory(directory: Path, field: str) -> None:
 
 
 class SafetensorsState(Mapping[str, torch.Tensor]):
-    """A full state in an open safetensors file, each tensor read only when asked for (so a
-    rank reads its own model part's tensors, one at a time, not the whole file)."""
+    """A full state in an open safetensors file, each tensor read only where it is indexed: a
+    rank reads its own model part's tensors, one at a time, and of a TP-sharded tensor only its
+    own slice."""
 
     def __init__(self, handle: Any) -> None:
         self._handle = handle
@@ -330,10 +331,22 @@ class SafetensorsState(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._names:
             raise KeyError(name)
-        return self._handle.get_tensor(name)
+        return LazyTensor(self._handle.get_slice(name))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
 
     def __len__(self) -> int:
         return len(self._names)
+
+
+class LazyTensor:
+    """One tensor of an open safetensors file: its ``shape``, and the part a tuple of slices
+    selects, read when indexed."""
+
+    def __init__(self, piece: Any) -> None:
+        self._slice = piece
+        self.shape = torch.Size(piece.get_shape())
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        return self._slice[index]

@@ -79,16 +79,38 @@ def _full_shape(local: torch.Size, rule: ShardRule, tp_size: int) -> list[int]:
 
 def _shard_of_full(full: torch.Tensor, rule: ShardRule, local_shape: torch.Size,
                    tp_rank: int, tp_size: int) -> torch.Tensor:
-    """This TP rank's slice of a full tensor (padding the vocabulary with zero rows)."""
-    if rule.vocab_rows is not None:
-        padded_rows = local_shape[0] * (tp_size if rule.partition_dim == 0 else 1)
-        full = torch.cat([full, full.new_zeros(padded_rows - full.shape[0], *full.shape[1:])])
+    """This TP rank's slice of a full tensor (padding the vocabulary with zero rows).
+
+    ``full`` is only indexed with tuples of slices and asked for its ``shape``, so a lazily read
+    tensor (a safetensors slice) is read for this rank's part alone, not whole.
+    """
     if rule.partition_dim is None:
-        return full
+        if rule.vocab_rows is None:
+            return _along(full, 0, 0, full.shape[0])
+        return _rows(full, 0, rule.vocab_rows, local_shape[0], rule.vocab_rows)
+    dim, size = rule.partition_dim, local_shape[rule.partition_dim]
+    start = tp_rank * size
+    if rule.vocab_rows is not None and dim == 0:
+        return _rows(full, start, start + size, size, rule.vocab_rows)
     if rule.glu_halves:
-        gate, up = full.chunk(2, dim=0)
-        return torch.cat([gate.chunk(tp_size, dim=0)[tp_rank], up.chunk(tp_size, dim=0)[tp_rank]])
-    return full.chunk(tp_size, dim=rule.partition_dim)[tp_rank]
+        half = size // 2  # the local [gate; up] rows: half of each full half
+        gate_start, up_start = tp_rank * half, full.shape[0] // 2 + tp_rank * half
+        return torch.cat([_along(full, 0, gate_start, gate_start + half),
+                          _along(full, 0, up_start, up_start + half)])
+    return _along(full, dim, start, start + size)
+
+
+def _along(full: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
+    index = [slice(None)] * len(full.shape)
+    index[dim] = slice(start, stop)
+    return full[tuple(index)]
+
+
+def _rows(full: torch.Tensor, start: int, stop: int, count: int, real_rows: int
+          ) -> torch.Tensor:
+    """Rows ``[start, stop)`` of the vocabulary padded with zero rows past ``real_rows``."""
+    real = _along(full, 0, min(start, real_rows), min(stop, real_rows))
+    return torch.cat([real, real.new_zeros(count - real.shape[0], *real.shape[1:])])
 
 
 def _full_of_shards(shards: list[torch.Tensor], rule: ShardRule) -> torch.Tensor:
@@ -155,15 +177,15 @@ def load_full_state(model: GPTModel, pg_collection: ProcessGroupCollection,
             # A tied source into an untied model (an AC-Share actor): the LM head starts as the
             # embedding it was tied to.
             full = full_state.get("embedding.word_embeddings.weight")
-        if new_head and local_name.startswith("output_layer.") and (
-                full is None or list(full.shape) != expected):
+        shape = None if full is None else list(full.shape)
+        if new_head and local_name.startswith("output_layer.") and shape != expected:
             continue
         if full is None:
             raise KeyError(f"full state has no tensor {name!r}; it has {sorted(full_state)[:8]}...")
-        if list(full.shape) != expected:
-            raise ValueError(f"{name}: full state holds shape {list(full.shape)}, "
+        if shape != expected:
+            raise ValueError(f"{name}: full state holds shape {shape}, "
                              f"the model expects {expected}")
-        param.copy_(_shard_of_full(full.to(param.dtype), rule, param.shape, tp_rank, tp_size))
+        param.copy_(_shard_of_full(full, rule, param.shape, tp_rank, tp_size))
 
 
 @torch.no_grad()
