@@ -92,7 +92,10 @@ def test_workers_stop_when_the_launcher_is_killed(tmp_path: Path) -> None:
                 os.kill(pid, signal.SIGKILL)
         log.close()
     output = (tmp_path / "log.txt").read_text()
-    assert "its launcher (torchrun's agent, pid" in output and "is gone" in output, output[-3000:]
+    # What must hold is that the workers stopped with a reason, not which rank noticed first:
+    # the launcher watch, or a rank whose collective broke and found the job's store gone.
+    reasons = ("its launcher (torchrun's agent, pid", "the job's store is unreachable")
+    assert any(reason in output for reason in reasons), output[-3000:]
     steps = len(metrics.read_text().splitlines())
     assert steps < 500
     for checkpoint in complete_checkpoints(save_dir):
