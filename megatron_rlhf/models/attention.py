@@ -151,14 +151,32 @@ def _flash_varlen() -> Callable[..., torch.Tensor] | None:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
+    return varlen_call(varlen_attn)
+
+
+def varlen_call(varlen_attn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor] | None:
+    """``varlen_attn`` as a causal call taking grouped keys and values, whatever its release's
+    arguments: ``window_size`` or ``is_causal`` for causality; without ``enable_gqa`` (torch
+    2.10-2.11) the key and value heads are repeated to the query heads, which keeps the fused
+    kernel rather than falling back to a loop over the sequences (a host sync per batch and a
+    kernel per sequence). None when it cannot be made causal."""
     parameters = inspect.signature(varlen_attn).parameters
-    if "enable_gqa" not in parameters:
-        return None
     if "window_size" in parameters:
-        return partial(varlen_attn, window_size=(-1, 0), enable_gqa=True)
-    if "is_causal" in parameters:
-        return partial(varlen_attn, is_causal=True, enable_gqa=True)
-    return None
+        causal = partial(varlen_attn, window_size=(-1, 0))
+    elif "is_causal" in parameters:
+        causal = partial(varlen_attn, is_causal=True)
+    else:
+        return None
+    if "enable_gqa" in parameters:
+        return partial(causal, enable_gqa=True)
+
+    def repeated(query, key, value, *args, **kwargs):
+        repeats = query.shape[1] // key.shape[1]
+        if repeats > 1:
+            key, value = (x.repeat_interleave(repeats, dim=1) for x in (key, value))
+        return causal(query, key, value, *args, **kwargs)
+
+    return repeated
 
 
 class CachedRopeSelfAttention(SelfAttention):

@@ -3,6 +3,8 @@ per query head (the copy it replaces), for prefill masks and one-token decode qu
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -69,3 +71,42 @@ def test_an_unpadded_prefill_without_a_mask_is_the_causal_masked_one() -> None:
         attention.forward(query, key, value, None, AttnMaskType.no_mask)
     with pytest.raises(ValueError, match="explicit attention mask"):
         attention.forward(query[:3], key, value, None, AttnMaskType.causal)
+
+
+def _fake_varlen(**flags):
+    """A stand-in for torch's ``varlen_attn`` of one release: its arguments are ``flags``'
+    names; like the real kernel without ``enable_gqa`` it refuses fewer key than query heads."""
+
+    def attend(query, key, value, cu_q, cu_k, max_q, max_k, scale=None, **kwargs):
+        assert set(kwargs) <= set(flags), kwargs
+        assert kwargs.get("window_size", (-1, 0)) == (-1, 0) and kwargs.get("is_causal", True)
+        if not kwargs.get("enable_gqa"):
+            assert key.shape[1] == query.shape[1], "this release needs as many key heads"
+        from megatron_rlhf.models.attention import packed_causal_attention
+
+        return packed_causal_attention(query, key, value, cu_q, max_q, scale).view(
+            query.shape)
+
+    names = ["query", "key", "value", "cu_q", "cu_k", "max_q", "max_k"]
+    attend.__signature__ = inspect.Signature(
+        [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in names]
+        + [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
+           for name in ("scale", *flags)])
+    return attend
+
+
+@pytest.mark.parametrize("flags", [("window_size", "enable_gqa"), ("is_causal", "enable_gqa"),
+                                   ("window_size",), ("is_causal",)],
+                         ids=["window+gqa", "causal+gqa", "window", "causal"])
+def test_every_varlen_release_stays_fused_for_grouped_queries(flags) -> None:
+    from megatron_rlhf.models.attention import packed_causal_attention, varlen_call
+
+    generator = torch.Generator().manual_seed(7)
+    query = torch.randn(9, 4, 8, generator=generator)
+    key, value = (torch.randn(9, 2, 8, generator=generator) for _ in range(2))
+    cu_seqlens = torch.tensor([0, 4, 9], dtype=torch.int32)
+    call = varlen_call(_fake_varlen(**dict.fromkeys(flags)))
+    got = call(query, key, value, cu_seqlens, cu_seqlens, 5, 5, scale=None)
+    expected = packed_causal_attention(query, key, value, cu_seqlens, 5, None)
+    torch.testing.assert_close(got.reshape(9, -1), expected, rtol=0, atol=1e-6)
+    assert varlen_call(_fake_varlen(enable_gqa=None)) is None  # no way to ask for causality
