@@ -95,12 +95,23 @@ class SDPAttention(DotProductAttention):
                                  f"keys (got {attn_mask_type}, {query.shape[2]} queries, "
                                  f"{key.shape[2]} keys)")
             causal = True
-        # enable_gqa: each group of query heads reads its shared key/value head in place
-        # (no repeat_interleave copy of K and V, which in decoding is the whole KV cache)
-        grouped = self.num_query_groups_per_partition != self.num_attention_heads_per_partition
-        context = F.scaled_dot_product_attention(query, key, value, attn_mask=bias,
-                                                 is_causal=causal, scale=self.softmax_scale,
-                                                 enable_gqa=grouped)
+        groups = self.num_query_groups_per_partition
+        grouped = groups != self.num_attention_heads_per_partition
+        if grouped and query.shape[2] == 1 and (bias is None or bias.shape[1:3] == (1, 1)):
+            # A decode step: the query heads sharing a key/value head become that head's
+            # queries, [b, groups, heads / groups, d], one plain SDPA call under the same key
+            # mask. A masked call with enable_gqa has no memory-efficient kernel before torch
+            # 2.12 and would take the math kernel; this keeps the fused one and copies nothing.
+            b, heads, _, dim = query.shape
+            context = F.scaled_dot_product_attention(
+                query.reshape(b, groups, heads // groups, dim), key, value, attn_mask=bias,
+                scale=self.softmax_scale).reshape(b, heads, 1, dim)
+        else:
+            # enable_gqa: each group of query heads reads its shared key/value head in place
+            # (no repeat_interleave copy of K and V)
+            context = F.scaled_dot_product_attention(query, key, value, attn_mask=bias,
+                                                     is_causal=causal, scale=self.softmax_scale,
+                                                     enable_gqa=grouped)
         # [b, n, sq, d] -> [sq, b, n * d]
         context = context.permute(2, 0, 1, 3).contiguous()
         return context.view(*context.shape[:2], self.hidden_size_per_partition)

@@ -1,4 +1,5 @@
-"""Grouped-query attention through SDPA's ``enable_gqa`` gives the outputs of repeating K and V
+"""Grouped-query attention through SDPA (``enable_gqa``, or a decode step's query heads folded
+into their key head's queries) gives the outputs of repeating K and V
 per query head (the copy it replaces), for prefill masks and one-token decode queries."""
 
 from __future__ import annotations
