@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,101 @@ def test_gpu_check_skips_its_gpu_parts_on_cpu_and_says_so(tmp_path: Path) -> Non
     assert "no CUDA device" in summary["skipped"]
     assert summary["gpu_tests"]["skipped"] >= 5 and "passed" not in summary["gpu_tests"]
     assert list(summary["parts"]) == ["gpu_tests"]
+    assert summary["parts"]["gpu_tests"]["limit_s"] == summary["limits_s_total"] > 0
+    # what comes back from a device command: a few files, no run directories
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.log", "parts.txt",
+                                                        "summary.json"]
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+    assert "##### gpu_check: logs/gpu_tests.0.log #####" in (tmp_path / "gpu_check.log").read_text()
+    assert not summary["run_dir"].startswith(str(tmp_path))
+
+
+SCRIPT = REPO / "scripts" / "gpu_check.sh"
+DEVICE_COMMAND_S = 600
+"""One device command's limit; the parts' limits must leave room for set-up and the summary."""
+
+
+def _part_limits() -> dict[str, int]:
+    """Each ``run_part NAME LIMIT`` of the script (the largest where a name appears twice: the
+    CPU branch repeats ``gpu_tests``)."""
+    text = SCRIPT.read_text()
+    calls = re.findall(r"^\s*run_part\s+(\S+)\s+(\S+)\s", text, flags=re.MULTILINE)
+    assert calls and all(limit.isdigit() for _, limit in calls), calls  # literal limits only
+    assert len(calls) == len(re.findall(r"^\s*run_part\s", text, flags=re.MULTILINE))
+    limits: dict[str, int] = {}
+    for name, limit in calls:
+        limits[name] = max(limits.get(name, 0), int(limit))
+    return limits
+
+
+def test_gpu_check_fits_one_device_command() -> None:
+    """The parts' time limits, the NCCL parts of a machine with several GPUs included, sum to
+    540 s at most (a 600 s command with set-up, the summary and timeout's grace periods); on one
+    GPU to 330 s, so two checks and two machine starts fit 15 minutes of device time."""
+    limits = _part_limits()
+    assert {"run_ppo", "throughput", "stage_memory", "rollouts", "gpu_tests", "nccl_flattening",
+            "nccl_separation"} <= set(limits)
+    assert sum(limits.values()) <= 540, limits
+    assert sum(v for name, v in limits.items() if not name.startswith("nccl_")) <= 330, limits
+    grace = re.search(r"timeout --kill-after=(\d+)", SCRIPT.read_text())
+    assert grace and sum(limits.values()) + len(limits) * int(grace[1]) <= DEVICE_COMMAND_S - 20
+
+
+def test_gpu_check_keeps_run_directories_out_of_what_comes_back() -> None:
+    """At most 8 files come back from $OUT: run directories go elsewhere, and $LOG_DIR gets only
+    the summary, the parts' table and the one concatenated log."""
+    text = SCRIPT.read_text()
+    run_dir = re.search(r"^RUN_DIR=(.*)$", text, flags=re.MULTILINE)
+    assert run_dir and "LOG_DIR" not in run_dir[1] and "OUT" not in run_dir[1], run_dir
+    run_dirs = re.findall(r"--run-dir\s+(\S+)", text)
+    assert len(run_dirs) >= 3 and all(d.startswith('"$RUN_DIR/') for d in run_dirs), run_dirs
+    written = set(re.findall(r'"\$LOG_DIR/([^"]+)"', text))
+    assert written <= {"parts.txt", "summary.json", "gpu_check.log"}, written
+
+
+def test_gpu_test_shards_split_the_tests_between_them() -> None:
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from gpu_check_shard import shard_of
+    finally:
+        sys.path.pop(0)
+    items = list(range(8))
+    shards = [shard_of(items, f"{i}/3") for i in range(3)]
+    assert [kept for kept, _ in shards] == [[0, 3, 6], [1, 4, 7], [2, 5]]
+    assert all(sorted(kept + dropped) == items for kept, dropped in shards)
+    with pytest.raises(pytest.UsageError):
+        shard_of(items, "3/3")
+
+
+def test_the_summary_reads_cut_off_shards_and_still_prints_on_bad_logs(tmp_path: Path) -> None:
+    """Test counts come from the per-test lines of ``pytest -v`` (a shard killed by its time
+    limit still counts what it finished); limits and time-outs come from parts.txt; a log that
+    cannot be read is named, the rest summarised."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from gpu_check_summary import summarize
+    finally:
+        sys.path.pop(0)
+    logs = tmp_path / "run" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "gpu_tests.0.log").write_text(
+        "tests/gpu/test_gpu.py::test_a PASSED [ 33%]\n"
+        "tests/gpu/test_gpu.py::test_b[ac-share] FAILED [ 66%]\n"
+        "tests/gpu/test_gpu.py::test_c SKIPPED (needs TE) [100%]\n"
+        "FAILED tests/gpu/test_gpu.py::test_b[ac-share] - AssertionError\n"
+        "=== 1 failed, 1 passed, 1 skipped in 9.0s ===\n")
+    (logs / "gpu_tests.1.log").write_text("tests/gpu/test_gpu.py::test_d PASSED [ 50%]\n"
+                                          "tests/gpu/test_gpu.py::test_e ")  # cut off here
+    (logs / "rollouts.log").write_text('{"benchmark": "rollouts_gpu_check", "errors": ["7b"]}\n'
+                                       "{not json\n")
+    (tmp_path / "parts.txt").write_text("rollouts 124 85 80\ngpu_tests 1 40 85\n")
+    summary, passed = summarize(tmp_path, tmp_path / "run")
+    assert summary["gpu_tests"] == {"passed": 2, "failed": 1, "skipped": 1}
+    assert summary["parts"]["rollouts"] == {"exit": 124, "seconds": 85, "limit_s": 80,
+                                            "timed_out": True}
+    assert summary["limits_s_total"] == 165
+    assert summary["rollouts"]["errors"] == ["7b"] and passed is False
+    json.dumps(summary)
 
 
 def test_throughput_benchmark_figures_are_consistent(tmp_path: Path) -> None:
@@ -87,17 +183,52 @@ def test_rollouts_gpu_check_runs_at_tiny_shapes_on_cpu_and_says_what_it_skipped(
     assert result.returncode == 0, result.stderr[-3000:]
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["device"] == "cpu" and any("cuda graphs" in s for s in figures["skipped"])
+    assert "errors" not in figures and figures["copy_GBps"] > 0
     assert sorted(figures["1.1b"]) == ["batch2_graphs_off", "batch2_graphs_on",
                                        "batch4_graphs_off", "batch4_graphs_on"]
     for name, case in figures["1.1b"].items():
         batch = int(name[5])
+        assert case["batch"] == batch and case["timed_steps"] == case["new_tokens"] - 1 == 7
+        # the decode steps themselves are timed: a step takes real time (it was ~0 when T(1)
+        # ran as many steps as T(128))
+        assert case["step_ms"] > 0.05
         assert case["tokens_per_s"] == pytest.approx(batch / case["step_ms"] * 1e3, rel=1e-2)
-    uneven = figures["1.1b_uneven"]  # the benchmark itself raises if the loops' tokens differ
-    assert uneven["static"]["tokens"] == uneven["continuous"]["tokens"] > 0
+    uneven = figures["1.1b_uneven"]
     assert uneven["slot_counts"][0] == 4 and uneven["speedup"] == pytest.approx(
         uneven["continuous"]["tokens_per_s"] / uneven["static"]["tokens_per_s"], abs=0.01)
-    assert figures["profile"]["kernels_per_step"] == 0 and figures["profile"]["host_ms_per_step"] > 0
+    assert uneven["match"]["token_match_fraction"] == 1.0  # fp32 on CPU: the same tokens
+    loops = figures["loops_fp32"]
+    assert loops["tokens"]["static"] == loops["tokens"]["continuous"] > 0
+    assert loops["token_match_fraction"] == loops["rows_equal_fraction"] == 1.0
+    assert loops["max_logprob_diff"] < 1e-4
+    for mode in ("graphs_on", "graphs_off"):
+        profile = figures["profile"][mode]
+        assert profile["kernels_per_step"] == 0 and profile["host_ms_per_step"] > 0
     assert (figures["7b"]["batch"], figures["7b"]["new_tokens"]) == (2, 8)
+
+
+def test_rollouts_match_figures_compare_the_common_prefix() -> None:
+    """``token_match_fraction``: per row the responses' common prefix over the longer one;
+    ``max_logprob_diff`` only where both drew the same tokens so far."""
+    import torch
+
+    from benchmarks.rollouts import _match
+    from megatron_rlhf.generation.output import GenerationOutput
+
+    def output(responses: list[list[int]], logprobs: list[list[float]]) -> GenerationOutput:
+        width = max(len(r) for r in responses)
+        ids = torch.tensor([[5, 6] + r + [0] * (width - len(r)) for r in responses])
+        lps = torch.tensor([lp + [0.0] * (width - len(lp)) for lp in logprobs])
+        mask = (torch.arange(width)[None] < torch.tensor([len(r) for r in responses])[:, None])
+        return GenerationOutput(
+            input_ids=ids, attention_mask=torch.ones_like(ids), prompt_mask=torch.ones(2, 2),
+            response_mask=mask.long(), response_logprobs=lps, response_policy_logprobs=lps,
+            prompt_lengths=torch.tensor([2, 2]), response_lengths=mask.sum(1))
+
+    a = output([[1, 2, 3], [7, 8]], [[-1.0, -2.0, -3.0], [-0.5, -0.25]])
+    b = output([[1, 2, 4, 9], [7, 8]], [[-1.0, -2.5, -9.0, -1.0], [-0.5, -0.25]])
+    assert _match(a, b) == {"token_match_fraction": round(4 / 6, 4), "rows_equal_fraction": 0.5,
+                            "max_logprob_diff": 0.5}
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU dry run")
