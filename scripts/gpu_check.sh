@@ -86,7 +86,17 @@ gpu_test_shards() {  # the gpu-marked tests, in $1 pytest processes side by side
   tail -n 2 "$PART_LOGS"/gpu_tests.*.log
   return "$status"
 }
-export -f ppo_dtypes gpu_test_shards
+# shellcheck disable=SC2329
+nccl_ppo() {  # placement [overrides...]: 3 fp32 steps on every GPU under NCCL
+  local name=nccl_$1
+  [ $# -gt 1 ] && name=nccl_async_$1
+  "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$gpus" tools/run_ppo.py \
+    --steps 3 --placement "$1" --run-dir "$RUN_DIR/$name" models.params_dtype=float32 \
+    runtime.allow_tf32=false runtime.transfer_timeout_s=60 runtime.distributed.timeout_s=60 \
+    "${@:2}"
+}
+export gpus
+export -f ppo_dtypes gpu_test_shards nccl_ppo
 
 if [ "$gpus" -ge 1 ]; then
   run_part run_ppo 50 bash -c ppo_dtypes
@@ -103,16 +113,14 @@ else
   run_part gpu_tests 85 bash -c "gpu_test_shards 1"
 fi
 if [ "$gpus" -ge 2 ]; then
-  # The engine under NCCL across devices: transfer channels, shadows and weight sync
-  # (separation), the same steps on one layout (flattening) to compare with, fp32 without TF32.
-  nccl=(models.params_dtype=float32 runtime.allow_tf32=false runtime.transfer_timeout_s=60
-        runtime.distributed.timeout_s=60)
-  run_part nccl_flattening 100 "$PYTHON" -m torch.distributed.run --standalone \
-    --nproc-per-node "$gpus" tools/run_ppo.py --steps 3 --placement flattening \
-    --run-dir "$RUN_DIR/nccl_flattening" "${nccl[@]}"
-  run_part nccl_separation 100 "$PYTHON" -m torch.distributed.run --standalone \
-    --nproc-per-node "$gpus" tools/run_ppo.py --steps 3 --placement separation \
-    --run-dir "$RUN_DIR/nccl_separation" "${nccl[@]}"
+  # The engine under NCCL across devices, every placement that one kind of GPU allows: transfer
+  # channels, interleaved models, shadows and weight sync, asynchronous rollouts; fp32 without
+  # TF32, so the synchronous placements' steps can be compared with flattening's.
+  run_part nccl_flattening 40 bash -c "nccl_ppo flattening"
+  run_part nccl_interleaving 40 bash -c "nccl_ppo interleaving"
+  run_part nccl_interleaving2 40 bash -c "nccl_ppo interleaving2"
+  run_part nccl_separation 40 bash -c "nccl_ppo separation"
+  run_part nccl_async_separation 40 bash -c "nccl_ppo separation rollout.async_rollout=true"
 fi
 
 "$PYTHON" scripts/gpu_check_summary.py "$LOG_DIR" "$RUN_DIR" 2>"$PART_LOGS/summary.log"

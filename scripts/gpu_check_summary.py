@@ -58,12 +58,18 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in lines if line.startswith("{")]
 
 
+NCCL_PLACEMENTS = ("flattening", "interleaving", "interleaving2", "separation",
+                   "async_separation")
+"""The placements the check runs under NCCL with 2 or more GPUs (``nccl_<name>`` run dirs)."""
+
+
 def _placement_agreement(log_dir: Path) -> dict:
-    """Each NCCL run's last metrics, and the largest difference between the placements' per-step
-    ``reward_mean``, ``kl`` and ``policy_loss`` (the same steps, fp32: only the reduction order
-    differs)."""
+    """Each NCCL run's last metrics, and per synchronous placement the largest difference from
+    flattening's per-step ``reward_mean``, ``kl`` and ``policy_loss`` (the same steps, fp32:
+    only the reduction order differs; asynchronous separation trains on older rollouts, so it
+    is not compared)."""
     runs = {placement: _records(log_dir / f"nccl_{placement}" / "metrics.jsonl")
-            for placement in ("flattening", "separation")}
+            for placement in NCCL_PLACEMENTS}
     found = {placement: records for placement, records in runs.items() if records}
     if not found:
         return {}
@@ -72,11 +78,17 @@ def _placement_agreement(log_dir: Path) -> dict:
         last = [record for record in records if "reward_mean" in record][-1:] or records[-1:]
         result[placement] = {key: last[0].get(key) for key in (
             "step", "reward_mean", "kl", "policy_loss", "step_seconds")}
-    steps = [(a, b) for a, b in zip(runs["flattening"], runs["separation"], strict=False)
-             if "reward_mean" in a and "reward_mean" in b]  # evaluation-only records have none
-    if len(found) == 2 and len(runs["flattening"]) == len(runs["separation"]) and steps:
-        result["max_abs_diff"] = max(abs(a[key] - b[key]) for a, b in steps
-                                     for key in ("reward_mean", "kl", "policy_loss"))
+    reference = [record for record in runs["flattening"] if "reward_mean" in record]
+    diffs = {}
+    for placement in NCCL_PLACEMENTS[1:-1]:
+        steps = [record for record in runs[placement] if "reward_mean" in record]
+        if reference and len(steps) == len(reference):
+            diffs[placement] = max(abs(a[key] - b[key]) for a, b in zip(reference, steps,
+                                                                       strict=True)
+                                   for key in ("reward_mean", "kl", "policy_loss"))
+    if diffs:
+        result["max_abs_diff_from_flattening"] = diffs
+        result["max_abs_diff"] = max(diffs.values())
     return result
 
 
