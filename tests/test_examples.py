@@ -41,3 +41,29 @@ def test_llama7b_example_is_the_paper_setting() -> None:
     plan = make_plan(config, ClusterSpec((DevicePool("A100-80GB", 16, 8),)))
     assert plan["shadow_actor"].tp == 8 and (plan["actor"].tp, plan["critic"].tp) == (4, 4)
     assert plan["actor"].dp * plan["actor"].tp == 64
+
+
+DATA_KEYS = ("prompts.paths", "evaluation.paths", "ptx.paths", "data.paths", "data.eval_paths",
+             "tokenizer.corpus_path", "tokenizer.model_path")
+"""Inputs an example ships with (checkpoints and tokenizers a pipeline writes first are not)."""
+
+
+MADE_ELSEWHERE = {"ppo_hf_tiny.yaml": "tools/make_tiny_hf.py writes its model and prompts",
+                  "ppo_llama7b.yaml": "the user's own SFT checkpoint and tokenizer"}
+"""Examples whose inputs a tool or the user provides; every other example's must ship."""
+
+
+@pytest.mark.parametrize("path", sorted(p for p in EXAMPLES.glob("*.yaml")
+                                        if p.name not in MADE_ELSEWHERE), ids=lambda p: p.name)
+def test_every_data_file_an_example_names_exists(path: Path) -> None:
+    from megatron_rlhf.config.supervised_run import RMConfig, SFTConfig
+
+    schema = {"sft": SFTConfig, "rm": RMConfig}.get(path.name.split("_")[0], RunConfig)
+    config = load_config(schema, path)
+    named = []
+    for key in DATA_KEYS:
+        section, _, name = key.partition(".")
+        value = getattr(getattr(config, section, None), name, None)
+        named += [value] if isinstance(value, str) else list(value or ())
+    missing = [file for file in named if file and not Path(file).is_file()]
+    assert not missing, f"{path.name} names files that do not exist: {missing}"
