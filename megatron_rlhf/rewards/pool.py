@@ -17,6 +17,14 @@ the prompt set and an excerpt) and what went wrong; with ``"zero"`` it scores 0 
 ``reward/errors``. The worker enforces the timeout with an interval timer; a call stuck where
 the timer cannot interrupt it (inside a C extension) is caught by the pool's own deadline, after
 which the pool's processes are terminated and the calls after it run on new ones.
+
+The workers belong to the rank, which alone decides when they stop: each ignores SIGTERM and
+SIGINT and runs in a process group of its own, so the SIGTERM that torchrun's agent (or a
+terminal's Ctrl-C) sends to the whole group on preemption reaches the rank, which finishes its
+step and saves, while its reward calls go on. A worker whose rank is gone exits by itself.
+:meth:`RewardFunctions.close` stops them with SIGKILL and never waits on a dead worker for
+longer than ``_CLOSE_S`` (a worker killed from outside may die holding the pool's queue lock,
+on which ``Pool.terminate`` would wait forever).
 """
 
 from __future__ import annotations
@@ -25,7 +33,10 @@ import json
 import math
 import multiprocessing as mp
 import numbers
+import multiprocessing.pool
+import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +52,13 @@ _GRACE_S = 5.0
 
 _START_S = 300.0
 """The longest new workers may take to start (importing the entry script again)."""
+
+_CLOSE_S = 5.0
+"""The longest :meth:`RewardFunctions.close` waits for the pool to wind down before it kills
+what is left and moves on."""
+
+_ORPHAN_CHECK_S = 1.0
+"""How often a worker checks that its rank is still there."""
 
 _EXCERPT_CHARS = 120
 
@@ -82,6 +100,37 @@ def _checked(value: Any) -> tuple[str, Any]:
         return "ok", {str(key): float(item) for key, item in value.items()}
     why = _not_a_number(value)
     return ("bad", f"returned {why}") if why is not None else ("ok", float(value))
+
+
+def _worker_init(parent: int) -> None:
+    """A worker's setup: deaf to the job's SIGTERM and SIGINT (the rank stops it), in a process
+    group of its own, and gone once its rank is."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.setpgrp()
+
+    def exit_with_the_rank() -> None:
+        while os.getppid() == parent:
+            time.sleep(_ORPHAN_CHECK_S)
+        os._exit(1)
+
+    threading.Thread(target=exit_with_the_rank, name="reward-worker-orphan-watch",
+                     daemon=True).start()
+
+
+class _Worker(mp.get_context("spawn").Process):  # type: ignore[misc, name-defined]
+    """A pool worker that ``Pool.terminate`` stops with SIGKILL: it ignores SIGTERM."""
+
+    def terminate(self) -> None:
+        self.kill()
+
+
+class _Pool(multiprocessing.pool.Pool):
+    """A spawn pool of :class:`_Worker` processes."""
+
+    @staticmethod
+    def Process(ctx: Any, *args: Any, **kwds: Any) -> _Worker:  # noqa: N802 - Pool's hook
+        return _Worker(*args, **kwds)
 
 
 def _ready() -> None:
@@ -197,7 +246,8 @@ class RewardFunctions:
     def _start(self) -> None:
         """Start the workers and wait until one runs (spawned workers import the entry script
         again: that time is not any call's)."""
-        self._pool = mp.get_context("spawn").Pool(self.workers)
+        self._pool = _Pool(self.workers, initializer=_worker_init, initargs=(os.getpid(),),
+                           context=mp.get_context("spawn"))
         try:
             self._pool.apply_async(_ready).get(_START_S)
         except mp.TimeoutError as error:
@@ -243,11 +293,25 @@ class RewardFunctions:
         return result
 
     def close(self) -> None:
-        """Stop the worker processes (a later :meth:`score` starts new ones)."""
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
-            self._pool = None
+        """Stop the worker processes (a later :meth:`score` starts new ones); returns within
+        about ``2 * _CLOSE_S`` seconds even when a worker died holding the pool's queue lock."""
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        stopper = threading.Thread(target=pool.terminate, name="reward-pool-terminate",
+                                   daemon=True)
+        stopper.start()
+        stopper.join(_CLOSE_S)
+        workers = list(pool._pool)  # noqa: SLF001 - the processes, to kill what is left
+        for worker in workers:
+            if worker.exitcode is None:
+                worker.kill()
+        for worker in workers:
+            worker.join(_CLOSE_S)
+        if stopper.is_alive():
+            # A worker died holding the pool's queue lock: its handler threads (daemons) are
+            # abandoned; the processes are gone.
+            stopper.join(0.1)
 
 
 def _excerpt(record: Mapping[str, Any]) -> str:

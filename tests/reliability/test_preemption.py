@@ -152,3 +152,51 @@ def test_a_stop_file_finishes_the_step_saves_and_exits_zero(tmp_path: Path) -> N
     assert 1 <= steps < 200
     saved = complete_checkpoints(save_dir)
     assert [p.name for p in saved] == [f"step_{steps:08d}"] and verify_checkpoint(saved[0]) == []
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(400)
+def test_sigterm_to_the_job_while_reward_functions_score_saves_and_exits_in_seconds(
+        tmp_path: Path) -> None:
+    """torchrun's agent forwards SIGTERM to its whole process group, reward workers included:
+    they used to die, the step then waited on their lost calls, no checkpoint was written and
+    closing the pool hung on a lock a dead worker held until the agent's SIGKILL 30 s later."""
+    run_dir, save_dir, marker = tmp_path / "run", tmp_path / "ckpt", tmp_path / "scoring"
+    log = (tmp_path / "log.txt").open("w")
+    function = (f"{{name: 'tests.rewards.user_functions:slow_and_marked', marker: '{marker}', "
+                "seconds: 0.25}")
+    command = tool_command("run_ppo.py", [
+        "--config", "examples/ppo_grpo_tiny.yaml", "--placement", "interleaving", "--steps", "60",
+        "--save-interval", "100", "--run-dir", str(run_dir), "--save-dir", str(save_dir),
+        *_SMALL, "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
+        "reward.model_weight=0", "reward.rule=none", "reward.workers=2",
+        f"reward.functions=[{function}]"], nproc=2)
+    # A session of its own: the test signals the job's process group as the agent does.
+    job = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=tool_env(),
+                           start_new_session=True)
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        wait_for(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 1, 240,
+                 "the first step")
+        marker.unlink()
+        wait_for(marker.exists, 120, "the second step's scoring")
+        os.killpg(job.pid, signal.SIGTERM)
+        signalled = time.monotonic()
+        returncode = job.wait(timeout=60)
+        seconds = time.monotonic() - signalled
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+        log.close()
+    output = (tmp_path / "log.txt").read_text()
+    # torchrun's agent, signalled itself, stops its workers and then always exits 1 with its own
+    # SignalException; the ranks' clean exit is read from the log: no other traceback.
+    assert returncode in (0, 1) and seconds < 15, (returncode, seconds, output[-3000:])
+    assert output.count("Traceback") == returncode, output[-3000:]
+    assert "run_ppo: done" in output, output[-3000:]
+    steps = len(metrics.read_text().splitlines())
+    saved = complete_checkpoints(save_dir)
+    assert [p.name for p in saved] == [f"step_{steps:08d}"], output[-3000:]
+    assert verify_checkpoint(saved[0]) == []
+    assert "stopping after step" in output

@@ -132,6 +132,32 @@ def test_the_pool_outlives_a_failed_batch_and_close_leaves_no_process() -> None:
     assert mp.active_children() == []
 
 
+def test_workers_ignore_the_jobs_sigterm_and_close_never_waits_on_a_dead_one() -> None:
+    """The SIGTERM a launcher sends its process group is the rank's to act on; a worker killed
+    while it held the pool's queue lock used to hang ``close`` (``Pool.terminate``) for good."""
+    import signal
+    import threading
+
+    functions = _functions("graded", workers=2)
+    try:
+        functions.score(["p"], ["r"], [(0, {})])
+        workers = list(functions._pool._pool)
+        assert all(os.getpgid(w.pid) == w.pid != os.getpgid(0) for w in workers)
+        for worker in workers:
+            os.kill(worker.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        assert all(worker.is_alive() for worker in workers)
+        assert functions.score(["p"], ["r"], [(0, {})]).scores == [[0.5]]
+        for worker in workers:  # an idle worker waits for its next call holding the lock
+            os.kill(worker.pid, signal.SIGKILL)
+    finally:
+        closer = threading.Thread(target=functions.close, daemon=True)
+        closer.start()
+        closer.join(20)
+    assert not closer.is_alive(), "close() hung on a dead worker's lock"
+    assert functions._pool is None and mp.active_children() == []
+
+
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match=r"reward.on_error='skip': use one of \('error', 'zero'"):
         RewardFunctions([], on_error="skip")

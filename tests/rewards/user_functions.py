@@ -67,3 +67,13 @@ def fails_on_dog(prompt: str, response: str, record: dict[str, Any]) -> float:
     if "dog" in record["prompt"]:
         raise ValueError("cannot grade dogs")
     return 1.0
+
+
+def slow_and_marked(prompt: str, response: str, record: dict[str, Any], marker: str = "",
+                    seconds: float = 0.3) -> float:
+    """Touches ``marker`` (the test's sign that scoring is under way), then takes ``seconds``."""
+    if marker:
+        with open(marker, "a"):
+            pass
+    time.sleep(seconds)
+    return 1.0
