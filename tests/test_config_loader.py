@@ -95,3 +95,56 @@ def test_plain_optimizer_settings_take_their_roles_section(tmp_path: Path) -> No
     assert (config.actor_optimizer.lr, config.critic_optimizer.lr) == (0.5, 0.5)
     (tmp_path / "config.yaml").write_text(to_yaml(config))
     assert load_config(RunConfig, tmp_path / "config.yaml").actor_optimizer.lr == 0.5
+
+
+BOOLEAN_WORDS = [("generation.cuda_graphs", {"off": "off", "no": "off", "on": "auto",
+                                             "yes": "auto"}),
+                 ("checkpoint.resume", {"off": "off", "no": "off", "on": "latest",
+                                        "yes": "latest"})]
+"""Each field that takes one of YAML's boolean words, and what each word gives it."""
+
+
+@pytest.mark.parametrize(("key", "words"), BOOLEAN_WORDS)
+def test_yamls_boolean_words_give_the_values_they_stand_for(tmp_path: Path, key: str,
+                                                            words: dict[str, str]) -> None:
+    """``generation.cuda_graphs=off``, the documented value, was refused ("'False' must be
+    'auto' or 'off'"): YAML reads off as false, on the command line and in files."""
+    section, name = key.split(".")
+    extra = ["checkpoint.save_dir=ckpt"] if key == "checkpoint.resume" else []
+    for word, value in words.items():
+        from_override = load_config(RunConfig, None, [f"{key}={word}", *extra])
+        path = _yaml(tmp_path / f"{word}.yaml", f"{section}:\n  {name}: {word}\n")
+        from_file = load_config(RunConfig, path, extra)
+        saved = _yaml(tmp_path / f"saved_{word}.yaml", to_yaml(from_file))
+        assert {getattr(getattr(c, section), name) for c in (
+            from_override, from_file, load_config(RunConfig, saved))} == {value}, word
+
+
+def test_every_field_that_takes_a_boolean_word_lists_it() -> None:
+    """An enum-like string field (it refuses a made-up value) that accepts off, on, yes or no
+    must be in its schema's BOOLEAN_WORDS, or YAML's booleans reach it as 'False'/'True'."""
+    from megatron_rlhf.config.supervised_run import RMConfig
+
+    for schema in (RunConfig, SFTConfig, RMConfig):
+        default = schema()
+        taking = set()
+        for key in _leaf_names(default):
+            section, _, name = key.rpartition(".")
+            owner = default
+            for part in filter(None, section.split(".")):
+                owner = getattr(owner, part)
+            if not isinstance(getattr(owner, name), str):
+                continue
+            try:
+                load_config(schema, None, [f"{key}=not_a_value_zz"])
+                continue  # free text: a path, a name
+            except ValueError:
+                pass
+            for word in ("off", "on", "yes", "no"):
+                try:
+                    load_config(schema, None, [f"{key}='{word}'", "checkpoint.save_dir=c"]
+                                if schema is RunConfig else [f"{key}='{word}'"])
+                    taking.add(key)
+                except ValueError:
+                    pass
+        assert taking == set(getattr(schema, "BOOLEAN_WORDS", {})), schema.__name__

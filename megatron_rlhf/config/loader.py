@@ -14,6 +14,11 @@ from any working directory; the same keys given as ``a.b=c`` overrides are relat
 working directory. Both become absolute when loaded (so a run's saved ``config.yaml`` loads from
 anywhere); absolute and ``~`` paths are kept. What a run writes (``run_dir``, ``out_dir``,
 ``checkpoint.save_dir``, caches) stays relative to the working directory.
+
+Words YAML reads as booleans: ``off``, ``on``, ``yes`` and ``no`` (YAML 1.1, which OmegaConf
+follows, on the command line and in files) are read as false and true, and a string field would
+then hold ``'False'``. A schema lists its fields that take such a word in ``BOOLEAN_WORDS``
+(dotted key -> the values false and true stand for), and their booleans become those values.
 """
 
 from __future__ import annotations
@@ -55,6 +60,15 @@ def _resolve_input_paths(node: DictConfig, keys: Sequence[str], folder: Path) ->
             OmegaConf.update(node, key, _absolute(value, folder), merge=False)
 
 
+def _boolean_words(node: DictConfig, words: dict[str, tuple[str, str]]) -> None:
+    """Replace the booleans YAML made of ``off``/``on``/``yes``/``no`` under ``words``' keys
+    with the values they stand for (module docstring)."""
+    for key, (false, true) in words.items():
+        value = OmegaConf.select(node, key, default=None, throw_on_missing=False)
+        if isinstance(value, bool):
+            OmegaConf.update(node, key, true if value else false, merge=False)
+
+
 def _read_yaml_chain(path: Path, keys: Sequence[str],
                      seen: tuple[Path, ...] = ()) -> DictConfig:
     path = path.resolve()
@@ -89,18 +103,22 @@ def load_config(schema: type[T], path: str | Path | None = None,
     if not is_dataclass(schema):
         raise TypeError(f"{schema!r} is not a dataclass")
     keys = getattr(schema, "INPUT_PATHS", ())
+    words = getattr(schema, "BOOLEAN_WORDS", {})
     merged = OmegaConf.structured(schema)
     source, empty_value = "defaults", False
     try:
         if path is not None:
             source = str(path)
-            merged = OmegaConf.merge(merged, _read_yaml_chain(Path(path), keys))
+            node = _read_yaml_chain(Path(path), keys)
+            _boolean_words(node, words)
+            merged = OmegaConf.merge(merged, node)
         for item in overrides or []:
             source, empty_value = f"override {item!r}", item.endswith("=")
             if "=" not in item:
                 raise ConfigError(f"override {item!r} must look like section.key=value")
             node = OmegaConf.from_dotlist([item])
             _resolve_input_paths(node, keys, Path.cwd())
+            _boolean_words(node, words)
             merged = OmegaConf.merge(merged, node)
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:

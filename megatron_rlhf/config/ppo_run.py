@@ -528,6 +528,10 @@ class RunConfig:
         "tokenizer.corpus_path", "checkpoint.resume_from")
     """What the run reads; relative values are relative to the YAML file that gives them
     (``config.loader``)."""
+    BOOLEAN_WORDS: ClassVar[dict[str, tuple[str, str]]] = {
+        "generation.cuda_graphs": ("off", "auto"), "checkpoint.resume": ("off", "latest")}
+    """The fields that take ``off``/``on``/``yes``/``no``, which YAML reads as booleans: the
+    values false and true stand for (``config.loader``)."""
 
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
