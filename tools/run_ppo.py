@@ -77,7 +77,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                         help="custom placement ratios over actor, critic, ref, reward (actor, ref, "
                         "reward without a critic); implies --placement custom")
     parser.add_argument("--tp", type=int, help="tensor-parallel size of every model")
-    parser.add_argument("--pp", type=int, help="pipeline-parallel size of the trained models")
+    parser.add_argument("--pp", type=int, help="pipeline-parallel size of every model but the inference-only "
+                        "shadows (placement.parallel.<role>.pp sets one model's)")
     parser.add_argument("--ac-share", action="store_true", help="critic is a head on the actor")
     parser.add_argument("--steps", type=int, help="PPO steps")
     parser.add_argument("--seed", type=int, help="seed of every RNG")

@@ -435,7 +435,7 @@ class EvalConfig:
     split of ``prompts.synthetic`` when the run uses the synthetic task, else no evaluation."""
     num_prompts: int = 0
     """Evaluate on the first this many held-out prompts (0: no evaluation; the pipeline's
-    examples/ppo_pipeline.yaml sets 64)."""
+    examples/ppo_pipeline.yaml sets 128)."""
     interval: int = 20
     """Evaluate before every ``interval``-th step, besides before the first and after the last
     step (0: only those two)."""

@@ -74,9 +74,9 @@ class GenerationConfig:
     log-probs agree to rounding). ``continuous`` needs the local layer spec; with
     ``use_kv_cache=False`` the static loop runs."""
     cuda_graphs: str = "auto"
-    """``auto``: with ``batching=continuous`` on a CUDA device, capture the decode step into one
-    CUDA graph per generate call and replay it per token; ``off``: run it eagerly. Never used
-    on CPU."""
+    """``auto``: with ``batching=continuous`` on a CUDA device, capture the decode step into a
+    CUDA graph for each slot count it decodes at (the slots shrink as prompts run out) and
+    replay it per token; ``off``: run it eagerly. Never used on CPU."""
 
     def __post_init__(self) -> None:
         """Checks every field.
