@@ -32,8 +32,8 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing as mp
-import numbers
 import multiprocessing.pool
+import numbers
 import os
 import signal
 import threading
