@@ -204,6 +204,10 @@ class ModelTrainer:
             end_wd=settings.weight_decay,
             wd_incr_steps=1,
             wd_incr_style="constant",
+            # A resume restores the step count only: the schedule is this run's settings'
+            # (a changed lr, min_lr, weight decay, warm-up or decay applies from the next step).
+            use_checkpoint_opt_param_scheduler=False,
+            override_opt_param_scheduler=True,
         )
         self.steps = 0
 
@@ -404,6 +408,7 @@ class ModelTrainer:
             NotImplementedError: the model trains under Megatron-FSDP.
         """
         self._refuse_fsdp_checkpoint()
+        built = self._group_settings()
         for index, inner in enumerate(self._inner_optimizers()):
             if not isinstance(inner, DistributedOptimizer):
                 inner.load_state_dict(state[index])
@@ -415,6 +420,22 @@ class ModelTrainer:
             inner.load_parameter_state_from_fully_reshardable(state[index]["param_state"])
             for param, step in steps.items():
                 inner.optimizer.state[param]["step"] = step.clone()
+        self._settings_win(built)
+
+    _SETTINGS_IN_GROUPS = ("max_lr", "min_lr", "betas", "eps")
+    """What megatron's param groups hold of this run's settings; a checkpoint's groups carry
+    the saved values, which would win over a resume's changed ones (the scheduler sets ``lr``
+    and ``weight_decay`` from ``max_lr``, ``min_lr`` and its own settings at every step)."""
+
+    def _group_settings(self) -> list[dict[str, Any]]:
+        return [{key: group[key] for key in self._SETTINGS_IN_GROUPS if key in group}
+                for group in self.optimizer.param_groups]
+
+    def _settings_win(self, built: list[dict[str, Any]]) -> None:
+        """Put this run's settings, as the optimizer was built with them, back into the param
+        groups after loading a checkpoint's."""
+        for group, settings in zip(self.optimizer.param_groups, built, strict=True):
+            group.update(settings)
 
     def reload_main_params(self) -> None:
         """Copy the model's weights into the optimizer's main (fp32) copies, after loading
@@ -470,8 +491,10 @@ class ModelTrainer:
         """Load a Megatron-FSDP state: ``load`` fills :meth:`fsdp_state` in place (a DCP
         load, ``models.fsdp_checkpoint.load_fsdp_checkpoint``); the weights the layers compute
         with are then derived from the loaded ones, as after an optimizer step."""
+        built = self._group_settings()
         load(self.fsdp_state(with_optimizer, is_loading=True))
         self.module.module.install_optimized_model_weights()
+        self._settings_win(built)
 
     def _refuse_fsdp_checkpoint(self) -> None:
         if self.settings.fsdp:

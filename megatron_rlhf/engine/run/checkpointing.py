@@ -31,6 +31,7 @@ code (JSON, ``torch.load(weights_only=True)``, models.checkpoint's safe loader).
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
 from collections.abc import Collection
@@ -202,19 +203,61 @@ def check_compatible(path: Path, config: RunConfig, tokenizer_fingerprint: str) 
                          f"{state['tokenizer_fingerprint'][:12]}, this run's is "
                          f"{tokenizer_fingerprint[:12]}); resume with the run's tokenizer.* "
                          "settings or start a new run")
+    saved, ours, changed = _changed_settings(state, config)
+    _refuse_changes(path, state, saved, ours, changed)
+    noted = [f"{k}: {saved.get(k)!r} -> {ours.get(k)!r}" for k in changed
+             if not k.startswith(_MAY_CHANGE)]
+    if noted:
+        logger.warning("resuming %s with changed settings, which apply from step %s on (results "
+                       "will differ from the uninterrupted run): %s", path, state.get("step"),
+                       "; ".join(noted))
+
+
+def check_resume_settings(candidates: list[Path], config: RunConfig) -> None:
+    """Refuse, before any process group, a resume that changes a setting the checkpoint's
+    state would override (docs/reliability.md, "Resuming with changed settings"), read from the
+    newest candidate whose ``rl_state.json`` reads (a bad one is skipped at selection).
+
+    Raises:
+        ValueError: naming the setting, both values and the fix.
+    """
+    for path in candidates:
+        try:
+            state = read_rl_state(path)
+        except ValueError:
+            continue
+        _refuse_changes(path, state, *_changed_settings(state, config))
+        return
+
+
+def _changed_settings(state: dict[str, Any], config: RunConfig
+                      ) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """The saved and this run's flattened settings, and the keys whose values differ."""
     saved, ours = _flatten(state["config"]), _flatten(_config_dict(config))
-    changed = sorted(k for k in saved.keys() | ours.keys() if saved.get(k) != ours.get(k))
+    return saved, ours, sorted(k for k in saved.keys() | ours.keys()
+                               if saved.get(k) != ours.get(k))
+
+
+def _refuse_changes(path: Path, state: dict[str, Any], saved: dict[str, Any],
+                    ours: dict[str, Any], changed: list[str]) -> None:
+    """Refuse the changes a resume cannot apply: the model, its precision, AC-Share, and the
+    starting coefficient of an adaptive KL controller, which continues from its saved value."""
     for key in changed:
         if key.startswith(_MUST_MATCH):
             raise ValueError(f"checkpoint {path} was saved with {key}="
                              f"{_as_written(saved, key)!r}; this run has "
                              f"{_as_written(ours, key)!r}. Resume with the checkpoint's value, or "
                              "start a new run in another --save-dir")
-    noted = [f"{k}: {saved.get(k)!r} -> {ours.get(k)!r}" for k in changed
-             if not k.startswith(_MAY_CHANGE)]
-    if noted:
-        logger.warning("resuming %s with changed settings (results will differ from the "
-                       "uninterrupted run): %s", path, "; ".join(noted))
+    if "algorithm.kl_coef" in changed and ours.get("algorithm.adaptive_kl"):
+        controller = state.get("ppo", {}).get("kl_controller", {}).get("value", math.nan)
+        raise ValueError(
+            f"checkpoint {path} was saved with algorithm.kl_coef={saved['algorithm.kl_coef']!r}; "
+            f"this run has {ours['algorithm.kl_coef']!r}, but with algorithm.adaptive_kl=true "
+            "kl_coef is only the controller's starting value and a resumed run continues from "
+            f"the saved coefficient ({controller:.6g}). Resume with algorithm.kl_coef="
+            f"{saved['algorithm.kl_coef']!r}, set algorithm.adaptive_kl=false to train at "
+            f"{ours['algorithm.kl_coef']!r} from now on, or start a new run in another "
+            "--save-dir")
 
 
 def read_rl_state(path: Path) -> dict[str, Any]:

@@ -45,6 +45,7 @@ from megatron_rlhf.engine.run.checkpointing import (
     CheckpointSaver,
     RunState,
     check_compatible,
+    check_resume_settings,
     load_rl_checkpoint,
     resume_candidates,
 )
@@ -266,6 +267,7 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
                              "vocab_size or a larger architecture")
     check_checkpoint_tokenizers(sources, tokenizer)
     candidates = resume_candidates(config.checkpoint)
+    check_resume_settings(candidates, config)
     prompts = load_prompts(config, tokenizer)
     eval_prompts, eval_records = load_eval_set(config, tokenizer)
     demonstrations = load_demonstrations(config, tokenizer)

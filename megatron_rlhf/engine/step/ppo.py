@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from megatron_rlhf.algorithms import (
+    AdaptiveKLController,
     PPOAlgorithmConfig,
     RunningMoments,
     aggregation_denominator,
@@ -170,8 +171,11 @@ class PPOAlgorithm:
                 "score_moments": self.score_moments.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
-        self.kl_controller.load_state_dict(state["kl_controller"])
+        """Restore what :meth:`state_dict` returned. An adaptive KL controller continues from
+        its saved coefficient; a fixed one keeps this run's ``kl_coef`` (a resume that changes
+        it applies it)."""
+        if isinstance(self.kl_controller, AdaptiveKLController):
+            self.kl_controller.load_state_dict(state["kl_controller"])
         self.score_moments.load_state_dict(state["score_moments"])
 
     @property
