@@ -308,6 +308,19 @@ class ClusterConfig:
 
 
 @dataclass
+class PromptSplitConfig(SplitConfig):
+    """The SFT/RM/PPO split of PPO's prompt files: PPO's all of them unless a config of the
+    InstructGPT chain splits them."""
+
+    sft: float = 0.0
+    """Fraction for supervised fine-tuning (not read by PPO)."""
+    rm: float = 0.0
+    """Fraction for reward-model training (not read by PPO)."""
+    ppo: float = 1.0
+    """Fraction for PPO rollouts."""
+
+
+@dataclass
 class PromptsConfig:
     """Where the PPO prompts come from.
 
@@ -315,7 +328,9 @@ class PromptsConfig:
         paths: JSONL/Parquet preference files; empty means the shipped synthetic task.
         reader: field names and bad-record policy for ``paths`` (and ``evaluation.paths``); PPO
             needs only the prompt, so only ``prompt`` is required by default.
-        split: SFT/RM/PPO fractions; PPO uses the ``ppo`` portion.
+        split: SFT/RM/PPO fractions of ``paths``; PPO uses the ``ppo`` portion. By default all
+            of it: the InstructGPT chain's split is set by its own configs
+            (``examples/ppo_pipeline.yaml``), so that its stages see different prompts.
         synthetic: size and seed of the synthetic task when ``paths`` is empty.
         chat_template: wrap each plain-text prompt as one user turn in the tokenizer's chat
             template when it has one (Hugging Face tokenizers); conversation records
@@ -324,7 +339,7 @@ class PromptsConfig:
 
     paths: list[str] = field(default_factory=list)
     reader: ReaderConfig = field(default_factory=lambda: ReaderConfig(required=["prompt"]))
-    split: SplitConfig = field(default_factory=SplitConfig)
+    split: PromptSplitConfig = field(default_factory=PromptSplitConfig)
     synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
     chat_template: bool = True
 

@@ -344,12 +344,23 @@ def test_synthetic_prompts_too_long_are_not_sent_to_the_reader(
 def test_too_few_prompts_names_the_ppo_share_of_the_split(tmp_path: Path,
                                                           capsys: pytest.CaptureFixture) -> None:
     data = _prompt_file(tmp_path / "prompts.jsonl", [f"prompt number {i}" for i in range(40)])
-    code, err = _tool([f"prompts.paths=[{data}]"], capsys)
+    code, err = _tool([f"prompts.paths=[{data}]", "prompts.split.sft=0.4", "prompts.split.rm=0.3",
+                       "prompts.split.ppo=0.3"], capsys)
     assert code == 2
     assert re.search(r"rollout.prompts_per_step\(16\) exceeds the (\d+) prompts available "
                      r"\(PPO uses only the ppo share of prompts.paths, prompts.split.ppo=0.3: "
                      r"\1 of the 40 good records \(sft \d+, rm \d+, ppo \1\); raise "
                      r"prompts.split.ppo to use more of them\)", err), err
+
+
+def test_a_ppo_run_on_a_prompt_file_uses_every_record_of_it(tmp_path: Path) -> None:
+    """The InstructGPT split belongs to the chain's configs: a user's prompt file is PPO's."""
+    from megatron_rlhf.engine.run.runner import load_prompts
+    from megatron_rlhf.models.tokenizer import load_tokenizer
+
+    data = _prompt_file(tmp_path / "prompts.jsonl", [f"prompt number {i}" for i in range(40)])
+    config = load_config(RunConfig, TINY, [f"prompts.paths=[{data}]"])
+    assert len(load_prompts(config, load_tokenizer(config.tokenizer)).prompts) == 40
 
 
 def test_a_model_checkpoint_given_to_resume_points_to_models_actor_checkpoint(
