@@ -86,11 +86,12 @@ def generate_continuous(model: torch.nn.Module, decode_model: torch.nn.Module | 
             for _ in range(config.stop_check_interval):
                 run.step()
             decode_calls += config.stop_check_interval
-            active = decoder.active.tolist()
+            # one device-to-host read per stop check: which slots ended, and their lengths
+            active, steps = torch.stack([decoder.active.long(), decoder.steps]).tolist()
             decoder.forget_ended(active)
             for slot, prompt in enumerate(occupant):
                 if prompt is not None and not active[slot]:
-                    responses[prompt] = _take(decoder, slot)
+                    responses[prompt] = _take(decoder, slot, steps[slot])
                     occupant[slot] = None
             if not waiting and all(prompt is None for prompt in occupant):
                 break
@@ -130,9 +131,8 @@ def _fewer_slots(occupant: Sequence[int | None], limit: int) -> list[int] | None
     return sorted(decoding + ended[:bucket - len(decoding)])
 
 
-def _take(decoder: SlotDecoder, slot: int) -> tuple[torch.Tensor, ...]:
-    """A finished slot's response: ``(tokens, logprobs, policy_logprobs)``, each ``[n]``."""
-    n = int(decoder.steps[slot])
+def _take(decoder: SlotDecoder, slot: int, n: int) -> tuple[torch.Tensor, ...]:
+    """A finished slot's ``n``-token response: ``(tokens, logprobs, policy_logprobs)``."""
     return tuple(buffer[slot, :n].clone() for buffer in
                  (decoder.out_tokens, decoder.out_logprobs, decoder.out_policy_logprobs))
 
@@ -145,13 +145,16 @@ def _assemble(prompts: Sequence[Sequence[int]], responses: dict[int, tuple[torch
     b = len(prompts)
     width = max(len(p) for p in prompts)
     steps = max((len(r[0]) for r in responses.values()), default=0)
-    input_ids = torch.full((b, width + steps), pad_id, dtype=torch.long, device=device)
-    attention_mask = torch.zeros(b, width + steps, dtype=torch.long, device=device)
+    # the prompts (host lists) are laid out on the host and copied once
+    input_ids = torch.full((b, width + steps), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(b, width + steps, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt):width] = torch.tensor(list(prompt), dtype=torch.long)
+        attention_mask[row, width - len(prompt):width] = 1
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     logprobs = torch.zeros(b, steps, dtype=torch.float32, device=device)
     policy_logprobs = torch.zeros_like(logprobs)
-    for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt):width] = torch.tensor(list(prompt), device=device)
-        attention_mask[row, width - len(prompt):width] = 1
+    for row in range(b):
         if row in responses:
             tokens, lp, policy = responses[row]
             n = len(tokens)

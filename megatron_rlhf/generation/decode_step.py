@@ -131,17 +131,21 @@ class SlotDecoder:
         for row, prompt in enumerate(prompts):
             ids[row, width - len(prompt.tokens):] = torch.tensor(list(prompt.tokens))
             real[row, width - len(prompt.tokens):] = True
+        # every per-prompt value in one host-to-device copy
+        per_prompt = torch.tensor([[slot, p.budget, p.noise_key, p.greedy]
+                                   for slot, p in zip(slots, prompts, strict=True)],
+                                  dtype=torch.long).to(device)
         ids, real = ids.to(device), real.to(device)
-        rows = torch.tensor(list(slots), dtype=torch.long, device=device)
+        rows = per_prompt[:, 0]
         self.key_valid[rows] = False
         self.key_valid[rows, :width] = real
         self.positions[rows] = width - 1  # the last prompt token's; _record advances it
         self.steps[rows] = 0
         self.active[rows] = True
-        self.budgets[rows] = torch.tensor([p.budget for p in prompts], device=device)
-        self.noise_keys[rows] = torch.tensor([p.noise_key for p in prompts], device=device)
+        self.budgets[rows] = per_prompt[:, 1]
+        self.noise_keys[rows] = per_prompt[:, 2]
         if self.greedy is not None:
-            self.greedy[rows] = torch.tensor([p.greedy for p in prompts], device=device)
+            self.greedy[rows] = per_prompt[:, 3].bool()
         for slot in slots:
             self._write_bound[slot] = width
         self.context.start_prefill(rows)

@@ -218,3 +218,27 @@ def test_models_without_slot_attention_are_refused(tiny) -> None:
     with as_megatron_self_attention(tiny[0]), pytest.raises(
             ValueError, match="batching=continuous needs .*CachedRopeSelfAttention"):
         _generate(tiny, BASE, 249)
+
+
+class _ScalarReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts reads of one tensor element into Python (``int(t)``, ``t.item()``): on a GPU each
+    is a device synchronisation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_stop_check_reads_the_slots_in_one_transfer_not_one_per_slot(tiny, end_ids) -> None:
+    """The host learns which slots ended and their lengths from one read per stop check; a
+    per-slot ``int()`` was a device synchronisation for every finished prompt."""
+    config = dataclasses.replace(BASE, micro_batch_size=4, stop_check_interval=2)
+    with _ScalarReads() as reads:
+        out = _generate(tiny, config, end_ids)
+    assert out.response_lengths.min() < out.response_lengths.max()  # slots ended at many checks
+    assert reads.count == 0
