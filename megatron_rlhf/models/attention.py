@@ -201,11 +201,36 @@ class CachedRopeSelfAttention(SelfAttention):
     static inference context, is megatron's own code path.
     """
 
+    _packed_positions: torch.Tensor | None = None
+    """Set for the duration of a forward over packed sequences that carry their positions."""
+
+    def forward(self, *args, packed_seq_params=None, **kwargs):
+        """megatron's forward; over packed sequences with their positions
+        (:class:`~megatron_rlhf.models.packing.PackedPositionParams`), RoPE is applied at those
+        positions in one call per tensor, with no host read."""
+        positions = getattr(packed_seq_params, "positions", None)
+        if (positions is None or kwargs.get("inference_context") is not None
+                or self.pg_collection.cp.size() != 1 or self.config.flash_decode):
+            return super().forward(*args, packed_seq_params=packed_seq_params, **kwargs)
+        self._packed_positions = positions
+        try:
+            return super().forward(*args, packed_seq_params=packed_seq_params, **kwargs)
+        finally:
+            self._packed_positions = None
+
     def _adjust_key_value_for_inference(self, inference_context, query: torch.Tensor,
                                         key: torch.Tensor, value: torch.Tensor, rotary_pos_emb,
                                         rotary_pos_cos=None, rotary_pos_sin=None,
                                         rotary_pos_cos_sin=None, sequence_len_offset=None,
                                         **kwargs):
+        if self._packed_positions is not None and rotary_pos_emb is not None:
+            # [t, 1, heads, d] packed queries and keys, each at its own sequence's position;
+            # rotary_pos_emb=None: megatron's forward then applies no RoPE of its own
+            if not isinstance(rotary_pos_emb, tuple):
+                rotary_pos_emb = (rotary_pos_emb, rotary_pos_emb)
+            query, key = (self._rotate(t, freqs[self._packed_positions])
+                          for t, freqs in zip((query, key), rotary_pos_emb, strict=True))
+            rotary_pos_emb = None
         if isinstance(inference_context, SlotInferenceContext):
             return self._slot_key_value(inference_context, query, key, value, rotary_pos_emb)
         if not self._rotates_before_caching(inference_context, rotary_pos_emb, rotary_pos_cos):

@@ -25,6 +25,18 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 
 @dataclass
+class PackedPositionParams(PackedSeqParams):
+    """megatron's THD parameters with each token's position inside its own sequence, computed
+    once per micro-batch: attention rotates the packed queries and keys at these positions in
+    one call (:class:`~megatron_rlhf.models.attention.CachedRopeSelfAttention`) instead of
+    megatron's unfused THD RoPE, which reads the sequence lengths back to the host (``tolist``
+    and an ``item`` per sequence) for the queries and the keys of every layer."""
+
+    positions: torch.Tensor | None = None
+    """``[t]`` int64 positions, 0 at each sequence's first token."""
+
+
+@dataclass
 class PackedRows:
     """One micro-batch packed into a single row.
 
@@ -99,6 +111,7 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, length: int
     packed_ids = torch.cat([input_ids.flatten()[index], pad_ids])
     packed_positions = torch.cat([positions, torch.arange(tail, device=valid.device)])
     max_seqlen = int(seqlens.max())
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                             max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+    params = PackedPositionParams(qkv_format="thd", cu_seqlens_q=cu_seqlens,
+                                  cu_seqlens_kv=cu_seqlens, max_seqlen_q=max_seqlen,
+                                  max_seqlen_kv=max_seqlen, positions=packed_positions)
     return PackedRows(packed_ids[None], packed_positions[None], params, index, (rows, seq))

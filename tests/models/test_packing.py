@@ -100,3 +100,22 @@ def test_packing_needs_attention_that_takes_boundaries() -> None:
         ModelBuildOptions(attention_backend="megatron")
     assert not ModelBuildOptions(attention_backend="megatron",
                                  packed_sequences=False).packed_sequences
+
+
+def test_packed_rope_is_applied_at_the_batchs_positions_without_megatrons_thd_path(
+        groups, monkeypatch: pytest.MonkeyPatch) -> None:
+    """megatron's unfused THD RoPE reads the sequence lengths back to the host for the queries
+    and the keys of every layer; the positions computed once per batch replace it, with the
+    same outputs (the test above)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    calls = []
+    original = rope_utils._apply_rotary_pos_emb_thd
+    monkeypatch.setattr(rope_utils, "_apply_rotary_pos_emb_thd",
+                        lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    options = ModelBuildOptions(params_dtype="float32", packed_sequences=True)
+    _outputs_and_grads(options, TinyArch(), groups, [_batch(0)])
+    assert calls == []
+    packed = pack_rows(MASK, MASK, packed_length([MASK]))
+    # positions restart at each sequence: the rows' lengths are 5, 9, 4 and 3
+    assert packed.params.positions[:9].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3]
