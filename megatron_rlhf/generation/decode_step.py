@@ -6,9 +6,11 @@ slot's position, key mask, last token, response step, budget, noise key, greedy 
 flag and its outputs (tokens, both log-probs). :meth:`SlotDecoder.step` is a function of those
 tensors alone, updated in place, with no host branch on their values: the same kernels run at
 every token, so on CUDA the step is captured once into a graph (:class:`DecodeGraph`) and
-replayed per token; on CPU it runs eagerly. An eager step attends only over the cache positions
-that some decoding slot may have written (a bound the host keeps from the prefill widths and the
-steps since), not the whole bucket: fewer masked keys, the same tokens.
+replayed per token; on CPU it runs eagerly (with ``MEGATRON_RLHF_EMULATE_CUDA_GRAPHS=1``, for
+tests, it is captured into the checking stand-in of ``graph_standin.py``). An eager step attends
+only over the cache positions that some decoding slot may have written (a bound the host keeps
+from the prefill widths and the steps since), not the whole bucket: fewer masked keys, the same
+tokens.
 
 :meth:`SlotDecoder.prefill` puts new prompts into free slots (an ordinary, variable-shape
 forward); its logits give each prompt's first token, sampled with the step's own rule. The
@@ -18,11 +20,13 @@ step, so a prompt draws the same numbers whatever slot, batch or order it decode
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from megatron_rlhf.generation.graph_standin import StandInGraph, emulating_graphs
 from megatron_rlhf.generation.params import GenerationConfig
 from megatron_rlhf.generation.sampling import SampledTokens, sample_tokens, uniforms_at_step
 from megatron_rlhf.models.forward_backward import causal_padding_mask
@@ -226,6 +230,47 @@ class SlotDecoder:
         """Bytes of the KV memory allocated so far."""
         return self.context.cache_bytes()
 
+    def undo_steps(self) -> Callable[[], None]:
+        """A function that puts the decoding state back as it is now, undoing the decode steps
+        run in between (those of a graph's warm-up) as long as they ran at these positions:
+        the counters, the key flags, and the keys, values and outputs a step writes at each
+        slot's current position and step. Afterwards the decoder is exactly as if they never
+        ran (tested), so warming up neither consumes a token nor leaves a key marked valid."""
+        rows, steps, positions = self.all_slots, self.steps.clone(), self.positions.clone()
+        whole = [(t, t.clone()) for t in (self.tokens, self.positions, self.steps, self.active,
+                                          self.key_valid)]
+        entries = [(t, (rows, steps)) for t in (self.out_tokens, self.out_logprobs,
+                                                self.out_policy_logprobs)]
+        entries += [(t, (positions, rows)) for pair in self.context.key_value_memory_dict.values()
+                    for t in pair]
+        entries = [(t, at, t[at]) for t, at in entries]
+        mode = (self.context.prefill_slots, self.context.decode_mode)
+
+        def undo() -> None:
+            for tensor, value in whole:
+                tensor.copy_(value)
+            for tensor, at, value in entries:
+                tensor.index_put_(at, value)
+            self.context.prefill_slots, self.context.decode_mode = mode
+
+        return undo
+
+    def graph_buffers(self) -> dict[str, torch.Tensor]:
+        """Every tensor a decode step reads or writes, by name: the slot buffers, the positions,
+        the KV memory, the end ids and the decode model's parameters and buffers (what a
+        captured graph holds the addresses of)."""
+        named = {name: getattr(self, name) for name in self._SLOT_BUFFERS
+                 if getattr(self, name) is not None}
+        named.update(all_slots=self.all_slots, positions=self.positions)
+        if self.eos_ids is not None:
+            named["eos_ids"] = self.eos_ids
+        for layer, pair in self.context.key_value_memory_dict.items():
+            named.update({f"kv[{layer}].{kind}": t for kind, t in zip(("keys", "values"), pair,
+                                                                       strict=True)})
+        named.update({f"model.{name}": t for name, t in self.model.named_parameters()})
+        named.update({f"model.{name}": t for name, t in self.model.named_buffers()})
+        return named
+
 
 class DecodeGraph:
     """:meth:`SlotDecoder.step` captured into one CUDA graph and replayed per token.
@@ -241,25 +286,27 @@ class DecodeGraph:
 
     def __init__(self, decoder: SlotDecoder) -> None:
         """Warm up on a side stream and capture (kernels are launched once for warm-up, and the
-        state they advanced is restored, so capturing does not consume a token)."""
+        state they advanced is restored, so capturing does not consume a token). On CPU (only
+        with :data:`~megatron_rlhf.generation.graph_standin.EMULATE_ENV` set) the step is
+        captured into a checking :class:`~megatron_rlhf.generation.graph_standin.StandInGraph`."""
         self.decoder = decoder
-        state = (decoder.tokens, decoder.positions, decoder.steps, decoder.active)
-        saved = [t.clone() for t in state]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        cuda = decoder.tokens.device.type == "cuda"
+        undo = decoder.undo_steps()
+        stream = torch.cuda.Stream() if cuda else None
+        if cuda:
+            stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
             for _ in range(self.WARMUP_STEPS):
                 decoder.step()
-                for tensor, value in zip(state, saved, strict=True):
-                    tensor.copy_(value)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            decoder.step()
-        # the warm-up wrote keys, key flags and outputs at the positions the next real step
-        # writes again with the same values; only the advanced counters needed restoring
-        for tensor, value in zip(state, saved, strict=True):
-            tensor.copy_(value)
+                undo()
+        if cuda:
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                decoder.step()
+        else:  # the stand-in runs the step once to check it, and undoes it itself
+            self.graph = StandInGraph(decoder.step, decoder.graph_buffers)
+        undo()  # capturing ran nothing on CUDA; this puts the context's mode back
 
     def step(self) -> None:
         """One decode step (replays the captured kernels)."""
@@ -267,5 +314,7 @@ class DecodeGraph:
 
 
 def graphs_enabled(config: GenerationConfig, device: torch.device) -> bool:
-    """Whether ``config.cuda_graphs`` asks for graphs on ``device`` (auto: on CUDA)."""
-    return config.continuous and config.cuda_graphs == "auto" and device.type == "cuda"
+    """Whether ``config.cuda_graphs`` asks for graphs on ``device`` (auto: on CUDA; on CPU only
+    stand-in graphs, with :data:`~megatron_rlhf.generation.graph_standin.EMULATE_ENV` set)."""
+    return (config.continuous and config.cuda_graphs == "auto"
+            and (device.type == "cuda" or (device.type == "cpu" and emulating_graphs())))
