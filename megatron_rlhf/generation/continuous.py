@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from megatron_rlhf.generation.decode_step import (
+    GRAPH_MIN_SLOTS,
     DecodeGraph,
     SlotDecoder,
     SlotPrompt,
@@ -66,6 +67,8 @@ def generate_continuous(model: torch.nn.Module, decode_model: torch.nn.Module | 
                               decode_model)
         occupant: list[int | None] = [None] * slots
         graph = None
+        # with graphs, each slot count is a capture; below the floor a step costs about the same
+        floor = GRAPH_MIN_SLOTS if graphs_enabled(config, device) else 1
         decode_calls = attended = 0  # steps and attended positions at the current slot count
         cache_bytes = 0
         while True:
@@ -80,7 +83,7 @@ def generate_continuous(model: torch.nn.Module, decode_model: torch.nn.Module | 
                                            1, True))
                 for slot, prompt in zip(free, entering, strict=True):
                     occupant[slot] = prompt
-            if graph is None and graphs_enabled(config, device):
+            if graph is None and floor > 1:
                 graph = DecodeGraph(decoder)
             run = graph or decoder
             for _ in range(config.stop_check_interval):
@@ -95,7 +98,7 @@ def generate_continuous(model: torch.nn.Module, decode_model: torch.nn.Module | 
                     occupant[slot] = None
             if not waiting and all(prompt is None for prompt in occupant):
                 break
-            fewer = _fewer_slots(occupant, config.micro_batch_size) if not waiting else None
+            fewer = _fewer_slots(occupant, config.micro_batch_size, floor) if not waiting else None
             if fewer is not None:
                 work.append(_decode_work(slots, decode_calls, decoder, attended))
                 attended = decoder.attended_positions
@@ -119,12 +122,13 @@ def _decode_work(slots: int, calls: int, decoder: SlotDecoder,
     return MicroBatchWork(slots, 0, calls, True, decode_context=context)
 
 
-def _fewer_slots(occupant: Sequence[int | None], limit: int) -> list[int] | None:
+def _fewer_slots(occupant: Sequence[int | None], limit: int, floor: int = 1
+                 ) -> list[int] | None:
     """The slots to keep once no prompt waits: those still decoding, topped up with ended ones
-    to the smaller batch bucket they fit (a bounded set of shapes, each a CUDA graph); None
-    while they still need every slot."""
+    to the smaller batch bucket they fit, at least ``floor`` (a bounded set of shapes, each a
+    CUDA graph); None while they still need every slot."""
     decoding = [s for s, prompt in enumerate(occupant) if prompt is not None]
-    bucket = batch_bucket(len(decoding), limit)
+    bucket = max(batch_bucket(len(decoding), limit), floor)
     if bucket >= len(occupant):
         return None
     ended = [s for s, prompt in enumerate(occupant) if prompt is None]

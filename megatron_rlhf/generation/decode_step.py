@@ -37,6 +37,13 @@ LENGTH_BUCKET = 32
 bucket (and, on CUDA, the shapes a graph was captured at)."""
 
 
+GRAPH_MIN_SLOTS = 8
+"""With CUDA graphs the decode batch shrinks no further than this many slots: each slot count
+is a capture (two eager steps, a device sync, the capture), and a memory-bound decode step at
+fewer slots costs about what it costs at this many. Graphs per call: at most
+1 + log2(slots / GRAPH_MIN_SLOTS)."""
+
+
 def batch_bucket(rows: int, limit: int) -> int:
     """Slots for ``rows`` prompts: the next power of two, at most ``limit`` (0: no limit)."""
     bucket = 1 << max(rows - 1, 0).bit_length()

@@ -76,7 +76,9 @@ class GenerationConfig:
     cuda_graphs: str = "auto"
     """``auto``: with ``batching=continuous`` on a CUDA device, capture the decode step into a
     CUDA graph for each slot count it decodes at (the slots shrink as prompts run out) and
-    replay it per token; ``off``: run it eagerly. Never used on CPU."""
+    replay it per token; ``off``: run it eagerly. On CPU the step runs eagerly (the tests set
+    ``MEGATRON_RLHF_EMULATE_CUDA_GRAPHS=1`` to run the capture path through a checking
+    stand-in graph: ``generation/graph_standin.py``)."""
 
     def __post_init__(self) -> None:
         """Checks every field.
