@@ -256,8 +256,8 @@ def gather_full_state_to_first_rank(model: GPTModel, pg_collection: ProcessGroup
             dist.gather(tensor, shards, dst=dist.get_global_rank(tp_group, 0), group=tp_group)
             if first:
                 stage_state[rule.global_name] = _full_of_shards(shards, rule).cpu()
-        elif first:
-            stage_state[rule.global_name] = tensor.cpu().clone()
+        elif first:  # without TP: still drop the padded vocabulary rows
+            stage_state[rule.global_name] = _full_of_shards([tensor], rule).cpu().clone()
     if not first:
         return None
     if pp_group.size() == 1:
