@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
+from megatron_rlhf.runtime.checkpoint_store import verify_checkpoint
 from tests.multirank import run_on_ranks
 from tools.make_tiny_hf import make_tiny_qwen_pair
 
@@ -100,7 +102,7 @@ def _padded_config(root: Path, actor: Path, reward: Path, prompts: Path):
     return load_config(RunConfig, str(_EXAMPLE), [
         f"models.actor_checkpoint={actor}", f"models.reward_checkpoint={reward}",
         f"models.hf_cache_dir={root / 'cache'}", f"prompts.paths=[{prompts}]",
-        f"run_dir={root / 'run'}", "models.export_hf=false", "steps=1", "reward.rule=synthetic",
+        f"run_dir={root / 'run'}", "models.export_hf=true", "steps=1", "reward.rule=synthetic",
         "placement.ac_share=true", "rollout.reuse_generation_logprobs=true",
         "runtime.distributed.timeout_s=90"])
 
@@ -120,3 +122,10 @@ def test_ppo_on_an_embedding_padded_past_the_tokenizer(tmp_path: Path) -> None:
     assert (f"# initial weights: actor: the value head is new (drawn from models.init_seed=1234); "
             f"the rest comes from models.actor_checkpoint={actor}") in (
         tmp_path / "run" / "config.yaml").read_text()
+    # The export keeps the source's 320 embedding rows (not the padded model's 384), and without
+    # checkpoint.save_dir the trained weights were saved before it, in the run directory.
+    exported = tmp_path / "run" / "hf" / "step_00000001" / "actor" / "model.safetensors"
+    with safe_open(exported, framework="pt") as handle:
+        assert handle.get_slice("model.embed_tokens.weight").get_shape() == [320, 64]
+    saved = tmp_path / "run" / "checkpoint" / "step_00000001"
+    assert verify_checkpoint(saved) == []

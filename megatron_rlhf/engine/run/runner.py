@@ -395,6 +395,13 @@ def _train(run: RunState, start: int, run_dir: Path, exporter: HFExporter,
                 if last:
                     with context.stage("checkpoint/commit"):
                         saver.commit()
+            if config.models.export_hf and last and not config.checkpoint.save_dir:
+                # the export is then the run's only copy of the trained weights: they are
+                # saved first, so an export that fails loses nothing
+                with context.stage("checkpoint/save"), run.engine.resident():
+                    CheckpointSaver(replace(config.checkpoint, save_dir=str(
+                        run_dir / "checkpoint"), async_save=False, keep_last=1)).save(
+                            run, step + 1)
             if config.models.export_hf and (last or (
                     config.checkpoint.save_dir and config.checkpoint.save_interval and (
                         step + 1) % config.checkpoint.save_interval == 0)):
