@@ -86,6 +86,9 @@ def _check_same_metrics(results: dict[str, list[dict[str, float]]]) -> None:
     for strategy, steps in results.items():
         for step, (metrics, ref) in enumerate(zip(steps, reference, strict=True)):
             assert_metrics_match(metrics, ref, COMPARED, f"{strategy} step {step} vs flattening")
+    for strategy, steps in results.items():  # generation's log-probs are the trainer's
+        for metrics in steps:
+            assert metrics["rollout/logprob_diff_max"] < 2e-5, (strategy, metrics)
     first = reference[0]
     assert first["response_length"] > 1 and first["kl"] == pytest.approx(0.0, abs=1e-5)
     assert abs(reference[1]["kl"]) > 1e-4, "the policy moved: step 2 must show a KL to the reference"

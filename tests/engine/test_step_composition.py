@@ -384,3 +384,14 @@ def test_critic_value_loss_and_gradient_match_the_formula(value_clip: float | No
     if value_clip is not None:
         moved = (output[..., 2] - batch["values"]).abs()[batch["response_mask"].bool()]
         assert (moved > value_clip).any() and (moved < value_clip).any(), "both clip branches"
+
+
+def test_rollout_agreement_reads_only_response_tokens() -> None:
+    from megatron_rlhf.engine.step.experience import rollout_agreement
+
+    gen = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.25, 9.0]])
+    old = torch.tensor([[-1.5, -2.0, -2.0], [-0.5, -0.5, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])  # the last column is padding: never read
+    metrics = rollout_agreement(gen, old, mask)
+    assert metrics["rollout/logprob_diff_max"] == 0.5
+    assert metrics["rollout/logprob_diff_mean"] == (0.5 + 0 + 0 + 0.25) / 4

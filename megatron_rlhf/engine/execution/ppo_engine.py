@@ -216,8 +216,10 @@ class PPOEngine:
         mask[:, p - output.prompt_length:p + r_out] = output.attention_mask
         response_mask = torch.zeros(b, r, dtype=torch.long, device=device)
         response_mask[:, :r_out] = output.response_mask
+        # gen_logprobs: the generating model's log-probs of its tokens under the policy at the
+        # sampling temperature (before top-k/top-p), to set against the trainer's forward
         fields = {"input_ids": ids, "attention_mask": mask, "response_mask": response_mask,
-                  "gen_logprobs": self._response_width(output.response_logprobs)}
+                  "gen_logprobs": self._response_width(output.response_policy_logprobs)}
         if self.reuse_generation_logprobs:
             fields["old_logprobs"] = self._response_width(output.response_policy_logprobs)
         return fields

@@ -96,7 +96,21 @@ def compute_advantages(fields: dict[str, torch.Tensor], config: PPOAlgorithmConf
                                     - mask.sum(dim=1)).float().mean().item()
     if "values" in fields:
         metrics["values_mean"] = masked_mean(fields["values"], mask).item()
+    if "gen_logprobs" in fields:
+        metrics.update(rollout_agreement(fields["gen_logprobs"], fields["old_logprobs"], mask))
     return {**fields, "advantages": advantages, "returns": returns, "kl": kl}, metrics
+
+
+def rollout_agreement(gen_logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                      mask: torch.Tensor) -> dict[str, float]:
+    """How far the generating model's log-probs of its own tokens are from the trainer's forward
+    of the same tokens (``[B, R]`` each, response tokens only): ``rollout/logprob_diff_max`` and
+    ``_mean`` of the absolute difference. Both models hold the same weights, so on CPU in fp32
+    it is rounding (~1e-6); in bf16 on GPUs, and after a refit into another layout, it is the
+    first number to read when PPO's ratio drifts at step 0."""
+    gap = (gen_logprobs - old_logprobs).abs() * mask
+    return {"rollout/logprob_diff_max": gap.max().item(),
+            "rollout/logprob_diff_mean": masked_mean(gap, mask).item()}
 
 
 def sequence_scores(fields: dict[str, torch.Tensor], reward_model_weight: float,
