@@ -77,7 +77,8 @@ def _placement_agreement(log_dir: Path) -> dict:
     for placement, records in found.items():
         last = [record for record in records if "reward_mean" in record][-1:] or records[-1:]
         result[placement] = {key: last[0].get(key) for key in (
-            "step", "reward_mean", "kl", "policy_loss", "step_seconds")}
+            "step", "reward_mean", "kl", "policy_loss", "step_seconds",
+            "rollout/logprob_diff_max")}
     reference = [record for record in runs["flattening"] if "reward_mean" in record]
     diffs = {}
     for placement in NCCL_PLACEMENTS[1:-1]:
@@ -138,7 +139,8 @@ def summarize(log_dir: Path, run_dir: Path) -> tuple[dict, bool]:
         def last_step(dtype: str = dtype) -> dict | None:
             last = _last_json(run_dir / f"ppo_{dtype}" / "metrics.jsonl")
             return None if last is None else {key: last.get(key) for key in (
-                "step", "reward_mean", "kl", "policy_loss", "value_loss", "step_seconds")}
+                "step", "reward_mean", "kl", "policy_loss", "value_loss", "step_seconds",
+                "rollout/logprob_diff_max")}
         section(f"run_ppo_{dtype}", last_step)
     for part in ("throughput", "stage_memory", "rollouts"):
         section(part, lambda part=part: _last_json(logs / f"{part}.log"))

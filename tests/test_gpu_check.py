@@ -177,7 +177,8 @@ def test_the_summary_compares_the_nccl_placements_step_by_step(tmp_path: Path) -
                                                       "separation": pytest.approx(0.008)}
     assert result["max_abs_diff"] == pytest.approx(0.008)
     assert result["separation"] == {"step": 2, "reward_mean": 0.2, "kl": pytest.approx(0.018),
-                                    "policy_loss": -0.2, "step_seconds": 1.0}
+                                    "policy_loss": -0.2, "step_seconds": 1.0,
+                                    "rollout/logprob_diff_max": None}
     assert result["async_separation"]["kl"] == pytest.approx(1.01)
 
 
