@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
 
-from tests.generation.helpers import build_tiny
+from megatron_rlhf.generation import GenerationOutput
+from tests.generation.helpers import BASE, build_tiny, generate_tiny
 
 
 @pytest.fixture(scope="session")
@@ -24,3 +26,20 @@ def world() -> Iterator[None]:
 def tiny(world):
     """``(model, pg_collection)`` of the shared tiny LM."""
     return build_tiny()
+
+
+@pytest.fixture(scope="session")
+def end_ids(tiny) -> tuple[int, int]:
+    """Two end ids that the static loop emits early in some rows and late or never in others."""
+    free = generate_tiny(tiny, dataclasses.replace(BASE, batching="static", stop_at_eos=False), None)
+    responses = free.responses.tolist()
+    return responses[0][2], responses[5][6]
+
+
+@pytest.fixture(scope="session")
+def static_reference(tiny, end_ids) -> GenerationOutput:
+    out = generate_tiny(tiny, dataclasses.replace(BASE, batching="static", stop_check_interval=1),
+                    end_ids)
+    lengths = out.response_lengths
+    assert lengths.min() < 7 and lengths.max() == BASE.max_new_tokens, "lengths must vary"
+    return out

@@ -14,54 +14,24 @@ import torch
 
 from megatron_rlhf.generation import GenerationConfig, GenerationOutput, generate_sequences
 from megatron_rlhf.generation.decode_step import batch_bucket, graphs_enabled, length_bucket
-from tests.generation.helpers import INIT_SEED, build_tiny, make_prompts
-
-PAD = 0
-SAMPLES = 2  # responses per prompt, as rollout.samples_per_prompt
-BASE = GenerationConfig(max_new_tokens=12, temperature=1.0, top_p=0.95, seed=4,
-                        greedy_every=SAMPLES)
-EXACT = ("input_ids", "attention_mask", "prompt_mask", "response_mask", "prompt_lengths",
-         "response_lengths")
-
-
-def _generate(tiny, config: GenerationConfig, eos_id, prompts=None) -> GenerationOutput:
-    model, pgc = tiny
-    prompts = prompts or [p for p in make_prompts([4, 9, 2, 6, 11, 3, 5], seed=6)
-                          for _ in range(SAMPLES)]
-    return generate_sequences(model, pgc, prompts, list(range(30, 30 + len(prompts))), config,
-                              eos_id=eos_id, pad_id=PAD)
-
-
-def _assert_same_samples(out: GenerationOutput, reference: GenerationOutput) -> None:
-    for name in EXACT:
-        assert torch.equal(getattr(out, name), getattr(reference, name)), name
-    for name in ("response_logprobs", "response_policy_logprobs"):
-        torch.testing.assert_close(getattr(out, name), getattr(reference, name), rtol=0,
-                                   atol=1e-5)
-
-
-@pytest.fixture(scope="module")
-def end_ids(tiny) -> tuple[int, int]:
-    """Two end ids that the static loop emits early in some rows and late or never in others."""
-    free = _generate(tiny, dataclasses.replace(BASE, batching="static", stop_at_eos=False), None)
-    responses = free.responses.tolist()
-    return responses[0][2], responses[5][6]
-
-
-@pytest.fixture(scope="module")
-def static_reference(tiny, end_ids) -> GenerationOutput:
-    out = _generate(tiny, dataclasses.replace(BASE, batching="static", stop_check_interval=1),
-                    end_ids)
-    lengths = out.response_lengths
-    assert lengths.min() < 7 and lengths.max() == BASE.max_new_tokens, "lengths must vary"
-    return out
+from tests.generation.helpers import (
+    BASE,
+    INIT_SEED,
+    PAD,
+    SAMPLES,
+    assert_same_samples,
+    build_tiny,
+    generate_tiny,
+    make_prompts,
+    split_work,
+)
 
 
 @pytest.mark.parametrize("slots,interval", [(0, 1), (1, 3), (3, 1), (3, 8), (4, 5), (16, 2)])
 def test_continuous_batching_gives_the_static_loops_tokens(tiny, end_ids, static_reference,
                                                            slots: int, interval: int) -> None:
     config = dataclasses.replace(BASE, micro_batch_size=slots, stop_check_interval=interval)
-    _assert_same_samples(_generate(tiny, config, end_ids), static_reference)
+    assert_same_samples(generate_tiny(tiny, config, end_ids), static_reference)
 
 
 @pytest.mark.parametrize("config", [
@@ -70,8 +40,8 @@ def test_continuous_batching_gives_the_static_loops_tokens(tiny, end_ids, static
                      stop_check_interval=2),
 ], ids=["greedy", "top-k"])
 def test_continuous_batching_equals_static_with_other_samplers(tiny, end_ids, config) -> None:
-    reference = _generate(tiny, dataclasses.replace(config, batching="static"), end_ids[0])
-    _assert_same_samples(_generate(tiny, config, end_ids[0]), reference)
+    reference = generate_tiny(tiny, dataclasses.replace(config, batching="static"), end_ids[0])
+    assert_same_samples(generate_tiny(tiny, config, end_ids[0]), reference)
 
 
 def _call_shapes(tiny, config, eos_id) -> tuple[GenerationOutput, list[tuple[int, int]]]:
@@ -79,15 +49,9 @@ def _call_shapes(tiny, config, eos_id) -> tuple[GenerationOutput, list[tuple[int
     hook = tiny[0].register_forward_pre_hook(
         lambda module, args: shapes.append(tuple(args[0].shape)))
     try:
-        return _generate(tiny, config, eos_id), shapes
+        return generate_tiny(tiny, config, eos_id), shapes
     finally:
         hook.remove()
-
-
-def _split(out: GenerationOutput) -> tuple[list, list]:
-    """``out.micro_batches`` as (prefills, decode phases)."""
-    return ([w for w in out.micro_batches if not w.decode_context],
-            [w for w in out.micro_batches if w.decode_context])
 
 
 def test_a_finished_slot_takes_the_next_prompt_and_decode_calls_keep_one_shape(tiny) -> None:
@@ -101,7 +65,7 @@ def test_a_finished_slot_takes_the_next_prompt_and_decode_calls_keep_one_shape(t
     end_ids = list(range(200, 230))
     out, shapes = _call_shapes(tiny, config, end_ids)
     assert out.response_lengths.max() - out.response_lengths.min() >= 6
-    prefills, decodes = _split(out)
+    prefills, decodes = split_work(out)
     assert len(prefills) > 14 // 4 and sum(w.rows for w in prefills) == 14
     assert prefills[0].rows == 4 and all(1 <= w.rows <= 4 for w in prefills)
     assert decodes[0].rows == 4 and len(decodes) > 1
@@ -113,7 +77,7 @@ def test_a_finished_slot_takes_the_next_prompt_and_decode_calls_keep_one_shape(t
                                                 for _ in range(w.forwards)]
     assert sorted(s for s in shapes if s[1] != 1) == sorted(
         (w.rows, w.prompt_width) for w in prefills)
-    static = _generate(tiny, dataclasses.replace(config, batching="static"), end_ids)
+    static = generate_tiny(tiny, dataclasses.replace(config, batching="static"), end_ids)
     static_row_steps = sum(w.rows * (w.forwards - 1) for w in static.micro_batches)
     assert sum(w.rows * w.forwards for w in decodes) < static_row_steps
     assert sum(out.response_lengths) == sum(static.response_lengths)
@@ -130,7 +94,7 @@ def test_with_every_prompt_in_one_batch_the_decode_batch_shrinks_as_rows_end(tin
     caches = []
     out = generate_sequences(model, pgc, prompts, list(range(30, 30 + len(prompts))), config,
                              eos_id=end_ids, pad_id=PAD, on_cache=caches.append)
-    prefills, decodes = _split(out)
+    prefills, decodes = split_work(out)
     assert [w.rows for w in prefills] == [14]
     assert decodes[0].rows == 16 and decodes[-1].rows < 16
     assert all(w.forwards % 2 == 0 for w in decodes[:-1])  # shrinking happens at stop checks
@@ -138,10 +102,10 @@ def test_with_every_prompt_in_one_batch_the_decode_batch_shrinks_as_rows_end(tin
     arch = model.config
     head_dim = arch.kv_channels
     assert caches == [2 * arch.num_layers * 16 * 32 * arch.num_query_groups * head_dim * 4]
-    static = _generate(tiny, dataclasses.replace(config, batching="static"), end_ids)
+    static = generate_tiny(tiny, dataclasses.replace(config, batching="static"), end_ids)
     (work,) = static.micro_batches
     assert sum(w.rows * w.forwards for w in decodes) < work.rows * (work.forwards - 1)
-    _assert_same_samples(out, static)
+    assert_same_samples(out, static)
 
 
 @pytest.mark.parametrize("compile_decode", [False, True])
@@ -178,14 +142,14 @@ def test_refit_weights_copied_in_place_are_the_ones_decoded_with(world) -> None:
     source, _ = build_tiny()
     init_weights(source, pgc, seed=INIT_SEED + 1)
     config = dataclasses.replace(BASE, micro_batch_size=3, stop_at_eos=False)
-    before = _generate((target, pgc), config, None)
+    before = generate_tiny((target, pgc), config, None)
     addresses = [p.data_ptr() for p in target.parameters()]
 
     build_weight_sync(source, pgc, ModelLayout(0), target, pgc, ModelLayout(0)).sync()
 
     assert [p.data_ptr() for p in target.parameters()] == addresses
-    after = _generate((target, pgc), config, None)
-    _assert_same_samples(after, _generate((source, pgc), config, None))
+    after = generate_tiny((target, pgc), config, None)
+    assert_same_samples(after, generate_tiny((source, pgc), config, None))
     assert not torch.equal(after.input_ids, before.input_ids)
 
 
@@ -217,7 +181,7 @@ def test_models_without_slot_attention_are_refused(tiny) -> None:
 
     with as_megatron_self_attention(tiny[0]), pytest.raises(
             ValueError, match="batching=continuous needs .*CachedRopeSelfAttention"):
-        _generate(tiny, BASE, 249)
+        generate_tiny(tiny, BASE, 249)
 
 
 class _ScalarReads(torch.utils._python_dispatch.TorchDispatchMode):
@@ -239,6 +203,6 @@ def test_a_stop_check_reads_the_slots_in_one_transfer_not_one_per_slot(tiny, end
     per-slot ``int()`` was a device synchronisation for every finished prompt."""
     config = dataclasses.replace(BASE, micro_batch_size=4, stop_check_interval=2)
     with _ScalarReads() as reads:
-        out = _generate(tiny, config, end_ids)
+        out = generate_tiny(tiny, config, end_ids)
     assert out.response_lengths.min() < out.response_lengths.max()  # slots ended at many checks
     assert reads.count == 0

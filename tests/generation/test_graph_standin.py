@@ -23,12 +23,15 @@ from megatron_rlhf.generation.decode_step import (
     SlotPrompt,
 )
 from megatron_rlhf.generation.graph_standin import EMULATE_ENV, GraphCaptureError, StandInGraph
-from tests.generation import test_continuous
-from tests.generation.helpers import INIT_SEED, build_tiny
-from tests.generation.test_continuous import BASE, PAD, _assert_same_samples, _generate, _split
-
-end_ids = test_continuous.end_ids  # the continuous-batching tests' fixtures
-static_reference = test_continuous.static_reference
+from tests.generation.helpers import (
+    BASE,
+    INIT_SEED,
+    PAD,
+    assert_same_samples,
+    build_tiny,
+    generate_tiny,
+    split_work,
+)
 
 FIELDS = ("input_ids", "attention_mask", "prompt_mask", "response_mask", "response_logprobs",
           "response_policy_logprobs", "prompt_lengths", "response_lengths")
@@ -44,7 +47,7 @@ def _fixed_context_eager(tiny, config, eos_id, monkeypatch) -> GenerationOutput:
     with monkeypatch.context() as patch:
         patch.setenv(EMULATE_ENV, "1")
         patch.setattr(continuous_module, "DecodeGraph", lambda decoder: decoder)
-        return _generate(tiny, config, eos_id)
+        return generate_tiny(tiny, config, eos_id)
 
 
 def _check_against_loops(tiny, config, eos_id, static, monkeypatch) -> GenerationOutput:
@@ -52,14 +55,14 @@ def _check_against_loops(tiny, config, eos_id, static, monkeypatch) -> Generatio
     captures = StandInGraph.captures
     with monkeypatch.context() as patch:
         patch.setenv(EMULATE_ENV, "1")
-        out = _generate(tiny, config, eos_id)
+        out = generate_tiny(tiny, config, eos_id)
     assert StandInGraph.captures > captures, "no graph was captured"
     fixed = _fixed_context_eager(tiny, config, eos_id, monkeypatch)
     for name in FIELDS:
         assert torch.equal(getattr(out, name), getattr(fixed, name)), name
-    eager = _generate(tiny, config, eos_id)  # the CPU default: eager, attending the horizon
-    _assert_same_samples(out, eager)
-    _assert_same_samples(out, static)
+    eager = generate_tiny(tiny, config, eos_id)  # the CPU default: eager, attending the horizon
+    assert_same_samples(out, eager)
+    assert_same_samples(out, static)
     return out
 
 
@@ -76,7 +79,7 @@ def test_graphs_give_the_static_and_eager_loops_tokens(tiny, end_ids, static_ref
                      stop_check_interval=2),
 ], ids=["greedy", "top-k"])
 def test_graphs_with_other_samplers(tiny, end_ids, monkeypatch, config) -> None:
-    static = _generate(tiny, dataclasses.replace(config, batching="static"), end_ids[0])
+    static = generate_tiny(tiny, dataclasses.replace(config, batching="static"), end_ids[0])
     _check_against_loops(tiny, config, end_ids[0], static, monkeypatch)
 
 
@@ -94,9 +97,9 @@ def test_a_graph_is_recaptured_at_each_slot_count(tiny, monkeypatch, slots, inte
         original(graph, step, watched)
 
     monkeypatch.setattr(StandInGraph, "__init__", counting)
-    static = _generate(tiny, dataclasses.replace(config, batching="static"), ends)
+    static = generate_tiny(tiny, dataclasses.replace(config, batching="static"), ends)
     out = _check_against_loops(tiny, config, ends, static, monkeypatch)
-    _, decodes = _split(out)
+    _, decodes = split_work(out)
     assert shapes == [w.rows for w in decodes]
     # 14 prompts: 16 slots shrink to the floor, 4 slots stay
     assert shapes == ([16, GRAPH_MIN_SLOTS] if slots == 0 else [4])
@@ -111,12 +114,12 @@ def test_weights_copied_in_place_between_calls_are_decoded_with(world, emulate) 
     source, _ = build_tiny()
     init_weights(source, pgc, seed=INIT_SEED + 1)
     config = dataclasses.replace(BASE, micro_batch_size=3, stop_at_eos=False)
-    before = _generate((target, pgc), config, None)
+    before = generate_tiny((target, pgc), config, None)
     with torch.no_grad():
         for mine, theirs in zip(target.parameters(), source.parameters(), strict=True):
             mine.copy_(theirs)
-    after = _generate((target, pgc), config, None)
-    reference = _generate((source, pgc), config, None)
+    after = generate_tiny((target, pgc), config, None)
+    reference = generate_tiny((source, pgc), config, None)
     for name in FIELDS:
         assert torch.equal(getattr(after, name), getattr(reference, name)), name
     assert not torch.equal(after.input_ids, before.input_ids)
@@ -293,7 +296,7 @@ def _check_tp2_graphs() -> int:
         os.environ[EMULATE_ENV] = "0"
         static = generate_sequences(model, pgc, prompts, indices,
                                     dataclasses.replace(config, batching="static"), 249, PAD)
-        _assert_same_samples(out, static)
+        assert_same_samples(out, static)
     return StandInGraph.captures - captures
 
 
