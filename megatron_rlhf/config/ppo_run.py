@@ -21,6 +21,7 @@ from megatron_rlhf.models.gpt import (
 )
 from megatron_rlhf.models.tokenizer import TokenizerConfig
 from megatron_rlhf.models.trainer import OptimizerSettings
+from megatron_rlhf.refit.verify import RefitConfig
 from megatron_rlhf.rewards import ON_ERROR_POLICIES, RewardFunctionSpec, parse_reward_functions
 from megatron_rlhf.rewards.overlong import OverlongPenalty
 from megatron_rlhf.runtime.bootstrap import RuntimeConfig
@@ -531,6 +532,7 @@ class RunConfig:
         checkpoint: saving and resuming the whole run.
         evaluation: held-out evaluation of the policy during the run.
         ptx: PPO-ptx, the supervised loss on demonstrations mixed into the actor's updates.
+        refit: how the weight sync into the shadows is checked.
         faults: what a rank failure, a hang or a NaN does.
         steps: PPO steps (0 only evaluates the initial policy).
         run_dir: where ``metrics.jsonl``, ``config.yaml``, ``plan.json`` and TensorBoard events
@@ -544,7 +546,8 @@ class RunConfig:
     """What the run reads; relative values are relative to the YAML file that gives them
     (``config.loader``)."""
     BOOLEAN_WORDS: ClassVar[dict[str, tuple[str, str]]] = {
-        "generation.cuda_graphs": ("off", "auto"), "checkpoint.resume": ("off", "latest")}
+        "generation.cuda_graphs": ("off", "auto"), "checkpoint.resume": ("off", "latest"),
+        "refit.verify": ("off", "every")}
     """The fields that take ``off``/``on``/``yes``/``no``, which YAML reads as booleans: the
     values false and true stand for (``config.loader``)."""
 
@@ -563,6 +566,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     evaluation: EvalConfig = field(default_factory=EvalConfig)
     ptx: PTXConfig = field(default_factory=PTXConfig)
+    refit: RefitConfig = field(default_factory=RefitConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
     steps: int = 10
     run_dir: str = "runs/ppo"

@@ -21,10 +21,16 @@ from megatron.core.resharding.copy_services.base import CopyService
 from megatron.core.utils import unwrap_model
 
 from megatron_rlhf.models.weights import shard_rules
-from megatron_rlhf.refit.execution import execute, make_copy_service, rank_reshard_plan
+from megatron_rlhf.refit.execution import (
+    PairCopyService,
+    execute,
+    make_copy_service,
+    rank_reshard_plan,
+)
 from megatron_rlhf.refit.interfaces import WeightSync
 from megatron_rlhf.refit.layout import LayoutLike, ModelLayout, ParamShard, RankShards
 from megatron_rlhf.refit.transfer_plan import RefitPlan, ZeroFill, plan_refit
+from megatron_rlhf.refit.verify import RefitConfig, verify_sync
 from megatron_rlhf.runtime.logging import get_logger
 
 logger = get_logger(__name__)
@@ -39,9 +45,12 @@ class ReshardWeightSync(WeightSync):
     """
 
     def __init__(self, plan: RefitPlan, rank: int, src_model: torch.nn.Module | None,
-                 dst_model: torch.nn.Module | None, service: CopyService) -> None:
+                 dst_model: torch.nn.Module | None, service: CopyService,
+                 verify: str = "first") -> None:
         self.plan = plan
         self.rank = rank
+        self.verify = RefitConfig(verify).verify
+        self.syncs = 0
         self._src_model = src_model
         self._dst_model = dst_model
         self._service = service
@@ -50,9 +59,31 @@ class ReshardWeightSync(WeightSync):
         _check_names(self._reshard_plan, self._zero_fills, src_model, dst_model, rank)
 
     def sync(self) -> None:
-        """Copy the source's current weights into the destination (collective, every rank)."""
+        """Copy the source's current weights into the destination (collective, every rank),
+        then check the copy when ``verify`` says so (:mod:`megatron_rlhf.refit.verify`)."""
         execute(self._reshard_plan, self._zero_fills, self._src_model, self._dst_model,
                 self._service)
+        self.syncs += 1
+        if self.verify == "every" or (self.verify == "first" and self.syncs == 1):
+            self.check()
+
+    def check(self) -> None:
+        """Compare every region this rank received with its sender's checksum; collective over
+        the sync's ranks (ranks outside a pair service's group return at once).
+
+        Raises:
+            RefitMismatch: a received region differs from what was sent.
+        """
+        group = None
+        if isinstance(self._service, PairCopyService):
+            if self._service.group is None:
+                return
+            group = self._service.group
+        params = [{} if model is None else {name: p.data for name, p in model.named_parameters()}
+                  for model in (self._src_model, self._dst_model)]
+        verify_sync(self.plan, self.rank, *params, group)
+        logger.info("refit verified: each of the %d regions was received as it was sent",
+                    len(self.plan.transfers))
 
 
 def build_weight_sync(
@@ -64,6 +95,7 @@ def build_weight_sync(
     dst_layout: LayoutLike,
     copy_service: str | CopyService = "pair",
     timeout_s: float = 1800.0,
+    verify: str = "first",
 ) -> ReshardWeightSync:
     """Plan the copy of ``src_model``'s weights into ``dst_model``; call on every rank.
 
@@ -81,6 +113,8 @@ def build_weight_sync(
             ``"gloo"`` (a separate gloo group), or a megatron ``CopyService``.
         timeout_s: the ``pair`` group's timeout (``runtime.transfer_timeout_s``): a shadow may
             wait through its trainer's whole training stage.
+        verify: check the copy after the ``first`` sync, after ``every`` one, or ``off``
+            (``refit.verify``).
 
     Returns:
         The synchronisation; its ``sync()`` is collective over the default group.
@@ -105,7 +139,7 @@ def build_weight_sync(
     plan = plan_refit(src_shards, dst_shards)
     service = make_copy_service(copy_service, sorted({*src_layout.ranks, *dst_layout.ranks}),
                                 timeout_s)
-    sync = ReshardWeightSync(plan, rank, src_model, dst_model, service)
+    sync = ReshardWeightSync(plan, rank, src_model, dst_model, service, verify)
     logger.info("refit plan: %d transfers (%d local), %d elements over the network",
                 len(plan.transfers), sum(t.is_local for t in plan.transfers),
                 sum(plan.remote_elements_sent().values()))

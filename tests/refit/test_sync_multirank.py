@@ -169,3 +169,49 @@ def test_the_pair_service_syncs_on_the_two_models_own_group() -> None:
     for result in results:
         assert all(group == [0, 1, 2] for group in result["groups"]), result["groups"]
         assert result["barriers"] == 0
+
+
+def _verified(corrupt: bool) -> dict:
+    """A TP2 -> TP1 pair sync checked after every round; with ``corrupt``, rank 2's copy of one
+    tensor is changed after the copy and before the check, as a mis-planned region would be."""
+    import megatron_rlhf.refit.sync as sync_module
+    from megatron_rlhf.refit import build_weight_sync
+    from megatron_rlhf.refit.verify import RefitMismatch
+    from tests.model_fixtures import TinyArch
+    from megatron_rlhf.runtime.bootstrap import initialize_runtime
+    from tests.refit.helpers import build_pair
+
+    initialize_runtime()
+    src, dst = L(0, tp=2), L(2, tp=1)
+    pair = build_pair(src, dst, world_size=dist.get_world_size(), arch=TinyArch())
+    sync = build_weight_sync(pair.src_model, pair.src_pgc, src, pair.dst_model, pair.dst_pgc,
+                             dst, verify="every")
+    execute = sync_module.execute
+
+    def corrupting(plan, fills, src_model, dst_model, service):
+        execute(plan, fills, src_model, dst_model, service)
+        if dst_model is not None and corrupt:
+            with torch.no_grad():
+                dst_model.decoder.layers[1].mlp.linear_fc2.weight[0, :2].add_(1e-3)
+
+    sync_module.execute = corrupting
+    try:
+        for _ in range(1 if corrupt else 2):  # the receiver stops at the first mismatch
+            sync.sync()
+        return {"error": None, "syncs": sync.syncs}
+    except RefitMismatch as error:
+        return {"error": str(error), "syncs": sync.syncs}
+    finally:
+        sync_module.execute = execute
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(180)
+def test_a_region_received_differently_from_what_was_sent_stops_the_sync() -> None:
+    clean = run_on_ranks(_verified, world_size=4, args=(False,), timeout_s=150)
+    assert [r["error"] for r in clean] == [None] * 4 and clean[2]["syncs"] == 2
+    corrupted = run_on_ranks(_verified, world_size=4, args=(True,), timeout_s=150)
+    message = corrupted[2]["error"]
+    assert message.startswith("weight sync: decoder.layers.1.mlp.linear_fc2.weight"), message
+    assert "on rank 2 differs from what rank 0 sent" in message
+    assert [r["error"] for r in corrupted[:2]] == [None, None]  # the senders' part was right

@@ -210,7 +210,7 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
             weight_syncs[source] = build_weight_sync(
                 src.model if src else None, groups[source], plan[source],
                 dst.model if dst else None, groups[shadow], plan[shadow],
-                timeout_s=config.runtime.transfer_timeout_s)
+                timeout_s=config.runtime.transfer_timeout_s, verify=config.refit.verify)
     engine = PPOEngine(plan, workers, weight_syncs, config.rollout.max_prompt_length,
                        config.generation, eos_id, pad_id, context,
                        reuse_generation_logprobs=config.rollout.reuse_generation_logprobs,
