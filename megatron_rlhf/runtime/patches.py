@@ -146,6 +146,20 @@ PATCHES: tuple[Patch, ...] = (
           "and reduce_scatter_tensor aliases, ShardedTensor in its checkpoints); on CPU these say nothing about a run. Those raised while megatron-core is "
           "being imported come before any call and still show (pytest filters them itself)",
           "add_warning_filters (initialize_runtime); never undone"),
+    Patch("torch.distributed.batch_isend_irecv, new_group, split_group and the collectives of "
+          "nccl_semantics.TRACKED_COLLECTIVES (in torch.distributed and distributed_c10d)",
+          "the tests' NCCL-semantics mode: gloo answers a batch with one work, checks a fresh "
+          "group's first batch, times works from their post, compares group creation order and "
+          "emulates split_group, so code that would fail under NCCL fails on CPU. Test mode only "
+          "(MEGATRON_RLHF_NCCL_SEMANTICS=1 on a gloo world)",
+          "nccl_semantics.install (init_distributed); nccl_semantics.uninstall "
+          "(destroy_distributed)"),
+    Patch("torch.distributed.distributed_c10d._get_process_group_name, ProcessGroup._get_backend"
+          "(...).options._timeout (private API)",
+          "the NCCL-semantics mode names a group's keys in the job's store after the group, and "
+          "reads a group's timeout to time its works as NCCL's watchdog does; torch exposes "
+          "neither publicly",
+          "called in runtime/nccl_semantics.py (test mode only)"),
 )
 
 _WARNING_FILTERS: tuple[tuple[str, type[Warning], str], ...] = (
