@@ -138,7 +138,7 @@ def init_distributed(config: DistributedConfig | None = None) -> None:
         kwargs.update(store=store, rank=int(os.environ["RANK"]),
                       world_size=int(os.environ["WORLD_SIZE"]))
     dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
-    if backend == "gloo" and nccl_semantics.requested():
+    if backend == "gloo" and nccl_semantics.requested() and dist.is_initialized():
         nccl_semantics.install()
     logger.info("initialised %s world of %d ranks%s", backend, dist.get_world_size(),
                 " with NCCL's semantics" if nccl_semantics.installed() else "")

@@ -225,7 +225,7 @@ def test_ptx_gradient_is_the_policy_loss_plus_coef_times_the_mean_nll() -> None:
 
 
 def test_demonstrations_are_the_sft_portion_or_the_named_files(tmp_path) -> None:
-    from megatron_rlhf.config.ppo_run import PromptsConfig
+    from megatron_rlhf.config.ppo_run import PromptsConfig, PromptSplitConfig
     from megatron_rlhf.data import DataConfig, load_splits
     from megatron_rlhf.data.synthetic import SyntheticTaskConfig, write_task_jsonl
     from megatron_rlhf.engine.run.runner import load_demonstrations
@@ -233,7 +233,12 @@ def test_demonstrations_are_the_sft_portion_or_the_named_files(tmp_path) -> None
 
     tokenizer = Tokenizer.train(SHIPPED_CORPUS, 512, tmp_path / "spm.model")
     paths = write_task_jsonl(tmp_path / "task", SyntheticTaskConfig(num_train=300))
-    prompts = PromptsConfig(paths=[str(paths["train"])])
+    with pytest.raises(ValueError, match=r"the sft portion of prompts.paths is empty "
+                                         r"\(prompts.split.sft=0, the default"):
+        load_demonstrations(RunConfig(prompts=PromptsConfig(paths=[str(paths["train"])]),
+                                      ptx=PTXConfig(coef=1.0)), tokenizer)
+    prompts = PromptsConfig(paths=[str(paths["train"])],
+                            split=PromptSplitConfig(sft=0.4, rm=0.3, ppo=0.3))
     assert load_demonstrations(RunConfig(prompts=prompts), tokenizer) is None, "off by default"
     stream = load_demonstrations(RunConfig(prompts=prompts, ptx=PTXConfig(coef=1.0)), tokenizer)
     splits, _ = load_splits(DataConfig([str(paths["train"])], prompts.reader, prompts.split))

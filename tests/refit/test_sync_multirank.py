@@ -208,9 +208,9 @@ def _verified(corrupt: bool) -> dict:
 @pytest.mark.multirank
 @pytest.mark.timeout(180)
 def test_a_region_received_differently_from_what_was_sent_stops_the_sync() -> None:
-    clean = run_on_ranks(_verified, world_size=4, args=(False,), timeout_s=150)
+    clean = run_on_ranks(_verified, world_size=4, args=(False,), timeout_s=70)
     assert [r["error"] for r in clean] == [None] * 4 and clean[2]["syncs"] == 2
-    corrupted = run_on_ranks(_verified, world_size=4, args=(True,), timeout_s=150)
+    corrupted = run_on_ranks(_verified, world_size=4, args=(True,), timeout_s=70)
     message = corrupted[2]["error"]
     assert message.startswith("weight sync: decoder.layers.1.mlp.linear_fc2.weight"), message
     assert "on rank 2 differs from what rank 0 sent" in message

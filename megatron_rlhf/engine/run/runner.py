@@ -178,6 +178,11 @@ def _read_demonstrations(config: RunConfig, tokenizer: Tokenizer | HFTokenizer
         records = splits.sft
     for summary in summaries:
         logger.info("ptx: %s", summary.format())
+    if not records and not config.ptx.paths and not config.prompts.split.sft:
+        raise ValueError(f"ptx.coef={config.ptx.coef} but the sft portion of prompts.paths is "
+                         "empty (prompts.split.sft=0, the default: PPO reads every record): name "
+                         "demonstrations in ptx.paths, or give the sft portion a share, e.g. "
+                         "prompts.split.sft=0.4 prompts.split.ppo=0.6")
     if not records:
         raise ValueError(f"ptx.coef={config.ptx.coef} but {source} holds no (prompt, response) "
                          "record; name demonstrations in ptx.paths or set ptx.coef=0")
