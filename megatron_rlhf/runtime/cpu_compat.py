@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from types import FrameType
 from typing import Any
@@ -29,22 +30,34 @@ from megatron.core.tensor_parallel import random as mcore_random
 from torch.overrides import TorchFunctionMode
 
 SUPPORTED_MEGATRON_CORE_VERSION = "0.16.1"
+"""The version setup.py installs and the suite runs against."""
+TESTED_MEGATRON_CORE_VERSIONS = ("0.16.0", "0.16.1")
+"""Versions the patches (runtime/patches.py) were checked against: 0.16.0's source differs from
+0.16.1's only in a checkpoint worker's memory clean-up this project does not use, Mamba and the
+version strings."""
+
 
 def check_megatron_core_version() -> None:
-    """Refuse a megatron-core other than the one the CPU patches were written for.
+    """Refuse, on CPU, a megatron-core outside :data:`TESTED_MEGATRON_CORE_VERSIONS` (the CPU
+    compatibility layer patches its internals); on a GPU only warn, naming the tested range,
+    since there the CPU patches are not made.
 
     Raises:
-        RuntimeError: naming the installed and the supported version.
+        RuntimeError: naming the installed and the tested versions.
     """
     from megatron.core import package_info
 
     installed = package_info.__version__
-    if installed != SUPPORTED_MEGATRON_CORE_VERSION:
-        raise RuntimeError(
-            f"megatron-core {installed} is installed but megatron_rlhf supports "
-            f"{SUPPORTED_MEGATRON_CORE_VERSION}: run "
-            f"`pip install megatron-core=={SUPPORTED_MEGATRON_CORE_VERSION}`"
-        )
+    if installed in TESTED_MEGATRON_CORE_VERSIONS:
+        return
+    message = (f"megatron-core {installed} is installed but megatron_rlhf is tested with "
+               f"{', '.join(TESTED_MEGATRON_CORE_VERSIONS)}")
+    if torch.cuda.is_available():
+        warnings.warn(f"{message}; its private APIs used here (runtime/patches.py) may have "
+                      "changed", stacklevel=2)
+        return
+    raise RuntimeError(f"{message}, and on CPU it patches megatron-core's internals: run "
+                       f"`pip install megatron-core=={SUPPORTED_MEGATRON_CORE_VERSION}`")
 
 
 def _is_cuda_device(device: Any) -> bool:

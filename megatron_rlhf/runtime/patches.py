@@ -38,6 +38,8 @@ from megatron_rlhf.runtime.logging import get_logger
 logger = get_logger(__name__)
 
 CHECKED_WITH = {"megatron-core": "0.16.1", "torch": "2.13.0 (CPU), 2.11 (CUDA)"}
+"""0.16.0 too: its source differs from 0.16.1's in nothing these entries touch
+(``cpu_compat.TESTED_MEGATRON_CORE_VERSIONS``)."""
 """The versions every entry of :data:`PATCHES` was checked against."""
 
 

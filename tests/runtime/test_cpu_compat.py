@@ -112,3 +112,29 @@ def test_nothing_is_patched_when_cuda_is_present() -> None:
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert "untouched" in out.stdout
+
+
+@pytest.mark.parametrize("version,cuda,outcome", [
+    ("0.16.0", False, None), ("0.16.1", False, None),
+    ("0.17.0", False, "raise"), ("0.15.3", True, "warn")])
+def test_megatron_core_outside_the_tested_versions_is_refused_on_cpu_and_warned_on_gpu(
+        monkeypatch: pytest.MonkeyPatch, version: str, cuda: bool, outcome: str | None) -> None:
+    import warnings
+
+    from megatron.core import package_info
+
+    from megatron_rlhf.runtime.cpu_compat import check_megatron_core_version
+
+    monkeypatch.setattr(package_info, "__version__", version)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if outcome == "raise":
+            with pytest.raises(RuntimeError, match=r"megatron-core 0.17.0 is installed but "
+                                                   r"megatron_rlhf is tested with 0.16.0, 0.16.1"):
+                check_megatron_core_version()
+        else:
+            check_megatron_core_version()
+    assert [str(w.message).split(";")[0] for w in caught] == (
+        ["megatron-core 0.15.3 is installed but megatron_rlhf is tested with 0.16.0, 0.16.1"]
+        if outcome == "warn" else [])
