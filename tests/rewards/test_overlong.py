@@ -11,6 +11,7 @@ from megatron_rlhf.algorithms import PPOAlgorithmConfig, RunningMoments, build_k
 from megatron_rlhf.config.ppo_run import RewardConfig, RunConfig
 from megatron_rlhf.engine.step.experience import compute_advantages
 from megatron_rlhf.generation import GenerationConfig
+from megatron_rlhf.rewards import RewardFunctionSpec
 from megatron_rlhf.rewards.overlong import OverlongPenalty
 from megatron_rlhf.rewards.verifiers import overlong_penalty
 
@@ -68,3 +69,21 @@ def test_a_buffer_longer_than_the_token_budget_is_refused() -> None:
                                          r"generation.max_new_tokens=8"):
         RunConfig(reward=RewardConfig(overlong_buffer=9),
                   generation=GenerationConfig(max_new_tokens=8))
+
+
+def test_the_penalty_is_logged_beside_the_reward_functions_metrics() -> None:
+    """The DAPO recipe sets both: each function's metric and ``reward/overlong`` are logged."""
+    mask = _response_mask([2, 4, 4, 3], 4)
+    logprobs = -torch.ones(4, 4)
+    fields = {"old_logprobs": logprobs, "ref_logprobs": logprobs.clone(), "response_mask": mask,
+              "rm_scores": torch.zeros(4), "rule_scores": torch.zeros(4),
+              "function_scores": torch.tensor([[1.0], [0.0], [1.0], [0.0]]),
+              "reward_errors": torch.zeros(4)}
+    config = PPOAlgorithmConfig(advantage_estimator="grpo", kl_in="loss")
+    _, metrics = compute_advantages(fields, config, build_kl_controller(config),
+                                    RunningMoments(), 1.0, 1.0, samples_per_prompt=2,
+                                    functions=[RewardFunctionSpec("m:correct")],
+                                    overlong=OverlongPenalty(4, 2))
+    assert metrics["reward/overlong"] == pytest.approx(-0.625)
+    assert metrics["reward/correct"] == pytest.approx(0.5)
+    assert metrics["reward/errors"] == 0.0

@@ -72,8 +72,8 @@ def compute_advantages(fields: dict[str, torch.Tensor], config: PPOAlgorithmConf
         function_metrics["reward/overlong"] = overlong(mask).mean().item()
     if functions:
         function_scores = fields["function_scores"]
-        function_metrics = {spec.metric: function_scores[:, i].mean().item()
-                            for i, spec in enumerate(functions)}
+        function_metrics.update({spec.metric: function_scores[:, i].mean().item()
+                                 for i, spec in enumerate(functions)})
         function_metrics["reward/errors"] = fields["reward_errors"].sum().item()
     scores = normalize_scores(raw_scores, config.reward_norm, score_moments)
     kl_coef = kl_controller.value
