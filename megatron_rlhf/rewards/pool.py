@@ -67,7 +67,13 @@ _imported: dict[str, Callable[..., Any]] = {}
 
 
 class RewardFunctionError(RuntimeError):
-    """A reward function failed on a record with ``reward.on_error=error``."""
+    """A reward function failed on a record with ``reward.on_error=error``.
+
+    Its cause is on the rank that raised it, even when its text says "timeout": the run's fault
+    tracker reports it as that rank's own failure, in full, not as a collective's.
+    """
+
+    local_cause = True
 
 
 class _Timeout(Exception):

@@ -107,8 +107,12 @@ def is_collective_error(error: BaseException) -> bool:
 
     A network or store error always is. An error of the backend (NCCL's ``DistBackendError``
     included) is when its text says a peer is gone or late, and is not when it names a cause on
-    this rank (out of memory, invalid usage, a CUDA fault): that one is reported as it is.
+    this rank (out of memory, invalid usage, a CUDA fault): that one is reported as it is. So is
+    an error whose class sets ``local_cause = True`` (a reward function that ran past its
+    timeout, say), whatever its text.
     """
+    if getattr(error, "local_cause", False):
+        return False
     if isinstance(error, dist.DistNetworkError | dist.DistStoreError | PeerStopped):
         return True
     if not isinstance(error, RuntimeError):

@@ -161,3 +161,47 @@ def test_collective_errors_are_told_from_causes_on_this_rank(error, collective: 
         error = dist.DistBackendError(error.removeprefix("backend:"))
     assert is_collective_error(error) is collective
     assert is_collective_error(dist.DistNetworkError("connection refused"))
+
+
+def _reward_timeout_in_a_stage() -> dict:
+    """Rank 1 scores a row with a reward function that runs past its timeout, inside a stage;
+    rank 0 waits for it in an all-reduce. Each returns what it raised."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_rlhf.rewards import RewardFunctions, parse_reward_functions
+    from megatron_rlhf.runtime.faults import FaultConfig, install_fault_tracker
+
+    tracker = install_fault_tracker(FaultConfig(grace_s=GRACE_S), timeout_s=TIMEOUT_S)
+    try:
+        with tracker.stage("step 0", signature=(0,)):
+            if dist.get_rank() == 1:
+                with tracker.stage("experience/reward"):
+                    functions = RewardFunctions(parse_reward_functions(
+                        [{"name": "tests.rewards.user_functions:hangs"}]), timeout_s=0.5,
+                        workers=1)
+                    try:
+                        functions.score(["p"], ["r"], [(7, {"answer": "42"})])
+                    finally:
+                        functions.close()
+            dist.all_reduce(torch.ones(1))
+    except Exception as error:  # noqa: BLE001 - the test reads what each rank raised
+        return {"type": type(error).__name__, "message": str(error)}
+    return {"type": None}
+
+
+@pytest.mark.multirank
+def test_a_reward_function_past_its_timeout_is_its_ranks_own_failure() -> None:
+    """The rank whose function timed out raises that error, in full, not a collective failure
+    ("no other rank reported a failure of its own"); the waiting rank names it."""
+    outcomes = run_on_ranks(_reward_timeout_in_a_stage, world_size=2, timeout_s=60)
+    own = outcomes[1]
+    assert own["type"] == "RewardFunctionError", own
+    assert own["message"].startswith("reward function 'tests.rewards.user_functions:hangs' ran "
+                                     "past its timeout of 0.5 s (reward.timeout_s) on prompt "
+                                     'record #7 ({"answer": "42"}); fix the function'), own
+    assert "no other rank reported" not in own["message"]
+    other = outcomes[0]
+    assert other["type"] == "RankFailure", other
+    assert ("rank 1 raised RewardFunctionError: reward function "
+            "'tests.rewards.user_functions:hangs' ran past its timeout") in other["message"]
