@@ -171,11 +171,14 @@ class RewardScores:
         scores: ``[rows][functions]`` each function's unweighted score (0 for a failed call).
         errors: ``[rows]`` failed calls of each row (``on_error="zero"``).
         extras: ``reward/<function>/<key>`` -> the values of a dict result's other keys.
+        first_error: what the first failed call did, naming the function and the record
+            (``on_error="zero"``); empty when none failed.
     """
 
     scores: list[list[float]]
     errors: list[int]
     extras: dict[str, list[float]] = field(default_factory=dict)
+    first_error: str = ""
 
 
 class RewardFunctions:
@@ -279,12 +282,13 @@ class RewardFunctions:
             scores, errors = [], 0
             for spec, (status, value) in zip(self.specs, row, strict=True):
                 if status != "ok":
+                    failure = (f"reward function {spec.target!r} {value} on prompt record "
+                               f"#{index} ({_excerpt(record)})")
                     if self.on_error == "error":
                         raise RewardFunctionError(
-                            f"reward function {spec.target!r} {value} on prompt record "
-                            f"#{index} ({_excerpt(record)}); fix the function, or set "
-                            "reward.on_error=zero to score such calls 0 and count them in "
-                            "reward/errors")
+                            f"{failure}; fix the function, or set reward.on_error=zero to "
+                            "score such calls 0 and count them in reward/errors")
+                    result.first_error = result.first_error or failure
                     scores.append(0.0)
                     errors += 1
                     continue

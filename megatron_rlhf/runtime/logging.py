@@ -2,7 +2,8 @@
 
 The library never prints. `get_logger(__name__)` returns a standard logger; `setup_logging` installs
 one console handler whose records carry the global rank, and silences non-zero ranks unless
-``all_ranks=True`` (``--verbose`` of the entry points, or ``MEGATRON_RLHF_LOG_ALL_RANKS=1``).
+``all_ranks=True`` (``--verbose`` of the entry points, or ``MEGATRON_RLHF_LOG_ALL_RANKS=1``); a
+record logged with ``extra={"any_rank": True}`` (what only that rank knows) passes on every rank.
 `log_to_file` keeps the console to warnings and errors and sends the whole log to a file instead,
 for the rest of the process (the main job's console is its summary, progress bars and report).
 """
@@ -28,7 +29,8 @@ class _RankFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         rank = _current_rank()
         record.rank = rank
-        return self.all_ranks or rank == 0 or record.levelno >= logging.ERROR
+        return (self.all_ranks or rank == 0 or record.levelno >= logging.ERROR
+                or getattr(record, "any_rank", False))
 
 
 def _current_rank() -> int:

@@ -5,6 +5,7 @@ decodes rows for the functions, and ``compute_advantages`` weighs and logs their
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pyarrow as pa
@@ -91,3 +92,44 @@ def test_compute_advantages_weighs_function_scores_beside_the_model_and_the_rule
     assert metrics["reward/errors"] == 3.0
     # group means 3.25 and 3.25: advantages -0.75, 0.75, -0.75, 0.75 on every token
     torch.testing.assert_close(out["advantages"][:, 0], torch.tensor([-0.75, 0.75, -0.75, 0.75]))
+
+
+def test_a_function_failing_on_most_rows_under_on_error_zero_is_warned_about() -> None:
+    """12 of 16 rows without the ``answer`` the function reads: one warning for the step, with
+    the share and the first failure; the next step inside the rate limit is counted, not
+    warned about; a step at or under the share is quiet."""
+    input_ids = torch.tensor([[5, 1, 2]] * 16)
+    mask = torch.ones(16, 3, dtype=torch.long)
+    words = {1: "it", 2: "42", 5: "q"}
+    rewards = FunctionRewards(RewardFunctions(parse_reward_functions([
+        {"name": "tests.rewards.user_functions:answer_in_response"}]), on_error="zero"),
+        lambda ids: " ".join(words[i] for i in ids))
+    records = [(i, {"answer": "42"} if i < 4 else {"prompt": "q"}) for i in range(16)]
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append  # type: ignore[method-assign]
+    log = logging.getLogger("megatron_rlhf.engine.execution.function_rewards")
+    log.addHandler(handler)
+    try:
+        rewards.score(input_ids[:8], mask[:8], 1, records[:8], keep_extras=True)
+        rewards.score(input_ids[8:], mask[8:], 1, records[8:], keep_extras=True)
+        first = rewards.warn_failures("step 3", now=1000.0)
+        rewards.score(input_ids, mask, 1, records, keep_extras=True)
+        second = rewards.warn_failures("step 4", now=1010.0)
+        rewards.score(input_ids[:5], mask[:5], 1, records[:5], keep_extras=True)  # 1 of 5
+        quiet = rewards.warn_failures("step 5", now=2000.0)
+        rewards.score(input_ids, mask, 1, records, keep_extras=True)
+        third = rewards.warn_failures("step 6", now=2000.0)
+    finally:
+        rewards.close()
+        log.removeHandler(handler)
+    assert first is not None
+    assert first.startswith("reward functions failed on 12 of the 16 rows this rank scored in "
+                            "step 3 (75%, above 25%); reward.on_error=zero scores those calls 0")
+    assert ("The first: reward function 'tests.rewards.user_functions:answer_in_response' "
+            "raised KeyError: \"the record has no 'answer': ['prompt']\" on prompt record #4 "
+            '({"prompt": "q"}).') in first
+    assert [record.getMessage() for record in seen] == [first, third]
+    assert seen[0].levelno == logging.WARNING and seen[0].any_rank
+    assert second is None and quiet is None
+    assert third is not None and "in step 6 (75%, above 25%) (1 more step(s) above" in third

@@ -11,6 +11,7 @@ with the rest of the experience, where ``compute_advantages`` weighs and logs th
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,16 @@ from typing import Any
 import torch
 
 from megatron_rlhf.rewards import RewardFunctions
+from megatron_rlhf.runtime.logging import get_logger
+
+logger = get_logger(__name__)
+
+WARN_SHARE = 0.25
+"""Under ``reward.on_error=zero``, a step whose share of rows with a failed call is above this
+is warned about on the console."""
+
+WARN_EVERY_S = 300.0
+"""After such a warning, the next one waits this long (the steps in between are counted)."""
 
 Record = tuple[int, Mapping[str, Any]]
 """A prompt's index in the prompt set and its record."""
@@ -45,6 +56,11 @@ class FunctionRewards:
     functions: RewardFunctions
     decode: Callable[[list[int]], str]
     _extras: dict[str, list[float]] = field(default_factory=dict)
+    _rows: int = 0
+    _failed_rows: int = 0
+    _first_error: str = ""
+    _last_warning: float | None = None
+    _unwarned_steps: int = 0
 
     @property
     def count(self) -> int:
@@ -66,6 +82,9 @@ class FunctionRewards:
         if keep_extras:
             for key, values in result.extras.items():
                 self._extras.setdefault(key, []).extend(values)
+            self._rows += len(rows)
+            self._failed_rows += sum(1 for errors in result.errors if errors)
+            self._first_error = self._first_error or result.first_error
         return {"function_scores": torch.tensor(result.scores, dtype=torch.float32
                                                 ).reshape(len(rows), self.count),
                 "reward_errors": torch.tensor(result.errors, dtype=torch.float32)}
@@ -78,6 +97,39 @@ class FunctionRewards:
             sums[f"{key}_total"], sums[f"{key}_count"] = float(sum(values)), float(len(values))
         self._extras.clear()
         return sums
+
+    def warn_failures(self, what: str, now: float | None = None) -> str | None:
+        """Warn on the console, from this rank, when more than :data:`WARN_SHARE` of the rows it
+        scored (with ``keep_extras``) since the last call had a failed call (``reward.on_error=
+        zero`` scores them 0, which is easy to miss in ``reward/errors``), quoting the first
+        failure; at most once per :data:`WARN_EVERY_S`. Call once per step.
+
+        Args:
+            what: the rows' step, e.g. ``"step 3"``.
+            now: the time (``time.monotonic()``; for tests).
+
+        Returns:
+            The warning, or None when none was logged.
+        """
+        rows, failed, first = self._rows, self._failed_rows, self._first_error
+        self._rows, self._failed_rows, self._first_error = 0, 0, ""
+        if not rows or failed <= WARN_SHARE * rows:
+            return None
+        now = time.monotonic() if now is None else now
+        if self._last_warning is not None and now - self._last_warning < WARN_EVERY_S:
+            self._unwarned_steps += 1
+            return None
+        since = (f" ({self._unwarned_steps} more step(s) above that share since the last "
+                 "warning)" if self._unwarned_steps else "")
+        self._last_warning, self._unwarned_steps = now, 0
+        message = (f"reward functions failed on {failed} of the {rows} rows this rank scored in "
+                   f"{what} ({failed / rows:.0%}, above {WARN_SHARE:.0%}){since}; "
+                   "reward.on_error=zero scores those calls 0 (counted in reward/errors). "
+                   f"The first: {first}. Fix the function or the records, or set "
+                   f"reward.on_error=error to stop at the first failure; next warning at most "
+                   f"{WARN_EVERY_S:.0f} s from now")
+        logger.warning("%s", message, extra={"any_rank": True})
+        return message
 
     def close(self) -> None:
         """Stop the worker processes."""

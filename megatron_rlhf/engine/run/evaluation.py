@@ -99,6 +99,7 @@ class HeldOutEvaluator:
             engine.generation = sampling
         if self.function_rewards is not None:
             self.function_rewards.take_extras()  # a dict's other keys are logged in training only
+            self.function_rewards.warn_failures(f"the {mode} evaluation")
         if batch.fields is None:
             return {}
         fields = batch.fields

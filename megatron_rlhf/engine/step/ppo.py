@@ -212,7 +212,10 @@ class PPOAlgorithm:
             if bad:
                 self.load_state_dict(before)  # the KL controller must not learn from NaNs
                 metrics.update(bad)
-        extras = self.function_rewards.take_extras() if self.function_rewards else {}
+        extras: dict[str, float] = {}
+        if self.function_rewards is not None:
+            extras = self.function_rewards.take_extras()
+            self.function_rewards.warn_failures(f"step {step}")
         return Experience(step, batch, metrics, extras)
 
     @property
