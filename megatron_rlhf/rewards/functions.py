@@ -93,7 +93,7 @@ def parse_reward_functions(entries: Sequence[Mapping[str, Any]]) -> list[RewardF
             raise ValueError(f"{where}.weight={weight!r} must be a finite number")
         function = import_function(target, where)
         kwargs = {key: value for key, value in entry.items() if key not in RESERVED_KEYS}
-        _check_arguments(function, kwargs, where)
+        _check_arguments(function, kwargs, where, target)
         specs.append(RewardFunctionSpec(target, float(weight), kwargs))
     metrics = [spec.metric for spec in specs]
     for index, metric in enumerate(metrics):
@@ -104,16 +104,57 @@ def parse_reward_functions(entries: Sequence[Mapping[str, Any]]) -> list[RewardF
     return specs
 
 
-def _check_arguments(function: Callable[..., Any], kwargs: dict[str, Any], where: str) -> None:
-    """Refuse keys the function cannot take (a typo would otherwise fail at the first call)."""
+def _check_arguments(function: Callable[..., Any], kwargs: dict[str, Any], where: str,
+                     target: str) -> None:
+    """Refuse a function that cannot be called as ``function(prompt, response, record,
+    **kwargs)`` (a wrong signature or a typo would otherwise fail at the first call), naming the
+    function and what to change."""
     try:
         signature = inspect.signature(function)
     except (TypeError, ValueError):  # builtins without a signature: checked at the first call
         return
     try:
         signature.bind("prompt", "response", {}, **kwargs)
+        return
     except TypeError as error:
-        raise ValueError(f"{where}: {error} when called as function(prompt, response, record, "
-                         f"**{sorted(kwargs)}); the entry's keys other than {RESERVED_KEYS} are "
-                         "its keyword arguments: fix the key or the function's "
-                         "signature") from error
+        why = str(error)
+    name = target.rpartition(":")[2].rpartition(".")[2]
+    bare = signature.replace(  # annotations would only crowd the message
+        parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
+        return_annotation=signature.empty)
+    shown = f"{where} = {target}{bare}"
+    parameters = signature.parameters.values()
+    try:
+        signature.bind_partial("prompt", "response", {})
+    except TypeError:
+        extra = "".join(f", {key}=..." for key in sorted(kwargs))
+        raise ValueError(
+            f"{shown} cannot be called as {name}(prompt, response, record{extra}) ({why}): a "
+            "reward function takes the prompt text, the response text and the prompt's record "
+            f"(a dict) as its first three positional parameters; define it as "
+            f"`def {name}(prompt, response, record{extra.replace('=...', '')}): ...` and read "
+            "what you need from the record") from None
+    if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+        named = [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        options = named[3:]
+        unknown = sorted(key for key in kwargs if key not in options)
+        if unknown:
+            one = len(unknown) == 1
+            it = "it" if one else "them"
+            fix = (f"rename {it} to one of {options}, remove {it}" if options
+                   else f"{target} takes none: remove {it}")
+            what = "is not a keyword parameter" if one else "are not keyword parameters"
+            raise ValueError(
+                f"{shown}: {unknown} {what} of {target}; an entry's keys other than 'name' and 'weight' are passed to the "
+                f"function as keyword arguments: {fix}, or add {it} to the function's parameters")
+    missing = [p.name for p in parameters
+               if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+               and p.name not in kwargs][3:]
+    if missing:
+        raise ValueError(
+            f"{shown}: {target} requires {missing}, which the entry does not give: add "
+            + ", ".join(f"{key}: <value>" for key in missing)
+            + f" to {where} (as keys beside 'name'), or give "
+            f"{'it a default' if len(missing) == 1 else 'them defaults'} in the function")
+    raise ValueError(f"{shown} cannot be called as {name}(prompt, response, record, "
+                     f"**{sorted(kwargs)}): {why}")

@@ -50,7 +50,20 @@ def test_entries_become_specs_with_weights_and_keyword_arguments() -> None:
     ({"name": f"{USER}:graded", "weight": float("nan")}, r"weight=nan must be a finite number"),
     ({"name": f"{USER}:graded", "weight": "1"}, r"weight='1' must be a finite number"),
     ({"name": f"{USER}:answer_in_response", "bonsu": 1.0},
-     r"unexpected keyword argument 'bonsu'.*fix the key"),
+     r"reward.functions\[0\] = tests.rewards.user_functions:answer_in_response\(prompt, "
+     r"response, record, bonus=0.0\): \['bonsu'\] "
+     r"is not a keyword parameter of tests.rewards.user_functions:answer_in_response; an "
+     r"entry's keys other than 'name' and 'weight' are passed to the function as keyword "
+     r"arguments: rename it to one of \['bonus'\], remove it, or add it"),
+    ({"name": f"{USER}:wrong_signature"},
+     r"reward.functions\[0\] = tests.rewards.user_functions:wrong_signature\(response, "
+     r"answer\) cannot be called as wrong_signature\(prompt, response, record\) "
+     r"\(too many positional arguments\): a reward function takes the prompt text, the "
+     r"response text and the prompt's record \(a dict\) as its first three positional "
+     r"parameters; define it as `def wrong_signature\(prompt, response, record\): \.\.\.`"),
+    ({"name": f"{USER}:needs_threshold"},
+     r"tests.rewards.user_functions:needs_threshold requires \['threshold'\], which the entry "
+     r"does not give: add threshold: <value> to reward.functions\[0\]"),
 ])
 def test_bad_entries_are_refused_naming_the_entry(entry: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -212,8 +225,10 @@ def test_reward_config_checks_its_functions_before_any_process_group() -> None:
         RewardConfig(functions=[{"name": "tests.rewards.nope:f"}])
     with pytest.raises(ValueError, match=r"reward.functions\[0\].weight=inf must be a finite"):
         RewardConfig(functions=[{"name": f"{USER}:graded", "weight": float("inf")}])
-    with pytest.raises(ValueError, match=r"reward.functions\[0\]: got an unexpected keyword "
-                                         "argument 'answer_key'"):
+    with pytest.raises(ValueError, match=r"reward.functions\[0\] = tests.rewards.user_functions"
+                                         r":graded\(.*\['answer_key'\] is not a keyword "
+                                         r"parameter of tests.rewards.user_functions:graded; .*"
+                                         r"graded takes none: remove it"):
         RewardConfig(functions=[{"name": f"{USER}:graded", "answer_key": "x"}])
     with pytest.raises(ValueError, match=r"reward.on_error='skip': use one of"):
         RewardConfig(on_error="skip")

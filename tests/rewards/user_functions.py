@@ -77,3 +77,14 @@ def slow_and_marked(prompt: str, response: str, record: dict[str, Any], marker: 
             pass
     time.sleep(seconds)
     return 1.0
+
+
+def wrong_signature(response: str, answer: str) -> float:
+    """Not a reward function's signature: it lacks the prompt and the record."""
+    return float(answer in response)
+
+
+def needs_threshold(prompt: str, response: str, record: dict[str, Any], *,
+                    threshold: float) -> float:
+    """A keyword argument without a default: the entry must give it."""
+    return float(len(response) > threshold)
