@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             config = auto_placement(config, args.profile)
     except (ConfigError, ValueError) as error:
         return refuse("run_ppo", f"bad configuration: {error}")
-    from megatron_rlhf.engine.run.runner import run_ppo
+    from megatron_rlhf.engine.run.runner import run_outputs, run_ppo
     from megatron_rlhf.runtime.distributed import destroy_distributed
     from megatron_rlhf.runtime.faults import NonFiniteError, RankFailure
 
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         destroy_distributed()
     if os.environ.get("RANK", "0") == "0":
-        print(f"run_ppo: done; metrics in {run_dir / 'metrics.jsonl'}", file=sys.stderr)
+        print(f"run_ppo: done; {run_outputs(config, run_dir)}", file=sys.stderr)
     return 0
 
 

@@ -326,12 +326,63 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
     if resume_from is not None:
         with context.stage("checkpoint/load"), engine.resident():
             start = load_rl_checkpoint(run, resume_from, skip_state)
+        check_steps_to_go(start, config.steps, resume_from)
     try:
         _train(run, start, run_dir, exporter, evaluator)
     finally:
         if function_rewards is not None:
             function_rewards.close()  # the worker processes, also when a step raised
     return run_dir
+
+
+def check_steps_to_go(start: int, steps: int, checkpoint: Path) -> None:
+    """Say so when a resumed run has nothing to train: refuse ``steps`` below the checkpoint's
+    step, warn when it equals it.
+
+    Raises:
+        ValueError: ``steps < start``, naming both and the fix.
+    """
+    if steps < start:
+        raise ValueError(f"steps={steps} (--steps) is below the step of the checkpoint to "
+                         f"resume from, {checkpoint} ({start} steps done), so the run would "
+                         f"train nothing; give --steps above {start} to train on, or start a new "
+                         "run in another --save-dir")
+    if steps == start:
+        logger.warning("the checkpoint %s has done all steps=%d (--steps): nothing to train; "
+                       "give --steps above %d to train on", checkpoint, steps, start)
+
+
+def algorithm_label(config: RunConfig) -> str:
+    """The run's algorithm as ``--algorithm`` names it: ``ppo`` (gae with a critic), ``grpo``,
+    ``rloo``, ``reinforce++``."""
+    estimator = config.algorithm.advantage_estimator
+    return "ppo" if estimator == "gae" else estimator
+
+
+def run_outputs(config: RunConfig, run_dir: Path) -> str:
+    """Where a finished run's outputs are: metrics, the newest checkpoint, the newest Hugging
+    Face export (those that exist), for the entry point's last line."""
+    parts = [f"metrics in {run_dir / 'metrics.jsonl'}"]
+    saves = Path(config.checkpoint.save_dir) if config.checkpoint.save_dir else None
+    if saves is None and config.models.export_hf:
+        saves = run_dir / "checkpoint"
+    newest = _newest(saves, "step_*") if saves is not None else None
+    if newest is not None:
+        parts.append(f"checkpoints in {saves.absolute()} (newest {newest.name})")
+    elif config.checkpoint.save_dir:
+        parts.append(f"no checkpoint in {saves.absolute()}")
+    else:
+        parts.append("no checkpoints (no --save-dir)")
+    export = _newest(run_dir / "hf", "step_*") if config.models.export_hf else None
+    if export is not None:
+        parts.append(f"Hugging Face export in {export.absolute()}")
+    return "; ".join(parts)
+
+
+def _newest(folder: Path, pattern: str) -> Path | None:
+    """The last complete ``pattern`` entry of ``folder`` by name (temp dirs excluded)."""
+    found = sorted(p for p in folder.glob(pattern) if p.is_dir() and ".tmp" not in p.name)
+    return found[-1] if found else None
 
 
 def _shape_signature(config: RunConfig) -> tuple[str, ...]:
@@ -362,7 +413,7 @@ def _train(run: RunState, start: int, run_dir: Path, exporter: HFExporter,
     if dist.get_rank() == 0:
         first_eval = eval_metrics(_drop_metrics_from(run_dir / "metrics.jsonl", start))
     context = run.engine.context
-    writer = MetricsWriter(run_dir, config.steps)
+    writer = MetricsWriter(run_dir, config.steps, label=algorithm_label(config), first_step=start)
     preemption = PreemptionWatcher(config.faults.stop_file)
     saver = CheckpointSaver(config.checkpoint)
     stop = False
