@@ -59,3 +59,22 @@ def test_a_resumed_grpo_runs_console_names_its_steps_and_outputs(tmp_path: Path)
     assert (f"run_ppo: steps=3 (--steps) is below the step of the checkpoint to resume from, "
             f"{tmp_path / 'ck' / 'step_00000004'} (4 steps done), so the run would train "
             "nothing; give --steps above 4 to train on") in behind.stderr, behind.stderr[-3000:]
+
+
+def test_a_failing_reward_function_is_one_message_without_a_traceback(tmp_path: Path) -> None:
+    env = {key: value for key, value in os.environ.items() if key not in _RENDEZVOUS}
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "run_ppo.py"), "--steps", "1", "--placement",
+         "flattening", "--run-dir", str(tmp_path / "run"), "rollout.prompts_per_step=8",
+         "rollout.num_minibatches=1",
+         "reward.functions=[{name: 'tests.rewards.user_functions:explodes'}]"],
+        cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+        timeout=240)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    failures = [line for line in result.stderr.splitlines() if line.startswith("run_ppo: ")]
+    assert len(failures) == 1, result.stderr[-3000:]
+    assert failures[0].startswith("run_ppo: rank 0: reward function "
+                                  "'tests.rewards.user_functions:explodes' raised "
+                                  "ZeroDivisionError: the grader divided by zero on prompt "
+                                  "record #"), failures

@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         return refuse("run_ppo", f"bad configuration: {error}")
     from megatron_rlhf.engine.run.runner import run_outputs, run_ppo
     from megatron_rlhf.runtime.distributed import destroy_distributed
+    from megatron_rlhf.rewards import RewardFunctionError
     from megatron_rlhf.runtime.faults import NonFiniteError, RankFailure
 
     # An undestroyed gloo group at interpreter exit can abort the process ("terminate called
@@ -157,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = run_ppo(config)
     except (ValueError, FileNotFoundError) as error:
         return refuse("run_ppo", str(error))
-    except (RankFailure, NonFiniteError) as error:
+    except (RankFailure, NonFiniteError, RewardFunctionError) as error:
+        # The message names the cause; a traceback per rank would bury it.
         print(f"run_ppo: rank {os.environ.get('RANK', '0')}: {error}", file=sys.stderr)
         return 1
     finally:
