@@ -322,6 +322,13 @@ class PromptSplitConfig(SplitConfig):
 
 
 @dataclass
+class PromptReaderConfig(ReaderConfig):
+    """``prompts.reader``: a :class:`ReaderConfig` whose errors name ``prompts.reader``."""
+
+    WHERE: ClassVar[str] = "prompts.reader"
+
+
+@dataclass
 class PromptsConfig:
     """Where the PPO prompts come from.
 
@@ -339,7 +346,8 @@ class PromptsConfig:
     """
 
     paths: list[str] = field(default_factory=list)
-    reader: ReaderConfig = field(default_factory=lambda: ReaderConfig(required=["prompt"]))
+    reader: PromptReaderConfig = field(
+        default_factory=lambda: PromptReaderConfig(required=["prompt"]))
     split: PromptSplitConfig = field(default_factory=PromptSplitConfig)
     synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
     chat_template: bool = True

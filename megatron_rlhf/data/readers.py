@@ -149,7 +149,8 @@ def _check_conversation(row: dict[str, Any], config: ReaderConfig
     except ConversationError as err:
         return "bad_conversation", err.column, err.detail
     for name in config.required:
-        if name != "prompt" and (texts[name] is None or not texts[name].strip()):
+        if name in texts and name != "prompt" and (texts[name] is None
+                                                    or not texts[name].strip()):
             column = getattr(config.fields, name)
             return "missing_field", column, f"no {name} text in the record's turns or {column!r}"
     prompt = "\n\n".join(turn["content"] for turn in turns)
@@ -160,6 +161,14 @@ def _check_row(
     row: dict[str, Any], config: ReaderConfig, tokenizer: Tokenizer | HFTokenizer | None
 ) -> PreferenceRecord | tuple[str, str, str]:
     """Return the record, or ``(reason, column, detail)`` for the first failed check."""
+    for column in config.extra_required:
+        value = row.get(column)
+        if value is None:
+            return ("missing_field", column,
+                    f"no {column!r}: key absent or null ({config.WHERE}.required)")
+        if isinstance(value, str) and not value.strip():
+            return ("empty_text", column,
+                    f"the {column!r} is empty or whitespace ({config.WHERE}.required)")
     if is_conversation_row(row, _columns(config)):
         record = _check_conversation(row, config)
         if isinstance(record, tuple):
@@ -279,7 +288,7 @@ class _Tally:
         if self.config.on_bad_record == "error":
             raise DataError(
                 f"bad record at {bad.describe()}. Fix the file, or set "
-                "reader.on_bad_record=skip to drop such records"
+                f"{self.config.WHERE}.on_bad_record=skip to drop such records"
             )
         count = self.summary.counts.get(bad.reason, 0)
         self.summary.counts[bad.reason] = count + 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 RECORD_FIELDS = ("prompt", "response", "chosen", "rejected")
 """Logical fields of a preference record (the Dahoas/rm-static schema)."""
@@ -39,10 +40,15 @@ class FieldNames:
 class ReaderConfig:
     """How records are read and checked."""
 
+    WHERE: ClassVar[str] = "reader"
+    """The config path that errors name (``prompts.reader`` in a PPO run)."""
+
     fields: FieldNames = field(default_factory=FieldNames)
     """Column names in the files."""
     required: list[str] = field(default_factory=lambda: list(RECORD_FIELDS))
-    """Logical fields every record must have as non-empty text; others are read when present."""
+    """Logical fields every record must have as non-empty text; others are read when present.
+    Any other name is a column every record must have (not null, not empty text), e.g. the
+    ``answer`` a reward function reads: checked for every record when the files are read."""
     on_bad_record: str = "skip"
     """``skip``: count and drop bad records; ``error``: stop at the first with a DataError."""
     max_prompt_tokens: int | None = None
@@ -51,21 +57,29 @@ class ReaderConfig:
     """Bad records kept as examples in the summary, per reason."""
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.required) - set(RECORD_FIELDS))
-        if unknown:
-            raise ValueError(f"required has unknown fields {unknown}; choose from {RECORD_FIELDS}")
+        where = self.WHERE
+        blank = [name for name in self.required if not isinstance(name, str) or not name.strip()]
+        if blank:
+            raise ValueError(f"{where}.required={list(self.required)} holds {blank}: give field "
+                             f"names, {list(RECORD_FIELDS)} or a column of the records")
+        if "messages" in self.required:
+            raise ValueError(f"{where}.required: 'messages' cannot be required (a record is a "
+                             "conversation when it has one); require 'prompt'")
         if "prompt" not in self.required:
-            raise ValueError(f"required({list(self.required)}) must include 'prompt'")
+            raise ValueError(f"{where}.required={list(self.required)} must include 'prompt'")
         if self.on_bad_record not in BAD_RECORD_POLICIES:
-            raise ValueError(
-                f"on_bad_record({self.on_bad_record!r}) must be one of {BAD_RECORD_POLICIES}"
-            )
+            raise ValueError(f"{where}.on_bad_record={self.on_bad_record!r} must be one of "
+                             f"{BAD_RECORD_POLICIES}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
-            raise ValueError(
-                f"max_prompt_tokens({self.max_prompt_tokens}) must be >= 1, or None for no limit"
-            )
+            raise ValueError(f"{where}.max_prompt_tokens={self.max_prompt_tokens} must be >= 1, "
+                             "or null for no limit")
         if self.max_examples < 0:
-            raise ValueError(f"max_examples({self.max_examples}) must be >= 0")
+            raise ValueError(f"{where}.max_examples={self.max_examples} must be >= 0")
+
+    @property
+    def extra_required(self) -> list[str]:
+        """Required columns beyond the built-in fields (what reward functions read)."""
+        return [name for name in self.required if name not in RECORD_FIELDS]
 
 
 @dataclass

@@ -199,7 +199,8 @@ def test_prompt_limit_needs_a_tokenizer(tmp_path: Path) -> None:
     [
         ({"on_bad_record": "ignore"}, "on_bad_record"),
         ({"required": ["response"]}, "prompt"),
-        ({"required": ["prompt", "answer"]}, "answer"),
+        ({"required": ["prompt", "messages"]}, "'messages' cannot be required"),
+        ({"required": ["prompt", " "]}, r"reader.required=\['prompt', ' '\] holds"),
         ({"max_prompt_tokens": 0}, "max_prompt_tokens"),
         ({"max_examples": -1}, "max_examples"),
     ],

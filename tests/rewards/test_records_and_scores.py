@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -133,3 +134,32 @@ def test_a_function_failing_on_most_rows_under_on_error_zero_is_warned_about() -
     assert seen[0].levelno == logging.WARNING and seen[0].any_rank
     assert second is None and quiet is None
     assert third is not None and "in step 6 (75%, above 25%) (1 more step(s) above" in third
+
+
+def test_prompts_reader_can_require_a_field_reward_functions_read(tmp_path: Path) -> None:
+    """``prompts.reader.required=[prompt, answer]``: every record is checked for the answer when
+    the files are read (plain and conversation records), and errors name prompts.reader."""
+    from megatron_rlhf.config.loader import load_config
+    from megatron_rlhf.config.ppo_run import RunConfig
+    from megatron_rlhf.data import DataError
+
+    reader = load_config(RunConfig, None,
+                         ["prompts.reader.required=[prompt, answer]"]).prompts.reader
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in [
+        {"prompt": "What is 6 * 7?", "answer": "42"}, {"prompt": "What is 1 + 1?"},
+        {"prompt": "What is 2 + 2?", "answer": " "},
+        {"messages": [{"role": "user", "content": "hi"}], "answer": "x"}]))
+    records, summary = read_records(path, reader)
+    assert [record.row.get("answer") for record in records] == ["42", "x"]
+    assert summary.counts == {"missing_field": 1, "empty_text": 1}
+    assert ("line 2, field 'answer': missing_field (no 'answer': key absent or null "
+            "(prompts.reader.required))") in summary.format()
+    with pytest.raises(DataError, match=r"line 2, field 'answer'.*set prompts.reader."
+                                         r"on_bad_record=skip"):
+        read_records(path, replace(reader, on_bad_record="error"))
+    with pytest.raises(ValueError, match=r"^prompts.reader.required=\['answer'\] must include "
+                                         r"'prompt'"):
+        load_config(RunConfig, None, ["prompts.reader.required=[answer]"])
+    with pytest.raises(ValueError, match=r"^prompts.reader.on_bad_record='x' must be one of"):
+        load_config(RunConfig, None, ["prompts.reader.on_bad_record=x"])
