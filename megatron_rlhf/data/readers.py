@@ -136,7 +136,8 @@ def _columns(config: ReaderConfig) -> dict[str, str]:
 def prompt_tokens(prompt: str, messages: Conversation | None,
                   tokenizer: Tokenizer | HFTokenizer) -> int:
     """The length ``ReaderConfig.max_prompt_tokens`` limits: the prompt's text without BOS, or a
-    conversation through the chat template without the generation prompt."""
+    conversation through the chat template with the generation prompt (as the rollout encodes
+    it)."""
     if messages is not None and isinstance(tokenizer, HFTokenizer) and tokenizer.has_chat_template:
         return len(tokenizer.encode_chat(messages))
     return len(tokenizer.encode(prompt))

@@ -444,3 +444,39 @@ def test_a_meaningless_or_ignored_setting_is_refused(overrides: list[str], messa
     with pytest.raises(ValueError) as error:
         load_config(RunConfig, TINY, overrides)
     assert message in str(error.value)
+
+
+def test_the_prompt_length_refusal_for_conversations_counts_the_template(tmp_path: Path) -> None:
+    """A conversation's tokens for prompts.reader.max_prompt_tokens already hold the chat
+    template (and its generation prompt): the hint says so, adds nothing for it, suggests a
+    limit only when it keeps some prompts, and that limit keeps them."""
+    from megatron_rlhf.engine.run.runner import load_prompts
+    from megatron_rlhf.models.hf_tokenizer import HFTokenizer
+    from tools.make_tiny_hf import make_hf_tokenizer
+
+    make_hf_tokenizer(tmp_path / "tok", "qwen")
+    words = "the cat sat on the mat and looked at the dog".split()
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": " ".join(words[:n])}]}) + "\n"
+        for n in range(2, len(words) + 1)) * 2)
+    config = load_config(RunConfig, TINY, [f"prompts.paths=[{data}]", "rollout.prompts_per_step=4",
+                                           f"tokenizer.hf_dir={tmp_path / 'tok'}",
+                                           "rollout.max_prompt_length=60"])
+    tokenizer = HFTokenizer.load(tmp_path / "tok")
+    with pytest.raises(ValueError) as error:
+        load_prompts(config, tokenizer)
+    message = str(error.value)
+    assert ("it counts a conversation through the chat template, its generation prompt "
+            "included; the rollout adds up to 0 more)") in message, message
+    reader_limit = _suggested("prompts.reader.max_prompt_tokens", message)
+    kept = load_prompts(replace(config, prompts=replace(
+        config.prompts, reader=replace(config.prompts.reader, max_prompt_tokens=reader_limit))),
+        tokenizer)
+    assert 0 < len(kept.prompts) == int(re.search(r"keeps (\d+) of", message)[1])
+    assert max(map(len, kept.prompts)) <= 60
+    # with every conversation too long, a limit that would drop them all is not suggested
+    config = replace(config, rollout=replace(config.rollout, max_prompt_length=20))
+    with pytest.raises(ValueError) as error:
+        load_prompts(config, tokenizer)
+    assert "prompts.reader.max_prompt_tokens" not in str(error.value)

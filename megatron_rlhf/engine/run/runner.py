@@ -213,8 +213,10 @@ def _too_long_message(records: list[tuple[str, list | None]], prompts: list[list
                       what: str, from_files: bool) -> str:
     """The refusal of over-long prompts, with the settings that would accept or drop them.
 
-    ``prompts.reader.max_prompt_tokens`` counts the prompt's own tokens, the rollout limit also
-    BOS and the chat template; the reader's value is the limit less the largest such overhead.
+    ``prompts.reader.max_prompt_tokens`` counts the prompt's own tokens (a conversation's through
+    the chat template, as the rollout encodes it), the rollout limit also BOS and the chat
+    template of a plain prompt; the reader's value is the limit less the largest such overhead,
+    suggested only when it keeps some prompts.
     """
     first = too_long[0]
     message = (f"{len(too_long)} {what} are longer than rollout.max_prompt_length={limit} "
@@ -222,13 +224,19 @@ def _too_long_message(records: list[tuple[str, list | None]], prompts: list[list
                f"template); set rollout.max_prompt_length={max(map(len, prompts))} to keep them")
     if not from_files:
         return message
-    overhead = max(len(ids) - prompt_tokens(text, messages, tokenizer)
-                   for (text, messages), ids in zip(records, prompts, strict=True))
-    if limit - overhead < 1:
+    counted = [prompt_tokens(text, messages, tokenizer) for text, messages in records]
+    overhead = max(len(ids) - count for ids, count in zip(prompts, counted, strict=True))
+    reader_limit = limit - overhead
+    kept = sum(count <= reader_limit for count in counted)
+    if reader_limit < 1 or not kept:  # a limit that drops every prompt is no advice
         return message
-    return (f"{message}, or prompts.reader.max_prompt_tokens={limit - overhead} to drop them "
-            f"when reading (it counts the prompt's text alone; BOS and the chat template add "
-            f"up to {overhead})")
+    chat = any(messages is not None for _, messages in records)
+    counts = (f"it counts a conversation through the chat template, its generation prompt "
+              f"included; the rollout adds up to {overhead} more" if chat else
+              f"it counts the prompt's text alone; BOS and the chat template add up to "
+              f"{overhead}")
+    return (f"{message}, or prompts.reader.max_prompt_tokens={reader_limit} to drop them "
+            f"when reading, which keeps {kept} of {len(records)} ({counts})")
 
 
 def rule_reward_for(config: RunConfig, tokenizer: Tokenizer) -> RuleReward | None:
