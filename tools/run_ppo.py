@@ -148,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as error:
         return refuse("run_ppo", f"bad configuration: {error}")
     from megatron_rlhf.engine.run.runner import run_outputs, run_ppo
-    from megatron_rlhf.runtime.distributed import destroy_distributed
     from megatron_rlhf.rewards import RewardFunctionError
+    from megatron_rlhf.runtime.distributed import destroy_distributed
     from megatron_rlhf.runtime.faults import NonFiniteError, RankFailure
 
     # An undestroyed gloo group at interpreter exit can abort the process ("terminate called

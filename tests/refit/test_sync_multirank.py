@@ -177,8 +177,8 @@ def _verified(corrupt: bool) -> dict:
     import megatron_rlhf.refit.sync as sync_module
     from megatron_rlhf.refit import build_weight_sync
     from megatron_rlhf.refit.verify import RefitMismatch
-    from tests.model_fixtures import TinyArch
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
+    from tests.model_fixtures import TinyArch
     from tests.refit.helpers import build_pair
 
     initialize_runtime()

@@ -86,8 +86,8 @@ def test_group_creations_at_128_ranks_are_one_split_per_grid_dimension(
         fake_world(5)
         new_group_calls = []
         original = dist.new_group
-        monkeypatch.setattr(dist, "new_group", lambda *a, **k: new_group_calls.append(a) or
-                            original(*a, **k))
+        monkeypatch.setattr(dist, "new_group", lambda *a, calls=new_group_calls, create=original,
+                            **k: calls.append(a) or create(*a, **k))
         groups = build_process_groups(plan, timeout=datetime.timedelta(seconds=60))
         assert check_rank_groups(plan, expected_groups(plan), groups) > 0
         counts[split] = (len(new_group_calls), len(created))
