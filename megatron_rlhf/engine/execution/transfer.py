@@ -11,7 +11,6 @@ so no metadata is exchanged) and executed with batched asynchronous point-to-poi
 
 from __future__ import annotations
 
-import datetime
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -190,20 +189,24 @@ class TransferChannels:
         ready = [name(sender, rank) for sender in senders]
         if not ready:
             return
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
-                self.store.wait(ready, datetime.timedelta(
-                    seconds=max(min(self.poll_s, remaining), 0.001)))
-                break
-            except dist.DistStoreError:
+        start = looked = time.monotonic()
+        pause = 0.001
+        # check() rather than a wait with a timeout: every timed-out wait makes c10d print a
+        # "waitForInput ... timed out" warning, one a second while a sender computes
+        while not self.store.check(ready):
+            now = time.monotonic()
+            if now - looked >= self.poll_s:
+                looked = now
                 stopped = self.stopped(senders) if self.stopped is not None else []
                 if stopped:
                     raise PeerStopped(f"ranks {stopped} stopped before their rows of this "
-                                      "transfer were ready") from None
-                if time.monotonic() >= deadline:
-                    raise
+                                      "transfer were ready")
+            if now - start >= self.timeout_s:
+                raise dist.DistStoreError(
+                    f"ranks {senders} did not have their rows of this transfer ready within "
+                    f"runtime.transfer_timeout_s={self.timeout_s:g} s")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
         for done in ready:
             self.store.delete_key(done)
 
