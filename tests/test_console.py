@@ -36,7 +36,7 @@ def _run_ppo(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
          "--algorithm", "grpo", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
          "rollout.num_minibatches=1"],
         cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-        timeout=240)
+        timeout=80)  # three runs of a few seconds each within the test's 300 s
 
 
 def test_a_resumed_grpo_runs_console_names_its_steps_and_outputs(tmp_path: Path) -> None:
