@@ -241,12 +241,12 @@ class TransferChannels:
         self._pending[key] = [(request, tensors) for request, tensors in self._pending[key]
                               if not request.is_completed()]
 
-    def drain(self, key: ChannelKey | None = None) -> None:
-        """Wait for this rank's sends in flight on ``key``'s channel (default: on every one)."""
-        for one in ([key] if key is not None else self._groups):
-            for request, _ in self._pending[one]:
+    def drain(self) -> None:
+        """Wait for this rank's sends in flight on every channel (the end of a step)."""
+        for pending in self._pending.values():
+            for request, _ in pending:
                 request.wait()
-            self._pending[one].clear()
+            pending.clear()
 
     @property
     def in_flight(self) -> int:
