@@ -5,14 +5,25 @@ CUDA build and pip must not replace it. On a CPU machine the README's commands i
 torch==2.13.0 (CPU build) first.
 """
 
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
 MEGATRON_CORE_VERSION = "0.16.1"
 
+
+def package_version() -> str:
+    """``megatron_rlhf.__version__``, read from the source: the package's one version string."""
+    source = (Path(__file__).resolve().parent / "megatron_rlhf" / "__init__.py").read_text()
+    return re.search(r'^__version__ = "([^"]+)"$', source, re.MULTILINE).group(1)
+
+
 setup(
     name="megatron_rlhf",
-    version="0.1.0",
+    version=package_version(),
     description="Distributed RLHF (PPO) on Megatron-Core with adaptive model placement",
+    license="Apache-2.0",
     packages=find_packages(include=["megatron_rlhf", "megatron_rlhf.*"]),
     package_data={"megatron_rlhf": ["data/assets/*", "planner/profiles/*.json"]},
     python_requires=">=3.10",

@@ -1,5 +1,6 @@
-"""tools/greedy_fragility.py: its greedy and sampled answers are the evaluation's, its KL per
-answer matches a prefix-by-prefix computation, and its noise is the documented, seeded draw."""
+"""benchmarks/research/greedy_fragility.py: its greedy and sampled answers are the evaluation's,
+its KL per answer matches a prefix-by-prefix computation, and its noise is the documented, seeded
+draw."""
 
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def _check_tool() -> dict:
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
 
     initialize_runtime()
-    tool = load_script("tools/greedy_fragility.py")
+    tool = load_script("benchmarks/research/greedy_fragility.py")
     config = RunConfig()
     config.generation = dataclasses.replace(config.generation, max_new_tokens=8,
                                             temperature=0.8)
@@ -133,7 +134,7 @@ def test_tool_decodes_and_measures_kl_like_hand_loops() -> None:
 
 def test_bad_noise_levels_are_refused(capsys) -> None:
     """A usage error (exit code 2) that names the bad values, not any other exit."""
-    tool = load_script("tools/greedy_fragility.py")
+    tool = load_script("benchmarks/research/greedy_fragility.py")
     for argv, shown in ((["--config", "c.yaml", "--noise", "0"], "got [0.0], 3"),
                         (["--config", "c.yaml", "--noise", "0.01", "-0.5"], "got [0.01, -0.5], 3"),
                         (["--config", "c.yaml", "--draws", "0"], "got [0.01, 0.03], 0")):
@@ -148,7 +149,7 @@ def test_bad_noise_levels_are_refused(capsys) -> None:
 def test_missing_inputs_are_refused_before_any_process_group(tmp_path, capsys) -> None:
     import torch.distributed as dist
 
-    tool = load_script("tools/greedy_fragility.py")
+    tool = load_script("benchmarks/research/greedy_fragility.py")
     config = tmp_path / "ppo.yaml"
     config.write_text("steps: 1\n")
     assert tool.main(["--config", str(config)]) == 2

@@ -38,6 +38,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
+from megatron_rlhf import __version__  # noqa: E402
 from megatron_rlhf.planner.hardware import HardwareProfile  # noqa: E402
 from megatron_rlhf.runtime.distributed import free_port  # noqa: E402
 
@@ -187,6 +188,7 @@ def fit_links(samples: list[tuple[int, float]]) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--name", default="cpu-local", help="profile name (= the pool kind)")
     parser.add_argument("--out", type=Path, default=Path("calibrated-profile.json"))
     parser.add_argument("--compute-efficiency", type=float, default=0.5)

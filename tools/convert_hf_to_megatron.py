@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch.distributed as dist  # noqa: E402
 
+from megatron_rlhf import __version__
 from megatron_rlhf.runtime.patches import add_warning_filters
 
 add_warning_filters()  # megatron-core warns about missing GPU extras while it is imported
@@ -42,6 +43,7 @@ from megatron_rlhf.topology.groups import build_model_process_groups
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--hf-dir", type=Path, required=True,
                         help="directory with config.json and model.safetensors")
     parser.add_argument("--out", type=Path, required=True,

@@ -42,7 +42,7 @@ CONFIGS = (("PPO runs", "tools/run_ppo.py, tools/run_pipeline.py (its PPO stage)
 
 TOOLS = ("run_pipeline", "run_ppo", "train_sft", "train_reward_model", "plan_placement",
          "calibrate", "convert_hf_to_megatron", "convert_megatron_to_hf", "plot_timeline",
-         "plot_curves", "learning_curves", "greedy_fragility")
+         "plot_curves")
 """The entry points under tools/ whose ``main(argv)`` parses its arguments first."""
 
 HELP_WIDTH = "100"

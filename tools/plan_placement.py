@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
+from megatron_rlhf import __version__  # noqa: E402
 from megatron_rlhf.planner import (  # noqa: E402
     MEMORY_OPTIONS,
     HardwareProfile,
@@ -56,6 +57,7 @@ from megatron_rlhf.topology.render import format_summary, format_table, render_s
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     cluster = parser.add_argument_group("cluster")
     cluster.add_argument("--nodes", type=int, default=1)
     cluster.add_argument("--gpus-per-node", type=int, default=8)

@@ -24,6 +24,7 @@ import os
 import sys
 from pathlib import Path
 
+from megatron_rlhf import __version__
 from megatron_rlhf.runtime.patches import add_warning_filters
 
 add_warning_filters()  # megatron-core warns about missing GPU extras while it is imported
@@ -50,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--seed", type=int, default=0, help="seed of both stages")
     parser.add_argument("--run-dir", type=Path, help="default: runs/arithmetic/seed<seed>")
     parser.add_argument("--sft-set", action="append", default=[], metavar="KEY=VALUE",

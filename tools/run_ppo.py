@@ -47,6 +47,7 @@ import os
 import sys
 from pathlib import Path
 
+from megatron_rlhf import __version__
 from megatron_rlhf.runtime.patches import add_warning_filters
 
 add_warning_filters()  # megatron-core warns about missing GPU extras while it is imported
@@ -66,6 +67,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="YAML run configuration")
     parser.add_argument("--placement", choices=(*STRATEGIES, "auto"),
                         help="placement strategy; auto: the planner's best for this cluster")

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from megatron_rlhf import __version__
 from megatron_rlhf.config.loader import load_config
 from megatron_rlhf.data import DataError
 from megatron_rlhf.runtime.distributed import destroy_distributed
@@ -24,6 +25,7 @@ def parser_for(prog: str, doc: str, default_config: str) -> argparse.ArgumentPar
     parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=doc.split("\n\n", 1)[1])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--config", default=default_config, help="YAML run configuration")
     parser.add_argument("--data", action="append", metavar="FILE",
                         help="a JSONL/Parquet file, repeatable (default: the synthetic task)")

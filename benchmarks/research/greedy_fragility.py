@@ -1,9 +1,11 @@
 """How much of a policy's held-out rule score survives a tiny random change of its weights.
 
     # the SFT model of a pipeline run (its PPO configuration names it and the held-out prompts)
-    python tools/greedy_fragility.py --config RUN/ppo/config.yaml --noise 0.01 0.03 --draws 3
+    python benchmarks/research/greedy_fragility.py --config RUN/ppo/config.yaml \\
+        --noise 0.01 0.03 --draws 3
     # another actor checkpoint, e.g. PPO's last one
-    python tools/greedy_fragility.py --config RUN/ppo/config.yaml --ckpt CKPT/step_00000080/actor
+    python benchmarks/research/greedy_fragility.py --config RUN/ppo/config.yaml \\
+        --ckpt CKPT/step_00000080/actor
 
 One process loads the actor (any saved TP/PP) at TP=1 and answers the run's held-out prompts
 greedily and by sampling at the run's temperature, as the PPO run's evaluation does: the same
@@ -31,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout, uninstalled
 
 from megatron_rlhf.runtime.patches import add_warning_filters  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Learning curves of the shipped task under every placement, in one PNG.
 
-    python tools/learning_curves.py --out runs/learning           # about 6 minutes on 2 cores
+    python benchmarks/research/learning_curves.py --out runs/learning   # about 6 minutes on 2 cores
 
 Runs the pipeline once (SFT and reward model, then PPO under flattening), then PPO from the same
 SFT checkpoint under each other placement (asynchronous separation included), each on 4 gloo
@@ -16,9 +16,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from plot_curves import plot, read_metrics
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools"))  # the curves are drawn as tools/plot_curves.py draws them
 
-REPO = Path(__file__).resolve().parent.parent
+from plot_curves import plot, read_metrics  # noqa: E402
+
 HETERO_POOLS = ("cluster.pools=[{kind: fast, nodes: 1, devices_per_node: 2, relative_speed: 1.0},"
                 "{kind: slow, nodes: 1, devices_per_node: 2, relative_speed: 0.5}]")
 PLACEMENTS = {
