@@ -35,6 +35,7 @@ import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cache, partial
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -140,15 +141,50 @@ def packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         context = varlen(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                          scale=scale)
         return context.reshape(context.shape[0], -1)
+    bounds = cu_seqlens.tolist()
+    lengths = [b - a for a, b in pairwise(bounds)]
+    if len(lengths) > 1 and len(lengths) * max(lengths) ** 2 <= PADDED_WORK_LIMIT * sum(
+            n * n for n in lengths):
+        return _right_padded_causal_attention(query, key, value, lengths, scale, dropout)
     # [t, n, d] -> [1, n, t, d], sliced per sequence along t (CPU SDPA is several times
     # slower on batch-less 3-d inputs)
     query, key, value = (x[None].transpose(1, 2) for x in (query, key, value))
-    bounds = cu_seqlens.tolist()
     contexts = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
                                                dropout_p=dropout, is_causal=True, scale=scale,
                                                enable_gqa=True)
                 for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
     context = torch.cat(contexts, dim=2)[0].transpose(0, 1)
+    return context.reshape(context.shape[0], -1)
+
+
+PADDED_WORK_LIMIT = 4
+"""Packed sequences go through one batched SDPA call, each right-padded to the longest, when
+that does at most this many times the per-sequence calls' attention work (``n * max_len^2``
+against ``sum len^2``): many short sequences cost less as one fused call than as a call each."""
+
+
+def _right_padded_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                   lengths: list[int], scale: float | None,
+                                   dropout: float) -> torch.Tensor:
+    """:func:`packed_causal_attention` as one SDPA call over ``[n, heads, max_len, dim]``.
+
+    Each sequence sits at the start of its row, so under the causal mask a real query never sees
+    a padding key (every padding key comes after it): no key mask is needed, and the padding
+    queries' outputs are dropped when the real tokens are gathered back."""
+    rows = torch.repeat_interleave(torch.arange(len(lengths), device=query.device),
+                                   torch.tensor(lengths, device=query.device))
+    starts = torch.tensor([0] + lengths[:-1], device=query.device).cumsum(0)
+    columns = torch.arange(rows.numel(), device=query.device) - starts[rows]
+
+    def padded(x: torch.Tensor) -> torch.Tensor:  # [t, n, d] -> [rows, n, max_len, d]
+        out = x.new_zeros(len(lengths), max(lengths), *x.shape[1:])
+        out = out.index_put((rows, columns), x)
+        return out.transpose(1, 2)
+
+    context = F.scaled_dot_product_attention(padded(query), padded(key), padded(value),
+                                             dropout_p=dropout, is_causal=True, scale=scale,
+                                             enable_gqa=True)
+    context = context.transpose(1, 2)[rows, columns]
     return context.reshape(context.shape[0], -1)
 
 

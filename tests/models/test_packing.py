@@ -119,3 +119,36 @@ def test_packed_rope_is_applied_at_the_batchs_positions_without_megatrons_thd_pa
     packed = pack_rows(MASK, MASK, packed_length([MASK]))
     # positions restart at each sequence: the rows' lengths are 5, 9, 4 and 3
     assert packed.params.positions[:9].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("lengths", [[5, 3, 7, 1, 6], [2, 2, 2, 2, 40]], ids=["batched", "per-sequence"])
+def test_packed_attention_equals_each_sequence_attended_alone(lengths) -> None:
+    """Many similar lengths take the one right-padded SDPA call, a long tail the per-sequence
+    calls; both must equal SDPA run on each sequence by itself, forward and backward."""
+    import torch.nn.functional as F
+
+    from megatron_rlhf.models import attention
+
+    heads, groups_, dim, total = 4, 2, 8, sum(lengths)
+    generator = torch.Generator().manual_seed(11)
+    query = torch.randn(total, heads, dim, generator=generator, requires_grad=True)
+    key, value = (torch.randn(total, groups_, dim, generator=generator, requires_grad=True)
+                  for _ in range(2))
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    n, longest = len(lengths), max(lengths)
+    batched = n * longest ** 2 <= attention.PADDED_WORK_LIMIT * sum(x * x for x in lengths)
+    assert batched == (longest < 10), "the two cases must take the two paths"
+    weights = torch.randn(total, heads * dim, generator=generator)
+    got = attention.packed_causal_attention(query, key, value, cu_seqlens, longest, None)
+    got_grads = torch.autograd.grad((got * weights).sum(), (query, key, value))
+    expected = []
+    for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist(), strict=True):
+        q, k, v = (x[a:b].transpose(0, 1)[None] for x in (query, key, value))
+        k, v = (x.repeat_interleave(heads // groups_, dim=1) for x in (k, v))
+        expected.append(F.scaled_dot_product_attention(q, k, v, is_causal=True)[0]
+                        .transpose(0, 1).reshape(b - a, -1))
+    expected = torch.cat(expected)
+    expected_grads = torch.autograd.grad((expected * weights).sum(), (query, key, value))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    for g, e in zip(got_grads, expected_grads, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
