@@ -52,13 +52,15 @@ from megatron_rlhf.runtime.patches import add_warning_filters
 
 add_warning_filters()  # megatron-core warns about missing GPU extras while it is imported
 
+from megatron_rlhf.algorithms import ADVANTAGE_ESTIMATORS
 from megatron_rlhf.config.loader import ConfigError, load_config
 from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.runtime.refusal import refuse
 from megatron_rlhf.topology.placement_config import STRATEGIES
 
-ALGORITHMS = {"ppo": "gae", "grpo": "grpo", "rloo": "rloo", "reinforce++": "reinforce++"}
-"""``--algorithm`` name -> ``algorithm.advantage_estimator``."""
+ALGORITHMS = {"ppo" if name == "gae" else name: name for name in ADVANTAGE_ESTIMATORS}
+"""``--algorithm`` name -> ``algorithm.advantage_estimator``: every registered estimator, gae
+as ppo."""
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "examples" / "ppo_tiny.yaml")
 

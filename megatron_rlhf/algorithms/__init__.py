@@ -4,9 +4,11 @@ Tensors are ``[batch, response_len]`` with a 0/1 ``response_mask``. Map of the f
 
 - ``hyperparameters.py``: ``PPOAlgorithmConfig`` (estimator, KL placement, loss aggregation).
 - ``masked.py``: masked sum / mean / var / whitening.
-- ``kl.py``: k1/k2/k3 KL estimators (``KL_ESTIMATORS``), fixed and adaptive KL controllers.
+- ``kl.py``: k1/k2/k3 KL estimators (the ``KL_ESTIMATORS`` registry), fixed and adaptive KL
+  controllers.
 - ``rewards.py``: score normalisation and clipping, token-level rewards.
-- ``advantages.py``: GAE advantages and returns; REINFORCE++ discounted, whitened returns.
+- ``advantages.py``: the ``ADVANTAGE_ESTIMATORS`` registry; GAE advantages and returns;
+  REINFORCE++ discounted, whitened returns.
 - ``group_advantages.py``: GRPO and RLOO outcome advantages over groups of responses.
 - ``aggregation.py``: per-token loss to scalar (token_mean, seq_mean_token_mean, ...).
 - ``losses.py``: clipped policy loss, KL loss term, clipped value loss, entropy bonus.
@@ -21,8 +23,9 @@ One experience batch, in order::
     if cfg.whiten_advantages:
         advantages = masked_whiten(advantages, mask, cfg.whiten_shift_mean)
 
-The other estimators (``cfg.advantage_estimator``) replace the GAE lines; ``docs/algorithms.md``
-has the formulas and the data-parallel contract::
+The other estimators (``cfg.advantage_estimator``, each registered in ``ADVANTAGE_ESTIMATORS``
+and called as ``estimator.compute(rewards, mask, cfg, values=..., group_size=n)``) replace the
+GAE lines; ``docs/algorithms.md`` has the formulas and the data-parallel contract::
 
     # grpo / rloo: full-batch scores [num_groups * group_size], groups contiguous
     seq_adv = compute_grpo_outcome_advantages(all_scores, n, cfg.grpo_std_normalize)
@@ -34,9 +37,14 @@ has the formulas and the data-parallel contract::
 from __future__ import annotations
 
 from megatron_rlhf.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageEstimator,
+    AdvantageFunction,
     compute_discounted_returns,
     compute_gae_advantage_return,
     compute_reinforce_plus_plus_advantage_return,
+    get_advantage_estimator,
+    register_advantage_estimator,
 )
 from megatron_rlhf.algorithms.aggregation import (
     LOSS_AGGREGATIONS,
@@ -44,27 +52,25 @@ from megatron_rlhf.algorithms.aggregation import (
     aggregation_denominator,
 )
 from megatron_rlhf.algorithms.group_advantages import (
-    GROUP_ESTIMATORS,
     broadcast_sequence_advantages,
     compute_grpo_outcome_advantages,
     compute_rloo_outcome_advantages,
 )
-from megatron_rlhf.algorithms.hyperparameters import (
-    ADVANTAGE_ESTIMATORS,
-    KL_PLACEMENTS,
-    PPOAlgorithmConfig,
-)
+from megatron_rlhf.algorithms.hyperparameters import KL_PLACEMENTS, PPOAlgorithmConfig
 from megatron_rlhf.algorithms.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
     KLController,
+    KLEstimator,
     build_kl_controller,
+    get_kl_estimator,
     kl_k1,
     kl_k2,
     kl_k3,
     kl_penalty,
     mean_sequence_kl,
+    register_kl_estimator,
 )
 from megatron_rlhf.algorithms.losses import (
     compute_entropy_loss,
@@ -83,14 +89,16 @@ from megatron_rlhf.algorithms.rewards import (
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
-    "GROUP_ESTIMATORS",
     "KL_ESTIMATORS",
     "KL_PLACEMENTS",
     "LOSS_AGGREGATIONS",
     "SCORE_NORMALIZATIONS",
     "AdaptiveKLController",
+    "AdvantageEstimator",
+    "AdvantageFunction",
     "FixedKLController",
     "KLController",
+    "KLEstimator",
     "PPOAlgorithmConfig",
     "RunningMoments",
     "aggregate_loss",
@@ -108,6 +116,8 @@ __all__ = [
     "compute_token_level_rewards",
     "compute_value_loss",
     "entropy_from_logits",
+    "get_advantage_estimator",
+    "get_kl_estimator",
     "kl_k1",
     "kl_k2",
     "kl_k3",
@@ -118,4 +128,6 @@ __all__ = [
     "masked_whiten",
     "mean_sequence_kl",
     "normalize_scores",
+    "register_advantage_estimator",
+    "register_kl_estimator",
 ]

@@ -1,13 +1,102 @@
-"""Token-level advantage estimation: GAE (Schulman et al., 2016) and REINFORCE++ (Hu, 2025).
+"""Token-level advantage estimation: GAE (Schulman et al., 2016) and REINFORCE++ (Hu, 2025), and
+the registry of advantage estimators that ``algorithm.advantage_estimator`` names.
 
 The group-relative outcome estimators (GRPO, RLOO) are in ``group_advantages.py``.
+
+An estimator is one function registered where it is defined; the config's allowed values, the
+critic's placement and the group checks all read the registry::
+
+    @register_advantage_estimator("my_estimator", uses_critic=False, needs_groups=False)
+    def my_estimator(rewards, response_mask, config, *, values, group_size):
+        ...  # [batch, response_len] each in; (advantages, returns) out
+        return advantages, returns
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
 import torch
 
 from megatron_rlhf.algorithms.masked import masked_whiten
+
+if TYPE_CHECKING:
+    from megatron_rlhf.algorithms.hyperparameters import PPOAlgorithmConfig
+
+
+class AdvantageFunction(Protocol):
+    """The signature of a registered estimator."""
+
+    def __call__(self, rewards: torch.Tensor, response_mask: torch.Tensor,
+                 config: PPOAlgorithmConfig, *, values: torch.Tensor | None,
+                 group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(advantages, returns)`` ``[batch, response_len]`` of the whole experience batch.
+
+        Args:
+            rewards: ``[batch, response_len]`` token rewards (the score on the last response
+                token, minus the KL penalty when ``kl_in="reward"``).
+            response_mask: ``[batch, response_len]`` 0/1 mask of real response tokens.
+            config: the algorithm's settings (``gamma``, ``lam``, ...).
+            values: ``[batch, response_len]`` critic values when the estimator ``uses_critic``,
+                else None.
+            group_size: responses per prompt; the rows of a prompt are contiguous.
+        """
+
+
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """A registered advantage estimator.
+
+    Attributes:
+        name: its ``algorithm.advantage_estimator`` value.
+        compute: the function (``AdvantageFunction``).
+        uses_critic: it reads the critic's ``values``: a run with it places and trains a critic.
+        needs_groups: it compares the responses to one prompt: it needs
+            ``rollout.samples_per_prompt >= 2`` and is the kind DAPO's dynamic sampling filters.
+    """
+
+    name: str
+    compute: AdvantageFunction
+    uses_critic: bool
+    needs_groups: bool
+
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+"""Name -> estimator, filled by ``register_advantage_estimator`` where each is defined."""
+
+
+def register_advantage_estimator(name: str, *, uses_critic: bool = False,
+                                 needs_groups: bool = False
+                                 ) -> Callable[[AdvantageFunction], AdvantageFunction]:
+    """Decorator that registers an ``AdvantageFunction`` as ``algorithm.advantage_estimator=name``.
+
+    Raises:
+        ValueError: ``name`` is already registered.
+    """
+
+    def register(compute: AdvantageFunction) -> AdvantageFunction:
+        if name in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is already registered "
+                             f"({ADVANTAGE_ESTIMATORS[name].compute.__qualname__}); pick "
+                             "another name")
+        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(name, compute, uses_critic, needs_groups)
+        return compute
+
+    return register
+
+
+def get_advantage_estimator(name: str) -> AdvantageEstimator:
+    """The estimator registered as ``name``.
+
+    Raises:
+        ValueError: no estimator has that name; the message lists the registered ones.
+    """
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"advantage estimator {name!r} is unknown; registered: "
+                         f"{list(ADVANTAGE_ESTIMATORS)}")
+    return ADVANTAGE_ESTIMATORS[name]
 
 
 @torch.no_grad()
@@ -112,3 +201,23 @@ def compute_reinforce_plus_plus_advantage_return(
     """
     returns = compute_discounted_returns(token_level_rewards, response_mask, gamma)
     return masked_whiten(returns, response_mask, shift_mean=True), returns
+
+
+@register_advantage_estimator("gae", uses_critic=True)
+def gae_advantages(rewards: torch.Tensor, response_mask: torch.Tensor,
+                   config: PPOAlgorithmConfig, *, values: torch.Tensor | None,
+                   group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's estimator: GAE with the critic's values, whitened when ``whiten_advantages``."""
+    advantages, returns = compute_gae_advantage_return(rewards, values, response_mask,
+                                                       config.gamma, config.lam)
+    if config.whiten_advantages:
+        advantages = masked_whiten(advantages, response_mask, config.whiten_shift_mean)
+    return advantages, returns
+
+
+@register_advantage_estimator("reinforce++")
+def reinforce_plus_plus_advantages(rewards: torch.Tensor, response_mask: torch.Tensor,
+                                   config: PPOAlgorithmConfig, *, values: torch.Tensor | None,
+                                   group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: batch-whitened discounted returns (``compute_reinforce_plus_plus_...``)."""
+    return compute_reinforce_plus_plus_advantage_return(rewards, response_mask, config.gamma)

@@ -24,9 +24,15 @@ instead.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-GROUP_ESTIMATORS = ("grpo", "rloo")
+from megatron_rlhf.algorithms.advantages import register_advantage_estimator
+from megatron_rlhf.algorithms.masked import masked_sum
+
+if TYPE_CHECKING:
+    from megatron_rlhf.algorithms.hyperparameters import PPOAlgorithmConfig
 
 
 def _grouped(scores: torch.Tensor, group_size: int, estimator: str) -> torch.Tensor:
@@ -128,3 +134,26 @@ def broadcast_sequence_advantages(
     """
     expanded = sequence_advantages.unsqueeze(-1).expand(response_mask.shape)
     return torch.where(response_mask.bool(), expanded, torch.zeros_like(expanded))
+
+
+@register_advantage_estimator("grpo", needs_groups=True)
+def grpo_advantages(rewards: torch.Tensor, response_mask: torch.Tensor,
+                    config: PPOAlgorithmConfig, *, values: torch.Tensor | None,
+                    group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO on each row's summed token rewards, on every response token; ``returns`` are the
+    advantages (no critic learns from them)."""
+    sequence_advantages = compute_grpo_outcome_advantages(
+        masked_sum(rewards, response_mask, dim=-1), group_size, config.grpo_std_normalize)
+    advantages = broadcast_sequence_advantages(sequence_advantages, response_mask)
+    return advantages, advantages
+
+
+@register_advantage_estimator("rloo", needs_groups=True)
+def rloo_advantages(rewards: torch.Tensor, response_mask: torch.Tensor,
+                    config: PPOAlgorithmConfig, *, values: torch.Tensor | None,
+                    group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO on each row's summed token rewards, as ``grpo_advantages``."""
+    sequence_advantages = compute_rloo_outcome_advantages(
+        masked_sum(rewards, response_mask, dim=-1), group_size)
+    advantages = broadcast_sequence_advantages(sequence_advantages, response_mask)
+    return advantages, advantages

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from megatron_rlhf.algorithms.advantages import ADVANTAGE_ESTIMATORS, get_advantage_estimator
 from megatron_rlhf.algorithms.aggregation import LOSS_AGGREGATIONS
-from megatron_rlhf.algorithms.group_advantages import GROUP_ESTIMATORS
 from megatron_rlhf.algorithms.kl import KL_ESTIMATORS
 from megatron_rlhf.algorithms.rewards import SCORE_NORMALIZATIONS
 
@@ -22,7 +22,6 @@ def _positive_or_none(value: float | None) -> bool:
     return value is None or (math.isfinite(value) and value > 0)
 
 
-ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce++")
 KL_PLACEMENTS = ("reward", "loss")
 
 
@@ -35,8 +34,9 @@ class PPOAlgorithmConfig:
     """
 
     advantage_estimator: str = "gae"
-    """One of gae (PPO with a critic), grpo, rloo (group-relative, need several responses per
-    prompt), reinforce++ (batch-whitened discounted returns); only gae trains a critic."""
+    """A name in ``ADVANTAGE_ESTIMATORS``: gae (PPO with a critic), grpo, rloo (group-relative,
+    need several responses per prompt), reinforce++ (batch-whitened discounted returns); only gae
+    trains a critic."""
     grpo_std_normalize: bool = True
     """GRPO only: divide by the group's std (False: mean subtraction only, as in Dr. GRPO)."""
     gamma: float = 1.0
@@ -63,13 +63,15 @@ class PPOAlgorithmConfig:
     """Where the KL to the reference goes: reward (a per-token penalty ``-kl_coef * kl``) or loss
     (``kl_loss_coef * kl_loss`` added to the policy loss, GRPO style; the reward gets none)."""
     kl_estimator: str = "k1"
-    """Per-token KL estimator in the reward (``kl_in="reward"``): one of k1, k2, k3."""
+    """Per-token KL estimator in the reward (``kl_in="reward"``): a name in ``KL_ESTIMATORS``
+    (k1, k2, k3)."""
     kl_coef: float = 0.1
     """KL penalty coefficient in the reward (the starting value when ``adaptive_kl``), >= 0."""
     kl_loss_coef: float = 0.001
     """Weight of the KL loss term when ``kl_in="loss"``, >= 0."""
     kl_loss_estimator: str = "k3"
-    """Per-token KL estimator of the loss term (``kl_in="loss"``): one of k1, k2, k3."""
+    """Per-token KL estimator of the loss term (``kl_in="loss"``): a name in ``KL_ESTIMATORS``
+    (k1, k2, k3)."""
     adaptive_kl: bool = False
     """Adapt ``kl_coef`` towards ``kl_target`` (Ziegler et al. 2019) instead of keeping it fixed."""
     kl_target: float = 6.0
@@ -103,8 +105,14 @@ class PPOAlgorithmConfig:
 
     @property
     def uses_critic(self) -> bool:
-        """Whether the estimator needs a value model (only gae); the others need no critic."""
-        return self.advantage_estimator == "gae"
+        """Whether the estimator needs a value model (of the built-in ones, only gae)."""
+        return get_advantage_estimator(self.advantage_estimator).uses_critic
+
+    @property
+    def needs_groups(self) -> bool:
+        """Whether the estimator compares the responses to one prompt (grpo, rloo), so a run
+        needs ``rollout.samples_per_prompt >= 2``."""
+        return get_advantage_estimator(self.advantage_estimator).needs_groups
 
     def __post_init__(self) -> None:
         """Checks every field.
@@ -118,7 +126,7 @@ class PPOAlgorithmConfig:
         _require(
             self.advantage_estimator in ADVANTAGE_ESTIMATORS,
             f"advantage_estimator({self.advantage_estimator!r}) is unknown; use one of "
-            f"{ADVANTAGE_ESTIMATORS}",
+            f"{list(ADVANTAGE_ESTIMATORS)}",
         )
         _require(
             self.kl_in in KL_PLACEMENTS,
@@ -181,10 +189,12 @@ class PPOAlgorithmConfig:
             _positive_or_none(self.reward_clip),
             f"reward_clip({self.reward_clip}) must be > 0; e.g. 10.0, or None (no clip)",
         )
+        groups = [name for name, estimator in ADVANTAGE_ESTIMATORS.items()
+                  if estimator.needs_groups]
         _require(
-            not self.dynamic_sampling or self.advantage_estimator in GROUP_ESTIMATORS,
+            not self.dynamic_sampling or self.needs_groups,
             f"dynamic_sampling(True) drops groups of equal scores, which only the group "
-            f"estimators grpo and rloo form; advantage_estimator({self.advantage_estimator!r}) "
+            f"estimators {groups} form; advantage_estimator({self.advantage_estimator!r}) "
             "has none: set advantage_estimator='grpo' or dynamic_sampling=False",
         )
         _require(

@@ -25,26 +25,59 @@ if TYPE_CHECKING:
     from megatron_rlhf.algorithms.hyperparameters import PPOAlgorithmConfig
 
 KLEstimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(log_prob, ref_log_prob) -> per-token KL estimate``, ``[batch, response_len]`` each."""
+
+KL_ESTIMATORS: dict[str, KLEstimator] = {}
+"""Name -> estimator (``algorithm.kl_estimator``, ``algorithm.kl_loss_estimator``), filled by
+``register_kl_estimator`` where each is defined."""
 
 
+def register_kl_estimator(name: str) -> Callable[[KLEstimator], KLEstimator]:
+    """Decorator that registers a ``KLEstimator`` under ``name``.
+
+    Raises:
+        ValueError: ``name`` is already registered.
+    """
+
+    def register(estimator: KLEstimator) -> KLEstimator:
+        if name in KL_ESTIMATORS:
+            raise ValueError(f"kl estimator {name!r} is already registered "
+                             f"({KL_ESTIMATORS[name].__qualname__}); pick another name")
+        KL_ESTIMATORS[name] = estimator
+        return estimator
+
+    return register
+
+
+def get_kl_estimator(name: str) -> KLEstimator:
+    """The estimator registered as ``name``.
+
+    Raises:
+        ValueError: no estimator has that name; the message lists the registered ones.
+    """
+    if name not in KL_ESTIMATORS:
+        raise ValueError(f"kl estimator {name!r} is unknown; registered: {sorted(KL_ESTIMATORS)}")
+    return KL_ESTIMATORS[name]
+
+
+@register_kl_estimator("k1")
 def kl_k1(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
     """k1 estimator ``log_prob - ref_log_prob``; shapes ``[batch, response_len]`` in and out."""
     return log_prob - ref_log_prob
 
 
+@register_kl_estimator("k2")
 def kl_k2(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
     """k2 estimator ``0.5 * (log_prob - ref_log_prob) ** 2``; ``[batch, response_len]``."""
     return 0.5 * (log_prob - ref_log_prob).square()
 
 
+@register_kl_estimator("k3")
 def kl_k3(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
     """k3 estimator ``exp(ref - logp) - (ref - logp) - 1``; ``[batch, response_len]``."""
     log_ratio = ref_log_prob - log_prob
     # expm1 keeps precision when the policies are close, where exp(x) - 1 cancels.
     return torch.expm1(log_ratio) - log_ratio
-
-
-KL_ESTIMATORS: dict[str, KLEstimator] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
 
 
 def kl_penalty(
@@ -59,7 +92,7 @@ def kl_penalty(
         log_prob: ``[batch, response_len]`` log-probs of the sampled tokens under the policy.
         ref_log_prob: ``[batch, response_len]`` log-probs of the same tokens under the reference.
         response_mask: ``[batch, response_len]`` 0/1 mask of real response tokens.
-        estimator: One of ``KL_ESTIMATORS`` (``k1``, ``k2``, ``k3``).
+        estimator: A name in ``KL_ESTIMATORS`` (``k1``, ``k2``, ``k3``).
 
     Returns:
         ``[batch, response_len]`` KL estimate, 0 at padded positions.
@@ -67,11 +100,7 @@ def kl_penalty(
     Raises:
         ValueError: If ``estimator`` is unknown.
     """
-    if estimator not in KL_ESTIMATORS:
-        raise ValueError(
-            f"kl estimator {estimator!r} is unknown; use one of {sorted(KL_ESTIMATORS)}"
-        )
-    kl = KL_ESTIMATORS[estimator](log_prob, ref_log_prob)
+    kl = get_kl_estimator(estimator)(log_prob, ref_log_prob)
     return torch.where(response_mask.bool(), kl, torch.zeros_like(kl))
 
 

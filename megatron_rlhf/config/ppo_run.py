@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
 
-from megatron_rlhf.algorithms import GROUP_ESTIMATORS, PPOAlgorithmConfig
+from megatron_rlhf.algorithms import PPOAlgorithmConfig
 from megatron_rlhf.data import ReaderConfig, SplitConfig, SyntheticTaskConfig
 from megatron_rlhf.generation import GenerationConfig
 from megatron_rlhf.models.gpt import (
@@ -621,7 +621,7 @@ class RunConfig:
                              "only packed sequences run in one shape: set "
                              "models.packed_sequences=true or max_tokens_per_micro_batch=0")
         n = self.rollout.samples_per_prompt
-        if algorithm.advantage_estimator in GROUP_ESTIMATORS and n < 2:
+        if algorithm.needs_groups and n < 2:
             raise ValueError(
                 f"rollout.samples_per_prompt({n}) must be >= 2 for algorithm.advantage_estimator="
                 f"{algorithm.advantage_estimator!r}: the baseline of a response is the other "

@@ -17,16 +17,10 @@ from megatron_rlhf.algorithms import (
     KLController,
     PPOAlgorithmConfig,
     RunningMoments,
-    broadcast_sequence_advantages,
-    compute_gae_advantage_return,
-    compute_grpo_outcome_advantages,
-    compute_reinforce_plus_plus_advantage_return,
-    compute_rloo_outcome_advantages,
     compute_token_level_rewards,
+    get_advantage_estimator,
     kl_penalty,
     masked_mean,
-    masked_sum,
-    masked_whiten,
     mean_sequence_kl,
     normalize_scores,
 )
@@ -131,27 +125,8 @@ def sequence_scores(fields: dict[str, torch.Tensor], reward_model_weight: float,
 def _advantages(rewards: torch.Tensor, fields: dict[str, torch.Tensor],
                 config: PPOAlgorithmConfig, samples_per_prompt: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(advantages, returns)`` ``[B, R]`` of the configured estimator from token rewards.
-
-    grpo and rloo score a row by its summed token rewards (the score, minus the KL penalty when
-    ``kl_in="reward"``), compare it with the other rows of its group, and put the result on every
-    response token; their ``returns`` are the advantages (no critic learns from them).
-    """
-    mask = fields["response_mask"]
-    estimator = config.advantage_estimator
-    if estimator == "gae":
-        advantages, returns = compute_gae_advantage_return(rewards, fields["values"], mask,
-                                                           config.gamma, config.lam)
-        if config.whiten_advantages:
-            advantages = masked_whiten(advantages, mask, config.whiten_shift_mean)
-        return advantages, returns
-    if estimator == "reinforce++":
-        return compute_reinforce_plus_plus_advantage_return(rewards, mask, config.gamma)
-    sequence_scores = masked_sum(rewards, mask, dim=-1)
-    if estimator == "grpo":
-        sequence_advantages = compute_grpo_outcome_advantages(
-            sequence_scores, samples_per_prompt, config.grpo_std_normalize)
-    else:
-        sequence_advantages = compute_rloo_outcome_advantages(sequence_scores, samples_per_prompt)
-    advantages = broadcast_sequence_advantages(sequence_advantages, mask)
-    return advantages, advantages
+    """``(advantages, returns)`` ``[B, R]`` of the configured estimator (its entry in
+    ``ADVANTAGE_ESTIMATORS``) from token rewards; ``values`` are the critic's when it has one."""
+    estimator = get_advantage_estimator(config.advantage_estimator)
+    return estimator.compute(rewards, fields["response_mask"], config,
+                             values=fields.get("values"), group_size=samples_per_prompt)
