@@ -42,9 +42,11 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.utils import set_model_to_sequence_parallel
 
 from megatron_rlhf.models.attention import CachedRopeSelfAttention, SDPAttention
+from megatron_rlhf.models.moe import MoEConfig, moe_transformer_fields
 from megatron_rlhf.models.te_attention import packed_te_core_attention
 from megatron_rlhf.runtime.cpu_compat import seed_model_parallel_rng
 from megatron_rlhf.runtime.device import compute_device
+from megatron_rlhf.runtime.patches import define_moe_router_gemm
 
 HeadKind = Literal["lm", "scalar", "lm+scalar"]
 HEAD_KINDS: tuple[str, ...] = ("lm", "scalar", "lm+scalar")
@@ -159,6 +161,7 @@ class ModelBuildOptions:
             over the TP ranks instead of replicated. Needs ``packed_sequences`` (the packed row
             is padded to a multiple of TP); generation runs without it
             (:func:`without_sequence_parallel`).
+        moe: mixture-of-experts MLPs (``models.moe``); None: dense MLPs.
     """
 
     head: str = "lm"
@@ -177,6 +180,7 @@ class ModelBuildOptions:
     token_vocab_size: int = 0
     packed_sequences: bool = True
     sequence_parallel: bool = False
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
         if self.head not in HEAD_KINDS:
@@ -305,6 +309,8 @@ def transformer_config(arch: Architecture, options: ModelBuildOptions,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         **recompute_fields(options.recompute),
+        **moe_transformer_fields(options.moe, arch.ffn_hidden_size, pg_collection.ep.size(),
+                                 pg_collection.tp.size()),
     )
 
 
@@ -369,18 +375,21 @@ def _sequence_parallel_spec(spec: ModuleSpec, qk_norm: bool) -> ModuleSpec:
 
 
 def _layer_spec(options: ModelBuildOptions) -> ModuleSpec:
+    num_experts = options.moe.num_experts if options.moe and options.moe.enabled else None
     if options.transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
 
         spec = with_explicit_attention_masks(
-            get_gpt_layer_with_transformer_engine_spec(qk_layernorm=options.qk_norm))
+            get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts,
+                                                       qk_layernorm=options.qk_norm))
         if options.packed_sequences:
             spec.submodules.self_attention.submodules.core_attention = packed_te_core_attention()
         return spec
     spec = with_explicit_attention_masks(
-        get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=options.qk_norm))
+        get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                 normalization="RMSNorm", qk_layernorm=options.qk_norm))
     spec.submodules.self_attention.module = CachedRopeSelfAttention
     if options.attention_backend == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
@@ -423,7 +432,10 @@ def build_gpt_model(arch: Architecture, options: ModelBuildOptions,
                          f"{arch.vocab_size} rows the architecture embeds; use the model's own "
                          "tokenizer")
     config = transformer_config(arch, options, pg_collection)
-    seed_model_parallel_rng(seed, tp_rank=pg_collection.tp.rank())
+    if config.num_moe_experts:
+        define_moe_router_gemm()
+    seed_model_parallel_rng(seed, tp_rank=pg_collection.tp.rank(),
+                            ep_rank=pg_collection.ep.rank(), etp_rank=pg_collection.expt_tp.rank())
     pp_rank, pp_size = pg_collection.pp.rank(), pg_collection.pp.size()
     post_process = pp_rank == pp_size - 1
     model = GPTModel(

@@ -28,7 +28,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
 _VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight",
                    "output_layer.lm_head.weight")
-_SCALED_INIT = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+_SCALED_INIT = ("self_attention.linear_proj.weight", "linear_fc2.weight")
+_LOCAL_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,12 @@ def _global_name(model: GPTModel, local_name: str) -> str:
     if match is None:
         return local_name
     layer = model.decoder.layers[int(match.group(1))]
-    return f"decoder.layers.{layer.layer_number - 1}." + local_name[match.end():]
+    rest = local_name[match.end():]
+    expert = _LOCAL_EXPERT_RE.match(rest)
+    if expert is not None:  # an MoE layer's experts are named by their global index
+        index = layer.mlp.local_expert_indices[int(expert.group(1))]
+        rest = f"mlp.experts.local_experts.{index}." + rest[expert.end():]
+    return f"decoder.layers.{layer.layer_number - 1}." + rest
 
 
 def shard_rules(model: GPTModel) -> Iterator[tuple[str, torch.nn.Parameter, ShardRule]]:
@@ -62,7 +68,7 @@ def shard_rules(model: GPTModel) -> Iterator[tuple[str, torch.nn.Parameter, Shar
         yield name, param, ShardRule(
             global_name=_global_name(model, name),
             partition_dim=int(param.partition_dim) if is_tp else None,
-            glu_halves=is_tp and name.endswith("mlp.linear_fc1.weight")
+            glu_halves=is_tp and name.endswith("linear_fc1.weight")
             and model.config.gated_linear_unit,
             vocab_rows=model.real_vocab_size if is_tp and name in _VOCAB_PARALLEL else None,
         )
@@ -218,6 +224,7 @@ def gather_full_state(model: GPTModel, pg_collection: ProcessGroupCollection,
             shards = [torch.empty_like(tensor) for _ in range(tp_group.size())]
             dist.all_gather(shards, tensor, group=tp_group)
         stage_state[rule.global_name] = _full_of_shards(shards, rule)
+    _gather_experts(stage_state, pg_collection)
     if pp_group.size() == 1:
         return stage_state
     stages: list[dict[str, torch.Tensor] | None] = [None] * pp_group.size()
@@ -226,6 +233,20 @@ def gather_full_state(model: GPTModel, pg_collection: ProcessGroupCollection,
     for stage in stages:
         full.update(stage or {})
     return full
+
+
+def _gather_experts(stage_state: dict[str, torch.Tensor],
+                    pg_collection: ProcessGroupCollection) -> None:
+    """Add the experts the other expert-parallel ranks hold to ``stage_state`` (in place)."""
+    ep_group = getattr(pg_collection, "ep", None)
+    if ep_group is None or ep_group.size() == 1:
+        return
+    mine = {name: tensor for name, tensor in stage_state.items() if ".local_experts." in name}
+    others: list[dict[str, torch.Tensor] | None] = [None] * ep_group.size()
+    dist.all_gather_object(others, {name: t.cpu() for name, t in mine.items()}, group=ep_group)
+    device = next(iter(stage_state.values())).device
+    for other in others:
+        stage_state.update({name: t.to(device) for name, t in (other or {}).items()})
 
 
 @torch.no_grad()

@@ -188,6 +188,22 @@ def megatron_rng_replacements() -> dict[str, Any]:
     }
 
 
+def moe_split_sizes_to_host(tensor: Any, as_numpy: bool = False,
+                            record_stream: bool = False) -> Any:
+    """CPU version of megatron's ``moe_utils.maybe_move_tensor_to_cpu`` for its token dispatcher.
+
+    The all-to-all dispatcher copies its per-rank token counts "to the host" before passing them
+    as ``all_to_all_single``'s split sizes; megatron's helper converts only CUDA tensors, so on
+    CPU the counts stay tensors, which the collective refuses. Here every tensor is copied (the
+    dispatcher keeps using the originals) and, with ``as_numpy``, made a numpy array, as the GPU
+    path does.
+    """
+    if not torch.is_tensor(tensor):
+        return tensor
+    copy = tensor.detach().clone()
+    return copy.numpy() if as_numpy else copy
+
+
 class CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):
     """megatron's RNG tracker with the CPU generator in place of the CUDA one.
 

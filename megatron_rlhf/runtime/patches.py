@@ -5,6 +5,7 @@ call, named in its ``applied_by``: :func:`megatron_rlhf.runtime.bootstrap.initia
 makes the process-wide ones, and tests can undo them (:func:`undo_cpu_compat`).
 
     apply_cpu_compat()            # no CUDA: torch.cuda stand-ins, the CUDA-to-CPU mode, RNG tracker
+    define_moe_router_gemm()      # no Transformer Engine: MoE routers multiply with torch
     add_warning_filters()         # silence megatron's notices about missing GPU extras
     with default_group_gathers_scoped_to(pg):   # while megatron builds one model's optimizer
         ...
@@ -92,6 +93,18 @@ PATCHES: tuple[Patch, ...] = (
           "this private global; cpu_compat.CpuRNGStatesTracker keeps the streams in the CPU "
           "generator",
           "apply_cpu_compat (no CUDA only); undo_cpu_compat"),
+    Patch("megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu",
+          "the all-to-all MoE token dispatcher passes its token counts to all_to_all_single as "
+          "split sizes after this helper made them host numpy arrays; it converts only CUDA "
+          "tensors, so on CPU they stay tensors, which the collective refuses "
+          "(cpu_compat.moe_split_sizes_to_host)",
+          "apply_cpu_compat (no CUDA only); undo_cpu_compat"),
+    Patch("megatron.core.transformer.moe.moe_utils.te_general_gemm, defined as None where "
+          "Transformer Engine is not installed",
+          "RouterGatingLinearFunction (every MoE router's forward and backward) tests "
+          "'te_general_gemm is not None', a name bound only when Transformer Engine imports: "
+          "without it the router raises NameError. None is what the test means: torch's matmul",
+          "define_moe_router_gemm (models.gpt.build_gpt_model, MoE models only); never undone"),
     Patch("megatron.core.parallel_state._set_global_memory_buffer",
           "megatron's attention and sequence-parallel code borrow scratch tensors from this "
           "buffer, which only its global initialize_model_parallel creates otherwise (we build "
@@ -206,6 +219,7 @@ def apply_cpu_compat() -> bool:
         RuntimeError: the installed megatron-core is not the supported version.
     """
     from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer.moe import token_dispatcher
 
     from megatron_rlhf.runtime.cpu_compat import (
         CpuRNGStatesTracker,
@@ -213,6 +227,7 @@ def apply_cpu_compat() -> bool:
         check_megatron_core_version,
         cuda_replacements,
         megatron_rng_replacements,
+        moe_split_sizes_to_host,
     )
 
     check_megatron_core_version()
@@ -224,6 +239,7 @@ def apply_cpu_compat() -> bool:
         _replace(torch.cuda, name, value)
     for name, value in megatron_rng_replacements().items():
         _replace(mcore_random, name, value)
+    _replace(token_dispatcher, "maybe_move_tensor_to_cpu", moe_split_sizes_to_host)
     _replace(mcore_random, "_CUDA_RNG_STATE_TRACKER", CpuRNGStatesTracker())
     _replace(mcore_random, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)
     mode = CudaToCpuMode()
@@ -284,6 +300,15 @@ def add_warning_filters() -> None:
     (idempotent: ``warnings.filterwarnings`` replaces an identical filter)."""
     for message, category, module in _WARNING_FILTERS:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
+
+
+def define_moe_router_gemm() -> None:
+    """Bind megatron's ``moe_utils.te_general_gemm`` to None where Transformer Engine did not
+    import (the router then multiplies with torch); idempotent, nothing changes with TE."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def ensure_megatron_memory_buffer() -> None:

@@ -22,6 +22,7 @@ _SNAPSHOT = textwrap.dedent("""
     import torch, torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer.moe import token_dispatcher
     from torch.overrides import _get_current_function_mode_stack
 
     def snapshot():
@@ -39,6 +40,7 @@ _SNAPSHOT = textwrap.dedent("""
                             id(mcore_random._get_cuda_rng_state),
                             id(mcore_random._set_cuda_rng_state)),
             "memory buffer": parallel_state._GLOBAL_MEMORY_BUFFER,
+            "moe split sizes": id(token_dispatcher.maybe_move_tensor_to_cpu),
             "sigterm": signal.getsignal(signal.SIGTERM),
             "environ": dict(os.environ),
             "default dtype": torch.get_default_dtype(),
@@ -86,7 +88,10 @@ def test_cpu_patches_apply_and_undo() -> None:
         assert torch.zeros(1, device="cuda").device.type == "cpu"
         assert torch._C._len_torch_function_stack() == 1
         during = snapshot()
-        assert {"torch.cuda", "mode stack", "rng tracker"} <= set(differences(before, during))
+        assert {"torch.cuda", "mode stack", "rng tracker",
+                "moe split sizes"} <= set(differences(before, during))
+        assert token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 1]),
+                                                         as_numpy=True).tolist() == [3, 1]
         patches.undo_cpu_compat()
         changed = differences(before, snapshot())
         assert not changed, f"undo_cpu_compat left {changed} changed"
@@ -108,3 +113,21 @@ def test_every_patch_names_its_reason_and_caller() -> None:
         assert patch.reason and patch.applied_by, patch
         function = patch.applied_by.split()[0]
         assert function == "called" or hasattr(patches, function), patch
+
+
+@pytest.mark.timeout(360)
+def test_moe_router_gemm_defined_only_where_transformer_engine_is_missing() -> None:
+    out = _run("""
+        from megatron.core.transformer.moe import moe_utils
+        from megatron_rlhf.runtime import patches
+        had_te = moe_utils.HAVE_TE
+        before = getattr(moe_utils, "te_general_gemm", "missing")
+        patches.define_moe_router_gemm()
+        after = moe_utils.te_general_gemm
+        assert (before == "missing") == (not had_te), (before, had_te)
+        assert after is (None if not had_te else before)
+        patches.define_moe_router_gemm()
+        assert moe_utils.te_general_gemm is after
+        print("router gemm", had_te)
+    """)
+    assert "router gemm" in out

@@ -1,0 +1,189 @@
+"""Mixture-of-experts layers through megatron-core's MoE layer, and its routing replay.
+
+    options = ModelBuildOptions(moe=MoEConfig(num_experts=4, topk=2))
+    model = build_gpt_model(arch, options, pg_collection)   # every MLP is an MoE layer
+    with recording_routes(model) as routes:                 # the rollout's forward
+        model(...)
+    with replaying_routes(model, routes):                   # a training forward: same experts
+        model(...)
+
+Experts are megatron's ``SequentialMLP`` (one SwiGLU MLP per local expert, no grouped GEMM, so
+the CPU runs them), the router its ``TopKRouter`` with a load-balancing loss, the token
+dispatcher its all-to-all or all-gather one over the model's expert-parallel group
+(``pg_collection.ep``; ``topology.experts`` builds it). Expert parameters are named by their
+global expert index in full states (``models.weights``), so a checkpoint does not depend on EP.
+
+Routing replay uses megatron's ``RouterReplay`` (``moe_enable_routing_replay``), driven per model
+rather than through its process-wide list, since a process may hold several MoE models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+LOAD_BALANCING_TYPES: tuple[str, ...] = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+TOKEN_DISPATCHERS: tuple[str, ...] = ("alltoall", "allgather")
+
+
+@dataclass
+class MoEConfig:
+    """Mixture-of-experts MLPs (megatron's MoE layer in every transformer layer).
+
+    Attributes:
+        num_experts: routed experts per layer; 0: a dense model (the other fields are unused).
+        topk: experts each token is sent to.
+        ffn_hidden_size: width of each expert's SwiGLU MLP; 0: the architecture's
+            ``ffn_hidden_size``.
+        shared_expert_ffn_size: width of a shared expert every token also passes through
+            (Qwen2-MoE, DeepSeek); 0: none.
+        load_balancing: the router's load-balancing loss (megatron's
+            ``moe_router_load_balancing_type``): ``aux_loss`` (over a micro-batch),
+            ``seq_aux_loss`` (per sequence), ``global_aux_loss`` (over the data-parallel
+            batch) or ``none``.
+        aux_loss_coeff: weight of the load-balancing loss in the gradient.
+        z_loss_coeff: weight of the router z-loss (the squared log-sum-exp of the router
+            logits); 0: none.
+        token_dispatcher: how tokens reach the experts of other expert-parallel ranks:
+            ``alltoall`` or ``allgather``.
+        router_replay: build the routers able to record and replay their choices
+            (:func:`recording_routes`, :func:`replaying_routes`).
+    """
+
+    num_experts: int = 0
+    topk: int = 2
+    ffn_hidden_size: int = 0
+    shared_expert_ffn_size: int = 0
+    load_balancing: str = "aux_loss"
+    aux_loss_coeff: float = 1e-2
+    z_loss_coeff: float = 0.0
+    token_dispatcher: str = "alltoall"
+    router_replay: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "ffn_hidden_size", "shared_expert_ffn_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"moe.{name}={value!r} must be an integer >= 0 (0: "
+                                 f"{'dense' if name == 'num_experts' else 'the default'})")
+        if self.num_experts and not 1 <= self.topk <= self.num_experts:
+            raise ValueError(f"moe.topk={self.topk} must be in [1, num_experts="
+                             f"{self.num_experts}]")
+        if self.load_balancing not in LOAD_BALANCING_TYPES:
+            raise ValueError(f"moe.load_balancing={self.load_balancing!r}: use one of "
+                             f"{LOAD_BALANCING_TYPES}")
+        if self.token_dispatcher not in TOKEN_DISPATCHERS:
+            raise ValueError(f"moe.token_dispatcher={self.token_dispatcher!r}: use one of "
+                             f"{TOKEN_DISPATCHERS}")
+        if self.aux_loss_coeff < 0 or self.z_loss_coeff < 0:
+            raise ValueError(f"moe.aux_loss_coeff={self.aux_loss_coeff} and moe.z_loss_coeff="
+                             f"{self.z_loss_coeff} must be >= 0")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the model has MoE layers."""
+        return self.num_experts > 0
+
+
+def moe_transformer_fields(moe: MoEConfig | None, ffn_hidden_size: int, ep_size: int,
+                           tp_size: int) -> dict[str, Any]:
+    """megatron ``TransformerConfig`` fields of ``moe`` ({} for a dense model).
+
+    Raises:
+        ValueError: ``ep_size`` does not divide the number of experts.
+    """
+    if moe is None or not moe.enabled:
+        return {}
+    if moe.num_experts % ep_size:
+        raise ValueError(f"moe.num_experts={moe.num_experts} is not divisible by the model's "
+                         f"expert-parallel size ep={ep_size}: choose ep dividing it")
+    return {
+        "num_moe_experts": moe.num_experts,
+        "moe_router_topk": moe.topk,
+        "moe_ffn_hidden_size": moe.ffn_hidden_size or ffn_hidden_size,
+        "moe_shared_expert_intermediate_size": moe.shared_expert_ffn_size or None,
+        "moe_router_load_balancing_type": moe.load_balancing,
+        "moe_aux_loss_coeff": moe.aux_loss_coeff,
+        "moe_z_loss_coeff": moe.z_loss_coeff or None,
+        "moe_token_dispatcher_type": moe.token_dispatcher,
+        # routing in fp32 whatever the parameters' dtype: bf16 scores flip near-ties
+        "moe_router_dtype": "fp32",
+        "moe_grouped_gemm": False,
+        "moe_enable_routing_replay": moe.router_replay,
+        "expert_model_parallel_size": ep_size,
+        "expert_tensor_parallel_size": tp_size,
+    }
+
+
+def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's routers (megatron's ``TopKRouter``), in layer order."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [module for module in model.modules() if isinstance(module, TopKRouter)]
+
+
+def _replays(model: torch.nn.Module) -> list[Any]:
+    replays = [router.router_replay for router in moe_routers(model)]
+    if not replays or any(replay is None for replay in replays):
+        raise ValueError("the model has no MoE routers able to replay: build it with "
+                         "MoEConfig(num_experts>0, router_replay=True)")
+    return replays
+
+
+@contextmanager
+def recording_routes(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Record the experts every router chooses during the forwards inside the context.
+
+    Yields a list that, on exit, holds one ``[tokens, topk]`` int64 tensor per MoE layer of this
+    rank (the last forward's choices; tokens in megatron's ``[s * b]`` order of the router's
+    input, which under sequence parallelism is this TP rank's sequence chunk).
+
+    Raises:
+        ValueError: the model cannot record (dense, or built without ``router_replay``).
+    """
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    replays = _replays(model)
+    routes: list[torch.Tensor] = []
+    for replay in replays:
+        replay.clear_indices()
+        replay.set_router_replay_action(RouterReplayAction.RECORD)
+    try:
+        yield routes
+        routes.extend(replay.get_recorded_indices().detach().clone() for replay in replays)
+    finally:
+        for replay in replays:
+            replay.clear_router_replay_action()
+            replay.clear_indices()
+
+
+@contextmanager
+def replaying_routes(model: torch.nn.Module, routes: list[torch.Tensor]) -> Iterator[None]:
+    """Route every token to the experts in ``routes`` (from :func:`recording_routes` over the
+    same tokens) in the forwards inside the context, instead of the router's own top-k; the
+    router's probabilities for those experts still come from its current weights, so its
+    gradient flows.
+
+    Raises:
+        ValueError: the model cannot replay, or ``routes`` has another number of layers.
+    """
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    replays = _replays(model)
+    if len(routes) != len(replays):
+        raise ValueError(f"{len(routes)} recorded layers for a model with {len(replays)} MoE "
+                         "layers on this rank: record and replay with the same model layout")
+    for replay, indices in zip(replays, routes, strict=True):
+        replay.clear_indices()
+        replay.target_topk_idx = indices
+        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    try:
+        yield
+    finally:
+        for replay in replays:
+            replay.clear_router_replay_action()
+            replay.clear_indices()

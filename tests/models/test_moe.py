@@ -1,0 +1,210 @@
+"""A tiny mixture-of-experts GPTModel (4 experts, top-2, a shared expert) on CPU and gloo.
+
+The 2-rank job builds the model at expert parallelism 1 and 2 with both token dispatchers from
+the same layout-independent weights, each rank feeding its own batch (its data-parallel share):
+outputs must match exactly, and the gradients too, once the EP 1 expert gradients are summed over
+the ranks (at EP 2 each expert sees both ranks' tokens in one place). Then one optimizer step
+at EP 2 on packed sequences, and the routing replay.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.models.moe import MoEConfig, moe_transformer_fields
+from megatron_rlhf.topology.experts import expert_rank_enums
+from tests.model_fixtures import TinyArch
+from tests.multirank import run_on_ranks
+
+ARCH = TinyArch(num_layers=2)
+
+
+def _moe(dispatcher: str = "alltoall") -> MoEConfig:
+    return MoEConfig(num_experts=4, topk=2, ffn_hidden_size=48, shared_expert_ffn_size=32,
+                     aux_loss_coeff=0.01, z_loss_coeff=1e-3, token_dispatcher=dispatcher)
+
+
+def _batch(rank: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(31 + rank)
+    ids = torch.randint(0, 250, (3, 12), generator=generator)
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[1, 9:] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _build(ep: int, dispatcher: str, packed: bool = False):
+    from megatron_rlhf.builder.networks import build_model
+    from megatron_rlhf.models.gpt import ModelBuildOptions
+    from megatron_rlhf.topology.experts import with_expert_parallel
+    from tests.model_fixtures import whole_world_groups
+
+    pgc = whole_world_groups(1, 1)
+    pgc = with_expert_parallel(pgc, offset=0, tp=1, dp=dist.get_world_size(), pp=1, ep=ep)
+    options = ModelBuildOptions(moe=_moe(dispatcher), packed_sequences=packed)
+    return build_model(ARCH, options, pgc, runtime_seed=5, init_seed=9), pgc
+
+
+def _square_loss(output: torch.Tensor, outputs: list[torch.Tensor]):
+    outputs.append(output.detach())
+    loss = output.float().pow(2).mean()
+    return loss, {"loss": loss.detach()}
+
+
+def _forward_backward(model, pgc) -> torch.Tensor:
+    """The output of one training pass over this rank's batch through megatron's schedule (which
+    also scales the router's load-balancing loss)."""
+    from megatron_rlhf.models.forward_backward import run_microbatches
+
+    outputs: list[torch.Tensor] = []
+    run_microbatches(model, pgc, [_batch(dist.get_rank())],
+                     lambda output, _batch: _square_loss(output, outputs), forward_only=False)
+    return outputs[0]
+
+
+def _output_and_grads(ep: int, dispatcher: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    from megatron_rlhf.models.weights import gather_full_state
+
+    model, pgc = _build(ep, dispatcher)
+    output = _forward_backward(model, pgc)
+    grads = gather_full_state(model, pgc, use_grads=True)
+    if ep == 1:  # each rank's experts saw only its own tokens
+        for name, grad in grads.items():
+            if ".local_experts." in name:
+                dist.all_reduce(grad)
+    return output.detach(), grads
+
+
+def _expert_token_counts(model) -> list[torch.Tensor]:
+    """Tokens each local expert of each MoE layer received in the next forward (via hooks)."""
+    counts: list[torch.Tensor] = []
+    for layer in model.decoder.layers:
+        experts = layer.mlp.experts.local_experts
+        layer_counts = torch.zeros(len(experts), dtype=torch.long)
+        for index, expert in enumerate(experts):
+            def hook(_module, args, _output, index=index, layer_counts=layer_counts):
+                layer_counts[index] += args[0].shape[0]
+            expert.register_forward_hook(hook)
+        counts.append(layer_counts)
+    return counts
+
+
+def _replay_checks() -> dict[str, bool]:
+    from megatron_rlhf.models.forward_backward import model_inputs
+    from megatron_rlhf.models.moe import moe_routers, recording_routes, replaying_routes
+
+    model, pgc = _build(2, "alltoall")
+    inputs = model_inputs(_batch(dist.get_rank()))
+    counts = _expert_token_counts(model)
+    with torch.no_grad(), recording_routes(model) as routes:
+        before = model(*inputs)
+    recorded = [c.clone() for c in counts]
+    with torch.no_grad():
+        for router in moe_routers(model):
+            router.weight.mul_(-3.0)  # a different choice for most tokens
+    for c in counts:
+        c.zero_()
+    with torch.no_grad(), recording_routes(model) as new_routes:
+        model(*inputs)
+    rerouted = [c.clone() for c in counts]
+    for c in counts:
+        c.zero_()
+    with replaying_routes(model, routes):
+        replayed = _forward_backward(model, pgc)
+    router_grads = [router.weight.grad for router in moe_routers(model)]
+    return {
+        "recorded_routes_differ_after_change": all(
+            not torch.equal(a, b) for a, b in zip(routes, new_routes, strict=True)),
+        "replay_sends_tokens_to_recorded_experts": all(
+            torch.equal(a, b) for a, b in zip(recorded, counts, strict=True)),
+        "new_routing_sends_elsewhere": any(
+            not torch.equal(a, b) for a, b in zip(recorded, rerouted, strict=True)),
+        "replay_output_differs_from_recording": not torch.equal(before, replayed),
+        "router_gradient_flows": all(g is not None and g.abs().sum() > 0 for g in router_grads),
+    }
+
+
+def _train_step_ep2() -> float:
+    from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
+    from megatron_rlhf.models.trainer import ModelTrainer, OptimizerSettings
+    from megatron_rlhf.models.weights import gather_full_state
+
+    model, pgc = _build(2, "alltoall", packed=True)
+    before = gather_full_state(model, pgc)
+    trainer = ModelTrainer(model, pgc, OptimizerSettings(lr=1e-2))
+
+    def loss_fn(logits, batch):
+        logprobs, _ = vocab_parallel_logprobs(logits[:, :-1], batch["input_ids"][:, 1:], pgc.tp,
+                                              ARCH.vocab_size)
+        loss = -logprobs.mean()
+        return loss, {"loss": loss.detach()}
+
+    trainer.train_step([_batch(dist.get_rank())], loss_fn)
+    after = gather_full_state(trainer.model, pgc)
+    moved = {name: (after[name] - before[name]).abs().max().item() for name in before}
+    still = [name for name, delta in moved.items() if delta == 0.0]
+    assert not still, f"parameters the step did not change: {still}"
+    return max(moved.values())
+
+
+def _moe_job() -> dict:
+    from megatron_rlhf.runtime.bootstrap import initialize_runtime
+
+    initialize_runtime()
+    reference, reference_grads = _output_and_grads(1, "alltoall")
+    results = {}
+    for ep, dispatcher in ((2, "alltoall"), (1, "allgather"), (2, "allgather")):
+        output, grads = _output_and_grads(ep, dispatcher)
+        assert sorted(grads) == sorted(reference_grads)
+        results[f"ep{ep}_{dispatcher}"] = (
+            (output - reference).abs().max().item(),
+            max((grads[n] - reference_grads[n]).abs().max().item() for n in grads))
+    results["expert_grads"] = sum(".local_experts." in n for n in reference_grads)
+    results["replay"] = _replay_checks()
+    results["step_change"] = _train_step_ep2()
+    return results
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(240)
+def test_moe_expert_parallel_matches_and_replays() -> None:
+    for result in run_on_ranks(_moe_job, world_size=2, timeout_s=200):
+        for key in ("ep2_alltoall", "ep1_allgather", "ep2_allgather"):
+            output_diff, grad_diff = result[key]
+            assert output_diff < 1e-6, (key, output_diff)
+            assert grad_diff < 1e-7, (key, grad_diff)
+        assert result["expert_grads"] == 2 * 4 * 2  # layers x experts x (fc1, fc2)
+        assert all(result["replay"].values()), result["replay"]
+        assert result["step_change"] > 0
+
+
+def test_expert_rank_enums_follow_megatrons_expert_grid() -> None:
+    # tp 2, dp 4, pp 2, ep 2: dp ranks of (tp 0, pp 0) are 0, 2, 4, 6
+    enums = expert_rank_enums(offset=8, tp=2, dp=4, pp=2, ep=2)
+    assert enums["ep"][:3] == [[8, 10], [9, 11], [12, 14]]
+    assert enums["expt_dp"][:2] == [[8, 12], [9, 13]]
+    assert enums["tp_ep"][:2] == [[8, 9, 10, 11], [12, 13, 14, 15]]
+    assert enums["tp_ep_pp"] == [[8, 9, 10, 11, 16, 17, 18, 19],
+                                 [12, 13, 14, 15, 20, 21, 22, 23]]
+    for groups in enums.values():  # every rank in exactly one group of each kind
+        assert sorted(r for g in groups for r in g) == list(range(8, 24))
+    with pytest.raises(ValueError, match=r"ep\(3\) must divide .* dp\(4\)"):
+        expert_rank_enums(offset=0, tp=1, dp=4, pp=1, ep=3)
+
+
+def test_moe_config_refuses_bad_values() -> None:
+    with pytest.raises(ValueError, match="moe.topk=5"):
+        MoEConfig(num_experts=4, topk=5)
+    with pytest.raises(ValueError, match="moe.token_dispatcher='flex'"):
+        MoEConfig(num_experts=4, token_dispatcher="flex")
+    with pytest.raises(ValueError, match="moe.load_balancing"):
+        MoEConfig(num_experts=4, load_balancing="sinkhorn")
+    with pytest.raises(ValueError, match="moe.num_experts=-1"):
+        MoEConfig(num_experts=-1)
+    with pytest.raises(ValueError, match="not divisible by .* ep=3"):
+        moe_transformer_fields(MoEConfig(num_experts=4), 64, ep_size=3, tp_size=1)
+    assert moe_transformer_fields(MoEConfig(), 64, ep_size=1, tp_size=1) == {}
+    fields = moe_transformer_fields(MoEConfig(num_experts=8, topk=2), 64, ep_size=2, tp_size=1)
+    assert (fields["num_moe_experts"], fields["moe_ffn_hidden_size"],
+            fields["expert_model_parallel_size"]) == (8, 64, 2)
