@@ -1,15 +1,23 @@
 """The documentation holds together: every relative link and anchor in README.md and docs/
 resolves, every docs/ path named in running text exists, and the generated reference pages are
-what tools/gen_reference.py writes from the code today."""
+what tools/gen_reference.py writes from the code today. What a reader would type is checked too,
+in the pages and in the entry points' docstrings: every configuration field named as
+``section.field`` exists, every ``--flag`` given to a script under tools/ or benchmarks/ is one
+its parser takes, and every repository path named (configs, scripts, data files) exists."""
 
 from __future__ import annotations
 
+import argparse
+import ast
+import dataclasses
 import functools
 import importlib
 import re
+import runpy
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -123,3 +131,178 @@ def test_an_undocumented_config_field_is_refused() -> None:
 
     with pytest.raises(ValueError, match="forgotten"):
         generator.field_docs(Half)
+
+
+# What a reader types: configuration fields, flags and paths named in the pages and docstrings.
+
+DESIGN_PAGES = ("engine", "placement", "generation", "refit", "planner", "reliability", "gpu",
+                "cpu", "models", "algorithms", "data")
+"""docs/<name>.md pages that explain how and why; each stays under DESIGN_PAGE_LINES lines."""
+DESIGN_PAGE_LINES = 220
+SCRIPT_DIRS = ("tools", "benchmarks")
+COMMAND = re.compile(r"(?<![\w./-])((?:tools|benchmarks)/[\w/]+\.py)\b([^`|;&#]*)")
+FLAG = re.compile(r"(?<![\w-])(--[a-z][\w-]*)")
+REPO_PATH = re.compile(
+    r"(?<![\w./<-])((?:examples|tools|benchmarks|scripts|tests|megatron_rlhf)/[\w./-]*[\w/])")
+FILE_SUFFIXES = frozenset({"py", "md", "json", "jsonl", "yaml", "yml", "safetensors", "model",
+                           "txt", "png", "svg", "pt", "sh", "parquet", "bin", "log"})
+NOT_FIELDS = frozenset({"model.real_vocab_size", "model.token_vocab_size", "model.embed_tokens",
+                        "model.norm", "model.layers", "tokenizer.pad_id", "tokenizer.eos_id",
+                        "tokenizer.decoder", "tokenizer.pre_tokenizer",
+                        "tokenizer.post_processor"})
+"""Attributes of Python objects and Hugging Face weight names the text names, spelled like
+configuration fields."""
+
+
+def script_docstrings() -> list[Path]:
+    return sorted(path for folder in SCRIPT_DIRS for path in (REPO / folder).rglob("*.py"))
+
+
+def texts() -> list[tuple[str, int, str]]:
+    """(where, line number, line) of every page, code blocks included, and of every script's
+    module docstring; a line ending in a backslash is joined with the next."""
+    found = []
+    for path in pages():
+        found += [(str(path.relative_to(REPO)), n, line)
+                  for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)]
+    for path in script_docstrings():
+        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+        found += [(str(path.relative_to(REPO)), n, line)
+                  for n, line in enumerate(doc.splitlines(), 2)]
+    joined, carry = [], None
+    for where, number, line in found:
+        if carry and carry[0] == where:
+            line = carry[2] + " " + line.lstrip()
+            number = carry[1]
+        carry = (where, number, line[:-1]) if line.rstrip().endswith("\\") else None
+        if carry is None:
+            joined.append((where, number, line))
+    return joined
+
+
+def _walk(config: object, prefix: str, fields: set[str], open_ended: set[str]) -> None:
+    for field in dataclasses.fields(config):
+        value, path = getattr(config, field.name), prefix + field.name
+        fields.add(path)
+        if dataclasses.is_dataclass(value):
+            _walk(value, path + ".", fields, open_ended)
+        elif isinstance(value, dict) or re.search(r"\bAny\b|\bdict\b", str(field.type)):
+            open_ended.add(path)
+
+
+@functools.cache
+def config_fields() -> tuple[frozenset[str], frozenset[str]]:
+    """Every dotted field of the PPO, SFT and reward-model configurations, and the fields that
+    take a mapping (any key below them is valid)."""
+    from megatron_rlhf.config.ppo_run import RunConfig
+    from megatron_rlhf.config.supervised_run import RMConfig, SFTConfig
+
+    fields, open_ended = set(), set()
+    for cls in (RunConfig, SFTConfig, RMConfig):
+        _walk(cls(), "", fields, open_ended)
+    return frozenset(fields), frozenset(open_ended)
+
+
+def _names_a_module(parts: list[str]) -> bool:
+    base = REPO / "megatron_rlhf"
+    return any((base.joinpath(*parts[:n]).with_suffix(".py")).is_file()
+               or base.joinpath(*parts[:n]).is_dir() and n > 1 for n in range(2, len(parts) + 1))
+
+
+def unknown_fields(lines: list[tuple[str, int, str]]) -> list[str]:
+    fields, open_ended = config_fields()
+    sections = sorted({f.split(".")[0] for f in fields if "." in f}, key=len, reverse=True)
+    names = "|".join(sections)
+    token = re.compile(rf"(?<![\w./-])((?:{names})(?:\.[A-Za-z_]\w*)+)(?![\w(])")
+    problems = []
+    for where, number, line in lines:
+        for name in token.findall(line):
+            parts = name.split(".")
+            if (name in fields or name in NOT_FIELDS or parts[-1] in FILE_SUFFIXES
+                    or any(p[0].isupper() for p in parts) or _names_a_module(parts)
+                    or any(name.startswith(o + ".") for o in open_ended)):
+                continue
+            problems.append(f"{where}:{number}: {name} is not a configuration field")
+    return problems
+
+
+class _Parsed(Exception):
+    """Raised in place of parsing, carrying the parser a script built."""
+
+
+@functools.cache
+def script_flags(script: str) -> frozenset[str] | None:
+    """The option strings of ``script``'s argparse parser (the script runs as ``__main__`` up to
+    its parse), an empty set for a script that parses no arguments, None for a missing one."""
+    path = REPO / script
+    if not path.is_file():
+        return None
+    if not re.search(r"\bparse_(known_)?args\(", path.read_text(encoding="utf-8")):
+        return frozenset()  # not run: a script that parses nothing may start its work
+
+    def capture(self, args=None, namespace=None):
+        raise _Parsed(self)
+
+    sys.path.insert(0, str(path.parent))
+    try:
+        with mock.patch.object(argparse.ArgumentParser, "parse_known_args", capture), \
+                mock.patch.object(sys, "argv", [str(path)]):
+            runpy.run_path(str(path), run_name="__main__")
+    except _Parsed as parsed:
+        return frozenset(parsed.args[0]._option_string_actions)
+    finally:
+        sys.path.remove(str(path.parent))
+    raise AssertionError(f"{script}: ran to the end without parsing its arguments")
+
+
+def unknown_flags(lines: list[tuple[str, int, str]]) -> list[str]:
+    problems = []
+    for where, number, line in lines:
+        for script, rest in COMMAND.findall(line):
+            flags = script_flags(script)
+            if flags is None:
+                continue  # unknown_paths reports it
+            problems += [f"{where}:{number}: {script} takes no {flag}"
+                         for flag in FLAG.findall(rest) if flag not in flags]
+    return problems
+
+
+def unknown_paths(lines: list[tuple[str, int, str]]) -> list[str]:
+    return [f"{where}:{number}: no such path {name}" for where, number, line in lines
+            for name in REPO_PATH.findall(line) if not (REPO / name).exists()]
+
+
+def test_every_configuration_field_named_exists() -> None:
+    problems = unknown_fields(texts())
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.timeout(300)
+def test_every_flag_given_to_a_script_is_one_it_takes() -> None:
+    problems = unknown_flags(texts())
+    assert not problems, "\n".join(problems)
+
+
+def test_every_repository_path_named_exists() -> None:
+    problems = unknown_paths(texts())
+    assert not problems, "\n".join(problems)
+
+
+def test_the_checkers_find_a_wrong_field_flag_and_path() -> None:
+    lines = [("page.md", 1, "Set `rollout.prompts_per_step=8` and `rollout.prompt_per_step`; "
+                            "`models.offload.ref=always`, `models/weights.py`, `tokenizer.json`."),
+             ("page.md", 2, "    torchrun tools/run_ppo.py --steps 2 --step 3 # not --stepz"),
+             ("page.md", 3, "python tools/plot_curves.py --help; see examples/ppo_tiny.yaml "
+                            "and examples/ppo_tinny.yaml")]
+    assert unknown_fields(lines) == [
+        "page.md:1: rollout.prompt_per_step is not a configuration field"]
+    assert unknown_flags(lines) == ["page.md:2: tools/run_ppo.py takes no --step"]
+    assert unknown_paths(lines) == ["page.md:3: no such path examples/ppo_tinny.yaml"]
+
+
+def test_design_pages_stay_short() -> None:
+    long = [f"docs/{name}.md: {n} lines" for name in DESIGN_PAGES
+            if (n := len((REPO / "docs" / f"{name}.md").read_text().splitlines()))
+            >= DESIGN_PAGE_LINES]
+    assert not long, (f"design pages explain, under {DESIGN_PAGE_LINES} lines each "
+                      "(tests list themselves, to-dos go to ROADMAP.md):\n" + "\n".join(long))
