@@ -4,7 +4,7 @@ The 2-rank job builds the model at expert parallelism 1 and 2 with both token di
 the same layout-independent weights, each rank feeding its own batch (its data-parallel share):
 outputs must match exactly, and the gradients too, once the EP 1 expert gradients are summed over
 the ranks (at EP 2 each expert sees both ranks' tokens in one place). Then one optimizer step
-at EP 2 on packed sequences, and the routing replay.
+at EP 2 on packed sequences, the routing replay, and KV-cached sampling at EP 2.
 """
 
 from __future__ import annotations
@@ -148,6 +148,22 @@ def _train_step_ep2() -> float:
     return max(moved.values())
 
 
+def _generation_gap_ep2() -> float:
+    """Largest gap between KV-cached sampling's log-probs and a full forward's, at EP 2 with
+    continuous batching (every rank decodes the same number of steps: no EOS stop)."""
+    from megatron_rlhf.generation.generate import generate_sequences
+    from megatron_rlhf.generation.params import GenerationConfig
+    from tests.helpers.models import full_forward_logprobs
+
+    model, pgc = _build(2, "alltoall", packed=True)
+    config = GenerationConfig(max_new_tokens=5, temperature=1.0, stop_at_eos=False)
+    prompts = [[1, 2, 3, 4], [5, 6, 7]] if dist.get_rank() == 0 else [[9, 8, 7, 6, 5], [3]]
+    out = generate_sequences(model, pgc, prompts, [0, 1], config, eos_id=0, pad_id=0)
+    assert int(out.response_mask.sum()) == 10
+    reference = full_forward_logprobs(model, pgc, out, config.temperature)
+    return (reference - out.response_logprobs).abs().max().item()
+
+
 def _moe_job() -> dict:
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
 
@@ -163,6 +179,7 @@ def _moe_job() -> dict:
     results["expert_grads"] = sum(".local_experts." in n for n in reference_grads)
     results["replay"] = _replay_checks()
     results["step_change"] = _train_step_ep2()
+    results["generation_gap"] = _generation_gap_ep2()
     return results
 
 
@@ -177,6 +194,7 @@ def test_moe_expert_parallel_matches_and_replays() -> None:
         assert result["expert_grads"] == 2 * 4 * 2  # layers x experts x (fc1, fc2)
         assert all(result["replay"].values()), result["replay"]
         assert result["step_change"] > 0
+        assert result["generation_gap"] < 1e-5
 
 
 def test_expert_rank_enums_follow_megatrons_expert_grid() -> None:
