@@ -23,7 +23,9 @@ from megatron_rlhf.models.tokenizer import TokenizerConfig
 from megatron_rlhf.models.trainer import OptimizerSettings
 from megatron_rlhf.refit.verify import RefitConfig
 from megatron_rlhf.rewards import ON_ERROR_POLICIES, RewardFunctionSpec, parse_reward_functions
+from megatron_rlhf.rewards.environments import EnvironmentSpec, parse_environment
 from megatron_rlhf.rewards.overlong import OverlongPenalty
+from megatron_rlhf.rewards.tools import TOOL_ON_ERROR, ToolSpec, parse_tools
 from megatron_rlhf.runtime.bootstrap import RuntimeConfig
 from megatron_rlhf.runtime.faults import FaultConfig
 from megatron_rlhf.topology.cluster import DevicePool
@@ -54,8 +56,7 @@ class ModelsConfig:
         actor_checkpoint: checkpoint directory of the initial policy (SFT): a megatron_rlhf
             checkpoint or a Hugging Face ``...ForCausalLM`` directory; or empty.
         reward_checkpoint: checkpoint directory of the reward model: a megatron_rlhf checkpoint
-            or a Hugging Face ``...ForSequenceClassification`` directory; or empty. Refused with
-            ``reward.model_weight=0``, which runs no reward model.
+            or a Hugging Face ``...ForSequenceClassification`` directory; or empty.
         critic_from_reward: initialise the critic from the reward model (InstructGPT); else from
             ``init_seed``.
         params_dtype: ``auto`` (``bfloat16`` with CUDA, ``float32`` on CPU), ``float32`` or
@@ -191,6 +192,26 @@ class RolloutConfig:
             dynamic batch size. Needs ``models.packed_sequences``. Every loss is a per-token
             sum divided by the step's count, so the update is the same either way. 0: fixed
             ``micro_batch_size`` rows.
+        tools: tools the policy may call, each ``{name: "package.module:function", kwargs:
+            {...}}``, called as ``function(arguments, record, **kwargs) -> str`` when a reply
+            ends with ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; the answer
+            is appended as a tool message and the policy goes on (docs/howto/train-an-agent.md).
+            Checked (imports, signature) when the config is built. Empty: one reply per prompt.
+        environment: instead of tools, ``{name: "package.module:Class", kwargs: {...}}``: one
+            ``Class(record, **kwargs)`` per episode, ``reset() -> str | None`` (the first user
+            message; None: the record's prompt) and ``step(reply) -> (observation, reward,
+            done)`` after every reply; the observation is the next user message (None ends the
+            episode) and the step rewards are added to the episode's score.
+        max_turns: replies per episode with ``tools`` or ``environment`` (>= 1); an episode
+            whose last allowed reply is answered without ending it stops there, truncated.
+        max_episode_tokens: with ``tools`` or ``environment``, the tokens after the prompt
+            (replies and answers), the rows' response width; an episode that reaches it ends,
+            marked truncated. ``generation.max_new_tokens`` bounds each reply.
+        tool_on_error: a call that is not valid JSON, names no tool, or whose tool raises, runs
+            past ``tool_timeout_s`` or returns no string: ``observe`` (the policy reads a
+            one-line error, counted in ``rollout/tool_errors``) or ``error`` (stop the run).
+        tool_timeout_s: the longest one tool call may run, seconds.
+        tool_workers: worker processes per generating rank that run the tools.
     """
 
     prompts_per_step: int = 8
@@ -204,6 +225,13 @@ class RolloutConfig:
     max_staleness: int = 1
     reuse_generation_logprobs: bool = False
     max_tokens_per_micro_batch: int = 0
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    environment: dict[str, Any] | None = None
+    max_turns: int = 1
+    max_episode_tokens: int = 0
+    tool_on_error: str = "observe"
+    tool_timeout_s: float = 10.0
+    tool_workers: int = 2
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "samples_per_prompt", "max_prompt_length",
@@ -225,6 +253,50 @@ class RolloutConfig:
         if self.max_staleness != 1 and not self.async_rollout:
             raise ValueError(f"rollout.max_staleness={self.max_staleness} is used only with "
                              "rollout.async_rollout=true; set that too, or drop max_staleness")
+        self._check_episodes()
+
+    def _check_episodes(self) -> None:
+        """The tools or the environment import and the episode's bounds fit them."""
+        self.environment_spec  # noqa: B018 - checks that the environment imports
+        if self.tool_specs and self.environment is not None:
+            raise ValueError("rollout.tools and rollout.environment are both set: tools answer "
+                             "the calls inside the policy's replies, an environment answers "
+                             "every reply; give one of them (an environment may call your "
+                             "tools itself)")
+        if self.max_turns < 1:
+            raise ValueError(f"rollout.max_turns={self.max_turns} must be >= 1")
+        if not self.multi_turn and (self.max_turns != 1 or self.max_episode_tokens):
+            raise ValueError(f"rollout.max_turns={self.max_turns} and max_episode_tokens="
+                             f"{self.max_episode_tokens} bound episodes with tools or an "
+                             "environment; set rollout.tools or rollout.environment, or drop "
+                             "them")
+        if self.multi_turn and self.max_episode_tokens < 1:
+            raise ValueError(f"rollout.max_episode_tokens={self.max_episode_tokens}: with "
+                             "rollout.tools or rollout.environment give the tokens an episode "
+                             "may take after its prompt (replies and answers), e.g. max_turns "
+                             "x generation.max_new_tokens + room for the answers")
+        if self.tool_on_error not in TOOL_ON_ERROR:
+            raise ValueError(f"rollout.tool_on_error={self.tool_on_error!r}: use one of "
+                             f"{TOOL_ON_ERROR}")
+        if not self.tool_timeout_s > 0:
+            raise ValueError(f"rollout.tool_timeout_s={self.tool_timeout_s} must be > 0")
+        if self.tool_workers < 1:
+            raise ValueError(f"rollout.tool_workers={self.tool_workers} must be >= 1")
+
+    @property
+    def tool_specs(self) -> list[ToolSpec]:
+        """The checked ``tools`` (empty: none)."""
+        return parse_tools(self.tools)
+
+    @property
+    def environment_spec(self) -> EnvironmentSpec | None:
+        """The checked ``environment``, or None."""
+        return None if self.environment is None else parse_environment(self.environment)
+
+    @property
+    def multi_turn(self) -> bool:
+        """Whether a rollout is an episode (``tools`` or ``environment``)."""
+        return bool(self.tools) or self.environment is not None
 
     @property
     def rows_per_step(self) -> int:
@@ -237,9 +309,7 @@ class RewardConfig:
     """How a response is scored: ``model_weight * rm + rule_weight * rule + sum_f weight_f * f``.
 
     Attributes:
-        model_weight: weight of the reward model's score. 0: no reward model is placed or run
-            (the score is the rule's and the functions'), and ``models.reward_checkpoint`` must
-            be empty; > 0 without a checkpoint scores with a freshly initialised reward model.
+        model_weight: weight of the reward model's score.
         rule: a rule-based reward added to it: ``synthetic`` (the shipped task's rule, on decoded
             text) or ``none``.
         rule_weight: weight of the rule's score.
@@ -585,14 +655,13 @@ class RunConfig:
     """Record a per-rank timeline into ``<run_dir>/timeline.json`` (Chrome trace format)."""
 
     def __post_init__(self) -> None:
-        """Fits the placement to the algorithm: a critic-free estimator places no critic, and
-        ``reward.model_weight=0`` no reward model.
+        """Fits the placement to the algorithm: a critic-free estimator places no critic.
 
         Raises:
             ValueError: negative steps, no new tokens, an option that needs a critic (AC-Share,
                 a critic ratio, interleaving2) with a critic-free estimator, critic-free ratios
-                with gae, fewer than 2 samples per prompt for grpo or rloo, a reward checkpoint
-                with ``reward.model_weight=0``, or an option Megatron-FSDP cannot serve.
+                with gae, fewer than 2 samples per prompt for grpo or rloo, or an option
+                Megatron-FSDP cannot serve.
         """
         # Settings built in Python as a plain OptimizerSettings take their role's section, so
         # refusals name it and the YAML written for the run loads back.
@@ -612,7 +681,6 @@ class RunConfig:
                 "reinforce++, or leave placement.critic alone (it follows the estimator)")
         if not algorithm.uses_critic and placement.critic:
             self.placement = replace(placement, critic=False)
-        self._fit_reward_model()
         self.placement.role_ratios()
         self._check_fsdp()
         self._check_optimizer_sharding()
@@ -631,22 +699,6 @@ class RunConfig:
                 f"rollout.samples_per_prompt({n}) must be >= 2 for algorithm.advantage_estimator="
                 f"{algorithm.advantage_estimator!r}: the baseline of a response is the other "
                 "responses to its prompt; e.g. rollout.samples_per_prompt=4")
-
-    def _fit_reward_model(self) -> None:
-        """Place a reward model exactly when its score is used (``reward.model_weight`` != 0)."""
-        weight, checkpoint = self.reward.model_weight, self.models.reward_checkpoint
-        if weight == 0 and checkpoint:
-            raise ValueError(
-                f"models.reward_checkpoint={checkpoint} is given but reward.model_weight=0 "
-                "runs no reward model: set reward.model_weight > 0 to score with it, or drop "
-                "models.reward_checkpoint")
-        if weight != 0 and not self.placement.reward:
-            raise ValueError(
-                f"placement.reward=false but reward.model_weight={weight} scores with a reward "
-                "model: set reward.model_weight=0, or leave placement.reward alone (it follows "
-                "reward.model_weight)")
-        if weight == 0 and self.placement.reward:
-            self.placement = replace(self.placement, reward=False)
 
     @property
     def ptx_rows(self) -> int:

@@ -226,12 +226,14 @@ class RewardFunctions:
                  for prompt, response, (_, record) in zip(prompts, responses, records,
                                                           strict=True)
                  for spec in self.specs]
-        flat = self._run(calls)
+        flat = self.run_calls(_call, calls)
         k = len(self.specs)
         return self._collect([flat[i:i + k] for i in range(0, len(flat), k)], records)
 
-    def _run(self, calls: list[tuple]) -> list[tuple[str, Any]]:
-        """Every call's outcome, in order.
+    def run_calls(self, entry: Callable[..., tuple[str, Any]], calls: list[tuple]
+                  ) -> list[tuple[str, Any]]:
+        """Every call's outcome, in order: ``entry(*call)`` run in the workers (a module-level
+        function, ``("status", value)`` back; the tools of multi-turn rollouts use it too).
 
         Calls are collected in submission order; as the pool starts them in that order, each
         one is due within ``timeout_s`` (plus slack) of the one before it. One that is not has a
@@ -242,7 +244,7 @@ class RewardFunctions:
         while len(outcomes) < len(calls):
             if self._pool is None:
                 self._start()
-            pending = [self._pool.apply_async(_call, call) for call in calls[len(outcomes):]]
+            pending = [self._pool.apply_async(entry, call) for call in calls[len(outcomes):]]
             last = time.monotonic()
             for result in pending:
                 outcomes.append(self._outcome(result, last + self.timeout_s + _GRACE_S))

@@ -24,6 +24,7 @@ from megatron_rlhf.engine.execution.batch import (
     replica_input_layout,
     replica_output_layout,
 )
+from megatron_rlhf.engine.execution.episodes import STAT_FIELDS, EpisodeRollouts
 from megatron_rlhf.engine.execution.function_rewards import FunctionRewards, Record, row_token_ids
 from megatron_rlhf.engine.execution.transfer import RowLayout, TransferChannels
 from megatron_rlhf.engine.execution.workers import ModelWorker
@@ -56,6 +57,9 @@ class PPOEngine:
             ``old_logprobs`` and the experience skips the policy's forward pass.
         transfer_timeout_s: timeout of the channels that move rows between models (a receiver
             may wait through a whole generation or scoring stage).
+        episodes: multi-turn rollouts with tools (``rollout.tools``); the response width ``R``
+            (``generation.max_new_tokens`` here) is then the episode's
+            (``rollout.max_episode_tokens``). None: one reply per prompt.
 
     Building is collective: it creates the transfer channels (process groups) on every rank.
     """
@@ -65,8 +69,10 @@ class PPOEngine:
                  generation: GenerationConfig, eos_id: int | tuple[int, ...],
                  pad_id: int, context: RunContext | None = None,
                  reuse_generation_logprobs: bool = False,
-                 transfer_timeout_s: float = 1800.0) -> None:
+                 transfer_timeout_s: float = 1800.0,
+                 episodes: EpisodeRollouts | None = None) -> None:
         self.plan = plan
+        self.episodes = episodes
         self.workers = workers
         self.weight_syncs = weight_syncs
         self.prompt_length = prompt_length
@@ -99,13 +105,6 @@ class PPOEngine:
         return SHADOW_CRITIC if SHADOW_CRITIC in self.plan.models else CRITIC
 
     @property
-    def scorer(self) -> str:
-        """The model whose ranks score the answers: the reward model (its score, the rule's and
-        the reward functions'), or without one the reference model (the rule's and the
-        functions' alone)."""
-        return REWARD if self.plan.config.reward else REF
-
-    @property
     def trainable_roles(self) -> tuple[str, ...]:
         """The roles that are trained (actor, and the critic unless AC-Share)."""
         return tuple(r for r in (ACTOR, CRITIC) if r in self.plan.models)
@@ -118,13 +117,13 @@ class PPOEngine:
     def experience_passes(self) -> list[tuple[str, str]]:
         """``(role, output)`` of every forward pass :meth:`make_experience` runs, in order: old
         log-probs (unless generation's are reused), reference log-probs, values (with a critic),
-        scores (on the :attr:`scorer`'s ranks)."""
+        scores."""
         passes = [] if self.reuse_generation_logprobs else [(self.policy_for_inference,
                                                              "old_logprobs")]
         passes.append((REF, "ref_logprobs"))
         if self.critic_for_inference is not None:
             passes.append((self.critic_for_inference, "values"))
-        return [*passes, (self.scorer, "scores")]
+        return [*passes, (REWARD, "scores")]
 
     def transfer_pairs(self) -> list[tuple[list[int], list[int]]]:
         """Every pair of rank sets that rows move between: the rollout from the generating
@@ -146,6 +145,8 @@ class PPOEngine:
                   "response_mask": (torch.int64, (r,)), "gen_logprobs": (torch.float32, (r,))}
         if self.reuse_generation_logprobs:
             schema["old_logprobs"] = (torch.float32, (r,))
+        if self.episodes is not None:
+            schema.update({name: (torch.float32, ()) for name in STAT_FIELDS.values()})
         return schema
 
     # ------------------------------------------------------------ generation
@@ -184,14 +185,16 @@ class PPOEngine:
         return RowLayout(batch_size, rows), roles
 
     def generate_rollout(self, prompts: Sequence[Sequence[int]],
-                           prompt_indices: Sequence[int], chunk: int = 0) -> DistBatch:
+                           prompt_indices: Sequence[int], chunk: int = 0,
+                           records: Sequence[Record] | None = None) -> DistBatch:
         """Each generating DP replica samples responses for its share of the prompts.
 
         Every rank passes the whole prompt list; no prompt data is moved. Sampling is keyed by
         prompt index, so the split does not change any response. When tracing, the ``generate``
         span's ``work`` records what ran: this rank's TP rank (every TP rank of a replica runs
         the same micro-batches, each on its shard) and each micro-batch's
-        :class:`~megatron_rlhf.generation.MicroBatchWork` as a dict.
+        :class:`~megatron_rlhf.generation.MicroBatchWork` as a dict. With ``episodes`` each
+        row is an episode (``records``: each row's prompt record, which its tool calls read).
         """
         layout, roles = self.generation_layout(len(prompts))
         rows = layout.held_by(self.rank)
@@ -199,14 +202,21 @@ class PPOEngine:
         if rows is not None and rows[1] > rows[0]:
             start, end = rows
             worker = self.workers[roles[self.rank]]
+            stats = {}
             with self.context.span("generate", roles[self.rank], chunk) as span:
-                output = worker.generate(prompts[start:end], prompt_indices[start:end],
-                                         self.generation, self.eos_id, self.pad_id)
+                if self.episodes is not None:
+                    output, stats = self.episodes.run(
+                        worker, prompts[start:end], prompt_indices[start:end],
+                        records[start:end] if records else [(-1, {})] * (end - start),
+                        self.generation, self.eos_id, self.pad_id)
+                else:
+                    output = worker.generate(prompts[start:end], prompt_indices[start:end],
+                                             self.generation, self.eos_id, self.pad_id)
                 if span is not None:
                     span.work = {"tp_rank": worker.pg_collection.tp.rank(),
                                  "micro_batches": [dataclasses.asdict(work)
                                                    for work in output.micro_batches]}
-            fields = self._fixed_width(output)
+            fields = {**self._fixed_width(output), **stats}
         return DistBatch(layout, self.rollout_schema(), fields)
 
     def _fixed_width(self, output: GenerationOutput) -> dict[str, torch.Tensor]:
@@ -247,11 +257,10 @@ class PPOEngine:
         log-probs come with the rollout (one pass fewer each). The inputs of all forward passes
         are moved first, then each model computes on its
         own ranks, so models on disjoint ranks run at the same time. Scores come as the reward
-        model's ``rm_scores`` (none without a reward model) and the rule's ``rule_scores`` (zero
-        without a rule). Rows move
+        model's ``rm_scores`` and the rule's ``rule_scores`` (zero without a rule). Rows move
         on each pair of models' own channel (``transfer_pairs``) and sends are left in flight
         there (``finish_transfers`` waits for them), so a rank that only produced the rollout
-        goes straight on to its next chunk. With ``function_rewards`` the scorer's ranks
+        goes straight on to its next chunk. With ``function_rewards`` the reward model's ranks
         also score their rows with them (``records``: each row's prompt record), adding
         ``function_scores`` and ``reward_errors`` (``engine/execution/function_rewards.py``).
 
@@ -301,10 +310,9 @@ class PPOEngine:
         with self.context.span("transfer", "wait-sends"):
             self.channels.drain()
 
-    def _score_shapes(self, function_rewards: FunctionRewards | None
-                      ) -> dict[str, tuple[int, ...]]:
-        shapes: dict[str, tuple[int, ...]] = {"rm_scores": ()} if self.plan.config.reward else {}
-        shapes["rule_scores"] = ()
+    @staticmethod
+    def _score_shapes(function_rewards: FunctionRewards | None) -> dict[str, tuple[int, ...]]:
+        shapes: dict[str, tuple[int, ...]] = {"rm_scores": (), "rule_scores": ()}
         if function_rewards is not None:
             shapes.update(function_scores=(function_rewards.count,), reward_errors=())
         return shapes
@@ -312,27 +320,21 @@ class PPOEngine:
     def _scores(self, worker: ModelWorker, fields: dict[str, torch.Tensor],
                 rule_reward: RuleReward | None, function_rewards: FunctionRewards | None,
                 records: Sequence[Record] | None) -> dict[str, torch.Tensor | None]:
-        # Results sit on the last pipeline stage, as the reward model's scores do.
-        scores = {}
-        if self.plan.config.reward:
-            scores["rm_scores"] = worker.compute_scores(fields)
-            if scores["rm_scores"] is None:
-                return dict.fromkeys(self._score_shapes(function_rewards))
-        elif not worker.is_output_stage:
+        rm_scores = worker.compute_scores(fields)
+        if rm_scores is None:
             return dict.fromkeys(self._score_shapes(function_rewards))
-        ids, mask = fields["input_ids"], fields["attention_mask"]
-        device = scores["rm_scores"].device if scores else ids.device
-        rows = ids.shape[0]
-        scores["rule_scores"] = torch.zeros(rows, dtype=torch.float32, device=device)
+        rule_scores = torch.zeros_like(rm_scores)
         if rule_reward is not None:
-            scores["rule_scores"] = rule_scores_of(ids, mask, self.prompt_length,
-                                                   rule_reward).to(device)
+            rule_scores = rule_scores_of(fields["input_ids"], fields["attention_mask"],
+                                         self.prompt_length, rule_reward).to(rm_scores)
+        scores = {"rm_scores": rm_scores, "rule_scores": rule_scores}
         if function_rewards is not None:
+            rows = rm_scores.shape[0]
             found = function_rewards.score(
-                ids, mask, self.prompt_length,
+                fields["input_ids"], fields["attention_mask"], self.prompt_length,
                 records if records is not None else [(-1, {})] * rows,
                 keep_extras=worker.pg_collection.tp.rank() == 0)
-            scores.update({name: value.to(device) for name, value in found.items()})
+            scores.update({name: value.to(rm_scores.device) for name, value in found.items()})
         return scores
 
     # -------------------------------------------------------------- training

@@ -23,6 +23,7 @@ from megatron_rlhf.builder.sources import (
     role_options,
 )
 from megatron_rlhf.config.ppo_run import RunConfig
+from megatron_rlhf.engine.execution.episodes import EpisodeRollouts
 from megatron_rlhf.engine.execution.ppo_engine import PPOEngine
 from megatron_rlhf.engine.execution.throughput import WorkMeter, device_peak_flops
 from megatron_rlhf.engine.execution.workers import ModelWorker
@@ -158,7 +159,8 @@ def check_checkpoint_tokenizers(sources: dict[str, ModelSource],
 def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int, ...],
                  pad_id: int, load_initial: bool = True,
                  sources: dict[str, ModelSource] | None = None,
-                 context: RunContext | None = None, token_vocab_size: int = 0) -> PPOEngine:
+                 context: RunContext | None = None, token_vocab_size: int = 0,
+                 episodes: EpisodeRollouts | None = None) -> PPOEngine:
     """Build this rank's models and the engine. Collective: every rank calls it.
 
     Args:
@@ -169,6 +171,8 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
         context: the run's tracer and fault tracker, given to the engine (default: none).
         token_vocab_size: the tokenizer's ids, when the models embed more rows (see
             ``ModelBuildOptions.token_vocab_size``); 0: every row.
+        episodes: multi-turn rollouts with tools (``rollout.tools``); the engine's response
+            width is then ``rollout.max_episode_tokens``.
     """
     sources = resolve_sources(config) if sources is None else sources
     groups = build_process_groups(
@@ -211,9 +215,12 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
                 src.model if src else None, groups[source], plan[source],
                 dst.model if dst else None, groups[shadow], plan[shadow],
                 timeout_s=config.runtime.transfer_timeout_s, verify=config.refit.verify)
+    generation = config.generation
+    if episodes is not None:
+        generation = replace(generation, max_new_tokens=config.rollout.max_episode_tokens)
     engine = PPOEngine(plan, workers, weight_syncs, config.rollout.max_prompt_length,
-                       config.generation, eos_id, pad_id, context,
+                       generation, eos_id, pad_id, context,
                        reuse_generation_logprobs=config.rollout.reuse_generation_logprobs,
-                       transfer_timeout_s=config.runtime.transfer_timeout_s)
+                       transfer_timeout_s=config.runtime.transfer_timeout_s, episodes=episodes)
     engine.sync_weights()
     return engine

@@ -32,6 +32,7 @@ from megatron_rlhf.data import (
 from megatron_rlhf.data.demonstrations import DemonstrationStream
 from megatron_rlhf.data.prompts import PromptStream
 from megatron_rlhf.data.readers import prompt_tokens
+from megatron_rlhf.engine.execution.episodes import EpisodeRollouts
 from megatron_rlhf.engine.execution.function_rewards import FunctionRewards
 from megatron_rlhf.engine.execution.ppo_engine import RuleReward
 from megatron_rlhf.engine.execution.throughput import step_throughput
@@ -52,10 +53,12 @@ from megatron_rlhf.engine.run.checkpointing import (
 from megatron_rlhf.engine.run.evaluation import HeldOutEvaluator, eval_metrics, hacking_report
 from megatron_rlhf.engine.run.export import HFExporter
 from megatron_rlhf.engine.step.ppo import PPOAlgorithm
+from megatron_rlhf.generation.episodes import EpisodeConfig
 from megatron_rlhf.models.hf_tokenizer import HFTokenizer, checkpoint_tokenizer
 from megatron_rlhf.models.prompting import encode_prompt
 from megatron_rlhf.models.tokenizer import Tokenizer, load_tokenizer
 from megatron_rlhf.rewards import RewardFunctions
+from megatron_rlhf.rewards.tools import CALL_CLOSE, Tools
 from megatron_rlhf.runtime.bootstrap import initialize_runtime
 from megatron_rlhf.runtime.checkpoint_store import check_writable_dir, select_checkpoint
 from megatron_rlhf.runtime.context import RunContext
@@ -256,6 +259,27 @@ def function_rewards_for(config: RunConfig, tokenizer: Tokenizer | HFTokenizer
                                            reward.workers), tokenizer.decode)
 
 
+def episode_rollouts_for(config: RunConfig, tokenizer: Tokenizer | HFTokenizer
+                         ) -> EpisodeRollouts | None:
+    """Multi-turn rollouts with the configured tools (``rollout.tools``) or environment
+    (``rollout.environment``), or None."""
+    rollout = config.rollout
+    if not rollout.multi_turn:
+        return None
+    environment = rollout.environment_spec
+    bounds = EpisodeConfig(rollout.max_turns, rollout.max_episode_tokens,
+                           config.generation.max_new_tokens,
+                           stop=None if environment else CALL_CLOSE)
+    if environment is not None:
+        return EpisodeRollouts(bounds, tokenizer.encode, tokenizer.decode,
+                               environment=environment,
+                               encode_prompt=lambda text: encode_prompt(
+                                   tokenizer, text, None, config.prompts.chat_template))
+    return EpisodeRollouts(bounds, tokenizer.encode, tokenizer.decode,
+                           tools=Tools(rollout.tool_specs, rollout.tool_on_error,
+                                       rollout.tool_timeout_s, rollout.tool_workers))
+
+
 def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
     """Run PPO as configured; returns the run directory. Every rank calls it.
 
@@ -299,6 +323,7 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
                          MemoryMeter(enabled=True))
     run_dir = Path(config.run_dir)
     function_rewards = function_rewards_for(config, tokenizer)  # its workers start when used
+    episodes = episode_rollouts_for(config, tokenizer)  # so do the tools'
     with context.stage("setup", signature=_shape_signature(config)):
         resume_from = select_checkpoint(candidates) if candidates else None
         if resume_from is not None:
@@ -317,7 +342,8 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
         eos = getattr(tokenizer, "eos_ids", tokenizer.eos_id)
         engine = build_engine(config, plan, eos, tokenizer.pad_id,
                               load_initial=resume_from is None, sources=sources,
-                              context=context, token_vocab_size=tokenizer.vocab_size)
+                              context=context, token_vocab_size=tokenizer.vocab_size,
+                              episodes=episodes)
         algorithm = PPOAlgorithm(engine, config.algorithm, config.rollout, config.reward,
                                  config.runtime.seed, prompts.batch, config.steps,
                                  rule_reward_for(config, tokenizer),
@@ -340,6 +366,8 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
     finally:
         if function_rewards is not None:
             function_rewards.close()  # the worker processes, also when a step raised
+        if episodes is not None:
+            episodes.close()
     return run_dir
 
 

@@ -37,6 +37,7 @@ from megatron_rlhf.algorithms import (
 from megatron_rlhf.config.ppo_run import RewardConfig, RolloutConfig
 from megatron_rlhf.data.demonstrations import DemonstrationStream
 from megatron_rlhf.engine.execution.batch import DistBatch, concat
+from megatron_rlhf.engine.execution.episodes import episode_metrics
 from megatron_rlhf.engine.execution.function_rewards import FunctionRewards, Record
 from megatron_rlhf.engine.execution.ppo_engine import PPOEngine, RuleReward
 from megatron_rlhf.engine.step.dynamic_sampling import (
@@ -208,6 +209,7 @@ class PPOAlgorithm:
                     self.rollout.samples_per_prompt,
                     self._function_specs, self._overlong)
             metrics.update(advantage_metrics)
+            metrics.update(episode_metrics(batch.fields))
             bad = nonfinite_experience(batch.fields)
             if bad:
                 self.load_state_dict(before)  # the KL controller must not learn from NaNs
@@ -230,14 +232,16 @@ class PPOAlgorithm:
         source = self.prompts(step, round_index) if round_index else self.prompts(step)
         prompts, ids = sample_rows(*source, n)
         records = None
-        if self.function_rewards is not None and self.records is not None:
+        wanted = self.function_rewards is not None or engine.episodes is not None
+        if wanted and self.records is not None:
             chosen = self.records(step, round_index) if round_index else self.records(step)
             records = [record for record in chosen for _ in range(n)]
         size = len(prompts) // self.rollout.pipeline_chunks
         parts = []
         for chunk, start in enumerate(range(0, len(prompts), size)):
             rollout = engine.generate_rollout(prompts[start:start + size],
-                                                ids[start:start + size], chunk)
+                                                ids[start:start + size], chunk,
+                                                records[start:start + size] if records else None)
             parts.append(engine.make_experience(
                 rollout, engine.generation.temperature, self.rule_reward, chunk,
                 self.function_rewards, records[start:start + size] if records else None))

@@ -1,0 +1,131 @@
+"""Multi-turn rollouts on a generating replica: tool calls or an environment between replies.
+
+The engine hands a generating rank's prompts (with their records) to :class:`EpisodeRollouts`,
+which runs ``generation/episodes.py``'s turn loop over the rank's model
+(``ModelWorker.generate``) and answers the replies: tool calls with ``rewards/tools.py``'s
+:class:`Tools` (in worker processes), or every reply with one ``rewards/environments.py``
+environment per episode (in this process: it keeps state). An answer is wrapped in the tool or
+user message format and encoded once; those tokens are the observation the policy reads and
+the tokens trained on (masked out of every loss). The episode counts and the environment's
+summed reward travel with the rollout as ``[b]`` fields (:data:`STAT_FIELDS`); the reward joins
+the sequence score, the counts become the step's ``rollout/*`` metrics
+(:func:`episode_metrics`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from megatron_rlhf.engine.execution.workers import ModelWorker
+from megatron_rlhf.generation import GenerationConfig, GenerationOutput
+from megatron_rlhf.generation.episodes import (
+    EPISODE_STATS,
+    EpisodeConfig,
+    Observation,
+    run_episodes,
+)
+from megatron_rlhf.rewards.environments import EnvironmentSpec
+from megatron_rlhf.rewards.tools import ToolCall, Tools
+
+STAT_FIELDS = {name: f"episode_{name}" for name in EPISODE_STATS}
+"""Episode count -> the rollout field that carries it."""
+
+TOOL_MESSAGE = "\n<tool_response>\n{answer}\n</tool_response>\n"
+"""The plain-text tool message (Qwen2.5's ``tool_response`` tags) the built-in tokenizer reads
+a tool's answer in."""
+
+USER_MESSAGE = "\n{observation}\n"
+"""The plain-text user message an environment's observation is read in."""
+
+
+class EpisodeRollouts:
+    """Episodes with tools or an environment on the ranks that generate.
+
+    Args:
+        config: the episode's bounds (``rollout.max_turns``, ``rollout.max_episode_tokens``,
+            ``generation.max_new_tokens`` per reply); ``stop`` None with an environment.
+        encode: text to token ids (the run's tokenizer, no BOS or EOS).
+        decode: token ids to text.
+        tools: the configured tools and their worker pool (or ``environment``).
+        environment: the configured environment (or ``tools``).
+        encode_prompt: an environment's first user message to prompt ids (BOS or the chat
+            template, as the prompt set's prompts); default ``encode``.
+    """
+
+    def __init__(self, config: EpisodeConfig, encode: Callable[[str], list[int]],
+                 decode: Callable[[list[int]], str], tools: Tools | None = None,
+                 environment: EnvironmentSpec | None = None,
+                 encode_prompt: Callable[[str], list[int]] | None = None) -> None:
+        if (tools is None) == (environment is None):
+            raise ValueError("give tools or an environment")
+        self.config = config
+        self.tools = tools
+        self.environment = environment
+        self.encode = encode
+        self.decode = decode
+        self.encode_prompt = encode_prompt or encode
+
+    def run(self, worker: ModelWorker, prompts: Sequence[Sequence[int]],
+            prompt_indices: Sequence[int], records: Sequence[tuple[int, Mapping[str, Any]]],
+            generation: GenerationConfig, eos_id: int | tuple[int, ...], pad_id: int
+            ) -> tuple[GenerationOutput, dict[str, torch.Tensor]]:
+        """One episode per prompt on ``worker``'s model; the batch and its ``STAT_FIELDS``."""
+        def generate(contexts: list[list[int]], ids: list[int], max_new: int
+                     ) -> GenerationOutput:
+            return worker.generate(contexts, ids, replace(generation, max_new_tokens=max_new),
+                                   eos_id, pad_id)
+
+        def answer_tools(calls: list[tuple[int, str]]) -> list[Observation]:
+            answers = self.tools.call([ToolCall(text, records[row][1], records[row][0])
+                                       for row, text in calls])
+            return [Observation(self.encode(TOOL_MESSAGE.format(answer=answer.text)),
+                                answer.failed, answer.seconds) for answer in answers]
+
+        if self.environment is not None:
+            envs = [self.environment.make(record, index) for index, record in records]
+            firsts = [env.reset() for env in envs]
+            prompts = [list(prompt) if first is None else self.encode_prompt(first)
+                       for prompt, first in zip(prompts, firsts, strict=True)]
+
+            def answer_environment(calls: list[tuple[int, str]]) -> list[Observation]:
+                observations = []
+                for row, text in calls:
+                    observation, reward, done = envs[row].step(text)
+                    tokens = ([] if observation is None else
+                              self.encode(USER_MESSAGE.format(observation=observation)))
+                    observations.append(Observation(tokens, reward=reward,
+                                                    done=done or observation is None))
+                return observations
+
+        respond = answer_tools if self.environment is None else answer_environment
+        eos_ids = list(eos_id) if isinstance(eos_id, tuple | list) else [eos_id]
+        episodes = run_episodes(generate, prompts, prompt_indices, self.config, self.decode,
+                                respond, eos_ids, pad_id)
+        device = episodes.output.input_ids.device
+        return episodes.output, {STAT_FIELDS[name]: value.to(device)
+                                 for name, value in episodes.stats.items()}
+
+    def close(self) -> None:
+        """Stop the tools' worker processes."""
+        if self.tools is not None:
+            self.tools.close()
+
+
+def episode_metrics(fields: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """The step's ``rollout/*`` metrics from the rows' episode counts (empty without them):
+    means per episode of turns, tool calls, failed calls and observation tokens, the share of
+    truncated episodes, and the mean seconds of a tool call."""
+    if STAT_FIELDS["turns"] not in fields:
+        return {}
+    stats = {name: fields[field].float() for name, field in STAT_FIELDS.items()}
+    calls = float(stats["tool_calls"].sum())
+    metrics = {f"rollout/{name}": float(stats[name].mean())
+               for name in ("turns", "tool_calls", "tool_errors", "observation_tokens",
+                            "truncated")}
+    metrics["rollout/environment_reward"] = float(stats["reward"].mean())
+    metrics["rollout/tool_latency_s"] = float(stats["tool_seconds"].sum()) / calls if calls else 0.0
+    return metrics

@@ -1,0 +1,228 @@
+"""Multi-turn episodes: the policy replies, a tool or an environment answers, the policy goes on.
+
+    episodes = run_episodes(generate, prompts, noise_ids, EpisodeConfig(max_turns=4,
+                            max_episode_tokens=96, turn_tokens=32, stop="</tool_call>"),
+                            decode, respond)
+
+Token in, token out: an episode is its prompt, then for each turn the tokens the policy sampled
+(``response_mask`` 1) and the observation's tokens as ``respond`` produced them (mask 0). Nothing
+is decoded and encoded again: the next turn's context is these very tokens, and so is the row
+trained on. Each turn is one batched ``generate`` call over the episodes still running (their
+contexts are re-prefilled); a reply ends at EOS, at ``turn_tokens``, or right after the token that
+completes ``stop`` (the tokens sampled after it are dropped). With a ``stop`` text (tools), a
+reply that ends at it is handed to ``respond``, whose observation is appended, and any other
+reply ends its episode; without one (an environment), every reply is handed to ``respond``,
+whose observation may end the episode (``done``) and carries a reward. An episode also ends,
+marked truncated, when a reply's observation would not fit in ``max_episode_tokens`` with room
+for one more token, when its tokens reach that bound without EOS, or when its last allowed turn
+was answered without ending it.
+
+The layout is ``generate_sequences``' (``GenerationOutput``): prompts left-padded, the episode
+after them right-padded; ``response_mask`` is the loss mask (sampled tokens only) and
+``attention_mask`` covers observations too, so every loss, KL and entropy term and every token
+count that reads ``response_mask`` leaves observations out, while every forward reads them.
+Sampling noise of turn ``t`` of a row with noise id ``i`` is keyed ``i * max_turns + t``: a
+row's episode does not depend on the rank, the replica or the other rows of its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron_rlhf.generation.output import GenerationOutput, MicroBatchWork
+
+EPISODE_STATS = ("turns", "tool_calls", "tool_errors", "observation_tokens", "truncated",
+                 "tool_seconds", "reward")
+"""Per-row counts an episode batch carries (``Episodes.stats``)."""
+
+
+@dataclass(frozen=True)
+class EpisodeConfig:
+    """Bounds of an episode.
+
+    Attributes:
+        max_turns: replies per episode, >= 1.
+        max_episode_tokens: tokens after the prompt (replies and observations), >= 1.
+        turn_tokens: most tokens of one reply (``generation.max_new_tokens``), >= 1.
+        stop: the text that ends a reply which calls a tool; None: every reply is answered
+            (an environment).
+    """
+
+    max_turns: int
+    max_episode_tokens: int
+    turn_tokens: int
+    stop: str | None = "</tool_call>"
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_episode_tokens", "turn_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.stop == "":
+            raise ValueError("stop must be a non-empty text, or None")
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What ``respond`` gives back for one reply."""
+
+    tokens: list[int]
+    """The observation as the tokenizer encoded it (appended as is, mask 0)."""
+    failed: bool = False
+    """The tool call failed (counted in ``tool_errors``)."""
+    seconds: float = 0.0
+    """How long the tool took."""
+    reward: float = 0.0
+    """The environment's reward for the reply (summed over the episode)."""
+    done: bool = False
+    """The environment ended the episode (``tokens`` are not appended)."""
+
+
+Generate = Callable[[list[list[int]], list[int], int], GenerationOutput]
+"""``(contexts, noise ids, max new tokens) -> one reply per context`` (``generate_sequences``)."""
+
+Respond = Callable[[list[tuple[int, str]]], list[Observation]]
+"""``[(row, reply text)]`` of the replies to answer -> their observations."""
+
+
+@dataclass
+class Episodes:
+    """A batch of finished episodes."""
+
+    output: GenerationOutput
+    """The rows, in ``generate_sequences``' layout (module docstring)."""
+    stats: dict[str, torch.Tensor]
+    """:data:`EPISODE_STATS` -> ``[b]`` float32 per row."""
+
+
+@dataclass
+class _Episode:
+    """One row's episode while it runs."""
+
+    prompt: list[int]
+    tokens: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    policy_logprobs: list[float]
+    done: bool = False
+
+    def append(self, tokens: Sequence[int], logprobs: Sequence[float] = (),
+               policy_logprobs: Sequence[float] = ()) -> None:
+        """Add sampled tokens (with their log-probs) or observation tokens (without)."""
+        sampled = bool(logprobs)
+        self.tokens += tokens
+        self.loss_mask += [int(sampled)] * len(tokens)
+        self.logprobs += logprobs if sampled else [0.0] * len(tokens)
+        self.policy_logprobs += policy_logprobs if sampled else [0.0] * len(tokens)
+
+
+def stop_cut(tokens: Sequence[int], decode: Callable[[list[int]], str], stop: str) -> int | None:
+    """The length of the shortest prefix of ``tokens`` whose text contains ``stop``; None when
+    the whole text does not."""
+    if stop not in decode(list(tokens)):
+        return None
+    return next(k for k in range(1, len(tokens) + 1) if stop in decode(list(tokens[:k])))
+
+
+def run_episodes(generate: Generate, prompts: Sequence[Sequence[int]],
+                 noise_ids: Sequence[int], config: EpisodeConfig,
+                 decode: Callable[[list[int]], str], respond: Respond,
+                 eos_ids: Sequence[int], pad_id: int) -> Episodes:
+    """Run one episode per prompt (module docstring).
+
+    Args:
+        generate: samples one reply per context; every rank that must agree on the tokens
+            calls it with the same contexts.
+        prompts: token ids of each prompt.
+        noise_ids: a global, non-negative id per prompt (as ``generate_sequences``'
+            ``prompt_indices``).
+        config: the episode's bounds.
+        decode: token ids to text (to find ``config.stop`` and to hand replies to ``respond``).
+        respond: the observations of the replies that called a tool (every reply without
+            ``config.stop``).
+        eos_ids: the tokens that end a reply (an episode cut short without one is truncated).
+        pad_id: fills padding positions.
+    """
+    episodes = [_Episode(list(p), [], [], [], []) for p in prompts]
+    stats = {name: [0.0] * len(prompts) for name in EPISODE_STATS}
+    work: list[MicroBatchWork] = []
+    device = torch.device("cpu")
+    for turn in range(config.max_turns):
+        rows = [r for r, episode in enumerate(episodes) if not episode.done]
+        if not rows:
+            break
+        room = {r: config.max_episode_tokens - len(episodes[r].tokens) for r in rows}
+        out = generate([episodes[r].prompt + episodes[r].tokens for r in rows],
+                       [noise_ids[r] * config.max_turns + turn for r in rows],
+                       min(config.turn_tokens, max(room.values())))
+        work += out.micro_batches
+        device = out.input_ids.device
+        lengths = out.response_lengths.tolist()
+        replies, logprobs, policy = (t.cpu().tolist() for t in (
+            out.responses, out.response_logprobs, out.response_policy_logprobs))
+        calling = []
+        for i, r in enumerate(rows):
+            n = min(lengths[i], room[r])
+            cut = stop_cut(replies[i][:n], decode, config.stop) if config.stop else None
+            n = cut if cut is not None else n
+            episode = episodes[r]
+            episode.append(replies[i][:n], logprobs[i][:n], policy[i][:n])
+            stats["turns"][r] += 1
+            # the episode ran out of room before the reply ended by itself
+            full = n == room[r] and cut is None and replies[i][n - 1] not in eos_ids
+            stats["truncated"][r] = float(full)
+            if cut is not None or config.stop is None:
+                calling.append((r, decode(replies[i][:n])))
+            episode.done = cut is None
+        for (r, _), observation in zip(calling, respond(calling) if calling else [],
+                                       strict=True):
+            episode = episodes[r]
+            stats["tool_calls"][r] += float(config.stop is not None)
+            stats["tool_errors"][r] += float(observation.failed)
+            stats["tool_seconds"][r] += observation.seconds
+            stats["reward"][r] += observation.reward
+            if observation.done or stats["truncated"][r]:
+                episode.done = True
+                continue
+            if (turn + 1 == config.max_turns or len(episode.tokens) + len(observation.tokens)
+                    >= config.max_episode_tokens):
+                episode.done = True
+                stats["truncated"][r] = 1.0
+                continue
+            episode.done = False
+            episode.append(observation.tokens)
+            stats["observation_tokens"][r] += len(observation.tokens)
+    output = _assemble(episodes, pad_id, tuple(work), device)
+    return Episodes(output, {name: torch.tensor(values, dtype=torch.float32)
+                             for name, values in stats.items()})
+
+
+def _assemble(episodes: Sequence[_Episode], pad_id: int, work: tuple[MicroBatchWork, ...],
+              device: torch.device) -> GenerationOutput:
+    """The batch layout of ``generate_sequences`` from each row's episode."""
+    b = len(episodes)
+    width = max(len(e.prompt) for e in episodes)
+    steps = max(len(e.tokens) for e in episodes)
+    input_ids = torch.full((b, width + steps), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(b, width + steps, dtype=torch.long)
+    response_mask = torch.zeros(b, steps, dtype=torch.long)
+    logprobs = torch.zeros(b, steps, dtype=torch.float32)
+    policy_logprobs = torch.zeros(b, steps, dtype=torch.float32)
+    for row, e in enumerate(episodes):
+        p, n = len(e.prompt), len(e.tokens)
+        input_ids[row, width - p:width + n] = torch.tensor(e.prompt + e.tokens, dtype=torch.long)
+        attention_mask[row, width - p:width + n] = 1
+        response_mask[row, :n] = torch.tensor(e.loss_mask, dtype=torch.long)
+        logprobs[row, :n] = torch.tensor(e.logprobs, dtype=torch.float32)
+        policy_logprobs[row, :n] = torch.tensor(e.policy_logprobs, dtype=torch.float32)
+    input_ids, attention_mask, response_mask, logprobs, policy_logprobs = (
+        t.to(device) for t in (input_ids, attention_mask, response_mask, logprobs,
+                               policy_logprobs))
+    prompt_mask = attention_mask[:, :width].clone()
+    return GenerationOutput(
+        input_ids=input_ids, attention_mask=attention_mask, prompt_mask=prompt_mask,
+        response_mask=response_mask, response_logprobs=logprobs,
+        response_policy_logprobs=policy_logprobs, prompt_lengths=prompt_mask.sum(dim=1),
+        response_lengths=attention_mask[:, width:].sum(dim=1), micro_batches=work)

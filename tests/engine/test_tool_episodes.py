@@ -1,0 +1,114 @@
+"""Multi-turn GRPO with a user's tool module outside the package, on 2 gloo ranks.
+
+The tool (a ``calculator`` in a module written to ``tmp_path``) runs in the worker pool of each
+generating rank. A stand-in codec makes every token id divisible by 5 decode as a whole
+calculator call, so the tiny random policy calls the tool often: episodes take several turns,
+observations are appended and some episodes are truncated. Flattening and separation (shadows
+generate, trainers train, weights resynced every step) give the same metrics, the episode
+counts included.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.metrics import assert_metrics_match, even_token_share
+from tests.multirank import run_on_ranks
+
+CALL = ('<tool_call>{"name": "calculator", "arguments": {"a": 12, "b": 3, "op": "*"}}'
+        "</tool_call>")
+
+USER_MODULE = '''
+def calculator(arguments, record, scale=1):
+    a, b, op = int(arguments["a"]), int(arguments["b"]), arguments["op"]
+    return str({"+": a + b, "-": a - b, "*": a * b}[op] * scale)
+'''
+
+COMPARED = ("reward_mean", "kl", "policy_loss", "response_length", "actor/grad_norm",
+            "rollout/turns", "rollout/tool_calls", "rollout/tool_errors",
+            "rollout/observation_tokens", "rollout/truncated")
+
+
+def _decode(ids: list[int]) -> str:
+    return "".join(CALL if t % 5 == 0 else "x" for t in ids)
+
+
+def _encode(text: str) -> list[int]:
+    return [10 + ord(c) % 200 for c in text]
+
+
+def _run(module_dir: str) -> dict[str, list[dict[str, float]]]:
+    import sys
+
+    import torch
+
+    sys.path.insert(0, module_dir)
+    from megatron_rlhf.algorithms import PPOAlgorithmConfig
+    from megatron_rlhf.config.ppo_run import ModelsConfig, RewardConfig, RolloutConfig, RunConfig
+    from megatron_rlhf.engine.execution.episodes import EpisodeRollouts
+    from megatron_rlhf.engine.run.build import build_engine, make_plan
+    from megatron_rlhf.engine.step.ppo import PPOAlgorithm
+    from megatron_rlhf.generation import GenerationConfig
+    from megatron_rlhf.generation.episodes import EpisodeConfig
+    from megatron_rlhf.rewards.tools import Tools
+    from megatron_rlhf.runtime.bootstrap import initialize_runtime
+    from megatron_rlhf.topology.cluster import cluster_from_environment
+    from megatron_rlhf.topology.placement_config import PlacementConfig
+
+    initialize_runtime()
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 500, (int(n),), generator=generator).tolist()
+               for n in torch.randint(2, 9, (8,), generator=generator)]
+    records = [(i, {"id": i}) for i in range(8)]
+    results = {}
+    for strategy in ("flattening", "separation"):
+        config = RunConfig(
+            placement=PlacementConfig(strategy=strategy),
+            models=ModelsConfig(arch="tiny", init_seed=9),
+            rollout=RolloutConfig(prompts_per_step=2, samples_per_prompt=2, max_prompt_length=8,
+                                  micro_batch_size=2, tools=[{"name": "agent_tools:calculator",
+                                                              "kwargs": {"scale": 2}}],
+                                  max_turns=3, max_episode_tokens=64, tool_workers=1),
+            generation=GenerationConfig(max_new_tokens=6, seed=3),
+            reward=RewardConfig(model_weight=0.5, rule="none", rule_weight=1.0),
+            algorithm=PPOAlgorithmConfig(advantage_estimator="grpo"), steps=2)
+        config.actor_optimizer.lr = 1e-3
+        rollout = config.rollout
+        episodes = EpisodeRollouts(
+            EpisodeConfig(rollout.max_turns, rollout.max_episode_tokens, 6), _encode, _decode,
+            tools=Tools(rollout.tool_specs, timeout_s=30.0, workers=1))
+        engine = build_engine(config, make_plan(config, cluster_from_environment(None)),
+                              eos_id=3, pad_id=0, episodes=episodes)
+        algorithm = PPOAlgorithm(
+            engine, config.algorithm, config.rollout, config.reward, seed=5,
+            prompts=lambda s: (prompts[2 * s:2 * s + 2], [2 * s, 2 * s + 1]),
+            total_steps=2, rule_reward=even_token_share,
+            records=lambda s: records[2 * s:2 * s + 2])
+        try:
+            results[strategy] = [algorithm.step(s) for s in range(2)]
+        finally:
+            episodes.close()
+    return results
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_tool_episodes_give_the_same_metrics_under_flattening_and_separation(
+        tmp_path: Path) -> None:
+    (tmp_path / "agent_tools.py").write_text(USER_MODULE)
+    per_rank = run_on_ranks(_run, world_size=2, args=(str(tmp_path),), timeout_s=240,
+                            env={"PYTHONPATH": str(tmp_path)})
+    assert per_rank[0] == per_rank[1], "metrics must be identical on every rank"
+    results = per_rank[0]
+    for step, (metrics, ref) in enumerate(zip(results["separation"], results["flattening"],
+                                              strict=True)):
+        assert_metrics_match(metrics, ref, COMPARED, f"separation step {step} vs flattening")
+    for metrics in results["flattening"]:
+        assert metrics["rollout/turns"] > 1 and metrics["rollout/tool_calls"] > 0
+        assert metrics["rollout/tool_errors"] == 0
+        assert metrics["rollout/observation_tokens"] > 0
+        assert metrics["rollout/tool_latency_s"] > 0
+        assert metrics["rollout/logprob_diff_max"] < 2e-5, json.dumps(metrics)
