@@ -98,8 +98,8 @@ def run_pipeline(run_dir: str | Path, data_paths: Sequence[str], ppo_overrides: 
     initialize_runtime()
     seconds: dict[str, float] = {}
     with _timed(seconds, "sft"):
-        task = load_config(RunConfig, EXAMPLES / "ppo_pipeline.yaml",
-                           ppo_overrides).prompts.synthetic
+        ppo_settings = load_config(RunConfig, EXAMPLES / "ppo_pipeline.yaml", ppo_overrides)
+        task = ppo_settings.prompts.synthetic
         train, held_out = _write_data(run_dir, data_paths, task)
         data = [f"data.paths=[{','.join(train)}]"]
         if held_out:
@@ -114,9 +114,11 @@ def run_pipeline(run_dir: str | Path, data_paths: Sequence[str], ppo_overrides: 
                           *data, *rm_overrides])
         run_reward_training(rm)
     evaluation = [f"evaluation.paths=[{','.join(held_out)}]"] if held_out else []
+    # reward.model_weight=0 runs PPO without a reward model: the trained one is left out.
+    reward = ([f"models.reward_checkpoint={run_dir / 'rm' / CHECKPOINT_DIR}"]
+              if ppo_settings.reward.model_weight else [])
     ppo = load_config(RunConfig, EXAMPLES / "ppo_pipeline.yaml", [
-        f"run_dir={run_dir / 'ppo'}", f"models.actor_checkpoint={sft_checkpoint}",
-        f"models.reward_checkpoint={run_dir / 'rm' / CHECKPOINT_DIR}",
+        f"run_dir={run_dir / 'ppo'}", f"models.actor_checkpoint={sft_checkpoint}", *reward,
         f"tokenizer.model_path={run_dir / 'sft' / TOKENIZER_FILE}",
         f"prompts.paths=[{','.join(train)}]", *evaluation, *ppo_overrides])
     if held_out:

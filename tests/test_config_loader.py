@@ -45,7 +45,7 @@ def test_override_paths_are_relative_to_the_working_directory_and_saved_absolute
     monkeypatch.chdir(tmp_path)
     config = load_config(RunConfig, EXAMPLES / "ppo_tiny.yaml",
                          ["prompts.paths=[data/train.jsonl]", "models.reward_checkpoint=rm",
-                          "models.actor_checkpoint=''"])
+                          "reward.model_weight=1", "models.actor_checkpoint=''"])
     assert config.prompts.paths == [str(tmp_path / "data" / "train.jsonl")]
     assert (config.models.reward_checkpoint, config.models.actor_checkpoint) == (
         str(tmp_path / "rm"), "")

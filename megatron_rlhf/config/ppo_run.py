@@ -56,7 +56,8 @@ class ModelsConfig:
         actor_checkpoint: checkpoint directory of the initial policy (SFT): a megatron_rlhf
             checkpoint or a Hugging Face ``...ForCausalLM`` directory; or empty.
         reward_checkpoint: checkpoint directory of the reward model: a megatron_rlhf checkpoint
-            or a Hugging Face ``...ForSequenceClassification`` directory; or empty.
+            or a Hugging Face ``...ForSequenceClassification`` directory; or empty. Refused with
+            ``reward.model_weight=0``, which runs no reward model.
         critic_from_reward: initialise the critic from the reward model (InstructGPT); else from
             ``init_seed``.
         params_dtype: ``auto`` (``bfloat16`` with CUDA, ``float32`` on CPU), ``float32`` or
@@ -309,7 +310,9 @@ class RewardConfig:
     """How a response is scored: ``model_weight * rm + rule_weight * rule + sum_f weight_f * f``.
 
     Attributes:
-        model_weight: weight of the reward model's score.
+        model_weight: weight of the reward model's score. 0: no reward model is placed or run
+            (the score is the rule's and the functions'), and ``models.reward_checkpoint`` must
+            be empty; > 0 without a checkpoint scores with a freshly initialised reward model.
         rule: a rule-based reward added to it: ``synthetic`` (the shipped task's rule, on decoded
             text) or ``none``.
         rule_weight: weight of the rule's score.
@@ -655,13 +658,14 @@ class RunConfig:
     """Record a per-rank timeline into ``<run_dir>/timeline.json`` (Chrome trace format)."""
 
     def __post_init__(self) -> None:
-        """Fits the placement to the algorithm: a critic-free estimator places no critic.
+        """Fits the placement to the algorithm: a critic-free estimator places no critic, and
+        ``reward.model_weight=0`` no reward model.
 
         Raises:
             ValueError: negative steps, no new tokens, an option that needs a critic (AC-Share,
                 a critic ratio, interleaving2) with a critic-free estimator, critic-free ratios
-                with gae, fewer than 2 samples per prompt for grpo or rloo, or an option
-                Megatron-FSDP cannot serve.
+                with gae, fewer than 2 samples per prompt for grpo or rloo, a reward checkpoint
+                with ``reward.model_weight=0``, or an option Megatron-FSDP cannot serve.
         """
         # Settings built in Python as a plain OptimizerSettings take their role's section, so
         # refusals name it and the YAML written for the run loads back.
@@ -681,6 +685,7 @@ class RunConfig:
                 "reinforce++, or leave placement.critic alone (it follows the estimator)")
         if not algorithm.uses_critic and placement.critic:
             self.placement = replace(placement, critic=False)
+        self._fit_reward_model()
         self.placement.role_ratios()
         self._check_fsdp()
         self._check_optimizer_sharding()
@@ -699,6 +704,22 @@ class RunConfig:
                 f"rollout.samples_per_prompt({n}) must be >= 2 for algorithm.advantage_estimator="
                 f"{algorithm.advantage_estimator!r}: the baseline of a response is the other "
                 "responses to its prompt; e.g. rollout.samples_per_prompt=4")
+
+    def _fit_reward_model(self) -> None:
+        """Place a reward model exactly when its score is used (``reward.model_weight`` != 0)."""
+        weight, checkpoint = self.reward.model_weight, self.models.reward_checkpoint
+        if weight == 0 and checkpoint:
+            raise ValueError(
+                f"models.reward_checkpoint={checkpoint} is given but reward.model_weight=0 "
+                "runs no reward model: set reward.model_weight > 0 to score with it, or drop "
+                "models.reward_checkpoint")
+        if weight != 0 and not self.placement.reward:
+            raise ValueError(
+                f"placement.reward=false but reward.model_weight={weight} scores with a reward "
+                "model: set reward.model_weight=0, or leave placement.reward alone (it follows "
+                "reward.model_weight)")
+        if weight == 0 and self.placement.reward:
+            self.placement = replace(self.placement, reward=False)
 
     @property
     def ptx_rows(self) -> int:

@@ -14,7 +14,11 @@ dispatcher its all-to-all or all-gather one over the model's expert-parallel gro
 global expert index in full states (``models.weights``), so a checkpoint does not depend on EP.
 
 Routing replay uses megatron's ``RouterReplay`` (``moe_enable_routing_replay``), driven per model
-rather than through its process-wide list, since a process may hold several MoE models.
+rather than through its process-wide list, since a process may hold several MoE models. Recorded
+routes follow the router's input order (padded ``[s * b]`` or packed); :func:`routes_to_rows`
+turns them into ``[b, s, layers, topk]`` by row and position, which :func:`rows_to_routes` lays
+out again for a forward over any subset of the rows, padded or packed (TP = 1 or without
+sequence parallelism: under it each TP rank routes its own sequence chunk).
 """
 
 from __future__ import annotations
@@ -187,3 +191,41 @@ def replaying_routes(model: torch.nn.Module, routes: list[torch.Tensor]) -> Iter
         for replay in replays:
             replay.clear_router_replay_action()
             replay.clear_indices()
+
+
+def routes_to_rows(routes: list[torch.Tensor], shape: tuple[int, int],
+                   packed_index: torch.Tensor | None = None) -> torch.Tensor:
+    """Recorded routes of one forward -> ``[b, s, layers, topk]`` int64 by row and position
+    (-1 at padding), a layout that micro-batches of other sizes or packing can replay.
+
+    Args:
+        routes: :func:`recording_routes`' tensors, one ``[tokens, topk]`` per MoE layer.
+        shape: ``(b, s)`` of the padded micro-batch.
+        packed_index: ``PackedRows.index`` when the forward ran packed (tokens in packed order),
+            None for the padded ``[s * b]`` order.
+    """
+    rows, seq = shape
+    stacked = torch.stack(routes, dim=1)  # [tokens, layers, topk]
+    if packed_index is None:
+        return stacked.view(seq, rows, *stacked.shape[1:]).transpose(0, 1).contiguous()
+    out = stacked.new_full((rows * seq, *stacked.shape[1:]), -1)
+    out[packed_index] = stacked[:packed_index.numel()]
+    return out.view(rows, seq, *stacked.shape[1:])
+
+
+def rows_to_routes(rows: torch.Tensor, packed_index: torch.Tensor | None = None,
+                   packed_length: int = 0) -> list[torch.Tensor]:
+    """``[b, s, layers, topk]`` routes (:func:`routes_to_rows`) -> one ``[tokens, topk]`` per
+    layer in the order of a forward over those rows: padded (``packed_index`` None) or packed
+    into ``packed_length`` tokens. Tokens without a route (padding, the packed tail; their
+    outputs are never read) go to experts ``0 .. topk-1``.
+    """
+    b, s, layers, topk = rows.shape
+    fallback = torch.arange(topk, device=rows.device).expand(layers, topk)
+    if packed_index is None:
+        tokens = rows.transpose(0, 1).reshape(s * b, layers, topk)
+    else:
+        tokens = fallback.expand(packed_length, layers, topk).clone()
+        tokens[:packed_index.numel()] = rows.reshape(b * s, layers, topk)[packed_index]
+    tokens = torch.where(tokens < 0, fallback, tokens)
+    return list(tokens.unbind(dim=1))

@@ -43,7 +43,8 @@ ArchLike = str | ArchSpec
 DEFAULT_RATIO_GRID = ((1.0, 1.0, 0.25, 0.25), (1.0, 1.0, 0.5, 0.25), (1.0, 1.0, 0.25, 0.5),
                       (0.5, 0.5, 0.25, 0.25))
 """Custom ratio vectors over [actor, critic, ref, reward] tried besides the presets (without a
-critic, the critic entry is dropped)."""
+critic, the critic entry is dropped; without a reward model, vectors that differ only in the reward
+entry are tried once)."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,8 @@ class SearchSpace:
         ac_share: plan with AC-Share (no critic).
         critic: plan a value model at all; False prices the three-model step of the critic-free
             estimators (grpo, rloo, reinforce++), without interleaving2.
+        reward: plan a reward model at all; False prices a step scored by rules and reward
+            functions alone (``reward.model_weight=0``).
         distributed_optimizer: shard optimizer state over DP (never costs time, saves memory).
         memory_options: the memory options the planner may add to every candidate
             (``memory.MEMORY_OPTIONS``).
@@ -73,6 +76,7 @@ class SearchSpace:
     ratio_grid: tuple[tuple[float, float, float, float], ...] = DEFAULT_RATIO_GRID
     ac_share: bool = False
     critic: bool = True
+    reward: bool = True
     distributed_optimizer: bool = True
     memory_options: tuple[str, ...] = MEMORY_OPTIONS
 
@@ -145,7 +149,7 @@ def candidate_configs(cluster: ClusterSpec, archs: list[ArchSpec],
     def wanted(strategy: str) -> bool:
         return space.strategies is None or strategy in space.strategies
 
-    common = {"ac_share": space.ac_share, "critic": space.critic,
+    common = {"ac_share": space.ac_share, "critic": space.critic, "reward": space.reward,
               "distributed_optimizer": space.distributed_optimizer}
     with_critic = space.critic and not space.ac_share
     shadow_roles = ("shadow_actor", "shadow_critic") if with_critic else ("shadow_actor",)
@@ -153,6 +157,11 @@ def candidate_configs(cluster: ClusterSpec, archs: list[ArchSpec],
                                                                                 INTERLEAVING)
     grid = ([list(r) for r in space.ratio_grid] if space.critic
             else list(dict.fromkeys((r[0], r[2], r[3]) for r in space.ratio_grid)))
+    if not space.reward:  # the reward entry is unused: one vector per placed roles' ratios
+        firsts: dict[tuple, list[float]] = {}
+        for ratios in grid:
+            firsts.setdefault(tuple(ratios[:-1]), list(ratios))
+        grid = list(firsts.values())
     found: list[PlacementConfig] = []
     for tp in tps:
         for pp in pps:
@@ -161,7 +170,8 @@ def candidate_configs(cluster: ClusterSpec, archs: list[ArchSpec],
             if wanted(INTERLEAVING) and pp // 2 in pps:
                 # ref and reward each get half the devices: half the pipeline lets the trainers
                 # keep a deep one (llama-65b on 2x8 fits only so).
-                halves = {role: ParallelOverride(pp=pp // 2) for role in (REF, REWARD)}
+                halves = {role: ParallelOverride(pp=pp // 2)
+                          for role in ((REF, REWARD) if space.reward else (REF,))}
                 found.append(PlacementConfig(INTERLEAVING, tp=tp, pp=pp, parallel=halves,
                                              **common))
             if wanted(CUSTOM):

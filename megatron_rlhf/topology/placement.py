@@ -85,8 +85,8 @@ def plan_placement(cluster: ClusterSpec, config: PlacementConfig,
         config: strategy or ratios, separation split, parallelism.
         models: one architecture (preset name or ``ArchSpec``) for every model, or one per role
             among actor, critic, ref and reward (critic may be left out under AC-Share and
-            without a critic, ``config.critic=False``). Shadows
-            take the architecture of the model they copy.
+            without a critic, ``config.critic=False``; reward without a reward model,
+            ``config.reward=False``). Shadows take the architecture of the model they copy.
 
     Returns:
         The validated plan.
@@ -133,7 +133,7 @@ def resolve_models(config: PlacementConfig,
             divisible by tp).
     """
     archs = _archs(config, models)
-    roles = [ACTOR, CRITIC, REF, REWARD] if config.places_critic else [ACTOR, REF, REWARD]
+    roles = list(config.base_roles)
     if config.separated:
         roles += [SHADOW_ACTOR, SHADOW_CRITIC] if config.places_critic else [SHADOW_ACTOR]
     specs = {}
@@ -155,7 +155,7 @@ def _archs(config: PlacementConfig, models: ArchLike | Mapping[str, ArchLike]
            ) -> dict[str, ArchSpec]:
     if isinstance(models, str | ArchSpec):
         models = {role: models for role in (ACTOR, CRITIC, REF, REWARD)}
-    needed = (ACTOR, CRITIC, REF, REWARD) if config.places_critic else (ACTOR, REF, REWARD)
+    needed = config.base_roles
     missing = [role for role in needed if role not in models]
     if missing:
         hint = " (or set placement.ac_share=True to drop the critic)" if config.places_critic else ""

@@ -73,7 +73,9 @@ class PlacementConfig:
         strategy: one of ``STRATEGIES``. ``custom`` takes ``ratios``.
         ratios: fraction of devices per model over ``[actor, critic, ref, reward]``, each in
             (0, 1]; only with ``strategy="custom"``. Under AC-Share the critic entry is unused;
-            without a critic (``critic=False``) the list is ``[actor, ref, reward]``.
+            without a critic (``critic=False``) the list is ``[actor, ref, reward]``. Without a
+            reward model (``reward=False``) the list keeps its length and its reward entry is
+            unused, so a run switches its reward model off without rewriting its ratios.
         train_fraction: under ``separation``, the fraction of nodes (of devices on a one-node
             cluster) that hold the trainable actor and critic; the rest hold the shadows, ref
             and reward.
@@ -83,6 +85,10 @@ class PlacementConfig:
             reinforce++): actor, ref and reward are placed (and a shadow actor under
             separation), nothing else. ``RunConfig`` sets it from
             ``algorithm.advantage_estimator``.
+        reward: a reward model is used at all. False when the score comes from rules and
+            reward functions alone (``reward.model_weight=0``): no reward model is placed or
+            run, the reference model's ranks score the answers. ``RunConfig`` sets it from
+            ``reward.model_weight``.
         tp: default tensor-parallel size of every model.
         pp: default pipeline-parallel size of every model except the shadows, which default to
             ``pp=1`` (generation wants no pipeline bubbles).
@@ -100,6 +106,7 @@ class PlacementConfig:
     train_fraction: float = 0.5
     ac_share: bool = False
     critic: bool = True
+    reward: bool = True
     tp: int = 1
     pp: int = 1
     distributed_optimizer: bool = True
@@ -113,6 +120,7 @@ class PlacementConfig:
                 f"placement.strategy={self.strategy!r} is unknown: choose one of {STRATEGIES}"
             )
         self._check_critic_free()
+        self._check_reward_free()
         self._check_ratios()
         if not 0.0 < self.train_fraction < 1.0:
             raise ValueError(
@@ -157,6 +165,12 @@ class PlacementConfig:
                     "(algorithm.advantage_estimator is grpo, rloo or reinforce++): drop it"
                 )
 
+    def _check_reward_free(self) -> None:
+        if not self.reward and REWARD in self.parallel:
+            raise ValueError(
+                "placement.parallel['reward'] is set, but this run places no reward model "
+                "(reward.model_weight=0): drop it, or set reward.model_weight > 0")
+
     @property
     def ratio_roles(self) -> tuple[str, ...]:
         """The roles a ratio list names, in order: with or without the critic."""
@@ -200,6 +214,13 @@ class PlacementConfig:
         return self.critic and not self.ac_share
 
     @property
+    def base_roles(self) -> tuple[str, ...]:
+        """The roles placed besides the shadows, in role order: actor and ref always, the
+        critic when ``places_critic``, the reward model when ``reward``."""
+        return tuple(role for role in RATIO_ROLES
+                     if (role != CRITIC or self.places_critic) and (role != REWARD or self.reward))
+
+    @property
     def separated(self) -> bool:
         """Whether the strategy places inference-only shadow copies of actor and critic."""
         return self.strategy in SEPARATED
@@ -224,7 +245,7 @@ class PlacementConfig:
         return {
             "strategy": self.strategy, "ratios": self.ratios,
             "train_fraction": self.train_fraction, "ac_share": self.ac_share,
-            "critic": self.critic,
+            "critic": self.critic, "reward": self.reward,
             "tp": self.tp, "pp": self.pp, "distributed_optimizer": self.distributed_optimizer,
             "parallel": {role: vars(o).copy() for role, o in sorted(self.parallel.items())},
             "train_pool": self.train_pool, "inference_pool": self.inference_pool,

@@ -3,7 +3,8 @@
 ``validate_plan`` checks what the planner guarantees by construction and what it cannot know in
 advance, so it also guards plans built another way (an automatic planner, a plan read back):
 
-- the roles match the strategy (no critic under AC-Share, shadows exactly under separation);
+- the roles match the strategy (no critic under AC-Share, no reward model without one,
+  shadows exactly under separation);
 - every model lies inside the cluster, on whole nodes or a block inside one node;
 - TP divides the node size of every pool the model touches (with the previous rule, no TP group
   crosses a node);
@@ -16,10 +17,6 @@ from __future__ import annotations
 
 from megatron_rlhf.topology.cluster import NodeInfo
 from megatron_rlhf.topology.models import (
-    ACTOR,
-    CRITIC,
-    REF,
-    REWARD,
     SHADOW_ACTOR,
     SHADOW_CRITIC,
     TRAINABLE_ROLES,
@@ -48,16 +45,14 @@ def validate_plan(plan: PlacementPlan) -> None:
 
 def _check_roles(plan: PlacementPlan) -> None:
     config = plan.config
-    expected = {ACTOR, REF, REWARD}
-    if config.places_critic:
-        expected.add(CRITIC)
+    expected = set(config.base_roles)
     if config.separated:
         expected |= {SHADOW_ACTOR, SHADOW_CRITIC} if config.places_critic else {SHADOW_ACTOR}
     if set(plan.models) != expected:
         raise ValueError(
             f"plan places {sorted(plan.models)} but strategy={config.strategy!r} with "
-            f"ac_share={config.ac_share} places {sorted(expected)} (critic={config.critic}): "
-            "plan it with plan_placement"
+            f"ac_share={config.ac_share} places {sorted(expected)} (critic={config.critic}, "
+            f"reward={config.reward}): plan it with plan_placement"
         )
 
 

@@ -2,8 +2,9 @@
 record (``answer`` and all), in training and in held-out evaluation, its scores are weighted into
 the reward and logged, and its worker processes are gone when the run ends.
 
-Two gloo ranks under interleaving (actor, ref and reward on their own ranks), two responses per
-prompt and every prompt of the file in each step, so the logged means are known by hand.
+Two gloo ranks under interleaving (the actor on both, ref on rank 0; at reward.model_weight 0
+there is no reward model and ref's ranks score), two responses per prompt and every prompt of the
+file in each step, so the logged means are known by hand.
 """
 
 from __future__ import annotations
@@ -50,13 +51,15 @@ def _run(tmp_path: str) -> dict:
 
 
 def _run_failing(tmp_path: str) -> dict:
-    """A function that raises on one record: the run stops; no worker process is left."""
+    """A function that raises on one record: the run stops; no worker process is left. Under
+    separation the scoring rank is rank 1, so rank 0, which hosts the job's store, outlives it
+    and reports its error."""
     import multiprocessing as mp
 
     from megatron_rlhf.engine.run.runner import run_ppo
 
     try:
-        run_ppo(_config(Path(tmp_path), "fails_on_dog"))
+        run_ppo(_config(Path(tmp_path), "fails_on_dog", "placement.strategy=separation"))
     except Exception as error:  # noqa: BLE001 - what each rank stopped with is the result
         return {"error": f"{type(error).__name__}: {error}",
                 "children": [process.name for process in mp.active_children()]}

@@ -226,3 +226,58 @@ def test_moe_config_refuses_bad_values() -> None:
     fields = moe_transformer_fields(MoEConfig(num_experts=8, topk=2), 64, ep_size=2, tp_size=1)
     assert (fields["num_moe_experts"], fields["moe_ffn_hidden_size"],
             fields["expert_model_parallel_size"]) == (8, 64, 2)
+
+
+def _replay_across_layouts() -> dict[str, float]:
+    from megatron_rlhf.models.forward_backward import model_inputs
+    from megatron_rlhf.models.moe import (
+        moe_routers,
+        recording_routes,
+        replaying_routes,
+        routes_to_rows,
+        rows_to_routes,
+    )
+    from megatron_rlhf.models.packing import pack_rows
+    from megatron_rlhf.runtime.bootstrap import initialize_runtime
+
+    initialize_runtime()
+    model, _ = _build(1, "alltoall")
+    batch = _batch(0)
+    batch["attention_mask"][2, :4] = 0  # a left-padded row too
+    with torch.no_grad(), recording_routes(model) as routes:
+        model(*model_inputs(batch))
+    rows = routes_to_rows(routes, tuple(batch["input_ids"].shape))
+    with torch.no_grad():
+        for router in moe_routers(model):
+            router.weight.mul_(-3.0)
+        with replaying_routes(model, routes):  # the recording's own layout: the reference
+            reference = model(*model_inputs(batch))
+        rerouted = model(*model_inputs(batch))
+    mask = batch["attention_mask"].bool()
+    gaps = {}
+    for name, split in (("padded_1_2", ((0, 1), (1, 3))), ("packed_2_1", ((0, 2), (2, 3)))):
+        outputs = []
+        for start, stop in split:
+            part = {key: value[start:stop] for key, value in batch.items()}
+            part_rows = rows[start:stop]
+            with torch.no_grad():
+                if name.startswith("packed"):
+                    packed = pack_rows(part["input_ids"], part["attention_mask"], 32)
+                    with replaying_routes(model, rows_to_routes(part_rows, packed.index, 32)):
+                        output = model(packed.input_ids, packed.position_ids, None,
+                                       packed_seq_params=packed.params)
+                    outputs.append(packed.unpack(output))
+                else:
+                    with replaying_routes(model, rows_to_routes(part_rows)):
+                        outputs.append(model(*model_inputs(part)))
+        gaps[name] = (torch.cat(outputs) - reference)[mask].abs().max().item()
+    gaps["without_replay"] = (rerouted - reference)[mask].abs().max().item()
+    return gaps
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_routes_replay_across_micro_batch_and_packing_layouts() -> None:
+    gaps = run_on_ranks(_replay_across_layouts, world_size=1, timeout_s=100)[0]
+    assert gaps["padded_1_2"] < 1e-5 and gaps["packed_2_1"] < 1e-5, gaps
+    assert gaps["without_replay"] > 1e-2, gaps

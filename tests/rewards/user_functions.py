@@ -88,3 +88,8 @@ def needs_threshold(prompt: str, response: str, record: dict[str, Any], *,
                     threshold: float) -> float:
     """A keyword argument without a default: the entry must give it."""
     return float(len(response) > threshold)
+
+
+def length_tenths(prompt: str, response: str, record: dict[str, Any]) -> float:
+    """A score that differs between the responses to one prompt: characters / 10."""
+    return len(response) / 10

@@ -105,6 +105,13 @@ class PPOEngine:
         return SHADOW_CRITIC if SHADOW_CRITIC in self.plan.models else CRITIC
 
     @property
+    def scorer(self) -> str:
+        """The model whose ranks score the answers: the reward model (its score, the rule's and
+        the reward functions'), or without one the reference model (the rule's and the
+        functions' alone)."""
+        return REWARD if self.plan.config.reward else REF
+
+    @property
     def trainable_roles(self) -> tuple[str, ...]:
         """The roles that are trained (actor, and the critic unless AC-Share)."""
         return tuple(r for r in (ACTOR, CRITIC) if r in self.plan.models)
@@ -117,13 +124,13 @@ class PPOEngine:
     def experience_passes(self) -> list[tuple[str, str]]:
         """``(role, output)`` of every forward pass :meth:`make_experience` runs, in order: old
         log-probs (unless generation's are reused), reference log-probs, values (with a critic),
-        scores."""
+        scores (on the :attr:`scorer`'s ranks)."""
         passes = [] if self.reuse_generation_logprobs else [(self.policy_for_inference,
                                                              "old_logprobs")]
         passes.append((REF, "ref_logprobs"))
         if self.critic_for_inference is not None:
             passes.append((self.critic_for_inference, "values"))
-        return [*passes, (REWARD, "scores")]
+        return [*passes, (self.scorer, "scores")]
 
     def transfer_pairs(self) -> list[tuple[list[int], list[int]]]:
         """Every pair of rank sets that rows move between: the rollout from the generating
@@ -257,10 +264,11 @@ class PPOEngine:
         log-probs come with the rollout (one pass fewer each). The inputs of all forward passes
         are moved first, then each model computes on its
         own ranks, so models on disjoint ranks run at the same time. Scores come as the reward
-        model's ``rm_scores`` and the rule's ``rule_scores`` (zero without a rule). Rows move
+        model's ``rm_scores`` (none without a reward model) and the rule's ``rule_scores`` (zero
+        without a rule). Rows move
         on each pair of models' own channel (``transfer_pairs``) and sends are left in flight
         there (``finish_transfers`` waits for them), so a rank that only produced the rollout
-        goes straight on to its next chunk. With ``function_rewards`` the reward model's ranks
+        goes straight on to its next chunk. With ``function_rewards`` the scorer's ranks
         also score their rows with them (``records``: each row's prompt record), adding
         ``function_scores`` and ``reward_errors`` (``engine/execution/function_rewards.py``).
 
@@ -310,9 +318,10 @@ class PPOEngine:
         with self.context.span("transfer", "wait-sends"):
             self.channels.drain()
 
-    @staticmethod
-    def _score_shapes(function_rewards: FunctionRewards | None) -> dict[str, tuple[int, ...]]:
-        shapes: dict[str, tuple[int, ...]] = {"rm_scores": (), "rule_scores": ()}
+    def _score_shapes(self, function_rewards: FunctionRewards | None
+                      ) -> dict[str, tuple[int, ...]]:
+        shapes: dict[str, tuple[int, ...]] = {"rm_scores": ()} if self.plan.config.reward else {}
+        shapes["rule_scores"] = ()
         if function_rewards is not None:
             shapes.update(function_scores=(function_rewards.count,), reward_errors=())
         return shapes
@@ -320,21 +329,27 @@ class PPOEngine:
     def _scores(self, worker: ModelWorker, fields: dict[str, torch.Tensor],
                 rule_reward: RuleReward | None, function_rewards: FunctionRewards | None,
                 records: Sequence[Record] | None) -> dict[str, torch.Tensor | None]:
-        rm_scores = worker.compute_scores(fields)
-        if rm_scores is None:
+        # Results sit on the last pipeline stage, as the reward model's scores do.
+        scores = {}
+        if self.plan.config.reward:
+            scores["rm_scores"] = worker.compute_scores(fields)
+            if scores["rm_scores"] is None:
+                return dict.fromkeys(self._score_shapes(function_rewards))
+        elif not worker.is_output_stage:
             return dict.fromkeys(self._score_shapes(function_rewards))
-        rule_scores = torch.zeros_like(rm_scores)
+        ids, mask = fields["input_ids"], fields["attention_mask"]
+        device = scores["rm_scores"].device if scores else ids.device
+        rows = ids.shape[0]
+        scores["rule_scores"] = torch.zeros(rows, dtype=torch.float32, device=device)
         if rule_reward is not None:
-            rule_scores = rule_scores_of(fields["input_ids"], fields["attention_mask"],
-                                         self.prompt_length, rule_reward).to(rm_scores)
-        scores = {"rm_scores": rm_scores, "rule_scores": rule_scores}
+            scores["rule_scores"] = rule_scores_of(ids, mask, self.prompt_length,
+                                                   rule_reward).to(device)
         if function_rewards is not None:
-            rows = rm_scores.shape[0]
             found = function_rewards.score(
-                fields["input_ids"], fields["attention_mask"], self.prompt_length,
+                ids, mask, self.prompt_length,
                 records if records is not None else [(-1, {})] * rows,
                 keep_extras=worker.pg_collection.tp.rank() == 0)
-            scores.update({name: value.to(rm_scores.device) for name, value in found.items()})
+            scores.update({name: value.to(device) for name, value in found.items()})
         return scores
 
     # -------------------------------------------------------------- training

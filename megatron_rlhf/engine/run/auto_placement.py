@@ -37,7 +37,7 @@ def choose_placement(config: RunConfig, cluster: ClusterSpec,
     """The run configuration with the planner's best placement, and why it won.
 
     Args:
-        config: the run; its placement's ``ac_share`` and ``critic`` are kept.
+        config: the run; its placement's ``ac_share``, ``critic`` and ``reward`` are kept.
         cluster: the devices of the job.
         profile: a hardware profile name or JSON path for every pool; None uses the shipped
             profile named like each pool's kind.
@@ -48,9 +48,10 @@ def choose_placement(config: RunConfig, cluster: ClusterSpec,
     """
     profiles = load_profile(profile) if profile else None
     rollout = RolloutSpec.from_run_config(config, overlap=config.rollout.async_rollout)
-    # A critic-free run is priced as the three-model step it is.
+    # A critic-free (or reward-model-free) run is priced as the step with the models it has.
     ranked = auto_place(cluster, resolve_arch(config.models.arch), rollout, profiles,
                         SearchSpace(critic=config.placement.critic,
+                                    reward=config.placement.reward,
                                     memory_options=ENGINE_MEMORY_OPTIONS))
     rejected = []
     for candidate in ranked:

@@ -73,8 +73,8 @@ class HeldOutEvaluator:
 
     def evaluate(self) -> dict[str, float]:
         """``eval/<mode>/{rm_score,rm_score_std,rule_score,answers,response_length}`` for both
-        modes (and ``eval/<mode>/reward/<function>`` and ``eval/<mode>/reward/errors`` with
-        reward functions), and
+        modes (the ``rm_`` ones with a reward model; ``eval/<mode>/reward/<function>`` and
+        ``eval/<mode>/reward/errors`` with reward functions), and
         ``eval/sampled/kl`` (KL per sequence to the reference; greedy tokens give no unbiased
         estimate); identical on every rank."""
         metrics: dict[str, float] = {}
@@ -105,11 +105,13 @@ class HeldOutEvaluator:
         fields = batch.fields
         mask = fields["response_mask"]
         self._log_examples(mode, fields)
-        metrics = {f"eval/{mode}/rm_score": fields["rm_scores"].mean().item(),
-                   f"eval/{mode}/rm_score_std": fields["rm_scores"].std(unbiased=False).item(),
-                   f"eval/{mode}/rule_score": fields["rule_scores"].mean().item(),
-                   f"eval/{mode}/answers": float(mask.shape[0]),
-                   f"eval/{mode}/response_length": mask.sum(dim=1).float().mean().item()}
+        metrics = {}
+        if "rm_scores" in fields:
+            metrics[f"eval/{mode}/rm_score"] = fields["rm_scores"].mean().item()
+            metrics[f"eval/{mode}/rm_score_std"] = fields["rm_scores"].std(unbiased=False).item()
+        metrics.update({f"eval/{mode}/rule_score": fields["rule_scores"].mean().item(),
+                        f"eval/{mode}/answers": float(mask.shape[0]),
+                        f"eval/{mode}/response_length": mask.sum(dim=1).float().mean().item()})
         if self.function_rewards is not None:
             scores = fields["function_scores"]
             for i, spec in enumerate(self.function_rewards.functions.specs):
@@ -124,9 +126,11 @@ class HeldOutEvaluator:
         p = self.engine.prompt_length
         for i in range(min(self.log_examples, len(fields["input_ids"]))):
             ids, mask = fields["input_ids"][i], fields["attention_mask"][i].bool()
-            logger.info("held-out %s answer: %r -> %r (reward model %.3f, rule %.3f)", mode,
+            rm = (f"reward model {fields['rm_scores'][i].item():.3f}, "
+                  if "rm_scores" in fields else "")
+            logger.info("held-out %s answer: %r -> %r (%srule %.3f)", mode,
                         self.decode(ids[:p][mask[:p]].tolist()),
-                        self.decode(ids[p:][mask[p:]].tolist()), fields["rm_scores"][i].item(),
+                        self.decode(ids[p:][mask[p:]].tolist()), rm,
                         fields["rule_scores"][i].item())
 
 

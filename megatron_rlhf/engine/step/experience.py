@@ -39,9 +39,9 @@ def compute_advantages(fields: dict[str, torch.Tensor], config: PPOAlgorithmConf
 
     Args:
         fields: ``old_logprobs``, ``ref_logprobs``, ``values`` (gae only), ``response_mask``
-            ``[B, R]``, ``rm_scores`` and ``rule_scores`` ``[B]``, and with ``functions``
-            ``function_scores`` ``[B, k]`` and ``reward_errors`` ``[B]``; the whole batch, groups
-            of ``samples_per_prompt`` rows contiguous.
+            ``[B, R]``, ``rm_scores`` (with a reward model) and ``rule_scores`` ``[B]``, and with
+            ``functions`` ``function_scores`` ``[B, k]`` and ``reward_errors`` ``[B]``; the whole
+            batch, groups of ``samples_per_prompt`` rows contiguous.
         config: PPO settings.
         kl_controller: its current coefficient weighs the KL penalty; it is then updated with
             this batch's KL.
@@ -77,7 +77,6 @@ def compute_advantages(fields: dict[str, torch.Tensor], config: PPOAlgorithmConf
     advantages, returns = _advantages(rewards, fields, config, samples_per_prompt)
     metrics = {
         "reward_mean": raw_scores.mean().item(),
-        "rm_score": fields["rm_scores"].mean().item(),
         "rule_score": fields["rule_scores"].mean().item(),
         "kl": sequence_kl,
         "kl_coef": kl_coef,
@@ -88,6 +87,8 @@ def compute_advantages(fields: dict[str, torch.Tensor], config: PPOAlgorithmConf
     if "attention_mask" in fields:  # every PPO step's batch; its throughput counts the prompts
         metrics["prompt_length"] = (fields["attention_mask"].sum(dim=1)
                                     - mask.sum(dim=1)).float().mean().item()
+    if "rm_scores" in fields:
+        metrics["rm_score"] = fields["rm_scores"].mean().item()
     if "values" in fields:
         metrics["values_mean"] = masked_mean(fields["values"], mask).item()
     if "gen_logprobs" in fields:
@@ -111,8 +112,11 @@ def sequence_scores(fields: dict[str, torch.Tensor], reward_model_weight: float,
                     rule_weight: float, functions: Sequence[RewardFunctionSpec] = (),
                     overlong: OverlongPenalty | None = None) -> torch.Tensor:
     """Each row's weighted score ``[B]`` before normalisation and KL: the reward model's, the
-    rule's and the reward functions', plus the overlong penalty."""
-    scores = reward_model_weight * fields["rm_scores"] + rule_weight * fields["rule_scores"]
+    rule's and the reward functions', plus the overlong penalty. No ``rm_scores``: no reward
+    model's score."""
+    scores = rule_weight * fields["rule_scores"]
+    if "rm_scores" in fields:
+        scores = reward_model_weight * fields["rm_scores"] + scores
     if functions:
         function_scores = fields["function_scores"]
         weights = torch.tensor([spec.weight for spec in functions]).to(function_scores)

@@ -41,9 +41,10 @@ def experience_sources(engine: PPOEngine) -> dict[str, str]:
     """Which model produced each experience field and metric."""
     policy = engine.policy_for_inference
     critic = engine.critic_for_inference or "none (critic-free estimator)"
+    scores = REWARD if engine.scorer == REWARD else "rule and reward functions"
     return {"old_logprobs": policy, "ref_logprobs": REF, "values": critic,
             "rm_scores": REWARD, "rule_scores": "rule reward", "rm_score": REWARD,
-            "rule_score": "rule reward", "reward_mean": REWARD, "kl": f"{policy} and {REF}",
+            "rule_score": "rule reward", "reward_mean": scores, "kl": f"{policy} and {REF}",
             "kl_coef": "KL controller", "values_mean": critic, "returns_mean": critic,
             "policy_loss": ACTOR, "value_loss": CRITIC}
 
