@@ -2,7 +2,8 @@
 # Build:  docker build -t megatron_rlhf .
 # Check:  docker run --gpus all --ipc=host megatron_rlhf          # scripts/gpu_check.sh (<6 min)
 # Train:  docker run --gpus all --ipc=host megatron_rlhf \
-#           torchrun --nproc-per-node 8 tools/run_ppo.py --config examples/ppo_llama7b.yaml
+#           torchrun --nproc-per-node 8 tools/run_ppo.py \
+#             --config examples/recipes/qwen2.5-7b-grpo-math-1x8.yaml
 # Slurm (pyxis/enroot) takes the image as a squashfs file on shared storage:
 #         enroot import -o megatron_rlhf.sqsh dockerd://megatron_rlhf   (examples/slurm/)
 #

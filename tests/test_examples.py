@@ -14,8 +14,9 @@ from megatron_rlhf.topology.cluster import ClusterSpec, DevicePool
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 # (config, nodes, devices per node) each PPO example is written for.
 PPO_EXAMPLES = [("ppo_tiny.yaml", 1, 4), ("ppo_pipeline.yaml", 1, 4),
-                ("ppo_hf_tiny.yaml", 1, 2), ("ppo_llama7b.yaml", 16, 8),
-                ("ppo_grpo_tiny.yaml", 1, 4), ("ppo_gsm8k_tiny.yaml", 1, 4)]
+                ("ppo_hf_tiny.yaml", 1, 2), ("ppo_grpo_tiny.yaml", 1, 4),
+                ("ppo_gsm8k_tiny.yaml", 1, 4)]
+"""The GPU recipes under examples/recipes/ are tested by tests/test_recipes.py."""
 
 
 def test_every_ppo_example_is_listed() -> None:
@@ -32,24 +33,12 @@ def test_ppo_example_loads_and_plans(name: str, nodes: int, devices: int) -> Non
         "every device holds a model"
 
 
-def test_llama7b_example_is_the_paper_setting() -> None:
-    config = load_config(RunConfig, EXAMPLES / "ppo_llama7b.yaml")
-    assert (config.models.arch, config.models.params_dtype) == ("llama-7b", "bfloat16")
-    assert (config.placement.strategy, config.placement.tp) == ("separation", 8)
-    assert config.rollout.async_rollout and config.rollout.max_tokens_per_micro_batch == 8192
-    assert config.models.packed_sequences and config.models.sequence_parallel
-    plan = make_plan(config, ClusterSpec((DevicePool("A100-80GB", 16, 8),)))
-    assert plan["shadow_actor"].tp == 8 and (plan["actor"].tp, plan["critic"].tp) == (4, 4)
-    assert plan["actor"].dp * plan["actor"].tp == 64
-
-
 DATA_KEYS = ("prompts.paths", "evaluation.paths", "ptx.paths", "data.paths", "data.eval_paths",
              "tokenizer.corpus_path", "tokenizer.model_path")
 """Inputs an example ships with (checkpoints and tokenizers a pipeline writes first are not)."""
 
 
-MADE_ELSEWHERE = {"ppo_hf_tiny.yaml": "tools/make_tiny_hf.py writes its model and prompts",
-                  "ppo_llama7b.yaml": "the user's own SFT checkpoint and tokenizer"}
+MADE_ELSEWHERE = {"ppo_hf_tiny.yaml": "tools/make_tiny_hf.py writes its model and prompts"}
 """Examples whose inputs a tool or the user provides; every other example's must ship."""
 
 

@@ -10,10 +10,11 @@ CPU, tiny models, 4 gloo ranks (the default configuration)::
 critic-free grpo, rloo (both need rollout.samples_per_prompt >= 2) and reinforce++, which place
 and train no critic (--ratios then takes three values: actor, ref, reward).
 
-GPU cluster (16 nodes of 8 GPUs), Llama-7B, separation with TP=8 shadows::
+GPU cluster (16 nodes of 8 GPUs), Llama-3.1-8B with a reward model under asynchronous
+separation (examples/recipes/ holds this and other production recipes)::
 
     torchrun --nnodes 16 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 \\
-        tools/run_ppo.py --config examples/ppo_llama7b.yaml --placement separation --tp 8
+        tools/run_ppo.py --config examples/recipes/llama3.1-8b-ppo-async-16x8.yaml
 
 From Hugging Face directories (a ...ForCausalLM policy, a ...ForSequenceClassification reward
 model; architecture, weights and tokenizer come from them, and the trained actor and critic are
@@ -35,6 +36,13 @@ Checkpoints and resume (a preempted job, SIGTERM, saves after its current step a
 
 A fresh run refuses a --save-dir that holds another run's checkpoints; --resume auto continues
 when there is a checkpoint and starts fresh otherwise (for requeued or restarted jobs).
+
+Plan without running (one process on a CPU, any world size; no weights are read): the ranks,
+process groups, memory per GPU per model and the planner's stage and step times; a plan whose
+memory does not fit the GPUs is refused with status 2::
+
+    python tools/run_ppo.py --config examples/recipes/llama3.1-8b-ppo-async-16x8.yaml --plan-only
+    python tools/run_ppo.py --plan-only --nodes 2 --gpus-per-node 8 --gpu H200-141GB --json
 
 Exit status: 0 done (or preempted and saved), 1 a rank failed (the message names it and its
 stage) or NaN/Inf with faults.on_nan=stop, 2 bad configuration, data or checkpoint.
@@ -94,8 +102,20 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                         "--resume auto: continue if --save-dir holds one, else start fresh")
     parser.add_argument("--verbose", action="store_true",
                         help="every rank logs (default: rank 0 only)")
+    plan = parser.add_argument_group("plan only (no step runs; one process, any world size)")
+    plan.add_argument("--plan-only", action="store_true", help="print the ranks, process groups, "
+                      "memory per GPU and predicted step of the run, and exit; refuse a plan that "
+                      "does not fit (docs/planner.md)")
+    plan.add_argument("--json", action="store_true", help="--plan-only: one JSON line")
+    plan.add_argument("--nodes", type=int, help="--plan-only: nodes (default: cluster.pools)")
+    plan.add_argument("--gpus-per-node", type=int, help="--plan-only: GPUs per node")
+    plan.add_argument("--gpu", help="--plan-only: device kind, a shipped profile such as "
+                      "H100-80GB (default: cluster.pools' kind, else A100-80GB)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = parser.parse_args(argv)
+    given = [flag for flag in ("json", "nodes", "gpus_per_node", "gpu") if getattr(args, flag)]
+    if given and not args.plan_only:
+        parser.error(f"--{given[0].replace('_', '-')} is a --plan-only flag: add --plan-only")
     strategy = None if args.placement == "auto" else args.placement
     flags = {"placement.strategy": strategy, "placement.tp": args.tp,
              "placement.pp": args.pp, "steps": args.steps, "runtime.seed": args.seed,
@@ -143,10 +163,30 @@ def auto_placement(config: RunConfig, profile: str | None) -> RunConfig:
     return chosen
 
 
+def plan_only(config: RunConfig, args: argparse.Namespace) -> int:
+    """``--plan-only``: print the plan and the planner's prediction (engine/run/plan_only.py);
+    exit 2 when the configuration is refused or the plan does not fit in memory."""
+    from megatron_rlhf.engine.run.plan_only import plan_cluster, plan_run
+
+    try:
+        cluster = plan_cluster(config, args.nodes, args.gpus_per_node, args.gpu)
+        run_plan = plan_run(config, cluster, args.profile, auto=args.placement == "auto")
+    except (ValueError, FileNotFoundError) as error:
+        return refuse("run_ppo", f"bad configuration: {error}")
+    print(run_plan.to_json() if args.json else run_plan.format())
+    if not run_plan.fits:
+        problems = run_plan.prediction.problems
+        more = f"; and {len(problems) - 3} more above" if len(problems) > 3 else ""
+        return refuse("run_ppo", f"{run_plan.summary_line()}: {'; '.join(problems[:3])}{more}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)
     try:
         config = load_config(RunConfig, args.config, overrides)
+        if args.plan_only:
+            return plan_only(config, args)
         if args.placement == "auto":
             config = auto_placement(config, args.profile)
     except (ConfigError, ValueError) as error:

@@ -98,7 +98,7 @@ def arch_spec(description: ModelDescription, name: str) -> ArchSpec:
     d = description
     return ArchSpec(name, d.num_layers, d.hidden_size, d.num_attention_heads, d.vocab_size,
                     d.seq_length, d.ffn_hidden_size, gated_mlp=True,
-                    num_query_groups=d.num_query_groups)
+                    num_query_groups=d.num_query_groups, rotary_base=d.rotary_base)
 
 
 def initial_checkpoints(config: RunConfig) -> dict[str, str]:
@@ -217,7 +217,8 @@ def role_options(config: RunConfig, sources: dict[str, ModelSource],
     """
     description = _description(config, sources, role)
     head = role_head(role, config.placement.ac_share)
-    base = description.build_options() if description is not None else ModelBuildOptions()
+    base = (description.build_options() if description is not None
+            else ModelBuildOptions(rotary_base=resolve_arch(config.models.arch).rotary_base))
     transformer_impl = resolve_transformer_impl(config.models.transformer_impl,
                                                 needs_kv_cache=config.generation.use_kv_cache)
     return replace(base, head=head, params_dtype=config.models.params_dtype,

@@ -35,6 +35,7 @@ from megatron_rlhf.planner.memory_fit import (
     fit_memory,
     generating_roles,
     generation_rows,
+    plan_memory,
     pool_of_replicas,
     role_state,
 )
@@ -117,7 +118,8 @@ def _role_memory_dict(memory: RoleMemory) -> dict:
 
 def predict_step(plan: PlacementPlan, rollout: RolloutSpec,
                  profiles: Mapping[str, HardwareProfile] | HardwareProfile | None = None,
-                 memory_options: tuple[str, ...] = MEMORY_OPTIONS) -> StepPrediction:
+                 memory_options: tuple[str, ...] = MEMORY_OPTIONS,
+                 options: Mapping[str, MemoryOptions] | None = None) -> StepPrediction:
     """Predict one PPO step of ``plan``.
 
     Args:
@@ -127,6 +129,9 @@ def predict_step(plan: PlacementPlan, rollout: RolloutSpec,
             profile named like each pool's kind.
         memory_options: the memory options the planner may add (``memory.MEMORY_OPTIONS``;
             ``("offload",)`` for what the engine runs today).
+        options: every placed model's memory options, fixed (a configured run's own, shadows
+            included); the planner then adds none of ``memory_options``, and the plan is
+            infeasible when these do not fit.
 
     Returns:
         The prediction; an infeasible plan gives ``feasible=False``, zero throughput, the
@@ -137,7 +142,8 @@ def predict_step(plan: PlacementPlan, rollout: RolloutSpec,
     """
     hardware = resolve_profiles(plan.cluster, profiles)
     ctx = _Context(plan, rollout, hardware)
-    memory = fit_memory(plan, rollout, hardware, ctx.option_seconds, memory_options)
+    memory = (fit_memory(plan, rollout, hardware, ctx.option_seconds, memory_options)
+              if options is None else plan_memory(plan, rollout, hardware, dict(options)))
     if memory.problems:
         return StepPrediction(False, 0.0, math.inf, math.inf, False, {}, (), "memory", 1.0,
                               memory, tuple(memory.problems))

@@ -229,7 +229,8 @@ def _build(config: SupervisedConfig, objective: Objective, spec: ModelSpec, tota
            token_vocab_size: int) -> tuple[ModelTrainer, ProcessGroupCollection]:
     pgc = build_model_process_groups(spec, config.runtime.distributed.timeout_s)
     # The numerics (QKV bias, QK-norm, RoPE, ...) are the starting checkpoint's.
-    base = source.description.build_options() if source is not None else ModelBuildOptions()
+    base = (source.description.build_options() if source is not None
+            else ModelBuildOptions(rotary_base=spec.arch.rotary_base))
     options = replace(base, head=objective.head, params_dtype=config.model.params_dtype,
                       tie_embeddings=base.tie_embeddings and objective.head == "lm",
                       recompute=config.model.recompute, token_vocab_size=token_vocab_size,

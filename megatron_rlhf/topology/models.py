@@ -60,6 +60,9 @@ class ArchSpec:
         gated_mlp: SwiGLU MLP (three matrices, LLaMA) instead of two (GPT).
         num_query_groups: key/value heads (grouped-query attention); 0 means one per attention
             head (multi-head attention).
+        rotary_base: RoPE theta, the base of the rotary position embedding of a model built
+            from these numbers (one started from a checkpoint takes the checkpoint's); the
+            planner does not read it.
     """
 
     name: str
@@ -71,6 +74,7 @@ class ArchSpec:
     ffn_hidden_size: int
     gated_mlp: bool = False
     num_query_groups: int = 0
+    rotary_base: int = 10000
 
     def __post_init__(self) -> None:
         if self.num_query_groups == 0:
@@ -81,7 +85,7 @@ class ArchSpec:
                 f"num_attention_heads({self.num_attention_heads})"
             )
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
-                     "seq_length", "ffn_hidden_size"):
+                     "seq_length", "ffn_hidden_size", "rotary_base"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"arch {self.name!r}: {name}={value!r} must be an integer >= 1")
@@ -143,8 +147,8 @@ def arch_preset(arch: str | ArchSpec) -> ArchSpec:
 def resolve_arch(arch: str | ArchSpec | Mapping[str, Any]) -> ArchSpec:
     """An architecture from a configuration: a preset name, or a mapping of ``ArchSpec``'s
     fields (``num_layers``, ``hidden_size``, ``num_attention_heads``, ``vocab_size``,
-    ``seq_length``, ``ffn_hidden_size``; optionally ``gated_mlp``, ``num_query_groups`` and a
-    ``name``), as ``models.arch`` takes it.
+    ``seq_length``, ``ffn_hidden_size``; optionally ``gated_mlp``, ``num_query_groups``,
+    ``rotary_base`` and a ``name``), as ``models.arch`` takes it.
 
     Raises:
         ValueError: an unknown preset, an unknown or missing field, or an inconsistent shape.

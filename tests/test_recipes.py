@@ -1,0 +1,216 @@
+"""The production recipes (examples/recipes/) are real models that fit their GPUs, and the
+planner's figures in their headers are what ``run_ppo.py --plan-only`` prints now."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_rlhf.config.loader import load_config
+from megatron_rlhf.config.ppo_run import RunConfig
+from megatron_rlhf.engine.run.plan_only import (
+    plan_cluster,
+    plan_run,
+    planner_rollout,
+    run_memory_options,
+)
+from megatron_rlhf.topology.models import resolve_arch
+from tests.scripts import REPO, load_script
+
+RECIPES = REPO / "examples" / "recipes"
+RUN_PPO = load_script("tools/run_ppo.py")
+
+PUBLIC_PARAMETERS = {"qwen2.5-7b-grpo-math-1x8.yaml": 7_615_616_512,
+                     "llama3.1-8b-ppo-async-16x8.yaml": 8_030_261_248,
+                     "llama3.1-70b-ppo-offload-16x8.yaml": 70_553_706_496}
+"""Each recipe's model's parameter count as its model card (safetensors index) gives it."""
+
+HEADER_COMMAND = re.compile(r"^#   (python tools/run_ppo\.py .*--plan-only.*)$")
+
+
+def test_every_recipe_is_listed() -> None:
+    assert sorted(p.name for p in RECIPES.glob("*.yaml")) == sorted(PUBLIC_PARAMETERS)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC_PARAMETERS))
+def test_recipe_is_the_real_model_on_its_own(name: str) -> None:
+    text = (RECIPES / name).read_text()
+    assert not re.search(r"^base:", text, re.MULTILINE), "a recipe is complete, not a toy's child"
+    config = load_config(RunConfig, RECIPES / name)
+    # The planner's count has Megatron's 4h attention biases per layer that these models lack
+    # (Qwen2.5 has a QKV bias instead): well under 0.01% of the parameters.
+    assert resolve_arch(config.models.arch).num_params() == pytest.approx(
+        PUBLIC_PARAMETERS[name], rel=1e-4)
+    assert config.models.params_dtype == "bfloat16"
+    assert config.models.actor_checkpoint.startswith("/path/to/")
+
+
+def _plan_only(capsys: pytest.CaptureFixture, argv: list[str]) -> tuple[int, str]:
+    status = RUN_PPO.main(argv)
+    return status, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC_PARAMETERS))
+def test_recipe_fits_its_gpus(name: str, capsys: pytest.CaptureFixture) -> None:
+    status, out = _plan_only(capsys, ["--config", str(RECIPES / name), "--plan-only", "--json"])
+    assert status == 0
+    lines = out.splitlines()
+    assert len(lines) == 1, "--json prints one line"
+    result = json.loads(lines[0])
+    assert result["fits"] and result["architecture"].startswith("models.arch")
+    prediction = result["prediction"]
+    assert prediction["peak_gib_per_device"] <= prediction["usable_gib_per_device"]
+    assert prediction["step_seconds"] > 0
+    plan = result["plan"]
+    placed = {rank for groups in result["groups"].values() for group in groups["tp"]
+              for rank in group}
+    assert placed == set(range(plan["world_size"])), "every GPU holds a model"
+    for role, groups in result["groups"].items():
+        model = plan["models"][role]
+        assert len(groups["tp"]) * model["tp"] == model["size"]
+        assert len(groups["dp"]) * model["dp"] == model["size"]
+
+
+def _header_pairs(path: Path) -> list[tuple[str, str]]:
+    """(command, the line it printed) for every --plan-only command a recipe's header quotes."""
+    lines = path.read_text().splitlines()
+    pairs = []
+    for index, line in enumerate(lines):
+        match = HEADER_COMMAND.match(line)
+        if match:
+            pairs.append((match.group(1), lines[index + 1].removeprefix("#   ")))
+    return pairs
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC_PARAMETERS))
+def test_recipe_header_is_what_plan_only_prints_now(name: str,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    pairs = _header_pairs(RECIPES / name)
+    assert pairs, f"{name} quotes no --plan-only command in its header"
+    for command, quoted in pairs:
+        argv = shlex.split(command)[2:]
+        assert argv[argv.index("--config") + 1] == f"examples/recipes/{name}"
+        argv[argv.index("--config") + 1] = str(RECIPES / name)
+        status, out = _plan_only(capsys, argv)
+        assert status == 0
+        assert out.splitlines()[-1] == quoted, (
+            f"{name}'s header is stale; run `{command}` and copy its last line")
+        assert re.fullmatch(r"predicted on \d+x\d+ \S+: peak [\d.]+ GiB per GPU of [\d.]+ "
+                            r"usable, [\d.]+ s per step \([\d.]+ samples/s\)", quoted)
+
+
+def test_rope_theta_reaches_a_model_built_from_models_arch() -> None:
+    from megatron_rlhf.builder.sources import role_options
+
+    config = load_config(RunConfig, RECIPES / "qwen2.5-7b-grpo-math-1x8.yaml")
+    # Without a checkpoint to take it from, the model is built with the arch's RoPE theta.
+    assert role_options(config, {}, "actor").rotary_base == 1_000_000
+    tiny = load_config(RunConfig, REPO / "examples" / "ppo_tiny.yaml")
+    assert role_options(tiny, {}, "actor").rotary_base == 10_000, "the presets keep the default"
+    fields = dict(config.models.arch)
+    with pytest.raises(ValueError, match=r"rotary_base=0 must be an integer >= 1"):
+        resolve_arch({**fields, "rotary_base": 0})
+
+
+def test_llama8b_recipe_is_the_asynchronous_separation() -> None:
+    config = load_config(RunConfig, RECIPES / "llama3.1-8b-ppo-async-16x8.yaml")
+    assert (config.placement.strategy, config.placement.tp) == ("separation", 8)
+    assert config.rollout.async_rollout and config.rollout.max_tokens_per_micro_batch == 8192
+    assert config.models.packed_sequences and config.models.sequence_parallel
+    assert config.reward.model_weight == 1.0 and config.models.reward_checkpoint
+    plan = plan_run(config, plan_cluster(config)).plan
+    assert plan["shadow_actor"].tp == 8 and (plan["actor"].tp, plan["critic"].tp) == (4, 4)
+    assert plan["actor"].size == plan["shadow_actor"].size == 64, "half the GPUs train"
+
+
+def test_oversized_plan_is_refused() -> None:
+    """The Qwen recipe on 32 GB GPUs: the actor's states alone do not fit."""
+    config = load_config(RunConfig, RECIPES / "qwen2.5-7b-grpo-math-1x8.yaml")
+    # At TP 2 x DP 4: bf16 weights and fp32 gradients per parameter shard, Adam's 12 bytes
+    # sharded over DP by the distributed optimizer.
+    shard = resolve_arch(config.models.arch).num_params(tp=2) / 2
+    states_gib = shard * (2 + 4 + 12 / 4) / 2**30
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "run_ppo.py"), "--config",
+         str(RECIPES / "qwen2.5-7b-grpo-math-1x8.yaml"), "--plan-only", "--gpu", "V100-32GB"],
+        capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 2
+    refusal = result.stderr.strip().splitlines()[-1]
+    assert refusal.startswith("run_ppo: predicted on 1x8 V100-32GB: does not fit in memory: ")
+    assert (f"actor on ranks [0, 8): its states need {states_gib:.1f} GiB" in refusal
+            and "raise actor.tp or actor.pp" in refusal)
+
+
+def test_refusal_is_the_planner_problem_and_a_larger_gpu_fits() -> None:
+    config = load_config(RunConfig, RECIPES / "qwen2.5-7b-grpo-math-1x8.yaml")
+    small = plan_run(config, plan_cluster(config, gpu="V100-32GB"))
+    large = plan_run(config, plan_cluster(config, gpu="H200-141GB"))
+    assert not small.fits and small.prediction.problems
+    assert large.fits and large.prediction.memory.usable_gib > 120
+
+
+def test_plan_cluster_from_flags_and_refusals() -> None:
+    config = load_config(RunConfig, REPO / "examples" / "ppo_tiny.yaml")
+    with pytest.raises(ValueError, match=r"set cluster.pools in the config, or give --nodes"):
+        plan_cluster(config)
+    cluster = plan_cluster(config, nodes=16, gpus_per_node=8, gpu="H100-80GB")
+    pool = cluster.pools[0]
+    assert (cluster.world_size, pool.kind, pool.memory_gib) == (128, "H100-80GB", 80.0)
+    with pytest.raises(ValueError, match=r"--gpu 'B300' is not a shipped profile"):
+        plan_cluster(config, nodes=1, gpus_per_node=8, gpu="B300")
+    recipe = load_config(RunConfig, RECIPES / "llama3.1-8b-ppo-async-16x8.yaml")
+    assert plan_cluster(recipe, nodes=2).world_size == 16, "--nodes reshapes the recipe's pool"
+
+
+def test_memory_options_and_rows_are_the_configured_ones() -> None:
+    config = load_config(RunConfig, RECIPES / "llama3.1-70b-ppo-offload-16x8.yaml")
+    run_plan = plan_run(config, plan_cluster(config))
+    options = run_memory_options(config, run_plan.plan)
+    assert options == run_plan.prediction.memory.options
+    assert {role for role, o in options.items() if o.offload} == {"ref", "reward"}
+    assert {role for role, o in options.items() if o.recompute} == {"actor", "critic"}
+    # 8192 tokens per micro-batch over 1024 + 1024-token sequences: 4 rows.
+    assert planner_rollout(config).micro_batch_size == 8192 // 2048
+    without = load_config(RunConfig, RECIPES / "llama3.1-70b-ppo-offload-16x8.yaml",
+                          ["models.offload.ref=never", "models.offload.reward=never"])
+    resident = plan_run(without, plan_cluster(without))
+    assert not any(o.offload for o in resident.prediction.memory.options.values())
+    # Offloaded between their forward passes, ref and reward leave the shadow actor, which
+    # shares their GPUs, room for more sequences per generation round.
+    rounds = [p.prediction.memory.sequences_per_round["shadow_actor"]
+              for p in (resident, run_plan)]
+    assert rounds[0] < rounds[1]
+
+
+def test_plan_only_flags_need_plan_only(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        RUN_PPO.parse_args(["--nodes", "2"])
+    assert "--nodes is a --plan-only flag" in capsys.readouterr().err
+
+
+def test_existing_checkpoints_give_the_architecture(tmp_path: Path) -> None:
+    """With every checkpoint there, the plan is of the checkpoints' models, as the run's is."""
+    from tools.make_tiny_hf import TINY_QWEN, make_tiny_qwen_pair
+
+    actor, reward, _ = make_tiny_qwen_pair(tmp_path)
+    config = load_config(RunConfig, REPO / "examples" / "ppo_tiny.yaml", [
+        f"models.actor_checkpoint={actor}", f"models.reward_checkpoint={reward}",
+        "models.arch=llama-7b", "reward.model_weight=1.0"])
+    run_plan = plan_run(config, plan_cluster(config, nodes=1, gpus_per_node=4, gpu="H100-80GB"))
+    assert run_plan.architecture.startswith("the checkpoints' configs: ")
+    assert run_plan.fits
+    for role in run_plan.plan.roles:
+        arch = run_plan.plan[role].spec.arch
+        assert (arch.num_layers, arch.hidden_size, arch.vocab_size) == (
+            TINY_QWEN["num_hidden_layers"], TINY_QWEN["hidden_size"], TINY_QWEN["vocab_size"])
+    missing = load_config(RunConfig, REPO / "examples" / "ppo_tiny.yaml", [
+        f"models.actor_checkpoint={actor}", f"models.reward_checkpoint={tmp_path / 'none'}",
+        "reward.model_weight=1.0"])
+    assert plan_run(missing, plan_cluster(missing, nodes=1, gpus_per_node=4)).architecture == (
+        f"models.arch (tiny); checkpoints not found, so not read: {tmp_path / 'none'}")
