@@ -1,11 +1,12 @@
-"""Multi-turn GRPO with a user's tool module outside the package, on 2 gloo ranks.
+"""Multi-turn rollouts with a user's tool module outside the package, on 2 gloo ranks.
 
 The tool (a ``calculator`` in a module written to ``tmp_path``) runs in the worker pool of each
 generating rank. A stand-in codec makes every token id divisible by 5 decode as a whole
 calculator call, so the tiny random policy calls the tool often: episodes take several turns,
-observations are appended and some episodes are truncated. Flattening and separation (shadows
-generate, trainers train, weights resynced every step) give the same metrics, the episode
-counts included.
+observations are appended and some episodes are truncated. GRPO, RLOO and PPO (GAE over the
+episode, tool answers skipped) give the same metrics, the episode counts included, under
+flattening, interleaving and separation (shadows generate, trainers train, weights resynced
+every step); asynchronous separation runs too.
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ def _encode(text: str) -> list[int]:
     return [10 + ord(c) % 200 for c in text]
 
 
+RUNS = tuple(f"{estimator}/{strategy}" for estimator in ("grpo", "rloo", "gae")
+             for strategy in ("flattening", "interleaving", "separation")) + ("grpo/async",)
+"""``estimator/placement`` of every run; ``async``: separation with the shadows a step ahead."""
+
+
 def _run(module_dir: str) -> dict[str, list[dict[str, float]]]:
     import sys
 
@@ -64,17 +70,20 @@ def _run(module_dir: str) -> dict[str, list[dict[str, float]]]:
                for n in torch.randint(2, 9, (8,), generator=generator)]
     records = [(i, {"id": i}) for i in range(8)]
     results = {}
-    for strategy in ("flattening", "separation"):
+    for run in RUNS:
+        estimator, strategy = run.split("/")
+        asynchronous = strategy == "async"
         config = RunConfig(
-            placement=PlacementConfig(strategy=strategy),
+            placement=PlacementConfig(strategy="separation" if asynchronous else strategy),
             models=ModelsConfig(arch="tiny", init_seed=9),
             rollout=RolloutConfig(prompts_per_step=2, samples_per_prompt=2, max_prompt_length=8,
                                   micro_batch_size=2, tools=[{"name": "agent_tools:calculator",
                                                               "kwargs": {"scale": 2}}],
-                                  max_turns=3, max_episode_tokens=64, tool_workers=1),
+                                  max_turns=3, max_episode_tokens=64, tool_workers=1,
+                                  async_rollout=asynchronous),
             generation=GenerationConfig(max_new_tokens=6, seed=3),
             reward=RewardConfig(model_weight=0.5, rule="none", rule_weight=1.0),
-            algorithm=PPOAlgorithmConfig(advantage_estimator="grpo"), steps=2)
+            algorithm=PPOAlgorithmConfig(advantage_estimator=estimator), steps=2)
         config.actor_optimizer.lr = 1e-3
         rollout = config.rollout
         episodes = EpisodeRollouts(
@@ -88,27 +97,36 @@ def _run(module_dir: str) -> dict[str, list[dict[str, float]]]:
             total_steps=2, rule_reward=even_token_share,
             records=lambda s: records[2 * s:2 * s + 2])
         try:
-            results[strategy] = [algorithm.step(s) for s in range(2)]
+            results[run] = [algorithm.step(s) for s in range(2)]
         finally:
             episodes.close()
     return results
 
 
 @pytest.mark.multirank
-@pytest.mark.timeout(300)
-def test_tool_episodes_give_the_same_metrics_under_flattening_and_separation(
-        tmp_path: Path) -> None:
+@pytest.mark.timeout(400)
+def test_tool_episodes_give_the_same_metrics_on_every_placement(tmp_path: Path) -> None:
     (tmp_path / "agent_tools.py").write_text(USER_MODULE)
-    per_rank = run_on_ranks(_run, world_size=2, args=(str(tmp_path),), timeout_s=240,
+    per_rank = run_on_ranks(_run, world_size=2, args=(str(tmp_path),), timeout_s=340,
                             env={"PYTHONPATH": str(tmp_path)})
     assert per_rank[0] == per_rank[1], "metrics must be identical on every rank"
     results = per_rank[0]
-    for step, (metrics, ref) in enumerate(zip(results["separation"], results["flattening"],
-                                              strict=True)):
-        assert_metrics_match(metrics, ref, COMPARED, f"separation step {step} vs flattening")
-    for metrics in results["flattening"]:
-        assert metrics["rollout/turns"] > 1 and metrics["rollout/tool_calls"] > 0
-        assert metrics["rollout/tool_errors"] == 0
-        assert metrics["rollout/observation_tokens"] > 0
-        assert metrics["rollout/tool_latency_s"] > 0
-        assert metrics["rollout/logprob_diff_max"] < 2e-5, json.dumps(metrics)
+    for run, steps in results.items():
+        estimator = run.split("/")[0]
+        reference = results[f"{estimator}/flattening"]
+        if not run.endswith("async"):
+            for step, (metrics, ref) in enumerate(zip(steps, reference, strict=True)):
+                assert_metrics_match(metrics, ref, COMPARED + (("value_loss",) if estimator ==
+                                                              "gae" else ()),
+                                     f"{run} step {step} vs flattening")
+        for metrics in steps:
+            assert metrics["rollout/turns"] > 1 and metrics["rollout/tool_calls"] > 0, run
+            assert metrics["rollout/tool_errors"] == 0
+            assert metrics["rollout/observation_tokens"] > 0
+            assert metrics["rollout/tool_latency_s"] > 0
+            # generation's log-probs of the policy's own tokens, after tool answers too, are
+            # the trainer's forward over the whole episode
+            assert metrics["rollout/logprob_diff_max"] < 2e-5, json.dumps(metrics)
+    # the shadows' first step is the synchronous one; the second is generated a step ahead
+    assert_metrics_match(results["grpo/async"][0], results["grpo/separation"][0], COMPARED,
+                         "async step 0")
