@@ -19,6 +19,7 @@ from megatron_rlhf.models.gpt import (
     TRANSFORMER_IMPLS,
     resolve_params_dtype,
 )
+from megatron_rlhf.models.moe import MoEConfig
 from megatron_rlhf.models.tokenizer import TokenizerConfig
 from megatron_rlhf.models.trainer import OptimizerSettings
 from megatron_rlhf.refit.verify import RefitConfig
@@ -98,6 +99,10 @@ class ModelsConfig:
             training passes: ``none``, ``selective`` (the core attention) or ``full`` (every
             layer), e.g. ``models.recompute.actor=full`` (``models.gpt.ModelBuildOptions``).
             Inference-only models keep no activations for a backward pass and never recompute.
+        moe: mixture-of-experts MLPs in every model built from ``arch`` (``models.moe.MoEConfig``:
+            ``models.moe.num_experts=8 models.moe.topk=2``); ``num_experts=0``: dense. Expert
+            parallelism 1 (every rank holds every expert); not with ``actor_checkpoint`` or
+            ``reward_checkpoint``, whose descriptions record no experts.
     """
 
     arch: Any = "tiny"
@@ -116,9 +121,14 @@ class ModelsConfig:
     offload: dict[str, str] = field(default_factory=dict)
     memory_budget_gib: float = 0.0
     recompute: dict[str, str] = field(default_factory=dict)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
         resolve_arch(self.arch)
+        if self.moe.enabled and (self.actor_checkpoint or self.reward_checkpoint):
+            raise ValueError(f"models.moe.num_experts={self.moe.num_experts} builds the models "
+                             "from models.arch; a checkpoint's description records no experts: "
+                             "drop actor_checkpoint/reward_checkpoint or set num_experts=0")
         for role, granularity in self.recompute.items():
             if role not in TRAINABLE_ROLES:
                 raise ValueError(f"models.recompute.{role}: only trained models recompute "
