@@ -1,6 +1,6 @@
 """One PPO step against the machine's matmul roofline, stage by stage, through ``tools/run_ppo.py``.
 
-    python benchmarks/ppo_step.py                         # the issue's shape, world sizes 1 and 2
+    python benchmarks/ppo_step.py                         # the reference shape, world sizes 1 and 2
     python benchmarks/ppo_step.py --shape large           # hidden 1024, 8 layers
     python benchmarks/ppo_step.py --world-sizes 2 --placements flattening separation
     python benchmarks/ppo_step.py --world-sizes 1 --layouts padded packed   # packing's gain
