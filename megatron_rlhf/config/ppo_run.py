@@ -42,6 +42,7 @@ from megatron_rlhf.topology.models import (
 from megatron_rlhf.topology.placement_config import PlacementConfig
 
 OFFLOAD_ROLES = (ACTOR, CRITIC, REF, REWARD)
+TOKEN_BUDGET_AUTO = "auto"
 OFFLOAD_POLICIES = ("never", "always", "auto")
 
 
@@ -197,12 +198,15 @@ class RolloutConfig:
             full forward of the generating model; saves one of the experience passes. They
             equal the forward's only up to rounding (about 1e-6 on the tiny test model,
             ``tests/engine/test_reuse_generation_logprobs.py``), so it is off by default.
-        max_tokens_per_micro_batch: > 0: every forward and training pass groups a replica's
-            rows, in order, into micro-batches of at most this many real tokens (prompt +
-            response; a longer row goes alone) instead of ``micro_batch_size`` rows, like verl's
-            dynamic batch size. Needs ``models.packed_sequences``. Every loss is a per-token
-            sum divided by the step's count, so the update is the same either way. 0: fixed
-            ``micro_batch_size`` rows.
+        max_tokens_per_micro_batch: every forward and training pass groups a replica's rows,
+            in order, into micro-batches of at most this many real tokens (prompt + response; a
+            longer row goes alone) instead of ``micro_batch_size`` rows, like verl's dynamic
+            batch size. ``auto`` (default): per model, the largest budget its activations fit
+            in beside the states of the models on its device, up to a replica's whole step
+            (``engine/run/micro_batching.py``); fixed rows when ``models.packed_sequences`` is
+            off. A number > 0 needs ``models.packed_sequences``. 0: fixed ``micro_batch_size``
+            rows. Every loss is a per-token sum divided by the step's count, so the update is
+            the same either way (up to rounding).
         tools: tools the policy may call, each ``{name: "package.module:function", kwargs:
             {...}}``, called as ``function(arguments, record, **kwargs) -> str`` when a reply
             ends with ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; the answer
@@ -235,7 +239,7 @@ class RolloutConfig:
     async_rollout: bool = False
     max_staleness: int = 1
     reuse_generation_logprobs: bool = False
-    max_tokens_per_micro_batch: int = 0
+    max_tokens_per_micro_batch: int | str = TOKEN_BUDGET_AUTO
     tools: list[dict[str, Any]] = field(default_factory=list)
     environment: dict[str, Any] | None = None
     max_turns: int = 1
@@ -257,10 +261,11 @@ class RolloutConfig:
         if self.prompts_per_step % self.pipeline_chunks:
             raise ValueError(f"rollout.prompts_per_step({self.prompts_per_step}) is not a multiple "
                              f"of rollout.pipeline_chunks({self.pipeline_chunks})")
-        if self.max_tokens_per_micro_batch < 0:
-            raise ValueError(f"rollout.max_tokens_per_micro_batch="
-                             f"{self.max_tokens_per_micro_batch} must be >= 0 (0: fixed "
-                             "micro_batch_size rows)")
+        budget = self.max_tokens_per_micro_batch
+        if budget != TOKEN_BUDGET_AUTO and (not isinstance(budget, int) or budget < 0):
+            raise ValueError(f"rollout.max_tokens_per_micro_batch={budget!r} must be "
+                             f"{TOKEN_BUDGET_AUTO!r} (sized to the device) or a token count "
+                             ">= 0 (0: fixed micro_batch_size rows)")
         if self.max_staleness != 1 and not self.async_rollout:
             raise ValueError(f"rollout.max_staleness={self.max_staleness} is used only with "
                              "rollout.async_rollout=true; set that too, or drop max_staleness")
@@ -704,7 +709,8 @@ class RunConfig:
                 f"reward.overlong_buffer={self.reward.overlong_buffer} exceeds "
                 f"generation.max_new_tokens={self.generation.max_new_tokens}, the length it "
                 "counts back from; lower it (DAPO: a quarter of max_new_tokens)")
-        if self.rollout.max_tokens_per_micro_batch and not self.models.packed_sequences:
+        if (self.rollout.max_tokens_per_micro_batch not in (0, TOKEN_BUDGET_AUTO)
+                and not self.models.packed_sequences):
             raise ValueError("rollout.max_tokens_per_micro_batch groups rows of any count, which "
                              "only packed sequences run in one shape: set "
                              "models.packed_sequences=true or max_tokens_per_micro_batch=0")

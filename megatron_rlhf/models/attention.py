@@ -17,9 +17,12 @@ offsets and sliding windows are left to megatron's own implementation.
 
 Packed sequences (megatron's ``PackedSeqParams``, THD layout, ``models.packing``) take a separate
 path, :func:`packed_causal_attention`: causal attention inside each sequence, with no mask. On
-CPU it runs SDPA once per sequence (``is_causal``, no mask, K/V groups shared through
-``enable_gqa``): measured here faster than the padded batch's masked SDPA, than one SDPA over the
-packed row with a block-diagonal mask, and than eager FlexAttention (``docs/results/packing.md``).
+CPU it runs one causal SDPA call over the sequences right-padded to the longest, or, when that
+padding would more than quadruple the attention work, SDPA once per sequence (``is_causal``, no
+mask, K/V groups shared through ``enable_gqa``); per sequence was measured faster than the padded
+batch's masked SDPA, than one SDPA over the packed row with a block-diagonal mask, and than eager
+FlexAttention, and the one right-padded call faster than per-sequence calls for many short
+sequences (``docs/results/packing.md``).
 On a CUDA device with half-precision inputs it is torch's FlashAttention varlen kernel when that
 torch has it.
 

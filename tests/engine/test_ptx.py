@@ -84,7 +84,7 @@ def _engine_gradient(ac_share: bool = False):
         critic_optimizer=OptimizerSettings(distributed_optimizer=False),
         models=ModelsConfig(arch="tiny", init_seed=9),
         rollout=RolloutConfig(prompts_per_step=4, max_prompt_length=PROMPT_LENGTH,
-                              micro_batch_size=1),
+                              micro_batch_size=1, max_tokens_per_micro_batch=0),
         generation=GenerationConfig(max_new_tokens=NEW_TOKENS, seed=3),
         algorithm=PPOAlgorithmConfig(clip_ratio=0.2),
         ptx=PTXConfig(coef=COEF))

@@ -94,3 +94,19 @@ def test_token_budget_needs_packed_sequences() -> None:
     with pytest.raises(ValueError, match="models.packed_sequences=true"):
         RunConfig(models=ModelsConfig(packed_sequences=False),
                   rollout=RolloutConfig(max_tokens_per_micro_batch=64))
+
+
+def test_an_equal_count_split_keeps_order_and_halves_the_heaviest() -> None:
+    from megatron_rlhf.models.forward_backward import split_into_microbatches
+
+    mask = torch.tensor([[1] * 2 + [0] * 4, [1] * 6, [1] * 2 + [0] * 4, [1] * 4 + [0] * 2])
+    fields = {"attention_mask": mask, "row": torch.arange(4)}
+    assert [p["row"].tolist() for p in split_into_microbatches(fields, 100, 1)] == [[0, 1, 2, 3]]
+    # one budget micro-batch of 14 tokens, cut where its first rows reach half: [0, 1] | [2, 3]
+    assert [p["row"].tolist() for p in split_into_microbatches(fields, 100, 2)] == [[0, 1],
+                                                                                   [2, 3]]
+    # the budget gives [0], [1, 2], [3]; a fourth splits the heaviest with two rows, [1, 2]
+    assert [p["row"].tolist() for p in split_into_microbatches(fields, 8, 4)] == [[0], [1], [2],
+                                                                                 [3]]
+    with pytest.raises(ValueError, match="5 micro-batches asked of 4 rows"):
+        split_into_microbatches(fields, 8, 5)

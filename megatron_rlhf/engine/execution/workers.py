@@ -22,6 +22,7 @@ from megatron_rlhf.generation import GenerationConfig, GenerationOutput, generat
 from megatron_rlhf.models.forward_backward import (
     Batch,
     run_microbatches,
+    split_into_microbatches,
     split_microbatches,
     token_budget_microbatches,
 )
@@ -31,6 +32,7 @@ from megatron_rlhf.models.gpt import (
     without_sequence_parallel,
 )
 from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
+from megatron_rlhf.models.moe import ROUTES
 from megatron_rlhf.models.offload import GRADS, OPTIMIZER, PARTS, WEIGHTS, StateOffloader
 from megatron_rlhf.models.trainer import ModelTrainer
 from megatron_rlhf.runtime.device import model_device, to_device
@@ -159,6 +161,29 @@ class ModelWorker:
         return self.forward(fields, lambda out, batch: self.token_logprobs(
             out, batch, prompt_len, temperature)[0])
 
+    def compute_log_prob_and_routes(self, fields: Fields, prompt_len: int, temperature: float
+                                    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+        """Log-probs ``[b, R]`` of the response tokens and the experts every MoE layer chose
+        for every token, ``[b, s, layers, topk]`` (``models.moe.ROUTES``; -1 at padding), for
+        a model that ``replays_routes``; ``(None, None)`` off the last pipeline stage."""
+        response = fields["attention_mask"].shape[1] - prompt_len
+
+        def both(output: torch.Tensor, batch: Batch) -> torch.Tensor:
+            logprobs = self.token_logprobs(output, batch, prompt_len, temperature)[0]
+            return torch.cat([logprobs.float(), batch[ROUTES].flatten(1).float()], dim=1)
+
+        results = self.forward(fields, both)
+        if results is None:
+            return None, None
+        rows, seq = fields["attention_mask"].shape
+        routes = results[:, response:].round().long().view(rows, seq, -1, self.moe_topk)
+        return results[:, :response], routes
+
+    @property
+    def moe_topk(self) -> int:
+        """Experts per token of this model's MoE layers (0: dense)."""
+        return self.model.config.moe_router_topk if self.model.config.num_moe_experts else 0
+
     def compute_values(self, fields: Fields, prompt_len: int) -> torch.Tensor | None:
         """Critic values ``[b, R]``."""
         return self.forward(fields, lambda out, batch: self.token_values(out, prompt_len))
@@ -213,6 +238,14 @@ class ModelWorker:
 
     def _microbatches(self, fields: Fields) -> list[Fields]:
         fields = to_device(fields, self.device)
-        if self.max_tokens_per_micro_batch:
-            return token_budget_microbatches(fields, self.max_tokens_per_micro_batch)
-        return split_microbatches(fields, self.micro_batch_size)
+        if not self.max_tokens_per_micro_batch:
+            return split_microbatches(fields, self.micro_batch_size)
+        parts = token_budget_microbatches(fields, self.max_tokens_per_micro_batch)
+        if self.trainer is None or not self.trainer.settings.fsdp:
+            return parts
+        # Megatron-FSDP gathers each layer's weights over the DP group in every micro-batch:
+        # every replica must run as many micro-batches, whatever its rows' lengths.
+        count = torch.tensor([len(parts)], device=self.device)
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX,
+                                     group=self.pg_collection.dp)
+        return split_into_microbatches(fields, self.max_tokens_per_micro_batch, int(count))

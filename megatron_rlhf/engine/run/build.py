@@ -27,6 +27,7 @@ from megatron_rlhf.engine.execution.episodes import EpisodeRollouts
 from megatron_rlhf.engine.execution.ppo_engine import PPOEngine
 from megatron_rlhf.engine.execution.throughput import WorkMeter, device_peak_flops
 from megatron_rlhf.engine.execution.workers import ModelWorker
+from megatron_rlhf.engine.run.micro_batching import resolve_token_budget
 from megatron_rlhf.engine.run.stage_memory import offload_policies
 from megatron_rlhf.models.checkpoint import read_checkpoint_info
 from megatron_rlhf.models.hf_tokenizer import HFTokenizer, is_hf_tokenizer_dir
@@ -204,9 +205,12 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
                                     config.rollout.micro_batch_size,
                                     offload=offload[role],
                                     meter=context.memory if context else None,
-                                    max_tokens_per_micro_batch=(
-                                        config.rollout.max_tokens_per_micro_batch),
+                                    max_tokens_per_micro_batch=resolve_token_budget(
+                                        config, plan, role, rank, compute_device()),
                                     work=work)
+    logger.info("tokens per micro-batch: %s", ", ".join(
+        f"{role} {worker.max_tokens_per_micro_batch or 'fixed rows'}"
+        for role, worker in workers.items()))
     weight_syncs = {}
     for shadow, source in SHADOW_OF.items():
         if shadow in plan.models:

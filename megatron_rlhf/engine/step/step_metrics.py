@@ -126,7 +126,8 @@ def share_metrics(step_metrics: dict[str, float], train_sums: dict[str, float],
         tokens = totals.get(f"{role}/tokens", 0.0)
         for key, value in totals.items():
             if key.startswith(f"{role}/") and key.endswith("_sum") and "grad_norm" not in key:
-                metrics[key[:-4]] = value / tokens if tokens else 0.0
+                weight = totals.get(f"{key[:-4]}_count", tokens)  # training_losses._as_sums
+                metrics[key[:-4]] = value / weight if weight else 0.0
         if totals.get(f"{role}/ptx_tokens"):
             metrics[f"{role}/ptx_nll"] = (totals[f"{role}/ptx_nll_total"]
                                           / totals[f"{role}/ptx_tokens"])

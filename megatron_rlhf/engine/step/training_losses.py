@@ -29,8 +29,24 @@ from megatron_rlhf.models.logprobs import next_token_nll
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple]
 
 
-def _as_sums(tokens: torch.Tensor, metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {**{f"{k}_sum": v.detach() * tokens for k, v in metrics.items()}, "tokens": tokens}
+AGGREGATED_METRICS = ("pg_loss", "kl_loss")
+"""Metrics that are a loss under ``algorithm.loss_aggregation``: weighted by that aggregation's
+count, so the step's value does not depend on the micro-batching (under ``seq_mean_*`` a
+micro-batch's loss is a mean over its rows, not its tokens)."""
+
+
+def _as_sums(tokens: torch.Tensor, metrics: dict[str, torch.Tensor],
+             count: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Each metric times its weight (``<name>_sum``), and the weights: ``tokens``, or for
+    ``AGGREGATED_METRICS`` the loss's ``count`` (``<name>_count``), which the step's metrics
+    divide by (``step_metrics.share_metrics``)."""
+    sums: dict[str, torch.Tensor] = {"tokens": tokens}
+    for key, value in metrics.items():
+        weight = count if count is not None and key in AGGREGATED_METRICS else tokens
+        sums[f"{key}_sum"] = value.detach() * weight
+        if weight is not tokens:
+            sums[f"{key}_count"] = weight
+    return sums
 
 
 def actor_loss_fn(worker: ModelWorker, prompt_length: int, temperature: float,
@@ -79,7 +95,7 @@ def actor_loss_fn(worker: ModelWorker, prompt_length: int, temperature: float,
                 config.loss_aggregation)
             loss = loss + config.value_loss_coef * value_loss
             metrics.update(value_metrics)
-        return loss * count, count.int(), _as_sums(tokens, metrics)
+        return loss * count, count.int(), _as_sums(tokens, metrics, count)
 
     return loss_fn
 
