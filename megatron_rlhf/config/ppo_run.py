@@ -332,9 +332,10 @@ class RewardConfig:
             text) or ``none``.
         rule_weight: weight of the rule's score.
         functions: reward functions, each ``{name: "package.module:function", weight: 1.0,
-            ...keyword arguments}``, called as ``function(prompt, response, record, **kwargs)``
-            with the prompt's whole data record (docs/rewards.md); checked (imports, callable,
-            keyword arguments, finite weight) when the config is built.
+            ...keyword arguments}`` (or a registered name such as ``math_reward`` as ``name``:
+            ``rewards.REWARD_FUNCTIONS``), called as ``function(prompt, response, record,
+            **kwargs)`` with the prompt's whole data record (docs/rewards.md); checked (imports,
+            callable, keyword arguments, finite weight) when the config is built.
         on_error: a function that raises, runs past ``timeout_s`` or returns no finite number:
             ``error`` (stop, naming the function and the record) or ``zero`` (score 0, counted
             in ``reward/errors``).

@@ -15,11 +15,15 @@ Supported (each maps onto megatron-core options, no layer of our own):
 architectures, biases elsewhere, activations other than SiLU, sliding-window attention, RoPE
 scalings other than Llama-3's with megatron's fixed frequency factors (1, 4) and original context
 (8192), several labels.
+
+A family is one ``register_hf_family(HFFamily(...))`` below: its names and how its layers and its
+``config.json`` differ from Llama's, as data. ``FAMILIES`` is what converts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +44,14 @@ class HFFamily:
         model_type: ``config.json``'s ``model_type``.
         causal_lm: the ``architectures`` name of its LM (head ``lm``).
         classifier: the ``architectures`` name of its sequence classifier (head ``scalar``).
-        qkv_bias: the q/k/v projections carry a bias (no config field turns it off).
+        qkv_bias: the q/k/v projections carry a bias (no config field turns it off, so its
+            ``config.json`` has no ``attention_bias`` to check).
         qk_norm: queries and keys are RMS-normalised per head.
+        config_fields: fields an exported ``config.json`` of the family always holds, beside the
+            architecture's.
+        layer_types: an exported ``config.json`` lists ``layer_types`` (all full attention).
+        implicit_head_dim: an exported ``config.json`` holds ``head_dim`` only where it differs
+            from ``hidden_size / num_attention_heads``.
     """
 
     model_type: str
@@ -49,13 +59,38 @@ class HFFamily:
     classifier: str
     qkv_bias: bool
     qk_norm: bool
+    config_fields: Mapping[str, Any] = field(default_factory=dict)
+    layer_types: bool = False
+    implicit_head_dim: bool = False
 
 
-FAMILIES = {family.model_type: family for family in (
-    HFFamily("llama", "LlamaForCausalLM", "LlamaForSequenceClassification", False, False),
-    HFFamily("qwen2", "Qwen2ForCausalLM", "Qwen2ForSequenceClassification", True, False),
-    HFFamily("qwen3", "Qwen3ForCausalLM", "Qwen3ForSequenceClassification", False, True),
-)}
+FAMILIES: dict[str, HFFamily] = {}
+"""``model_type`` -> family, filled by ``register_hf_family``."""
+
+
+def register_hf_family(family: HFFamily) -> HFFamily:
+    """Make ``family`` convert, both ways.
+
+    Raises:
+        ValueError: its ``model_type`` is already registered.
+    """
+    if family.model_type in FAMILIES:
+        raise ValueError(f"Hugging Face family {family.model_type!r} is already registered")
+    FAMILIES[family.model_type] = family
+    return family
+
+
+_QWEN_FIELDS = {"use_sliding_window": False, "sliding_window": None}
+register_hf_family(HFFamily("llama", "LlamaForCausalLM", "LlamaForSequenceClassification",
+                            qkv_bias=False, qk_norm=False,
+                            config_fields={"attention_bias": False, "mlp_bias": False}))
+register_hf_family(HFFamily("qwen2", "Qwen2ForCausalLM", "Qwen2ForSequenceClassification",
+                            qkv_bias=True, qk_norm=False, config_fields=_QWEN_FIELDS,
+                            layer_types=True, implicit_head_dim=True))
+register_hf_family(HFFamily("qwen3", "Qwen3ForCausalLM", "Qwen3ForSequenceClassification",
+                            qkv_bias=False, qk_norm=True,
+                            config_fields={**_QWEN_FIELDS, "attention_bias": False},
+                            layer_types=True))
 
 
 def _positive_int(config: dict[str, Any], key: str, source: Path) -> int:
@@ -98,7 +133,7 @@ def hf_family(config: dict[str, Any], source: Path) -> tuple[HFFamily, str]:
     family = FAMILIES.get(config.get("model_type"))
     if family is None:
         raise ValueError(f"{source}: model_type={config.get('model_type')!r} is not supported; "
-                         f"convertible: {sorted(FAMILIES)}")
+                         f"convertible (registered): {sorted(FAMILIES)}")
     architectures = config.get("architectures") or [family.causal_lm]
     if architectures not in ([family.causal_lm], [family.classifier]):
         raise ValueError(f"{source}: architectures={architectures!r}; a {family.model_type} "
@@ -115,7 +150,7 @@ def hf_family(config: dict[str, Any], source: Path) -> tuple[HFFamily, str]:
 
 def _check_plain(config: dict[str, Any], family: HFFamily, source: Path) -> None:
     expected = {"hidden_act": "silu", "mlp_bias": False, "use_sliding_window": False}
-    if family.model_type != "qwen2":  # Qwen2 always has its q/k/v bias and no such field
+    if not family.qkv_bias:  # a family with the bias always has it, and no such field
         expected["attention_bias"] = False
     for key, value in expected.items():
         if config.get(key, value) != value:
@@ -171,14 +206,19 @@ def read_hf_config(hf_dir: str | Path) -> tuple[ModelDescription, dict[str, Any]
     return description, config
 
 
-def family_of(description: ModelDescription) -> HFFamily:
-    """The family whose layers compute what ``description`` describes.
+def family_of(description: ModelDescription, model_type: str | None = None) -> HFFamily:
+    """The family whose layers compute what ``description`` describes: ``model_type``'s (the
+    original ``config.json``'s) when it does, else the first registered one that does.
 
     Raises:
         ValueError: no family has both a QKV bias and QK normalisation.
     """
+    layers = (description.qkv_bias, description.qk_norm)
+    preferred = FAMILIES.get(model_type) if model_type else None
+    if preferred is not None and (preferred.qkv_bias, preferred.qk_norm) == layers:
+        return preferred
     for family in FAMILIES.values():
-        if (family.qkv_bias, family.qk_norm) == (description.qkv_bias, description.qk_norm):
+        if (family.qkv_bias, family.qk_norm) == layers:
             return family
     raise ValueError(f"qkv_bias={description.qkv_bias} with qk_norm={description.qk_norm} is no "
                      f"Hugging Face family of {sorted(FAMILIES)}")
@@ -203,7 +243,7 @@ def hf_config(description: ModelDescription,
     Raises:
         ValueError: the head is ``lm+scalar``, or the layers match no family.
     """
-    d, family = description, family_of(description)
+    d, family = description, family_of(description, (base_config or {}).get("model_type"))
     if d.head not in ("lm", "scalar"):
         raise ValueError(f"head={d.head!r}: only 'lm' (...ForCausalLM) and 'scalar' "
                          "(...ForSequenceClassification) models export")
@@ -217,16 +257,11 @@ def hf_config(description: ModelDescription,
               "vocab_size": d.vocab_size, "max_position_embeddings": d.seq_length,
               "rms_norm_eps": d.norm_epsilon, **_rope_fields(d),
               "tie_word_embeddings": d.tie_embeddings, "hidden_act": "silu",
-              "dtype": d.params_dtype}
-    if family.model_type == "llama":
-        config |= {"attention_bias": False, "mlp_bias": False}
-    else:
-        config |= {"use_sliding_window": False, "sliding_window": None,
-                   "layer_types": ["full_attention"] * d.num_layers}
-        if family.model_type == "qwen2" and d.head_dim * d.num_attention_heads == d.hidden_size:
-            del config["head_dim"]  # Qwen2Config has no such field unless it differs
-        if family.model_type == "qwen3":
-            config["attention_bias"] = False
+              "dtype": d.params_dtype, **family.config_fields}
+    if family.layer_types:
+        config["layer_types"] = ["full_attention"] * d.num_layers
+    if family.implicit_head_dim and d.head_dim * d.num_attention_heads == d.hidden_size:
+        del config["head_dim"]  # e.g. Qwen2Config has no such field unless it differs
     if d.head == "lm":
         config["architectures"] = [family.causal_lm]
         return config

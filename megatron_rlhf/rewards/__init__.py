@@ -4,11 +4,13 @@ pool of worker processes, and built-in verifiers (pure Python, no torch).
 Map of the files:
 
 - ``functions.py``: ``RewardFunctionSpec``: one ``reward.functions`` entry, imported and checked
-  when the config is built (``parse_reward_functions``).
+  when the config is built (``parse_reward_functions``); the ``REWARD_FUNCTIONS`` registry of the
+  functions an entry names without their module.
 - ``pool.py``: ``RewardFunctions``: calls every function on every row in worker processes, with
   a per-call timeout and the ``reward.on_error`` policy.
-- ``verifiers.py``: math final-answer equivalence, exact and regex match, a format check, and
-  DAPO's overlong penalty.
+- ``verifiers.py``: math final-answer equivalence, exact and regex match, a format check (the
+  registered ``math_reward``, ``exact_reward``, ``regex_reward``, ``format_reward``), and DAPO's
+  overlong penalty.
 - ``overlong.py``: ``OverlongPenalty``: that penalty on a batch's generated token counts
   (``reward.overlong_buffer``); the one module here that imports torch, so import it directly.
 
@@ -19,10 +21,14 @@ from __future__ import annotations
 
 from megatron_rlhf.rewards.functions import (
     ON_ERROR_POLICIES,
+    REWARD_FUNCTIONS,
     RewardFunctionSpec,
     parse_reward_functions,
+    register_reward_function,
 )
 from megatron_rlhf.rewards.pool import RewardFunctionError, RewardFunctions, RewardScores
+from megatron_rlhf.rewards.verifiers import exact_reward, format_reward, math_reward, regex_reward
 
-__all__ = ["ON_ERROR_POLICIES", "RewardFunctionError", "RewardFunctionSpec", "RewardFunctions",
-           "RewardScores", "parse_reward_functions"]
+__all__ = ["ON_ERROR_POLICIES", "REWARD_FUNCTIONS", "RewardFunctionError", "RewardFunctionSpec",
+           "RewardFunctions", "RewardScores", "exact_reward", "format_reward", "math_reward",
+           "parse_reward_functions", "regex_reward", "register_reward_function"]

@@ -1,10 +1,17 @@
-"""One ``reward.functions`` entry: which function, its weight, its keyword arguments.
+"""One ``reward.functions`` entry: which function, its weight, its keyword arguments; and the
+registry of the reward functions an entry may name without their module.
 
-An entry is a mapping ``{name: "package.module:function", weight: 1.0, **kwargs}``; the function
-is called as ``function(prompt, response, record, **kwargs)`` (see ``pool.py``). Everything that
-can be checked without calling it is checked here, when the run's config is built, before any
-process group exists: the module imports, the attribute is callable, the weight is a finite
-number, and no two functions share the metric name ``reward/<function>``.
+An entry is a mapping ``{name: "package.module:function", weight: 1.0, **kwargs}``, or with a
+registered name (``REWARD_FUNCTIONS``, e.g. ``math_reward``) as ``name``; the function is called
+as ``function(prompt, response, record, **kwargs)`` (see ``pool.py``). Everything that can be
+checked without calling it is checked here, when the run's config is built, before any process
+group exists: the name is registered or the module imports, the attribute is callable, the weight
+is a finite number, and no two functions share the metric name ``reward/<function>``.
+
+A function is registered where it is defined (``verifiers.py`` registers the built-in ones)::
+
+    @register_reward_function("my_reward")
+    def my_reward(prompt: str, response: str, record: dict, **kwargs) -> float: ...
 """
 
 from __future__ import annotations
@@ -22,6 +29,50 @@ it in ``reward/errors``."""
 
 RESERVED_KEYS = ("name", "weight")
 """Keys of an entry that are not keyword arguments of the function."""
+
+RewardFunction = Callable[..., Any]
+"""``(prompt, response, record, **kwargs) -> float`` (or a dict with a ``score``)."""
+
+REWARD_FUNCTIONS: dict[str, RewardFunction] = {}
+"""Name -> function, filled by ``register_reward_function`` where each is defined."""
+
+
+def register_reward_function(name: str) -> Callable[[RewardFunction], RewardFunction]:
+    """Decorator that lets a ``reward.functions`` entry name a module-level function ``name``.
+
+    Raises:
+        ValueError: ``name`` is already registered, or holds a ``:``.
+    """
+
+    def register(function: RewardFunction) -> RewardFunction:
+        if ":" in name or name in REWARD_FUNCTIONS:
+            raise ValueError(f"reward function {name!r} is already registered or holds a ':' "
+                             "(which names 'package.module:function'); pick another name")
+        REWARD_FUNCTIONS[name] = function
+        return function
+
+    return register
+
+
+def registered_target(name: str, where: str = "reward.functions") -> str:
+    """``package.module:function`` of the function registered as ``name``: the workers import
+    it by that path, as they do an entry that names the path itself.
+
+    Raises:
+        ValueError: ``name`` is not registered (the message lists the registered names), or its
+            function cannot be imported by its path.
+    """
+    if name not in REWARD_FUNCTIONS:
+        raise ValueError(f"{where}.name={name!r} is no registered reward function "
+                         f"({sorted(REWARD_FUNCTIONS)}); name one of those or your own as "
+                         "'package.module:function'")
+    function = REWARD_FUNCTIONS[name]
+    target = f"{function.__module__}:{function.__qualname__}"
+    if "<" in target or import_function(target, where) is not function:
+        raise ValueError(f"{where}.name={name!r}: the registered {target} is not importable by "
+                         "that path, which the reward workers need; register a module-level "
+                         "function")
+    return target
 
 
 @dataclass(frozen=True)
@@ -87,7 +138,10 @@ def parse_reward_functions(entries: Sequence[Mapping[str, Any]]) -> list[RewardF
                              "function's keyword arguments")
         target, weight = entry["name"], entry.get("weight", 1.0)
         if not isinstance(target, str):
-            raise ValueError(f"{where}.name={target!r} must be 'package.module:function'")
+            raise ValueError(f"{where}.name={target!r} must be 'package.module:function' or a "
+                             f"registered name ({sorted(REWARD_FUNCTIONS)})")
+        if ":" not in target:
+            target = registered_target(target, where)
         if (isinstance(weight, bool) or not isinstance(weight, int | float)
                 or not math.isfinite(weight)):
             raise ValueError(f"{where}.weight={weight!r} must be a finite number")

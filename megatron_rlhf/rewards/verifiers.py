@@ -1,14 +1,13 @@
 """Built-in verifiers: pure Python checks of a decoded response, usable as reward functions.
 
 Each ``*_reward`` function has the reward-function signature ``(prompt, response, record,
-**kwargs) -> float`` and reads the reference from ``record[answer_field]``, so a config names it
-directly::
+**kwargs) -> float``, reads the reference from ``record[answer_field]`` and is registered under
+its name, so a config names it directly::
 
     reward:
       functions:
-        - {name: "megatron_rlhf.rewards.verifiers:math_reward", weight: 1.0}
-        - {name: "megatron_rlhf.rewards.verifiers:format_reward", weight: 0.1,
-           pattern: '(?s).*\\\\boxed\\{.+\\}.*'}
+        - {name: math_reward, weight: 1.0}
+        - {name: format_reward, weight: 0.1, pattern: '(?s).*\\\\boxed\\{.+\\}.*'}
 
 Math equivalence uses Hugging Face's ``math-verify`` (the optional extra: ``pip install
 megatron_rlhf[math]``) where it is installed and ``use_math_verify`` is true; otherwise the
@@ -25,6 +24,8 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 from typing import Any
+
+from megatron_rlhf.rewards.functions import register_reward_function
 
 _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?|[-+]?\.\d+")
 """An integer (optionally with thousands commas), decimal or ``a/b`` fraction in running text."""
@@ -100,6 +101,7 @@ def _math_verify(response: str, reference: str) -> bool | None:
                        parse(response, parsing_timeout=None), timeout_seconds=None))
 
 
+@register_reward_function("math_reward")
 def math_reward(prompt: str, response: str, record: dict[str, Any], *,
                 answer_field: str = "answer", use_math_verify: bool = True) -> float:
     """1.0 when the response's final answer equals ``record[answer_field]``, else 0.0.
@@ -116,6 +118,7 @@ def math_reward(prompt: str, response: str, record: dict[str, Any], *,
     return float(prediction is not None and math_equal(prediction, reference))
 
 
+@register_reward_function("exact_reward")
 def exact_reward(prompt: str, response: str, record: dict[str, Any], *,
                  answer_field: str = "answer", ignore_case: bool = False) -> float:
     """1.0 when the response, stripped of surrounding white space, is ``record[answer_field]``."""
@@ -125,6 +128,7 @@ def exact_reward(prompt: str, response: str, record: dict[str, Any], *,
     return float(ours == theirs)
 
 
+@register_reward_function("regex_reward")
 def regex_reward(prompt: str, response: str, record: dict[str, Any], *, pattern: str,
                  answer_field: str | None = None) -> float:
     """1.0 when ``pattern`` is found in the response; with ``answer_field``, its first group in
@@ -137,6 +141,7 @@ def regex_reward(prompt: str, response: str, record: dict[str, Any], *, pattern:
     return float(matches[-1].group(1).strip() == str(record[answer_field]).strip())
 
 
+@register_reward_function("format_reward")
 def format_reward(prompt: str, response: str, record: dict[str, Any], *,
                   pattern: str = r"(?s)<think>.+?</think>\s*\S.*") -> float:
     """1.0 when the whole response (stripped) matches ``pattern``: by default reasoning in

@@ -43,7 +43,8 @@ def test_entries_become_specs_with_weights_and_keyword_arguments() -> None:
 
 @pytest.mark.parametrize(("entry", "message"), [
     ({"weight": 1.0}, r"reward.functions\[0\]=.* must be a mapping with a 'name'"),
-    ({"name": "no_colon"}, r"reward.functions\[0\].name='no_colon' must be 'package.module:fu"),
+    ({"name": "no_colon"}, r"reward.functions\[0\].name='no_colon' is no registered reward "
+                           r"function \(\['exact_reward', 'format_reward', 'math_reward', 'rege"),
     ({"name": "tests.rewards.missing:f"}, r"module 'tests.rewards.missing' does not import"),
     ({"name": f"{USER}:absent"}, r"has no callable 'absent'"),
     ({"name": f"{USER}:NOT_CALLABLE"}, r"has no callable 'NOT_CALLABLE'"),

@@ -1,0 +1,84 @@
+"""The registry of Hugging Face model families: an unknown ``model_type`` is refused with the
+registered ones listed, and a family registered with ``register_hf_family`` is read from its
+``config.json`` and written back under its own names."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from megatron_rlhf.models.hf_config import (
+    FAMILIES,
+    HFFamily,
+    hf_config,
+    read_hf_config,
+    register_hf_family,
+)
+
+LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+         "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 300, "max_position_embeddings": 128,
+         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
+         "bos_token_id": 1, "eos_token_id": 2}
+MISTRAL = HFFamily("mistral", "MistralForCausalLM", "MistralForSequenceClassification",
+                   qkv_bias=False, qk_norm=False, config_fields={"sliding_window": None})
+"""Llama's layers under Mistral's names (a Mistral checkpoint without a sliding window)."""
+
+
+def _read(directory: Path, config: dict) -> tuple:
+    directory.mkdir(exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    return read_hf_config(directory)
+
+
+@pytest.fixture
+def mistral() -> Iterator[HFFamily]:
+    register_hf_family(MISTRAL)
+    yield MISTRAL
+    del FAMILIES["mistral"]
+
+
+def test_the_built_in_families_are_registered() -> None:
+    assert list(FAMILIES) == ["llama", "qwen2", "qwen3"]
+    assert [f.model_type for f in FAMILIES.values() if f.qkv_bias] == ["qwen2"]
+    assert [f.model_type for f in FAMILIES.values() if f.qk_norm] == ["qwen3"]
+
+
+def test_an_unknown_model_type_lists_the_registered_ones(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"model_type='mistral' is not supported; convertible "
+                                         r"\(registered\): \['llama', 'qwen2', 'qwen3'\]"):
+        _read(tmp_path, LLAMA | {"model_type": "mistral"})
+    with pytest.raises(ValueError, match="'llama' is already registered"):
+        register_hf_family(replace(MISTRAL, model_type="llama"))
+
+
+def test_a_registered_family_converts_both_ways(tmp_path: Path, mistral: HFFamily) -> None:
+    llama, _ = _read(tmp_path / "llama", LLAMA)
+    description, config = _read(tmp_path / "mistral", LLAMA | {
+        "model_type": "mistral", "architectures": ["MistralForCausalLM"]})
+    assert description == llama  # the same layers
+    exported = hf_config(description, base_config=config)
+    assert exported["model_type"] == "mistral"
+    assert exported["architectures"] == ["MistralForCausalLM"]
+    assert exported["sliding_window"] is None and "attention_bias" not in exported
+    assert exported["eos_token_id"] == 2 and exported["num_key_value_heads"] == 2
+    critic = hf_config(replace(description, head="scalar"), base_config=config)
+    assert critic["architectures"] == ["MistralForSequenceClassification"]
+    # without the original config the first registered family with these layers is written
+    assert hf_config(description)["model_type"] == "llama"
+
+
+def test_the_built_in_families_export_their_own_fields(tmp_path: Path) -> None:
+    llama, config = _read(tmp_path, LLAMA)
+    exported = hf_config(llama, base_config=config)
+    assert exported["attention_bias"] is False and "layer_types" not in exported
+    qwen2 = hf_config(replace(llama, qkv_bias=True))
+    assert qwen2["model_type"] == "qwen2" and "head_dim" not in qwen2
+    assert qwen2["layer_types"] == ["full_attention"] * 2 and "attention_bias" not in qwen2
+    qwen3 = hf_config(replace(llama, qk_norm=True))
+    assert qwen3["model_type"] == "qwen3" and qwen3["head_dim"] == 16
+    assert qwen3["attention_bias"] is False and qwen3["sliding_window"] is None
