@@ -74,6 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     place.add_argument("--no-critic", action="store_true",
                        help="a critic-free estimator (grpo, rloo, reinforce++): place actor, ref "
                        "and reward only; ratios are actor,ref,reward")
+    place.add_argument("--no-reward", action="store_true",
+                       help="scored by rules and reward functions alone (reward.model_weight=0): "
+                       "place no reward model; a ratio list keeps its reward entry, unused")
     place.add_argument("--tp", type=int, default=1)
     place.add_argument("--pp", type=int, default=1)
     place.add_argument("--no-distributed-optimizer", action="store_true")
@@ -161,8 +164,8 @@ def build_config(args: argparse.Namespace) -> PlacementConfig:
         strategy, ratios = "custom", [float(r) for r in args.placement.split(",")]
     return PlacementConfig(
         strategy=strategy, ratios=ratios, train_fraction=args.train_fraction,
-        ac_share=args.ac_share, critic=not args.no_critic, tp=args.tp, pp=args.pp,
-        distributed_optimizer=not args.no_distributed_optimizer, parallel=overrides,
+        ac_share=args.ac_share, critic=not args.no_critic, reward=not args.no_reward,
+        tp=args.tp, pp=args.pp, distributed_optimizer=not args.no_distributed_optimizer, parallel=overrides,
     )
 
 
@@ -170,7 +173,7 @@ def run_auto(args: argparse.Namespace, cluster: ClusterSpec, models: dict[str, s
     """Rank candidate placements and print them (text or one JSON object)."""
     space = SearchSpace(strategies=tuple(args.only.split(",")) if args.only else None,
                         ac_share=args.ac_share, critic=not args.no_critic,
-                        distributed_optimizer=not args.no_distributed_optimizer,
+                        reward=not args.no_reward, distributed_optimizer=not args.no_distributed_optimizer,
                         memory_options=memory_options(args))
     ranked = auto_place(cluster, models, build_rollout(args), build_profiles(args), space)
     if args.json:

@@ -71,14 +71,15 @@ def summary(args: argparse.Namespace) -> str:
 
 
 def curves(records: list[dict]) -> dict[str, list[dict]]:
-    """PPO's training metrics and its held-out evaluations as runs for ``plot_curves.plot``."""
-    runs = {"train batches": [r for r in records if "rm_score" in r]}
+    """PPO's training metrics and its held-out evaluations as runs for ``plot_curves.plot``
+    (every record has a rule score; a reward-model score only with a reward model)."""
+    runs = {"train batches": [r for r in records if "rule_score" in r]}
     for mode in MODES:
         prefix = f"eval/{mode}/"
         runs[f"held-out ({mode})"] = [
             {"step": r["step"], **{k[len(prefix):]: v for k, v in r.items()
                                    if k.startswith(prefix)}}
-            for r in records if f"{prefix}rm_score" in r]
+            for r in records if f"{prefix}rule_score" in r]
     return runs
 
 

@@ -55,8 +55,9 @@ def main(argv: list[str] | None = None) -> None:
     if not (pipeline / "rm" / "checkpoint").exists():
         torchrun("run_pipeline.py", "--run-dir", str(pipeline), "--placement", "flattening",
                  *common)
-    checkpoints = [f"models.actor_checkpoint={pipeline / 'sft' / 'checkpoint'}",
-                   f"models.reward_checkpoint={pipeline / 'rm' / 'checkpoint'}",
+    # The rule as the reward (reward.model_weight=0) runs no reward model: its checkpoint is left out.
+    model = [f"models.reward_checkpoint={pipeline / 'rm' / 'checkpoint'}"] * (args.reward == "model")
+    checkpoints = [f"models.actor_checkpoint={pipeline / 'sft' / 'checkpoint'}", *model,
                    f"tokenizer.model_path={pipeline / 'sft' / 'tokenizer.model'}",
                    f"prompts.paths=[{pipeline / 'data' / 'train.jsonl'}]"]
     runs = {"flattening": read_metrics(pipeline / "ppo")}
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         if (out / name / "metrics.jsonl").exists():
             runs[name] = read_metrics(out / name)
     picture = out / "learning_curves.png"
-    plot(runs, ["rule_score", "rm_score", "kl"], picture, window=8)
+    plot(runs, ["rule_score", *["rm_score"] * (args.reward == "model"), "kl"], picture, window=8)
     for name, records in runs.items():
         first = sum(r["rule_score"] for r in records[:10]) / 10
         last = sum(r["rule_score"] for r in records[-10:]) / 10

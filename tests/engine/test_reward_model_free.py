@@ -181,3 +181,17 @@ def test_a_function_scored_grpo_run_builds_no_reward_model_on_two_ranks(tmp_path
     for step, (got, want) in enumerate(zip(runs["separation"]["metrics"], reference,
                                            strict=True)):
         assert_metrics_match(got, want, COMPARED, f"separation step {step}")
+
+
+def test_the_planning_tool_places_and_ranks_no_reward_model(capsys) -> None:
+    from tests.scripts import load_script
+
+    tool = load_script("tools/plan_placement.py")
+    tool.main(["--nodes", "1", "--gpus-per-node", "4", "--model", "tiny", "--placement",
+               "1,1,0.5,0.5", "--no-reward", "--json"])
+    plan = json.loads(capsys.readouterr().out)
+    assert sorted(plan["models"]) == ["actor", "critic", "ref"]
+    tool.main(["--nodes", "1", "--gpus-per-node", "4", "--model", "llama-7b", "--auto",
+               "--batch", "64", "--no-critic", "--no-reward", "--json"])
+    body = json.loads(capsys.readouterr().out)
+    assert set(body["best"]["memory_options"]) == {"actor", "ref"}
