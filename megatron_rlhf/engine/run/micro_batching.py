@@ -30,8 +30,8 @@ import torch
 from megatron_rlhf.config.ppo_run import TOKEN_BUDGET_AUTO, RunConfig
 from megatron_rlhf.planner import cost_model as cm
 from megatron_rlhf.runtime.logging import get_logger
-from megatron_rlhf.topology.plan import ModelPlacement, PlacementPlan
 from megatron_rlhf.topology.models import TRAINABLE_ROLES, VALUE_HEAD_ROLES
+from megatron_rlhf.topology.plan import ModelPlacement, PlacementPlan
 
 logger = get_logger(__name__)
 
