@@ -6,6 +6,10 @@ own process groups. With PP=1 that is the no-pipelining loop, with PP>1 the 1F1B
 
 A model built with ``packed_sequences`` runs each micro-batch packed (``models.packing``): the
 loss function still receives the padded ``[b, s, ...]`` output, so it is the same either way.
+
+A mixture-of-experts model with routing replay (``models.moe.routes_of_batch``) records each
+micro-batch's routes into its ``moe_routes`` field for the loss function to read, or, when the
+micro-batch brings that field, routes its tokens as recorded.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_model_config
 
+from megatron_rlhf.models.moe import routes_of_batch
 from megatron_rlhf.models.packing import PackedRows, pack_rows, packed_length
 
 Batch = dict[str, torch.Tensor]
@@ -64,10 +69,13 @@ def _loss_with_safe_metrics(loss_fn: LossFn, output: torch.Tensor, batch: Batch,
 def _forward_step(loss_fn: LossFn, length: int | None, data_iterator, model):
     batch = next(data_iterator)
     if length is None:
-        output = model(*model_inputs(batch))
+        with routes_of_batch(model, batch, None, 0):
+            output = model(*model_inputs(batch))
         return output, partial(_loss_with_safe_metrics, loss_fn, batch=batch)
     packed = pack_rows(batch["input_ids"], batch["attention_mask"], length)
-    output = model(packed.input_ids, packed.position_ids, None, packed_seq_params=packed.params)
+    with routes_of_batch(model, batch, packed.index, length):
+        output = model(packed.input_ids, packed.position_ids, None,
+                       packed_seq_params=packed.params)
     return output, partial(_loss_with_safe_metrics, loss_fn, batch=batch, packed=packed)
 
 

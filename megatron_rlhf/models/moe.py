@@ -30,6 +30,9 @@ from typing import Any
 
 import torch
 
+ROUTES = "moe_routes"
+"""The batch field of a policy's recorded routes, ``[b, s, layers, topk]`` (:func:`routes_to_rows`):
+written by a forward that records, read by one that replays (``models.forward_backward``)."""
 LOAD_BALANCING_TYPES: tuple[str, ...] = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 TOKEN_DISPATCHERS: tuple[str, ...] = ("alltoall", "allgather")
 
@@ -54,8 +57,11 @@ class MoEConfig:
             logits); 0: none.
         token_dispatcher: how tokens reach the experts of other expert-parallel ranks:
             ``alltoall`` or ``allgather``.
-        router_replay: build the routers able to record and replay their choices
-            (:func:`recording_routes`, :func:`replaying_routes`).
+        router_replay: record the experts the policy chose for every token when the
+            experience's old log-probs are computed, and route the tokens the same way in every
+            training pass of the actor on those rows, so that the PPO ratio compares one
+            routing (needs pp=1, no sequence parallelism under TP, no full recomputation; not
+            with ``rollout.reuse_generation_logprobs``). false: each pass routes afresh.
     """
 
     num_experts: int = 0
@@ -229,3 +235,41 @@ def rows_to_routes(rows: torch.Tensor, packed_index: torch.Tensor | None = None,
         tokens[:packed_index.numel()] = rows.reshape(b * s, layers, topk)[packed_index]
     tokens = torch.where(tokens < 0, fallback, tokens)
     return list(tokens.unbind(dim=1))
+
+
+def replays_routes(model: torch.nn.Module) -> bool:
+    """Whether forwards of ``model`` (or a wrapper of it) record and replay routes by row: MoE
+    layers built with ``router_replay``, one pipeline stage, no sequence parallelism (under
+    which each TP rank routes only its chunk of the sequence), no full recomputation (whose
+    backward reruns the router outside the replaying forward)."""
+    routers = moe_routers(model)
+    if not routers or any(router.router_replay is None for router in routers):
+        return False
+    config = routers[0].config
+    return (config.pipeline_model_parallel_size == 1 and not config.sequence_parallel
+            and config.recompute_granularity != "full")
+
+
+@contextmanager
+def routes_of_batch(model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                    packed_index: torch.Tensor | None, packed_length: int) -> Iterator[None]:
+    """Around one micro-batch's forward: replay ``batch[ROUTES]`` when it is there, else record
+    the routes into it (by row and position); nothing for a model that does not
+    :func:`replays_routes` or inside :func:`recording_routes` or :func:`replaying_routes`.
+
+    Args:
+        packed_index: ``PackedRows.index`` when the forward runs packed, else None.
+        packed_length: tokens of the packed row (unused when not packed).
+    """
+    if not replays_routes(model) or any(replay.router_replay_action is not None
+                                        for replay in _replays(model)):
+        yield  # not a replaying model, or inside recording_routes/replaying_routes already
+        return
+    if ROUTES in batch:
+        routes = rows_to_routes(batch[ROUTES].long(), packed_index, packed_length)
+        with replaying_routes(model, routes):
+            yield
+        return
+    with recording_routes(model) as routes:
+        yield
+    batch[ROUTES] = routes_to_rows(routes, tuple(batch["input_ids"].shape), packed_index)

@@ -18,7 +18,7 @@ from tests.multirank import run_on_ranks
 PROMPTS = 4
 
 
-def _steps(estimator: str) -> dict:
+def _steps(estimator: str, minibatches: int = 2) -> dict:
     import torch
 
     from megatron_rlhf.algorithms import PPOAlgorithmConfig
@@ -34,7 +34,7 @@ def _steps(estimator: str) -> dict:
     initialize_runtime()
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, 500, (int(n),), generator=generator).tolist()
-               for n in torch.randint(2, 9, (PROMPTS * 2,), generator=generator)]
+               for n in torch.randint(2, 9, (PROMPTS * 3,), generator=generator)]
     grpo = estimator == "grpo"
     config = RunConfig(
         placement=PlacementConfig(strategy="flattening"),
@@ -42,7 +42,7 @@ def _steps(estimator: str) -> dict:
                             moe=MoEConfig(num_experts=4, topk=2, ffn_hidden_size=128)),
         rollout=RolloutConfig(prompts_per_step=PROMPTS, samples_per_prompt=4 if grpo else 1,
                               max_prompt_length=8, micro_batch_size=1, ppo_epochs=1,
-                              num_minibatches=2),
+                              num_minibatches=minibatches),
         generation=GenerationConfig(max_new_tokens=6, seed=3),
         reward=RewardConfig(model_weight=0.5, rule="none", rule_weight=1.0),
         algorithm=(PPOAlgorithmConfig(advantage_estimator="grpo", kl_in="loss",
@@ -57,7 +57,12 @@ def _steps(estimator: str) -> dict:
         prompts=lambda step, _round=0: (prompts[PROMPTS * step:PROMPTS * (step + 1)],
                                         list(range(PROMPTS * step, PROMPTS * (step + 1)))),
         rule_reward=even_token_share)
-    return {"routers": routers, "metrics": [algorithm.step(s) for s in range(2)]}
+    metrics = [algorithm.step(s) for s in range(2)]
+    experience = algorithm.produce(2).batch.fields
+    routes = experience.get("moe_routes")
+    return {"routers": routers, "metrics": metrics, "replayed": engine.replayed_routes,
+            "routes": None if routes is None else (tuple(routes.shape), routes.min().item(),
+                                                   routes.max().item())}
 
 
 @pytest.mark.multirank
@@ -79,3 +84,18 @@ def test_moe_models_run_ppo_and_grpo_steps(estimator: str) -> None:
 def test_moe_refuses_checkpoints_it_cannot_describe() -> None:
     with pytest.raises(ValueError, match="models.moe.num_experts=4 .* actor_checkpoint"):
         ModelsConfig(actor_checkpoint="some/dir", moe=MoEConfig(num_experts=4))
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(420)
+def test_replayed_routes_make_the_first_ratio_exactly_one() -> None:
+    """One mini-batch per step: the first training forward sees the weights that computed the
+    old log-probs, and with the recorded routes replayed the ratio is exactly 1 (k3 KL 0, no
+    clipping); the experience carries the routes of every row, layer and top-k slot."""
+    per_rank = run_on_ranks(_steps, world_size=2, args=("grpo", 1), timeout_s=380)
+    result = per_rank[0]
+    assert result["replayed"] == (2, 2)
+    shape, low, high = result["routes"]
+    assert shape[0] == PROMPTS * 4 and shape[2:] == (2, 2) and low >= -1 and high <= 3, shape
+    first = result["metrics"][0]
+    assert first["actor/ppo_kl"] == 0.0 and first["actor/pg_clipfrac"] == 0.0, first

@@ -229,8 +229,9 @@ def test_moe_config_refuses_bad_values() -> None:
 
 
 def _replay_across_layouts() -> dict[str, float]:
-    from megatron_rlhf.models.forward_backward import model_inputs
+    from megatron_rlhf.models.forward_backward import model_inputs, run_microbatches
     from megatron_rlhf.models.moe import (
+        ROUTES,
         moe_routers,
         recording_routes,
         replaying_routes,
@@ -241,20 +242,27 @@ def _replay_across_layouts() -> dict[str, float]:
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
 
     initialize_runtime()
-    model, _ = _build(1, "alltoall")
+    model, pgc = _build(1, "alltoall")
     batch = _batch(0)
     batch["attention_mask"][2, :4] = 0  # a left-padded row too
     with torch.no_grad(), recording_routes(model) as routes:
         model(*model_inputs(batch))
     rows = routes_to_rows(routes, tuple(batch["input_ids"].shape))
+    scheduled = dict(batch)  # a pass through the schedule records into the micro-batch
+    run_microbatches(model, pgc, [scheduled], lambda out, b: _square_loss(out, []),
+                     forward_only=True)
     with torch.no_grad():
         for router in moe_routers(model):
             router.weight.mul_(-3.0)
         with replaying_routes(model, routes):  # the recording's own layout: the reference
             reference = model(*model_inputs(batch))
         rerouted = model(*model_inputs(batch))
+    replayed: list[torch.Tensor] = []  # and one that brings the field replays it
+    run_microbatches(model, pgc, [scheduled], lambda out, b: _square_loss(out, replayed),
+                     forward_only=True)
     mask = batch["attention_mask"].bool()
-    gaps = {}
+    gaps = {"schedule_recorded": float(not torch.equal(scheduled[ROUTES], rows)),
+            "schedule_replayed": (replayed[0] - reference)[mask].abs().max().item()}
     for name, split in (("padded_1_2", ((0, 1), (1, 3))), ("packed_2_1", ((0, 2), (2, 3)))):
         outputs = []
         for start, stop in split:
@@ -276,8 +284,9 @@ def _replay_across_layouts() -> dict[str, float]:
 
 
 @pytest.mark.multirank
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(160)
 def test_routes_replay_across_micro_batch_and_packing_layouts() -> None:
     gaps = run_on_ranks(_replay_across_layouts, world_size=1, timeout_s=100)[0]
     assert gaps["padded_1_2"] < 1e-5 and gaps["packed_2_1"] < 1e-5, gaps
+    assert gaps["schedule_recorded"] == 0.0 and gaps["schedule_replayed"] == 0.0, gaps
     assert gaps["without_replay"] > 1e-2, gaps

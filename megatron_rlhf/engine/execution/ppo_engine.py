@@ -29,6 +29,7 @@ from megatron_rlhf.engine.execution.function_rewards import FunctionRewards, Rec
 from megatron_rlhf.engine.execution.transfer import RowLayout, TransferChannels
 from megatron_rlhf.engine.execution.workers import ModelWorker
 from megatron_rlhf.generation import GenerationConfig, GenerationOutput
+from megatron_rlhf.models.moe import ROUTES
 from megatron_rlhf.models.offload import PARTS, WEIGHTS
 from megatron_rlhf.refit import WeightSync
 from megatron_rlhf.runtime.context import RunContext
@@ -60,6 +61,9 @@ class PPOEngine:
         episodes: multi-turn rollouts with tools (``rollout.tools``); the response width ``R``
             (``generation.max_new_tokens`` here) is then the episode's
             (``rollout.max_episode_tokens``). None: one reply per prompt.
+        replayed_routes: ``(layers, topk)`` of a mixture-of-experts policy whose experts per
+            token are recorded with the old log-probs (``models.moe.ROUTES``) and replayed in
+            every training pass of the actor on those rows; None: no replay.
 
     Building is collective: it creates the transfer channels (process groups) on every rank.
     """
@@ -70,8 +74,10 @@ class PPOEngine:
                  pad_id: int, context: RunContext | None = None,
                  reuse_generation_logprobs: bool = False,
                  transfer_timeout_s: float = 1800.0,
-                 episodes: EpisodeRollouts | None = None) -> None:
+                 episodes: EpisodeRollouts | None = None,
+                 replayed_routes: tuple[int, int] | None = None) -> None:
         self.plan = plan
+        self.replayed_routes = replayed_routes
         self.episodes = episodes
         self.workers = workers
         self.weight_syncs = weight_syncs
@@ -281,8 +287,7 @@ class PPOEngine:
                              f"generation at {self.generation.temperature} "
                              "(rollout.reuse_generation_logprobs=true)")
         computations = {
-            "old_logprobs": ({"old_logprobs": (r,)}, lambda w, f, rows: {
-                "old_logprobs": w.compute_log_prob(f, p, temperature)}),
+            "old_logprobs": self._old_logprobs(p, r, temperature),
             "ref_logprobs": ({"ref_logprobs": (r,)}, lambda w, f, rows: {
                 "ref_logprobs": w.compute_log_prob(f, p, temperature)}),
             "values": ({"values": (r,)}, lambda w, f, rows: {"values": w.compute_values(f, p)}),
@@ -312,6 +317,20 @@ class PPOEngine:
         with self.context.span("transfer", "experience-outputs", chunk):
             return merge([rollout, *outputs], self.trainer_layout(rollout.batch_size),
                          self._node_of, self.channels)
+
+    def _old_logprobs(self, p: int, r: int, temperature: float) -> tuple[dict, Callable]:
+        """Shapes and computation of the policy's experience pass: its log-probs, and its
+        routes when they are replayed."""
+        if self.replayed_routes is None:
+            return {"old_logprobs": (r,)}, lambda w, f, rows: {
+                "old_logprobs": w.compute_log_prob(f, p, temperature)}
+
+        def with_routes(worker: ModelWorker, fields: dict, rows) -> dict:
+            logprobs, routes = worker.compute_log_prob_and_routes(fields, p, temperature)
+            return {"old_logprobs": logprobs,
+                    ROUTES: None if routes is None else routes.float()}
+
+        return {"old_logprobs": (r,), ROUTES: (p + r, *self.replayed_routes)}, with_routes
 
     def finish_transfers(self) -> None:
         """Wait for this rank's sends still in flight."""
@@ -365,7 +384,8 @@ class PPOEngine:
         dp_rank, dp = worker.pg_collection.dp.rank(), self.plan[role].dp
         rows = _replica_share(minibatch_rows, dp_rank, dp)
         rows = rows.to(next(iter(experience.fields.values())).device)
-        fields = {name: tensor[rows] for name, tensor in experience.fields.items()}
+        fields = {name: tensor[rows] for name, tensor in experience.fields.items()
+                  if name != ROUTES or role == ACTOR}  # the policy's routes, for the policy
         if supervised is not None:
             supervised = {name: _replica_share(tensor, dp_rank, dp)
                           for name, tensor in supervised.items()}

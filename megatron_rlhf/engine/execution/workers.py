@@ -32,6 +32,7 @@ from megatron_rlhf.models.gpt import (
     without_sequence_parallel,
 )
 from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
+from megatron_rlhf.models.moe import ROUTES, replays_routes
 from megatron_rlhf.models.offload import GRADS, OPTIMIZER, PARTS, WEIGHTS, StateOffloader
 from megatron_rlhf.models.trainer import ModelTrainer
 from megatron_rlhf.runtime.device import model_device, to_device
@@ -159,6 +160,34 @@ class ModelWorker:
         """Log-probs ``[b, R]`` of the response tokens under this model."""
         return self.forward(fields, lambda out, batch: self.token_logprobs(
             out, batch, prompt_len, temperature)[0])
+
+    def compute_log_prob_and_routes(self, fields: Fields, prompt_len: int, temperature: float
+                                    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+        """Log-probs ``[b, R]`` of the response tokens and the experts every MoE layer chose
+        for every token, ``[b, s, layers, topk]`` (``models.moe.ROUTES``; -1 at padding), for
+        a model that ``replays_routes``; ``(None, None)`` off the last pipeline stage."""
+        if not replays_routes(self.model):
+            raise ValueError(f"{self.role} cannot record its routes for replay: it needs MoE "
+                             "layers with models.moe.router_replay, pp=1, no sequence "
+                             "parallelism under TP and no full recomputation; or set "
+                             "models.moe.router_replay=false")
+        response = fields["attention_mask"].shape[1] - prompt_len
+
+        def both(output: torch.Tensor, batch: Batch) -> torch.Tensor:
+            logprobs = self.token_logprobs(output, batch, prompt_len, temperature)[0]
+            return torch.cat([logprobs.float(), batch[ROUTES].flatten(1).float()], dim=1)
+
+        results = self.forward(fields, both)
+        if results is None:
+            return None, None
+        rows, seq = fields["attention_mask"].shape
+        routes = results[:, response:].round().long().view(rows, seq, -1, self.moe_topk)
+        return results[:, :response], routes
+
+    @property
+    def moe_topk(self) -> int:
+        """Experts per token of this model's MoE layers (0: dense)."""
+        return self.model.config.moe_router_topk if self.model.config.num_moe_experts else 0
 
     def compute_values(self, fields: Fields, prompt_len: int) -> torch.Tensor | None:
         """Critic values ``[b, R]``."""

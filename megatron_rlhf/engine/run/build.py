@@ -43,6 +43,7 @@ from megatron_rlhf.topology.models import (
     ACTOR,
     SHADOW_OF,
     TRAINABLE_ROLES,
+    resolve_arch,
 )
 from megatron_rlhf.topology.placement import plan_placement
 from megatron_rlhf.topology.plan import PlacementPlan
@@ -225,6 +226,16 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
     engine = PPOEngine(plan, workers, weight_syncs, config.rollout.max_prompt_length,
                        generation, eos_id, pad_id, context,
                        reuse_generation_logprobs=config.rollout.reuse_generation_logprobs,
-                       transfer_timeout_s=config.runtime.transfer_timeout_s, episodes=episodes)
+                       transfer_timeout_s=config.runtime.transfer_timeout_s, episodes=episodes,
+                       replayed_routes=_replayed_routes(config))
     engine.sync_weights()
     return engine
+
+
+def _replayed_routes(config: RunConfig) -> tuple[int, int] | None:
+    """``(layers, topk)`` of the policy's routes when ``models.moe.router_replay`` replays them
+    (the old log-probs are then computed by a forward, not reused from generation)."""
+    moe = config.models.moe
+    if not moe.enabled or not moe.router_replay or config.rollout.reuse_generation_logprobs:
+        return None
+    return resolve_arch(config.models.arch).num_layers, moe.topk
