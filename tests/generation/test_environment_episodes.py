@@ -26,10 +26,11 @@ def _decode(ids: list[int]) -> str:
 
 class _Worker:
     def __init__(self, tiny) -> None:
-        self.model, self.pgc = tiny
+        self.model, self.pg_collection = tiny
 
     def generate(self, prompts, ids, config, eos_id, pad_id):
-        return generate_sequences(self.model, self.pgc, prompts, ids, config, eos_id, pad_id)
+        return generate_sequences(self.model, self.pg_collection, prompts, ids, config, eos_id,
+                                  pad_id)
 
 
 def _run(tiny, kwargs: dict, records, max_turns: int = 3):

@@ -19,6 +19,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megatron_rlhf.engine.execution.workers import ModelWorker
 from megatron_rlhf.generation import GenerationConfig, GenerationOutput
@@ -73,6 +74,18 @@ USER_MESSAGE = "\n{observation}\n"
 """The plain-text user message an environment's observation is read in."""
 
 
+def _on_first_tp_rank(worker: ModelWorker, call: Callable[[], Any]) -> Any:
+    """``call()`` on the first rank of ``worker``'s TP group, its result sent to the others: a
+    tool or an environment answers once per replica, and every TP rank reads the same answer
+    (a search tool need not answer twice alike)."""
+    tp = worker.pg_collection.tp
+    if tp.size() == 1:
+        return call()
+    box = [call() if tp.rank() == 0 else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(tp, 0), group=tp)
+    return box[0]
+
+
 class EpisodeRollouts:
     """Episodes with tools or an environment on the ranks that generate.
 
@@ -116,21 +129,27 @@ class EpisodeRollouts:
                                    eos_id, pad_id)
 
         def answer_tools(calls: list[tuple[int, str]]) -> list[Observation]:
-            answers = self.tools.call([ToolCall(text, records[row][1], records[row][0])
-                                       for row, text in calls])
+            answers = _on_first_tp_rank(worker, lambda: self.tools.call(
+                [ToolCall(text, records[row][1], records[row][0]) for row, text in calls]))
             return [Observation(self.encode(self.tool_message(answer.text)),
                                 answer.failed, answer.seconds) for answer in answers]
 
         if self.environment is not None:
-            envs = [self.environment.make(record, index) for index, record in records]
-            firsts = [env.reset() for env in envs]
+            envs = []  # on the first TP rank only
+
+            def start() -> list[str | None]:
+                envs.extend(self.environment.make(record, index) for index, record in records)
+                return [env.reset() for env in envs]
+
+            firsts = _on_first_tp_rank(worker, start)
             prompts = [list(prompt) if first is None else self.encode_prompt(first)
                        for prompt, first in zip(prompts, firsts, strict=True)]
 
             def answer_environment(calls: list[tuple[int, str]]) -> list[Observation]:
                 observations = []
-                for row, text in calls:
-                    observation, reward, done = envs[row].step(text)
+                steps = _on_first_tp_rank(worker, lambda: [envs[row].step(text)
+                                                           for row, text in calls])
+                for observation, reward, done in steps:
                     tokens = ([] if observation is None else
                               self.encode(USER_MESSAGE.format(observation=observation)))
                     observations.append(Observation(tokens, reward=reward,
