@@ -124,6 +124,14 @@ def _worker_init(parent: int) -> None:
                      daemon=True).start()
 
 
+def _in_own_group(pid: int | None) -> bool:
+    """Whether the worker ``pid`` has run :func:`_worker_init` (its own process group)."""
+    try:
+        return pid is not None and os.getpgid(pid) == pid
+    except ProcessLookupError:
+        return False
+
+
 class _Worker(mp.get_context("spawn").Process):  # type: ignore[misc, name-defined]
     """A pool worker that ``Pool.terminate`` stops with SIGKILL: it ignores SIGTERM."""
 
@@ -255,12 +263,18 @@ class RewardFunctions:
         return outcomes
 
     def _start(self) -> None:
-        """Start the workers and wait until one runs (spawned workers import the entry script
-        again: that time is not any call's)."""
+        """Start the workers and wait until every one has run its setup (spawned workers import
+        the entry script again: that time is not any call's; and a worker still starting is in
+        the rank's process group, where the job's SIGTERM would reach it)."""
         self._pool = _Pool(self.workers, initializer=_worker_init, initargs=(os.getpid(),),
                            context=mp.get_context("spawn"))
+        deadline = time.monotonic() + _START_S
         try:
             self._pool.apply_async(_ready).get(_START_S)
+            while not all(_in_own_group(worker.pid) for worker in self._pool._pool):
+                if time.monotonic() > deadline:
+                    raise mp.TimeoutError
+                time.sleep(0.01)
         except mp.TimeoutError as error:
             self.close()
             raise RewardFunctionError(
