@@ -1,7 +1,8 @@
 """A user's environment (a module written to ``tmp_path``, outside the package) in whole GRPO runs
 on 2 gloo ranks through ``run_ppo``: every reply is answered, episodes take several turns, the
 step rewards join the score, the ``rollout/*`` metrics are logged, and a run saved after step 1
-and resumed gives step 2's metrics bit for bit as the uninterrupted run."""
+and resumed gives step 2's metrics bit for bit as the uninterrupted run; held-out evaluation
+runs episodes too."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def _runs(tmp_path: str, module_dir: str) -> dict:
 
     sys.path.insert(0, module_dir)
     root = Path(tmp_path)
-    run_ppo(_config(root, "whole"))
+    run_ppo(_config(root, "whole", "evaluation.num_prompts=4", "evaluation.interval=0"))
     save = f"checkpoint.save_dir={root / 'ckpt'}"
     run_ppo(_config(root, "resumed", "steps=1", save, "checkpoint.save_interval=1"))
     run_ppo(_config(root, "resumed", save, "checkpoint.resume=latest"))
@@ -61,9 +62,15 @@ def test_an_environment_runs_resumes_bit_exactly_and_scores(tmp_path: Path) -> N
     results = run_on_ranks(_runs, world_size=2, args=(str(tmp_path), str(tmp_path)),
                            timeout_s=340, env={"PYTHONPATH": str(tmp_path)})
     whole, resumed = results[0]["whole"], results[0]["resumed"]
-    assert [m["step"] for m in whole] == [0, 1]
-    assert resumed[-1] == whole[-1], "the resumed step 2 equals the uninterrupted one"
-    for metrics in whole:
+    # held-out evaluation runs episodes too: before the first step and after the last
+    assert [m["step"] for m in whole] == [0, 1, 2]
+    for record in (whole[0], whole[2]):
+        for mode in ("greedy", "sampled"):
+            assert record[f"eval/{mode}/rollout/turns"] > 1
+            assert record[f"eval/{mode}/rollout/environment_reward"] > 0
+    train = [{k: v for k, v in m.items() if not k.startswith("eval/")} for m in whole[:2]]
+    assert resumed[-1] == train[-1], "the resumed step 2 equals the uninterrupted one"
+    for metrics in train:
         assert metrics["rollout/turns"] > 1 and metrics["rollout/observation_tokens"] > 0
         assert metrics["rollout/tool_calls"] == 0
         assert 0 < metrics["rollout/environment_reward"] <= 0.4

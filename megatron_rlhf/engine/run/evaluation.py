@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.algorithms import kl_penalty, mean_sequence_kl
+from megatron_rlhf.engine.execution.episodes import episode_metrics
 from megatron_rlhf.engine.execution.function_rewards import FunctionRewards
 from megatron_rlhf.engine.execution.ppo_engine import PPOEngine, RuleReward
 from megatron_rlhf.generation import GenerationConfig
@@ -76,7 +77,8 @@ class HeldOutEvaluator:
         modes (the ``rm_`` ones with a reward model; ``eval/<mode>/reward/<function>`` and
         ``eval/<mode>/reward/errors`` with reward functions), and
         ``eval/sampled/kl`` (KL per sequence to the reference; greedy tokens give no unbiased
-        estimate); identical on every rank."""
+        estimate), and with tools or an environment the episodes' ``eval/<mode>/rollout/*``;
+        identical on every rank."""
         metrics: dict[str, float] = {}
         for mode in MODES:
             metrics.update(self._answer_and_score(mode))
@@ -91,7 +93,7 @@ class HeldOutEvaluator:
         sampling = engine.generation
         engine.generation = answering_config(sampling, mode)
         try:
-            rollout = engine.generate_rollout(self.prompts, self.ids)
+            rollout = engine.generate_rollout(self.prompts, self.ids, 0, self.records)
             batch = engine.make_experience(rollout, sampling.temperature, self.rule_reward, 0,
                                            self.function_rewards, self.records)
             engine.finish_transfers()
@@ -117,6 +119,8 @@ class HeldOutEvaluator:
             for i, spec in enumerate(self.function_rewards.functions.specs):
                 metrics[f"eval/{mode}/{spec.metric}"] = scores[:, i].mean().item()
             metrics[f"eval/{mode}/reward/errors"] = fields["reward_errors"].sum().item()
+        metrics.update({f"eval/{mode}/{key}": value
+                        for key, value in episode_metrics(fields).items()})
         if mode == "sampled":
             kl = kl_penalty(fields["old_logprobs"], fields["ref_logprobs"], mask, "k1")
             metrics["eval/sampled/kl"] = mean_sequence_kl(kl, mask).item()
