@@ -309,3 +309,26 @@ def test_design_pages_stay_short() -> None:
             >= DESIGN_PAGE_LINES]
     assert not long, (f"design pages explain, under {DESIGN_PAGE_LINES} lines each "
                       "(tests list themselves, to-dos go to ROADMAP.md):\n" + "\n".join(long))
+
+
+MAKING = re.compile(r"\bissues?\s*#?\d+|\bsessions?\b|\blent\b|\bbranch\s+[\w-]*\d|\bthis branch\b",
+                    re.IGNORECASE)
+"""Words of how the project was built (issue numbers, sessions, lent machines, branches), which a
+user-facing page has no use for; the changelog keeps the history that matters."""
+
+
+def making_of(lines: list[tuple[str, int, str]]) -> list[str]:
+    return [f"{where}:{number}: {match.group(0)!r}" for where, number, line in lines
+            for match in MAKING.finditer(line)]
+
+
+def test_pages_say_nothing_of_their_making() -> None:
+    problems = making_of(texts())
+    assert not problems, ("say what the code does, not how it came to be:\n"
+                          + "\n".join(problems))
+
+
+def test_the_making_of_checker_finds_issue_numbers_and_sessions() -> None:
+    lines = [("page.md", 1, "Fixed in issue #16 during the third session."),
+             ("page.md", 2, "No host branch on their values; record #17 of the prompts.")]
+    assert making_of(lines) == ["page.md:1: 'issue #16'", "page.md:1: 'session'"]
