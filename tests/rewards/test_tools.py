@@ -105,3 +105,21 @@ def test_rollout_config_checks_tools_and_episode_bounds() -> None:
         RolloutConfig(tools=[{"name": "nowhere:calculator"}], max_episode_tokens=64)
     with pytest.raises(ValueError, match=r"rollout.tool_on_error='zero'"):
         RolloutConfig(tools=tools, max_episode_tokens=64, tool_on_error="zero")
+
+
+def test_a_turns_calls_run_concurrently_in_the_pool() -> None:
+    """Four calls that each sleep 0.6 s on four workers take about 0.6 s, not 2.4 s: an episode
+    waiting for its tool waits beside the others of its turn."""
+    import time
+
+    tools = Tools(parse_tools([{"name": f"{T}:naps"}]), timeout_s=10.0, workers=4)
+    try:
+        tools.call([ToolCall(_call("naps", s=0), {})] * 4)  # the workers start and import
+        start = time.perf_counter()
+        answers = tools.call([ToolCall(_call("naps", s=0.6), {})] * 4)
+        seconds = time.perf_counter() - start
+    finally:
+        tools.close()
+    assert [answer.text for answer in answers] == ["rested"] * 4
+    assert 0.6 <= seconds < 1.5, seconds
+    assert all(0.1 < answer.seconds < 0.6 for answer in answers), "the wall time shared out"

@@ -28,3 +28,9 @@ def record_answer(arguments: dict[str, Any], record: dict[str, Any]) -> str:
 
 def two_arguments(arguments: dict[str, Any]) -> str:
     return ""
+
+
+def naps(arguments: dict[str, Any], record: dict[str, Any]) -> str:
+    """Sleeps ``arguments["s"]`` seconds, like a slow search or sandbox."""
+    time.sleep(float(arguments["s"]))
+    return "rested"
