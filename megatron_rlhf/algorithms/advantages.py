@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from megatron_rlhf.algorithms.masked import masked_whiten
+from megatron_rlhf.algorithms.registry import Registry
 
 if TYPE_CHECKING:
     from megatron_rlhf.algorithms.hyperparameters import PPOAlgorithmConfig
@@ -63,7 +64,8 @@ class AdvantageEstimator:
     needs_groups: bool
 
 
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry(
+    "advantage estimator", lambda estimator: estimator.compute.__qualname__)
 """Name -> estimator, filled by ``register_advantage_estimator`` where each is defined."""
 
 
@@ -77,11 +79,8 @@ def register_advantage_estimator(name: str, *, uses_critic: bool = False,
     """
 
     def register(compute: AdvantageFunction) -> AdvantageFunction:
-        if name in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} is already registered "
-                             f"({ADVANTAGE_ESTIMATORS[name].compute.__qualname__}); pick "
-                             "another name")
-        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(name, compute, uses_critic, needs_groups)
+        ADVANTAGE_ESTIMATORS.add(name, AdvantageEstimator(name, compute, uses_critic,
+                                                          needs_groups))
         return compute
 
     return register
@@ -93,10 +92,7 @@ def get_advantage_estimator(name: str) -> AdvantageEstimator:
     Raises:
         ValueError: no estimator has that name; the message lists the registered ones.
     """
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"advantage estimator {name!r} is unknown; registered: "
-                         f"{list(ADVANTAGE_ESTIMATORS)}")
-    return ADVANTAGE_ESTIMATORS[name]
+    return ADVANTAGE_ESTIMATORS.lookup(name)
 
 
 @torch.no_grad()

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_rlhf.algorithms.masked import masked_sum
+from megatron_rlhf.algorithms.registry import Registry
 
 if TYPE_CHECKING:
     from megatron_rlhf.algorithms.hyperparameters import PPOAlgorithmConfig
@@ -27,7 +28,8 @@ if TYPE_CHECKING:
 KLEstimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``(log_prob, ref_log_prob) -> per-token KL estimate``, ``[batch, response_len]`` each."""
 
-KL_ESTIMATORS: dict[str, KLEstimator] = {}
+KL_ESTIMATORS: Registry[KLEstimator] = Registry("kl estimator",
+                                                lambda estimator: estimator.__qualname__)
 """Name -> estimator (``algorithm.kl_estimator``, ``algorithm.kl_loss_estimator``), filled by
 ``register_kl_estimator`` where each is defined."""
 
@@ -40,10 +42,7 @@ def register_kl_estimator(name: str) -> Callable[[KLEstimator], KLEstimator]:
     """
 
     def register(estimator: KLEstimator) -> KLEstimator:
-        if name in KL_ESTIMATORS:
-            raise ValueError(f"kl estimator {name!r} is already registered "
-                             f"({KL_ESTIMATORS[name].__qualname__}); pick another name")
-        KL_ESTIMATORS[name] = estimator
+        KL_ESTIMATORS.add(name, estimator)
         return estimator
 
     return register
@@ -55,9 +54,7 @@ def get_kl_estimator(name: str) -> KLEstimator:
     Raises:
         ValueError: no estimator has that name; the message lists the registered ones.
     """
-    if name not in KL_ESTIMATORS:
-        raise ValueError(f"kl estimator {name!r} is unknown; registered: {sorted(KL_ESTIMATORS)}")
-    return KL_ESTIMATORS[name]
+    return KL_ESTIMATORS.lookup(name)
 
 
 @register_kl_estimator("k1")
