@@ -273,3 +273,58 @@ def routes_of_batch(model: torch.nn.Module, batch: dict[str, torch.Tensor],
     with recording_routes(model) as routes:
         yield
     batch[ROUTES] = routes_to_rows(routes, tuple(batch["input_ids"].shape), packed_index)
+
+
+@contextmanager
+def expert_metrics(model: torch.nn.Module, pg_collection: Any) -> Iterator[dict[str, float]]:
+    """Router metrics of the passes of ``model`` inside the context, the same on every rank of
+    the model (reduced over its DP and PP groups). Yields a dict filled on exit ({} for a dense
+    model):
+
+    * ``moe_max_load``: the most tokens one expert received over the mean per expert (1:
+      balanced; ``num_experts / topk`` at most), the largest over layers;
+    * ``moe_load_balancing_loss`` and ``moe_z_loss`` (with a z-loss): megatron's logged values
+      without their coefficients, averaged over layers and passes.
+
+    Counts include every token the routers see (padding of padded rows too).
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    routers = moe_routers(model)
+    metrics: dict[str, float] = {}
+    if not routers:
+        yield metrics
+        return
+    config = routers[0].config
+    counts = torch.zeros(config.num_layers, config.num_moe_experts, dtype=torch.float64)
+    calls = torch.zeros(config.num_layers, dtype=torch.float64)
+
+    def count(router: torch.nn.Module, _args: Any, output: Any) -> None:
+        layer = router.layer_number - 1
+        counts[layer] += output[1].detach().sum(dim=0).to("cpu", torch.float64)
+        calls[layer] += 1
+
+    moe_utils.get_moe_layer_wise_logging_tracker().clear()  # other models' entries too
+    hooks = [router.register_forward_hook(count) for router in routers]
+    try:
+        yield metrics
+    finally:
+        for hook in hooks:
+            hook.remove()
+    device = next(model.parameters()).device
+    totals = torch.cat([counts.flatten(), calls]).to(device)
+    for group in (pg_collection.dp, pg_collection.pp):
+        torch.distributed.all_reduce(totals, group=group)
+    totals = totals.cpu()
+    counts = totals[:counts.numel()].view_as(counts)
+    forwards = totals[counts.numel():]
+    used = counts.sum(dim=1) > 0
+    metrics["moe_max_load"] = float((counts.max(dim=1).values[used]
+                                     / counts.mean(dim=1)[used]).max())
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    moe_utils.reduce_aux_losses_tracker_across_ranks(list(tracker), pg_collection=pg_collection)
+    passes = float(forwards[used].mean()) if used.any() else 1.0
+    for name, entry in tracker.items():
+        values = entry["values"].detach().cpu()
+        key = "moe_z_loss" if name == "z_loss" else "moe_load_balancing_loss"
+        metrics[key] = float(values.sum() / (int(used.sum()) * passes))

@@ -79,6 +79,10 @@ def test_moe_models_run_ppo_and_grpo_steps(estimator: str) -> None:
     assert abs(second["kl"]) > 1e-6, "the policy moved: the second step shows a KL"
     for metrics in (first, second):
         assert math.isfinite(metrics["actor/grad_norm"]) and metrics["actor/grad_norm"] > 0
+        # 4 experts, top-2: one expert gets between the mean and every token (2x the mean)
+        assert 1.0 <= metrics["actor/moe_max_load"] <= 2.0, metrics
+        assert metrics["actor/moe_load_balancing_loss"] > 0, metrics
+        assert ("critic/moe_max_load" in metrics) == (estimator == "gae")
 
 
 def test_moe_refuses_checkpoints_it_cannot_describe() -> None:

@@ -232,6 +232,7 @@ def _replay_across_layouts() -> dict[str, float]:
     from megatron_rlhf.models.forward_backward import model_inputs, run_microbatches
     from megatron_rlhf.models.moe import (
         ROUTES,
+        expert_metrics,
         moe_routers,
         recording_routes,
         replaying_routes,
@@ -245,8 +246,11 @@ def _replay_across_layouts() -> dict[str, float]:
     model, pgc = _build(1, "alltoall")
     batch = _batch(0)
     batch["attention_mask"][2, :4] = 0  # a left-padded row too
-    with torch.no_grad(), recording_routes(model) as routes:
+    # with gradients: megatron computes the routers' losses for training passes only
+    with expert_metrics(model, pgc) as metrics, recording_routes(model) as routes:
         model(*model_inputs(batch))
+    loads = [torch.bincount(r.flatten(), minlength=4).double() for r in routes]
+    expected_load = max((load.max() / load.mean()).item() for load in loads)
     rows = routes_to_rows(routes, tuple(batch["input_ids"].shape))
     scheduled = dict(batch)  # a pass through the schedule records into the micro-batch
     run_microbatches(model, pgc, [scheduled], lambda out, b: _square_loss(out, []),
@@ -261,7 +265,10 @@ def _replay_across_layouts() -> dict[str, float]:
     run_microbatches(model, pgc, [scheduled], lambda out, b: _square_loss(out, replayed),
                      forward_only=True)
     mask = batch["attention_mask"].bool()
-    gaps = {"schedule_recorded": float(not torch.equal(scheduled[ROUTES], rows)),
+    gaps = {"max_load": abs(metrics["moe_max_load"] - expected_load),
+            "load_balancing_loss": float(metrics["moe_load_balancing_loss"] <= 0),
+            "z_loss": float(metrics["moe_z_loss"] <= 0),
+            "schedule_recorded": float(not torch.equal(scheduled[ROUTES], rows)),
             "schedule_replayed": (replayed[0] - reference)[mask].abs().max().item()}
     for name, split in (("padded_1_2", ((0, 1), (1, 3))), ("packed_2_1", ((0, 2), (2, 3)))):
         outputs = []
@@ -289,4 +296,5 @@ def test_routes_replay_across_micro_batch_and_packing_layouts() -> None:
     gaps = run_on_ranks(_replay_across_layouts, world_size=1, timeout_s=100)[0]
     assert gaps["padded_1_2"] < 1e-5 and gaps["packed_2_1"] < 1e-5, gaps
     assert gaps["schedule_recorded"] == 0.0 and gaps["schedule_replayed"] == 0.0, gaps
+    assert gaps["max_load"] < 1e-12 and not gaps["load_balancing_loss"] and not gaps["z_loss"]
     assert gaps["without_replay"] > 1e-2, gaps

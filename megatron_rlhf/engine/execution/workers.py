@@ -32,7 +32,7 @@ from megatron_rlhf.models.gpt import (
     without_sequence_parallel,
 )
 from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
-from megatron_rlhf.models.moe import ROUTES, replays_routes
+from megatron_rlhf.models.moe import ROUTES, expert_metrics, replays_routes
 from megatron_rlhf.models.offload import GRADS, OPTIMIZER, PARTS, WEIGHTS, StateOffloader
 from megatron_rlhf.models.trainer import ModelTrainer
 from megatron_rlhf.runtime.device import model_device, to_device
@@ -213,15 +213,19 @@ class ModelWorker:
     def train(self, fields: Fields, loss_fn, supervised: Fields | None = None
               ) -> dict[str, Any]:
         """One optimizer step over this replica's rows of a mini-batch (and of ``supervised``
-        rows, in micro-batches of their own after them; ``loss_fn`` tells them apart)."""
+        rows, in micro-batches of their own after them; ``loss_fn`` tells them apart); the
+        trainer's result with the routers' metrics under ``moe`` (``models.moe.expert_metrics``,
+        empty for a dense model)."""
         if self.trainer is None:
             raise RuntimeError(f"{self.role} is not trainable")
         microbatches = self._microbatches(fields)
         if supervised is not None:
             microbatches += self._microbatches(supervised)
-        with self.resident(WEIGHTS, GRADS, OPTIMIZER), self._measured("train") as rows:
+        with (self.resident(WEIGHTS, GRADS, OPTIMIZER), self._measured("train") as rows,
+              expert_metrics(self.model, self.pg_collection) as moe):
             rows += [(batch["attention_mask"], 3) for batch in microbatches]
-            return self.trainer.train_step(microbatches, loss_fn)
+            result = self.trainer.train_step(microbatches, loss_fn)
+        return {**result, "moe": moe}
 
     @contextlib.contextmanager
     def _measured(self, stage: str) -> Iterator[list[tuple[torch.Tensor, int]]]:

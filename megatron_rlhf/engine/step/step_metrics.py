@@ -96,6 +96,8 @@ def accumulate_train_sums(sums: dict[str, float], role: str, result: dict, worke
         for key, value in micro.items():
             sums[f"{role}/{key}"] = sums.get(f"{role}/{key}", 0.0) + float(value)
     sums[f"{role}/grad_norm_sum"] = sums.get(f"{role}/grad_norm_sum", 0.0) + result["grad_norm"]
+    for key, value in result.get("moe", {}).items():  # the same on every rank of the replica
+        sums[f"{role}/{key}_total"] = sums.get(f"{role}/{key}_total", 0.0) + value
     sums[f"{role}/steps"] = sums.get(f"{role}/steps", 0.0) + 1.0
 
 
@@ -134,6 +136,9 @@ def share_metrics(step_metrics: dict[str, float], train_sums: dict[str, float],
         if totals.get(f"{role}/steps"):
             replicas = totals[f"{role}/steps"]
             metrics[f"{role}/grad_norm"] = totals[f"{role}/grad_norm_sum"] / replicas
+            for key, value in totals.items():  # router metrics: the mean over updates
+                if key.startswith(f"{role}/moe_") and key.endswith("_total"):
+                    metrics[key[:-6]] = value / replicas
     for key, value in totals.items():  # reward functions' extra keys (FunctionRewards)
         if key.startswith("reward/") and key.endswith("_total"):
             metrics[key[:-6]] = value / totals[f"{key[:-6]}_count"]
