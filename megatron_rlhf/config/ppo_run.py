@@ -35,6 +35,7 @@ from megatron_rlhf.topology.models import (
     CRITIC,
     REF,
     REWARD,
+    SHADOW_ACTOR,
     SHADOW_OF,
     TRAINABLE_ROLES,
     resolve_arch,
@@ -705,6 +706,7 @@ class RunConfig:
         self.placement.role_ratios()
         self._check_fsdp()
         self._check_optimizer_sharding()
+        self._check_router_replay()
         if self.reward.overlong_buffer > self.generation.max_new_tokens:
             raise ValueError(
                 f"reward.overlong_buffer={self.reward.overlong_buffer} exceeds "
@@ -749,6 +751,29 @@ class RunConfig:
             raise ValueError(f"{role!r} is not trained: no optimizer settings "
                              f"(trained roles: {TRAINABLE_ROLES})")
         return self.actor_optimizer if role == ACTOR else self.critic_optimizer
+
+    def _check_router_replay(self) -> None:
+        """Refuse MoE routing replay where the policy's routes cannot be kept by row: a
+        pipeline-parallel policy, sequence parallelism under TP, full recomputation."""
+        moe, models, placement = self.models.moe, self.models, self.placement
+        if not moe.enabled or not moe.router_replay:
+            return
+        fix = "or set models.moe.router_replay=false"
+        if models.recompute.get(ACTOR) == "full":
+            raise ValueError("models.recompute.actor=full reruns the routers in the backward "
+                             f"pass, outside the replayed routing: use selective or none, {fix}")
+        for role in (ACTOR, SHADOW_ACTOR):
+            override = placement.parallel.get(role)
+            tp = (override.tp if override and override.tp else None) or placement.tp
+            pp = (override.pp if override and override.pp else None) or (
+                1 if role == SHADOW_ACTOR else placement.pp)
+            if pp > 1:
+                raise ValueError(f"{role} pp={pp}: routing replay keeps one pipeline stage's "
+                                 f"routes; place the policy with pp=1, {fix}")
+            if tp > 1 and models.sequence_parallel and models.packed_sequences:
+                raise ValueError(f"{role} tp={tp} with models.sequence_parallel=true: each TP "
+                                 "rank routes its own chunk of the sequence; set "
+                                 f"models.sequence_parallel=false, {fix}")
 
     def _check_optimizer_sharding(self) -> None:
         """Refuse a placement whose memory plan shards a trained model's optimizer state

@@ -261,9 +261,15 @@ def routes_of_batch(model: torch.nn.Module, batch: dict[str, torch.Tensor],
         packed_index: ``PackedRows.index`` when the forward runs packed, else None.
         packed_length: tokens of the packed row (unused when not packed).
     """
-    if not replays_routes(model) or any(replay.router_replay_action is not None
-                                        for replay in _replays(model)):
-        yield  # not a replaying model, or inside recording_routes/replaying_routes already
+    if not replays_routes(model):
+        if ROUTES in batch:
+            raise ValueError("this micro-batch brings routes to replay, but the model cannot "
+                             "replay them by row (dense, pp > 1, sequence parallelism or full "
+                             "recomputation): set models.moe.router_replay=false")
+        yield
+        return
+    if any(replay.router_replay_action is not None for replay in _replays(model)):
+        yield  # inside recording_routes or replaying_routes: they decide
         return
     if ROUTES in batch:
         routes = rows_to_routes(batch[ROUTES].long(), packed_index, packed_length)

@@ -90,6 +90,26 @@ def test_moe_refuses_checkpoints_it_cannot_describe() -> None:
         ModelsConfig(actor_checkpoint="some/dir", moe=MoEConfig(num_experts=4))
 
 
+def test_routing_replay_refuses_layouts_that_split_routes() -> None:
+    from megatron_rlhf.config.ppo_run import RunConfig
+    from megatron_rlhf.topology.placement_config import ParallelOverride, PlacementConfig
+
+    def config(**fields) -> RunConfig:
+        models = {"moe": MoEConfig(num_experts=4), **fields.pop("models", {})}
+        return RunConfig(models=ModelsConfig(**models), **fields)
+
+    with pytest.raises(ValueError, match="recompute.actor=full .*router_replay=false"):
+        config(models={"recompute": {"actor": "full"}})
+    with pytest.raises(ValueError, match="actor pp=2"):
+        config(placement=PlacementConfig(pp=2))
+    with pytest.raises(ValueError, match="shadow_actor tp=2 with models.sequence_parallel"):
+        config(placement=PlacementConfig(strategy="separation",
+                                         parallel={"shadow_actor": ParallelOverride(tp=2)}))
+    config(placement=PlacementConfig(tp=2), models={"sequence_parallel": False})
+    config(placement=PlacementConfig(pp=2),
+           models={"moe": MoEConfig(num_experts=4, router_replay=False)})
+
+
 @pytest.mark.multirank
 @pytest.mark.timeout(420)
 def test_replayed_routes_make_the_first_ratio_exactly_one() -> None:
