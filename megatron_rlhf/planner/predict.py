@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from megatron_rlhf.planner import cost_model as cm
 from megatron_rlhf.planner.hardware import HardwareProfile, resolve_profiles
@@ -119,7 +119,8 @@ def _role_memory_dict(memory: RoleMemory) -> dict:
 def predict_step(plan: PlacementPlan, rollout: RolloutSpec,
                  profiles: Mapping[str, HardwareProfile] | HardwareProfile | None = None,
                  memory_options: tuple[str, ...] = MEMORY_OPTIONS,
-                 options: Mapping[str, MemoryOptions] | None = None) -> StepPrediction:
+                 options: Mapping[str, MemoryOptions] | None = None,
+                 stage_scale: Mapping[str, float] | None = None) -> StepPrediction:
     """Predict one PPO step of ``plan``.
 
     Args:
@@ -132,6 +133,8 @@ def predict_step(plan: PlacementPlan, rollout: RolloutSpec,
         options: every placed model's memory options, fixed (a configured run's own, shadows
             included); the planner then adds none of ``memory_options``, and the plan is
             infeasible when these do not fit.
+        stage_scale: a factor per stage (``STAGES``) on the seconds of its tasks, before they
+            are scheduled: a calibration from measured stage times (``planner.replan``).
 
     Returns:
         The prediction; an infeasible plan gives ``feasible=False``, zero throughput, the
@@ -150,7 +153,10 @@ def predict_step(plan: PlacementPlan, rollout: RolloutSpec,
     hosts = [SharedHost(range(node.first_rank, node.first_rank + node.size),
                         hardware[node.pool_index].host_cores)
              for node in plan.cluster.nodes() if hardware[node.pool_index].host_cores > 0]
-    result = schedule(build_tasks(ctx, memory), hosts)
+    scale = stage_scale or {}
+    tasks = [replace(task, cost=task.cost.scaled(scale.get(task.stage, 1.0)))
+             for task in build_tasks(ctx, memory)]
+    result = schedule(tasks, hosts)
     pipelined = rollout.overlap and plan.config.separated
     step = result.period if pipelined else result.makespan
     chain = result.busiest if pipelined else result.critical

@@ -66,6 +66,42 @@ class ParallelOverride:
 
 
 @dataclass
+class ReplanConfig:
+    """Re-planning during a run: every ``interval_steps`` steps the planner ranks the candidate
+    placements again with the stage times and answer lengths the run measured, and records the
+    ranking (``replan/*`` metrics, ``<run_dir>/plan_history.jsonl``). The run does not move.
+
+    Attributes:
+        interval_steps: steps measured per re-planning; 0 turns it off.
+        min_gain: the predicted saving, as a fraction of the current step time, above which a
+            move is reported as paying (``replan/would_move``).
+        warmup_steps: first steps of the run left out of the measurements (start-up costs).
+        profile: hardware profile the planner starts from (a shipped name or a
+            ``tools/calibrate.py`` JSON); None: the shipped profile named like each pool's kind.
+    """
+
+    interval_steps: int = 0
+    min_gain: float = 0.05
+    warmup_steps: int = 1
+    profile: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("interval_steps", "warmup_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"placement.replan.{name}={value!r} must be an integer >= 0 "
+                                 f"(placement.replan.interval_steps=0 turns re-planning off)")
+        if not isinstance(self.min_gain, int | float) or not 0.0 <= self.min_gain < 1.0:
+            raise ValueError(f"placement.replan.min_gain={self.min_gain!r} must be a fraction in "
+                             "[0, 1) of the step time, e.g. 0.05")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the run re-plans at all."""
+        return self.interval_steps > 0
+
+
+@dataclass
 class PlacementConfig:
     """A placement request, validated on construction.
 
@@ -99,6 +135,8 @@ class PlacementConfig:
             fastest pool other than the inference pool.
         inference_pool: under ``hetero-separation``, the pool kind for the inference-only
             models; default the slowest pool (the last of equals).
+        replan: re-planning during the run (off by default); a plain mapping (as read from
+            YAML) is turned into ``ReplanConfig``.
     """
 
     strategy: str = FLATTENING
@@ -113,8 +151,15 @@ class PlacementConfig:
     parallel: dict[str, ParallelOverride] = field(default_factory=dict)
     train_pool: str | None = None
     inference_pool: str | None = None
+    replan: ReplanConfig = field(default_factory=ReplanConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.replan, dict):
+            unknown = sorted(set(self.replan) - set(ReplanConfig.__dataclass_fields__))
+            if unknown:
+                raise ValueError(f"placement.replan has unknown keys {unknown}: use "
+                                 f"{list(ReplanConfig.__dataclass_fields__)}")
+            self.replan = ReplanConfig(**self.replan)
         if self.strategy not in STRATEGIES:
             raise ValueError(
                 f"placement.strategy={self.strategy!r} is unknown: choose one of {STRATEGIES}"

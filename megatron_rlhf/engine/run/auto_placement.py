@@ -57,7 +57,8 @@ def choose_placement(config: RunConfig, cluster: ClusterSpec,
     for candidate in ranked:
         if not candidate.prediction.feasible:
             continue
-        placement = dataclasses.replace(candidate.config, ac_share=config.placement.ac_share)
+        placement = dataclasses.replace(candidate.config, ac_share=config.placement.ac_share,
+                                        replan=config.placement.replan)
         try:
             chosen = with_memory_options(dataclasses.replace(config, placement=placement),
                                          candidate.prediction.memory.options)

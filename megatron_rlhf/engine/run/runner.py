@@ -56,6 +56,7 @@ from megatron_rlhf.engine.run.checkpointing import (
 )
 from megatron_rlhf.engine.run.evaluation import HeldOutEvaluator, eval_metrics, hacking_report
 from megatron_rlhf.engine.run.export import HFExporter
+from megatron_rlhf.engine.run.replan import HISTORY, RunReplanner, check_replan
 from megatron_rlhf.engine.step.ppo import PPOAlgorithm
 from megatron_rlhf.generation.episodes import EpisodeConfig
 from megatron_rlhf.models.hf_tokenizer import HFTokenizer, checkpoint_tokenizer
@@ -324,10 +325,11 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
         raise ValueError(f"faults.stop_file={config.faults.stop_file} exists already, so the run "
                          "would stop after its first step; remove it first")
     check_writable_dir(config.run_dir, "run_dir (--run-dir)")
+    check_replan(config, plan.cluster)
     if config.checkpoint.save_dir:
         check_writable_dir(config.checkpoint.save_dir, "checkpoint.save_dir (--save-dir)")
     initialize_runtime(config.runtime)
-    context = RunContext(Tracer(enabled=config.trace),
+    context = RunContext(Tracer(enabled=config.trace or config.placement.replan.enabled),
                          install_fault_tracker(config.faults, config.runtime.distributed.timeout_s),
                          MemoryMeter(enabled=True))
     run_dir = Path(config.run_dir)
@@ -462,6 +464,8 @@ def _train(run: RunState, start: int, run_dir: Path, exporter: HFExporter,
     preemption = PreemptionWatcher(config.faults.stop_file)
     saver = CheckpointSaver(config.checkpoint)
     stop = False
+    replanner = (RunReplanner(config, run.engine.plan, context.tracer, run_dir, start)
+                 if config.placement.replan.enabled else None)
     try:
         for step in range(start, config.steps):
             held_out = {}
@@ -470,6 +474,8 @@ def _train(run: RunState, start: int, run_dir: Path, exporter: HFExporter,
                     held_out = evaluator.evaluate()
                 first_eval = first_eval or held_out
                 _warn_on_hacking(first_eval, held_out, step, config)
+            if replanner is not None:
+                replanner.begin_step()
             begin = time.perf_counter()
             with context.stage(f"step {step}", signature=(step, run.prompts.fingerprint)):
                 try:
@@ -483,6 +489,8 @@ def _train(run: RunState, start: int, run_dir: Path, exporter: HFExporter,
                            samples_per_s=config.rollout.rows_per_step / seconds, **held_out)
             metrics.update(step_throughput(run.engine, metrics, config.rollout.rows_per_step,
                                            seconds))
+            if replanner is not None:
+                metrics.update(replanner.after_step(step, metrics, seconds))
             if saver.pending:
                 with context.stage("checkpoint/commit"):
                     saver.commit()
@@ -533,7 +541,7 @@ def _warn_on_hacking(first: dict[str, float], current: dict[str, float], step: i
                        step, line)
 
 
-_RUN_OUTPUTS = ("metrics.jsonl", "config.yaml", "plan.json", "timeline.json", "hf")
+_RUN_OUTPUTS = ("metrics.jsonl", "config.yaml", "plan.json", "timeline.json", HISTORY, "hf")
 """What a run writes into its ``run_dir``."""
 
 

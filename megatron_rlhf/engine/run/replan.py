@@ -1,0 +1,191 @@
+"""Re-planning during a run (``placement.replan``): rank the placements again from what the run
+measured, and record the ranking. The run keeps its placement.
+
+    replanner = RunReplanner(config, plan, tracer, run_dir, start)   # every rank
+    replanner.begin_step()                                           # before each step
+    metrics.update(replanner.after_step(step, metrics, seconds))     # after it
+
+Each rank times its stages on the run's timeline (the tracer is on while re-planning; the spans
+are dropped once counted unless the run writes its timeline). After ``interval_steps`` measured
+steps, one all-reduce (max over ranks) gives every rank the same stage seconds per step; with the
+answers' mean length (the same on every rank, from the step metrics) each rank then runs the same
+pure ranking (``planner.replan.rerank``), so every rank holds the same ``replan/*`` metrics. Rank
+0 appends the ranking to ``<run_dir>/plan_history.jsonl``. Nothing here touches the models, the
+data or a random generator: training is the same with and without re-planning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.config.ppo_run import RunConfig
+from megatron_rlhf.engine.run.auto_placement import ENGINE_MEMORY_OPTIONS, with_memory_options
+from megatron_rlhf.engine.run.build import make_plan
+from megatron_rlhf.planner import RolloutSpec, SearchSpace, auto_place, describe, load_profile
+from megatron_rlhf.planner.hardware import resolve_profiles
+from megatron_rlhf.planner.predict import EXPERIENCE, GENERATION, STAGES, SYNC, TRAINING, TRANSFER
+from megatron_rlhf.planner.replan import Measured, Replan, rerank
+from megatron_rlhf.planner.schedule import covered_seconds
+from megatron_rlhf.runtime.logging import get_logger
+from megatron_rlhf.runtime.tracing import Span, Tracer
+from megatron_rlhf.topology.cluster import ClusterSpec
+from megatron_rlhf.topology.models import resolve_arch
+from megatron_rlhf.topology.plan import PlacementPlan
+
+logger = get_logger(__name__)
+
+SPAN_STAGES = {"generate": GENERATION, "experience": EXPERIENCE, "train": TRAINING,
+               "transfer": TRANSFER, "sync_weights": SYNC}
+"""The planner stage of each engine span (others, such as ``advantages``, are not priced)."""
+
+HISTORY = "plan_history.jsonl"
+
+
+def check_replan(config: RunConfig, cluster: ClusterSpec) -> None:
+    """Refuse re-planning that cannot run (no hardware profile for a pool), before any
+    distributed state exists.
+
+    Raises:
+        ValueError: naming ``placement.replan.profile`` and the fix.
+    """
+    replan = config.placement.replan
+    if not replan.enabled:
+        return
+    try:
+        resolve_profiles(cluster, load_profile(replan.profile) if replan.profile else None)
+    except ValueError as error:
+        raise ValueError(f"placement.replan needs a hardware profile: {error}; set "
+                         "placement.replan.profile to a shipped name or a tools/calibrate.py "
+                         "JSON, or placement.replan.interval_steps=0") from None
+
+
+def candidate_plans(config: RunConfig, cluster: ClusterSpec, profiles
+                    ) -> list[tuple[str, PlacementPlan]]:
+    """The placements ``--placement auto`` chooses among that fit and the engine accepts, as
+    the engine would plan them, in the planner's order at the configured lengths."""
+    rollout = RolloutSpec.from_run_config(config, overlap=config.rollout.async_rollout)
+    ranked = auto_place(cluster, resolve_arch(config.models.arch), rollout, profiles,
+                        SearchSpace(critic=config.placement.critic, reward=config.placement.reward,
+                                    memory_options=ENGINE_MEMORY_OPTIONS))
+    found = []
+    for candidate in ranked:
+        if not candidate.prediction.feasible:
+            continue
+        placement = dataclasses.replace(candidate.config, ac_share=config.placement.ac_share,
+                                        replan=config.placement.replan)
+        chosen = with_memory_options(dataclasses.replace(config, placement=placement),
+                                     candidate.prediction.memory.options)
+        try:
+            found.append((candidate.label, make_plan(chosen, cluster)))
+        except ValueError:
+            continue
+    return found
+
+
+def stage_seconds(spans: list[Span]) -> dict[str, float]:
+    """Wall-clock seconds per planner stage covered by ``spans`` (one rank's)."""
+    return {stage: covered_seconds((s.start, s.end) for s in spans
+                                   if SPAN_STAGES.get(s.stage) == stage) for stage in STAGES}
+
+
+class RunReplanner:
+    """Measures each step, and every ``interval_steps`` measured steps ranks the placements.
+
+    Args:
+        config: the run.
+        plan: the run's placement.
+        tracer: this rank's tracer (enabled).
+        run_dir: where rank 0 writes ``plan_history.jsonl``.
+        start: the run's first step (after a resume, the checkpoint's).
+    """
+
+    def __init__(self, config: RunConfig, plan: PlacementPlan, tracer: Tracer, run_dir: Path,
+                 start: int) -> None:
+        self.settings = config.placement.replan
+        self.tracer, self.keep_spans = tracer, config.trace
+        self.history = Path(run_dir) / HISTORY
+        self.rollout = RolloutSpec.from_run_config(config, overlap=config.rollout.async_rollout)
+        self.profiles = load_profile(self.settings.profile) if self.settings.profile else None
+        self.current = (describe(plan), plan)
+        self.candidates = candidate_plans(config, plan.cluster, self.profiles)
+        self.labels = [label for label, _ in self.candidates]
+        self.first_measured = start + self.settings.warmup_steps
+        self.max_new_tokens = config.generation.max_new_tokens
+        self._cursor = 0
+        self._window: list[tuple[dict[str, float], float, float | None]] = []
+
+    def begin_step(self) -> None:
+        """Leave the spans recorded so far (a held-out evaluation) out of the next step's."""
+        self._take_spans()
+
+    def _take_spans(self) -> list[Span]:
+        """The spans recorded since the last call (dropped unless the run writes them)."""
+        spans = self.tracer.spans[self._cursor:]
+        if self.keep_spans:
+            self._cursor = len(self.tracer.spans)
+        else:
+            self.tracer.spans.clear()
+        return spans
+
+    def after_step(self, step: int, metrics: dict[str, float], seconds: float
+                   ) -> dict[str, float]:
+        """Count step ``step``'s spans; at the end of an interval (a collective over the
+        world, on every rank alike) rank the placements and return the ``replan/*`` metrics,
+        else {}."""
+        spans = self._take_spans()
+        if step < self.first_measured:
+            return {}
+        self._window.append((stage_seconds(spans), seconds, metrics.get("response_length")))
+        if len(self._window) < self.settings.interval_steps:
+            return {}
+        measured = self._measured()
+        self._window = []
+        result = rerank(self.current, self.candidates, self.rollout, measured, self.profiles,
+                        ENGINE_MEMORY_OPTIONS)
+        gain = result.gain
+        if dist.get_rank() == 0:
+            self._append(step, measured, result)
+        return {"replan/best": float(self._index(result.best.label)),
+                "replan/current_predicted_s": result.current.prediction.step_seconds,
+                "replan/best_predicted_s": result.best.prediction.step_seconds,
+                "replan/predicted_gain": gain,
+                "replan/would_move": float(gain > self.settings.min_gain)}
+
+    def _measured(self) -> Measured:
+        """The window's means, the stage and step seconds the largest over the ranks."""
+        count = len(self._window)
+        values = [sum(stages[s] for stages, _, _ in self._window) / count for s in STAGES]
+        values.append(sum(seconds for _, seconds, _ in self._window) / count)
+        totals = torch.tensor(values, dtype=torch.float64)
+        # World: each stage runs on some ranks only; every rank needs the same figures.
+        dist.all_reduce(totals, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
+        reduced = totals.tolist()
+        lengths = [length for _, _, length in self._window if length is not None]
+        length = sum(lengths) / len(lengths) if lengths else float(self.max_new_tokens)
+        return Measured(dict(zip(STAGES, reduced[:-1], strict=True)), reduced[-1], length)
+
+    def _index(self, label: str) -> int:
+        """The position of ``label`` among the candidates (-1: the run's own placement, which
+        is not one of them)."""
+        return self.labels.index(label) if label in self.labels else -1
+
+    def _append(self, step: int, measured: Measured, result: Replan) -> None:
+        line = {"step": step, "current": result.current.label,
+                "best": result.best.label, "best_index": self._index(result.best.label),
+                "predicted_gain": round(result.gain, 6),
+                "would_move": result.gain > self.settings.min_gain,
+                "response_length_mean": round(measured.response_length, 3),
+                "generation_length_priced": result.rollout.generation_length,
+                "scales": {k: round(v, 6) for k, v in result.scales.items()},
+                "predicted_vs_measured": result.predicted_vs_measured,
+                "ranking": [c.to_dict() for c in result.ranking]}
+        with self.history.open("a") as handle:
+            handle.write(json.dumps(line) + "\n")
+        logger.info("replan after step %d: %s %.3g s/step predicted, best %s %.3g s (gain %.1f%%)",
+                    step, result.current.label, result.current.prediction.step_seconds,
+                    result.best.label, result.best.prediction.step_seconds, 100 * result.gain)

@@ -1,0 +1,169 @@
+"""Re-rank placements during a run from the stage times it measured.
+
+    measured = Measured({"generation": 3.1, "training": 1.2}, step_seconds=5.0,
+                        response_length=180.0)
+    result = rerank(current, candidates, rollout, measured, profiles)
+    result.best.label, result.gain, result.scales, result.predicted_vs_measured
+
+The cost model's seconds per stage are off by factors that differ per stage (decoding on a CPU is
+slower than its bandwidth says, a tiny model's training is all latency). ``calibrate`` finds one
+factor per stage such that the run's own placement, predicted with them, takes the measured stage
+times; ``rerank`` prices every candidate placement with the same factors and with the answers the
+run really generates (the measured mean response length instead of ``max_new_tokens``), and ranks
+them. The factors are found again at every call from the times given: nothing is carried over.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from megatron_rlhf.planner.hardware import HardwareProfile
+from megatron_rlhf.planner.memory_fit import MEMORY_OPTIONS
+from megatron_rlhf.planner.predict import STAGES, StepPrediction, predict_step
+from megatron_rlhf.planner.workload import RolloutSpec
+from megatron_rlhf.topology.plan import PlacementPlan
+
+CALIBRATION_PASSES = 4
+"""Fixed-point passes of ``calibrate``: the schedule (overlaps, shared cores) makes a stage's
+scheduled seconds a little off from its scaled cost, so each pass corrects the factors by what
+the previous one missed."""
+
+Profiles = Mapping[str, HardwareProfile] | HardwareProfile | None
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the run measured over its recent steps (means per step).
+
+    Attributes:
+        stage_seconds: wall-clock seconds per planner stage (``STAGES``); missing or zero
+            stages keep the cost model's own seconds.
+        step_seconds: seconds per step.
+        response_length: mean generated tokens per answer.
+    """
+
+    stage_seconds: dict[str, float]
+    step_seconds: float
+    response_length: float
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.stage_seconds) - set(STAGES))
+        if unknown:
+            raise ValueError(f"measured stages {unknown} are unknown: use {list(STAGES)}")
+
+
+@dataclass(frozen=True)
+class Priced:
+    """One candidate priced with the measured lengths and the calibration."""
+
+    label: str
+    plan: PlacementPlan
+    prediction: StepPrediction
+
+    def to_dict(self) -> dict:
+        """JSON-ready: label, predicted step seconds and seconds per stage."""
+        p = self.prediction
+        return {"label": self.label, "feasible": p.feasible,
+                "step_seconds": round(p.step_seconds, 6) if p.feasible else None,
+                "stage_seconds": {k: round(v, 6) for k, v in p.stage_seconds.items()}}
+
+
+@dataclass(frozen=True)
+class Replan:
+    """The result of ``rerank``.
+
+    Attributes:
+        ranking: feasible candidates by increasing calibrated step seconds, then the others.
+        current: the run's own placement, calibrated.
+        best: the first of ``ranking`` (``current`` when no candidate is faster).
+        gain: ``1 - best / current`` calibrated step seconds (0 when the current one is best).
+        scales: the calibration factor per stage.
+        predicted_vs_measured: per stage (and ``step``) of the current placement, the measured
+            seconds and the predicted ones before and after the calibration.
+        rollout: the shapes priced (generation length from the measured answers).
+    """
+
+    ranking: tuple[Priced, ...]
+    current: Priced
+    best: Priced
+    gain: float
+    scales: dict[str, float]
+    predicted_vs_measured: dict[str, dict[str, float]]
+    rollout: RolloutSpec
+
+
+def measured_rollout(rollout: RolloutSpec, response_length: float) -> RolloutSpec:
+    """``rollout`` with the measured mean answer length instead of the configured maximum."""
+    return replace(rollout, generation_length=max(1, round(response_length)))
+
+
+def calibrate(plan: PlacementPlan, rollout: RolloutSpec, measured: Measured,
+              profiles: Profiles = None, memory_options: tuple[str, ...] = MEMORY_OPTIONS,
+              passes: int = CALIBRATION_PASSES
+              ) -> tuple[dict[str, float], StepPrediction, StepPrediction]:
+    """Factors per stage with which ``plan`` is predicted to take the measured stage times.
+
+    Returns:
+        The factors (1.0 for stages not measured or not predicted), the prediction before and
+        the prediction after calibration.
+
+    Raises:
+        ValueError: ``plan`` does not fit in memory under the cost model (nothing to calibrate).
+    """
+    before = predict_step(plan, rollout, profiles, memory_options)
+    if not before.feasible:
+        raise ValueError(f"the run's placement does not fit under the cost model, so it cannot "
+                         f"be calibrated: {list(before.problems)}")
+    scales = dict.fromkeys(STAGES, 1.0)
+    after = before
+    for _ in range(passes):
+        for stage, seconds in measured.stage_seconds.items():
+            predicted = after.stage_seconds.get(stage, 0.0)
+            if seconds > 0 and predicted > 0:
+                scales[stage] *= seconds / predicted
+        after = predict_step(plan, rollout, profiles, memory_options, stage_scale=scales)
+    return scales, before, after
+
+
+def rerank(current: tuple[str, PlacementPlan], candidates: Sequence[tuple[str, PlacementPlan]],
+           rollout: RolloutSpec, measured: Measured, profiles: Profiles = None,
+           memory_options: tuple[str, ...] = MEMORY_OPTIONS) -> Replan:
+    """Rank ``candidates`` by step seconds predicted with the run's measurements.
+
+    Args:
+        current: label and plan of the run's placement (the one measured).
+        candidates: labels and plans to rank; the current one may be among them.
+        rollout: the run's shapes; the generation length is replaced by the measured one.
+        measured: the run's recent stage times and answer length.
+        profiles: device profiles (``hardware.resolve_profiles``).
+        memory_options: the memory options the planner may add.
+
+    Raises:
+        ValueError: the current placement does not fit under the cost model.
+    """
+    shapes = measured_rollout(rollout, measured.response_length)
+    scales, before, after = calibrate(current[1], shapes, measured, profiles, memory_options)
+    priced = [Priced(label, plan, predict_step(plan, shapes, profiles, memory_options,
+                                               stage_scale=scales))
+              for label, plan in candidates]
+    priced.sort(key=lambda c: (not c.prediction.feasible, c.prediction.step_seconds))
+    mine = Priced(current[0], current[1], after)
+    best = priced[0] if priced and priced[0].prediction.feasible else mine
+    if best.prediction.step_seconds >= after.step_seconds:
+        best = mine
+    return Replan(tuple(priced), mine, best, 1.0 - best.prediction.step_seconds /
+                  after.step_seconds, scales, _versus(measured, before, after), shapes)
+
+
+def _versus(measured: Measured, before: StepPrediction,
+            after: StepPrediction) -> dict[str, dict[str, float]]:
+    """Measured against predicted seconds, per measured stage and for the step."""
+    rows = {stage: (seconds, before.stage_seconds.get(stage, 0.0),
+                    after.stage_seconds.get(stage, 0.0))
+            for stage, seconds in measured.stage_seconds.items() if seconds > 0}
+    rows["step"] = (measured.step_seconds, before.step_seconds, after.step_seconds)
+    return {key: {"measured": round(m, 6), "predicted_before": round(b, 6),
+                  "predicted_after": round(a, 6)}
+            for key, (m, b, a) in rows.items() if math.isfinite(b)}

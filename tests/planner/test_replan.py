@@ -1,0 +1,99 @@
+"""Re-ranking placements from measured stage times: the calibration reproduces the measured
+times, and a generation much slower than predicted turns the ranking towards separation."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_rlhf.planner import RolloutSpec, predict_step
+from megatron_rlhf.planner.hardware import homogeneous_cluster
+from megatron_rlhf.planner.replan import Measured, calibrate, measured_rollout, rerank
+from megatron_rlhf.planner.search import describe
+from megatron_rlhf.topology import PlacementConfig, plan_placement
+from megatron_rlhf.topology.placement_config import ReplanConfig
+
+OPTIONS = ("offload",)
+CLUSTER = homogeneous_cluster("A100-80GB", 1, 4)
+# Training dominates (4 epochs, short answers): flattening trains on all four devices and wins.
+ROLLOUT = RolloutSpec(batch=64, prompt_length=64, generation_length=32, ppo_epochs=4)
+FLAT = plan_placement(CLUSTER, PlacementConfig("flattening"), "small")
+SEP = plan_placement(CLUSTER, PlacementConfig("separation"), "small")
+CANDIDATES = [(describe(FLAT), FLAT), (describe(SEP), SEP)]
+
+
+def _measured(generation_factor: float) -> Measured:
+    """The flattening run's predicted times, its generation ``generation_factor`` times slower."""
+    predicted = predict_step(FLAT, ROLLOUT, None, OPTIONS)
+    stages = {stage: seconds * (generation_factor if stage == "generation" else 1.0)
+              for stage, seconds in predicted.stage_seconds.items()}
+    return Measured(stages, predicted.step_seconds, ROLLOUT.generation_length)
+
+
+def test_measured_times_as_predicted_keep_flattening_first() -> None:
+    result = rerank(CANDIDATES[0], CANDIDATES, ROLLOUT, _measured(1.0), None, OPTIONS)
+    assert [c.label for c in result.ranking] == [describe(FLAT), describe(SEP)]
+    assert result.best.label == describe(FLAT) and result.gain == 0.0
+    assert all(scale == pytest.approx(1.0) for scale in result.scales.values())
+
+
+def test_a_slow_generation_flips_the_ranking_to_separation() -> None:
+    factor = 10.0
+    result = rerank(CANDIDATES[0], CANDIDATES, ROLLOUT, _measured(factor), None, OPTIONS)
+    assert result.best.label == describe(SEP)
+    assert result.scales["generation"] == pytest.approx(factor)
+    # By hand: flattening runs its stages one after another, so its calibrated step is the
+    # sum of its stages with generation 10x; separation's pipelined step is at least its own
+    # generation 10x (the shadows' side), and both sides run at once.
+    flat = predict_step(FLAT, ROLLOUT, None, OPTIONS).stage_seconds
+    by_hand = sum(seconds * (factor if stage == "generation" else 1.0)
+                  for stage, seconds in flat.items())
+    assert result.current.prediction.step_seconds == pytest.approx(by_hand, rel=1e-9)
+    separation = predict_step(SEP, ROLLOUT, None, OPTIONS)
+    assert result.best.prediction.step_seconds >= factor * separation.stage_seconds["generation"]
+    assert result.best.prediction.step_seconds < by_hand
+    assert result.gain == pytest.approx(1 - result.best.prediction.step_seconds / by_hand)
+    # Again through predict_step directly, with the factors the calibration found.
+    direct = predict_step(SEP, ROLLOUT, None, OPTIONS, stage_scale=result.scales)
+    assert direct.step_seconds == result.best.prediction.step_seconds
+
+
+def test_calibration_reproduces_the_measured_stage_times() -> None:
+    measured = Measured({"generation": 0.5, "training": 0.02, "experience": 0.04},
+                        step_seconds=0.6, response_length=20.0)
+    shapes = measured_rollout(ROLLOUT, measured.response_length)
+    assert shapes.generation_length == 20
+    scales, before, after = calibrate(FLAT, shapes, measured, None, OPTIONS)
+    for stage, seconds in measured.stage_seconds.items():
+        assert after.stage_seconds[stage] == pytest.approx(seconds, rel=1e-6)
+        assert scales[stage] == pytest.approx(seconds / before.stage_seconds[stage], rel=1e-6)
+    result = rerank(CANDIDATES[0], CANDIDATES, ROLLOUT, measured, None, OPTIONS)
+    versus = result.predicted_vs_measured
+    assert versus["generation"]["measured"] == 0.5
+    assert versus["generation"]["predicted_before"] == pytest.approx(
+        before.stage_seconds["generation"], abs=1e-6)
+    assert versus["generation"]["predicted_after"] == pytest.approx(0.5, abs=1e-6)
+    assert versus["step"]["measured"] == 0.6
+
+
+def test_an_unknown_measured_stage_is_refused() -> None:
+    with pytest.raises(ValueError, match="'decode'"):
+        Measured({"decode": 1.0}, 1.0, 10.0)
+
+
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"interval_steps": -1}, "placement.replan.interval_steps=-1"),
+    ({"warmup_steps": 1.5}, "placement.replan.warmup_steps=1.5"),
+    ({"min_gain": 1.0}, "placement.replan.min_gain=1.0"),
+    ({"min_gain": -0.1}, "placement.replan.min_gain=-0.1"),
+])
+def test_bad_replan_settings_are_refused_naming_the_field(fields: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match.replace(".", r"\.")):
+        ReplanConfig(**fields)
+
+
+def test_replan_settings_read_from_yaml_become_a_replan_config() -> None:
+    placement = PlacementConfig("flattening", replan={"interval_steps": 2, "min_gain": 0.1})
+    assert placement.replan == ReplanConfig(interval_steps=2, min_gain=0.1)
+    assert placement.replan.enabled and not PlacementConfig().replan.enabled
+    with pytest.raises(ValueError, match=r"placement\.replan has unknown keys \['interval'\]"):
+        PlacementConfig(replan={"interval": 2})
