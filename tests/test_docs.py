@@ -207,9 +207,11 @@ def config_fields() -> tuple[frozenset[str], frozenset[str]]:
 
 
 def _names_a_module(parts: list[str]) -> bool:
+    """Whether a prefix of ``parts`` (two or more) is a module or package under megatron_rlhf/:
+    ``models.weights.init_weights`` names code, not a field."""
     base = REPO / "megatron_rlhf"
-    return any((base.joinpath(*parts[:n]).with_suffix(".py")).is_file()
-               or base.joinpath(*parts[:n]).is_dir() and n > 1 for n in range(2, len(parts) + 1))
+    return any(base.joinpath(*parts[:n]).with_suffix(".py").is_file()
+               or base.joinpath(*parts[:n]).is_dir() for n in range(2, len(parts) + 1))
 
 
 def unknown_fields(lines: list[tuple[str, int, str]]) -> list[str]:
