@@ -13,6 +13,8 @@ Map of the files (details in docs/generation.md):
 - ``output.py``: ``GenerationOutput`` and the ``MicroBatchWork`` a call ran.
 - ``generate.py``: ``generate_sequences``, with the static loop (``batching=static``) as the
   reference.
+- ``episodes.py``: ``run_episodes``, multi-turn episodes over a ``generate`` call per turn
+  (tool calls, environments), token in, token out.
 """
 
 from __future__ import annotations

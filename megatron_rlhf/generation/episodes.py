@@ -21,8 +21,10 @@ The layout is ``generate_sequences``' (``GenerationOutput``): prompts left-padde
 after them right-padded; ``response_mask`` is the loss mask (sampled tokens only) and
 ``attention_mask`` covers observations too, so every loss, KL and entropy term and every token
 count that reads ``response_mask`` leaves observations out, while every forward reads them.
-Sampling noise of turn ``t`` of a row with noise id ``i`` is keyed ``i * max_turns + t``: a
-row's episode does not depend on the rank, the replica or the other rows of its batch.
+Sampling noise of turn ``t`` of a row with noise id ``i`` is keyed ``i + t * key_stride``: turn 0
+draws what a single reply to the prompt draws, a row's episode does not depend on the rank, the
+replica or the other rows of its batch, and with ``key_stride`` a multiple of
+``generation.greedy_every`` every turn of a greedy row is greedy.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rlhf.generation.output import GenerationOutput, MicroBatchWork
+
+KEY_STRIDE = 1 << 44
+"""Noise ids below it are a row's (held-out evaluation's start at ``1 << 40``); turn ``t`` adds
+``t`` times it (a multiple of it when rows are greedy by ``greedy_every``)."""
 
 EPISODE_STATS = ("turns", "tool_calls", "tool_errors", "observation_tokens", "truncated",
                  "tool_seconds", "reward")
@@ -129,7 +135,7 @@ def stop_cut(tokens: Sequence[int], decode: Callable[[list[int]], str], stop: st
 def run_episodes(generate: Generate, prompts: Sequence[Sequence[int]],
                  noise_ids: Sequence[int], config: EpisodeConfig,
                  decode: Callable[[list[int]], str], respond: Respond,
-                 eos_ids: Sequence[int], pad_id: int) -> Episodes:
+                 eos_ids: Sequence[int], pad_id: int, key_stride: int = KEY_STRIDE) -> Episodes:
     """Run one episode per prompt (module docstring).
 
     Args:
@@ -144,7 +150,14 @@ def run_episodes(generate: Generate, prompts: Sequence[Sequence[int]],
             ``config.stop``).
         eos_ids: the tokens that end a reply (an episode cut short without one is truncated).
         pad_id: fills padding positions.
+        key_stride: turn ``t`` samples with the noise ids plus ``t * key_stride``.
+
+    Raises:
+        ValueError: a noise id at or past ``key_stride``.
     """
+    if max(noise_ids, default=0) >= key_stride:
+        raise ValueError(f"noise id {max(noise_ids)} >= key_stride {key_stride}: turns would "
+                         "share noise with other rows")
     episodes = [_Episode(list(p), [], [], [], []) for p in prompts]
     stats = {name: [0.0] * len(prompts) for name in EPISODE_STATS}
     work: list[MicroBatchWork] = []
@@ -155,7 +168,7 @@ def run_episodes(generate: Generate, prompts: Sequence[Sequence[int]],
             break
         room = {r: config.max_episode_tokens - len(episodes[r].tokens) for r in rows}
         out = generate([episodes[r].prompt + episodes[r].tokens for r in rows],
-                       [noise_ids[r] * config.max_turns + turn for r in rows],
+                       [noise_ids[r] + turn * key_stride for r in rows],
                        min(config.turn_tokens, max(room.values())))
         work += out.micro_batches
         device = out.input_ids.device

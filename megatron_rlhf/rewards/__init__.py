@@ -11,6 +11,9 @@ Map of the files:
 - ``verifiers.py``: math final-answer equivalence, exact and regex match, a format check (the
   registered ``math_reward``, ``exact_reward``, ``regex_reward``, ``format_reward``), and DAPO's
   overlong penalty.
+- ``tools.py``: ``Tools``: the tools multi-turn rollouts call (``rollout.tools``), in the same
+  worker pool, with a per-call timeout and ``rollout.tool_on_error``.
+- ``environments.py``: ``rollout.environment``, one instance per episode.
 - ``overlong.py``: ``OverlongPenalty``: that penalty on a batch's generated token counts
   (``reward.overlong_buffer``); the one module here that imports torch, so import it directly.
 

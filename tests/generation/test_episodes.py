@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from megatron_rlhf.generation import GenerationConfig, GenerationOutput, generate_sequences
-from megatron_rlhf.generation.episodes import EpisodeConfig, Observation, run_episodes, stop_cut
+from megatron_rlhf.generation.episodes import (
+    KEY_STRIDE,
+    EpisodeConfig,
+    Observation,
+    run_episodes,
+    stop_cut,
+)
 from megatron_rlhf.models.forward_backward import model_inputs
 from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
 from tests.generation.helpers import PAD, make_prompts
@@ -42,7 +48,7 @@ def test_stop_cut_keeps_the_shortest_prefix_holding_the_stop_text() -> None:
 def test_episode_tokens_and_logprobs_match_one_forward_over_the_episode(tiny) -> None:
     config = GenerationConfig(temperature=0.9, seed=3, stop_at_eos=True)
     prompts = make_prompts([4, 7, 3, 6], seed=2)
-    first = generate_sequences(*tiny, prompts, [0, 3, 6, 9],
+    first = generate_sequences(*tiny, prompts, [0, 1, 2, 3],
                                GenerationConfig(**{**config.__dict__, "max_new_tokens": 10}),
                                eos_id=249, pad_id=PAD)
     stop_id = first.responses[0, 2].item()  # row 0 calls the tool at this token's first draw
@@ -54,7 +60,7 @@ def test_episode_tokens_and_logprobs_match_one_forward_over_the_episode(tiny) ->
         lambda calls: [Observation(list(OBSERVATION), failed=r == 0) for r, _ in calls],
         eos_ids=[249], pad_id=PAD)
     out, stats = episodes.output, episodes.stats
-    # row 0: the first turn is the first three tokens that turn 0 of the plain call drew
+    # turn 0 draws what one reply to the prompt draws, cut after the call
     width = out.prompt_length
     assert out.input_ids[0, width:width + cut].tolist() == first.responses[0, :cut].tolist()
     assert out.input_ids[0, width + cut:width + cut + 5].tolist() == OBSERVATION
@@ -86,11 +92,11 @@ def test_episode_tokens_and_logprobs_match_one_forward_over_the_episode(tiny) ->
                                rtol=0, atol=1e-5)
 
 
-def _scripted(replies: dict[int, list[list[int]]], turns: int):
-    """A generate that answers noise id ``i * turns + t`` with ``replies[i][t]`` (log-prob -1
-    per token), cut to the budget."""
+def _scripted(replies: dict[int, list[list[int]]]):
+    """A generate that answers noise id ``i + t * KEY_STRIDE`` with ``replies[i][t]`` (log-prob
+    -1 per token), cut to the budget."""
     def generate(contexts, ids, max_new):
-        rows = [replies[i // turns][i % turns][:max_new] for i in ids]
+        rows = [replies[i % KEY_STRIDE][i // KEY_STRIDE][:max_new] for i in ids]
         steps = max(len(r) for r in rows)
         width = max(len(c) for c in contexts)
         b = len(rows)
@@ -125,7 +131,7 @@ def test_bounds_end_episodes_and_mark_them_truncated() -> None:
         return [Observation([40, 41], seconds=0.5) for _ in calls]
 
     decode = lambda ids: "".join("</>" if t == STOP else "x" for t in ids)  # noqa: E731
-    episodes = run_episodes(_scripted(replies, 2), [[1, 2]] * 5, list(range(5)),
+    episodes = run_episodes(_scripted(replies), [[1, 2]] * 5, list(range(5)),
                             EpisodeConfig(max_turns=2, max_episode_tokens=8, turn_tokens=6,
                                           stop="</>"),
                             decode, respond, eos_ids=[EOS], pad_id=PAD)
@@ -148,3 +154,30 @@ def test_bounds_end_episodes_and_mark_them_truncated() -> None:
 def test_episode_bounds_are_checked() -> None:
     with pytest.raises(ValueError, match="max_turns=0 must be >= 1"):
         EpisodeConfig(max_turns=0, max_episode_tokens=8, turn_tokens=4)
+
+
+def test_a_greedy_row_is_greedy_in_every_turn(tiny) -> None:
+    """``greedy_every=2`` with a stride that is a multiple of it: rows 0 and 2 take the argmax in
+    every turn (their sampling log-probs are 0, a point mass), rows 1 and 3 sample."""
+    config = GenerationConfig(temperature=1.0, seed=5, greedy_every=2)
+    prompts = make_prompts([4, 7, 3, 6], seed=4)
+    first = generate_sequences(*tiny, prompts, [0, 1, 2, 3],
+                               GenerationConfig(**{**config.__dict__, "max_new_tokens": 8}),
+                               eos_id=249, pad_id=PAD)
+    stop_id = first.responses[0, 2].item()  # greedy row 0 calls the tool at its third token
+    episodes = run_episodes(
+        _model_generate(tiny, config, 249), prompts, [0, 1, 2, 3],
+        EpisodeConfig(max_turns=3, max_episode_tokens=40, turn_tokens=8, stop="#"),
+        _decode_with_stop(stop_id), lambda calls: [Observation([7, 8]) for _ in calls],
+        eos_ids=[249], pad_id=PAD, key_stride=2 * KEY_STRIDE)
+    out, stats = episodes.output, episodes.stats
+    assert stats["turns"][0] > 1, "the greedy row replies again after the tool's answer"
+    sampled = out.response_mask.bool()
+    for row in range(4):
+        logprobs = out.response_logprobs[row][sampled[row]]
+        assert bool((logprobs == 0).all()) == (row % 2 == 0), row
+    with pytest.raises(ValueError, match="noise id 5 >= key_stride 4"):
+        run_episodes(_model_generate(tiny, config, 249), prompts, [0, 1, 2, 5],
+                     EpisodeConfig(max_turns=2, max_episode_tokens=8, turn_tokens=4),
+                     _decode_with_stop(stop_id), lambda calls: [], eos_ids=[249], pad_id=PAD,
+                     key_stride=4)
