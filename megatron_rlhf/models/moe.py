@@ -329,7 +329,8 @@ def expert_metrics(model: torch.nn.Module, pg_collection: Any) -> Iterator[dict[
                                      / counts.mean(dim=1)[used]).max())
     tracker = moe_utils.get_moe_layer_wise_logging_tracker()
     moe_utils.reduce_aux_losses_tracker_across_ranks(list(tracker), pg_collection=pg_collection)
-    passes = float(forwards[used].mean()) if used.any() else 1.0
+    # a layer's passes per rank (megatron averages its losses over DP)
+    passes = float(forwards[used].mean()) / pg_collection.dp.size() if used.any() else 1.0
     for name, entry in tracker.items():
         values = entry["values"].detach().cpu()
         key = "moe_z_loss" if name == "z_loss" else "moe_load_balancing_loss"
