@@ -142,3 +142,49 @@ def test_replayed_routes_make_the_first_ratio_exactly_one() -> None:
     assert shape[0] == PROMPTS * 4 and shape[2:] == (2, 2) and low >= -1 and high <= 3, shape
     first = result["metrics"][0]
     assert first["actor/ppo_kl"] == 0.0 and first["actor/pg_clipfrac"] == 0.0, first
+
+
+def _resumed_runs(root: str) -> dict:
+    import torch.distributed as dist
+
+    from megatron_rlhf.config.ppo_run import (
+        CheckpointConfig,
+        RewardConfig,
+        RolloutConfig,
+        RunConfig,
+    )
+    from megatron_rlhf.engine.run.runner import run_ppo
+    from megatron_rlhf.generation import GenerationConfig
+    from megatron_rlhf.runtime.bootstrap import RuntimeConfig
+    from megatron_rlhf.topology.placement_config import PlacementConfig
+    from tests.helpers.metrics import run_metrics
+
+    def config(name: str, **checkpoint) -> RunConfig:
+        return RunConfig(
+            runtime=RuntimeConfig(seed=7), placement=PlacementConfig(strategy="flattening"),
+            models=ModelsConfig(arch="tiny", init_seed=9,
+                                moe=MoEConfig(num_experts=4, ffn_hidden_size=128)),
+            rollout=RolloutConfig(prompts_per_step=4, max_prompt_length=16,
+                                  micro_batch_size=1, num_minibatches=2),
+            generation=GenerationConfig(max_new_tokens=6, seed=3),
+            reward=RewardConfig(model_weight=0.5, rule="synthetic"),
+            checkpoint=CheckpointConfig(**checkpoint), steps=3, run_dir=f"{root}/{name}")
+
+    run_ppo(config("A"))
+    run_ppo(config("saving", save_dir=f"{root}/ckpt", save_interval=1, keep_last=0))
+    run_ppo(config("B", resume_from=f"{root}/ckpt/step_00000001"))
+    if dist.get_rank() != 0:
+        return {}
+    return {name: run_metrics(f"{root}/{name}") for name in ("A", "saving", "B")}
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(460)
+def test_moe_runs_save_and_resume_bit_exactly(tmp_path) -> None:
+    """Experts, routers and their optimizer state go through the run checkpoints: 3 steps ==
+    1 step + save + resume + 2 steps."""
+    runs = run_on_ranks(_resumed_runs, world_size=2, args=(str(tmp_path),), timeout_s=400)[0]
+    assert [m["step"] for m in runs["A"]] == [0, 1, 2]
+    assert runs["saving"] == runs["A"]
+    assert [m["step"] for m in runs["B"]] == [1, 2]
+    assert runs["B"] == runs["A"][1:]
