@@ -78,20 +78,20 @@ class MoEConfig:
         for name in ("num_experts", "ffn_hidden_size", "shared_expert_ffn_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
-                raise ValueError(f"moe.{name}={value!r} must be an integer >= 0 (0: "
+                raise ValueError(f"models.moe.{name}={value!r} must be an integer >= 0 (0: "
                                  f"{'dense' if name == 'num_experts' else 'the default'})")
         if self.num_experts and not 1 <= self.topk <= self.num_experts:
-            raise ValueError(f"moe.topk={self.topk} must be in [1, num_experts="
+            raise ValueError(f"models.moe.topk={self.topk} must be in [1, num_experts="
                              f"{self.num_experts}]")
         if self.load_balancing not in LOAD_BALANCING_TYPES:
-            raise ValueError(f"moe.load_balancing={self.load_balancing!r}: use one of "
+            raise ValueError(f"models.moe.load_balancing={self.load_balancing!r}: use one of "
                              f"{LOAD_BALANCING_TYPES}")
         if self.token_dispatcher not in TOKEN_DISPATCHERS:
-            raise ValueError(f"moe.token_dispatcher={self.token_dispatcher!r}: use one of "
-                             f"{TOKEN_DISPATCHERS}")
+            raise ValueError(f"models.moe.token_dispatcher={self.token_dispatcher!r}: use one "
+                             f"of {TOKEN_DISPATCHERS}")
         if self.aux_loss_coeff < 0 or self.z_loss_coeff < 0:
-            raise ValueError(f"moe.aux_loss_coeff={self.aux_loss_coeff} and moe.z_loss_coeff="
-                             f"{self.z_loss_coeff} must be >= 0")
+            raise ValueError(f"models.moe.aux_loss_coeff={self.aux_loss_coeff} and "
+                             f"models.moe.z_loss_coeff={self.z_loss_coeff} must be >= 0")
 
     @property
     def enabled(self) -> bool:
@@ -109,8 +109,8 @@ def moe_transformer_fields(moe: MoEConfig | None, ffn_hidden_size: int, ep_size:
     if moe is None or not moe.enabled:
         return {}
     if moe.num_experts % ep_size:
-        raise ValueError(f"moe.num_experts={moe.num_experts} is not divisible by the model's "
-                         f"expert-parallel size ep={ep_size}: choose ep dividing it")
+        raise ValueError(f"models.moe.num_experts={moe.num_experts} is not divisible by the "
+                         f"model's expert-parallel size ep={ep_size}: choose ep dividing it")
     return {
         "num_moe_experts": moe.num_experts,
         "moe_router_topk": moe.topk,
