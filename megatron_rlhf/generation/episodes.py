@@ -21,10 +21,10 @@ The layout is ``generate_sequences``' (``GenerationOutput``): prompts left-padde
 after them right-padded; ``response_mask`` is the loss mask (sampled tokens only) and
 ``attention_mask`` covers observations too, so every loss, KL and entropy term and every token
 count that reads ``response_mask`` leaves observations out, while every forward reads them.
-Sampling noise of turn ``t`` of a row with noise id ``i`` is keyed ``i + t * key_stride``: turn 0
-draws what a single reply to the prompt draws, a row's episode does not depend on the rank, the
-replica or the other rows of its batch, and with ``key_stride`` a multiple of
-``generation.greedy_every`` every turn of a greedy row is greedy.
+Sampling noise of turn ``t`` of a row with noise id ``i`` is keyed :func:`turn_key` ``(i, t)``:
+turn 0 draws what a single reply to the prompt draws, a row's episode does not depend on the
+rank, the replica or the other rows of its batch, and every turn of a row that
+``generation.greedy_every`` makes greedy is greedy.
 """
 
 from __future__ import annotations
@@ -35,10 +35,22 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rlhf.generation.output import GenerationOutput, MicroBatchWork
+from megatron_rlhf.generation.sampling import _splitmix64
 
-KEY_STRIDE = 1 << 44
-"""Noise ids below it are a row's (held-out evaluation's start at ``1 << 40``); turn ``t`` adds
-``t`` times it (a multiple of it when rows are greedy by ``greedy_every``)."""
+
+def turn_key(noise_id: int, turn: int, greedy_every: int = 0) -> int:
+    """The noise id of turn ``turn`` of the row with ``noise_id``: the row's own for turn 0;
+    for later turns a 63-bit hash of both, congruent to ``noise_id`` modulo ``greedy_every``
+    (which rows are greedy is read from the id modulo it). Prompt ids grow past any fixed
+    stride (refill rounds add ``1 << 44`` each, times the samples per prompt), hence a hash:
+    a later turn's key meets one of ``rows`` other ids with probability below
+    ``rows / 2**55`` (``greedy_every`` < 128)."""
+    if turn == 0:
+        return noise_id
+    modulus = max(greedy_every, 1)
+    mixed = _splitmix64(_splitmix64(noise_id) ^ turn) >> (1 + modulus.bit_length())
+    return mixed * modulus + noise_id % modulus
+
 
 EPISODE_STATS = ("turns", "tool_calls", "tool_errors", "observation_tokens", "truncated",
                  "tool_seconds", "reward")
@@ -135,7 +147,7 @@ def stop_cut(tokens: Sequence[int], decode: Callable[[list[int]], str], stop: st
 def run_episodes(generate: Generate, prompts: Sequence[Sequence[int]],
                  noise_ids: Sequence[int], config: EpisodeConfig,
                  decode: Callable[[list[int]], str], respond: Respond,
-                 eos_ids: Sequence[int], pad_id: int, key_stride: int = KEY_STRIDE) -> Episodes:
+                 eos_ids: Sequence[int], pad_id: int, greedy_every: int = 0) -> Episodes:
     """Run one episode per prompt (module docstring).
 
     Args:
@@ -150,14 +162,8 @@ def run_episodes(generate: Generate, prompts: Sequence[Sequence[int]],
             ``config.stop``).
         eos_ids: the tokens that end a reply (an episode cut short without one is truncated).
         pad_id: fills padding positions.
-        key_stride: turn ``t`` samples with the noise ids plus ``t * key_stride``.
-
-    Raises:
-        ValueError: a noise id at or past ``key_stride``.
+        greedy_every: ``generation.greedy_every`` of ``generate`` (:func:`turn_key`).
     """
-    if max(noise_ids, default=0) >= key_stride:
-        raise ValueError(f"noise id {max(noise_ids)} >= key_stride {key_stride}: turns would "
-                         "share noise with other rows")
     episodes = [_Episode(list(p), [], [], [], []) for p in prompts]
     stats = {name: [0.0] * len(prompts) for name in EPISODE_STATS}
     work: list[MicroBatchWork] = []
@@ -168,7 +174,7 @@ def run_episodes(generate: Generate, prompts: Sequence[Sequence[int]],
             break
         room = {r: config.max_episode_tokens - len(episodes[r].tokens) for r in rows}
         out = generate([episodes[r].prompt + episodes[r].tokens for r in rows],
-                       [noise_ids[r] + turn * key_stride for r in rows],
+                       [turn_key(noise_ids[r], turn, greedy_every) for r in rows],
                        min(config.turn_tokens, max(room.values())))
         work += out.micro_batches
         device = out.input_ids.device

@@ -9,11 +9,11 @@ import torch
 
 from megatron_rlhf.generation import GenerationConfig, GenerationOutput, generate_sequences
 from megatron_rlhf.generation.episodes import (
-    KEY_STRIDE,
     EpisodeConfig,
     Observation,
     run_episodes,
     stop_cut,
+    turn_key,
 )
 from megatron_rlhf.models.forward_backward import model_inputs
 from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
@@ -93,10 +93,12 @@ def test_episode_tokens_and_logprobs_match_one_forward_over_the_episode(tiny) ->
 
 
 def _scripted(replies: dict[int, list[list[int]]]):
-    """A generate that answers noise id ``i + t * KEY_STRIDE`` with ``replies[i][t]`` (log-prob
-    -1 per token), cut to the budget."""
+    """A generate that answers noise id ``turn_key(i, t)`` with ``replies[i][t]`` (log-prob -1
+    per token), cut to the budget."""
+    keys = {turn_key(i, t): (i, t) for i, turns in replies.items() for t in range(len(turns))}
+
     def generate(contexts, ids, max_new):
-        rows = [replies[i % KEY_STRIDE][i // KEY_STRIDE][:max_new] for i in ids]
+        rows = [replies[keys[i][0]][keys[i][1]][:max_new] for i in ids]
         steps = max(len(r) for r in rows)
         width = max(len(c) for c in contexts)
         b = len(rows)
@@ -157,8 +159,8 @@ def test_episode_bounds_are_checked() -> None:
 
 
 def test_a_greedy_row_is_greedy_in_every_turn(tiny) -> None:
-    """``greedy_every=2`` with a stride that is a multiple of it: rows 0 and 2 take the argmax in
-    every turn (their sampling log-probs are 0, a point mass), rows 1 and 3 sample."""
+    """``greedy_every=2``: rows 0 and 2 take the argmax in every turn (their sampling log-probs
+    are 0, a point mass), rows 1 and 3 sample."""
     config = GenerationConfig(temperature=1.0, seed=5, greedy_every=2)
     prompts = make_prompts([4, 7, 3, 6], seed=4)
     first = generate_sequences(*tiny, prompts, [0, 1, 2, 3],
@@ -169,15 +171,21 @@ def test_a_greedy_row_is_greedy_in_every_turn(tiny) -> None:
         _model_generate(tiny, config, 249), prompts, [0, 1, 2, 3],
         EpisodeConfig(max_turns=3, max_episode_tokens=40, turn_tokens=8, stop="#"),
         _decode_with_stop(stop_id), lambda calls: [Observation([7, 8]) for _ in calls],
-        eos_ids=[249], pad_id=PAD, key_stride=2 * KEY_STRIDE)
+        eos_ids=[249], pad_id=PAD, greedy_every=2)
     out, stats = episodes.output, episodes.stats
     assert stats["turns"][0] > 1, "the greedy row replies again after the tool's answer"
     sampled = out.response_mask.bool()
     for row in range(4):
         logprobs = out.response_logprobs[row][sampled[row]]
         assert bool((logprobs == 0).all()) == (row % 2 == 0), row
-    with pytest.raises(ValueError, match="noise id 5 >= key_stride 4"):
-        run_episodes(_model_generate(tiny, config, 249), prompts, [0, 1, 2, 5],
-                     EpisodeConfig(max_turns=2, max_episode_tokens=8, turn_tokens=4),
-                     _decode_with_stop(stop_id), lambda calls: [], eos_ids=[249], pad_id=PAD,
-                     key_stride=4)
+
+
+def test_turn_keys_keep_the_row_and_its_greedy_residue() -> None:
+    """Turn 0 is the row's own id; later turns differ from it and from each other, stay in
+    [0, 2**63) for ids of refill rounds, and keep the id modulo greedy_every."""
+    ids = [0, 1, 7, 5 * (1 << 44) * 16 + 3]
+    for i in ids:
+        assert turn_key(i, 0, 16) == i
+        keys = [turn_key(i, t, 16) for t in range(1, 6)]
+        assert len(set(keys) | {i}) == 6
+        assert all(0 <= k < 1 << 63 and k % 16 == i % 16 for k in keys)

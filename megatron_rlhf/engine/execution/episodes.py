@@ -25,7 +25,6 @@ from megatron_rlhf.engine.execution.workers import ModelWorker
 from megatron_rlhf.generation import GenerationConfig, GenerationOutput
 from megatron_rlhf.generation.episodes import (
     EPISODE_STATS,
-    KEY_STRIDE,
     EpisodeConfig,
     Observation,
     run_episodes,
@@ -159,10 +158,8 @@ class EpisodeRollouts:
 
         respond = answer_tools if self.environment is None else answer_environment
         eos_ids = list(eos_id) if isinstance(eos_id, tuple | list) else [eos_id]
-        # a greedy row (greedy_every) stays greedy in every turn
-        stride = KEY_STRIDE * max(generation.greedy_every, 1)
         episodes = run_episodes(generate, prompts, prompt_indices, self.config, self.decode,
-                                respond, eos_ids, pad_id, stride)
+                                respond, eos_ids, pad_id, generation.greedy_every)
         device = episodes.output.input_ids.device
         return episodes.output, {STAT_FIELDS[name]: value.to(device)
                                  for name, value in episodes.stats.items()}
