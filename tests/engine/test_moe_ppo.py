@@ -188,3 +188,24 @@ def test_moe_runs_save_and_resume_bit_exactly(tmp_path) -> None:
     assert runs["saving"] == runs["A"]
     assert [m["step"] for m in runs["B"]] == [1, 2]
     assert runs["B"] == runs["A"][1:]
+
+
+def test_resume_refuses_another_expert_layout(tmp_path) -> None:
+    import json
+    from dataclasses import asdict, replace
+
+    from megatron_rlhf.config.ppo_run import RunConfig
+    from megatron_rlhf.engine.run.checkpointing import check_compatible
+
+    saved = RunConfig(models=ModelsConfig(moe=MoEConfig(num_experts=4)))
+    path = tmp_path / "step_00000002"
+    path.mkdir()
+    (path / "rl_state.json").write_text(json.dumps(
+        {"format_version": 1, "tokenizer_fingerprint": "abc",
+         "config": json.loads(json.dumps(asdict(saved)))}))
+    check_compatible(path, saved, "abc")
+    retuned = MoEConfig(num_experts=4, aux_loss_coeff=0.1, token_dispatcher="allgather")
+    check_compatible(path, replace(saved, models=replace(saved.models, moe=retuned)), "abc")
+    for moe in (MoEConfig(num_experts=8), MoEConfig(num_experts=4, topk=1), MoEConfig()):
+        with pytest.raises(ValueError, match="was saved with models.moe"):
+            check_compatible(path, replace(saved, models=replace(saved.models, moe=moe)), "abc")

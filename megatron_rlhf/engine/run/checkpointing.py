@@ -95,7 +95,9 @@ STATE_PIECES = ("optimizer", "scheduler", "kl_controller", "data_position", "rng
 them out (a debug hook: the resume tests show that each one is needed)."""
 # Settings that must not change across a resume, and those that may without a word (the
 # tokenizer is compared by fingerprint, the placement is resharded on load).
-_MUST_MATCH = ("models.arch", "models.params_dtype", "placement.ac_share")
+_MUST_MATCH = ("models.arch", "models.params_dtype", "placement.ac_share",
+               "models.moe.num_experts", "models.moe.topk", "models.moe.ffn_hidden_size",
+               "models.moe.shared_expert_ffn_size")
 _MAY_CHANGE = ("steps", "run_dir", "trace", "checkpoint.", "faults.", "placement.", "cluster.",
                "runtime.distributed.", "runtime.log_", "tokenizer.")
 
