@@ -104,7 +104,7 @@ class ModelsConfig:
         moe: mixture-of-experts MLPs in every model built from ``arch`` (``models.moe.MoEConfig``:
             ``models.moe.num_experts=8 models.moe.topk=2``); ``num_experts=0``: dense. Expert
             parallelism 1 (every rank holds every expert); not with ``actor_checkpoint`` or
-            ``reward_checkpoint``, whose descriptions record no experts.
+            ``reward_checkpoint``, whose descriptions record no experts, nor ``export_hf``.
     """
 
     arch: Any = "tiny"
@@ -131,6 +131,11 @@ class ModelsConfig:
             raise ValueError(f"models.moe.num_experts={self.moe.num_experts} builds the models "
                              "from models.arch; a checkpoint's description records no experts: "
                              "drop actor_checkpoint/reward_checkpoint or set num_experts=0")
+        if self.moe.enabled and self.export_hf:
+            raise ValueError(f"models.export_hf=true with models.moe.num_experts="
+                             f"{self.moe.num_experts}: Hugging Face export writes dense "
+                             "Llama-family models only; set export_hf=false (the run checkpoints "
+                             "keep the experts)")
         for role, granularity in self.recompute.items():
             if role not in TRAINABLE_ROLES:
                 raise ValueError(f"models.recompute.{role}: only trained models recompute "

@@ -92,6 +92,8 @@ def test_moe_models_run_ppo_and_grpo_steps(estimator: str) -> None:
 def test_moe_refuses_checkpoints_it_cannot_describe() -> None:
     with pytest.raises(ValueError, match="models.moe.num_experts=4 .* actor_checkpoint"):
         ModelsConfig(actor_checkpoint="some/dir", moe=MoEConfig(num_experts=4))
+    with pytest.raises(ValueError, match="export_hf=true with models.moe.num_experts=4"):
+        ModelsConfig(export_hf=True, moe=MoEConfig(num_experts=4))
 
 
 def test_routing_replay_refuses_layouts_that_split_routes() -> None:
