@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from megatron_rlhf.engine.run.replan import stage_seconds
 from megatron_rlhf.planner import HardwareProfile
+from megatron_rlhf.runtime.tracing import Span
 from tests.multirank import run_on_ranks
 
 STEPS = 3
@@ -33,6 +35,14 @@ def _results(record: dict) -> dict:
     """The record without measurements of time (and without the re-planning's own)."""
     return {key: value for key, value in record.items()
             if key not in MEASURED and not key.startswith(("throughput/", "replan/"))}
+
+
+def test_spans_count_once_per_planner_stage_where_they_overlap() -> None:
+    spans = [Span("generate", "actor", 0, 0.0, 2.0), Span("generate", "actor", 1, 1.0, 3.0),
+             Span("train", "actor", -1, 3.0, 4.5), Span("train", "critic", -1, 4.0, 5.0),
+             Span("advantages", "", -1, 5.0, 9.0), Span("sync_weights", "", -1, 5.0, 5.25)]
+    assert stage_seconds(spans) == {"generation": 3.0, "experience": 0.0, "training": 2.0,
+                                    "transfer": 0.0, "sync": 0.25}
 
 
 @pytest.mark.multirank

@@ -7,7 +7,8 @@ measured, and record the ranking. The run keeps its placement.
 
 Each rank times its stages on the run's timeline (the tracer is on while re-planning; the spans
 are dropped once counted unless the run writes its timeline). After ``interval_steps`` measured
-steps, one all-reduce (max over ranks) gives every rank the same stage seconds per step; with the
+steps, one all-reduce (max over ranks) gives every rank the same stage seconds per step (the
+slowest rank's; for transfers and weight sync the least waiting rank's); with the
 answers' mean length (the same on every rank, from the step metrics) each rank then runs the same
 pure ranking (``planner.replan.rerank``), so every rank holds the same ``replan/*`` metrics. Rank
 0 appends the ranking to ``<run_dir>/plan_history.jsonl``. Nothing here touches the models, the
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -42,6 +44,11 @@ logger = get_logger(__name__)
 SPAN_STAGES = {"generate": GENERATION, "experience": EXPERIENCE, "train": TRAINING,
                "transfer": TRANSFER, "sync_weights": SYNC}
 """The planner stage of each engine span (others, such as ``advantages``, are not priced)."""
+
+WAITING_STAGES = (TRANSFER, SYNC)
+"""Stages whose spans also hold the wait for the other ranks of the collective (a shadow waits
+inside the weight sync while the trainers train): measured by the rank that waited least (the
+last to arrive), where the other stages are measured by the slowest rank."""
 
 HISTORY = "plan_history.jsonl"
 
@@ -157,17 +164,23 @@ class RunReplanner:
                 "replan/would_move": float(gain > self.settings.min_gain)}
 
     def _measured(self) -> Measured:
-        """The window's means, the stage and step seconds the largest over the ranks."""
+        """The window's means per step: stage seconds of the slowest rank (``WAITING_STAGES``:
+        of the rank that ran them in the least time), step seconds of the slowest rank."""
         count = len(self._window)
-        values = [sum(stages[s] for stages, _, _ in self._window) / count for s in STAGES]
-        values.append(sum(seconds for _, seconds, _ in self._window) / count)
-        totals = torch.tensor(values, dtype=torch.float64)
+        means = [sum(stages[s] for stages, _, _ in self._window) / count for s in STAGES]
+        step = sum(seconds for _, seconds, _ in self._window) / count
+        # max(-x) is -min(x): one reduction gives both; ranks without the stage offer -inf.
+        totals = torch.tensor([*means, step, *(-m if m > 0 else -math.inf for m in means)],
+                              dtype=torch.float64)
         # World: each stage runs on some ranks only; every rank needs the same figures.
         dist.all_reduce(totals, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
         reduced = totals.tolist()
+        slowest, least = reduced[:len(STAGES)], reduced[len(STAGES) + 1:]
+        stages = {stage: (-least[i] if math.isfinite(least[i]) else 0.0)
+                  if stage in WAITING_STAGES else slowest[i] for i, stage in enumerate(STAGES)}
         lengths = [length for _, _, length in self._window if length is not None]
         length = sum(lengths) / len(lengths) if lengths else float(self.max_new_tokens)
-        return Measured(dict(zip(STAGES, reduced[:-1], strict=True)), reduced[-1], length)
+        return Measured(stages, reduced[len(STAGES)], length)
 
     def _index(self, label: str) -> int:
         """The position of ``label`` among the candidates (-1: the run's own placement, which
