@@ -15,7 +15,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 # (config, nodes, devices per node) each PPO example is written for.
 PPO_EXAMPLES = [("ppo_tiny.yaml", 1, 4), ("ppo_pipeline.yaml", 1, 4),
                 ("ppo_hf_tiny.yaml", 1, 2), ("ppo_grpo_tiny.yaml", 1, 4),
-                ("ppo_gsm8k_tiny.yaml", 1, 4)]
+                ("ppo_gsm8k_tiny.yaml", 1, 4), ("ppo_moe_tiny.yaml", 1, 4)]
 """The GPU recipes under examples/recipes/ are tested by tests/test_recipes.py."""
 
 
