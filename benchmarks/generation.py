@@ -119,6 +119,9 @@ def _single_rank_groups():
         "tp": "tp", "cp": "cp", "dp": "dp", "pp": "pp", "tp_cp": ["tp", "cp"],
         "dp_cp": ["cp", "dp"], "mp": ["tp", "pp"]}.items()}
     pgs["embd"] = pgs["pos_embd"] = dist.new_group([0])
+    # A dense model is a single expert: expert parallelism of size 1 (topology.groups).
+    pgs.update(ep=pgs["cp"], expt_tp=pgs["tp"], tp_ep=pgs["tp"], tp_ep_pp=pgs["mp"],
+               expt_dp=pgs["dp"], intra_expt_dp=pgs["dp"])
     return ProcessGroupCollection(**pgs)
 
 
