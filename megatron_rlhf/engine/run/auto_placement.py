@@ -46,22 +46,13 @@ def choose_placement(config: RunConfig, cluster: ClusterSpec,
         ValueError: no profile for a pool (run tools/calibrate.py), or no candidate the engine
             accepts.
     """
-    profiles = load_profile(profile) if profile else None
-    rollout = RolloutSpec.from_run_config(config, overlap=config.rollout.async_rollout)
-    # A critic-free (or reward-model-free) run is priced as the step with the models it has.
-    ranked = auto_place(cluster, resolve_arch(config.models.arch), rollout, profiles,
-                        SearchSpace(critic=config.placement.critic,
-                                    reward=config.placement.reward,
-                                    memory_options=ENGINE_MEMORY_OPTIONS))
+    ranked = ranked_candidates(config, cluster, load_profile(profile) if profile else None)
     rejected = []
     for candidate in ranked:
         if not candidate.prediction.feasible:
             continue
-        placement = dataclasses.replace(candidate.config, ac_share=config.placement.ac_share,
-                                        replan=config.placement.replan)
         try:
-            chosen = with_memory_options(dataclasses.replace(config, placement=placement),
-                                         candidate.prediction.memory.options)
+            chosen = candidate_config(config, candidate)
             make_plan(chosen, cluster)
         except ValueError as error:
             rejected.append(f"{candidate.label}: {error}")
@@ -70,6 +61,25 @@ def choose_placement(config: RunConfig, cluster: ClusterSpec,
     reasons = "; ".join(rejected[:3]) or explain_choice(ranked)
     raise ValueError(f"placement=auto found no placement this run can use ({reasons}); "
                      "choose one with --placement or adjust rollout sizes")
+
+
+def ranked_candidates(config: RunConfig, cluster: ClusterSpec, profiles) -> list:
+    """The planner's candidate placements for ``config`` on ``cluster``, best first, with the
+    memory options the engine runs; a critic-free (or reward-model-free) run is priced as the
+    step with the models it has."""
+    rollout = RolloutSpec.from_run_config(config, overlap=config.rollout.async_rollout)
+    return auto_place(cluster, resolve_arch(config.models.arch), rollout, profiles,
+                      SearchSpace(critic=config.placement.critic, reward=config.placement.reward,
+                                  memory_options=ENGINE_MEMORY_OPTIONS))
+
+
+def candidate_config(config: RunConfig, candidate) -> RunConfig:
+    """``config`` with ``candidate``'s placement (its ``ac_share`` and ``replan`` kept) and the
+    memory options the planner priced it with."""
+    placement = dataclasses.replace(candidate.config, ac_share=config.placement.ac_share,
+                                    replan=config.placement.replan)
+    return with_memory_options(dataclasses.replace(config, placement=placement),
+                               candidate.prediction.memory.options)
 
 
 def with_memory_options(config: RunConfig, options: dict[str, MemoryOptions]) -> RunConfig:

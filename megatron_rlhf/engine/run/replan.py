@@ -17,7 +17,6 @@ data or a random generator: training is the same with and without re-planning.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from pathlib import Path
@@ -26,9 +25,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.config.ppo_run import RunConfig
-from megatron_rlhf.engine.run.auto_placement import ENGINE_MEMORY_OPTIONS, with_memory_options
+from megatron_rlhf.engine.run.auto_placement import (
+    ENGINE_MEMORY_OPTIONS,
+    candidate_config,
+    ranked_candidates,
+)
 from megatron_rlhf.engine.run.build import make_plan
-from megatron_rlhf.planner import RolloutSpec, SearchSpace, auto_place, describe, load_profile
+from megatron_rlhf.planner import RolloutSpec, describe, load_profile
 from megatron_rlhf.planner.hardware import resolve_profiles
 from megatron_rlhf.planner.predict import EXPERIENCE, GENERATION, STAGES, SYNC, TRAINING, TRANSFER
 from megatron_rlhf.planner.replan import Measured, Replan, rerank
@@ -36,7 +39,6 @@ from megatron_rlhf.planner.schedule import covered_seconds
 from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.runtime.tracing import Span, Tracer
 from megatron_rlhf.topology.cluster import ClusterSpec
-from megatron_rlhf.topology.models import resolve_arch
 from megatron_rlhf.topology.plan import PlacementPlan
 
 logger = get_logger(__name__)
@@ -75,20 +77,13 @@ def candidate_plans(config: RunConfig, cluster: ClusterSpec, profiles
                     ) -> list[tuple[str, PlacementPlan]]:
     """The placements ``--placement auto`` chooses among that fit and the engine accepts, as
     the engine would plan them, in the planner's order at the configured lengths."""
-    rollout = RolloutSpec.from_run_config(config, overlap=config.rollout.async_rollout)
-    ranked = auto_place(cluster, resolve_arch(config.models.arch), rollout, profiles,
-                        SearchSpace(critic=config.placement.critic, reward=config.placement.reward,
-                                    memory_options=ENGINE_MEMORY_OPTIONS))
     found = []
-    for candidate in ranked:
+    for candidate in ranked_candidates(config, cluster, profiles):
         if not candidate.prediction.feasible:
             continue
-        placement = dataclasses.replace(candidate.config, ac_share=config.placement.ac_share,
-                                        replan=config.placement.replan)
-        chosen = with_memory_options(dataclasses.replace(config, placement=placement),
-                                     candidate.prediction.memory.options)
         try:
-            found.append((candidate.label, make_plan(chosen, cluster)))
+            found.append((candidate.label, make_plan(candidate_config(config, candidate),
+                                                     cluster)))
         except ValueError:
             continue
     return found
