@@ -157,18 +157,26 @@ def _call(target: str, prompt: str, response: str, record: Mapping[str, Any],
     or ``("timeout", why)``."""
     if target not in _imported:
         _imported[target] = import_function(target)
+    status, value = timed_call(_imported[target], (prompt, response, record), kwargs, timeout_s,
+                               "reward.timeout_s")
+    return _checked(value) if status == "ok" else (status, value)
+
+
+def timed_call(function: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
+               timeout_s: float, setting: str) -> tuple[str, Any]:
+    """``function(*args, **kwargs)`` in a worker, stopped by an alarm after ``timeout_s``:
+    ``("ok", value)``, ``("timeout", why)`` naming ``setting``, or ``("raised", why)``."""
     previous = signal.signal(signal.SIGALRM, _alarm)
     signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
-        value = _imported[target](prompt, response, record, **kwargs)
+        return "ok", function(*args, **kwargs)
     except _Timeout:
-        return "timeout", f"ran past its timeout of {timeout_s} s (reward.timeout_s)"
+        return "timeout", f"ran past its timeout of {timeout_s} s ({setting})"
     except Exception as error:  # noqa: BLE001 - the user's function may raise anything
         return "raised", f"raised {type(error).__name__}: {error}"
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-    return _checked(value)
 
 
 @dataclass

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import inspect
 import json
-import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_rlhf.rewards.functions import import_function
-from megatron_rlhf.rewards.pool import RewardFunctions, _alarm, _excerpt, _Timeout
+from megatron_rlhf.rewards.pool import RewardFunctions, _excerpt, timed_call
 
 TOOL_ON_ERROR = ("observe", "error")
 """``rollout.tool_on_error``: the error becomes the policy's observation, or the run stops."""
@@ -135,17 +134,10 @@ def _tool_call(target: str, arguments: dict[str, Any], record: Mapping[str, Any]
     ``("timeout", why)``."""
     if target not in _imported:
         _imported[target] = import_function(target, "rollout.tools")
-    previous = signal.signal(signal.SIGALRM, _alarm)
-    signal.setitimer(signal.ITIMER_REAL, timeout_s)
-    try:
-        value = _imported[target](arguments, record, **kwargs)
-    except _Timeout:
-        return "timeout", f"ran past its timeout of {timeout_s} s (rollout.tool_timeout_s)"
-    except Exception as error:  # noqa: BLE001 - the user's tool may raise anything
-        return "raised", f"raised {type(error).__name__}: {error}"
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+    status, value = timed_call(_imported[target], (arguments, record), kwargs, timeout_s,
+                               "rollout.tool_timeout_s")
+    if status != "ok":
+        return status, value
     if not isinstance(value, str):
         return "bad", f"returned {type(value).__name__} {value!r:.60}, not a string"
     return "ok", value
