@@ -6,7 +6,9 @@
 and friends are set as torchrun sets them) and may return a picklable value; the list of the
 ranks' values comes back in rank order. Any rank that raises makes the call fail with every failing
 rank's traceback; a rank that is still running at the deadline is killed with all others, and the
-call fails naming the stuck ranks. No process outlives the call.
+call fails naming the stuck ranks. No process outlives the call. A rank killed by a signal
+(a segmentation fault in a native library) is reported with the Python stack of each of its
+threads at the moment it died (:mod:`faulthandler`).
 
 On a machine without CUDA the ranks fork from a server process that has imported torch and
 megatron-core once (multiprocessing's ``forkserver``): a fresh interpreter per rank spent seconds
@@ -17,9 +19,11 @@ explicitly.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -50,7 +54,10 @@ def _context() -> mp.context.BaseContext:
 
 
 def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple,
-           env: dict[str, str], timeout_s: float, backend: str, results: mp.Queue) -> None:
+           env: dict[str, str], timeout_s: float, backend: str, results: mp.Queue,
+           fault_path: str) -> None:
+    fault_log = open(fault_path, "w")  # noqa: SIM115 - open until the process dies
+    faulthandler.enable(file=fault_log, all_threads=True)
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -73,6 +80,13 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
         destroy_distributed()
 
 
+def _fault_report(path: str) -> str:
+    """What :mod:`faulthandler` wrote when the rank died of a signal, or nothing."""
+    with open(path) as log:
+        stacks = log.read().strip()
+    return f"; its threads when it died:\n{stacks}" if stacks else ""
+
+
 def run_on_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (),
                  timeout_s: float = 180.0, env: dict[str, str] | None = None,
                  backend: str = "gloo") -> list[Any]:
@@ -93,11 +107,13 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (),
     ctx = _context()
     results: mp.Queue = ctx.Queue()
     port = free_port()
+    fault_dir = tempfile.TemporaryDirectory(prefix="multirank-faults-")
+    fault_paths = [os.path.join(fault_dir.name, f"rank{rank}.txt") for rank in range(world_size)]
     # Not daemonic: a rank may start worker processes of its own (reward functions' pool), which
     # a daemonic process may not; the ``finally`` below kills every rank either way.
     procs = [
         ctx.Process(target=_child, args=(fn, rank, world_size, port, args, env or {}, timeout_s,
-                                         backend, results), daemon=False)
+                                         backend, results, fault_paths[rank]), daemon=False)
         for rank in range(world_size)
     ]
     for proc in procs:
@@ -120,13 +136,14 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (),
                     dead_silent = [r for r in dead_silent if r not in outcomes]
                     for r in dead_silent:
                         outcomes[r] = ("error", f"process exited with code {procs[r].exitcode} "
-                                                "without reporting")
+                                                f"without reporting{_fault_report(fault_paths[r])}")
     finally:
         for proc in procs:
             proc.join(timeout=5 if len(outcomes) == world_size else 0.1)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        fault_dir.cleanup()
     failures = [f"--- rank {r} ---\n{v}" for r, (s, v) in sorted(outcomes.items()) if s != "ok"]
     stuck = [r for r in range(world_size) if r not in outcomes]
     if stuck:

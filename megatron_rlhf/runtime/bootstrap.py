@@ -2,7 +2,7 @@
 
     initialize_runtime(RuntimeConfig(seed=1234))
 
-sets up rank-aware logging, joins the distributed job (torchrun or a world of one; under torchrun
+sets up rank-aware logging, makes a rank killed by a signal print its Python stacks, joins the distributed job (torchrun or a world of one; under torchrun
 a worker ends itself when its launcher is killed), makes megatron-core usable on a machine without
 CUDA, creates megatron's shared scratch buffer and seeds every host RNG. Models seed their own tensor-parallel RNG streams when they are built, because one
 process may hold several models with different TP layouts. The changes this makes to torch,
@@ -12,6 +12,7 @@ package makes none of them.
 
 from __future__ import annotations
 
+import faulthandler
 from dataclasses import dataclass, field
 
 import torch
@@ -59,9 +60,18 @@ class RuntimeConfig:
                              "positive")
 
 
+def report_fatal_signals() -> None:
+    """Make a fault in native code (SIGSEGV, SIGABRT, SIGBUS...) print every thread's Python
+    stack to stderr before the process dies, so the job's log says where a rank died, not only
+    the launcher's exit code -11. Keeps a handler set before (a test harness's own file)."""
+    if not faulthandler.is_enabled():
+        faulthandler.enable(all_threads=True)
+
+
 def initialize_runtime(config: RuntimeConfig | None = None) -> None:
     """Prepare this process (idempotent apart from reseeding)."""
     config = config or RuntimeConfig()
+    report_fatal_signals()
     check_megatron_core_version()
     add_warning_filters()
     setup_logging(config.log_level, config.log_all_ranks)
