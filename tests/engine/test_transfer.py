@@ -184,13 +184,14 @@ def test_a_stage_longer_than_the_world_timeout_completes_on_the_transfer_channel
     assert len({result["reward_mean"] for result in results}) == 1
 
 
-def _late_sender() -> dict:
+def _late_side(late: str, timeout_s: float, late_s: float) -> dict:
     import time
 
     from megatron_rlhf.engine.execution.transfer import TransferChannels, execute_transfers
 
     rank = dist.get_rank()
-    channels = TransferChannels([([2, 3], [0, 1])], timeout_s=30)
+    # The groups' timeout (NCCL's watchdog) is short; the waits for a peer's readiness are not.
+    channels = TransferChannels([([2, 3], [0, 1])], timeout_s=timeout_s, ready_timeout_s=30)
     posted: list[float] = []
     batch = dist.batch_isend_irecv
 
@@ -201,27 +202,34 @@ def _late_sender() -> dict:
     dist.batch_isend_irecv = timed
     source, target = RowLayout.sharded(4, [[2], [3]]), RowLayout.replicated(4, [0, 1])
     held = source.held_by(rank)
-    if held:
-        time.sleep(2.0)  # the senders' stage: the receivers reach the transfer first
+    if (late == "senders") == bool(held):
+        time.sleep(late_s)  # this side's stage: the other side reaches the transfer first
+    arrived = time.time()
     mine = {"x": torch.arange(8.0).view(4, 2)[held[0]:held[1]]} if held else None
     got = execute_transfers(plan_transfers(source, target), source, target, mine,
                             {"x": (torch.float32, (2,))}, channels)
+    returned = time.time() - arrived
     channels.drain()
     dist.batch_isend_irecv = batch
-    return {"posted": posted[0], "got": None if got is None else got["x"].tolist()}
+    return {"arrived": arrived, "posted": posted[0], "returned_s": returned,
+            "got": None if got is None else got["x"].tolist()}
 
 
 @pytest.mark.multirank
 @pytest.mark.timeout(90)
-def test_receives_are_posted_when_the_senders_are_ready() -> None:
-    """Senders 2 and 3 reach the transfer 2 s after receivers 0 and 1; the receivers post their
-    receives only after both senders have posted their sends (without the handshake, 2 s
-    before)."""
-    results = run_on_ranks(_late_sender, world_size=4, timeout_s=60)
+@pytest.mark.parametrize("late", ["senders", "receivers"])
+def test_neither_side_posts_before_the_other_reaches_the_transfer(late: str) -> None:
+    """Senders 2, 3 and receivers 0, 1: one side reaches the transfer 3 s after the other, on
+    channels whose groups time out after 2 s. Nobody posts before the late side arrives, so the
+    emulated watchdog (2 s from a post) kills no one; senders that posted at once (as they did)
+    were killed while their receivers were late. Senders return at once either way."""
+    results = run_on_ranks(_late_side, world_size=4, args=(late, 2.0, 3.0), timeout_s=60)
     expected = torch.arange(8.0).view(4, 2).tolist()
     assert [result["got"] for result in results] == [expected, expected, None, None]
-    senders_ready = max(results[2]["posted"], results[3]["posted"])
-    assert min(results[0]["posted"], results[1]["posted"]) >= senders_ready - 0.05
+    last = max(result["arrived"] for result in results)
+    assert min(result["posted"] for result in results) >= last - 0.05, results
+    assert max(result["posted"] for result in results) <= last + 1.0, results
+    assert all(result["returned_s"] < 0.5 for result in results[2:]), results
 
 
 def _sender_raises() -> dict:
@@ -255,6 +263,45 @@ def test_a_receiver_stops_soon_when_its_sender_raised_before_the_transfer() -> N
     assert raising["error"] == "ValueError: the reward function cannot grade this row"
     assert waiting["error"].startswith("RankFailure: rank 1 raised ValueError: the reward "
                                        "function cannot grade this row"), waiting["error"]
+    assert waiting["seconds"] < 10
+
+
+def _receiver_raises() -> dict:
+    import time
+
+    from megatron_rlhf.engine.execution.transfer import TransferChannels, execute_transfers
+    from megatron_rlhf.runtime.faults import FaultConfig, install_fault_tracker
+
+    tracker = install_fault_tracker(FaultConfig(grace_s=0.5), timeout_s=30)
+    channels = TransferChannels([([0], [1])], timeout_s=60, stopped=tracker.stopped_ranks,
+                                poll_s=0.2)
+    source, target = RowLayout.replicated(2, [0]), RowLayout.replicated(2, [1])
+    start = time.monotonic()
+    try:
+        with tracker.stage("experience/transfer"):
+            if dist.get_rank() == 1:  # not rank 0, which hosts the store
+                raise ValueError("the trainer ran out of memory")
+            execute_transfers(plan_transfers(source, target), source, target,
+                              {"x": torch.ones(2, 2)}, {"x": (torch.float32, (2,))}, channels)
+            channels.drain()
+    except Exception as error:  # noqa: BLE001 - what each rank stopped with is the result
+        seconds = time.monotonic() - start
+        if dist.get_rank() == 1:
+            time.sleep(12)  # alive (its connections open) until the launcher would stop it
+        return {"error": f"{type(error).__name__}: {error}", "seconds": seconds}
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(90)
+def test_a_sender_stops_soon_when_its_receiver_raised_before_the_transfer() -> None:
+    """The sender's batch waits for a receiver that will never post: it stops on the fault
+    records within seconds. A send posted at once waited for the receiver's end (12 s later
+    here) or the group's timeout (60 s)."""
+    waiting, raising = run_on_ranks(_receiver_raises, world_size=2, timeout_s=60)
+    assert raising["error"] == "ValueError: the trainer ran out of memory"
+    assert waiting["error"].startswith("RankFailure: rank 1 raised ValueError: the trainer "
+                                       "ran out of memory"), waiting["error"]
     assert waiting["seconds"] < 10
 
 

@@ -11,6 +11,9 @@ so no metadata is exchanged) and executed with batched asynchronous point-to-poi
 
 from __future__ import annotations
 
+import contextlib
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -121,6 +124,18 @@ def _sort_key(key: ChannelKey) -> tuple:
     return tuple(sorted(tuple(sorted(ranks)) for ranks in key))
 
 
+@dataclass
+class _DeferredSends:
+    """A batch of a rank that only sends, left to the channels' thread until its receivers post."""
+
+    key: ChannelKey
+    posting: list[str]
+    receivers: list[int]
+    ops: list[dist.P2POp]
+    tensors: list[torch.Tensor]
+    produced: torch.cuda.Event | None
+
+
 class TransferChannels:
     """One process group per pair of rank sets that exchange batch rows.
 
@@ -131,34 +146,42 @@ class TransferChannels:
     On a pair's own group a send may stay in flight while its rank computes (the pipelined stages
     hide transfers that way): a later transfer on the pair only forgets the batches that have
     completed, and :meth:`drain` (the end of a step) waits for the rest.
-    The groups have their own timeout: a receiver may wait through a whole stage (generation,
-    scoring) that outlasts the world's collective timeout.
+    The groups have their own timeout: a transfer may wait through a whole stage of its peer
+    (generation, scoring, training) that outlasts the world's collective timeout.
 
-    Receives are posted only when their sender is ready: a sender writes one key per receiver
-    into the job's store before it posts its sends, and a receiver waits for its senders' keys
-    (up to ``timeout_s``) before it posts its receives. So the backend's operations (and NCCL's
-    watchdog, which counts from their enqueueing) cover the data movement, not the sender's
-    whole stage; the wait itself is a store read. A store wait does not end when a sender dies, so
-    the receiver looks every ``poll_s`` whether its senders have stopped (``stopped``, the run's
-    fault records) and then raises :class:`~megatron_rlhf.runtime.faults.PeerStopped`.
+    Neither side posts before the other is ready, so the backend's operations (and NCCL's
+    watchdog, which counts from their enqueueing) cover the data movement, not a peer's stage:
+    a sender writes one key per receiver into the job's store when its rows are ready; a receiver
+    waits for its senders' keys, writes one key per sender saying it posts its receives, and
+    posts them; a sender posts its sends once its receivers' keys are there. A rank that
+    receives waits for those keys itself. A rank that only sends goes on computing: its batch
+    waits in the channels' thread, which posts the batches in their order once their receivers
+    are ready and keeps them in flight; a batch this rank then posts itself on the same channel
+    waits until its earlier ones are posted (operations on a communicator keep one order on
+    every rank). Each wait is a store read of at most ``ready_timeout_s``. A store wait does not
+    end when a peer dies, so the waiting side looks every ``poll_s`` whether its peers have
+    stopped (``stopped``, the run's fault records) and then raises
+    :class:`~megatron_rlhf.runtime.faults.PeerStopped`; what the thread raises is raised at this
+    rank's next transfer on the channels or :meth:`drain`.
 
     Building is collective: every rank creates every group, in the same order.
 
     Args:
         pairs: the rank sets that exchange rows, as (one side, other side).
-        timeout_s: the groups' timeout and the longest wait for a sender
-            (``runtime.transfer_timeout_s``).
+        timeout_s: the groups' timeout (``runtime.transfer_timeout_s``).
         store: the job's key-value store for the handshakes (default: the default group's).
-        stopped: which of the given ranks have stopped (raised, failed or gone); None: a
-            receiver waits for its senders up to ``timeout_s`` whatever became of them.
-        poll_s: how often a waiting receiver asks ``stopped``.
+        stopped: which of the given ranks have stopped (raised, failed or gone); None: a rank
+            waits for its peers up to ``ready_timeout_s`` whatever became of them.
+        poll_s: how often a waiting rank asks ``stopped``.
+        ready_timeout_s: the longest wait for a peer to be ready (default ``timeout_s``).
     """
 
     def __init__(self, pairs: Iterable[tuple[Iterable[int], Iterable[int]]],
                  timeout_s: float, store: dist.Store | None = None,
                  stopped: Callable[[Iterable[int]], list[int]] | None = None,
-                 poll_s: float = 1.0) -> None:
+                 poll_s: float = 1.0, ready_timeout_s: float | None = None) -> None:
         self.timeout_s = timeout_s
+        self.ready_timeout_s = timeout_s if ready_timeout_s is None else ready_timeout_s
         self.store = store if store is not None else default_group_store()
         self.stopped = stopped
         self.poll_s = poll_s
@@ -169,46 +192,130 @@ class TransferChannels:
                 ranks, timeout_s, f"transfer_{'_'.join(map(str, ranks))}")
         self._pending: dict[ChannelKey, list] = {key: [] for key in self._groups}
         self._transfers: dict[ChannelKey, int] = {key: 0 for key in self._groups}
+        self._unposted: dict[ChannelKey, int] = {key: 0 for key in self._groups}
+        self._posted = threading.Condition()
+        self._deferred: queue.SimpleQueue[_DeferredSends] = queue.SimpleQueue()
+        self._poster: threading.Thread | None = None
+        self._failure: BaseException | None = None
 
     def handshake(self, key: ChannelKey, rank: int, receivers: Iterable[int],
-                  senders: Iterable[int]) -> None:
-        """Tell ``receivers`` that this rank's rows of the channel's next transfer are ready,
-        then wait until ``senders`` have said so for this rank; every rank of the channel calls
-        it once per transfer, before posting its operations.
+                  senders: Iterable[int]) -> list[str]:
+        """Say this rank's rows of the channel's next transfer are ready to ``receivers``, wait
+        until ``senders`` have said so, then tell ``senders`` this rank posts its receives.
+
+        Every rank of the channel calls it once per transfer, before posting its operations.
+
+        Returns:
+            The keys by which ``receivers`` say they post their receives: this rank's sends
+            wait for them (:meth:`wait_for_receivers` or :meth:`post_when_received`).
 
         Raises:
-            torch.distributed.DistStoreError: a sender was not ready within ``timeout_s``.
+            torch.distributed.DistStoreError: a sender was not ready within ``ready_timeout_s``.
             PeerStopped: a sender stopped before it was ready.
         """
         count = self._transfers[key] = self._transfers[key] + 1
         channel = list(self._groups).index(key)
-        name = f"megatron_rlhf/transfer/{channel}/{count}/{{}}-{{}}".format
+        name = f"megatron_rlhf/transfer/{channel}/{count}/{{}}/{{}}-{{}}".format
+        receivers, senders = sorted(receivers), sorted(senders)
         for receiver in receivers:
-            self.store.set(name(rank, receiver), b"1")
-        senders = list(senders)
-        ready = [name(sender, rank) for sender in senders]
-        if not ready:
+            self.store.set(name("ready", rank, receiver), b"1")
+        self._await([name("ready", sender, rank) for sender in senders], senders,
+                    "their rows of this transfer were ready",
+                    "have their rows of this transfer ready")
+        for sender in senders:
+            self.store.set(name("posting", rank, sender), b"1")
+        return [name("posting", receiver, rank) for receiver in receivers]
+
+    def _await(self, keys: list[str], peers: list[int], before: str, within: str) -> None:
+        """Wait until every key is in the store, then delete them."""
+        if not keys:
             return
         start = looked = time.monotonic()
         pause = 0.001
         # check() rather than a wait with a timeout: every timed-out wait makes c10d print a
-        # "waitForInput ... timed out" warning, one a second while a sender computes
-        while not self.store.check(ready):
+        # "waitForInput ... timed out" warning, one a second while a peer computes
+        while not self.store.check(keys):
             now = time.monotonic()
             if now - looked >= self.poll_s:
                 looked = now
-                stopped = self.stopped(senders) if self.stopped is not None else []
+                stopped = self.stopped(peers) if self.stopped is not None else []
                 if stopped:
-                    raise PeerStopped(f"ranks {stopped} stopped before their rows of this "
-                                      "transfer were ready")
-            if now - start >= self.timeout_s:
+                    raise PeerStopped(f"ranks {stopped} stopped before {before}")
+            if now - start >= self.ready_timeout_s:
                 raise dist.DistStoreError(
-                    f"ranks {senders} did not have their rows of this transfer ready within "
-                    f"runtime.transfer_timeout_s={self.timeout_s:g} s")
+                    f"ranks {peers} did not {within} within "
+                    f"runtime.transfer_timeout_s={self.ready_timeout_s:g} s")
             time.sleep(pause)
             pause = min(2 * pause, 0.05)
-        for done in ready:
-            self.store.delete_key(done)
+        for key in keys:
+            self.store.delete_key(key)
+
+    def wait_for_receivers(self, key: ChannelKey, posting: list[str],
+                           receivers: list[int]) -> None:
+        """Before this rank posts a batch that receives: its earlier batches on the channel are
+        posted, and ``receivers`` (``posting``, from :meth:`handshake`) post theirs.
+
+        Raises:
+            torch.distributed.DistStoreError: a receiver did not post within
+                ``ready_timeout_s``.
+            PeerStopped: a receiver stopped first.
+        """
+        with self._posted:
+            self._posted.wait_for(lambda: self._failure is not None or not self._unposted[key])
+            self._raise_failure()
+        self._await(posting, receivers, "they posted their receives of this transfer",
+                    "post their receives of this transfer")
+
+    def post_when_received(self, key: ChannelKey, ops: list[dist.P2POp],
+                           tensors: list[torch.Tensor], posting: list[str],
+                           receivers: list[int]) -> None:
+        """Leave a batch of sends (reading ``tensors``) to the channels' thread: it posts the
+        batch once ``receivers`` post theirs (``posting``, from :meth:`handshake`) and keeps it
+        in flight until the channel is drained. Returns at once."""
+        self._raise_failure()
+        produced = None
+        if tensors[0].is_cuda:  # the thread's stream waits for what made the tensors
+            produced = torch.cuda.Event()
+            produced.record(torch.cuda.current_stream(tensors[0].device))
+        with self._posted:
+            self._unposted[key] += 1
+        self._deferred.put(_DeferredSends(key, posting, receivers, ops, tensors, produced))
+        if self._poster is None:
+            self._poster = threading.Thread(target=self._post_deferred, name="transfer-sends",
+                                            daemon=True)
+            self._poster.start()
+
+    def _post_deferred(self) -> None:
+        stream: torch.cuda.Stream | None = None
+        while True:
+            batch = self._deferred.get()
+            try:
+                self._await(batch.posting, batch.receivers,
+                            "they posted their receives of this transfer",
+                            "post their receives of this transfer")
+                posting = contextlib.nullcontext()
+                if batch.produced is not None:
+                    device = batch.tensors[0].device
+                    if stream is None:
+                        torch.cuda.set_device(device)
+                        stream = torch.cuda.Stream(device)
+                    stream.wait_event(batch.produced)
+                    posting = torch.cuda.stream(stream)
+                with posting:
+                    requests = dist.batch_isend_irecv(batch.ops)
+            except BaseException as error:  # noqa: BLE001 - raised on the compute thread
+                with self._posted:
+                    self._failure = error
+                    self._posted.notify_all()
+                return
+            with self._posted:
+                self._pending[batch.key].extend((request, batch.tensors) for request in requests)
+                self._unposted[batch.key] -= 1
+                self._posted.notify_all()
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
 
     @property
     def keys(self) -> list[ChannelKey]:
@@ -227,31 +334,36 @@ class TransferChannels:
                            "between a pair it did not list when it built its channels")
         return self._groups[key]
 
-    def keep_in_flight(self, key: ChannelKey, request: dist.Work,
-                       tensors: list[torch.Tensor]) -> None:
-        """Hold a batch of sends' handle (and the tensors it reads) until the channel is
-        drained."""
-        self._pending[key].append((request, tensors))
-
     def release_completed(self, key: ChannelKey) -> None:
         """Forget this rank's batches of sends on ``key``'s channel that have completed, without
         waiting for the others: under NCCL a wait would make the compute stream wait for a
         receiver that may still be training, and sends on one communicator stay in order
-        anyway."""
-        self._pending[key] = [(request, tensors) for request, tensors in self._pending[key]
-                              if not request.is_completed()]
+        anyway. Raises what failed a batch left to the channels' thread."""
+        with self._posted:
+            self._raise_failure()
+            self._pending[key] = [(request, tensors) for request, tensors in self._pending[key]
+                                  if not request.is_completed()]
 
     def drain(self) -> None:
-        """Wait for this rank's sends in flight on every channel (the end of a step)."""
-        for pending in self._pending.values():
-            for request, _ in pending:
-                request.wait()
-            pending.clear()
+        """Wait for this rank's sends on every channel, posted or still waiting for their
+        receivers (the end of a step)."""
+        with self._posted:
+            self._posted.wait_for(lambda: self._failure is not None
+                                  or not any(self._unposted.values()))
+            self._raise_failure()
+            batches = [batch for pending in self._pending.values() for batch in pending]
+            for pending in self._pending.values():
+                pending.clear()
+        for request, _ in batches:
+            request.wait()
 
     @property
     def in_flight(self) -> int:
-        """This rank's batches of sends not yet drained, over all channels."""
-        return sum(len(pending) for pending in self._pending.values())
+        """This rank's batches of sends not yet drained, over all channels (posted or
+        waiting for their receivers)."""
+        with self._posted:
+            return (sum(len(pending) for pending in self._pending.values())
+                    + sum(self._unposted.values()))
 
 
 def execute_transfers(plan: list[Transfer], source: RowLayout, target: RowLayout,
@@ -269,11 +381,13 @@ def execute_transfers(plan: list[Transfer], source: RowLayout, target: RowLayout
         plan: from :func:`plan_transfers` for ``source`` and ``target``.
         fields: this rank's rows of each field (``source.held_by(rank)`` rows), or None.
         schema: every field's dtype and per-row shape, known to all ranks.
-        channels: if given, the transfer runs on the channel of the two layouts' rank sets, once
-            its senders are ready (the channel's handshake), and a rank that only sends leaves its sends in flight there (it goes on
-            computing; ``channels.drain`` waits for them). Without it, on the world group, and
-            every operation completes before returning. A rank that receives waits for its whole
-            batch, sends included (under NCCL one work covers the batch).
+        channels: if given, the transfer runs on the channel of the two layouts' rank sets,
+            each side posting once the other is ready (the channel's handshake), and a rank
+            that only sends returns at once: the channel posts its sends when the receivers
+            post theirs and keeps them in flight (``channels.drain`` waits for them). Without
+            it, on the world group, and every operation completes before returning. A rank that
+            receives waits for its whole batch, sends included (under NCCL one work covers the
+            batch).
 
     Returns:
         This rank's rows of every field under ``target``, or None if it needs none.
@@ -281,11 +395,13 @@ def execute_transfers(plan: list[Transfer], source: RowLayout, target: RowLayout
     key = channel_key(source.rows, target.rows)
     group = dist.group.WORLD
     rank = dist.get_rank()
+    receivers = sorted({t.dst for t in plan if t.src == rank != t.dst})
+    posting: list[str] = []
     if channels is not None:
         group = channels.group(key)
         channels.release_completed(key)
-        channels.handshake(key, rank, {t.dst for t in plan if t.src == rank != t.dst},
-                           {t.src for t in plan if t.dst == rank != t.src})
+        posting = channels.handshake(key, rank, receivers,
+                                     {t.src for t in plan if t.dst == rank != t.src})
     device = comm_device()
     mine_src, mine_dst = source.held_by(rank), target.held_by(rank)
     outputs: dict[str, torch.Tensor] | None = None
@@ -309,15 +425,16 @@ def execute_transfers(plan: list[Transfer], source: RowLayout, target: RowLayout
             for name in schema:
                 view = outputs[name][transfer.start - mine_dst[0]:transfer.end - mine_dst[0]]
                 ops.append(dist.P2POp(dist.irecv, view, transfer.src, group=group))
-    if ops:
-        # NCCL answers a batch with ONE work that covers all of it (gloo with one per op): a
-        # rank that receives waits for the whole batch, its own sends included; a rank that only
-        # sends may leave the batch in flight on its channel.
-        requests = dist.batch_isend_irecv(ops)
-        if channels is not None and not any(op.op is dist.irecv for op in ops):
-            for request in requests:
-                channels.keep_in_flight(key, request, sends)
-        else:
-            for request in requests:
-                request.wait()
+    if not ops:
+        return outputs
+    # NCCL answers a batch with ONE work that covers all of it (gloo with one per op): a rank
+    # that receives waits for the whole batch, its own sends included; a rank that only sends
+    # leaves the batch to its channel, which posts it once the receivers post theirs.
+    if channels is not None and not any(op.op is dist.irecv for op in ops):
+        channels.post_when_received(key, ops, sends, posting, receivers)
+        return outputs
+    if channels is not None:
+        channels.wait_for_receivers(key, posting, receivers)
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
     return outputs
