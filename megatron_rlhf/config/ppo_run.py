@@ -712,6 +712,11 @@ class RunConfig:
         self._check_fsdp()
         self._check_optimizer_sharding()
         self._check_router_replay()
+        self.models.moe.check_expert_parallel(
+            {role: o.ep for role, o in self.placement.parallel.items() if o.ep},
+            tuple(role for role in TRAINABLE_ROLES if self.optimizer(role).fsdp),
+            multi_turn=bool(self.rollout.tools or self.rollout.environment)
+            and self.rollout.max_turns > 1)
         if self.reward.overlong_buffer > self.generation.max_new_tokens:
             raise ValueError(
                 f"reward.overlong_buffer={self.reward.overlong_buffer} exceeds "

@@ -10,6 +10,8 @@ Map of the files (details in docs/generation.md):
 - ``decode_step.py``: ``SlotDecoder``, the decode step of fixed shape over slots (buffers
   allocated once per bucket, updated in place), and ``DecodeGraph``, its CUDA graph.
 - ``continuous.py``: continuous batching inside one call (finished slots take waiting prompts).
+- ``lockstep.py``: ``ExpertLockstep``, the ranks of an MoE model's expert-parallel group at equal
+  forward counts (idle forwards where a rank has nothing left to decode).
 - ``output.py``: ``GenerationOutput`` and the ``MicroBatchWork`` a call ran.
 - ``generate.py``: ``generate_sequences``, with the static loop (``batching=static``) as the
   reference.

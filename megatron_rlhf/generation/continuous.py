@@ -28,6 +28,7 @@ from megatron_rlhf.generation.decode_step import (
     graphs_enabled,
     length_bucket,
 )
+from megatron_rlhf.generation.lockstep import ExpertLockstep
 from megatron_rlhf.generation.output import GenerationOutput, MicroBatchWork
 from megatron_rlhf.generation.params import GenerationConfig
 from megatron_rlhf.generation.sampling import prompt_noise_keys
@@ -37,7 +38,8 @@ def generate_continuous(model: torch.nn.Module, decode_model: torch.nn.Module | 
                         prompts: Sequence[Sequence[int]], prompt_indices: Sequence[int],
                         budgets: Sequence[int], config: GenerationConfig,
                         eos_id: int | Sequence[int] | None, pad_id: int, vocab_size: int,
-                        on_cache: Callable[[int], None] | None) -> GenerationOutput:
+                        on_cache: Callable[[int], None] | None,
+                        lockstep: ExpertLockstep | None = None) -> GenerationOutput:
     """Generate one response per prompt with continuous batching (module docstring).
 
     Args:
@@ -50,6 +52,9 @@ def generate_continuous(model: torch.nn.Module, decode_model: torch.nn.Module | 
         vocab_size: logits columns at or past it are dropped.
         on_cache: called once with the bytes of the KV cache (its largest, before the slots
             shrank).
+        lockstep: an MoE model's expert-parallel group (``ep > 1``): every prefill and decode
+            step is a forward on each of its ranks, idle where this rank has none to run, and
+            the ranks stop together (:mod:`megatron_rlhf.generation.lockstep`).
     """
     device = next(model.parameters()).device
     greedy_every = config.greedy_every if not config.greedy else 0
@@ -68,12 +73,23 @@ def generate_continuous(model: torch.nn.Module, decode_model: torch.nn.Module | 
         occupant: list[int | None] = [None] * slots
         graph = None
         # with graphs, each slot count is a capture; below the floor a step costs about the same
-        floor = GRAPH_MIN_SLOTS if graphs_enabled(config, device) else 1
+        # (a graph's capture runs extra forwards: none under an expert-parallel lockstep)
+        floor = GRAPH_MIN_SLOTS if graphs_enabled(config, device) and lockstep is None else 1
         decode_calls = attended = 0  # steps and attended positions at the current slot count
         cache_bytes = 0
+        finished = False  # every prompt of this rank done (others of a lockstep may not be)
         while True:
             free = [s for s, prompt in enumerate(occupant) if prompt is None][:len(waiting)]
             entering = [waiting.popleft() for _ in free]
+            prefills = lockstep.most(int(bool(entering))) if lockstep is not None else 0
+            if not entering and prefills:
+                lockstep.idle_forward()  # another rank of the expert-parallel group prefills
+            if finished:
+                for _ in range(config.stop_check_interval):
+                    lockstep.idle_forward()
+                if lockstep.all_done(True):
+                    break
+                continue
             if entering:
                 decoder.prefill(free, [
                     SlotPrompt(prompts[i], keys[i], budgets[i],
@@ -96,8 +112,11 @@ def generate_continuous(model: torch.nn.Module, decode_model: torch.nn.Module | 
                 if prompt is not None and not active[slot]:
                     responses[prompt] = _take(decoder, slot, steps[slot])
                     occupant[slot] = None
-            if not waiting and all(prompt is None for prompt in occupant):
+            finished = not waiting and all(prompt is None for prompt in occupant)
+            if lockstep.all_done(finished) if lockstep is not None else finished:
                 break
+            if finished:
+                continue
             fewer = _fewer_slots(occupant, config.micro_batch_size, floor) if not waiting else None
             if fewer is not None:
                 work.append(_decode_work(slots, decode_calls, decoder, attended))
@@ -109,6 +128,8 @@ def generate_continuous(model: torch.nn.Module, decode_model: torch.nn.Module | 
         work.append(_decode_work(slots, decode_calls, decoder, attended))
         if on_cache is not None:  # the largest cache of the call: before the slots shrank
             on_cache(max(cache_bytes, decoder.cache_bytes()))
+    elif lockstep is not None:  # nothing to decode here, while the group's others may
+        lockstep.idle_rounds(config.stop_check_interval)
     return _assemble(prompts, responses, pad_id, device, tuple(work))
 
 

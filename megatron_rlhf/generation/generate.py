@@ -34,6 +34,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_rlhf.generation.continuous import generate_continuous
 from megatron_rlhf.generation.forward import CachedNextTokenLogits, RecomputeNextTokenLogits
+from megatron_rlhf.generation.lockstep import ExpertLockstep
 from megatron_rlhf.generation.output import GenerationOutput, MicroBatchWork, concat_outputs
 from megatron_rlhf.generation.params import GenerationConfig
 from megatron_rlhf.generation.sampling import (
@@ -187,17 +188,23 @@ def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollec
     model.eval()
     try:
         with torch.no_grad(), cuda_redirect_suspended():
+            lockstep = ExpertLockstep.of(model, pg_collection, pad_id)
             if config.continuous:
                 _check_slot_attention(core)
                 budgets = [min(config.max_new_tokens, seq_length - len(p)) for p in prompts]
                 return generate_continuous(model, _decode_model(model, config), prompts,
                                            prompt_indices, budgets, config, eos_id, pad_id,
-                                           vocab_size, on_cache)
+                                           vocab_size, on_cache, lockstep)
+            starts = range(0, len(prompts), size)
+            idle = lockstep.most(len(starts)) - len(starts) if lockstep else 0
             outputs = [
                 _generate_micro_batch(model, pg_collection, prompts[i:i + size],
                                       prompt_indices[i:i + size], config, eos_id, pad_id,
-                                      vocab_size, seq_length, has_value_channel, on_cache)
-                for i in range(0, len(prompts), size)]
+                                      vocab_size, seq_length, has_value_channel, on_cache,
+                                      lockstep)
+                for i in starts]
+            for _ in range(idle):  # the other ranks of the expert-parallel group decode more
+                lockstep.idle_decode(config.stop_check_interval)
     finally:
         model.train(was_training)
     return outputs[0] if len(outputs) == 1 else concat_outputs(outputs, pad_id)
@@ -208,7 +215,8 @@ def _generate_micro_batch(model: torch.nn.Module, pg_collection: ProcessGroupCol
                           config: GenerationConfig, eos_id: int | Sequence[int] | None,
                           pad_id: int, vocab_size: int, seq_length: int,
                           has_value_channel: bool,
-                          on_cache: Callable[[int], None] | None) -> GenerationOutput:
+                          on_cache: Callable[[int], None] | None,
+                          lockstep: ExpertLockstep | None = None) -> GenerationOutput:
     device = next(model.parameters()).device
     input_ids, attention_mask = left_pad(prompts, pad_id, device)
     budget_list = [min(config.max_new_tokens, seq_length - len(p)) for p in prompts]
@@ -221,7 +229,8 @@ def _generate_micro_batch(model: torch.nn.Module, pg_collection: ProcessGroupCol
         next_logits = RecomputeNextTokenLogits(model, pg_collection, vocab_size, has_value_channel)
     noise_keys = prompt_noise_keys(config.seed, prompt_indices, device)
     output = _decode_loop(next_logits, input_ids, attention_mask, budgets, max_new, noise_keys,
-                          greedy_row_mask(prompt_indices, config, device), config, eos_id, pad_id)
+                          greedy_row_mask(prompt_indices, config, device), config, eos_id, pad_id,
+                          lockstep)
     if on_cache is not None and config.use_kv_cache:
         on_cache(next_logits.cache_bytes())
     return output
@@ -230,13 +239,18 @@ def _generate_micro_batch(model: torch.nn.Module, pg_collection: ProcessGroupCol
 def _decode_loop(next_logits: CachedNextTokenLogits | RecomputeNextTokenLogits,
                  prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, budgets: torch.Tensor,
                  max_new: int, noise_keys: torch.Tensor, greedy_rows: torch.Tensor | None,
-                 config: GenerationConfig, eos_id: int | Sequence[int] | None, pad_id: int) -> GenerationOutput:
+                 config: GenerationConfig, eos_id: int | Sequence[int] | None, pad_id: int,
+                 lockstep: ExpertLockstep | None = None) -> GenerationOutput:
     """Sample up to ``max_new`` tokens per row and assemble the output.
 
     Shapes stay fixed: the sequence buffers are allocated once at their final width and the
     model reads growing views of them. The host learns whether every row has stopped only every
     ``config.stop_check_interval`` tokens (one device sync each), so a GPU is not stalled per
     token; steps run after the last row stopped write padding and are cut off at the end.
+
+    With ``lockstep`` (an MoE model with ``ep > 1``) the ranks of the expert-parallel group loop
+    as far as the longest of them and stop together; a rank whose rows have all stopped runs
+    idle forwards meanwhile (:mod:`megatron_rlhf.generation.lockstep`).
     """
     b, prompt_width = prompt_ids.shape
     device = prompt_ids.device
@@ -252,9 +266,17 @@ def _decode_loop(next_logits: CachedNextTokenLogits | RecomputeNextTokenLogits,
     stopped = budgets <= 0
     uniforms = uniforms_for_steps(noise_keys, max_new)
     forwards = 0
-    for step in range(max_new):
-        if step % config.stop_check_interval == 0 and bool(stopped.all()):
-            break
+    for step in range(lockstep.most(max_new) if lockstep else max_new):
+        if lockstep is None:
+            if step % config.stop_check_interval == 0 and bool(stopped.all()):
+                break
+        else:
+            done = bool(stopped.all())  # past this rank's own max_new every row has stopped
+            if step % config.stop_check_interval == 0 and lockstep.all_done(done):
+                break
+            if done:
+                lockstep.idle_forward()
+                continue
         forwards += 1
         end = prompt_width + step
         logits = next_logits(input_ids[:, :end], attention_mask[:, :end])

@@ -98,6 +98,43 @@ class MoEConfig:
         """Whether the model has MoE layers."""
         return self.num_experts > 0
 
+    def check_expert_parallel(self, eps: dict[str, int], fsdp_roles: tuple[str, ...] = (),
+                              multi_turn: bool = False) -> None:
+        """Refuse expert-parallel sizes this model cannot take.
+
+        Args:
+            eps: ``placement.parallel.<role>.ep`` of each role that sets it.
+            fsdp_roles: the trained roles under Megatron-FSDP (``<role>_optimizer.fsdp``).
+            multi_turn: rollouts are episodes of several replies (``rollout.max_turns > 1``
+                with tools or an environment), a generation call per turn while any episode of
+                the rank goes on.
+
+        Raises:
+            ValueError: ``ep > 1`` for a dense model, ``ep`` not dividing ``num_experts``, for
+                a model trained under Megatron-FSDP, or for the policy of multi-turn episodes.
+        """
+        for role, ep in sorted(eps.items()):
+            if ep == 1:
+                continue
+            field_ = f"placement.parallel.{role}.ep={ep}"
+            if not self.enabled:
+                raise ValueError(f"{field_} splits experts, but the models are dense "
+                                 "(models.moe.num_experts=0): set models.moe.num_experts or drop "
+                                 "the ep")
+            if self.num_experts % ep:
+                divisors = [d for d in range(1, self.num_experts + 1) if self.num_experts % d == 0]
+                raise ValueError(f"{field_} does not divide models.moe.num_experts="
+                                 f"{self.num_experts}: choose ep in {divisors}")
+            if multi_turn and role in ("actor", "shadow_actor"):
+                raise ValueError(f"{field_} with multi-turn episodes (rollout.max_turns > 1): "
+                                 "each rank decodes a turn while its own episodes go on, so the "
+                                 "expert-parallel ranks would run different numbers of forwards; "
+                                 "set the policy's ep to 1 or rollout.max_turns=1")
+            if role in fsdp_roles:
+                raise ValueError(f"{field_} with {role}_optimizer.fsdp=true: expert parallelism "
+                                 f"runs under megatron's DDP here; set {role}_optimizer.fsdp=false "
+                                 "or ep=1")
+
 
 def moe_transformer_fields(moe: MoEConfig | None, ffn_hidden_size: int, ep_size: int,
                            tp_size: int) -> dict[str, Any]:

@@ -7,7 +7,9 @@
 Every rank must call ``build_process_groups`` with the same plan, in the same order relative to
 other group creation: ``torch.distributed.new_group`` is collective over the default group. Each
 model's sub-grid is Megatron's ``HyperCommGrid([tp, 1, dp, pp], ["tp", "cp", "dp", "pp"],
-rank_offset)``; no model relies on Megatron's global parallel state.
+rank_offset)``; a mixture-of-experts model with ``ep > 1`` also gets megatron's expert groups
+(``ep``, ``expt_dp``, ``tp_ep``, ``tp_ep_pp``: ``topology.experts``). No model relies on
+Megatron's global parallel state.
 
 Groups with identical membership are created once and shared, within a model (with cp = 1 the
 ``dp_cp`` group is the ``dp`` group) and across models (under flattening, actor and critic with
@@ -26,6 +28,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.runtime.nccl_semantics import supports_split_group
+from megatron_rlhf.topology.experts import expert_rank_enums
 from megatron_rlhf.topology.grid import DIM_NAMES
 from megatron_rlhf.topology.models import ModelSpec
 from megatron_rlhf.topology.plan import ModelPlacement, PlacementPlan
@@ -183,16 +186,21 @@ def _model_groups(model: ModelPlacement, factory: _GroupFactory
     }
     pg["embd"] = factory.mine(model.embedding_ranks(), f"{model.role}_embd")
     pg["pos_embd"] = factory.mine(model.position_embedding_ranks(), f"{model.role}_pos_embd")
+    alone = pg["cp"]  # cp = 1: the group of this rank alone
+    # A dense model (or ep = 1) is a single expert: expert parallelism of size 1 over the dense
+    # layout. With ep > 1 the experts follow megatron's expert grid (``topology.experts``).
+    expert = {"ep": alone, "tp_ep": pg["tp"], "tp_ep_pp": pg["mp"], "expt_dp": pg["dp"]}
+    if model.spec.ep > 1:
+        enums = expert_rank_enums(model.rank_offset, model.tp, model.dp, model.pp, model.spec.ep)
+        expert = {name: factory.mine(enums[name], f"{model.role}_{name}") for name in expert}
     if not model.holds(factory.rank):
         return None, None
-    alone = pg["cp"]  # cp = 1: the group of this rank alone
     collection = ProcessGroupCollection(
         tp=pg["tp"], pp=pg["pp"], mp=pg["mp"], cp=alone, tp_cp=pg["tp"],
         embd=pg["embd"], pos_embd=pg["pos_embd"],
         dp=pg["dp"], dp_cp=pg["dp"], intra_dp_cp=pg["dp"], tp_dp_cp=pg["tp_dp_cp"],
-        # A dense model is a single expert: expert parallelism of size 1 over the dense layout.
-        ep=alone, expt_tp=pg["tp"], tp_ep=pg["tp"], tp_ep_pp=pg["mp"],
-        expt_dp=pg["dp"], intra_expt_dp=pg["dp"],
+        ep=expert["ep"], expt_tp=pg["tp"], tp_ep=expert["tp_ep"], tp_ep_pp=expert["tp_ep_pp"],
+        expt_dp=expert["expt_dp"], intra_expt_dp=expert["expt_dp"],
         # One distributed-optimizer instance spanning the whole model.
         inter_dist_opt=None, intra_dist_opt=pg["world"],
     )

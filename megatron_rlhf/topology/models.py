@@ -183,6 +183,8 @@ class ModelSpec:
         distributed_optimizer: shard the optimizer state over DP (Megatron's distributed
             optimizer, ZeRO-1 style); only meaningful when trainable.
         bytes_per_param: bytes of one weight (2 for bf16).
+        ep: expert-parallel size of a mixture-of-experts model (1 for a dense one): groups of
+            ``ep`` data-parallel ranks split the experts (``topology.experts``); must divide DP.
     """
 
     role: str
@@ -192,11 +194,12 @@ class ModelSpec:
     pp: int = 1
     distributed_optimizer: bool = True
     bytes_per_param: int = 2
+    ep: int = 1
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"model role {self.role!r} is unknown: choose one of {ROLES}")
-        for name in ("tp", "pp", "bytes_per_param"):
+        for name in ("tp", "pp", "bytes_per_param", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{self.role}.{name}={value!r} must be an integer >= 1")
@@ -260,7 +263,7 @@ class ModelSpec:
         return {
             "role": self.role, "arch": self.arch.name, "trainable": self.trainable,
             "tp": self.tp, "pp": self.pp, "distributed_optimizer": self.distributed_optimizer,
-            "num_params": self.num_params(),
+            "num_params": self.num_params(), **({"ep": self.ep} if self.ep > 1 else {}),
         }
 
 

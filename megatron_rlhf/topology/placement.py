@@ -126,7 +126,8 @@ def resolve_models(config: PlacementConfig,
     """Build the ``ModelSpec`` of every role the strategy places.
 
     Parallelism comes from ``config.parallel[role]`` where given, else from ``config.tp`` and
-    ``config.pp`` (shadows default to ``pp=1``). Actor and critic are trainable.
+    ``config.pp`` (shadows default to ``pp=1``; ``ep`` defaults to 1). Actor and critic are
+    trainable.
 
     Raises:
         ValueError: a needed architecture is missing, or a spec is invalid (e.g. heads not
@@ -147,7 +148,8 @@ def resolve_models(config: PlacementConfig,
                     else config.distributed_optimizer)
         specs[role] = ModelSpec(role, archs[SHADOW_OF.get(role, role)],
                                 trainable=role in TRAINABLE_ROLES, tp=tp, pp=pp,
-                                distributed_optimizer=dist_opt)
+                                distributed_optimizer=dist_opt,
+                                ep=override.ep if override and override.ep else 1)
     return specs
 
 

@@ -58,11 +58,16 @@ class ParallelOverride:
         tp: tensor-parallel size, or None for the default.
         pp: pipeline-parallel size, or None for the default.
         distributed_optimizer: shard optimizer state over DP, or None for the default.
+        ep: expert-parallel size of a mixture-of-experts model (``models.moe``), or None for 1:
+            its experts are split over groups of ``ep`` of its data-parallel ranks, which
+            exchange tokens with an all-to-all. Must divide the model's DP size and the number
+            of experts; the expert TP is the model's TP.
     """
 
     tp: int | None = None
     pp: int | None = None
     distributed_optimizer: bool | None = None
+    ep: int | None = None
 
 
 @dataclass
@@ -176,6 +181,10 @@ class PlacementConfig:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"placement.{name}={value!r} must be an integer >= 1")
         self.parallel = {role: _override(role, o) for role, o in self.parallel.items()}
+        for role, override in self.parallel.items():
+            if override.ep is not None and (not isinstance(override.ep, int) or override.ep < 1):
+                raise ValueError(f"placement.parallel.{role}.ep={override.ep!r} must be an "
+                                 "integer >= 1 (the expert-parallel size), or unset for 1")
         unknown = sorted(set(self.parallel) - set(ROLES))
         if unknown:
             raise ValueError(
@@ -301,10 +310,10 @@ def _override(role: str, value: ParallelOverride | dict) -> ParallelOverride:
     """A ``ParallelOverride`` from itself or from a plain mapping read from YAML."""
     if isinstance(value, ParallelOverride):
         return value
-    unknown = sorted(set(value) - {"tp", "pp", "distributed_optimizer"})
+    unknown = sorted(set(value) - {"tp", "pp", "distributed_optimizer", "ep"})
     if unknown:
         raise ValueError(
             f"placement.parallel[{role!r}] has unknown keys {unknown}: use tp, pp, "
-            "distributed_optimizer"
+            "distributed_optimizer, ep"
         )
     return ParallelOverride(**value)

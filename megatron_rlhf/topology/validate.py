@@ -8,7 +8,8 @@ advance, so it also guards plans built another way (an automatic planner, a plan
 - every model lies inside the cluster, on whole nodes or a block inside one node;
 - TP divides the node size of every pool the model touches (with the previous rule, no TP group
   crosses a node);
-- the model's devices are a multiple of ``tp * pp`` (so DP is a whole number);
+- the model's devices are a multiple of ``tp * pp`` (so DP is a whole number), and its
+  expert-parallel size divides DP;
 - pairs the strategy runs side by side are on disjoint devices;
 - the rough memory of each model fits the devices of its pools.
 """
@@ -100,6 +101,13 @@ def _check_parallel_fits(plan: PlacementPlan, model: ModelPlacement) -> None:
             f"{role} is placed on {model.size} device{'s' * (model.size != 1)} ({ratio}), not "
             f"a multiple of tp*pp = {tp}*{pp} = {tp * pp}: choose {role} tp*pp in "
             f"{divisors_text(model.size)} (placement.parallel[{role!r}]) or {other}"
+        )
+    ep, dp = model.spec.ep, model.dp
+    if dp % ep:
+        raise ValueError(
+            f"placement.parallel.{role}.ep({ep}) does not divide {role}'s data-parallel size "
+            f"dp({dp}) ({model.size} devices / tp*pp {tp * pp}): choose ep in "
+            f"{divisors_text(dp)} or give {role} more devices"
         )
 
 

@@ -99,3 +99,27 @@ def test_group_creations_at_128_ranks_are_one_split_per_grid_dimension(
     assert counts[True][0] == memberships
     assert sum(map(len, created)) == memberships
     assert counts[True][1] <= 10 * len(plan.roles) < memberships / 2, counts
+
+
+def test_expert_parallel_models_get_megatrons_expert_groups(fake_world) -> None:
+    """``placement.parallel.actor.ep=2`` at tp=2, pp=2 under flattening on 16 x 8 (dp=32): the
+    actor's collection carries the expert grid's groups; the ref, without ep, the dense
+    defaults."""
+    from megatron_rlhf.topology.experts import expert_rank_enums
+    from megatron_rlhf.topology.placement_config import ParallelOverride
+
+    plan = plan_placement(CLUSTER, PlacementConfig(tp=2, pp=2, parallel={
+        "actor": ParallelOverride(ep=2)}), "llama-7b")
+    assert plan["actor"].dp == 32
+    enums = expert_rank_enums(0, tp=2, dp=32, pp=2, ep=2)
+    for rank in range(0, CLUSTER.world_size, 5):
+        fake_world(rank)
+        groups = build_process_groups(plan)
+        actor, ref = groups["actor"], groups["ref"]
+        for name in ("ep", "expt_dp", "tp_ep", "tp_ep_pp"):
+            (members,) = [ranks for ranks in enums[name] if rank in ranks]
+            assert dist.get_process_group_ranks(getattr(actor, name)) == members, (rank, name)
+        assert actor.intra_expt_dp is actor.expt_dp
+        assert dist.get_process_group_ranks(actor.ep) == [rank & ~2, rank | 2]  # dp ranks
+        assert ref.ep.size() == 1 and ref.expt_dp is ref.dp and ref.tp_ep is ref.tp
+        dist.destroy_process_group()

@@ -10,6 +10,7 @@ transfers use, which is the CPU under gloo).
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -247,14 +248,32 @@ class ModelWorker:
 
     def _microbatches(self, fields: Fields) -> list[Fields]:
         fields = to_device(fields, self.device)
-        if not self.max_tokens_per_micro_batch:
-            return split_microbatches(fields, self.micro_batch_size)
-        parts = token_budget_microbatches(fields, self.max_tokens_per_micro_batch)
-        if self.trainer is None or not self.trainer.settings.fsdp:
+        budget = self.max_tokens_per_micro_batch
+        parts = (token_budget_microbatches(fields, budget) if budget
+                 else split_microbatches(fields, self.micro_batch_size))
+        group = self._lockstep_group()
+        if group is None:
             return parts
-        # Megatron-FSDP gathers each layer's weights over the DP group in every micro-batch:
-        # every replica must run as many micro-batches, whatever its rows' lengths.
-        count = torch.tensor([len(parts)], device=self.device)
-        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX,
-                                     group=self.pg_collection.dp)
-        return split_into_microbatches(fields, self.max_tokens_per_micro_batch, int(count))
+        # Every rank of ``group`` runs a collective per micro-batch, so all run as many, the
+        # most any of them needs, whatever their rows' count and lengths.
+        rows = fields["attention_mask"].shape[0]
+        counts = torch.tensor([len(parts), -rows], device=self.device)
+        torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX, group=group)
+        count, fewest_rows = int(counts[0]), -int(counts[1])
+        if count > fewest_rows:
+            raise ValueError(f"{self.role}: a rank of a group that runs in lockstep (expert "
+                             f"parallelism or FSDP) needs {count} micro-batches but another has "
+                             f"{fewest_rows} rows: give every data-parallel rank as many rows")
+        if count == len(parts):
+            return parts
+        return split_into_microbatches(fields, budget or sys.maxsize, count)
+
+    def _lockstep_group(self) -> torch.distributed.ProcessGroup | None:
+        """The ranks that must run as many micro-batches as this one: the DP group under
+        Megatron-FSDP (it gathers each layer's weights in every micro-batch), the expert-parallel
+        group of an MoE model with ``ep > 1`` (its token dispatcher exchanges tokens in every
+        MoE layer), else None."""
+        if self.trainer is not None and self.trainer.settings.fsdp:
+            return self.pg_collection.dp
+        ep = getattr(self.pg_collection, "ep", None)
+        return ep if ep is not None and ep.size() > 1 else None
