@@ -134,8 +134,10 @@ class PlacementConfig:
         pp: default pipeline-parallel size of every model except the shadows, which default to
             ``pp=1`` (generation wants no pipeline bubbles).
         distributed_optimizer: default for the trainable models.
-        parallel: per-role overrides, keyed by role name (``shadow_actor`` included); plain
-            mappings (as read from YAML) are turned into ``ParallelOverride``.
+        parallel: per-role overrides, keyed by role name (``shadow_actor`` included): ``tp``,
+            ``pp``, ``distributed_optimizer`` and, for a mixture-of-experts model, ``ep`` (its
+            expert-parallel size, default 1); plain mappings (as read from YAML) are turned
+            into ``ParallelOverride``.
         train_pool: under ``hetero-separation``, the pool kind for actor and critic; default the
             fastest pool other than the inference pool.
         inference_pool: under ``hetero-separation``, the pool kind for the inference-only
