@@ -10,10 +10,18 @@ row until its longest one stops, runs at the size of what is left. A prompt's
 tokens depend only on its own noise key, budget and logits, so they are the tokens the static
 loop (``generation.batching=static``) draws for it; the log-probs agree to rounding (the
 prompt's keys sit at other absolute positions and are read among more masked keys).
+
+With graphs (CUDA, or the CPU stand-in) the slots never go below ``GRAPH_MIN_SLOTS`` (nor below
+it at the start of a small call, within ``micro_batch_size``), and each slot count's decoder and
+captured step are kept on the model across calls (:class:`DecodeGraphs`): a call captures only
+the slot counts no earlier call captured, and shrinking copies the kept rows into the smaller
+decoder's buffers instead of allocating new ones.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -34,12 +42,90 @@ from megatron_rlhf.generation.params import GenerationConfig
 from megatron_rlhf.generation.sampling import prompt_noise_keys
 
 
+class DecodeGraphs:
+    """The decoders and captured decode steps of one model, by slot count, kept across calls.
+
+    A captured step holds the addresses of its decoder's buffers and of the model's parameters,
+    and the Python values of the step's settings. So the entries serve the next call while the
+    decoder's length and the step's settings are the same (another length or setting drops
+    them all) and the parameters are where they were (a refit that copies in place keeps them;
+    parameters that moved drop the captured steps, which capture again). The KV memory of every
+    slot count used stays allocated between calls: :func:`release_decode_graphs` frees it.
+    """
+
+    def __init__(self) -> None:
+        self.settings: tuple | None = None
+        self.decoders: dict[int, SlotDecoder] = {}
+        self.graphs: dict[int, DecodeGraph] = {}
+        self.weights: dict[str, int] = {}
+
+    def decoder(self, model: torch.nn.Module, decode_model: torch.nn.Module | None, slots: int,
+                length: int, vocab_size: int, config: GenerationConfig,
+                eos_id: int | Sequence[int] | None, pad_id: int) -> SlotDecoder:
+        """An empty decoder of ``slots`` slots: the kept one, or a new one."""
+        # what a captured step bakes in; the seed only picks the noise keys, a buffer
+        settings = (length, vocab_size, dataclasses.replace(config, seed=0),
+                    tuple(eos_id) if isinstance(eos_id, Sequence) else eos_id, pad_id)
+        if settings != self.settings:
+            self.release()
+            self.settings = settings
+        decoder = self.decoders.get(slots)
+        if decoder is None:
+            decoder = self.decoders[slots] = SlotDecoder(model, slots, length, vocab_size,
+                                                         config, eos_id, pad_id, decode_model)
+        else:
+            decoder.reset(decode_model)
+        return decoder
+
+    def graph(self, decoder: SlotDecoder) -> DecodeGraph:
+        """The captured step of ``decoder`` (one of :meth:`decoder`'s), captured if needed."""
+        weights = {name: t.untyped_storage().data_ptr()
+                   for name, t in [*decoder.model.named_parameters(),
+                                   *decoder.model.named_buffers()]}
+        if weights != self.weights:  # moved (offloaded and reloaded, or reallocated)
+            self.graphs.clear()
+            self.weights = weights
+        if decoder.slots not in self.graphs:
+            self.graphs[decoder.slots] = DecodeGraph(decoder)
+        return self.graphs[decoder.slots]
+
+    def cache_bytes(self) -> int:
+        """Bytes of the KV memory of every kept decoder."""
+        return sum(decoder.cache_bytes() for decoder in self.decoders.values())
+
+    def release(self) -> None:
+        """Drop every decoder and captured step (their memory is freed with them)."""
+        self.settings = None
+        self.decoders.clear()
+        self.graphs.clear()
+        self.weights = {}
+
+
+_KEPT: weakref.WeakKeyDictionary[torch.nn.Module, DecodeGraphs] = weakref.WeakKeyDictionary()
+
+
+def decode_graphs(model: torch.nn.Module) -> DecodeGraphs:
+    """The :class:`DecodeGraphs` kept for ``model`` (made empty the first time)."""
+    if model not in _KEPT:
+        _KEPT[model] = DecodeGraphs()
+    return _KEPT[model]
+
+
+def release_decode_graphs(model: torch.nn.Module) -> None:
+    """Free the decoders and captured steps kept for ``model`` (its KV memory and the graphs'
+    memory); the next call with graphs captures again."""
+    kept = _KEPT.pop(model, None)
+    if kept is not None:
+        kept.release()
+
+
 def generate_continuous(model: torch.nn.Module, decode_model: torch.nn.Module | None,
                         prompts: Sequence[Sequence[int]], prompt_indices: Sequence[int],
                         budgets: Sequence[int], config: GenerationConfig,
                         eos_id: int | Sequence[int] | None, pad_id: int, vocab_size: int,
                         on_cache: Callable[[int], None] | None,
-                        lockstep: ExpertLockstep | None = None) -> GenerationOutput:
+                        lockstep: ExpertLockstep | None = None,
+                        keep_graphs: bool = True) -> GenerationOutput:
     """Generate one response per prompt with continuous batching (module docstring).
 
     Args:
@@ -55,12 +141,21 @@ def generate_continuous(model: torch.nn.Module, decode_model: torch.nn.Module | 
         lockstep: an MoE model's expert-parallel group (``ep > 1``): every prefill and decode
             step is a forward on each of its ranks, idle where this rank has none to run, and
             the ranks stop together (:mod:`megatron_rlhf.generation.lockstep`).
+        keep_graphs: with graphs, keep the decoders and captured steps on ``model`` for the
+            next call (:class:`DecodeGraphs`); False: capture for this call only (the slots
+            shrink by reallocation).
     """
     device = next(model.parameters()).device
     greedy_every = config.greedy_every if not config.greedy else 0
     keys = prompt_noise_keys(config.seed, prompt_indices).tolist()
     waiting = deque(i for i, budget in enumerate(budgets) if budget > 0)
     slots = batch_bucket(len(waiting), config.micro_batch_size) if waiting else 0
+    # with graphs, each slot count is a capture; below the floor a step costs about the same
+    # (a graph's capture runs extra forwards: none under an expert-parallel lockstep)
+    floor = GRAPH_MIN_SLOTS if graphs_enabled(config, device) and lockstep is None else 1
+    kept = decode_graphs(model) if floor > 1 and keep_graphs else None
+    if floor > 1:
+        slots = max(slots, min(floor, config.micro_batch_size or floor))
     work: list[MicroBatchWork] = []
     responses: dict[int, tuple[torch.Tensor, ...]] = {}
     if waiting:
@@ -68,13 +163,11 @@ def generate_continuous(model: torch.nn.Module, decode_model: torch.nn.Module | 
         # starts past its own length: bound by the longest prompt plus the largest budget
         length = length_bucket(max(len(prompts[i]) for i in waiting)
                                + max(budgets[i] for i in waiting))
-        decoder = SlotDecoder(model, slots, length, vocab_size, config, eos_id, pad_id,
-                              decode_model)
+        settings = (length, vocab_size, config, eos_id, pad_id)
+        decoder = (kept.decoder(model, decode_model, slots, *settings) if kept is not None else
+                   SlotDecoder(model, slots, *settings, decode_model))
         occupant: list[int | None] = [None] * slots
         graph = None
-        # with graphs, each slot count is a capture; below the floor a step costs about the same
-        # (a graph's capture runs extra forwards: none under an expert-parallel lockstep)
-        floor = GRAPH_MIN_SLOTS if graphs_enabled(config, device) and lockstep is None else 1
         decode_calls = attended = 0  # steps and attended positions at the current slot count
         cache_bytes = 0
         finished = False  # every prompt of this rank done (others of a lockstep may not be)
@@ -100,7 +193,7 @@ def generate_continuous(model: torch.nn.Module, decode_model: torch.nn.Module | 
                 for slot, prompt in zip(free, entering, strict=True):
                     occupant[slot] = prompt
             if graph is None and floor > 1:
-                graph = DecodeGraph(decoder)
+                graph = kept.graph(decoder) if kept is not None else DecodeGraph(decoder)
             run = graph or decoder
             for _ in range(config.stop_check_interval):
                 run.step()
@@ -122,12 +215,17 @@ def generate_continuous(model: torch.nn.Module, decode_model: torch.nn.Module | 
                 work.append(_decode_work(slots, decode_calls, decoder, attended))
                 attended = decoder.attended_positions
                 cache_bytes = max(cache_bytes, decoder.cache_bytes())
-                decoder.keep_slots(fewer)
+                if kept is not None:
+                    decoder = kept.decoder(model, decode_model, len(fewer), *settings
+                                           ).take_rows(decoder, fewer)
+                else:
+                    decoder.keep_slots(fewer)
                 occupant = [occupant[s] for s in fewer]
                 slots, graph, decode_calls = len(fewer), None, 0
         work.append(_decode_work(slots, decode_calls, decoder, attended))
         if on_cache is not None:  # the largest cache of the call: before the slots shrank
-            on_cache(max(cache_bytes, decoder.cache_bytes()))
+            on_cache(kept.cache_bytes() if kept is not None  # every slot count's, kept
+                     else max(cache_bytes, decoder.cache_bytes()))
     elif lockstep is not None:  # nothing to decode here, while the group's others may
         lockstep.idle_rounds(config.stop_check_interval)
     return _assemble(prompts, responses, pad_id, device, tuple(work))

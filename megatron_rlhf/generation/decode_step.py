@@ -179,6 +179,50 @@ class SlotDecoder:
         self.all_slots = torch.arange(len(rows), device=rows.device)
         self._write_bound = [self._write_bound[s] for s in slots]
 
+    def reset(self, decode_model: torch.nn.Module | None = None) -> None:
+        """Empty every slot in place, for another generate call: every buffer, the KV memory
+        included, stays where a captured graph reads it. The KV memory keeps the last call's
+        keys and values; a step reads them only under the key mask, which gives finite keys a
+        weight of exactly zero, so the outputs are those of a new decoder."""
+        self.decode_model = self.model if decode_model is None else decode_model
+        self.tokens.fill_(self.pad_id)
+        self.out_tokens.fill_(self.pad_id)
+        for name in ("key_valid", "steps", "budgets", "noise_keys", "greedy", "active",
+                     "out_logprobs", "out_policy_logprobs"):
+            if getattr(self, name) is not None:
+                getattr(self, name).zero_()
+        self.positions.zero_()
+        self.context.prefill_slots, self.context.horizon = None, self.max_length
+        self.context.reset()
+        self._write_bound = [0] * self.slots
+        self.attended_positions = 0
+
+    def take_rows(self, source: SlotDecoder, slots: Sequence[int]) -> SlotDecoder:
+        """Copy ``slots`` of ``source`` (in that order) into this decoder's slots, in place:
+        :meth:`keep_slots` into a decoder of the smaller shape whose buffers (and graph) are
+        kept across calls. ``source`` must have this decoder's length and settings.
+
+        Returns:
+            This decoder.
+        """
+        rows = torch.tensor(list(slots), dtype=torch.long, device=self.tokens.device)
+        for name in self._SLOT_BUFFERS:
+            if getattr(self, name) is not None:
+                getattr(self, name).copy_(getattr(source, name)[rows])
+        self.positions.copy_(source.positions[rows])
+        memory = self.context.key_value_memory_dict
+        for layer, pair in source.context.key_value_memory_dict.items():
+            if layer in memory:
+                for mine, theirs in zip(memory[layer], pair, strict=True):
+                    torch.index_select(theirs, 1, rows, out=mine)
+            else:
+                memory[layer] = tuple(t.index_select(1, rows) for t in pair)
+        self.context.prefill_slots = None
+        self.context.decode_mode = source.context.decode_mode
+        self._write_bound = [source._write_bound[s] for s in slots]
+        self.attended_positions = source.attended_positions
+        return self
+
     def step(self) -> None:
         """Feed every slot's last token and sample its next one, all in place.
 
@@ -283,10 +327,10 @@ class DecodeGraph:
     """:meth:`SlotDecoder.step` captured into one CUDA graph and replayed per token.
 
     The graph holds the addresses of the decoder's buffers and of the model's parameters: it is
-    valid while they stay where they are. Generation captures it inside one ``generate_sequences``
-    call and drops it at the end, so weight updates between calls (refit copies into the same
-    storage; offloading frees and re-allocates it) never meet a stale graph; within a call the
-    weights do not change.
+    valid while they stay where they are. Continuous batching keeps it, with its decoder, across
+    ``generate_sequences`` calls (``continuous.DecodeGraphs``): a refit that copies new weights
+    into the parameters' storage is read by the next replay; parameters that moved (offloaded
+    and reloaded, reallocated) make it capture again.
     """
 
     WARMUP_STEPS = 2

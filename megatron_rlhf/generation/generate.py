@@ -141,8 +141,8 @@ def _has_value_channel(model: torch.nn.Module) -> bool:
 def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollection,
                        prompts: Sequence[Sequence[int]], prompt_indices: Sequence[int],
                        config: GenerationConfig, eos_id: int | Sequence[int] | None,
-                       pad_id: int, on_cache: Callable[[int], None] | None = None
-                       ) -> GenerationOutput:
+                       pad_id: int, on_cache: Callable[[int], None] | None = None,
+                       keep_graphs: bool = True) -> GenerationOutput:
     """Generate one response per prompt.
 
     A prompt's response stops after EOS (when ``config.stop_at_eos``), after
@@ -164,6 +164,9 @@ def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollec
         pad_id: fills padding positions; must be a valid token id.
         on_cache: called with the bytes of each micro-batch's KV cache while it is allocated
             (memory accounting; not called without the cache).
+        keep_graphs: with CUDA graphs (continuous batching), keep the decoders and captured
+            decode steps on the model for the next call (their KV memory stays allocated);
+            False: capture for this call only and free them at its end.
 
     Returns:
         The batch, on the model's device.
@@ -194,7 +197,7 @@ def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollec
                 budgets = [min(config.max_new_tokens, seq_length - len(p)) for p in prompts]
                 return generate_continuous(model, _decode_model(model, config), prompts,
                                            prompt_indices, budgets, config, eos_id, pad_id,
-                                           vocab_size, on_cache, lockstep)
+                                           vocab_size, on_cache, lockstep, keep_graphs)
             starts = range(0, len(prompts), size)
             idle = lockstep.most(len(starts)) - len(starts) if lockstep else 0
             outputs = [

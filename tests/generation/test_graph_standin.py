@@ -16,6 +16,7 @@ import torch
 
 from megatron_rlhf.generation import GenerationConfig, GenerationOutput
 from megatron_rlhf.generation import continuous as continuous_module
+from megatron_rlhf.generation.continuous import release_decode_graphs
 from megatron_rlhf.generation.decode_step import (
     GRAPH_MIN_SLOTS,
     DecodeGraph,
@@ -44,14 +45,20 @@ def emulate(monkeypatch) -> None:
 
 def _fixed_context_eager(tiny, config, eos_id, monkeypatch) -> GenerationOutput:
     """The continuous loop stepping eagerly over the whole bucket (no warm-up, no capture)."""
-    with monkeypatch.context() as patch:
-        patch.setenv(EMULATE_ENV, "1")
-        patch.setattr(continuous_module, "DecodeGraph", lambda decoder: decoder)
-        return generate_tiny(tiny, config, eos_id)
+    release_decode_graphs(tiny[0])  # no graph kept from an earlier call, and none kept after
+    try:
+        with monkeypatch.context() as patch:
+            patch.setenv(EMULATE_ENV, "1")
+            patch.setattr(continuous_module, "DecodeGraph", lambda decoder: decoder)
+            return generate_tiny(tiny, config, eos_id)
+    finally:
+        release_decode_graphs(tiny[0])
 
 
 def _check_against_loops(tiny, config, eos_id, static, monkeypatch) -> GenerationOutput:
-    """Generate through stand-in graphs; compare with the eager loops and the static one."""
+    """Generate through stand-in graphs (captured afresh); compare with the eager loops and the
+    static one."""
+    release_decode_graphs(tiny[0])
     captures = StandInGraph.captures
     with monkeypatch.context() as patch:
         patch.setenv(EMULATE_ENV, "1")
@@ -105,9 +112,66 @@ def test_a_graph_is_recaptured_at_each_slot_count(tiny, monkeypatch, slots, inte
     assert shapes == ([16, GRAPH_MIN_SLOTS] if slots == 0 else [4])
 
 
-def test_weights_copied_in_place_between_calls_are_decoded_with(world, emulate) -> None:
-    """A refit copies new values into the parameters' storage: nothing a graph holds moves, and
-    the next call decodes with the new weights."""
+def test_graphs_are_kept_across_calls(tiny, monkeypatch) -> None:
+    """A second call (another seed) and a small third one capture nothing: they replay the
+    first call's graphs (16 and GRAPH_MIN_SLOTS slots), and their outputs are bitwise those of
+    graphs captured afresh, tokens the static loop's."""
+    config = dataclasses.replace(BASE, micro_batch_size=0, stop_check_interval=2)
+    other = dataclasses.replace(config, seed=BASE.seed + 1)
+    ends = list(range(200, 230))  # responses of unequal lengths: the slots shrink
+    small = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    release_decode_graphs(tiny[0])
+    with monkeypatch.context() as patch:
+        patch.setenv(EMULATE_ENV, "1")
+        captures = StandInGraph.captures
+        first = generate_tiny(tiny, config, ends)
+        assert [w.rows for w in split_work(first)[1]] == [16, GRAPH_MIN_SLOTS]
+        assert StandInGraph.captures == captures + 2
+        second = generate_tiny(tiny, other, ends)
+        third = generate_tiny(tiny, config, ends, small)
+        assert StandInGraph.captures == captures + 2
+        assert [w.rows for w in split_work(third)[1]] == [GRAPH_MIN_SLOTS]
+        fresh = []
+        for cfg, prompts in ((other, None), (config, small)):
+            release_decode_graphs(tiny[0])
+            fresh.append(generate_tiny(tiny, cfg, ends, prompts))
+        assert StandInGraph.captures > captures + 2
+    release_decode_graphs(tiny[0])
+    for kept, new in zip((second, third), fresh, strict=True):
+        for name in FIELDS:
+            assert torch.equal(getattr(kept, name), getattr(new, name)), name
+    for out, cfg, prompts in ((first, config, None), (second, other, None),
+                              (third, config, small)):
+        static = generate_tiny(tiny, dataclasses.replace(cfg, batching="static"), ends, prompts)
+        assert_same_samples(out, static)
+    assert not torch.equal(second.input_ids, first.input_ids)  # another seed, other samples
+
+
+def test_graphs_not_kept_are_captured_for_each_call(tiny, emulate) -> None:
+    """``keep_graphs=False`` (a model that also trains on its ranks): every call captures its
+    own graphs and nothing stays on the model afterwards."""
+    from megatron_rlhf.generation import generate_sequences
+    from megatron_rlhf.generation.continuous import decode_graphs
+
+    model, pgc = tiny
+    release_decode_graphs(model)
+    config = dataclasses.replace(BASE, stop_at_eos=False)
+    captures = StandInGraph.captures
+    outs = [generate_sequences(model, pgc, [[5, 6, 7], [8, 9]], [0, 1], config, None, PAD,
+                               keep_graphs=False) for _ in range(2)]
+    assert StandInGraph.captures == captures + 2
+    assert not decode_graphs(model).decoders and not decode_graphs(model).graphs
+    assert [w.rows for w in split_work(outs[0])[1]] == [GRAPH_MIN_SLOTS]
+    for name in FIELDS:
+        assert torch.equal(getattr(outs[0], name), getattr(outs[1], name)), name
+
+
+@pytest.mark.parametrize("refit", ["copy", "reallocate"])
+def test_weights_updated_between_calls_are_decoded_with(world, emulate, refit) -> None:
+    """A refit that copies new values into the parameters' storage moves nothing a graph holds:
+    the next call replays the kept graphs, with the new weights. Parameters given new storage
+    (offloaded and reloaded, or reallocated by a refit) make the next call capture again.
+    Either way the outputs are those of a model built with the new weights."""
     from megatron_rlhf.models.weights import init_weights
 
     target, pgc = build_tiny()
@@ -115,14 +179,21 @@ def test_weights_copied_in_place_between_calls_are_decoded_with(world, emulate) 
     init_weights(source, pgc, seed=INIT_SEED + 1)
     config = dataclasses.replace(BASE, micro_batch_size=3, stop_at_eos=False)
     before = generate_tiny((target, pgc), config, None)
+    captures = StandInGraph.captures
     with torch.no_grad():
         for mine, theirs in zip(target.parameters(), source.parameters(), strict=True):
-            mine.copy_(theirs)
+            if refit == "copy":
+                mine.copy_(theirs)
+            else:
+                mine.data = theirs.detach().clone()
     after = generate_tiny((target, pgc), config, None)
+    assert StandInGraph.captures == captures + (refit == "reallocate")
     reference = generate_tiny((source, pgc), config, None)
     for name in FIELDS:
         assert torch.equal(getattr(after, name), getattr(reference, name)), name
     assert not torch.equal(after.input_ids, before.input_ids)
+    for model in (target, source):
+        release_decode_graphs(model)
 
 
 def _decoder(tiny, slots: int = 4) -> SlotDecoder:

@@ -202,12 +202,18 @@ class ModelWorker:
     def generate(self, prompts: Sequence[Sequence[int]], prompt_indices: Sequence[int],
                  config: GenerationConfig, eos_id: int | tuple[int, ...],
                  pad_id: int) -> GenerationOutput:
-        """Sample one response per prompt (every TP rank returns the same tokens)."""
+        """Sample one response per prompt (every TP rank returns the same tokens).
+
+        An inference-only model that stays resident keeps its captured decode steps (and
+        their KV memory) for the next call; a model that also trains or is offloaded here
+        frees them at the end of the call, so they do not hold memory through other stages."""
         with (self.resident(WEIGHTS), without_sequence_parallel(self.model),
               self._measured("generate") as rows):
             output = generate_sequences(self._module(), self.pg_collection, prompts,
                                         prompt_indices, config, eos_id, pad_id,
-                                        on_cache=self.meter.observe)
+                                        on_cache=self.meter.observe,
+                                        keep_graphs=self.trainer is None
+                                        and self.offload != "always")
             rows.append((output.attention_mask, 1))
         return output
 
