@@ -3,7 +3,8 @@
 :class:`SlotDecoder` allocates, once per (slots, length) bucket, every tensor a decode step reads
 or writes: the KV cache (:class:`~megatron_rlhf.models.slot_cache.SlotInferenceContext`), each
 slot's position, key mask, last token, response step, budget, noise key, greedy flag, active
-flag and its outputs (tokens, both log-probs). :meth:`SlotDecoder.step` is a function of those
+flag and its outputs (tokens, both log-probs); a slot ends at its budget, at an end id or when
+its response ends with a stop sequence. :meth:`SlotDecoder.step` is a function of those
 tensors alone, updated in place, with no host branch on their values: the same kernels run at
 every token, so on CUDA the step is captured once into a graph (:class:`DecodeGraph`) and
 replayed per token; on CPU it runs eagerly (with ``MEGATRON_RLHF_EMULATE_CUDA_GRAPHS=1``, for
@@ -28,7 +29,13 @@ import torch
 
 from megatron_rlhf.generation.graph_standin import StandInGraph, emulating_graphs
 from megatron_rlhf.generation.params import GenerationConfig
-from megatron_rlhf.generation.sampling import SampledTokens, sample_tokens, uniforms_at_step
+from megatron_rlhf.generation.sampling import (
+    SampledTokens,
+    ends_with_stop_sequence,
+    sample_tokens,
+    stop_sequence_tensors,
+    uniforms_at_step,
+)
 from megatron_rlhf.models.forward_backward import causal_padding_mask
 from megatron_rlhf.models.slot_cache import SlotInferenceContext
 
@@ -100,6 +107,7 @@ class SlotDecoder:
         self.context = SlotInferenceContext(slots, max_length, device)
         self.eos_ids = (torch.as_tensor(eos_id, device=device).reshape(-1)
                         if config.stop_at_eos else None)
+        self.stop_sequences = stop_sequence_tensors(config, device)
         self.tokens = torch.full((slots,), pad_id, dtype=torch.long, device=device)
         self.key_valid = torch.zeros(slots, max_length, dtype=torch.bool, device=device)
         self.steps = torch.zeros(slots, dtype=torch.long, device=device)
@@ -270,6 +278,9 @@ class SlotDecoder:
         ended = steps + 1 >= self.budgets[rows]
         if self.eos_ids is not None:
             ended = ended | torch.isin(token, self.eos_ids)
+        if self.stop_sequences:  # the response so far is out_tokens[row, :step + 1]
+            ended = ended | ends_with_stop_sequence(self.out_tokens, rows, steps + 1,
+                                                    self.stop_sequences)
         continues = active & ~ended
         self.tokens.index_put_((rows,), token)
         # an ended slot keeps its position (it may be the last one of the cache)
@@ -315,6 +326,9 @@ class SlotDecoder:
         named.update(all_slots=self.all_slots, positions=self.positions)
         if self.eos_ids is not None:
             named["eos_ids"] = self.eos_ids
+        for i, pair in enumerate(self.stop_sequences):
+            named.update({f"stop_sequences[{i}].{kind}": t
+                          for kind, t in zip(("ids", "offsets"), pair, strict=True)})
         for layer, pair in self.context.key_value_memory_dict.items():
             named.update({f"kv[{layer}].{kind}": t for kind, t in zip(("keys", "values"), pair,
                                                                        strict=True)})

@@ -9,7 +9,9 @@ Token in, token out: an episode is its prompt, then for each turn the tokens the
 is decoded and encoded again: the next turn's context is these very tokens, and so is the row
 trained on. Each turn is one batched ``generate`` call over the episodes still running (their
 contexts are re-prefilled); a reply ends at EOS, at ``turn_tokens``, or right after the token that
-completes ``stop`` (the tokens sampled after it are dropped). With a ``stop`` text (tools), a
+completes ``stop``: ``generate`` stops there itself when the reply's tokens end with the stop
+text's own token ids (``generation.stop_sequences``), and a reply that spells the text with other
+tokens is cut after it (the tokens sampled past it are dropped). With a ``stop`` text (tools), a
 reply that ends at it is handed to ``respond``, whose observation is appended, and any other
 reply ends its episode; without one (an environment), every reply is handed to ``respond``,
 whose observation may end the episode (``done``) and carries a reward. An episode also ends,

@@ -38,9 +38,11 @@ from megatron_rlhf.generation.lockstep import ExpertLockstep
 from megatron_rlhf.generation.output import GenerationOutput, MicroBatchWork, concat_outputs
 from megatron_rlhf.generation.params import GenerationConfig
 from megatron_rlhf.generation.sampling import (
+    ends_with_stop_sequence,
     greedy_row_mask,
     prompt_noise_keys,
     sample_tokens,
+    stop_sequence_tensors,
     uniforms_for_steps,
 )
 from megatron_rlhf.models.attention import CachedRopeSelfAttention
@@ -84,6 +86,10 @@ def _check_inputs(prompts: Sequence[Sequence[int]], prompt_indices: Sequence[int
     if not 0 <= pad_id < vocab_size:
         raise ValueError(f"pad_id={pad_id} must be a token id in [0, {vocab_size}); it is fed to "
                          "the model (masked) after a sequence stops")
+    for ids in config.stop_sequences:
+        if max(ids) >= vocab_size:
+            raise ValueError(f"generation.stop_sequences holds {list(ids)}, with token ids "
+                             f"outside [0, {vocab_size})")
     if config.stop_at_eos and eos_id is None:
         raise ValueError("generation.stop_at_eos=True needs eos_id; pass eos_id or set "
                          "stop_at_eos=False")
@@ -145,11 +151,12 @@ def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollec
                        keep_graphs: bool = True) -> GenerationOutput:
     """Generate one response per prompt.
 
-    A prompt's response stops after EOS (when ``config.stop_at_eos``), after
-    ``config.max_new_tokens`` tokens, or when prompt + response reach the model's ``seq_length``;
-    a prompt of exactly ``seq_length`` tokens therefore gets an empty response. ``R`` is the
-    longest response. The prompts are decoded ``config.micro_batch_size`` at a time (all at once
-    for 0), which bounds the KV cache; the result does not depend on the split.
+    A prompt's response stops after EOS (when ``config.stop_at_eos``), after one of
+    ``config.stop_sequences``, after ``config.max_new_tokens`` tokens, or when prompt +
+    response reach the model's ``seq_length``; a prompt of exactly ``seq_length`` tokens
+    therefore gets an empty response. ``R`` is the longest response. The prompts are decoded
+    ``config.micro_batch_size`` at a time (all at once for 0), which bounds the KV cache; the
+    result does not depend on the split.
 
     Args:
         model: this rank's TP shard of a GPT model with an LM head (``lm`` or ``lm+scalar``),
@@ -264,6 +271,7 @@ def _decode_loop(next_logits: CachedNextTokenLogits | RecomputeNextTokenLogits,
     attention_mask[:, :prompt_width] = prompt_mask
     if config.stop_at_eos:
         eos_ids = torch.as_tensor(eos_id, device=device)
+    stop_sequences = stop_sequence_tensors(config, device)
     logprobs = torch.zeros(b, max_new, dtype=torch.float32, device=device)
     policy_logprobs = torch.zeros_like(logprobs)
     stopped = budgets <= 0
@@ -293,6 +301,10 @@ def _decode_loop(next_logits: CachedNextTokenLogits | RecomputeNextTokenLogits,
         stopped = stopped | (budgets <= step + 1)
         if config.stop_at_eos:
             stopped = stopped | (active & torch.isin(token, eos_ids))
+        if stop_sequences:
+            stopped = stopped | (active & ends_with_stop_sequence(
+                input_ids[:, prompt_width:], torch.arange(b, device=device),
+                torch.tensor(step + 1, device=device), stop_sequences))
     response_mask = attention_mask[:, prompt_width:]
     response_lengths = response_mask.sum(dim=1)
     steps = int(response_lengths.max()) if b else 0  # R: the longest response

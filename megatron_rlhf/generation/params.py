@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def _require(ok: bool, message: str) -> None:
@@ -42,6 +42,12 @@ class GenerationConfig:
     only, never on the rank, the replica or the batch it is generated in."""
     stop_at_eos: bool = True
     """Stop a sequence after it emits ``eos_id`` (the EOS token is part of the response)."""
+    stop_sequences: list[list[int]] = field(default_factory=list)
+    """Token-id sequences that also end a response: a response stops right after its sampled
+    tokens end with one of them (the sequence is part of the response), whatever
+    ``stop_at_eos``. Each holds at least one id in the vocabulary. Multi-turn episodes with
+    tools add the ids of the tool call's end tag (``</tool_call>``) to these, so a reply that
+    calls a tool stops decoding there."""
     use_kv_cache: bool = True
     """Decode with megatron's static KV cache; False recomputes the whole sequence every step
     (the reference path, much slower)."""
@@ -100,6 +106,10 @@ class GenerationConfig:
                  "row samples)")
         _require(isinstance(self.seed, int) and self.seed >= 0,
                  f"generation.seed={self.seed!r} must be an int >= 0")
+        _require(all(len(ids) > 0 and all(isinstance(i, int) and i >= 0 for i in ids)
+                     for ids in self.stop_sequences),
+                 f"generation.stop_sequences={self.stop_sequences!r} must be lists of token "
+                 "ids >= 0, each holding at least one id")
         _require(isinstance(self.micro_batch_size, int) and self.micro_batch_size >= 0,
                  f"generation.micro_batch_size={self.micro_batch_size!r} must be an int >= 0 "
                  "(0 decodes all prompts of a call together)")

@@ -219,3 +219,34 @@ def greedy_row_mask(prompt_indices: Sequence[int], config: GenerationConfig,
         return None
     indices = torch.as_tensor(prompt_indices, dtype=torch.int64, device=device)
     return indices % config.greedy_every == 0
+
+
+def stop_sequence_tensors(config: GenerationConfig, device: torch.device | str
+                          ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``config.stop_sequences`` on ``device``, each as ``(ids [L], offsets [L] = 0 .. L-1)``
+    for :func:`ends_with_stop_sequence` (made once, outside a decode step)."""
+    return [(torch.tensor(list(ids), dtype=torch.long, device=device),
+             torch.arange(len(ids), dtype=torch.long, device=device))
+            for ids in config.stop_sequences]
+
+
+def ends_with_stop_sequence(responses: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor,
+                            sequences: Sequence[tuple[torch.Tensor, torch.Tensor]]
+                            ) -> torch.Tensor:
+    """``[b]`` bool: whether each row's response, of ``lengths`` tokens so far, ends with one of
+    ``sequences`` (:func:`stop_sequence_tensors`). Fixed shapes and no host reads, so a captured
+    decode step can run it.
+
+    Args:
+        responses: ``[n, W]`` response tokens, a row's first at column 0.
+        rows: ``[b]`` the rows of ``responses`` to check.
+        lengths: ``[b]`` (or a scalar) tokens each of those rows holds, the last one included.
+        sequences: the stop sequences; a sequence longer than a response does not match it.
+    """
+    ends = torch.zeros(rows.shape, dtype=torch.bool, device=rows.device)
+    for ids, offsets in sequences:
+        start = lengths - len(ids)
+        columns = (start.reshape(-1, 1) + offsets).clamp(min=0)
+        window = responses[rows.reshape(-1, 1), columns]
+        ends = ends | ((window == ids).all(dim=1) & (start >= 0))
+    return ends

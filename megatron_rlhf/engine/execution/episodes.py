@@ -117,15 +117,20 @@ class EpisodeRollouts:
         self.decode = decode
         self.encode_prompt = encode_prompt or encode
         self.tool_message = tool_message
+        self.stop_ids = encode(config.stop) if config.stop else None
+        """The tool call's end tag as token ids: the generator stops a reply there."""
 
     def run(self, worker: ModelWorker, prompts: Sequence[Sequence[int]],
             prompt_indices: Sequence[int], records: Sequence[tuple[int, Mapping[str, Any]]],
             generation: GenerationConfig, eos_id: int | tuple[int, ...], pad_id: int
             ) -> tuple[GenerationOutput, dict[str, torch.Tensor]]:
         """One episode per prompt on ``worker``'s model; the batch and its ``STAT_FIELDS``."""
+        stops = [*generation.stop_sequences, *([self.stop_ids] if self.stop_ids else [])]
+
         def generate(contexts: list[list[int]], ids: list[int], max_new: int
                      ) -> GenerationOutput:
-            return worker.generate(contexts, ids, replace(generation, max_new_tokens=max_new),
+            return worker.generate(contexts, ids, replace(generation, max_new_tokens=max_new,
+                                                          stop_sequences=stops),
                                    eos_id, pad_id)
 
         def answer_tools(calls: list[tuple[int, str]]) -> list[Observation]:
