@@ -3,7 +3,8 @@ Hugging Face directory (``models.actor_checkpoint`` / ``models.reward_checkpoint
 
     sources = resolve_sources(config)             # pure: config.json / megatron_rlhf.json only
     archs = role_architectures(config, sources)   # for the placement planner
-    options = role_options(config, sources, role) # ModelBuildOptions of a role's model
+    decodes = role in decoding_roles(config, plan)        # pure: which models use the KV cache
+    options = role_options(config, sources, role, decodes)  # ModelBuildOptions of a role's model
     load_initial_weights(models, groups, sources, config.models.hf_cache_dir)  # collective
 
 A role without a source of its own is built like the actor's source (the critic when it does not
@@ -39,6 +40,7 @@ from megatron_rlhf.models.hf_config import read_hf_config
 from megatron_rlhf.models.hf_import import cached_full_state, is_hf_dir
 from megatron_rlhf.models.hf_llama import check_weight_files
 from megatron_rlhf.models.weights import load_full_state
+from megatron_rlhf.planner.memory_fit import generating_roles
 from megatron_rlhf.runtime.checkpoint_store import on_rank0
 from megatron_rlhf.runtime.patches import default_group_store
 from megatron_rlhf.topology.models import (
@@ -51,6 +53,7 @@ from megatron_rlhf.topology.models import (
     ArchSpec,
     resolve_arch,
 )
+from megatron_rlhf.topology.plan import PlacementPlan
 
 _BASE_ROLES = (ACTOR, CRITIC, REF, REWARD)
 
@@ -207,20 +210,35 @@ def role_architectures(config: RunConfig,
     return architectures
 
 
-def role_options(config: RunConfig, sources: dict[str, ModelSource],
-                 role: str) -> ModelBuildOptions:
+def decoding_roles(config: RunConfig, plan: PlacementPlan) -> frozenset[str]:
+    """The placed roles that decode with the KV cache: the models that generate (the shadow
+    actor, or the actor where none is placed; under hetero-separation also an actor with pp=1)
+    when ``generation.use_kv_cache`` is on, else none."""
+    return frozenset(generating_roles(plan) if config.generation.use_kv_cache else ())
+
+
+def role_options(config: RunConfig, sources: dict[str, ModelSource], role: str,
+                 decodes: bool = True) -> ModelBuildOptions:
     """How a role's model is built: its source's numerics, the run's head, dtype, dropout and
     layer implementation.
 
-    Every role gets the same implementation: weight sync and the checkpoints the models start
-    from map parameters by name, and Transformer Engine names the fused norms differently.
+    The implementation is chosen per model (``resolve_transformer_impl``): one that decodes
+    with the KV cache keeps megatron's local layers, the others take Transformer Engine under
+    ``models.transformer_impl: auto`` where it is importable on CUDA. Weight sync and loading
+    match parameters by their local-layer names (``models.layer_names``), so a TE trainer
+    refits a local shadow.
+
+    Args:
+        role: a base role (a shadow is built as the model it copies).
+        decodes: the model decodes with the KV cache (:func:`decoding_roles`); the default is
+            the safe one, the local layers.
     """
     description = _description(config, sources, role)
     head = role_head(role, config.placement.ac_share)
     base = (description.build_options() if description is not None
             else ModelBuildOptions(rotary_base=resolve_arch(config.models.arch).rotary_base))
-    transformer_impl = resolve_transformer_impl(config.models.transformer_impl,
-                                                needs_kv_cache=config.generation.use_kv_cache)
+    transformer_impl = resolve_transformer_impl(
+        config.models.transformer_impl, needs_kv_cache=decodes and config.generation.use_kv_cache)
     return replace(base, head=head, params_dtype=config.models.params_dtype,
                    dropout=config.models.dropout, transformer_impl=transformer_impl,
                    attention_backend=config.models.attention_backend,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import pickle
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from enum import Enum
 from pathlib import Path
@@ -55,6 +55,7 @@ from megatron_rlhf.topology.models import ArchSpec, ModelSpec
 FORMAT_VERSION = 1
 INFO_FILE = "megatron_rlhf.json"
 _MODEL_KEY = "model"
+_EXTRA_STATE = "._extra_state"
 # Numbers that decide what the weights mean; seq_length only bounds the positions used.
 _MUST_MATCH = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                "ffn_hidden_size", "vocab_size", "head", "tie_embeddings", "norm_epsilon",
@@ -509,6 +510,27 @@ def _check_same_model(saved: ModelDescription, model: ModelDescription, director
                              "read_checkpoint_info(...).model")
 
 
+def without_absent_extra_state(model_state: ShardedStateDict,
+                               directory: str | Path) -> ShardedStateDict:
+    """A model's sharded state without the modules' extra state that the checkpoint lacks.
+
+    Transformer Engine modules carry extra state (FP8 scaling) where megatron's local layers
+    have none (its local linear layers save an empty one for TE's sake); a TE model reading a
+    checkpoint of the local layers keeps its own. Weights are never left out: the local layers
+    store their norms under TE's fused names (``models.layer_names``), so a dense model's
+    tensors are found under either implementation.
+    """
+    stored = read_dcp_metadata(Path(directory)).state_dict_metadata
+    return {key: value for key, value in model_state.items()
+            if not key.endswith(_EXTRA_STATE) or _stored_key(value) in stored}
+
+
+def missing_weights(missing: Iterable[str]) -> list[str]:
+    """The keys ``load_state_dict`` reports missing, less extra state (see
+    :func:`without_absent_extra_state`; megatron's TE attention never saves its own)."""
+    return [key for key in missing if not key.endswith(_EXTRA_STATE)]
+
+
 def load_model_checkpoint(model: GPTModel | None, pg_collection: ProcessGroupCollection | None,
                           directory: str | Path, new_head: bool = False) -> CheckpointInfo:
     """Load a model checkpoint into this rank's part of ``model``, whatever TP/PP it was saved at.
@@ -539,13 +561,15 @@ def load_model_checkpoint(model: GPTModel | None, pg_collection: ProcessGroupCol
         return info
     _check_same_model(info.model, ModelDescription.from_model(model), str(directory), new_head)
     wanted = model_sharded_state_dict(model, pg_collection)
+    wanted = without_absent_extra_state(wanted, directory)
     if new_head and info.model.head != model.head_kind:
         stored = read_dcp_metadata(Path(directory)).state_dict_metadata
         wanted = {key: value for key, value in wanted.items()
                   if not key.startswith("output_layer.") or _stored_key(value) in stored}
     loaded = load_sharded_checkpoint({_MODEL_KEY: wanted}, directory)
     missing, unexpected = model.load_state_dict(loaded[_MODEL_KEY], strict=False)
-    not_loaded = [k for k in missing if not (new_head and k.startswith("output_layer."))]
+    not_loaded = [k for k in missing_weights(missing)
+                  if not (new_head and k.startswith("output_layer."))]
     if not_loaded or unexpected:
         raise ValueError(f"checkpoint {directory} does not fill the model: missing "
                          f"{not_loaded[:4]}, unexpected {unexpected[:4]}")

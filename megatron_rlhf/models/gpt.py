@@ -102,7 +102,8 @@ def resolve_transformer_impl(transformer_impl: str, needs_kv_cache: bool) -> str
         if needs_kv_cache:
             raise ValueError("models.transformer_impl=transformer_engine cannot decode with the KV "
                              "cache (megatron drops the padding mask of cached decode steps); set "
-                             "generation.use_kv_cache=false or models.transformer_impl=local")
+                             "models.transformer_impl=auto (TE for the models that do not decode), "
+                             "local, or generation.use_kv_cache=false")
     return transformer_impl
 
 

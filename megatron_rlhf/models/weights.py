@@ -1,7 +1,8 @@
 """Layout-independent weights: full (unsharded) tensors <-> this rank's TP/PP shards.
 
-A model's *full state* maps global parameter names (``decoder.layers.<global index>...``) to the
-tensors a TP=1, PP=1 model would hold, with the vocabulary unpadded. Three operations use it:
+A model's *full state* maps global parameter names (``decoder.layers.<global index>...``, in the
+local layers' names whichever implementation holds them: ``models.layer_names``) to the tensors a
+TP=1, PP=1 model would hold, with the vocabulary unpadded. Three operations use it:
 
 * :func:`init_weights` draws each full tensor from a generator seeded by (seed, name) and keeps
   this rank's slice, so the initial model is the same whatever the TP/PP layout;
@@ -24,6 +25,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.models.gpt import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
+
+from megatron_rlhf.models.layer_names import local_layer_name
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
 _VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight",
@@ -53,7 +56,7 @@ def _global_name(model: GPTModel, local_name: str) -> str:
     if match is None:
         return local_name
     layer = model.decoder.layers[int(match.group(1))]
-    rest = local_name[match.end():]
+    rest = local_layer_name(local_name[match.end():])  # a TE model's fused norms, renamed
     expert = _LOCAL_EXPERT_RE.match(rest)
     if expert is not None:  # an MoE layer's experts are named by their global index
         index = layer.mlp.local_expert_indices[int(expert.group(1))]

@@ -2,8 +2,9 @@
 
 ``describe`` writes what ``shard_rules`` reports for megatron's GPTModel (vocabulary-parallel
 embedding and LM head padded to ``PAD * tp`` rows, column-parallel QKV and SwiGLU fc1, row-parallel
-projections, replicated norms), so the planner can be tested without megatron models or process
-groups. ``simulate`` executes a plan on tensors cut from one random full state.
+projections, replicated norms; norms under TE's fused names with ``te``), so the planner can be
+tested without megatron models or process groups. ``simulate`` executes a plan on tensors cut
+from one random full state.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 
 import torch
 
+from megatron_rlhf.models.layer_names import fused_norm_prefixes, local_layer_name
 from megatron_rlhf.models.weights import ShardRule, _shard_of_full
 from megatron_rlhf.refit import ModelLayout, ParamShard, RankShards, RefitPlan
 from megatron_rlhf.refit.layout import box_slices
@@ -24,8 +26,16 @@ def _rule(name: str, dim: int | None = None, glu: bool = False,
     return ShardRule(name, dim, glu, VOCAB if vocab else None)
 
 
-def _stage_params(layout: ModelLayout, pp_rank: int, num_layers: int,
-                  tied: bool) -> list[tuple[str, ShardRule, tuple[int, ...]]]:
+def _te_name(name: str) -> str:
+    """Transformer Engine's name of a local layer parameter (its fused norms)."""
+    for local, fused in fused_norm_prefixes().items():
+        if name.startswith(local):
+            return fused + name[len(local):]
+    return name
+
+
+def _stage_params(layout: ModelLayout, pp_rank: int, num_layers: int, tied: bool,
+                  te: bool) -> list[tuple[str, ShardRule, tuple[int, ...]]]:
     tp = layout.tp
     rows = math.ceil(VOCAB / (PAD * tp)) * PAD * tp // tp
     per_stage = num_layers // layout.pp
@@ -40,9 +50,12 @@ def _stage_params(layout: ModelLayout, pp_rank: int, num_layers: int,
             ("self_attention.linear_qkv.weight", 0, False, (QKV // tp, HIDDEN)),
             ("self_attention.linear_proj.weight", 1, False, (HIDDEN, QKV // tp)),
             ("mlp.linear_fc1.weight", 0, True, (2 * FFN // tp, HIDDEN)),
+            ("pre_mlp_layernorm.weight", None, False, (HIDDEN,)),
             ("mlp.linear_fc2.weight", 1, False, (HIDDEN, FFN // tp)),
         ):
-            params.append((prefix + name, _rule(glob + name, dim, glu), shape))
+            if te:  # named as TE's layers name it; the global name is what shard_rules gives
+                name = _te_name(name)
+            params.append((prefix + name, _rule(glob + local_layer_name(name), dim, glu), shape))
     if pp_rank == layout.pp - 1:
         params.append(("decoder.final_layernorm.weight",
                        _rule("decoder.final_layernorm.weight"), (HIDDEN,)))
@@ -53,13 +66,14 @@ def _stage_params(layout: ModelLayout, pp_rank: int, num_layers: int,
 
 
 def describe(layout: ModelLayout, num_layers: int = 4, tied: bool = False,
-             dtype: torch.dtype = torch.float32) -> list[RankShards]:
-    """Every rank's ``RankShards`` of the small GPT placed on ``layout``."""
+             dtype: torch.dtype = torch.float32, te: bool = False) -> list[RankShards]:
+    """Every rank's ``RankShards`` of the small GPT placed on ``layout``, built with megatron's
+    local layers or (``te``) Transformer Engine's."""
     shards = []
     for rank in layout.ranks:
         c = layout.coords(rank)
         params = tuple(ParamShard(name, rule, shape, dtype)
-                       for name, rule, shape in _stage_params(layout, c.pp, num_layers, tied))
+                       for name, rule, shape in _stage_params(layout, c.pp, num_layers, tied, te))
         shards.append(RankShards(rank, c.tp, layout.tp, c.pp, c.dp, params))
     return shards
 

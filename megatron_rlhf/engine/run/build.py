@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megatron_rlhf.builder.networks import build_model
 from megatron_rlhf.builder.sources import (
     ModelSource,
+    decoding_roles,
     load_initial_weights,
     resolve_sources,
     role_architectures,
@@ -183,14 +184,18 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
     workers: dict[str, ModelWorker] = {}
     models = {}
     total_updates = (config.steps * config.rollout.ppo_epochs * config.rollout.num_minibatches)
+    decoding, layers = decoding_roles(config, plan), {}
     for role in plan.roles_on(rank):
         pgc = groups[role]
-        options = replace(role_options(config, sources, SHADOW_OF.get(role, role)),
+        options = replace(role_options(config, sources, SHADOW_OF.get(role, role),
+                                       decodes=role in decoding),
                           recompute=config.models.recompute_of(role),
                           token_vocab_size=token_vocab_size)
         models[role] = build_model(plan[role].spec.arch, options, pgc,
                                    runtime_seed=config.runtime.seed,
                                    init_seed=config.models.init_seed)
+        layers[role] = options.transformer_impl
+    logger.info("layers: %s", ", ".join(f"{role} {impl}" for role, impl in layers.items()))
     initial = {role: source for role, source in sources.items()
                if load_initial or role not in TRAINABLE_ROLES}
     load_initial_weights(models, groups, plan.models, initial, config.models.hf_cache_dir)

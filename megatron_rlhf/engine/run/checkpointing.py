@@ -63,9 +63,11 @@ from megatron_rlhf.models.checkpoint import (
     CheckpointInfo,
     ModelDescription,
     load_sharded_checkpoint,
+    missing_weights,
     model_sharded_state_dict,
     read_checkpoint_info,
     start_sharded_checkpoint,
+    without_absent_extra_state,
     write_sharded_checkpoint,
 )
 from megatron_rlhf.models.fsdp_checkpoint import (
@@ -502,10 +504,15 @@ def _load_role(engine: PPOEngine, role: str, path: Path, common: dict, trainer_s
     else:
         sharded, _, local = _role_state(engine, role, is_loading=True,
                                         with_optimizer=with_optimizer)
+        if "model" in sharded:  # saved by the other layer implementation: no TE extra state
+            sharded["model"] = without_absent_extra_state(sharded["model"], path / role)
         loaded = load_sharded_checkpoint(sharded, path / role)
         if worker is None:
             return
-        worker.model.load_state_dict(loaded["model"], strict=True)
+        missing, unexpected = worker.model.load_state_dict(loaded["model"], strict=False)
+        if missing_weights(missing) or unexpected:
+            raise ValueError(f"checkpoint {path / role} does not fill the {role}: missing "
+                             f"{missing_weights(missing)[:4]}, unexpected {unexpected[:4]}")
         if with_optimizer:
             worker.trainer.load_optimizer_state(
                 merge(merge(loaded["optimizer"], common), local.get("optimizer", {})))
