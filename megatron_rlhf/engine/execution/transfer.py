@@ -196,6 +196,7 @@ class TransferChannels:
         self._posted = threading.Condition()
         self._deferred: queue.SimpleQueue[_DeferredSends] = queue.SimpleQueue()
         self._poster: threading.Thread | None = None
+        self._stream: torch.cuda.Stream | None = None
         self._failure: BaseException | None = None
 
     def handshake(self, key: ChannelKey, rank: int, receivers: Iterable[int],
@@ -274,7 +275,9 @@ class TransferChannels:
         in flight until the channel is drained. Returns at once."""
         self._raise_failure()
         produced = None
-        if tensors[0].is_cuda:  # the thread's stream waits for what made the tensors
+        if tensors[0].is_cuda:  # the thread posts on a stream that waits for what made them
+            if self._stream is None:  # made here, so the thread makes no CUDA call but posts
+                self._stream = torch.cuda.Stream(tensors[0].device)
             produced = torch.cuda.Event()
             produced.record(torch.cuda.current_stream(tensors[0].device))
         with self._posted:
@@ -286,7 +289,6 @@ class TransferChannels:
             self._poster.start()
 
     def _post_deferred(self) -> None:
-        stream: torch.cuda.Stream | None = None
         while True:
             batch = self._deferred.get()
             try:
@@ -295,12 +297,8 @@ class TransferChannels:
                             "post their receives of this transfer")
                 posting = contextlib.nullcontext()
                 if batch.produced is not None:
-                    device = batch.tensors[0].device
-                    if stream is None:
-                        torch.cuda.set_device(device)
-                        stream = torch.cuda.Stream(device)
-                    stream.wait_event(batch.produced)
-                    posting = torch.cuda.stream(stream)
+                    self._stream.wait_event(batch.produced)
+                    posting = torch.cuda.stream(self._stream)  # and its device
                 with posting:
                     requests = dist.batch_isend_irecv(batch.ops)
             except BaseException as error:  # noqa: BLE001 - raised on the compute thread
