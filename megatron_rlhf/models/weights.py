@@ -135,9 +135,8 @@ def _full_of_shards(shards: list[torch.Tensor], rule: ShardRule) -> torch.Tensor
 
 def _init_full_tensor(name: str, shape: list[int], seed: int, std: float,
                       num_layers: int) -> torch.Tensor:
-    # Transformer Engine fuses the pre-attention and pre-MLP norms into the following linear
-    # layers as ``linear_qkv.layer_norm_weight`` and ``linear_fc1.layer_norm_weight``.
-    if "layernorm" in name or name.endswith(("norm.weight", "layer_norm_weight")):
+    # ``name`` is in the local layers' spelling: TE's fused norms arrive as ``*_layernorm``.
+    if "layernorm" in name or name.endswith("norm.weight"):
         return torch.ones(shape)
     if name.endswith(".bias"):
         return torch.zeros(shape)

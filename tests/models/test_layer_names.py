@@ -89,6 +89,18 @@ def test_a_te_layout_has_the_local_full_state(pgc) -> None:
     assert all(torch.equal(t, expected[k]) for k, t in gather_full_state(other, pgc).items())
 
 
+def test_te_fused_norms_are_initialised_as_the_local_norms(pgc) -> None:
+    te = with_te_layout(build_gpt_model(_ARCH, ModelBuildOptions(), pgc))
+    init_weights(te, pgc, seed=6)
+    local = build_gpt_model(_ARCH, ModelBuildOptions(), pgc)
+    init_weights(local, pgc, seed=6)
+    fused = [p for n, p in te.named_parameters() if n.endswith("layer_norm_weight")]
+    assert len(fused) == 2 * _ARCH.num_layers and all(torch.equal(p, torch.ones_like(p))
+                                                      for p in fused)
+    expected = gather_full_state(local, pgc)
+    assert all(torch.equal(t, expected[k]) for k, t in gather_full_state(te, pgc).items())
+
+
 def test_an_unmappable_parameter_of_a_model_fails_naming_it(pgc) -> None:
     model = _model(pgc, seed=2, te=True)
     proj = model.decoder.layers[1].self_attention.linear_proj

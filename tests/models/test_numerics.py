@@ -99,10 +99,9 @@ def test_explicit_masks_make_attention_apply_the_given_mask(groups) -> None:
                                    model(*model_inputs(plain)), rtol=1e-5, atol=1e-5)
 
 
-def test_transformer_engine_fused_norm_weights_start_at_one() -> None:
-    for name in ("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight",
-                 "decoder.layers.0.mlp.linear_fc1.layer_norm_weight",
-                 "decoder.layers.0.input_layernorm.weight"):
+def test_norm_weights_start_at_one_and_others_random() -> None:
+    for name in ("decoder.layers.0.input_layernorm.weight",
+                 "decoder.layers.0.pre_mlp_layernorm.weight", "decoder.final_layernorm.weight"):
         assert torch.equal(_init_full_tensor(name, [8], seed=1, std=0.02, num_layers=2),
                            torch.ones(8))
     weight = _init_full_tensor("decoder.layers.0.mlp.linear_fc1.weight", [8, 4], seed=1,
