@@ -222,7 +222,12 @@ class RolloutConfig:
             ``Class(record, **kwargs)`` per episode, ``reset() -> str | None`` (the first user
             message; None: the record's prompt) and ``step(reply) -> (observation, reward,
             done)`` after every reply; the observation is the next user message (None ends the
-            episode) and the step rewards are added to the episode's score.
+            episode) and the step rewards are added to the episode's score. Optional keys:
+            ``timeout_s`` (default 60), the longest one call (constructing, ``reset``,
+            ``step``) may run, and ``on_error``: a call that raises, runs past it or returns
+            something else either stops the run naming the environment and the record
+            (``error``, the default) or ends that episode, counted in ``rollout/tool_errors``
+            (``end``).
         max_turns: replies per episode with ``tools`` or ``environment`` (>= 1); an episode
             whose last allowed reply is answered without ending it stops there, truncated.
         max_episode_tokens: with ``tools`` or ``environment``, the tokens after the prompt

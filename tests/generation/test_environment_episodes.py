@@ -5,12 +5,15 @@ naming the record. One process, the tiny model."""
 
 from __future__ import annotations
 
+import signal
+import time
+
 import pytest
 
 from megatron_rlhf.engine.execution.episodes import USER_MESSAGE, EpisodeRollouts, episode_metrics
 from megatron_rlhf.generation import GenerationConfig, generate_sequences
 from megatron_rlhf.generation.episodes import EpisodeConfig
-from megatron_rlhf.rewards.environments import EnvironmentError_, parse_environment
+from megatron_rlhf.rewards.environments import EnvironmentError_, _within, parse_environment
 from tests.generation.helpers import PAD, make_prompts
 
 E = "tests.rewards.user_envs"
@@ -33,10 +36,11 @@ class _Worker:
                                   pad_id)
 
 
-def _run(tiny, kwargs: dict, records, max_turns: int = 3):
+def _run(tiny, kwargs: dict, records, max_turns: int = 3, name: str = "Countdown",
+         **settings):
     rollouts = EpisodeRollouts(EpisodeConfig(max_turns, 60, 5, stop=None), _encode, _decode,
-                               environment=parse_environment({"name": f"{E}:Countdown",
-                                                              "kwargs": kwargs}),
+                               environment=parse_environment({"name": f"{E}:{name}",
+                                                              "kwargs": kwargs, **settings}),
                                encode_prompt=lambda text: [2, *_encode(text)])
     prompts = make_prompts([4, 6], seed=1)
     return rollouts.run(_Worker(tiny), prompts, [0, 1], records,
@@ -88,3 +92,68 @@ def test_environment_config_is_checked() -> None:
     with pytest.raises(ValueError, match="rollout.tools and rollout.environment are both set"):
         RolloutConfig(environment={"name": f"{E}:Countdown"}, max_episode_tokens=32,
                       tools=[{"name": "tests.rewards.user_tools:calculator"}])
+    with pytest.raises(ValueError, match=r"rollout.environment.timeout_s=0 must be a number"):
+        parse_environment({"name": f"{E}:Countdown", "timeout_s": 0})
+    with pytest.raises(ValueError, match=r"rollout.environment.on_error='observe': use one"):
+        parse_environment({"name": f"{E}:Countdown", "on_error": "observe"})
+    spec = parse_environment({"name": f"{E}:Countdown", "timeout_s": 2, "on_error": "end"})
+    assert (spec.timeout_s, spec.on_error) == (2.0, "end")
+
+
+def test_a_hanging_step_stops_the_run_naming_the_environment_and_the_record(tiny) -> None:
+    start = time.monotonic()
+    with pytest.raises(EnvironmentError_, match=r"rollout.environment 'tests.rewards.user_envs:"
+                       r"Sleepy' on prompt record #7: step\(\) ran past its timeout of 0.3 s "
+                       r"\(rollout.environment.timeout_s\)"):
+        _run(tiny, {}, [(3, {}), (7, {"hang": True})], name="Sleepy", timeout_s=0.3)
+    assert time.monotonic() - start < 10, "the alarm must interrupt the 30 s sleep"
+
+
+@pytest.mark.parametrize("record", [{"hang": True}, {"hang_reset": True}, {"explode": True}],
+                         ids=["step-hangs", "reset-hangs", "step-raises"])
+def test_with_on_error_end_a_failing_environment_ends_its_episode(tiny, record) -> None:
+    start = time.monotonic()
+    out, stats = _run(tiny, {"replies": 2}, [(0, {}), (1, record)], name="Sleepy",
+                      timeout_s=0.3, on_error="end")
+    assert time.monotonic() - start < 10
+    # the healthy row runs its two turns; the failing one ends after its first reply, counted
+    assert stats["episode_turns"].tolist() == [2.0, 1.0]
+    assert stats["episode_tool_errors"].tolist() == [0.0, 1.0]
+    assert stats["episode_observation_tokens"][1] == 0
+    assert stats["episode_reward"].tolist() == [1.0, 0.0]
+    assert episode_metrics(stats)["rollout/tool_errors"] == 0.5
+
+
+def test_an_alarm_already_set_is_put_back_with_the_time_it_has_left() -> None:
+    """pytest-timeout (signal method) arms SIGALRM around a test: an environment call must not
+    disarm it."""
+    fired = []
+    previous = signal.signal(signal.SIGALRM, lambda *_: fired.append(True))
+    signal.setitimer(signal.ITIMER_REAL, 50.0)
+    try:
+        assert _within(lambda: 4, 1.0) == 4
+        left, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert 45 < left <= 50
+        assert signal.getsignal(signal.SIGALRM) is not signal.SIG_DFL and not fired
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_off_the_main_thread_a_late_call_is_abandoned() -> None:
+    import threading
+
+    outcome = []
+
+    def run() -> None:
+        try:
+            _within(lambda: time.sleep(5), 0.2)
+        except BaseException as error:  # noqa: BLE001 - the test records what came out
+            outcome.append(type(error).__name__)
+        outcome.append(_within(lambda: 3, 1.0))
+
+    start = time.monotonic()
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert outcome == ["_Timeout", 3] and time.monotonic() - start < 4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 
@@ -32,3 +33,22 @@ class NoStep:
 
     def reset(self) -> None:
         return None
+
+
+class Sleepy(Countdown):
+    """A :class:`Countdown` whose ``step`` (record ``hang``) or ``reset`` (record
+    ``hang_reset``) sleeps ``sleep_s`` seconds: an environment that hangs."""
+
+    def __init__(self, record: dict[str, Any], sleep_s: float = 30.0, **kwargs: Any) -> None:
+        super().__init__(record, **kwargs)
+        self.sleep_s = sleep_s
+
+    def reset(self) -> str | None:
+        if self.record.get("hang_reset"):
+            time.sleep(self.sleep_s)
+        return super().reset()
+
+    def step(self, response: str) -> tuple[str | None, float, bool]:
+        if self.record.get("hang"):
+            time.sleep(self.sleep_s)
+        return super().step(response)

@@ -29,7 +29,7 @@ from megatron_rlhf.generation.episodes import (
     Observation,
     run_episodes,
 )
-from megatron_rlhf.rewards.environments import EnvironmentSpec
+from megatron_rlhf.rewards.environments import EnvironmentError_, EnvironmentSpec, Episode
 from megatron_rlhf.rewards.tools import ToolCall, Tools
 
 STAT_FIELDS = {name: f"episode_{name}" for name in EPISODE_STATS}
@@ -86,6 +86,17 @@ def _on_first_tp_rank(worker: ModelWorker, call: Callable[[], Any]) -> Any:
     return box[0]
 
 
+def _raise_or_end(results: list[Any], on_error: str) -> list[Any]:
+    """``results`` of environment calls (as every TP rank received them); with
+    ``on_error="error"`` the first :class:`EnvironmentError_` among them is raised, on every
+    rank alike, and with ``"end"`` it stays in place (its episode ends)."""
+    if on_error == "error":
+        for result in results:
+            if isinstance(result, EnvironmentError_):
+                raise result
+    return results
+
+
 class EpisodeRollouts:
     """Episodes with tools or an environment on the ranks that generate.
 
@@ -140,21 +151,42 @@ class EpisodeRollouts:
                                 answer.failed, answer.seconds) for answer in answers]
 
         if self.environment is not None:
-            envs = []  # on the first TP rank only
+            spec = self.environment
+            envs: list[Episode | None] = []  # on the first TP rank only; None: failed
 
-            def start() -> list[str | None]:
-                envs.extend(self.environment.make(record, index) for index, record in records)
-                return [env.reset() for env in envs]
+            def start() -> list[str | None | EnvironmentError_]:
+                firsts = []
+                for index, record in records:
+                    try:
+                        envs.append(spec.make(record, index))
+                        firsts.append(envs[-1].reset())
+                    except EnvironmentError_ as error:  # raised on every rank below
+                        envs[len(firsts):] = [None]  # whether make() or reset() failed
+                        firsts.append(error)
+                return firsts
 
-            firsts = _on_first_tp_rank(worker, start)
-            prompts = [list(prompt) if first is None else self.encode_prompt(first)
+            firsts = _raise_or_end(_on_first_tp_rank(worker, start), spec.on_error)
+            prompts = [self.encode_prompt(first) if isinstance(first, str) else list(prompt)
                        for prompt, first in zip(prompts, firsts, strict=True)]
+
+            def step(row: int, text: str) -> tuple[str | None, float, bool] | EnvironmentError_:
+                if envs[row] is None:  # its construction or reset() failed: the episode ends
+                    return EnvironmentError_("its construction or reset() failed")
+                try:
+                    return envs[row].step(text)
+                except EnvironmentError_ as error:
+                    envs[row] = None
+                    return error
 
             def answer_environment(calls: list[tuple[int, str]]) -> list[Observation]:
                 observations = []
-                steps = _on_first_tp_rank(worker, lambda: [envs[row].step(text)
-                                                           for row, text in calls])
-                for observation, reward, done in steps:
+                steps = _raise_or_end(_on_first_tp_rank(
+                    worker, lambda: [step(row, text) for row, text in calls]), spec.on_error)
+                for result in steps:
+                    if isinstance(result, EnvironmentError_):
+                        observations.append(Observation([], failed=True, done=True))
+                        continue
+                    observation, reward, done = result
                     tokens = ([] if observation is None else
                               self.encode(USER_MESSAGE.format(observation=observation)))
                     observations.append(Observation(tokens, reward=reward,
