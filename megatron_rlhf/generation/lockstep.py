@@ -13,7 +13,9 @@ each stop check), and a rank with nothing left to decode runs an idle forward of
 token, whose output is dropped, while the others still decode. A rank with fewer micro-batches
 runs idle ones (:meth:`ExpertLockstep.idle_decode`) after its own. Under continuous batching
 each round of the loop (a prefill where any rank prefills, the decode steps up to the next stop
-check) runs on every rank, idle where there is nothing to run, until every rank is done.
+check) runs on every rank, idle where there is nothing to run, until every rank is done. A rank
+given no prompts at all (an uneven split of a few prompts) runs a whole call idle
+(:meth:`ExpertLockstep.idle_call`).
 """
 
 from __future__ import annotations
@@ -81,3 +83,12 @@ class ExpertLockstep:
                 self.idle_forward()
             if self.all_done(True):
                 return
+
+    def idle_call(self, continuous: bool, stop_check_interval: int) -> None:
+        """A ``generate_sequences`` call of the group that gives this rank no prompts: its
+        collectives and idle forwards, for either decode loop (``continuous``)."""
+        if continuous:
+            self.idle_rounds(stop_check_interval)
+            return
+        for _ in range(self.most(0)):
+            self.idle_decode(stop_check_interval)

@@ -2,7 +2,8 @@
 work differs: rank 0 decodes 3 prompts, rank 1 one, and many end-of-sequence tokens stop rows
 at different steps. Every MoE layer's all-to-all is collective over the two ranks, so the decode
 loops run in lockstep (``generation.lockstep``: idle forwards where a rank has nothing left);
-the tokens must be those the same model samples at EP 1, with both decode loops."""
+the tokens must be those the same model samples at EP 1, with both decode loops, also when
+rank 1 has no prompts at all."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ EOS = tuple(range(0, 256, 3))
 """A third of the vocabulary ends a reply: rows stop after a few tokens, at different steps."""
 
 
-def _sample(ep: int, batching: str) -> tuple[list[list[int]], list[float], int]:
+def _sample(ep: int, batching: str, idle_rank: int | None = None
+            ) -> tuple[list[list[int]], list[float], int]:
     from megatron_rlhf.builder.networks import build_model
     from megatron_rlhf.generation.generate import generate_sequences
     from megatron_rlhf.generation.lockstep import ExpertLockstep
@@ -45,6 +47,12 @@ def _sample(ep: int, batching: str) -> tuple[list[list[int]], list[float], int]:
 
     ExpertLockstep.idle_forward = counted
     try:
+        if rank == idle_rank:  # an uneven split left this rank without prompts
+            lockstep = ExpertLockstep.of(model, pgc, pad_id=1)
+            if lockstep is not None:
+                with torch.no_grad():
+                    lockstep.idle_call(config.continuous, config.stop_check_interval)
+            return [], [], len(idle)
         out = generate_sequences(model, pgc, prompts, indices, config, eos_id=EOS, pad_id=1)
     finally:
         ExpertLockstep.idle_forward = original
@@ -58,8 +66,11 @@ def _job() -> dict:
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
 
     initialize_runtime()
-    return {(ep, batching): _sample(ep, batching)
-            for batching in ("static", "continuous") for ep in (1, 2)}
+    results = {(ep, batching): _sample(ep, batching)
+               for batching in ("static", "continuous") for ep in (1, 2)}
+    results.update({(ep, batching, "idle"): _sample(ep, batching, idle_rank=1)
+                    for batching in ("static", "continuous") for ep in (1, 2)})
+    return results
 
 
 @pytest.mark.multirank
@@ -79,3 +90,10 @@ def test_expert_parallel_ranks_decode_in_lockstep() -> None:
                 assert len(set(lengths)) > 1, lengths  # its rows stop at different steps
             else:  # one prompt against three: rank 1 idles while rank 0 decodes
                 assert idle2 > 0, batching
+            # rank 1 without prompts: its idle call keeps rank 0's decoding going
+            ep2, ep1 = results[(2, batching, "idle")], results[(1, batching, "idle")]
+            assert ep2[0] == ep1[0] and ep2[1] == pytest.approx(ep1[1], abs=1e-5)
+            if rank == 0:
+                assert ep2[0] == tokens1
+            else:
+                assert ep2[2] > 0

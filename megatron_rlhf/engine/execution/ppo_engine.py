@@ -230,6 +230,8 @@ class PPOEngine:
                                  "micro_batches": [dataclasses.asdict(work)
                                                    for work in output.micro_batches]}
             fields = {**self._fixed_width(output), **stats}
+        elif rows is not None:  # a replica left without prompts by an uneven split
+            self.workers[roles[self.rank]].generate_nothing(self.generation, self.pad_id)
         return DistBatch(layout, self.rollout_schema(), fields)
 
     def _fixed_width(self, output: GenerationOutput) -> dict[str, torch.Tensor]:
@@ -296,14 +298,15 @@ class PPOEngine:
                            w, f, rule_reward, function_rewards,
                            records[rows[0]:rows[1]] if records else None)),
         }
-        passes = [(role, *computations[output]) for role, output in self.experience_passes()]
+        passes = [(role, output, *computations[output])
+                  for role, output in self.experience_passes()]
         inputs = rollout.select(["input_ids", "attention_mask"])
         with self.context.span("transfer", "experience-inputs", chunk):
             staged = [inputs.moved_to(replica_input_layout(self.plan[role], rollout.batch_size),
                                       self._node_of, self.channels)
-                      for role, _, _ in passes]
+                      for role, _, _, _ in passes]
         outputs = []
-        for (role, shapes, compute), staged_inputs in zip(passes, staged, strict=True):
+        for (role, output, shapes, compute), staged_inputs in zip(passes, staged, strict=True):
             results = None
             if staged_inputs.fields is not None:
                 with self.context.span("experience", role, chunk):
@@ -311,6 +314,8 @@ class PPOEngine:
                                       staged_inputs.rows())
                 if any(value is None for value in results.values()):
                     results = None  # a pipeline stage without outputs
+            elif role in self.workers and (output != "scores" or self.plan.config.reward):
+                self.workers[role].forward_nothing()  # no rows here (an uneven split)
             outputs.append(DistBatch(
                 replica_output_layout(self.plan[role], rollout.batch_size),
                 {name: (torch.float32, shape) for name, shape in shapes.items()}, results))

@@ -20,6 +20,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_rlhf.engine.execution.throughput import WorkMeter, forward_flops
 from megatron_rlhf.generation import GenerationConfig, GenerationOutput, generate_sequences
+from megatron_rlhf.generation.lockstep import ExpertLockstep
 from megatron_rlhf.models.forward_backward import (
     Batch,
     run_microbatches,
@@ -134,12 +135,33 @@ class ModelWorker:
 
         module = self._module()
         module.eval()
+        parts, real = self._lockstep_microbatches(fields, forward_only=True)
         with torch.no_grad(), self.resident(WEIGHTS):
-            metrics = run_microbatches(module, self.pg_collection, self._microbatches(fields),
-                                       loss_fn, forward_only=True)
+            metrics = run_microbatches(module, self.pg_collection, parts, loss_fn,
+                                       forward_only=True)
         if not self.is_output_stage:
             return None
-        return torch.cat([m["result"] for m in metrics])
+        return torch.cat([m["result"] for m in metrics[:real]])
+
+    def forward_nothing(self) -> None:
+        """Take part in a forward-only pass that gives this replica no rows: nothing for a
+        dense model or ``ep = 1``; with ``ep > 1`` as many idle forwards as the other ranks of
+        the expert-parallel group run micro-batches (each is a collective over the group)."""
+        group = self._lockstep_group()
+        if group is None or self.trainer is not None and self.trainer.settings.fsdp:
+            return
+        counts = torch.zeros(2, dtype=torch.long, device=self.device)
+        torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX, group=group)
+        module = self._module()
+        lockstep = ExpertLockstep(module, group, pad_id=0)
+        was_training = module.training
+        module.eval()
+        try:
+            with self.resident(WEIGHTS):
+                for _ in range(int(counts[0])):
+                    lockstep.idle_forward()
+        finally:
+            module.train(was_training)
 
     def token_logprobs(self, output: torch.Tensor, batch: Batch, prompt_len: int,
                        temperature: float, with_entropy: bool = False
@@ -217,6 +239,22 @@ class ModelWorker:
             rows.append((output.attention_mask, 1))
         return output
 
+    def generate_nothing(self, config: GenerationConfig, pad_id: int) -> None:
+        """Take part in a generation call that gives this replica no prompts: nothing for a
+        dense model or ``ep = 1``; with ``ep > 1`` the forwards the other ranks of the
+        expert-parallel group need (``generation.lockstep``)."""
+        module = self._module()
+        lockstep = ExpertLockstep.of(module, self.pg_collection, pad_id)
+        if lockstep is None:
+            return
+        was_training = module.training
+        module.eval()
+        try:
+            with self.resident(WEIGHTS), without_sequence_parallel(self.model):
+                lockstep.idle_call(config.continuous, config.stop_check_interval)
+        finally:
+            module.train(was_training)
+
     def train(self, fields: Fields, loss_fn, supervised: Fields | None = None
               ) -> dict[str, Any]:
         """One optimizer step over this replica's rows of a mini-batch (and of ``supervised``
@@ -253,26 +291,37 @@ class ModelWorker:
         self.work.record(stage, flops / ranks, seconds)
 
     def _microbatches(self, fields: Fields) -> list[Fields]:
+        """This rank's micro-batches of ``fields`` for training: as many as on every rank of
+        the lockstep group (:meth:`_lockstep_group`)."""
+        return self._lockstep_microbatches(fields)[0]
+
+    def _lockstep_microbatches(self, fields: Fields, forward_only: bool = False
+                               ) -> tuple[list[Fields], int]:
+        """This rank's micro-batches of ``fields``, as many as on every rank of the lockstep
+        group (:meth:`_lockstep_group`), and how many of them are real: a forward-only pass
+        whose rows are too few for that count repeats its last micro-batch (the repeats'
+        results are to be dropped)."""
         fields = to_device(fields, self.device)
         budget = self.max_tokens_per_micro_batch
         parts = (token_budget_microbatches(fields, budget) if budget
                  else split_microbatches(fields, self.micro_batch_size))
         group = self._lockstep_group()
         if group is None:
-            return parts
+            return parts, len(parts)
         # Every rank of ``group`` runs a collective per micro-batch, so all run as many, the
         # most any of them needs, whatever their rows' count and lengths.
         rows = fields["attention_mask"].shape[0]
         counts = torch.tensor([len(parts), -rows], device=self.device)
         torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX, group=group)
         count, fewest_rows = int(counts[0]), -int(counts[1])
-        if count > fewest_rows:
+        if count > fewest_rows and not forward_only:
             raise ValueError(f"{self.role}: a rank of a group that runs in lockstep (expert "
                              f"parallelism or FSDP) needs {count} micro-batches but another has "
                              f"{fewest_rows} rows: give every data-parallel rank as many rows")
         if count == len(parts):
-            return parts
-        return split_into_microbatches(fields, budget or sys.maxsize, count)
+            return parts, count
+        parts = split_into_microbatches(fields, budget or sys.maxsize, min(count, rows))
+        return parts + [parts[-1]] * (count - len(parts)), len(parts)
 
     def _lockstep_group(self) -> torch.distributed.ProcessGroup | None:
         """The ranks that must run as many micro-batches as this one: the DP group under
