@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-TIMING = ("step_seconds", "samples_per_s")
+TIMING = ("step_seconds", "samples_per_s", "rollout/tool_latency_s")
 """Measurements of a run, not results of its math: they differ between identical runs."""
 MEASURED_PREFIXES = ("memory/", "checkpoint/", "throughput/")
 """Groups of measurements: memory peaks, throughput, and checkpoint save seconds (present in the
