@@ -194,6 +194,22 @@ def new_member_group(ranks: list[int], timeout_s: float, desc: str) -> dist.Proc
     return group
 
 
+def live_groups() -> frozenset[dist.ProcessGroup]:
+    """The process groups this process holds now, the default group among them; give it to
+    :func:`destroy_groups_since` to keep them."""
+    return frozenset(dist.distributed_c10d._world.pg_map)
+
+
+def destroy_groups_since(kept: frozenset[dist.ProcessGroup]) -> int:
+    """Destroy every process group created since ``kept`` was taken (:func:`live_groups`),
+    never the default group; returns how many. Each rank destroys its own: the call is local."""
+    doomed = [group for group in list(dist.distributed_c10d._world.pg_map)
+              if group not in kept and group is not dist.group.WORLD]
+    for group in doomed:
+        dist.destroy_process_group(group)
+    return len(doomed)
+
+
 def destroy_distributed() -> None:
     """Tear the default process group down if it exists."""
     if dist.is_initialized():

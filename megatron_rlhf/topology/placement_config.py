@@ -74,7 +74,8 @@ class ParallelOverride:
 class ReplanConfig:
     """Re-planning during a run: every ``interval_steps`` steps the planner ranks the candidate
     placements again with the stage times and answer lengths the run measured, and records the
-    ranking (``replan/*`` metrics, ``<run_dir>/plan_history.jsonl``). The run does not move.
+    ranking (``replan/*`` metrics, ``<run_dir>/plan_history.jsonl``). With ``move`` the run
+    also moves to the best placement, inside the job, when that pays for the move.
 
     Attributes:
         interval_steps: steps measured per re-planning; 0 turns it off.
@@ -83,12 +84,18 @@ class ReplanConfig:
         warmup_steps: first steps of the run left out of the measurements (start-up costs).
         profile: hardware profile the planner starts from (a shipped name or a
             ``tools/calibrate.py`` JSON); None: the shipped profile named like each pool's kind.
+        move: move the run to the best placement after a re-planning whose predicted gain
+            exceeds ``min_gain`` and whose predicted saving over the next ``interval_steps``
+            steps exceeds the cost of a move (the last move's measured seconds; before the
+            first, an estimate). The run saves its state, builds the new placement and loads
+            the state into it at the step boundary, in the same processes.
     """
 
     interval_steps: int = 0
     min_gain: float = 0.05
     warmup_steps: int = 1
     profile: str | None = None
+    move: bool = False
 
     def __post_init__(self) -> None:
         for name in ("interval_steps", "warmup_steps"):
@@ -99,6 +106,8 @@ class ReplanConfig:
         if not isinstance(self.min_gain, int | float) or not 0.0 <= self.min_gain < 1.0:
             raise ValueError(f"placement.replan.min_gain={self.min_gain!r} must be a fraction in "
                              "[0, 1) of the step time, e.g. 0.05")
+        if not isinstance(self.move, bool):
+            raise ValueError(f"placement.replan.move={self.move!r} must be true or false")
 
     @property
     def enabled(self) -> bool:

@@ -1,9 +1,10 @@
 """Re-planning during a run (``placement.replan``): rank the placements again from what the run
-measured, and record the ranking. The run keeps its placement.
+measured, record the ranking, and with ``placement.replan.move`` choose a placement to move to.
 
     replanner = RunReplanner(config, plan, tracer, run_dir, start)   # every rank
     replanner.begin_step()                                           # before each step
     metrics.update(replanner.after_step(step, metrics, seconds))     # after it
+    target = replanner.take_target(step)                             # None, or where to move
 
 Each rank times its stages on the run's timeline (the tracer is on while re-planning; the spans
 are dropped once counted unless the run writes its timeline). After ``interval_steps`` measured
@@ -13,12 +14,21 @@ answers' mean length (the same on every rank, from the step metrics) each rank t
 pure ranking (``planner.replan.rerank``), so every rank holds the same ``replan/*`` metrics. Rank
 0 appends the ranking to ``<run_dir>/plan_history.jsonl``. Nothing here touches the models, the
 data or a random generator: training is the same with and without re-planning.
+
+A move pays when the best placement's predicted gain exceeds ``min_gain`` and its predicted
+saving over the next ``interval_steps`` steps (fewer when the run ends sooner) exceeds the cost of
+a move: the last move's measured seconds, before the first one ``move_cost_s`` (set by the
+runner from its estimate). The inputs are the same on every rank, so every rank decides alike.
+A candidate is a move target only where the run's checkpoint loads into it (the same
+Megatron-FSDP choice per trained model).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,6 +49,7 @@ from megatron_rlhf.planner.schedule import covered_seconds
 from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.runtime.tracing import Span, Tracer
 from megatron_rlhf.topology.cluster import ClusterSpec
+from megatron_rlhf.topology.models import TRAINABLE_ROLES
 from megatron_rlhf.topology.plan import PlacementPlan
 
 logger = get_logger(__name__)
@@ -53,6 +64,23 @@ inside the weight sync while the trainers train): measured by the rank that wait
 last to arrive), where the other stages are measured by the slowest rank."""
 
 HISTORY = "plan_history.jsonl"
+
+
+@dataclass(frozen=True)
+class MoveTarget:
+    """A placement to move the run to.
+
+    Attributes:
+        label: the candidate's label (``planner.describe``).
+        config: the run's configuration with that placement (and its memory options).
+        plan: its placement plan.
+        forced: chosen by the test hook rather than by the prediction.
+    """
+
+    label: str
+    config: RunConfig
+    plan: PlacementPlan
+    forced: bool = False
 
 
 def check_replan(config: RunConfig, cluster: ClusterSpec) -> None:
@@ -74,19 +102,29 @@ def check_replan(config: RunConfig, cluster: ClusterSpec) -> None:
 
 
 def candidate_plans(config: RunConfig, cluster: ClusterSpec, profiles
-                    ) -> list[tuple[str, PlacementPlan]]:
-    """The placements ``--placement auto`` chooses among that fit and the engine accepts, as
-    the engine would plan them, in the planner's order at the configured lengths."""
+                    ) -> list[tuple[str, RunConfig, PlacementPlan]]:
+    """The placements ``--placement auto`` chooses among that fit and the engine accepts, with
+    the run's configuration at each and the plan the engine would make, in the planner's order
+    at the configured lengths."""
     found = []
     for candidate in ranked_candidates(config, cluster, profiles):
         if not candidate.prediction.feasible:
             continue
+        chosen = candidate_config(config, candidate)
         try:
-            found.append((candidate.label, make_plan(candidate_config(config, candidate),
-                                                     cluster)))
+            found.append((candidate.label, chosen, make_plan(chosen, cluster)))
         except ValueError:
             continue
     return found
+
+
+def loads_checkpoint_of(config: RunConfig, target: RunConfig) -> bool:
+    """Whether a checkpoint of a run at ``config`` loads into one at ``target``: megatron dist
+    checkpoints load at any placement, Megatron-FSDP's only into Megatron-FSDP (at its TP)."""
+    return all(config.optimizer(role).fsdp == target.optimizer(role).fsdp
+               and (not target.optimizer(role).fsdp
+                    or config.placement.tp == target.placement.tp)
+               for role in TRAINABLE_ROLES)
 
 
 def stage_seconds(spans: list[Span]) -> dict[str, float]:
@@ -104,20 +142,30 @@ class RunReplanner:
         tracer: this rank's tracer (enabled).
         run_dir: where rank 0 writes ``plan_history.jsonl``.
         start: the run's first step (after a resume, the checkpoint's).
+        forced_moves: step -> the start of a candidate's label: move there after that step
+            whatever the prediction (a test hook; needs ``placement.replan.move``).
     """
 
     def __init__(self, config: RunConfig, plan: PlacementPlan, tracer: Tracer, run_dir: Path,
-                 start: int) -> None:
+                 start: int, forced_moves: Mapping[int, str] | None = None) -> None:
         self.settings = config.placement.replan
+        self.config, self.steps = config, config.steps
         self.tracer, self.keep_spans = tracer, config.trace
         self.history = Path(run_dir) / HISTORY
         self.rollout = RolloutSpec.from_run_config(config, overlap=config.rollout.async_rollout)
         self.profiles = load_profile(self.settings.profile) if self.settings.profile else None
         self.current = (describe(plan), plan)
-        self.candidates = candidate_plans(config, plan.cluster, self.profiles)
+        found = candidate_plans(config, plan.cluster, self.profiles)
+        self.candidates = [(label, candidate) for label, _, candidate in found]
         self.labels = [label for label, _ in self.candidates]
+        self.configs: dict[str, RunConfig] = {}
+        for label, chosen, _ in found:
+            self.configs.setdefault(label, chosen)
         self.first_measured = start + self.settings.warmup_steps
         self.max_new_tokens = config.generation.max_new_tokens
+        self.forced = dict(forced_moves or {})
+        self.move_cost_s = math.inf
+        self._target: MoveTarget | None = None
         self._cursor = 0
         self._window: list[tuple[dict[str, float], float, float | None]] = []
 
@@ -150,13 +198,57 @@ class RunReplanner:
         result = rerank(self.current, self.candidates, self.rollout, measured, self.profiles,
                         ENGINE_MEMORY_OPTIONS)
         gain = result.gain
+        self._target, saving = self.decide(step, result)
         if dist.get_rank() == 0:
-            self._append(step, measured, result)
-        return {"replan/best": float(self._index(result.best.label)),
-                "replan/current_predicted_s": result.current.prediction.step_seconds,
-                "replan/best_predicted_s": result.best.prediction.step_seconds,
-                "replan/predicted_gain": gain,
-                "replan/would_move": float(gain > self.settings.min_gain)}
+            self._append(step, measured, result, saving)
+        metrics = {"replan/best": float(self._index(result.best.label)),
+                   "replan/current_predicted_s": result.current.prediction.step_seconds,
+                   "replan/best_predicted_s": result.best.prediction.step_seconds,
+                   "replan/predicted_gain": gain,
+                   "replan/would_move": float(gain > self.settings.min_gain)}
+        if self.settings.move:
+            metrics.update({"replan/predicted_saving_s": saving,
+                            "replan/move_cost_s": self.move_cost_s,
+                            "replan/move": float(self._target is not None)})
+        return metrics
+
+    def decide(self, step: int, result: Replan) -> tuple[MoveTarget | None, float]:
+        """The best placement of ``result`` if moving there after step ``step`` pays (see the
+        module), else None; and the predicted seconds saved over the next interval (or the
+        steps left) there."""
+        ahead = max(0, min(self.settings.interval_steps, self.steps - step - 1))
+        saving = ahead * (result.current.prediction.step_seconds
+                          - result.best.prediction.step_seconds)
+        label = result.best.label
+        if (not self.settings.move or label == self.current[0] or label not in self.configs
+                or result.gain <= self.settings.min_gain or saving <= self.move_cost_s
+                or not loads_checkpoint_of(self.config, self.configs[label])):
+            return None, saving
+        return MoveTarget(label, self.configs[label], self._plan(label)), saving
+
+    def take_target(self, step: int) -> MoveTarget | None:
+        """Where to move after step ``step`` (a forced move first), or None; once."""
+        target, self._target = self._target, None
+        prefix = self.forced.pop(step, None)
+        if prefix is not None:
+            label = next((label for label in self.labels if label.startswith(prefix)), None)
+            if label is None:
+                raise ValueError(f"no candidate placement starts with {prefix!r}: "
+                                 f"{self.labels}")
+            target = MoveTarget(label, self.configs[label], self._plan(label), forced=True)
+        return target
+
+    def moved(self, target: MoveTarget, step: int, seconds: float) -> None:
+        """The run moved to ``target`` after step ``step`` in ``seconds`` (the same on every
+        rank): measure it afresh from there."""
+        self.config = target.config
+        self.current = (describe(target.plan), target.plan)
+        self.move_cost_s = seconds
+        self.first_measured = step + 1 + self.settings.warmup_steps
+        self._window = []
+
+    def _plan(self, label: str) -> PlacementPlan:
+        return self.candidates[self.labels.index(label)][1]
 
     def _measured(self) -> Measured:
         """The window's means per step: stage seconds of the slowest rank (``WAITING_STAGES``:
@@ -182,7 +274,7 @@ class RunReplanner:
         is not one of them)."""
         return self.labels.index(label) if label in self.labels else -1
 
-    def _append(self, step: int, measured: Measured, result: Replan) -> None:
+    def _append(self, step: int, measured: Measured, result: Replan, saving: float) -> None:
         line = {"step": step, "current": result.current.label,
                 "best": result.best.label, "best_index": self._index(result.best.label),
                 "predicted_gain": round(result.gain, 6),
@@ -192,8 +284,16 @@ class RunReplanner:
                 "scales": {k: round(v, 6) for k, v in result.scales.items()},
                 "predicted_vs_measured": result.predicted_vs_measured,
                 "ranking": [c.to_dict() for c in result.ranking]}
-        with self.history.open("a") as handle:
-            handle.write(json.dumps(line) + "\n")
+        if self.settings.move:
+            line.update(predicted_saving_s=round(saving, 6), move_cost_s=self.move_cost_s,
+                        move=self._target.label if self._target else None)
+        append_history(self.history, line)
         logger.info("replan after step %d: %s %.3g s/step predicted, best %s %.3g s (gain %.1f%%)",
                     step, result.current.label, result.current.prediction.step_seconds,
                     result.best.label, result.best.prediction.step_seconds, 100 * result.gain)
+
+
+def append_history(path: Path, line: dict) -> None:
+    """Append one line to a run's ``plan_history.jsonl`` (rank 0)."""
+    with path.open("a") as handle:
+        handle.write(json.dumps(line) + "\n")

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Collection
-from dataclasses import replace
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,7 @@ from megatron_rlhf.engine.run.checkpointing import (
 )
 from megatron_rlhf.engine.run.evaluation import HeldOutEvaluator, eval_metrics, hacking_report
 from megatron_rlhf.engine.run.export import HFExporter
+from megatron_rlhf.engine.run.move import LiveRun, PlacementMover
 from megatron_rlhf.engine.run.replan import HISTORY, RunReplanner, check_replan
 from megatron_rlhf.engine.step.ppo import PPOAlgorithm
 from megatron_rlhf.generation.episodes import EpisodeConfig
@@ -67,6 +68,7 @@ from megatron_rlhf.rewards.tools import CALL_CLOSE, Tools
 from megatron_rlhf.runtime.bootstrap import initialize_runtime
 from megatron_rlhf.runtime.checkpoint_store import check_writable_dir, select_checkpoint
 from megatron_rlhf.runtime.context import RunContext
+from megatron_rlhf.runtime.distributed import live_groups
 from megatron_rlhf.runtime.faults import (
     NonFiniteError,
     PreemptionWatcher,
@@ -78,6 +80,7 @@ from megatron_rlhf.runtime.metrics import MetricsWriter
 from megatron_rlhf.runtime.tracing import Tracer, write_chrome_trace
 from megatron_rlhf.topology.cluster import cluster_from_environment
 from megatron_rlhf.topology.models import ACTOR, resolve_arch
+from megatron_rlhf.topology.plan import PlacementPlan
 
 logger = get_logger(__name__)
 
@@ -290,13 +293,61 @@ def episode_rollouts_for(config: RunConfig, tokenizer: Tokenizer | HFTokenizer
                            tool_message=tool_message or plain_tool_message)
 
 
-def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
+@dataclass
+class RunInputs:
+    """What a run reads and starts once, whatever its placement: a move keeps them."""
+
+    sources: dict[str, ModelSource]
+    tokenizer: Tokenizer | HFTokenizer
+    prompts: PromptStream
+    eval_prompts: list[list[int]]
+    eval_records: list[dict[str, Any]]
+    demonstrations: DemonstrationStream | None
+    function_rewards: FunctionRewards | None
+    episodes: EpisodeRollouts | None
+    context: RunContext
+
+
+def assemble_run(config: RunConfig, plan: PlacementPlan, inputs: RunInputs,
+                 load_initial: bool) -> LiveRun:
+    """This rank's engine, algorithm, exporter and evaluator at ``plan``. Collective.
+
+    Args:
+        load_initial: load the trained models' configured initial checkpoints (a resumed or
+            moved run loads its RL checkpoint over them instead).
+    """
+    tokenizer = inputs.tokenizer
+    # A Hugging Face tokenizer ends replies with any of its EOS ids (Llama-3, Qwen).
+    eos = getattr(tokenizer, "eos_ids", tokenizer.eos_id)
+    engine = build_engine(config, plan, eos, tokenizer.pad_id, load_initial=load_initial,
+                          sources=inputs.sources, context=inputs.context,
+                          token_vocab_size=tokenizer.vocab_size, episodes=inputs.episodes)
+    prompts = inputs.prompts
+    algorithm = PPOAlgorithm(engine, config.algorithm, config.rollout, config.reward,
+                             config.runtime.seed, prompts.batch, config.steps,
+                             rule_reward_for(config, tokenizer),
+                             on_nan=config.faults.on_nan, demonstrations=inputs.demonstrations,
+                             ptx_coef=config.ptx.coef, function_rewards=inputs.function_rewards,
+                             records=prompts.batch_records)
+    run = RunState(engine, algorithm, prompts, config, tokenizer.fingerprint)
+    evaluator = (HeldOutEvaluator(engine, inputs.eval_prompts, algorithm.rule_reward,
+                                  tokenizer.decode, config.evaluation.log_examples,
+                                  inputs.function_rewards, inputs.eval_records)
+                 if inputs.eval_prompts else None)
+    return LiveRun(run, evaluator, HFExporter(config, inputs.sources, tokenizer))
+
+
+def run_ppo(config: RunConfig, skip_state: Collection[str] = (),
+            forced_moves: Mapping[int, str] | None = None) -> Path:
     """Run PPO as configured; returns the run directory. Every rank calls it.
 
     Args:
         config: the run.
         skip_state: pieces of ``checkpointing.STATE_PIECES`` not restored on resume (a debug
             hook for the tests that show each piece is needed).
+        forced_moves: step -> the start of a candidate placement's label: with
+            ``placement.replan.move`` the run moves there after that step whatever the
+            prediction (a test hook for the moving tests).
 
     Raises:
         ValueError, FileNotFoundError: bad configuration, data or checkpoints (before any
@@ -326,9 +377,12 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
                          "would stop after its first step; remove it first")
     check_writable_dir(config.run_dir, "run_dir (--run-dir)")
     check_replan(config, plan.cluster)
+    if forced_moves and not config.placement.replan.move:
+        raise ValueError("forced moves need placement.replan.move=true")
     if config.checkpoint.save_dir:
         check_writable_dir(config.checkpoint.save_dir, "checkpoint.save_dir (--save-dir)")
     initialize_runtime(config.runtime)
+    kept_groups = live_groups()  # a move destroys every group created after these
     context = RunContext(Tracer(enabled=config.trace or config.placement.replan.enabled),
                          install_fault_tracker(config.faults, config.runtime.distributed.timeout_s),
                          MemoryMeter(enabled=True))
@@ -349,31 +403,22 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = ()) -> Path:
             (run_dir / "config.yaml").write_text(
                 to_yaml(config) + "".join(f"# {note}\n" for note in notes))
             (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
-        # A Hugging Face tokenizer ends replies with any of its EOS ids (Llama-3, Qwen).
-        eos = getattr(tokenizer, "eos_ids", tokenizer.eos_id)
-        engine = build_engine(config, plan, eos, tokenizer.pad_id,
-                              load_initial=resume_from is None, sources=sources,
-                              context=context, token_vocab_size=tokenizer.vocab_size,
-                              episodes=episodes)
-        algorithm = PPOAlgorithm(engine, config.algorithm, config.rollout, config.reward,
-                                 config.runtime.seed, prompts.batch, config.steps,
-                                 rule_reward_for(config, tokenizer),
-                                 on_nan=config.faults.on_nan, demonstrations=demonstrations,
-                                 ptx_coef=config.ptx.coef, function_rewards=function_rewards,
-                                 records=prompts.batch_records)
-        run = RunState(engine, algorithm, prompts, config, tokenizer.fingerprint)
-        exporter = HFExporter(config, sources, tokenizer)
-        evaluator = (HeldOutEvaluator(engine, eval_prompts, algorithm.rule_reward,
-                                      tokenizer.decode, config.evaluation.log_examples,
-                                      function_rewards, eval_records)
-                     if eval_prompts else None)
+        inputs = RunInputs(sources, tokenizer, prompts, eval_prompts, eval_records,
+                           demonstrations, function_rewards, episodes, context)
+        begin = time.perf_counter()
+        live = assemble_run(config, plan, inputs, load_initial=resume_from is None)
+        build_seconds = time.perf_counter() - begin
     start = 0
     if resume_from is not None:
-        with context.stage("checkpoint/load"), engine.resident():
-            start = load_rl_checkpoint(run, resume_from, skip_state)
+        with context.stage("checkpoint/load"), live.run.engine.resident():
+            start = load_rl_checkpoint(live.run, resume_from, skip_state)
         check_steps_to_go(start, config.steps, resume_from)
+    mover = (PlacementMover(config, run_dir, kept_groups,
+                            lambda moved, at: assemble_run(moved, at, inputs, load_initial=False),
+                            build_seconds, plan)
+             if config.placement.replan.enabled and config.placement.replan.move else None)
     try:
-        _train(run, start, run_dir, exporter, evaluator)
+        _train(live, start, run_dir, mover, forced_moves)
     finally:
         if function_rewards is not None:
             function_rewards.close()  # the worker processes, also when a step raised
@@ -446,15 +491,17 @@ def _shape_signature(config: RunConfig) -> tuple[str, ...]:
             f"steps={config.steps}", f"placement={config.placement}")
 
 
-def _train(run: RunState, start: int, run_dir: Path, exporter: HFExporter,
-           evaluator: HeldOutEvaluator | None) -> None:
-    """Steps ``start`` to ``config.steps``; checkpoints by interval, at the end and on SIGTERM.
+def _train(live: LiveRun, start: int, run_dir: Path, mover: PlacementMover | None,
+           forced_moves: Mapping[int, str] | None) -> None:
+    """Steps ``start`` to ``config.steps``; checkpoints by interval, at the end and on SIGTERM;
+    with a ``mover``, moves to another placement after a step where re-planning says it pays.
 
     Held-out evaluations (``evaluation``) go into the record of the step they precede; the one
     after the last step is a record of its own, numbered ``config.steps``. A save's seconds go
     into the next step's record (the last save's are logged); a save written in the background
-    is completed after the next step.
+    is completed after the next step. So do a move's seconds (``replan/move_seconds``).
     """
+    run, evaluator, exporter = live.run, live.evaluator, live.exporter
     config = run.config
     first_eval: dict[str, float] = {}
     if dist.get_rank() == 0:
@@ -464,8 +511,11 @@ def _train(run: RunState, start: int, run_dir: Path, exporter: HFExporter,
     preemption = PreemptionWatcher(config.faults.stop_file)
     saver = CheckpointSaver(config.checkpoint)
     stop = False
-    replanner = (RunReplanner(config, run.engine.plan, context.tracer, run_dir, start)
-                 if config.placement.replan.enabled else None)
+    replanner = (RunReplanner(config, run.engine.plan, context.tracer, run_dir, start,
+                              forced_moves) if config.placement.replan.enabled else None)
+    if replanner is not None and mover is not None:
+        replanner.move_cost_s = mover.estimate_s
+    moved: dict[str, float] = {}
     try:
         for step in range(start, config.steps):
             held_out = {}
@@ -495,10 +545,13 @@ def _train(run: RunState, start: int, run_dir: Path, exporter: HFExporter,
                 with context.stage("checkpoint/commit"):
                     saver.commit()
             # Written before the next save is complete: a resume from it keeps this record.
-            writer.write(step, {**metrics, **saver.report()})
+            writer.write(step, {**metrics, **saver.report(), **moved})
+            moved = {}
             last = stop or step + 1 == config.steps
-            if config.checkpoint.save_dir and (last or (config.checkpoint.save_interval and (
-                    step + 1) % config.checkpoint.save_interval == 0)):
+            saved = bool(config.checkpoint.save_dir) and (last or bool(
+                config.checkpoint.save_interval and (step + 1) % config.checkpoint.save_interval
+                == 0))
+            if saved:
                 with context.stage("checkpoint/save"), run.engine.resident():
                     saver.save(run, step + 1)
                 if last:
@@ -520,6 +573,13 @@ def _train(run: RunState, start: int, run_dir: Path, exporter: HFExporter,
                 logger.warning("stopping after step %d on request%s", step, "" if config.checkpoint
                                .save_dir else " (no checkpoint.save_dir: nothing was saved)")
                 break
+            target = replanner.take_target(step) if replanner is not None else None
+            if target is not None and mover is not None and not last:
+                run = evaluator = exporter = None  # the old engine's memory is freed
+                seconds = mover.move(live, target, step, saver, saved)
+                replanner.moved(target, step, seconds)
+                run, evaluator, exporter = live.run, live.evaluator, live.exporter
+                moved = {"replan/move_seconds": seconds}
         if evaluator is not None and not stop:
             with context.stage("evaluate final"):
                 held_out = evaluator.evaluate()

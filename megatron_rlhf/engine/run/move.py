@@ -1,0 +1,200 @@
+"""Moving a run to another placement inside the job (``placement.replan.move``).
+
+    mover = PlacementMover(config, run_dir, kept_groups, assemble, build_s, plan)  # every rank
+    seconds = mover.move(live, target, step, saver, saved=False)                   # every rank
+
+At the boundary after step ``step`` every rank, in the same processes:
+
+1. saves the run's state after ``step + 1`` steps with the run's own checkpointing
+   (``CheckpointSaver``): into ``checkpoint.save_dir`` when the run has one (a checkpoint like
+   any other, reused when the run saved that step already), else into ``/dev/shm`` on a single
+   node where the state fits twice (in memory), else into ``<run_dir>/move``;
+2. drops the old engine, algorithm and evaluator and destroys every process group created since
+   the run started (``runtime.distributed.destroy_groups_since``);
+3. reseeds the host RNGs as a starting process does, builds the new placement (``assemble``:
+   what ``run_ppo`` builds for a resumed run) and loads the checkpoint into it
+   (``load_rl_checkpoint``: weights and optimizer states resharded, shadows synced, experience
+   produced ahead restored).
+
+The run then continues exactly as a run resumed from that checkpoint at the new placement would.
+A failure before the save is complete leaves the previous checkpoint as the last complete one; a
+failure after it leaves this one. The seconds of each part, the largest over the ranks, go into
+``plan_history.jsonl``; their sum is ``replan/move_seconds``.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.config.ppo_run import RunConfig
+from megatron_rlhf.engine.run.checkpointing import CheckpointSaver, RunState, load_rl_checkpoint
+from megatron_rlhf.engine.run.evaluation import HeldOutEvaluator
+from megatron_rlhf.engine.run.export import HFExporter
+from megatron_rlhf.engine.run.replan import HISTORY, MoveTarget, append_history
+from megatron_rlhf.planner import describe
+from megatron_rlhf.runtime.distributed import destroy_groups_since
+from megatron_rlhf.runtime.logging import get_logger
+from megatron_rlhf.runtime.memory_meter import MemoryMeter
+from megatron_rlhf.runtime.seeding import seed_everything
+from megatron_rlhf.topology.models import TRAINABLE_ROLES
+from megatron_rlhf.topology.plan import PlacementPlan
+
+logger = get_logger(__name__)
+
+CHECKPOINT_BYTES_PER_PARAM = 16
+"""Bytes a trained model's checkpoint holds per parameter: fp32 weights and Adam's two moments
+(12), with the bf16/fp32 model weights (4 at most)."""
+
+MOVE_BYTES_PER_S = 1e9
+"""Bytes per second assumed for writing, and again for reading, the state in the estimate of a
+first move's cost."""
+
+MEMORY_DIR = Path("/dev/shm")
+
+
+@dataclass
+class LiveRun:
+    """The objects of a run that a move replaces."""
+
+    run: RunState
+    evaluator: HeldOutEvaluator | None
+    exporter: HFExporter
+
+
+Assemble = Callable[[RunConfig, PlacementPlan], LiveRun]
+"""Builds a run at a placement as a resumed run is built (trained weights not loaded)."""
+
+
+def checkpoint_bytes(plan: PlacementPlan) -> float:
+    """Rough size of a checkpoint of the trained models of ``plan``."""
+    return sum(plan[role].spec.num_params() * CHECKPOINT_BYTES_PER_PARAM
+               for role in TRAINABLE_ROLES if role in plan.models)
+
+
+class PlacementMover:
+    """Moves a run between placements; collective (every rank calls each method alike).
+
+    Args:
+        config: the run.
+        run_dir: where rank 0 appends the move to ``plan_history.jsonl``.
+        kept_groups: the process groups that existed before the run built its first engine
+            (``runtime.distributed.live_groups``); every later one is destroyed by a move.
+        assemble: builds the run at a placement.
+        build_seconds: how long this rank took to build the run at its start.
+        plan: the run's placement at its start.
+    """
+
+    def __init__(self, config: RunConfig, run_dir: Path, kept_groups: frozenset,
+                 assemble: Assemble, build_seconds: float, plan: PlacementPlan) -> None:
+        self.config, self.run_dir = config, Path(run_dir)
+        self.kept_groups, self.assemble = kept_groups, assemble
+        size = checkpoint_bytes(plan)
+        fits = (not config.checkpoint.save_dir and sum(p.nodes for p in plan.cluster.pools) == 1
+                and MEMORY_DIR.is_dir() and shutil.disk_usage(MEMORY_DIR).free > 2 * size)
+        # World: every rank must choose the same directory and estimate.
+        agreed = torch.tensor([build_seconds, 0.0 if fits else 1.0], dtype=torch.float64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
+        self.estimate_s = agreed[0].item() + 2 * size / MOVE_BYTES_PER_S
+        self.kind = ("checkpoint" if config.checkpoint.save_dir else
+                     "memory" if agreed[1].item() == 0.0 else "disk")
+
+    def _state_dir(self) -> Path:
+        if self.kind == "checkpoint":
+            return Path(self.config.checkpoint.save_dir)
+        if self.kind == "memory":
+            digest = hashlib.sha256(str(self.run_dir.absolute()).encode()).hexdigest()[:12]
+            return MEMORY_DIR / f"megatron_rlhf-move-{digest}"
+        return self.run_dir / "move"
+
+    def move(self, live: LiveRun, target: MoveTarget, step: int, saver: CheckpointSaver,
+             saved: bool) -> float:
+        """Move ``live`` to ``target`` after step ``step`` (its fields are replaced); returns
+        the move's seconds, the largest over the ranks.
+
+        Args:
+            saver: the run's saver (a background save is completed first).
+            saved: the run saved the state after ``step + 1`` steps into ``checkpoint.save_dir``
+                at this boundary already.
+        """
+        context = live.run.engine.context
+        source = describe(live.run.engine.plan)
+        seconds: dict[str, float] = {}
+        begin = time.perf_counter()
+        with context.stage("move/save"):
+            path = self._save(live, step + 1, saver, saved)
+        seconds["save_s"] = time.perf_counter() - begin
+        begin = time.perf_counter()
+        with context.stage("move/teardown"):
+            live.run = live.evaluator = live.exporter = None
+            context.memory = MemoryMeter(enabled=context.memory.enabled, cuda=context.memory.cuda)
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            destroyed = destroy_groups_since(self.kept_groups)
+        seconds["teardown_s"] = time.perf_counter() - begin
+        begin = time.perf_counter()
+        with context.stage("move/build"):
+            seed_everything(target.config.runtime.seed)  # as a resumed process starts
+            rebuilt = self.assemble(target.config, target.plan)
+        seconds["build_s"] = time.perf_counter() - begin
+        begin = time.perf_counter()
+        with context.stage("move/load"), rebuilt.run.engine.resident():
+            loaded = load_rl_checkpoint(rebuilt.run, path)
+        seconds["load_s"] = time.perf_counter() - begin
+        if loaded != step + 1:
+            raise RuntimeError(f"the move's checkpoint {path} holds step {loaded}, not "
+                               f"{step + 1}")
+        live.run, live.evaluator, live.exporter = rebuilt.run, rebuilt.evaluator, rebuilt.exporter
+        if self.kind != "checkpoint":
+            dist.barrier(group=dist.group.WORLD)  # every rank has read it
+            if dist.get_rank() == 0:
+                shutil.rmtree(path, ignore_errors=True)
+        return self._record(step, source, target, path, seconds, destroyed)
+
+    def _save(self, live: LiveRun, steps_done: int, saver: CheckpointSaver, saved: bool) -> Path:
+        """The state after ``steps_done`` steps, saved (or found saved) in the checkpoint store."""
+        saver.commit()
+        directory = self._state_dir()
+        if self.kind != "checkpoint":
+            saver = CheckpointSaver(replace(self.config.checkpoint, save_dir=str(directory),
+                                            async_save=False, keep_last=1))
+        if not saved:
+            with live.run.engine.resident():
+                saver.save(live.run, steps_done)
+            saver.commit()
+        return directory.absolute() / f"step_{steps_done:08d}"
+
+    def _record(self, step: int, source: str, target: MoveTarget, path: Path,
+                seconds: dict[str, float], destroyed: int) -> float:
+        """The seconds of each part, largest over the ranks, logged and appended to the
+        history; returns their sum."""
+        parts = torch.tensor(list(seconds.values()), dtype=torch.float64)
+        dist.all_reduce(parts, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
+        seconds = dict(zip(seconds, parts.tolist(), strict=True))
+        total = sum(seconds.values())
+        if dist.get_rank() == 0:
+            append_history(self.run_dir / HISTORY, {
+                "step": step, "moved": {
+                    "from": source, "to": target.label, "forced": target.forced,
+                    "state": self.kind, "path": str(path), "move_seconds": round(total, 6),
+                    **{key: round(value, 6) for key, value in seconds.items()},
+                    "groups_destroyed": destroyed,
+                    "placement": asdict(target.config.placement)}})
+            (self.run_dir / "plan.json").write_text(_plan_json(target.plan))
+        logger.info("moved after step %d from %s to %s in %.2f s (%s)", step, source,
+                    target.label, total, ", ".join(f"{k} {v:.2f}" for k, v in seconds.items()))
+        return total
+
+
+def _plan_json(plan: PlacementPlan) -> str:
+    return json.dumps(plan.to_dict(), indent=1)

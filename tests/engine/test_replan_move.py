@@ -1,0 +1,267 @@
+"""Moving a run to another placement inside the job (``placement.replan.move``), on 2 gloo ranks.
+
+A run moves from flattening to separation after step 0 and back after step 1 (forced by the
+test hook ``run_ppo(forced_moves=...)``; its state goes through ``/dev/shm``). Its metrics equal,
+bit for bit, those of runs resumed at the new placement from checkpoints of the same steps; no
+step is lost; the history records each move with its seconds. A run SIGKILLed while it builds
+the new placement (after its checkpoint is complete) resumes from that checkpoint with the same
+results. PPO (with a critic) and GRPO.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_rlhf.planner import HardwareProfile
+from tests.multirank import MultiRankError, run_on_ranks
+
+SEPARATION = "separation"
+FLATTENING = "flattening tp=1 pp=1"
+TIMING = ("step_seconds", "samples_per_s")
+"""Wall-clock measurements: they differ between any two runs."""
+
+
+def _profile(root: Path) -> str:
+    """A profile for the local pool (a slow CPU-like device)."""
+    profile = HardwareProfile(name="local", peak_tflops=0.05, hbm_gb_per_s=10.0, memory_gib=8.0,
+                              intra_node_gbps=10.0, inter_node_gbps=10.0, host_gb_per_s=5.0,
+                              host_cores=2)
+    path = root / "local.json"
+    path.write_text(json.dumps(profile.to_dict()))
+    return str(path)
+
+
+def _config(root: str, name: str, steps: int, algorithm: str, overrides: list[str]):
+    from megatron_rlhf.config.loader import load_config
+    from megatron_rlhf.config.ppo_run import RunConfig
+
+    example = "ppo_grpo_tiny.yaml" if algorithm == "grpo" else "ppo_tiny.yaml"
+    return load_config(RunConfig, Path("examples") / example, [
+        f"run_dir={root}/{name}", f"steps={steps}", "rollout.ppo_epochs=1",
+        "generation.max_new_tokens=6", "runtime.distributed.timeout_s=60", *overrides])
+
+
+def _records(root: str, name: str) -> list[dict]:
+    path = Path(root) / name / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _results(record: dict) -> dict:
+    """A record without measurements of time, re-planning and checkpoint timings."""
+    return {key: value for key, value in record.items() if key not in TIMING
+            and not key.startswith(("throughput/", "replan/", "checkpoint/"))}
+
+
+def _strategy(label: str) -> str:
+    """``separation`` from ``separation(1/2 train) tp=1 ...``."""
+    return label.split("(")[0].split()[0]
+
+
+def _moving_runs(root: str, algorithm: str, profile: str) -> dict:
+    """P: plain flattening run saving each step; M: the moving run; R1: P's step 1 resumed at
+    separation (saving step 2); R2: R1's step 2 resumed at flattening."""
+    import torch.distributed as dist
+
+    from megatron_rlhf.engine.run.runner import run_ppo
+
+    replan = ["placement.replan.interval_steps=1", "placement.replan.warmup_steps=0",
+              f"placement.replan.profile={profile}", "placement.replan.move=true"]
+    run_ppo(_config(root, "P", 2, algorithm, [f"checkpoint.save_dir={root}/ckpt-P",
+                                               "checkpoint.save_interval=1"]))
+    run_ppo(_config(root, "M", 3, algorithm, replan),
+            forced_moves={0: SEPARATION, 1: FLATTENING})
+    run_ppo(_config(root, "R1", 2, algorithm, [
+        "placement.strategy=separation", f"checkpoint.resume_from={root}/ckpt-P/step_00000001",
+        f"checkpoint.save_dir={root}/ckpt-P", "checkpoint.save_interval=1"]))
+    run_ppo(_config(root, "R2", 3, algorithm, [
+        f"checkpoint.resume_from={root}/ckpt-P/step_00000002",
+        f"checkpoint.save_dir={root}/ckpt-P"]))
+    if dist.get_rank() != 0:
+        return {}
+    history = [json.loads(line) for line in
+               (Path(root) / "M" / "plan_history.jsonl").read_text().splitlines()]
+    return {name: _records(root, name) for name in ("P", "M", "R1", "R2")} | {
+        "history": history, "plan": json.loads((Path(root) / "M" / "plan.json").read_text())}
+
+
+def _killed_while_building(root: str, algorithm: str, profile: str) -> None:
+    """A moving run saving into a save dir, SIGKILLed when the move builds the new placement."""
+    import os
+    import signal
+
+    from megatron_rlhf.engine.run import runner
+
+    build, calls = runner.build_engine, []
+
+    def die_on_second_build(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return build(*args, **kwargs)
+
+    runner.build_engine = die_on_second_build
+    runner.run_ppo(_config(root, "K", 3, algorithm, [
+        "placement.replan.interval_steps=1", f"placement.replan.profile={profile}",
+        "placement.replan.move=true", f"checkpoint.save_dir={root}/ckpt-K",
+        "checkpoint.save_interval=2"]), forced_moves={0: SEPARATION})
+
+
+def _resume_killed(root: str, algorithm: str) -> list[dict] | None:
+    import torch.distributed as dist
+
+    from megatron_rlhf.engine.run.runner import run_ppo
+
+    run_ppo(_config(root, "K", 2, algorithm, [
+        "placement.strategy=separation", f"checkpoint.save_dir={root}/ckpt-K",
+        "checkpoint.resume=latest"]))
+    return _records(root, "K") if dist.get_rank() == 0 else None
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(540)
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+def test_a_moved_run_equals_runs_resumed_at_each_placement(tmp_path: Path,
+                                                            algorithm: str) -> None:
+    root, profile = str(tmp_path), _profile(tmp_path)
+    out = run_on_ranks(_moving_runs, world_size=2, args=(root, algorithm, profile),
+                       timeout_s=240)[0]
+    moving, plain = out["M"], out["P"]
+    assert [record["step"] for record in moving] == [0, 1, 2], "a step was lost or repeated"
+    assert _results(moving[0]) == _results(plain[0])
+    assert _results(moving[1]) == _results(out["R1"][-1]), "after the move to separation"
+    assert _results(moving[2]) == _results(out["R2"][-1]), "after the move back"
+    assert "replan/move_seconds" not in moving[0]
+    for record in moving[1:]:
+        assert record["replan/move_seconds"] > 0
+    moves = [line["moved"] for line in out["history"] if "moved" in line]
+    assert [(_strategy(m["from"]), _strategy(m["to"])) for m in moves] == [
+        ("flattening", "separation"), ("separation", "flattening")]
+    for move, record in zip(moves, moving[1:], strict=True):
+        assert move["state"] == "memory" and move["forced"]
+        assert move["move_seconds"] == pytest.approx(record["replan/move_seconds"], rel=1e-5)
+        assert move["move_seconds"] == pytest.approx(
+            sum(move[k] for k in ("save_s", "teardown_s", "build_s", "load_s")), rel=1e-5)
+        assert move["groups_destroyed"] > 0
+        assert not Path(move["path"]).exists(), "the in-memory state was not removed"
+    final = out["plan"]["models"]  # plan.json: back at flattening, no shadows
+    assert final["actor"]["size"] == 2 and "shadow_actor" not in final
+
+    with pytest.raises(MultiRankError, match="code -9"):
+        run_on_ranks(_killed_while_building, world_size=2, args=(root, algorithm, profile),
+                     timeout_s=120)
+    assert (tmp_path / "ckpt-K" / "step_00000001" / "manifest.json").is_file()
+    resumed = run_on_ranks(_resume_killed, world_size=2, args=(root, algorithm),
+                           timeout_s=120)[0]
+    assert [record["step"] for record in resumed] == [0, 1]
+    assert _results(resumed[1]) == _results(moving[1]), "the move's checkpoint differs"
+
+
+def _async_runs(root: str, profile: str) -> dict:
+    """An asynchronous separation run, plain and rebuilt in place after step 1 (while the
+    shadows hold step 2's experience, produced with the weights before step 1's update)."""
+    import torch.distributed as dist
+
+    from megatron_rlhf.engine.run.runner import run_ppo
+
+    base = ["placement.strategy=separation", "rollout.async_rollout=true",
+            "rollout.max_staleness=1"]
+    run_ppo(_config(root, "A", 4, "ppo", base))
+    run_ppo(_config(root, "B", 4, "ppo", [
+        *base, "placement.replan.interval_steps=1", f"placement.replan.profile={profile}",
+        "placement.replan.move=true"]), forced_moves={1: SEPARATION})
+    if dist.get_rank() != 0:
+        return {}
+    history = (Path(root) / "B" / "plan_history.jsonl").read_text().splitlines()
+    return {"A": _records(root, "A"), "B": _records(root, "B"),
+            "moves": [json.loads(line)["moved"] for line in history if '"moved"' in line]}
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(240)
+def test_a_move_keeps_the_experience_produced_ahead(tmp_path: Path) -> None:
+    out = run_on_ranks(_async_runs, world_size=2, args=(str(tmp_path), _profile(tmp_path)),
+                       timeout_s=180)[0]
+    assert len(out["moves"]) == 1 and out["moves"][0]["state"] == "memory"
+    assert [record["step"] for record in out["B"]] == [0, 1, 2, 3]
+    for plain, moved in zip(out["A"], out["B"], strict=True):
+        assert _results(moved) == _results(plain), f"step {plain['step']}"
+
+
+def _replanner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *overrides: str):
+    """A 2-rank separation run's re-planner (no process group needed to build one)."""
+    from megatron_rlhf.engine.run.build import make_plan
+    from megatron_rlhf.engine.run.replan import RunReplanner
+    from megatron_rlhf.runtime.tracing import Tracer
+    from megatron_rlhf.topology.cluster import cluster_from_environment
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    config = _config(str(tmp_path), "D", 10, "ppo", [
+        "placement.strategy=separation", "placement.replan.interval_steps=2",
+        f"placement.replan.profile={_profile(tmp_path)}", *overrides])
+    plan = make_plan(config, cluster_from_environment(config.cluster.pools))
+    return RunReplanner(config, plan, Tracer(), tmp_path, 0, {3: "flattening tp=2", 4: "nowhere"})
+
+
+def _as_predicted(replanner):
+    """The ranking after steps that took the time predicted for them: on 2 ranks flattening
+    beats separation (the trainers get both ranks)."""
+    from megatron_rlhf.engine.run.auto_placement import ENGINE_MEMORY_OPTIONS
+    from megatron_rlhf.planner import predict_step
+    from megatron_rlhf.planner.replan import Measured, rerank
+
+    label, plan = replanner.current
+    predicted = predict_step(plan, replanner.rollout, replanner.profiles, ENGINE_MEMORY_OPTIONS)
+    measured = Measured(predicted.stage_seconds, predicted.step_seconds, 6.0)
+    return rerank(replanner.current, replanner.candidates, replanner.rollout, measured,
+                  replanner.profiles, ENGINE_MEMORY_OPTIONS)
+
+
+def test_a_move_is_chosen_only_when_its_saving_pays_for_it(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    replanner = _replanner(tmp_path, monkeypatch, "placement.replan.move=true")
+    result = _as_predicted(replanner)
+    assert _strategy(result.best.label) == "flattening" and result.gain > 0.05
+    per_step = (result.current.prediction.step_seconds - result.best.prediction.step_seconds)
+
+    replanner.move_cost_s = 2 * per_step - 1e-9  # the interval's 2 steps just pay for it
+    target, saving = replanner.decide(0, result)
+    assert saving == pytest.approx(2 * per_step)
+    assert target is not None and target.label == result.best.label and not target.forced
+    assert target.plan is dict(replanner.candidates)[target.label]
+    assert target.config.placement == target.plan.config
+
+    replanner.move_cost_s = 2 * per_step + 1e-9  # a move costing more than it saves
+    assert replanner.decide(0, result)[0] is None
+    replanner.move_cost_s = 0.0
+    target, saving = replanner.decide(8, result)  # one step left: half the saving
+    assert saving == pytest.approx(per_step) and target is not None
+    assert replanner.decide(9, result) == (None, 0.0)  # the last step: nothing to save
+
+    assert replanner.take_target(2) is None
+    forced = replanner.take_target(3)
+    assert forced.forced and forced.label.startswith("flattening tp=2")
+    assert forced.plan["actor"].tp == 2 and "shadow_actor" not in forced.plan.models
+    with pytest.raises(ValueError, match="'nowhere'"):
+        replanner.take_target(4)
+
+
+@pytest.mark.parametrize("overrides", [[], ["placement.replan.min_gain=0.99"]])
+def test_no_move_without_the_switch_or_below_min_gain(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      overrides: list[str]) -> None:
+    move = [] if not overrides else ["placement.replan.move=true"]
+    replanner = _replanner(tmp_path, monkeypatch, *move, *overrides)
+    replanner.move_cost_s = 0.0
+    result = _as_predicted(replanner)
+    assert result.gain > 0.05
+    assert replanner.decide(0, result)[0] is None
+
+
+def test_move_must_be_a_boolean() -> None:
+    from megatron_rlhf.topology.placement_config import ReplanConfig
+
+    with pytest.raises(ValueError, match="placement.replan.move='yes'"):
+        ReplanConfig(interval_steps=1, move="yes")
