@@ -84,11 +84,11 @@ class ReplanConfig:
         warmup_steps: first steps of the run left out of the measurements (start-up costs).
         profile: hardware profile the planner starts from (a shipped name or a
             ``tools/calibrate.py`` JSON); None: the shipped profile named like each pool's kind.
-        move: move the run to the best placement after a re-planning whose predicted gain
-            exceeds ``min_gain`` and whose predicted saving over the next ``interval_steps``
-            steps exceeds the cost of a move (the last move's measured seconds; before the
-            first, an estimate). The run saves its state, builds the new placement and loads
-            the state into it at the step boundary, in the same processes.
+        move: move the run to the best placement after a re-planning whose predicted saving
+            over the next ``interval_steps`` steps exceeds ``min_gain`` of their predicted
+            time plus the cost of a move (the last move's measured seconds; before the first,
+            an estimate). The run saves its state, builds the new placement and loads the
+            state into it at the step boundary, in the same processes.
     """
 
     interval_steps: int = 0

@@ -224,16 +224,18 @@ def test_a_move_is_chosen_only_when_its_saving_pays_for_it(tmp_path: Path,
     replanner = _replanner(tmp_path, monkeypatch, "placement.replan.move=true")
     result = _as_predicted(replanner)
     assert _strategy(result.best.label) == "flattening" and result.gain > 0.05
-    per_step = (result.current.prediction.step_seconds - result.best.prediction.step_seconds)
-
-    replanner.move_cost_s = 2 * per_step - 1e-9  # the interval's 2 steps just pay for it
+    current = result.current.prediction.step_seconds
+    per_step = current - result.best.prediction.step_seconds
+    # the interval's 2 steps save 2 * per_step; min_gain (0.05) of them is 0.1 * current
+    pays = 2 * per_step - 0.1 * current
+    replanner.move_cost_s = pays - 1e-9
     target, saving = replanner.decide(0, result)
     assert saving == pytest.approx(2 * per_step)
     assert target is not None and target.label == result.best.label and not target.forced
     assert target.plan is dict(replanner.candidates)[target.label]
     assert target.config.placement == target.plan.config
 
-    replanner.move_cost_s = 2 * per_step + 1e-9  # a move costing more than it saves
+    replanner.move_cost_s = pays + 1e-9  # a move costing more than it saves above min_gain
     assert replanner.decide(0, result)[0] is None
     replanner.move_cost_s = 0.0
     target, saving = replanner.decide(8, result)  # one step left: half the saving

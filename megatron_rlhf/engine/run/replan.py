@@ -15,10 +15,10 @@ pure ranking (``planner.replan.rerank``), so every rank holds the same ``replan/
 0 appends the ranking to ``<run_dir>/plan_history.jsonl``. Nothing here touches the models, the
 data or a random generator: training is the same with and without re-planning.
 
-A move pays when the best placement's predicted gain exceeds ``min_gain`` and its predicted
-saving over the next ``interval_steps`` steps (fewer when the run ends sooner) exceeds the cost of
-a move: the last move's measured seconds, before the first one ``move_cost_s`` (set by the
-runner from its estimate). The inputs are the same on every rank, so every rank decides alike.
+A move pays when the best placement's predicted saving over the next ``interval_steps`` steps
+(fewer when the run ends sooner) exceeds ``min_gain`` of those steps' predicted seconds at the
+current placement plus the cost of a move: the last move's measured seconds, before the first one
+``move_cost_s`` (set by the runner from its estimate). The inputs are the same on every rank, so every rank decides alike.
 A candidate is a move target only where the run's checkpoint loads into it (the same
 Megatron-FSDP choice per trained model).
 """
@@ -217,11 +217,12 @@ class RunReplanner:
         module), else None; and the predicted seconds saved over the next interval (or the
         steps left) there."""
         ahead = max(0, min(self.settings.interval_steps, self.steps - step - 1))
-        saving = ahead * (result.current.prediction.step_seconds
-                          - result.best.prediction.step_seconds)
+        current = result.current.prediction.step_seconds
+        saving = ahead * (current - result.best.prediction.step_seconds)
+        threshold = self.settings.min_gain * ahead * current + self.move_cost_s
         label = result.best.label
         if (not self.settings.move or label == self.current[0] or label not in self.configs
-                or result.gain <= self.settings.min_gain or saving <= self.move_cost_s
+                or saving <= threshold or not ahead
                 or not loads_checkpoint_of(self.config, self.configs[label])):
             return None, saving
         return MoveTarget(label, self.configs[label], self._plan(label)), saving
