@@ -108,6 +108,9 @@ class ReplanConfig:
                              "[0, 1) of the step time, e.g. 0.05")
         if not isinstance(self.move, bool):
             raise ValueError(f"placement.replan.move={self.move!r} must be true or false")
+        if self.move and not self.interval_steps:
+            raise ValueError("placement.replan.move=true needs re-planning: set "
+                             "placement.replan.interval_steps above 0 (e.g. 10)")
 
     @property
     def enabled(self) -> bool:

@@ -267,3 +267,6 @@ def test_move_must_be_a_boolean() -> None:
 
     with pytest.raises(ValueError, match="placement.replan.move='yes'"):
         ReplanConfig(interval_steps=1, move="yes")
+    with pytest.raises(ValueError, match="placement.replan.interval_steps above 0"):
+        ReplanConfig(move=True)
+    assert ReplanConfig(interval_steps=1, move=True).move
