@@ -3,9 +3,9 @@
 A run moves from flattening to separation after step 0 and back after step 1 (forced by the
 test hook ``run_ppo(forced_moves=...)``; its state goes through ``/dev/shm``). Its metrics equal,
 bit for bit, those of runs resumed at the new placement from checkpoints of the same steps; no
-step is lost; the history records each move with its seconds. A run SIGKILLed while it builds
-the new placement (after its checkpoint is complete) resumes from that checkpoint with the same
-results. PPO (with a critic) and GRPO.
+step is lost; the history records each move with its seconds. A run saving into a save dir,
+SIGKILLed while its second move builds the new placement (its checkpoint complete), resumes from
+that checkpoint with the same results. PPO (with a critic) and GRPO.
 """
 
 from __future__ import annotations
@@ -88,7 +88,9 @@ def _moving_runs(root: str, algorithm: str, profile: str) -> dict:
 
 
 def _killed_while_building(root: str, algorithm: str, profile: str) -> None:
-    """A moving run saving into a save dir, SIGKILLed when the move builds the new placement."""
+    """A run saving into a save dir every 2 steps that moves to separation after step 0 (saving
+    step 1 itself) and back after step 1 (reusing the run's save of step 2), SIGKILLed while the
+    second move builds the new placement."""
     import os
     import signal
 
@@ -96,28 +98,31 @@ def _killed_while_building(root: str, algorithm: str, profile: str) -> None:
 
     build, calls = runner.build_engine, []
 
-    def die_on_second_build(*args, **kwargs):
+    def die_on_third_build(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == 3:
             os.kill(os.getpid(), signal.SIGKILL)
         return build(*args, **kwargs)
 
-    runner.build_engine = die_on_second_build
+    runner.build_engine = die_on_third_build
     runner.run_ppo(_config(root, "K", 3, algorithm, [
         "placement.replan.interval_steps=1", f"placement.replan.profile={profile}",
         "placement.replan.move=true", f"checkpoint.save_dir={root}/ckpt-K",
-        "checkpoint.save_interval=2"]), forced_moves={0: SEPARATION})
+        "checkpoint.save_interval=2"]), forced_moves={0: SEPARATION, 1: FLATTENING})
 
 
-def _resume_killed(root: str, algorithm: str) -> list[dict] | None:
+def _resume_killed(root: str, algorithm: str) -> dict | None:
     import torch.distributed as dist
 
     from megatron_rlhf.engine.run.runner import run_ppo
 
-    run_ppo(_config(root, "K", 2, algorithm, [
-        "placement.strategy=separation", f"checkpoint.save_dir={root}/ckpt-K",
-        "checkpoint.resume=latest"]))
-    return _records(root, "K") if dist.get_rank() == 0 else None
+    history = (Path(root) / "K" / "plan_history.jsonl").read_text().splitlines()
+    run_ppo(_config(root, "K", 3, algorithm, [f"checkpoint.save_dir={root}/ckpt-K",
+                                               "checkpoint.resume=latest"]))
+    if dist.get_rank() != 0:
+        return None
+    return {"records": _records(root, "K"),
+            "moves": [json.loads(line)["moved"] for line in history if '"moved"' in line]}
 
 
 @pytest.mark.multirank
@@ -152,11 +157,17 @@ def test_a_moved_run_equals_runs_resumed_at_each_placement(tmp_path: Path,
     with pytest.raises(MultiRankError, match="code -9"):
         run_on_ranks(_killed_while_building, world_size=2, args=(root, algorithm, profile),
                      timeout_s=120)
-    assert (tmp_path / "ckpt-K" / "step_00000001" / "manifest.json").is_file()
+    for step in (1, 2):
+        assert (tmp_path / "ckpt-K" / f"step_{step:08d}" / "manifest.json").is_file()
     resumed = run_on_ranks(_resume_killed, world_size=2, args=(root, algorithm),
                            timeout_s=120)[0]
-    assert [record["step"] for record in resumed] == [0, 1]
-    assert _results(resumed[1]) == _results(moving[1]), "the move's checkpoint differs"
+    first_move = resumed["moves"]
+    assert len(first_move) == 1 and first_move[0]["state"] == "checkpoint"
+    assert first_move[0]["path"].endswith("ckpt-K/step_00000001")
+    records = resumed["records"]
+    assert [record["step"] for record in records] == [0, 1, 2]
+    assert _results(records[1]) == _results(moving[1]), "the first move's checkpoint differs"
+    assert _results(records[2]) == _results(moving[2]), "resumed at flattening from step 2"
 
 
 def _async_runs(root: str, profile: str) -> dict:
