@@ -201,6 +201,50 @@ def test_a_move_keeps_the_experience_produced_ahead(tmp_path: Path) -> None:
         assert _results(moved) == _results(plain), f"step {plain['step']}"
 
 
+def _predicted_move(root: str, profile: str) -> dict:
+    """A separation run that re-plans every step, with the first move's estimated cost set to 0
+    (the tiny models save far less per step than a move costs)."""
+    import torch.distributed as dist
+
+    from megatron_rlhf.engine.run import move
+    from megatron_rlhf.engine.run.runner import run_ppo
+
+    init = move.PlacementMover.__init__
+
+    def free_first_move(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.estimate_s = 0.0
+
+    move.PlacementMover.__init__ = free_first_move
+    run_ppo(_config(root, "S", 3, "ppo", [
+        "placement.strategy=separation", "placement.replan.interval_steps=1",
+        "placement.replan.warmup_steps=0", f"placement.replan.profile={profile}",
+        "placement.replan.move=true"]))
+    if dist.get_rank() != 0:
+        return {}
+    history = (Path(root) / "S" / "plan_history.jsonl").read_text().splitlines()
+    return {"records": _records(root, "S"), "history": [json.loads(line) for line in history]}
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(240)
+def test_a_run_moves_when_the_prediction_pays(tmp_path: Path) -> None:
+    out = run_on_ranks(_predicted_move, world_size=2, args=(str(tmp_path), _profile(tmp_path)),
+                       timeout_s=180)[0]
+    records, history = out["records"], out["history"]
+    assert [record["step"] for record in records] == [0, 1, 2]
+    ranked = [line for line in history if "ranking" in line]
+    moves = [line["moved"] for line in history if "moved" in line]
+    assert ranked[0]["move"] is not None and ranked[0]["move_cost_s"] == 0.0
+    assert len(moves) == 1 and not moves[0]["forced"] and moves[0]["to"] == ranked[0]["move"]
+    assert _strategy(moves[0]["from"]) == "separation"
+    assert records[0]["replan/move"] == 1.0 and "replan/move_seconds" in records[1]
+    # later intervals price a move at its measured cost, which the tiny models never repay
+    assert ranked[1]["current"] == moves[0]["to"]
+    assert ranked[1]["move_cost_s"] == pytest.approx(moves[0]["move_seconds"], rel=1e-5)
+    assert all(line["move"] is None for line in ranked[1:])
+
+
 def _replanner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *overrides: str):
     """A 2-rank separation run's re-planner (no process group needed to build one)."""
     from megatron_rlhf.engine.run.build import make_plan
