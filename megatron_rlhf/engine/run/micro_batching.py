@@ -79,9 +79,10 @@ def activation_bytes_per_token(model: ModelPlacement, recompute: str, dtype_byte
 
 
 def resolve_token_budget(config: RunConfig, plan: PlacementPlan, role: str, rank: int,
-                         device: torch.device) -> int:
+                         device: torch.device, memory_bytes: float | None = None) -> int:
     """``role``'s tokens per micro-batch on ``rank``: the configured number, or ``auto``'s (the
-    module docstring) beside the models ``plan`` puts on ``rank``; 0 means fixed
+    module docstring) beside the models ``plan`` puts on ``rank``, on a device of
+    ``memory_bytes`` (None: ``device``'s, :func:`device_memory_bytes`); 0 means fixed
     ``rollout.micro_batch_size`` rows."""
     configured = config.rollout.max_tokens_per_micro_batch
     if configured != TOKEN_BUDGET_AUTO:
@@ -89,7 +90,8 @@ def resolve_token_budget(config: RunConfig, plan: PlacementPlan, role: str, rank
     if not config.models.packed_sequences:
         return 0
     return auto_token_budget(config, plan[role], [plan[other] for other in plan.roles_on(rank)],
-                             device_memory_bytes(device))
+                             device_memory_bytes(device) if memory_bytes is None
+                             else memory_bytes)
 
 
 def auto_token_budget(config: RunConfig, model: ModelPlacement,

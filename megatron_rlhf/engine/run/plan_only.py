@@ -16,7 +16,9 @@ read: the architecture is that of the initial checkpoints when every configured 
 The planner prices every sequence at full length (``max_prompt_length + max_new_tokens``); with a
 number as ``rollout.max_tokens_per_micro_batch`` a forward or training micro-batch holds that
 many tokens, so it is priced as ``max_tokens_per_micro_batch // sequence length`` rows (at least
-one); any other budget as ``rollout.micro_batch_size`` rows.
+one). ``auto`` is the budget the run would choose (``micro_batching.resolve_token_budget``, on
+each model's first rank, with its pool's device memory), priced as the smallest model's budget
+in rows; padded rows (no packing) are ``rollout.micro_batch_size`` rows.
 """
 
 from __future__ import annotations
@@ -27,10 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from megatron_rlhf.builder.sources import initial_checkpoints, resolve_sources
 from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.engine.run.auto_placement import choose_placement
 from megatron_rlhf.engine.run.build import make_plan
+from megatron_rlhf.engine.run.micro_batching import resolve_token_budget
 from megatron_rlhf.engine.run.stage_memory import offload_policies
 from megatron_rlhf.planner import (
     MemoryOptions,
@@ -127,10 +132,25 @@ def run_memory_options(config: RunConfig, plan: PlacementPlan) -> dict[str, Memo
     return options
 
 
-def planner_rollout(config: RunConfig) -> RolloutSpec:
-    """The step's shapes for the planner, a token budget as rows (module docstring)."""
+def token_budgets(config: RunConfig, plan: PlacementPlan) -> dict[str, int]:
+    """Each model's tokens per micro-batch as the run resolves them on the model's first rank,
+    with that rank's pool's device memory; 0 means fixed ``rollout.micro_batch_size`` rows."""
+    budgets = {}
+    for role in plan.roles:
+        rank = plan[role].ranks.start
+        pool = plan.cluster.pools[plan.cluster.locate(rank).pool_index]
+        budgets[role] = resolve_token_budget(config, plan, role, rank, torch.device("cpu"),
+                                             memory_bytes=pool.memory_gib * 2**30)
+    return budgets
+
+
+def planner_rollout(config: RunConfig, budgets: dict[str, int] | None = None) -> RolloutSpec:
+    """The step's shapes for the planner, the smallest of ``budgets`` (:func:`token_budgets`;
+    None: a numeric ``max_tokens_per_micro_batch`` alone) as rows (module docstring)."""
     rollout = RolloutSpec.from_run_config(config, overlap=config.rollout.async_rollout)
     budget = config.rollout.max_tokens_per_micro_batch
+    if budgets is not None:
+        budget = min((b for b in budgets.values() if b > 0), default=0)
     if isinstance(budget, int) and budget > 0:
         rollout = dataclasses.replace(
             rollout, micro_batch_size=max(1, budget // rollout.sequence_length))
@@ -148,6 +168,7 @@ class RunPlan:
         options: every model's memory options (:func:`run_memory_options`).
         prediction: the planner's prediction under them.
         architecture: where the architecture came from.
+        budgets: each model's tokens per micro-batch (:func:`token_budgets`; 0: fixed rows).
         chosen: why the planner chose the placement (``--placement auto``), else empty.
     """
 
@@ -157,6 +178,7 @@ class RunPlan:
     options: dict[str, MemoryOptions]
     prediction: StepPrediction
     architecture: str
+    budgets: dict[str, int]
     chosen: str = ""
 
     @property
@@ -186,6 +208,7 @@ class RunPlan:
         prediction.pop("tasks")
         return {"summary": self.summary_line(), "fits": self.fits,
                 "architecture": self.architecture, "chosen": self.chosen or None,
+                "tokens_per_micro_batch": self.budgets,
                 "plan": self.plan.to_dict(), "groups": self.groups(),
                 "rollout": self.rollout.to_dict(), "prediction": prediction}
 
@@ -197,11 +220,12 @@ class RunPlan:
         """The plan for a person: models, groups, stage times, memory per GPU per model."""
         r = self.rollout
         budget = self.config.rollout.max_tokens_per_micro_batch
-        priced = "" if not budget else f" (max_tokens_per_micro_batch={budget}" + (
-            " priced as rows)" if isinstance(budget, int) else ": micro_batch_size rows)")
+        priced = "" if not budget else f" (max_tokens_per_micro_batch={budget} priced as rows)"
         lines = [f"architecture: {self.architecture}",
                  f"rollout: {r.batch} rows of {r.prompt_length} + {r.generation_length} tokens, "
-                 f"micro-batches of {r.micro_batch_size} rows{priced}"]
+                 f"micro-batches of {r.micro_batch_size} rows{priced}",
+                 "tokens per micro-batch: " + ", ".join(
+                     f"{role} {tokens or 'fixed rows'}" for role, tokens in self.budgets.items())]
         if self.chosen:
             lines.append(f"placement auto: {self.chosen}")
         lines += ["", format_summary(self.plan), "",
@@ -237,8 +261,9 @@ def plan_run(config: RunConfig, cluster: ClusterSpec, profile: str | None = None
         config, chosen = choose_placement(config, cluster, profile)
     sources, architecture = plan_architectures(config)
     plan = make_plan(config, cluster, sources)
-    rollout = planner_rollout(config)
+    budgets = token_budgets(config, plan)
+    rollout = planner_rollout(config, budgets)
     options = run_memory_options(config, plan)
     prediction = predict_step(plan, rollout, load_profile(profile) if profile else None,
                               options=options)
-    return RunPlan(config, plan, rollout, options, prediction, architecture, chosen)
+    return RunPlan(config, plan, rollout, options, prediction, architecture, budgets, chosen)
