@@ -37,27 +37,33 @@ TESTED_MEGATRON_CORE_VERSIONS = ("0.16.0", "0.16.1")
 version strings."""
 
 
-def check_megatron_core_version() -> None:
-    """Refuse, on CPU, a megatron-core outside :data:`TESTED_MEGATRON_CORE_VERSIONS` (the CPU
-    compatibility layer patches its internals); on a GPU only warn, naming the tested range,
-    since there the CPU patches are not made.
+def megatron_core_version_warning(installed: str, cuda: bool) -> str | None:
+    """The gate on megatron-core ``installed``: None for a version in
+    :data:`TESTED_MEGATRON_CORE_VERSIONS`; on a GPU (``cuda``) a warning naming the tested range,
+    since there the CPU patches are not made; on CPU a refusal, since the CPU compatibility
+    layer patches megatron-core's internals.
 
     Raises:
-        RuntimeError: naming the installed and the tested versions.
+        RuntimeError: on CPU, naming the installed and the tested versions and the install
+            command.
     """
-    from megatron.core import package_info
-
-    installed = package_info.__version__
     if installed in TESTED_MEGATRON_CORE_VERSIONS:
-        return
+        return None
     message = (f"megatron-core {installed} is installed but megatron_rlhf is tested with "
                f"{', '.join(TESTED_MEGATRON_CORE_VERSIONS)}")
-    if torch.cuda.is_available():
-        warnings.warn(f"{message}; its private APIs used here (runtime/patches.py) may have "
-                      "changed", stacklevel=2)
-        return
+    if cuda:
+        return f"{message}; its private APIs used here (runtime/patches.py) may have changed"
     raise RuntimeError(f"{message}, and on CPU it patches megatron-core's internals: run "
                        f"`pip install megatron-core=={SUPPORTED_MEGATRON_CORE_VERSION}`")
+
+
+def check_megatron_core_version() -> None:
+    """:func:`megatron_core_version_warning` on the installed megatron-core and this machine."""
+    from megatron.core import package_info
+
+    warning = megatron_core_version_warning(package_info.__version__, torch.cuda.is_available())
+    if warning:
+        warnings.warn(warning, stacklevel=2)
 
 
 def _is_cuda_device(device: Any) -> bool:

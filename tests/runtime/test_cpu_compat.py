@@ -115,26 +115,29 @@ def test_nothing_is_patched_when_cuda_is_present() -> None:
 
 
 @pytest.mark.parametrize("version,cuda,outcome", [
-    ("0.16.0", False, None), ("0.16.1", False, None),
+    ("0.16.0", False, None), ("0.16.1", False, None), ("0.16.1", True, None),
     ("0.17.0", False, "raise"), ("0.15.3", True, "warn")])
 def test_megatron_core_outside_the_tested_versions_is_refused_on_cpu_and_warned_on_gpu(
-        monkeypatch: pytest.MonkeyPatch, version: str, cuda: bool, outcome: str | None) -> None:
-    import warnings
+        version: str, cuda: bool, outcome: str | None) -> None:
+    from megatron_rlhf.runtime.cpu_compat import megatron_core_version_warning
 
-    from megatron.core import package_info
+    tested = "megatron_rlhf is tested with 0.16.0, 0.16.1"
+    if outcome == "raise":
+        with pytest.raises(RuntimeError, match=rf"megatron-core {version} is installed but "
+                                               rf"{tested}.*pip install megatron-core==0.16.1"):
+            megatron_core_version_warning(version, cuda)
+        return
+    warning = megatron_core_version_warning(version, cuda)
+    assert (warning and warning.split(";")[0]) == (
+        f"megatron-core {version} is installed but {tested}" if outcome == "warn" else None)
+
+
+def test_the_installed_megatron_core_passes_the_gate() -> None:
+    """The suite's own megatron-core is a tested one: the check neither raises nor warns."""
+    import warnings
 
     from megatron_rlhf.runtime.cpu_compat import check_megatron_core_version
 
-    monkeypatch.setattr(package_info, "__version__", version)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        if outcome == "raise":
-            with pytest.raises(RuntimeError, match=r"megatron-core 0.17.0 is installed but "
-                                                   r"megatron_rlhf is tested with 0.16.0, 0.16.1"):
-                check_megatron_core_version()
-        else:
-            check_megatron_core_version()
-    assert [str(w.message).split(";")[0] for w in caught] == (
-        ["megatron-core 0.15.3 is installed but megatron_rlhf is tested with 0.16.0, 0.16.1"]
-        if outcome == "warn" else [])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_megatron_core_version()
