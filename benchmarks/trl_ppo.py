@@ -5,8 +5,8 @@
 TRL is not a dependency: its side runs in the interpreter ``--trl-python`` names (a venv with
 ``trl`` and its ``PPOTrainer``, e.g. trl 0.24), as ``python benchmarks/trl_ppo.py --trl-side``.
 Both sides train a Llama-style policy and critic of ``tiny``'s shape (2 layers, hidden 64, 4
-heads, FFN 256, vocabulary 512), fp32, on ``--prompts`` prompts of ``--prompt-length`` tokens,
-one sample each, ``--response-length`` new tokens with no early stop, one PPO epoch and one
+heads, FFN 256, vocabulary 512), fp32, on ``--prompts`` prompts (TRL's ``--prompt-length``
+tokens each; ours the shipped task's, at most that long), one sample each, ``--response-length`` new tokens with no early stop, one PPO epoch and one
 mini-batch, for ``--steps`` steps. TRL's models are random (its trainer needs a reward model too;
 ours scores with the shipped rule, no reward model). Each side's samples/s is the median of its
 own per-step figure over the steps after the first: TRL's logged ``eps`` (episodes per second),
