@@ -16,7 +16,8 @@ Map of the files (details in docs/generation.md):
 - ``generate.py``: ``generate_sequences``, with the static loop (``batching=static``) as the
   reference.
 - ``episodes.py``: ``run_episodes``, multi-turn episodes over a ``generate`` call per turn
-  (tool calls, environments), token in, token out.
+  (tool calls, environments), token in, token out; ``run_episodes_overlapped``, the same rows
+  with the tools' waits overlapped with other episodes' decoding.
 """
 
 from __future__ import annotations

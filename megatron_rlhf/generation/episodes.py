@@ -32,6 +32,7 @@ rank, the replica or the other rows of its batch, and every turn of a row that
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +107,10 @@ Generate = Callable[[list[list[int]], list[int], int], GenerationOutput]
 Respond = Callable[[list[tuple[int, str]]], list[Observation]]
 """``[(row, reply text)]`` of the replies to answer -> their observations."""
 
+Submit = Callable[[int, str], Future]
+"""``(row, reply text) -> future`` of the reply's :class:`Observation`
+(:func:`run_episodes_overlapped`)."""
+
 
 @dataclass
 class Episodes:
@@ -170,54 +175,130 @@ def run_episodes(generate: Generate, prompts: Sequence[Sequence[int]],
     stats = {name: [0.0] * len(prompts) for name in EPISODE_STATS}
     work: list[MicroBatchWork] = []
     device = torch.device("cpu")
-    for turn in range(config.max_turns):
+    for _ in range(config.max_turns):
         rows = [r for r, episode in enumerate(episodes) if not episode.done]
         if not rows:
             break
-        room = {r: config.max_episode_tokens - len(episodes[r].tokens) for r in rows}
-        out = generate([episodes[r].prompt + episodes[r].tokens for r in rows],
-                       [turn_key(noise_ids[r], turn, greedy_every) for r in rows],
-                       min(config.turn_tokens, max(room.values())))
+        out, room = _generate_turn(generate, episodes, stats, rows, noise_ids, config,
+                                   greedy_every)
         work += out.micro_batches
         device = out.input_ids.device
-        lengths = out.response_lengths.tolist()
-        replies, logprobs, policy = (t.cpu().tolist() for t in (
-            out.responses, out.response_logprobs, out.response_policy_logprobs))
-        calling = []
-        for i, r in enumerate(rows):
-            n = min(lengths[i], room[r])
-            cut = stop_cut(replies[i][:n], decode, config.stop) if config.stop else None
-            n = cut if cut is not None else n
-            episode = episodes[r]
-            episode.append(replies[i][:n], logprobs[i][:n], policy[i][:n])
-            stats["turns"][r] += 1
-            # the episode ran out of room before the reply ended by itself
-            full = n == room[r] and cut is None and replies[i][n - 1] not in eos_ids
-            stats["truncated"][r] = float(full)
-            if cut is not None or config.stop is None:
-                calling.append((r, decode(replies[i][:n])))
-            episode.done = cut is None
+        calling = [(r, text) for r, text in _take_replies(out, rows, room, episodes, stats,
+                                                          config, decode, eos_ids)
+                   if text is not None]
         for (r, _), observation in zip(calling, respond(calling) if calling else [],
                                        strict=True):
-            episode = episodes[r]
-            stats["tool_calls"][r] += float(config.stop is not None)
-            stats["tool_errors"][r] += float(observation.failed)
-            stats["tool_seconds"][r] += observation.seconds
-            stats["reward"][r] += observation.reward
-            if observation.done or stats["truncated"][r]:
-                episode.done = True
-                continue
-            if (turn + 1 == config.max_turns or len(episode.tokens) + len(observation.tokens)
-                    >= config.max_episode_tokens):
-                episode.done = True
-                stats["truncated"][r] = 1.0
-                continue
-            episode.done = False
-            episode.append(observation.tokens)
-            stats["observation_tokens"][r] += len(observation.tokens)
+            _take_observation(episodes[r], stats, r, observation, config)
     output = _assemble(episodes, pad_id, tuple(work), device)
     return Episodes(output, {name: torch.tensor(values, dtype=torch.float32)
                              for name, values in stats.items()})
+
+
+def run_episodes_overlapped(generate: Generate, prompts: Sequence[Sequence[int]],
+                            noise_ids: Sequence[int], config: EpisodeConfig,
+                            decode: Callable[[list[int]], str], submit: Submit,
+                            eos_ids: Sequence[int], pad_id: int,
+                            greedy_every: int = 0) -> Episodes:
+    """:func:`run_episodes` with the tools' waits overlapped: each reply's answer is a future
+    (``submit``), and the next ``generate`` call takes every episode ready at that moment (not
+    yet started, or its answer arrived) while the others' tools still run, instead of one call
+    per turn after every answer of the turn. An episode waiting for its tool holds no row of a
+    decode batch. Each row draws the tokens :func:`run_episodes` draws (its noise is keyed by
+    its own turn, its context is the same tokens); which rows share a batch depends on the
+    tools' timing, so the log-probs agree with :func:`run_episodes`' to rounding only.
+
+    Args:
+        submit: ``(row, reply text) -> future`` of the reply's :class:`Observation` (a tool
+            call, or an environment's step).
+        generate, prompts, noise_ids, config, decode, eos_ids, pad_id, greedy_every: as
+            :func:`run_episodes`.
+    """
+    episodes = [_Episode(list(p), [], [], [], []) for p in prompts]
+    stats = {name: [0.0] * len(prompts) for name in EPISODE_STATS}
+    work: list[MicroBatchWork] = []
+    device = torch.device("cpu")
+    ready, pending = list(range(len(prompts))), {}
+    while ready or pending:
+        answered = [f for f in pending if f.done()]
+        if not ready and not answered:
+            answered = list(wait(list(pending), return_when=FIRST_COMPLETED).done)
+        for r, future in sorted((pending.pop(f), f) for f in answered):
+            _take_observation(episodes[r], stats, r, future.result(), config)
+            if not episodes[r].done:
+                ready.append(r)
+        rows, ready = sorted(ready), []
+        if not rows:
+            continue
+        out, room = _generate_turn(generate, episodes, stats, rows, noise_ids, config,
+                                   greedy_every)
+        work += out.micro_batches
+        device = out.input_ids.device
+        for r, text in _take_replies(out, rows, room, episodes, stats, config, decode, eos_ids):
+            if text is not None:
+                pending[submit(r, text)] = r
+    output = _assemble(episodes, pad_id, tuple(work), device)
+    return Episodes(output, {name: torch.tensor(values, dtype=torch.float32)
+                             for name, values in stats.items()})
+
+
+def _generate_turn(generate: Generate, episodes: Sequence[_Episode],
+                   stats: dict[str, list[float]], rows: Sequence[int],
+                   noise_ids: Sequence[int], config: EpisodeConfig, greedy_every: int
+                   ) -> tuple[GenerationOutput, dict[int, int]]:
+    """The next reply of each of ``rows`` (each at its own turn), and each row's room left."""
+    room = {r: config.max_episode_tokens - len(episodes[r].tokens) for r in rows}
+    out = generate([episodes[r].prompt + episodes[r].tokens for r in rows],
+                   [turn_key(noise_ids[r], int(stats["turns"][r]), greedy_every) for r in rows],
+                   min(config.turn_tokens, max(room.values())))
+    return out, room
+
+
+def _take_replies(out: GenerationOutput, rows: Sequence[int], room: dict[int, int],
+                  episodes: Sequence[_Episode], stats: dict[str, list[float]],
+                  config: EpisodeConfig, decode: Callable[[list[int]], str],
+                  eos_ids: Sequence[int]) -> list[tuple[int, str | None]]:
+    """Append each row's reply (cut after ``config.stop``); ``(row, text to answer)``, the text
+    None where the episode ended with the reply."""
+    lengths = out.response_lengths.tolist()
+    replies, logprobs, policy = (t.cpu().tolist() for t in (
+        out.responses, out.response_logprobs, out.response_policy_logprobs))
+    taken = []
+    for i, r in enumerate(rows):
+        n = min(lengths[i], room[r])
+        cut = stop_cut(replies[i][:n], decode, config.stop) if config.stop else None
+        n = cut if cut is not None else n
+        episode = episodes[r]
+        episode.append(replies[i][:n], logprobs[i][:n], policy[i][:n])
+        stats["turns"][r] += 1
+        # the episode ran out of room before the reply ended by itself
+        full = n == room[r] and cut is None and replies[i][n - 1] not in eos_ids
+        stats["truncated"][r] = float(full)
+        answered = cut is not None or config.stop is None
+        taken.append((r, decode(replies[i][:n]) if answered else None))
+        episode.done = cut is None
+    return taken
+
+
+def _take_observation(episode: _Episode, stats: dict[str, list[float]], r: int,
+                      observation: Observation, config: EpisodeConfig) -> None:
+    """Count ``observation`` (the answer to row ``r``'s last reply) and append it, or end the
+    episode: the environment ended it, it was truncated, its last turn was answered, or the
+    observation would leave no room for another token."""
+    stats["tool_calls"][r] += float(config.stop is not None)
+    stats["tool_errors"][r] += float(observation.failed)
+    stats["tool_seconds"][r] += observation.seconds
+    stats["reward"][r] += observation.reward
+    if observation.done or stats["truncated"][r]:
+        episode.done = True
+        return
+    if (stats["turns"][r] == config.max_turns or len(episode.tokens) + len(observation.tokens)
+            >= config.max_episode_tokens):
+        episode.done = True
+        stats["truncated"][r] = 1.0
+        return
+    episode.done = False
+    episode.append(observation.tokens)
+    stats["observation_tokens"][r] += len(observation.tokens)
 
 
 def _assemble(episodes: Sequence[_Episode], pad_id: int, work: tuple[MicroBatchWork, ...],
