@@ -131,6 +131,8 @@ COMPARED = ("reward_mean", "reward/length_tenths", "rule_score", "kl", "policy_l
 
 
 def _runs(tmp_path: str) -> dict:
+    import torch.distributed as dist
+
     from megatron_rlhf.config.loader import load_config
     from megatron_rlhf.engine.run.runner import run_ppo
 
@@ -146,6 +148,8 @@ def _runs(tmp_path: str) -> dict:
             "reward.rule=none", "reward.workers=1", "trace=true", "actor_optimizer.lr=1e-3",
             "reward.functions=[{name: 'tests.rewards.user_functions:length_tenths'}]"])
         run_dir = run_ppo(config)
+        if dist.get_rank() != 0:
+            continue  # rank 0 writes the run's files, after the other ranks may have returned
         timeline = json.loads((run_dir / "timeline.json").read_text())
         events = timeline["traceEvents"]
         results[strategy] = {
