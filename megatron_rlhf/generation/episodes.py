@@ -171,8 +171,7 @@ def run_episodes(generate: Generate, prompts: Sequence[Sequence[int]],
         pad_id: fills padding positions.
         greedy_every: ``generation.greedy_every`` of ``generate`` (:func:`turn_key`).
     """
-    episodes = [_Episode(list(p), [], [], [], []) for p in prompts]
-    stats = {name: [0.0] * len(prompts) for name in EPISODE_STATS}
+    episodes, stats = _start(prompts)
     work: list[MicroBatchWork] = []
     device = torch.device("cpu")
     for _ in range(config.max_turns):
@@ -189,9 +188,7 @@ def run_episodes(generate: Generate, prompts: Sequence[Sequence[int]],
         for (r, _), observation in zip(calling, respond(calling) if calling else [],
                                        strict=True):
             _take_observation(episodes[r], stats, r, observation, config)
-    output = _assemble(episodes, pad_id, tuple(work), device)
-    return Episodes(output, {name: torch.tensor(values, dtype=torch.float32)
-                             for name, values in stats.items()})
+    return _finish(episodes, stats, pad_id, work, device)
 
 
 def run_episodes_overlapped(generate: Generate, prompts: Sequence[Sequence[int]],
@@ -213,8 +210,7 @@ def run_episodes_overlapped(generate: Generate, prompts: Sequence[Sequence[int]]
         generate, prompts, noise_ids, config, decode, eos_ids, pad_id, greedy_every: as
             :func:`run_episodes`.
     """
-    episodes = [_Episode(list(p), [], [], [], []) for p in prompts]
-    stats = {name: [0.0] * len(prompts) for name in EPISODE_STATS}
+    episodes, stats = _start(prompts)
     work: list[MicroBatchWork] = []
     device = torch.device("cpu")
     ready, pending = list(range(len(prompts))), {}
@@ -236,9 +232,7 @@ def run_episodes_overlapped(generate: Generate, prompts: Sequence[Sequence[int]]
         for r, text in _take_replies(out, rows, room, episodes, stats, config, decode, eos_ids):
             if text is not None:
                 pending[submit(r, text)] = r
-    output = _assemble(episodes, pad_id, tuple(work), device)
-    return Episodes(output, {name: torch.tensor(values, dtype=torch.float32)
-                             for name, values in stats.items()})
+    return _finish(episodes, stats, pad_id, work, device)
 
 
 def _generate_turn(generate: Generate, episodes: Sequence[_Episode],
@@ -299,6 +293,21 @@ def _take_observation(episode: _Episode, stats: dict[str, list[float]], r: int,
     episode.done = False
     episode.append(observation.tokens)
     stats["observation_tokens"][r] += len(observation.tokens)
+
+
+def _start(prompts: Sequence[Sequence[int]]
+           ) -> tuple[list[_Episode], dict[str, list[float]]]:
+    """An empty episode per prompt, and their statistics at zero."""
+    return ([_Episode(list(p), [], [], [], []) for p in prompts],
+            {name: [0.0] * len(prompts) for name in EPISODE_STATS})
+
+
+def _finish(episodes: Sequence[_Episode], stats: dict[str, list[float]], pad_id: int,
+            work: list[MicroBatchWork], device: torch.device) -> Episodes:
+    """The episodes as one batch, with their statistics as tensors."""
+    return Episodes(_assemble(episodes, pad_id, tuple(work), device),
+                    {name: torch.tensor(values, dtype=torch.float32)
+                     for name, values in stats.items()})
 
 
 def _assemble(episodes: Sequence[_Episode], pad_id: int, work: tuple[MicroBatchWork, ...],
