@@ -12,10 +12,10 @@ import pytest
 from megatron_rlhf.config.ppo_run import ModelsConfig, RunConfig
 from megatron_rlhf.models.moe import MoEConfig
 from megatron_rlhf.topology.placement_config import ParallelOverride, PlacementConfig
-from tests.helpers.metrics import assert_metrics_match, even_token_share
+from tests.helpers.metrics import assert_metrics_match
+from tests.helpers.moe_runs import moe_steps
 from tests.multirank import run_on_ranks
 
-PROMPTS = 4
 COMPARED = ("reward_mean", "rm_score", "kl", "returns_mean", "actor/pg_loss", "actor/grad_norm",
             "response_length")
 """Metrics that do not depend on the layout (the routers' do: balancing loss per micro-batch)."""
@@ -23,44 +23,8 @@ CRITIC = ("values_mean", "critic/vf_loss", "critic/grad_norm")
 
 
 def _steps(estimator: str, strategy: str, eps: dict[str, int]) -> dict:
-    import torch
-
-    from megatron_rlhf.algorithms import PPOAlgorithmConfig
-    from megatron_rlhf.config.ppo_run import RewardConfig, RolloutConfig
-    from megatron_rlhf.engine.run.build import build_engine, make_plan
-    from megatron_rlhf.engine.step.ppo import PPOAlgorithm
-    from megatron_rlhf.generation import GenerationConfig
-    from megatron_rlhf.runtime.bootstrap import initialize_runtime
-    from megatron_rlhf.topology.cluster import cluster_from_environment
-
-    initialize_runtime()
-    generator = torch.Generator().manual_seed(0)
-    # prompts of 2 to 8 tokens: the ranks' rows differ in length, so their token-budget
-    # micro-batches and their decode steps (end-of-sequence at different steps) differ
-    prompts = [torch.randint(4, 500, (int(n),), generator=generator).tolist()
-               for n in torch.randint(2, 9, (PROMPTS * 2,), generator=generator)]
-    grpo = estimator == "grpo"
-    config = RunConfig(
-        placement=PlacementConfig(strategy=strategy, parallel={
-            role: ParallelOverride(ep=ep) for role, ep in eps.items()}),
-        models=ModelsConfig(arch="tiny", init_seed=9,
-                            moe=MoEConfig(num_experts=4, topk=2, ffn_hidden_size=128)),
-        rollout=RolloutConfig(prompts_per_step=PROMPTS, samples_per_prompt=2 if grpo else 1,
-                              max_prompt_length=8, micro_batch_size=1, ppo_epochs=1,
-                              num_minibatches=1),
-        generation=GenerationConfig(max_new_tokens=6, seed=3, batching="static"),
-        reward=RewardConfig(model_weight=0.5, rule="none", rule_weight=1.0),
-        algorithm=(PPOAlgorithmConfig(advantage_estimator="grpo", kl_in="loss",
-                                      kl_loss_coef=0.05) if grpo else PPOAlgorithmConfig()),
-        steps=2)
-    config.actor_optimizer.lr = 1e-3
-    plan = make_plan(config, cluster_from_environment(None))
-    engine = build_engine(config, plan, eos_id=3, pad_id=0)
-    algorithm = PPOAlgorithm(
-        engine, config.algorithm, config.rollout, config.reward, seed=5, total_steps=2,
-        prompts=lambda step, _round=0: (prompts[PROMPTS * step:PROMPTS * (step + 1)],
-                                        list(range(PROMPTS * step, PROMPTS * (step + 1)))),
-        rule_reward=even_token_share)
+    engine, algorithm = moe_steps(estimator, strategy, grpo_samples=2, num_minibatches=1,
+                                  eps=eps, batching="static")
     metrics = [algorithm.step(s) for s in range(2)]
     eps_built = {role: (worker.pg_collection.ep.size(), worker.pg_collection.expt_dp.size())
                  for role, worker in engine.workers.items()}

@@ -12,10 +12,10 @@ import pytest
 
 from megatron_rlhf.config.ppo_run import ModelsConfig
 from megatron_rlhf.models.moe import MoEConfig
-from tests.helpers.metrics import assert_metrics_match, even_token_share
+from tests.helpers.metrics import assert_metrics_match
+from tests.helpers.moe_runs import PROMPTS, moe_steps
 from tests.multirank import run_on_ranks
 
-PROMPTS = 4
 COMPARED = ("reward_mean", "rm_score", "kl", "returns_mean", "values_mean", "actor/pg_loss",
             "actor/grad_norm", "critic/vf_loss")
 """Placement-invariant metrics; the routers' are not: megatron's balancing loss is per
@@ -23,44 +23,11 @@ micro-batch, and the expert load counts the padding of packed rows, both set by 
 
 
 def _steps(estimator: str, minibatches: int = 2, strategy: str = "flattening") -> dict:
-    import torch
-
-    from megatron_rlhf.algorithms import PPOAlgorithmConfig
-    from megatron_rlhf.config.ppo_run import RewardConfig, RolloutConfig, RunConfig
-    from megatron_rlhf.engine.run.build import build_engine, make_plan
-    from megatron_rlhf.engine.step.ppo import PPOAlgorithm
-    from megatron_rlhf.generation import GenerationConfig
     from megatron_rlhf.models.moe import moe_routers
-    from megatron_rlhf.runtime.bootstrap import initialize_runtime
-    from megatron_rlhf.topology.cluster import cluster_from_environment
-    from megatron_rlhf.topology.placement_config import PlacementConfig
 
-    initialize_runtime()
-    generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(4, 500, (int(n),), generator=generator).tolist()
-               for n in torch.randint(2, 9, (PROMPTS * 3,), generator=generator)]
-    grpo = estimator == "grpo"
-    config = RunConfig(
-        placement=PlacementConfig(strategy=strategy),
-        models=ModelsConfig(arch="tiny", init_seed=9,
-                            moe=MoEConfig(num_experts=4, topk=2, ffn_hidden_size=128)),
-        rollout=RolloutConfig(prompts_per_step=PROMPTS, samples_per_prompt=4 if grpo else 1,
-                              max_prompt_length=8, micro_batch_size=1, ppo_epochs=1,
-                              num_minibatches=minibatches),
-        generation=GenerationConfig(max_new_tokens=6, seed=3),
-        reward=RewardConfig(model_weight=0.5, rule="none", rule_weight=1.0),
-        algorithm=(PPOAlgorithmConfig(advantage_estimator="grpo", kl_in="loss",
-                                      kl_loss_coef=0.05) if grpo else PPOAlgorithmConfig()),
-        steps=2)
-    config.actor_optimizer.lr = 1e-3
-    engine = build_engine(config, make_plan(config, cluster_from_environment(None)),
-                          eos_id=3, pad_id=0)
+    engine, algorithm = moe_steps(estimator, strategy, grpo_samples=4,
+                                  num_minibatches=minibatches, prompt_steps=3)
     routers = {role: len(moe_routers(worker.model)) for role, worker in engine.workers.items()}
-    algorithm = PPOAlgorithm(
-        engine, config.algorithm, config.rollout, config.reward, seed=5, total_steps=2,
-        prompts=lambda step, _round=0: (prompts[PROMPTS * step:PROMPTS * (step + 1)],
-                                        list(range(PROMPTS * step, PROMPTS * (step + 1)))),
-        rule_reward=even_token_share)
     metrics = [algorithm.step(s) for s in range(2)]
     experience = algorithm.produce(2).batch.fields or {}  # None off the trainer ranks
     routes = experience.get("moe_routes")

@@ -40,8 +40,7 @@ def _runs(tmp_path: str, module_dir: str) -> dict:
     import sys
 
     from megatron_rlhf.engine.run import runner
-    from megatron_rlhf.engine.run.runner import run_ppo
-    from tests.helpers.metrics import run_metrics
+    from tests.helpers.runs import whole_and_resumed
 
     sys.path.insert(0, module_dir)
 
@@ -52,12 +51,7 @@ def _runs(tmp_path: str, module_dir: str) -> dict:
                              **kwargs)
 
     runner.EpisodeRollouts = StandInCodec
-    root = Path(tmp_path)
-    run_ppo(_config(root, "whole"))
-    save = f"checkpoint.save_dir={root / 'ckpt'}"
-    run_ppo(_config(root, "resumed", "steps=1", save, "checkpoint.save_interval=1"))
-    run_ppo(_config(root, "resumed", save, "checkpoint.resume=latest"))
-    return {"whole": run_metrics(root / "whole"), "resumed": run_metrics(root / "resumed")}
+    return whole_and_resumed(_config, Path(tmp_path))
 
 
 @pytest.mark.multirank

@@ -1,5 +1,5 @@
 """Whole PPO runs inside multi-rank tests: a small separation configuration, the engine a run
-built, and its trained weights."""
+built, its trained weights, and a run against its resumed self."""
 
 from __future__ import annotations
 
@@ -76,3 +76,17 @@ def run_killed_while_saving_step_2(fn: Callable[[str], None], world_size: int, r
     assert (save_dir / "step_00000001" / "manifest.json").is_file()
     assert not (save_dir / "step_00000002").exists()
     assert list(save_dir.glob("step_00000002.tmp-*")), "the killed save left its temp directory"
+
+
+def whole_and_resumed(config: Callable[..., Any], root: Path, *whole: str) -> dict[str, list]:
+    """Metrics of a 2-step run uninterrupted (``whole``: its extra overrides) and of the same
+    run stopped after step 1 with a checkpoint and resumed from it; ``config(root, name,
+    *overrides)`` makes each run's configuration."""
+    from megatron_rlhf.engine.run.runner import run_ppo
+    from tests.helpers.metrics import run_metrics
+
+    run_ppo(config(root, "whole", *whole))
+    save = f"checkpoint.save_dir={root / 'ckpt'}"
+    run_ppo(config(root, "resumed", "steps=1", save, "checkpoint.save_interval=1"))
+    run_ppo(config(root, "resumed", save, "checkpoint.resume=latest"))
+    return {"whole": run_metrics(root / "whole"), "resumed": run_metrics(root / "resumed")}
