@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_rlhf.engine.execution.episodes import chat_tool_message, plain_tool_message
+from megatron_rlhf.models.prompting import chat_tool_message, plain_tool_message
 from tools.make_tiny_hf import make_hf_tokenizer
 
 
@@ -33,3 +33,16 @@ def test_a_template_without_tool_turns_falls_back_to_plain_text(tmp_path: Path) 
     make_hf_tokenizer(tmp_path, "llama3")
     assert chat_tool_message(HFTokenizer.load(tmp_path).render_chat) is None
     assert plain_tool_message("7") == "\n<tool_response>\n7\n</tool_response>\n"
+
+
+def test_a_run_reads_the_template_tool_turn_only_with_chat_template_on(tmp_path: Path) -> None:
+    """``tool_message_for`` picks what a run (episodes, SFT) encodes a tool's answer as."""
+    from megatron_rlhf.models.hf_tokenizer import HFTokenizer
+    from megatron_rlhf.models.prompting import tool_message_for
+
+    for style in ("qwen", "llama3"):
+        make_hf_tokenizer(tmp_path / style, style)
+    qwen, llama3 = (HFTokenizer.load(tmp_path / style) for style in ("qwen", "llama3"))
+    assert tool_message_for(qwen, True)("5") == chat_tool_message(qwen.render_chat)("5")
+    assert tool_message_for(qwen, False) is plain_tool_message
+    assert tool_message_for(llama3, True) is plain_tool_message

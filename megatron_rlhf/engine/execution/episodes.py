@@ -29,46 +29,12 @@ from megatron_rlhf.generation.episodes import (
     Observation,
     run_episodes,
 )
+from megatron_rlhf.models.prompting import ToolMessage, plain_tool_message
 from megatron_rlhf.rewards.environments import EnvironmentError_, EnvironmentSpec, Episode
 from megatron_rlhf.rewards.tools import ToolCall, Tools
 
 STAT_FIELDS = {name: f"episode_{name}" for name in EPISODE_STATS}
 """Episode count -> the rollout field that carries it."""
-
-TOOL_MESSAGE = "\n<tool_response>\n{answer}\n</tool_response>\n"
-"""The plain-text tool message (Qwen2.5's ``tool_response`` tags) a tool's answer is read in
-without a chat template."""
-
-_REPLY = "\x00reply\x00"
-"""Stands for the policy's reply when a chat template renders a tool turn after it."""
-
-
-def plain_tool_message(answer: str) -> str:
-    """:data:`TOOL_MESSAGE` around ``answer``."""
-    return TOOL_MESSAGE.format(answer=answer)
-
-
-def chat_tool_message(render_chat: Callable[[list[dict[str, str]], bool], str]
-                      ) -> Callable[[str], str] | None:
-    """The chat template's own tool turn: what it renders after an assistant reply for a
-    ``tool`` message, up to the next assistant turn's opening (the reply's end marker, the tool
-    turn, the generation prompt); None when the template refuses a ``tool`` message.
-
-    Args:
-        render_chat: ``HFTokenizer.render_chat``.
-    """
-    def message(answer: str) -> str:
-        conversation = [{"role": "user", "content": "?"},
-                        {"role": "assistant", "content": _REPLY},
-                        {"role": "tool", "content": answer}]
-        text = render_chat(conversation, True)
-        return text[text.index(_REPLY) + len(_REPLY):]
-
-    try:
-        message("")
-    except ValueError:
-        return None
-    return message
 
 USER_MESSAGE = "\n{observation}\n"
 """The plain-text user message an environment's observation is read in."""
@@ -110,15 +76,15 @@ class EpisodeRollouts:
         encode_prompt: an environment's first user message to prompt ids (BOS or the chat
             template, as the prompt set's prompts); default ``encode``.
         tool_message: a tool's answer to the text of the message the policy reads
-            (:func:`chat_tool_message` with a chat template); default
-            :func:`plain_tool_message`.
+            (``models.prompting.tool_message_for``); default
+            ``models.prompting.plain_tool_message``.
     """
 
     def __init__(self, config: EpisodeConfig, encode: Callable[[str], list[int]],
                  decode: Callable[[list[int]], str], tools: Tools | None = None,
                  environment: EnvironmentSpec | None = None,
                  encode_prompt: Callable[[str], list[int]] | None = None,
-                 tool_message: Callable[[str], str] = plain_tool_message) -> None:
+                 tool_message: ToolMessage = plain_tool_message) -> None:
         if (tools is None) == (environment is None):
             raise ValueError("give tools or an environment")
         self.config = config

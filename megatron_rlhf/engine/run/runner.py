@@ -24,11 +24,7 @@ from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.data import rule_score
 from megatron_rlhf.data.demonstrations import DemonstrationStream
 from megatron_rlhf.data.prompts import PromptStream
-from megatron_rlhf.engine.execution.episodes import (
-    EpisodeRollouts,
-    chat_tool_message,
-    plain_tool_message,
-)
+from megatron_rlhf.engine.execution.episodes import EpisodeRollouts
 from megatron_rlhf.engine.execution.function_rewards import FunctionRewards
 from megatron_rlhf.engine.execution.ppo_engine import RuleReward
 from megatron_rlhf.engine.execution.throughput import step_throughput
@@ -54,7 +50,7 @@ from megatron_rlhf.engine.run.replan import HISTORY, RunReplanner, check_replan
 from megatron_rlhf.engine.step.ppo import PPOAlgorithm
 from megatron_rlhf.generation.episodes import EpisodeConfig
 from megatron_rlhf.models.hf_tokenizer import HFTokenizer, checkpoint_tokenizer
-from megatron_rlhf.models.prompting import encode_prompt
+from megatron_rlhf.models.prompting import encode_prompt, tool_message_for
 from megatron_rlhf.models.tokenizer import Tokenizer, load_tokenizer
 from megatron_rlhf.rewards import RewardFunctions
 from megatron_rlhf.rewards.tools import CALL_CLOSE, Tools
@@ -131,14 +127,11 @@ def episode_rollouts_for(config: RunConfig, tokenizer: Tokenizer | HFTokenizer
                                environment=environment,
                                encode_prompt=lambda text: encode_prompt(
                                    tokenizer, text, None, config.prompts.chat_template))
-    tool_message = None
-    if (isinstance(tokenizer, HFTokenizer) and tokenizer.has_chat_template
-            and config.prompts.chat_template):
-        tool_message = chat_tool_message(tokenizer.render_chat)
     return EpisodeRollouts(bounds, tokenizer.encode, tokenizer.decode,
                            tools=Tools(rollout.tool_specs, rollout.tool_on_error,
                                        rollout.tool_timeout_s, rollout.tool_workers),
-                           tool_message=tool_message or plain_tool_message)
+                           tool_message=tool_message_for(tokenizer,
+                                                         config.prompts.chat_template))
 
 
 @dataclass
