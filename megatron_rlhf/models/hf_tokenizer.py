@@ -222,6 +222,11 @@ class HFTokenizer:
         bos = [self.bos_id] if add_bos and self.bos_id is not None else []
         return bos + ids + ([self.eos_id] if add_eos else [])
 
+    def encode_continuation(self, text: str) -> list[int]:
+        """The ids of ``text`` where it follows other text: :meth:`encode`'s (a byte-level
+        tokenizer adds no word-start piece)."""
+        return self.encode(text)
+
     def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
         """The chat template applied to ``messages`` (dicts with ``role`` and ``content``).
 

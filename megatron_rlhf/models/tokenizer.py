@@ -21,7 +21,7 @@ import json
 import os
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import sentencepiece as spm
@@ -37,6 +37,9 @@ SHIPPED_CORPUS = Path(__file__).resolve().parents[1] / "data" / "assets" / "corp
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 _MODEL_TYPES = ("bpe", "unigram")
 _NUM_SPECIAL = 4
+_WORD_START = "\u2581"
+"""Sentencepiece's word-start mark ``▁``, a piece of its own before a text that starts with a
+user-defined symbol."""
 
 
 @dataclass
@@ -58,14 +61,22 @@ class TokenizerConfig:
     """Sentencepiece algorithm: ``bpe`` or ``unigram``."""
     byte_fallback: bool = False
     """Encode characters unseen in the corpus as bytes (uses 256 pieces) instead of ``<unk>``."""
+    split_digits: bool = False
+    """Every digit is a piece of its own (as in Llama's tokenizer), so numbers are written digit
+    by digit whatever their neighbours."""
+    user_defined_symbols: list[str] = field(default_factory=list)
+    """Texts that are always one piece, never split or merged with their neighbours: tool-call
+    tags (``<tool_call>``), or the newline, which a one-sentence-a-line corpus cannot teach."""
     cache_dir: str = "~/.cache/megatron_rlhf/tokenizers"
     """Directory where trained models are cached by a hash of corpus and options."""
 
     def __post_init__(self) -> None:
-        _check_options(self.vocab_size, self.model_type, self.byte_fallback)
+        _check_options(self.vocab_size, self.model_type, self.byte_fallback,
+                       self.user_defined_symbols)
 
 
-def _check_options(vocab_size: int, model_type: str, byte_fallback: bool) -> None:
+def _check_options(vocab_size: int, model_type: str, byte_fallback: bool,
+                   user_defined_symbols: Sequence[str] = ()) -> None:
     if vocab_size <= _NUM_SPECIAL:
         raise ValueError(
             f"vocab_size({vocab_size}) must exceed the {_NUM_SPECIAL} special tokens; use e.g. 512"
@@ -77,6 +88,13 @@ def _check_options(vocab_size: int, model_type: str, byte_fallback: bool) -> Non
             f"byte_fallback needs 256 byte pieces; raise vocab_size({vocab_size}) to at least "
             f"{256 + 2 * _NUM_SPECIAL} or set byte_fallback=False"
         )
+    symbols = list(user_defined_symbols)
+    if any(not isinstance(symbol, str) or not symbol for symbol in symbols) or (
+            len(set(symbols)) != len(symbols)):
+        raise ValueError(f"user_defined_symbols={symbols!r} must be distinct non-empty strings")
+    if len(symbols) + _NUM_SPECIAL >= vocab_size:
+        raise ValueError(f"vocab_size({vocab_size}) leaves no room for pieces beside the "
+                         f"{len(symbols)} user_defined_symbols; raise it")
 
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -93,7 +111,8 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
 
 
 def _train_model_bytes(
-    corpus_path: Path, vocab_size: int, model_type: str, byte_fallback: bool
+    corpus_path: Path, vocab_size: int, model_type: str, byte_fallback: bool,
+    split_digits: bool = False, user_defined_symbols: Sequence[str] = (),
 ) -> bytes:
     lines = [line for line in corpus_path.read_text(encoding="utf-8").splitlines() if line]
     if not lines:
@@ -110,6 +129,8 @@ def _train_model_bytes(
                 vocab_size=vocab_size,
                 model_type=model_type,
                 byte_fallback=byte_fallback,
+                split_digits=split_digits,
+                user_defined_symbols=list(user_defined_symbols),
                 pad_id=PAD_ID,
                 unk_id=UNK_ID,
                 bos_id=BOS_ID,
@@ -165,6 +186,8 @@ class Tokenizer:
         *,
         model_type: str = "bpe",
         byte_fallback: bool = False,
+        split_digits: bool = False,
+        user_defined_symbols: Sequence[str] = (),
     ) -> Tokenizer:
         """Train deterministically on a corpus and write the model atomically to ``out_path``.
 
@@ -174,6 +197,8 @@ class Tokenizer:
             out_path: the ``.model`` file to write.
             model_type: ``bpe`` or ``unigram``.
             byte_fallback: encode unseen characters as bytes instead of ``<unk>``.
+            split_digits: every digit a piece of its own.
+            user_defined_symbols: texts that are always one piece.
 
         Returns:
             The trained tokenizer.
@@ -181,9 +206,10 @@ class Tokenizer:
         Raises:
             ValueError: for invalid options, an empty corpus, or a corpus too small for the vocab.
         """
-        _check_options(vocab_size, model_type, byte_fallback)
+        _check_options(vocab_size, model_type, byte_fallback, user_defined_symbols)
         corpus, out = Path(corpus_path), Path(out_path)
-        model_bytes = _train_model_bytes(corpus, vocab_size, model_type, byte_fallback)
+        model_bytes = _train_model_bytes(corpus, vocab_size, model_type, byte_fallback,
+                                         split_digits, user_defined_symbols)
         _atomic_write_bytes(out, model_bytes)
         logger.info(
             "trained a %d-piece %s tokenizer on %s into %s", vocab_size, model_type, corpus, out
@@ -199,6 +225,8 @@ class Tokenizer:
         *,
         model_type: str = "bpe",
         byte_fallback: bool = False,
+        split_digits: bool = False,
+        user_defined_symbols: Sequence[str] = (),
     ) -> Tokenizer:
         """Load the cached model for this corpus and these options, training it on a miss.
 
@@ -212,6 +240,8 @@ class Tokenizer:
             cache_dir: directory of cached ``.model`` files (``~`` is expanded).
             model_type: ``bpe`` or ``unigram``.
             byte_fallback: encode unseen characters as bytes instead of ``<unk>``.
+            split_digits: every digit a piece of its own.
+            user_defined_symbols: texts that are always one piece.
 
         Returns:
             The cached or freshly trained tokenizer.
@@ -221,6 +251,8 @@ class Tokenizer:
             "vocab_size": vocab_size,
             "model_type": model_type,
             "byte_fallback": byte_fallback,
+            "split_digits": split_digits,
+            "user_defined_symbols": list(user_defined_symbols),
             "sentencepiece": spm.__version__,
         }
         digest = hashlib.sha256(corpus.read_bytes())
@@ -233,7 +265,8 @@ class Tokenizer:
             logger.info("using cached tokenizer %s", path)
             return cls.load(path)
         return cls.train(
-            corpus, vocab_size, path, model_type=model_type, byte_fallback=byte_fallback
+            corpus, vocab_size, path, model_type=model_type, byte_fallback=byte_fallback,
+            split_digits=split_digits, user_defined_symbols=user_defined_symbols,
         )
 
     @classmethod
@@ -263,6 +296,8 @@ class Tokenizer:
             config.cache_dir,
             model_type=config.model_type,
             byte_fallback=config.byte_fallback,
+            split_digits=config.split_digits,
+            user_defined_symbols=config.user_defined_symbols,
         )
 
     @property
@@ -299,6 +334,14 @@ class Tokenizer:
         """Encode text to ids, optionally framed by BOS and/or EOS."""
         ids = self._sp.encode(text)
         return ([self.bos_id] if add_bos else []) + ids + ([self.eos_id] if add_eos else [])
+
+    def encode_continuation(self, text: str) -> list[int]:
+        """The ids of ``text`` where it follows other text, as a stop sequence is matched against
+        sampled tokens: :meth:`encode` without the lone word-start piece sentencepiece puts
+        before every encoded text (``"</tool_call>"`` is ``[▁, </tool_call>]`` alone, but only
+        ``[</tool_call>]`` after a reply's last token)."""
+        ids = self._sp.encode(text)
+        return ids[1:] if len(ids) > 1 and self._sp.id_to_piece(ids[0]) == _WORD_START else ids
 
     def decode(self, ids: Sequence[int]) -> str:
         """Decode ids to text; PAD, BOS and EOS decode to nothing.

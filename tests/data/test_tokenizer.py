@@ -154,8 +154,37 @@ def test_corpus_too_small_for_vocab(tmp_path: Path) -> None:
         ({"vocab_size": 4}, "vocab_size"),
         ({"model_type": "wordpiece"}, "model_type"),
         ({"vocab_size": 100, "byte_fallback": True}, "byte_fallback"),
+        ({"user_defined_symbols": ["<a>", "<a>"]}, "user_defined_symbols"),
+        ({"user_defined_symbols": [""]}, "user_defined_symbols"),
+        ({"vocab_size": 6, "user_defined_symbols": ["<a>", "<b>"]}, "user_defined_symbols"),
     ],
 )
 def test_config_validation_names_the_field(kwargs: dict[str, object], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         TokenizerConfig(**kwargs)
+
+
+def test_user_defined_symbols_and_split_digits_shape_the_pieces(tmp_path: Path) -> None:
+    corpus = tmp_path / "calls.txt"
+    corpus.write_text("".join(f"<tool_call>{{\"a\": {a}, \"b\": {a * 7}}}</tool_call> 12 {a}\n"
+                              for a in range(100, 400)))
+    tags = ["<tool_call>", "</tool_call>", "\n"]
+    plain = Tokenizer.train(corpus, 80, tmp_path / "plain.model")
+    shaped = Tokenizer.from_config(TokenizerConfig(
+        corpus_path=str(corpus), vocab_size=28, split_digits=True, user_defined_symbols=tags,
+        cache_dir=str(tmp_path / "cache")))
+    pieces = [shaped._sp.id_to_piece(i) for i in range(shaped.vocab_size)]
+    assert not any(sum(c.isdigit() for c in piece) > 1 for piece in pieces)
+    assert any(sum(c.isdigit() for c in piece) > 1
+               for piece in (plain._sp.id_to_piece(i) for i in range(plain.vocab_size)))
+    # each tag is one piece, wherever it stands, and "\n" (absent from a line corpus) is no <unk>
+    text = '<tool_call>{"a": 123}</tool_call>\n12'
+    for tag in tags:
+        assert shaped.encode_continuation(tag) == [pieces.index(tag)]
+        assert pieces.index(tag) in shaped.encode(text)
+    assert shaped.unk_id not in shaped.encode(text)
+    assert shaped.decode(shaped.encode(text)) == text
+    # the continuation ids are what the tag is inside a longer text (a stop sequence's match)
+    assert shaped.encode(text)[-4:-2] == shaped.encode_continuation("</tool_call>\n")
+    assert shaped.encode("</tool_call>")[1:] == shaped.encode_continuation("</tool_call>")
+    assert plain.encode_continuation("12 100") == plain.encode("12 100")  # no lone word start
