@@ -78,13 +78,16 @@ class EpisodeRollouts:
         tool_message: a tool's answer to the text of the message the policy reads
             (``models.prompting.tool_message_for``); default
             ``models.prompting.plain_tool_message``.
+        encode_continuation: text to the ids it has after other text
+            (``Tokenizer.encode_continuation``), for the stop text; default ``encode``.
     """
 
     def __init__(self, config: EpisodeConfig, encode: Callable[[str], list[int]],
                  decode: Callable[[list[int]], str], tools: Tools | None = None,
                  environment: EnvironmentSpec | None = None,
                  encode_prompt: Callable[[str], list[int]] | None = None,
-                 tool_message: ToolMessage = plain_tool_message) -> None:
+                 tool_message: ToolMessage = plain_tool_message,
+                 encode_continuation: Callable[[str], list[int]] | None = None) -> None:
         if (tools is None) == (environment is None):
             raise ValueError("give tools or an environment")
         self.config = config
@@ -94,7 +97,7 @@ class EpisodeRollouts:
         self.decode = decode
         self.encode_prompt = encode_prompt or encode
         self.tool_message = tool_message
-        self.stop_ids = encode(config.stop) if config.stop else None
+        self.stop_ids = (encode_continuation or encode)(config.stop) if config.stop else None
         """The tool call's end tag as token ids: the generator stops a reply there."""
 
     def run(self, worker: ModelWorker, prompts: Sequence[Sequence[int]],

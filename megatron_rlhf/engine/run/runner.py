@@ -131,7 +131,8 @@ def episode_rollouts_for(config: RunConfig, tokenizer: Tokenizer | HFTokenizer
                            tools=Tools(rollout.tool_specs, rollout.tool_on_error,
                                        rollout.tool_timeout_s, rollout.tool_workers),
                            tool_message=tool_message_for(tokenizer,
-                                                         config.prompts.chat_template))
+                                                         config.prompts.chat_template),
+                           encode_continuation=tokenizer.encode_continuation)
 
 
 @dataclass
