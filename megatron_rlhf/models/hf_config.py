@@ -1,4 +1,5 @@
-"""Hugging Face ``config.json`` <-> :class:`ModelDescription` for the Llama and Qwen families.
+"""Hugging Face ``config.json`` <-> :class:`ModelDescription` for the Llama, Qwen and Mixtral
+families.
 
     description, config = read_hf_config("Qwen2.5-0.5B-Instruct")   # refuses what cannot convert
     hf_config(description, base_config=config)                       # the config.json to write
@@ -9,12 +10,19 @@ Supported (each maps onto megatron-core options, no layer of our own):
     llama       Llama...                           Llama-3 ``rope_type: llama3`` (``rope_scaling``)
     qwen2       Qwen2...                           bias on q/k/v (``add_qkv_bias``)
     qwen3       Qwen3...                           per-head q/k RMSNorm (``qk_layernorm``)
+    qwen3_moe   Qwen3Moe...                        Qwen3's, every MLP mixture-of-experts (MoE)
+    mixtral     Mixtral...                         Llama's, every MLP mixture-of-experts
+
+MoE layers are megatron's (``models/moe.py``): a softmax over every expert's router logit, the
+top-k experts, their weights renormalised to sum to 1 (Mixtral; Qwen3-MoE with
+``norm_topk_prob``) or not (``moe_router_pre_softmax``), no token dropping.
 
 ``...ForCausalLM`` becomes head ``lm``; ``...ForSequenceClassification`` with one label becomes head
 ``scalar`` (a reward model or critic). Refused, with the field named: other model types and
 architectures, biases elsewhere, activations other than SiLU, sliding-window attention, RoPE
 scalings other than Llama-3's with megatron's fixed frequency factors (1, 4) and original context
-(8192), several labels.
+(8192), several labels; for MoE families dense layers among the MoE ones (``decoder_sparse_step``,
+``mlp_only_layers``), router jitter, shared experts, Mixtral's sliding window.
 
 A family is one ``register_hf_family(HFFamily(...))`` below: its names and how its layers and its
 ``config.json`` differ from Llama's, as data. ``FAMILIES`` is what converts.
@@ -37,6 +45,36 @@ _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
 
 
 @dataclass(frozen=True)
+class HFExperts:
+    """How a mixture-of-experts family names and configures its experts.
+
+    Attributes:
+        block: the MoE block under ``model.layers.<i>.`` (router ``<block>.gate``, experts
+            ``<block>.experts.<e>.``).
+        gate, up, down: an expert's SwiGLU projections.
+        count: the ``config.json`` field of the number of experts (the other spelling of
+            :data:`EXPERT_COUNT_FIELDS` is read too).
+        width: the field of an expert's width.
+        renormalize: the field that turns the top-k weights' renormalisation on; "" where the
+            family always renormalises.
+        required: fields that, where present, must hold the value given (with why).
+    """
+
+    block: str
+    gate: str
+    up: str
+    down: str
+    count: str
+    width: str
+    renormalize: str = ""
+    required: Mapping[str, tuple[Any, str]] = field(default_factory=dict)
+
+
+EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts")
+_NO_SHARED = {"shared_expert_intermediate_size": (0, "no shared expert")}
+
+
+@dataclass(frozen=True)
 class HFFamily:
     """One supported Hugging Face model family.
 
@@ -52,6 +90,7 @@ class HFFamily:
         layer_types: an exported ``config.json`` lists ``layer_types`` (all full attention).
         implicit_head_dim: an exported ``config.json`` holds ``head_dim`` only where it differs
             from ``hidden_size / num_attention_heads``.
+        experts: every MLP is a mixture of experts, named and configured so; None: dense.
     """
 
     model_type: str
@@ -62,6 +101,7 @@ class HFFamily:
     config_fields: Mapping[str, Any] = field(default_factory=dict)
     layer_types: bool = False
     implicit_head_dim: bool = False
+    experts: HFExperts | None = None
 
 
 FAMILIES: dict[str, HFFamily] = {}
@@ -91,6 +131,22 @@ register_hf_family(HFFamily("qwen3", "Qwen3ForCausalLM", "Qwen3ForSequenceClassi
                             qkv_bias=False, qk_norm=True,
                             config_fields={**_QWEN_FIELDS, "attention_bias": False},
                             layer_types=True))
+_ALL_MOE = "every layer's MLP a mixture of experts"
+register_hf_family(HFFamily(
+    "qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeForSequenceClassification", qkv_bias=False,
+    qk_norm=True, config_fields={**_QWEN_FIELDS, "attention_bias": False,
+                                 "decoder_sparse_step": 1, "mlp_only_layers": []},
+    experts=HFExperts("mlp", "gate_proj", "up_proj", "down_proj", count="num_experts",
+                      width="moe_intermediate_size", renormalize="norm_topk_prob",
+                      required={"decoder_sparse_step": (1, _ALL_MOE),
+                                "mlp_only_layers": ([], _ALL_MOE), **_NO_SHARED})))
+register_hf_family(HFFamily(
+    "mixtral", "MixtralForCausalLM", "MixtralForSequenceClassification", qkv_bias=False,
+    qk_norm=False, config_fields={"sliding_window": None, "router_jitter_noise": 0.0},
+    experts=HFExperts("block_sparse_moe", "w1", "w3", "w2", count="num_local_experts",
+                      width="intermediate_size",
+                      required={"router_jitter_noise": (0.0, "no router jitter"),
+                                "sliding_window": (None, "full attention"), **_NO_SHARED})))
 
 
 def _positive_int(config: dict[str, Any], key: str, source: Path) -> int:
@@ -161,8 +217,31 @@ def _check_plain(config: dict[str, Any], family: HFFamily, source: Path) -> None
                          "'full_attention' layers convert")
 
 
+def _experts(config: dict[str, Any], family: HFFamily, source: Path) -> dict[str, Any]:
+    """The description's expert fields of a ``config.json`` ({} for a dense family)."""
+    experts = family.experts
+    if experts is None:
+        return {}
+    for key, (value, why) in experts.required.items():
+        if config.get(key) not in (None, value):
+            raise ValueError(f"{source}: {key}={config[key]!r} is not supported; need {value!r} "
+                             f"({why})")
+    count_key = next((k for k in (experts.count, *EXPERT_COUNT_FIELDS) if k in config),
+                     experts.count)
+    count = _positive_int(config, count_key, source)
+    topk = _positive_int(config, "num_experts_per_tok", source)
+    if topk > count:
+        raise ValueError(f"{source}: num_experts_per_tok={topk} exceeds {count_key}={count}")
+    renormalize = config.get(experts.renormalize, False) if experts.renormalize else True
+    if not isinstance(renormalize, bool):
+        raise ValueError(f"{source}: {experts.renormalize}={renormalize!r} must be true or false")
+    return {"num_experts": count, "moe_topk": topk,
+            "moe_ffn_hidden_size": _positive_int(config, experts.width, source),
+            "moe_renormalize_topk": renormalize}
+
+
 def read_hf_config(hf_dir: str | Path) -> tuple[ModelDescription, dict[str, Any]]:
-    """Read and check ``config.json`` of a Llama / Qwen2 / Qwen3 checkpoint.
+    """Read and check ``config.json`` of a checkpoint of a registered family.
 
     Returns:
         The equivalent model's description (float16 becomes float32) and the raw config (keep it
@@ -202,7 +281,7 @@ def read_hf_config(hf_dir: str | Path) -> tuple[ModelDescription, dict[str, Any]
         tie_embeddings=tie, norm_epsilon=eps, rotary_base=rotary_base,
         params_dtype="bfloat16" if dtype == "bfloat16" else "float32",
         qkv_bias=family.qkv_bias, qk_norm=family.qk_norm, head_dim=head_dim,
-        rope_scaling_factor=scaling)
+        rope_scaling_factor=scaling, **_experts(config, family, path))
     return description, config
 
 
@@ -211,17 +290,39 @@ def family_of(description: ModelDescription, model_type: str | None = None) -> H
     original ``config.json``'s) when it does, else the first registered one that does.
 
     Raises:
-        ValueError: no family has both a QKV bias and QK normalisation.
+        ValueError: no family computes it (a QKV bias with QK normalisation, experts with a QKV
+            bias or a shared expert, top-k weights not renormalised without QK normalisation).
     """
-    layers = (description.qkv_bias, description.qk_norm)
     preferred = FAMILIES.get(model_type) if model_type else None
-    if preferred is not None and (preferred.qkv_bias, preferred.qk_norm) == layers:
+    if preferred is not None and _computes(preferred, description):
         return preferred
     for family in FAMILIES.values():
-        if (family.qkv_bias, family.qk_norm) == layers:
+        if _computes(family, description):
             return family
-    raise ValueError(f"qkv_bias={description.qkv_bias} with qk_norm={description.qk_norm} is no "
-                     f"Hugging Face family of {sorted(FAMILIES)}")
+    d = description
+    moe = (f", {d.num_experts} experts (shared width {d.moe_shared_ffn_size}, "
+           f"renormalize_topk={d.moe_renormalize_topk})" if d.num_experts else "")
+    raise ValueError(f"qkv_bias={d.qkv_bias} with qk_norm={d.qk_norm}{moe} is no Hugging Face "
+                     f"family of {sorted(FAMILIES)}")
+
+
+def _computes(family: HFFamily, d: ModelDescription) -> bool:
+    if (family.qkv_bias, family.qk_norm) != (d.qkv_bias, d.qk_norm):
+        return False
+    if family.experts is None or not d.num_experts:
+        return family.experts is None and not d.num_experts
+    return not d.moe_shared_ffn_size and (d.moe_renormalize_topk
+                                          or bool(family.experts.renormalize))
+
+
+def _expert_fields(d: ModelDescription, experts: HFExperts | None) -> dict[str, Any]:
+    if experts is None:
+        return {}
+    fields = {experts.count: d.num_experts, "num_experts_per_tok": d.moe_topk,
+              experts.width: d.moe_ffn_hidden_size}
+    if experts.renormalize:
+        fields[experts.renormalize] = d.moe_renormalize_topk
+    return fields
 
 
 def _rope_fields(d: ModelDescription) -> dict[str, Any]:
@@ -250,6 +351,7 @@ def hf_config(description: ModelDescription,
     base = {k: v for k, v in (base_config or {}).items() if k != "torch_dtype"}
     if base.get("model_type") != family.model_type:  # another family's extra fields would lie
         base = {k: v for k, v in base.items() if k.endswith("token_id")}
+    base = {k: v for k, v in base.items() if k not in EXPERT_COUNT_FIELDS}  # one spelling
     config = {**base, "model_type": family.model_type,
               "hidden_size": d.hidden_size, "intermediate_size": d.ffn_hidden_size,
               "num_hidden_layers": d.num_layers, "num_attention_heads": d.num_attention_heads,
@@ -257,7 +359,8 @@ def hf_config(description: ModelDescription,
               "vocab_size": d.vocab_size, "max_position_embeddings": d.seq_length,
               "rms_norm_eps": d.norm_epsilon, **_rope_fields(d),
               "tie_word_embeddings": d.tie_embeddings, "hidden_act": "silu",
-              "dtype": d.params_dtype, **family.config_fields}
+              "dtype": d.params_dtype, **family.config_fields,
+              **_expert_fields(d, family.experts)}
     if family.layer_types:
         config["layer_types"] = ["full_attention"] * d.num_layers
     if family.implicit_head_dim and d.head_dim * d.num_attention_heads == d.hidden_size:

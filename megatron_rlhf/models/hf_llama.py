@@ -1,4 +1,5 @@
-"""Hugging Face Llama / Qwen2 / Qwen3 tensors <-> megatron_rlhf full state, and HF directories.
+"""Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral tensors <-> megatron_rlhf full state,
+and HF directories.
 
     description, config = read_hf_config("llama-hf")        # models/hf_config.py
     full_state = hf_to_full_state(load_hf_state("llama-hf"), description)
@@ -16,6 +17,9 @@ Tensors (HF ``model.layers.<i>.`` -> megatron ``decoder.layers.<i>.``, local lay
     self_attn.{q,k}_norm       self_attention.{q,k}_layernorm   (Qwen3)
     mlp.{gate,up}_proj         mlp.linear_fc1              [gate; up]
     mlp.down_proj              mlp.linear_fc2
+    <moe>.gate                 mlp.router                  MoE: <moe> is mlp (Qwen3-MoE) or
+    <moe>.experts.<e>.{gate,up} mlp.experts.local_experts.<e>.linear_fc1   block_sparse_moe
+    <moe>.experts.<e>.down     mlp.experts.local_experts.<e>.linear_fc2   (Mixtral: w1, w3, w2)
     input_layernorm            input_layernorm             (1)
     post_attention_layernorm   pre_mlp_layernorm           (2)
     model.embed_tokens         embedding.word_embeddings
@@ -29,7 +33,8 @@ layers: (1) ``self_attention.linear_qkv.layer_norm_weight``, (2)
 
 Rotary embeddings need no permutation: HF rotates the two halves of each head (``rotate_half``),
 which is megatron's ``rotary_interleaved=False`` (tests compare logits). Safetensors only
-(pickled ``.bin`` files can run code).
+(pickled ``.bin`` files can run code). Experts are read and written one tensor each, as
+``save_pretrained`` writes them (``transformers`` fuses them into 3-D tensors only in memory).
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from megatron_rlhf.models.checkpoint import ModelDescription
-from megatron_rlhf.models.hf_config import CONFIG_FILE, hf_config
+from megatron_rlhf.models.hf_config import CONFIG_FILE, HFExperts, family_of, hf_config
 from megatron_rlhf.models.hf_tokenizer import TOKENIZER_FILES
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer some older checkpoints carry
@@ -210,13 +215,37 @@ def _layer_pairs(d: ModelDescription, i: int) -> list[tuple[str, str, tuple[int,
     hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
     pairs = [(hf + "self_attn.o_proj.weight", mg + "self_attention.linear_proj.weight",
               (h, groups * q_rows)),
-             (hf + "mlp.down_proj.weight", mg + "mlp.linear_fc2.weight", (h, f)),
              (hf + "input_layernorm.weight", mg + "input_layernorm.weight", (h,)),
              (hf + "post_attention_layernorm.weight", mg + "pre_mlp_layernorm.weight", (h,))]
     if d.qk_norm:
         pairs += [(hf + f"self_attn.{x}_norm.weight", mg + f"self_attention.{x}_layernorm.weight",
                    (head_dim,)) for x in "qk"]
-    return pairs
+    experts = _experts(d)
+    if experts is None:
+        return [*pairs, (hf + "mlp.down_proj.weight", mg + "mlp.linear_fc2.weight", (h, f))]
+    block, width = f"{hf}{experts.block}.", d.moe_ffn_hidden_size
+    pairs.append((block + "gate.weight", mg + "mlp.router.weight", (d.num_experts, h)))
+    return pairs + [(f"{block}experts.{e}.{experts.down}.weight",
+                     f"{mg}mlp.experts.local_experts.{e}.linear_fc2.weight", (h, width))
+                    for e in range(d.num_experts)]
+
+
+def _experts(d: ModelDescription) -> HFExperts | None:
+    return family_of(d).experts if d.num_experts else None
+
+
+def _glu_pairs(d: ModelDescription, i: int) -> list[tuple[str, str, str, int]]:
+    """(HF gate, HF up, megatron ``linear_fc1`` = [gate; up], width) of layer ``i``'s SwiGLU
+    MLPs: the dense one, or every expert's."""
+    hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}.mlp."
+    experts = _experts(d)
+    if experts is None:
+        return [(hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight",
+                 mg + "linear_fc1.weight", d.ffn_hidden_size)]
+    block = f"{hf}{experts.block}.experts."
+    return [(f"{block}{e}.{experts.gate}.weight", f"{block}{e}.{experts.up}.weight",
+             f"{mg}experts.local_experts.{e}.linear_fc1.weight", d.moe_ffn_hidden_size)
+            for e in range(d.num_experts)]
 
 
 def _top_pairs(d: ModelDescription) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -256,22 +285,22 @@ def _qkv_kinds(d: ModelDescription) -> tuple[str, ...]:
 
 def hf_to_full_state(hf_state: dict[str, torch.Tensor], description: ModelDescription,
                      source: str = "the Hugging Face checkpoint") -> dict[str, torch.Tensor]:
-    """Map HF Llama/Qwen tensors to a full state (megatron names, TP=1/PP=1 layout).
+    """Map HF tensors of a registered family to a full state (megatron names, TP=1/PP=1
+    layout; experts by their global index).
 
     Raises:
         ValueError: a tensor is missing, has the wrong shape, or has no megatron counterpart.
     """
     _check_head(description)
     d, tensors = description, _Tensors(hf_state, source)
-    h, f, groups, head_dim, q_rows = _dims(d)
+    h = d.hidden_size
     full = {mg: tensors.take(hf, *shape) for hf, mg, shape in _top_pairs(d)}
     for i in range(d.num_layers):
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
         for kind in _qkv_kinds(d):
             full[mg + f"self_attention.linear_qkv.{kind}"] = _qkv_to_megatron(tensors, d, hf, kind)
-        full[mg + "mlp.linear_fc1.weight"] = torch.cat([
-            tensors.take(hf + "mlp.gate_proj.weight", f, h),
-            tensors.take(hf + "mlp.up_proj.weight", f, h)])
+        for gate, up, fc1, width in _glu_pairs(d, i):
+            full[fc1] = torch.cat([tensors.take(gate, width, h), tensors.take(up, width, h)])
         full |= {m: tensors.take(name, *shape) for name, m, shape in _layer_pairs(d, i)}
     if d.head == "lm" and d.tie_embeddings and "lm_head.weight" in hf_state:
         tensors.take("lm_head.weight", d.vocab_size, h)  # a tied copy; the embedding is the weight
@@ -281,14 +310,15 @@ def hf_to_full_state(hf_state: dict[str, torch.Tensor], description: ModelDescri
 
 def full_state_to_hf(full_state: dict[str, torch.Tensor],
                      description: ModelDescription) -> dict[str, torch.Tensor]:
-    """Map a full state (as ``gather_full_state`` returns it) to HF Llama/Qwen tensors.
+    """Map a full state (as ``gather_full_state`` returns it) to HF tensors of the first
+    registered family that computes ``description`` (``hf_config.family_of``).
 
     Raises:
         ValueError: the head does not convert, or a tensor is missing or misshapen.
     """
     _check_head(description)
     d, tensors = description, _Tensors(full_state, "the megatron full state")
-    h, f, groups, head_dim, q_rows = _dims(d)
+    h, _, groups, head_dim, q_rows = _dims(d)
     hf = {name: tensors.take(mg, *shape) for name, mg, shape in _top_pairs(d)}
     for i in range(d.num_layers):
         out, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
@@ -297,8 +327,8 @@ def full_state_to_hf(full_state: dict[str, torch.Tensor],
             qkv = tensors.take(mg + f"self_attention.linear_qkv.{kind}",
                                groups * (q_rows + 2 * head_dim), *cols)
             hf |= _qkv_to_hf(qkv, d, out, kind)
-        gate, up = tensors.take(mg + "mlp.linear_fc1.weight", 2 * f, h).chunk(2)
-        hf[out + "mlp.gate_proj.weight"], hf[out + "mlp.up_proj.weight"] = gate, up
+        for gate, up, fc1, width in _glu_pairs(d, i):
+            hf[gate], hf[up] = tensors.take(fc1, 2 * width, h).chunk(2)
         hf |= {name: tensors.take(m, *shape) for name, m, shape in _layer_pairs(d, i)}
     tensors.check_all_used()
     return hf

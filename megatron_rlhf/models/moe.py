@@ -44,6 +44,10 @@ class MoEConfig:
     Attributes:
         num_experts: routed experts per layer; 0: a dense model (the other fields are unused).
         topk: experts each token is sent to.
+        renormalize_topk: the chosen experts' weights are the softmax over their own router
+            logits, so they sum to 1 (Mixtral, Qwen3-MoE with ``norm_topk_prob``); false: their
+            probabilities in the softmax over all experts (megatron's
+            ``moe_router_pre_softmax``).
         ffn_hidden_size: width of each expert's SwiGLU MLP; 0: the architecture's
             ``ffn_hidden_size``.
         shared_expert_ffn_size: width of a shared expert every token also passes through
@@ -66,6 +70,7 @@ class MoEConfig:
 
     num_experts: int = 0
     topk: int = 2
+    renormalize_topk: bool = True
     ffn_hidden_size: int = 0
     shared_expert_ffn_size: int = 0
     load_balancing: str = "aux_loss"
@@ -151,6 +156,7 @@ def moe_transformer_fields(moe: MoEConfig | None, ffn_hidden_size: int, ep_size:
     return {
         "num_moe_experts": moe.num_experts,
         "moe_router_topk": moe.topk,
+        "moe_router_pre_softmax": not moe.renormalize_topk,
         "moe_ffn_hidden_size": moe.ffn_hidden_size or ffn_hidden_size,
         "moe_shared_expert_intermediate_size": moe.shared_expert_ffn_size or None,
         "moe_router_load_balancing_type": moe.load_balancing,

@@ -43,14 +43,16 @@ def mistral() -> Iterator[HFFamily]:
 
 
 def test_the_built_in_families_are_registered() -> None:
-    assert list(FAMILIES) == ["llama", "qwen2", "qwen3"]
+    assert list(FAMILIES) == ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"]
     assert [f.model_type for f in FAMILIES.values() if f.qkv_bias] == ["qwen2"]
-    assert [f.model_type for f in FAMILIES.values() if f.qk_norm] == ["qwen3"]
+    assert [f.model_type for f in FAMILIES.values() if f.qk_norm] == ["qwen3", "qwen3_moe"]
+    assert [f.model_type for f in FAMILIES.values() if f.experts] == ["qwen3_moe", "mixtral"]
 
 
 def test_an_unknown_model_type_lists_the_registered_ones(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"model_type='mistral' is not supported; convertible "
-                                         r"\(registered\): \['llama', 'qwen2', 'qwen3'\]"):
+                                         r"\(registered\): \['llama', 'mixtral', 'qwen2', 'qwen3', "
+                                         r"'qwen3_moe'\]"):
         _read(tmp_path, LLAMA | {"model_type": "mistral"})
     with pytest.raises(ValueError, match="'llama' is already registered"):
         register_hf_family(replace(MISTRAL, model_type="llama"))
@@ -82,3 +84,17 @@ def test_the_built_in_families_export_their_own_fields(tmp_path: Path) -> None:
     qwen3 = hf_config(replace(llama, qk_norm=True))
     assert qwen3["model_type"] == "qwen3" and qwen3["head_dim"] == 16
     assert qwen3["attention_bias"] is False and qwen3["sliding_window"] is None
+
+
+def test_a_dense_description_exports_dense_and_an_moe_one_its_experts(tmp_path: Path) -> None:
+    llama, _ = _read(tmp_path, LLAMA)
+    assert "num_local_experts" not in hf_config(llama)
+    moe = replace(llama, num_experts=4, moe_topk=2, moe_ffn_hidden_size=32)
+    mixtral = hf_config(moe)
+    assert (mixtral["model_type"], mixtral["num_local_experts"], mixtral["intermediate_size"],
+            mixtral["router_jitter_noise"]) == ("mixtral", 4, 32, 0.0)
+    qwen = hf_config(replace(moe, qk_norm=True, moe_renormalize_topk=False),
+                     base_config={"model_type": "qwen3_moe", "num_local_experts": 9})
+    assert (qwen["num_experts"], qwen["moe_intermediate_size"], qwen["intermediate_size"],
+            qwen["norm_topk_prob"], qwen["decoder_sparse_step"]) == (4, 32, 128, False, 1)
+    assert "num_local_experts" not in qwen  # one spelling of the count, not a stale second

@@ -1,0 +1,164 @@
+"""Hugging Face Qwen3-MoE and Mixtral (LM and sequence-classification) <-> megatron's MoE layers:
+converted models give transformers' outputs, both top-k weightings of Qwen3-MoE included; HF ->
+megatron checkpoint -> HF writes the same safetensors bytes, which transformers loads to the same
+outputs; configurations no megatron layer computes are refused by field."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.models import full_logits
+from tests.model_fixtures import whole_world_groups
+from tests.multirank import run_on_ranks
+from tools.make_tiny_hf import make_hf_model
+
+_TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
+_SIZES = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "max_position_embeddings": 64, "rms_norm_eps": 1e-6,
+          "initializer_range": 0.1, "pad_token_id": 0, "num_experts_per_tok": 2}
+# name -> (config class, model class, config fields beyond _SIZES)
+_CASES = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"num_experts": 8, "moe_intermediate_size": 32, "intermediate_size": 96,
+                   "norm_topk_prob": True, "head_dim": 24, "rope_theta": 1000000.0}),
+    "qwen3_moe-softmax": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                          {"num_experts": 4, "moe_intermediate_size": 48,
+                           "norm_topk_prob": False, "tie_word_embeddings": True}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                {"num_local_experts": 8, "intermediate_size": 32}),
+    "mixtral-rm": ("MixtralConfig", "MixtralForSequenceClassification",
+                   {"num_local_experts": 4, "intermediate_size": 32, "num_labels": 1}),
+}
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(1, 256, (2, 10), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def _outputs(model: torch.nn.Module) -> torch.Tensor:
+    """Logits ``[b, s, vocab]``, or a classifier's score at every position ``[b, s, 1]``."""
+    with torch.no_grad():
+        if hasattr(model, "score"):
+            return model.score(model.model(input_ids=_batch()["input_ids"]).last_hidden_state)
+        return model(input_ids=_batch()["input_ids"]).logits
+
+
+def _make(directory: Path, case: str) -> torch.Tensor:
+    """Save a random tiny model of ``case`` to ``directory``; return its outputs."""
+    config_cls, model_cls, extra = _CASES[case]
+    return _outputs(make_hf_model(directory, config_cls, model_cls, len(case), **_SIZES,
+                                  **extra))
+
+
+def _convert_check_export(hf_dir: str, expected: torch.Tensor, out: str) -> None:
+    from megatron_rlhf.models.checkpoint import load_model_checkpoint, read_checkpoint_info
+    from megatron_rlhf.models.gpt import build_gpt_model
+    from megatron_rlhf.models.hf_llama import hf_to_full_state, load_hf_state
+    from megatron_rlhf.models.weights import load_full_state
+    from tools import convert_hf_to_megatron, convert_megatron_to_hf
+
+    convert_hf_to_megatron.main(["--hf-dir", hf_dir, "--out", f"{out}/ckpt"])
+    description = read_checkpoint_info(f"{out}/ckpt").model
+    assert description.num_experts == _CASES[Path(hf_dir).name][2].get(
+        "num_experts", _CASES[Path(hf_dir).name][2].get("num_local_experts"))
+    pgc = whole_world_groups(1, 1)
+    model = build_gpt_model(description, description.build_options(), pgc)
+    load_model_checkpoint(model, pgc, f"{out}/ckpt")
+    torch.testing.assert_close(full_logits(model, pgc, _batch()), expected, **_TOLERANCE,
+                               msg=lambda m: f"{hf_dir}: {m}")
+    # the other top-k weighting computes something else: the comparison sees the router's
+    other = replace(description, moe_renormalize_topk=not description.moe_renormalize_topk)
+    model = build_gpt_model(other, other.build_options(), pgc)
+    load_full_state(model, pgc, hf_to_full_state(load_hf_state(hf_dir), description))
+    assert (full_logits(model, pgc, _batch()) - expected).abs().max() > 1e-3, hf_dir
+    convert_megatron_to_hf.main(["--ckpt", f"{out}/ckpt", "--out", f"{out}/hf"])
+
+
+def _job(cases: list[tuple[str, torch.Tensor, str]]) -> None:
+    for case in cases:
+        _convert_check_export(*case)
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_outputs_match_transformers_and_round_trip_is_bit_exact(tmp_path: Path) -> None:
+    import transformers
+
+    cases = [(str(tmp_path / name), _make(tmp_path / name, name), str(tmp_path / f"out_{name}"))
+             for name in _CASES]
+    run_on_ranks(_job, world_size=1, args=(cases,), timeout_s=240)
+    for hf_dir, expected, out in cases:
+        original, exported = Path(hf_dir) / "model.safetensors", Path(out) / "hf/model.safetensors"
+        assert exported.read_bytes() == original.read_bytes(), hf_dir
+        config = json.loads((Path(hf_dir) / "config.json").read_text())
+        cls = getattr(transformers, config["architectures"][0])
+        reloaded = cls.from_pretrained(Path(out) / "hf").eval()
+        assert torch.equal(_outputs(reloaded), expected), hf_dir
+        for field in ("num_experts", "num_experts_per_tok", "norm_topk_prob", "intermediate_size",
+                      "moe_intermediate_size", "tie_word_embeddings", "rope_parameters"):
+            assert getattr(reloaded.config, field, None) == getattr(
+                cls.config_class.from_pretrained(hf_dir), field, None), (hf_dir, field)
+
+
+def test_experts_map_by_global_index_both_ways(tmp_path: Path) -> None:
+    from megatron_rlhf.models.hf_config import read_hf_config
+    from megatron_rlhf.models.hf_llama import full_state_to_hf, hf_to_full_state, load_hf_state
+
+    for case in ("qwen3_moe", "mixtral"):
+        _make(tmp_path / case, case)
+        description, _ = read_hf_config(tmp_path / case)
+        hf_state = load_hf_state(tmp_path / case)
+        full = hf_to_full_state(hf_state, description)
+        back = full_state_to_hf(full, description)
+        assert back.keys() == hf_state.keys(), case
+        assert all(torch.equal(back[name], tensor) for name, tensor in hf_state.items()), case
+    qwen, _ = read_hf_config(tmp_path / "qwen3_moe")
+    assert (qwen.num_experts, qwen.moe_topk, qwen.moe_ffn_hidden_size, qwen.ffn_hidden_size,
+            qwen.moe_renormalize_topk, qwen.qk_norm) == (8, 2, 32, 96, True, True)
+    mixtral, _ = read_hf_config(tmp_path / "mixtral")
+    assert (mixtral.num_experts, mixtral.moe_ffn_hidden_size, mixtral.qk_norm) == (8, 32, False)
+    hf, full = load_hf_state(tmp_path / "mixtral"), hf_to_full_state(
+        load_hf_state(tmp_path / "mixtral"), mixtral)
+    expert, fc1 = "model.layers.1.block_sparse_moe.experts.5.", (
+        full["decoder.layers.1.mlp.experts.local_experts.5.linear_fc1.weight"])
+    assert torch.equal(fc1[:32], hf[expert + "w1.weight"])  # [gate; up]
+    assert torch.equal(fc1[32:], hf[expert + "w3.weight"])
+    assert torch.equal(full["decoder.layers.1.mlp.router.weight"],
+                       hf["model.layers.1.block_sparse_moe.gate.weight"])
+
+
+def test_unsupported_moe_configs_are_refused_by_name(tmp_path: Path) -> None:
+    from megatron_rlhf.models.hf_config import family_of, hf_config, read_hf_config
+
+    _make(tmp_path, "qwen3_moe")
+    qwen = json.loads((tmp_path / "config.json").read_text())
+    mixtral = qwen | {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}
+    for config, fragments in [
+            (qwen | {"decoder_sparse_step": 2}, ("decoder_sparse_step=2", "every layer's MLP")),
+            (qwen | {"mlp_only_layers": [1]}, ("mlp_only_layers=[1]",)),
+            (qwen | {"shared_expert_intermediate_size": 64},
+             ("shared_expert_intermediate_size=64", "no shared expert")),
+            (qwen | {"num_experts_per_tok": 9}, ("num_experts_per_tok=9 exceeds",)),
+            (qwen | {"norm_topk_prob": "yes"}, ("norm_topk_prob='yes'",)),
+            (qwen | {"moe_intermediate_size": 0}, ("moe_intermediate_size=0",)),
+            (mixtral | {"router_jitter_noise": 0.1}, ("router_jitter_noise=0.1", "jitter")),
+            (mixtral | {"sliding_window": 4096}, ("sliding_window=4096", "full attention"))]:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=".*".join(map(re.escape, fragments))):
+            read_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(qwen | {"norm_topk_prob": False}))
+    unnormalised, _ = read_hf_config(tmp_path)
+    assert hf_config(unnormalised)["model_type"] == "qwen3_moe"
+    for description, fragment in [
+            (replace(unnormalised, qk_norm=False), "renormalize_topk=False"),
+            (replace(unnormalised, moe_shared_ffn_size=64), "shared width 64"),
+            (replace(unnormalised, qkv_bias=True), "qkv_bias=True")]:
+        with pytest.raises(ValueError, match=f"{fragment}.*is no Hugging Face family"):
+            family_of(description)
