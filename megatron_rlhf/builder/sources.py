@@ -39,6 +39,7 @@ from megatron_rlhf.models.gpt import ModelBuildOptions, resolve_transformer_impl
 from megatron_rlhf.models.hf_config import read_hf_config
 from megatron_rlhf.models.hf_import import cached_full_state, is_hf_dir
 from megatron_rlhf.models.hf_llama import check_weight_files
+from megatron_rlhf.models.moe import MoEConfig
 from megatron_rlhf.models.weights import load_full_state
 from megatron_rlhf.planner.memory_fit import generating_roles
 from megatron_rlhf.runtime.checkpoint_store import on_rank0
@@ -51,6 +52,7 @@ from megatron_rlhf.topology.models import (
     SHADOW_ACTOR,
     VALUE_HEAD_ROLES,
     ArchSpec,
+    ExpertSpec,
     resolve_arch,
 )
 from megatron_rlhf.topology.plan import PlacementPlan
@@ -101,7 +103,24 @@ def arch_spec(description: ModelDescription, name: str) -> ArchSpec:
     d = description
     return ArchSpec(name, d.num_layers, d.hidden_size, d.num_attention_heads, d.vocab_size,
                     d.seq_length, d.ffn_hidden_size, gated_mlp=True,
-                    num_query_groups=d.num_query_groups, rotary_base=d.rotary_base)
+                    num_query_groups=d.num_query_groups, rotary_base=d.rotary_base,
+                    head_dim=d.head_dim, qk_norm=d.qk_norm,
+                    experts=expert_spec(d.moe, d.ffn_hidden_size))
+
+
+def expert_spec(moe: MoEConfig | None, ffn_hidden_size: int) -> ExpertSpec | None:
+    """The planner's numbers of ``moe``'s experts (None for a dense model), an expert's width
+    defaulting to the architecture's ``ffn_hidden_size``."""
+    if moe is None or not moe.enabled:
+        return None
+    return ExpertSpec(moe.num_experts, moe.topk, moe.ffn_hidden_size or ffn_hidden_size,
+                      moe.shared_expert_ffn_size)
+
+
+def config_arch(config: RunConfig) -> ArchSpec:
+    """``models.arch`` with the experts of ``models.moe`` (none when it is dense)."""
+    arch = resolve_arch(config.models.arch)
+    return replace(arch, experts=expert_spec(config.models.moe, arch.ffn_hidden_size))
 
 
 def initial_checkpoints(config: RunConfig) -> dict[str, str]:
@@ -130,6 +149,7 @@ def resolve_sources(config: RunConfig) -> dict[str, ModelSource]:
             read[path] = read_source(path)
         sources[role] = read[path]
     _check_heads(sources)
+    _check_experts(config, sources)
     return sources
 
 
@@ -156,6 +176,39 @@ def _check_heads(sources: dict[str, ModelSource]) -> None:
             name = "reward model" if role == REWARD else role
             raise ValueError(f"{field}={source.path} is a {source.kind} checkpoint (head "
                              f"{source.description.head!r}); the {name} needs {needs}")
+
+
+def _experts(d: ModelDescription) -> str:
+    if not d.num_experts:
+        return "models.moe.num_experts=0"
+    return (f"models.moe.num_experts={d.num_experts} models.moe.topk={d.moe_topk} "
+            f"models.moe.ffn_hidden_size={d.moe_ffn_hidden_size} "
+            f"models.moe.shared_expert_ffn_size={d.moe_shared_ffn_size} "
+            f"models.moe.renormalize_topk={str(d.moe_renormalize_topk).lower()}")
+
+
+def _check_experts(config: RunConfig, sources: dict[str, ModelSource]) -> None:
+    """Refuse a source whose experts are not those of ``models.moe``, with which every model of
+    the run is built (a dense source with ``num_experts=0``).
+
+    Raises:
+        ValueError: naming the field, the source's experts and the settings that match them.
+    """
+    moe = config.models.moe
+    for role, (field, _, _) in _HEAD_NEEDS.items():
+        source = sources.get(role)
+        if source is None:
+            continue
+        d = source.description
+        ours = replace(d, num_experts=moe.num_experts, moe_topk=moe.topk,
+                       moe_ffn_hidden_size=moe.ffn_hidden_size or d.ffn_hidden_size,
+                       moe_shared_ffn_size=moe.shared_expert_ffn_size,
+                       moe_renormalize_topk=moe.renormalize_topk)
+        if _experts(ours) != _experts(d):
+            kind = f"a mixture-of-experts {source.kind}" if d.num_experts else (
+                f"a dense {source.kind}")
+            raise ValueError(f"{field}={source.path} is {kind} checkpoint, but models.moe builds "
+                             f"every model with {_experts(ours)}: set {_experts(d)}")
 
 
 def fresh_heads(config: RunConfig, sources: dict[str, ModelSource]) -> list[str]:
@@ -197,15 +250,16 @@ def role_architectures(config: RunConfig,
     """The architecture of each base role for the planner (the preset name without sources).
 
     A role with neither a source of its own nor an actor source to share (a policy started from
-    ``models.init_seed`` next to a trained reward model) has the ``models.arch`` preset.
+    ``models.init_seed`` next to a trained reward model) has the ``models.arch`` preset, with
+    the experts of ``models.moe`` (:func:`config_arch`).
     """
     if not sources:
-        return resolve_arch(config.models.arch)
+        return config_arch(config)
     architectures = {}
     for role in _BASE_ROLES:
         description = _description(config, sources, role)
         source = sources.get(role) or sources.get(ACTOR)
-        architectures[role] = (resolve_arch(config.models.arch) if description is None
+        architectures[role] = (config_arch(config) if description is None
                                else arch_spec(description, f"{role}:{source.path}"))
     return architectures
 
@@ -235,8 +289,10 @@ def role_options(config: RunConfig, sources: dict[str, ModelSource], role: str,
     """
     description = _description(config, sources, role)
     head = role_head(role, config.placement.ac_share)
+    arch = resolve_arch(config.models.arch)
     base = (description.build_options() if description is not None
-            else ModelBuildOptions(rotary_base=resolve_arch(config.models.arch).rotary_base))
+            else ModelBuildOptions(rotary_base=arch.rotary_base, head_dim=arch.head_dim,
+                                   qk_norm=arch.qk_norm))
     transformer_impl = resolve_transformer_impl(
         config.models.transformer_impl, needs_kv_cache=decodes and config.generation.use_kv_cache)
     return replace(base, head=head, params_dtype=config.models.params_dtype,

@@ -8,9 +8,17 @@ Assumptions shared by all formulas (each function adds its own):
 - Weights, activations and the KV cache are bf16 (2 bytes); gradients live in the trainer's fp32
   DDP buffers (``grad_reduce_in_fp32``, 4 bytes); the optimizer keeps fp32 master weights and
   Adam's two moments (12 bytes per parameter); logits are fp32.
-- A dense transformer: per token and layer, the matrix multiplies cost 2 FLOPs per parameter
-  forward (4 backward); attention scores and weighting cost ``4 * hidden * context`` FLOPs.
-  The input embedding is a lookup (no FLOPs). Norms, softmax and element-wise ops are not counted.
+- Per token and layer, the matrix multiplies cost 2 FLOPs per parameter the token passes
+  through forward (4 backward); attention scores and weighting cost ``4 * heads * head_dim *
+  context`` FLOPs. The input embedding is a lookup (no FLOPs). Norms, softmax and element-wise
+  ops are not counted.
+- Mixture of experts (``arch.experts``): a token passes through the router, its ``topk`` experts
+  and the shared expert, so FLOPs count those active parameters; memory counts every expert,
+  the routed ones split over the expert-parallel group (``ep`` DP ranks, megatron's expert grid
+  with expert TP = TP) and their gradients reduced over the ``dp / ep`` ranks holding the same
+  experts. Routing is taken as balanced: each device computes its own tokens' share of expert
+  work. With ``ep > 1`` the token dispatcher's all-to-alls move the routed hidden states
+  (``dispatch_seconds``).
 - Compute runs at ``profile.flops_per_s`` (peak x MFU), decoding reads memory at
   ``profile.hbm_bytes_per_s``, every layer call costs ``profile.layer_latency_s`` on top, and
   every model call ``profile.call_latency_s`` (per forward-equivalent; a decode step once).
@@ -66,28 +74,32 @@ ref log-probs, values, reward-model and rule scores; one message each."""
 
 # --------------------------------------------------------------------------- sizes and FLOPs
 def matmul_params(arch: ArchSpec, value_head: bool = False) -> int:
-    """Parameters that take part in matrix multiplies: all but the input embedding (a lookup).
+    """Parameters one token's matrix multiplies use: all but the input embedding (a lookup),
+    and of a mixture-of-experts model only the ``topk`` experts a token is routed to
+    (``ArchSpec.num_params(active=True)``).
 
     Uses Megatron's vocabulary padding at ``tp=1``; the output layer is the vocabulary projection,
     or ``hidden`` weights for a scalar value head (critic, reward).
     """
-    return arch.num_params(1, value_head) - arch.padded_vocab_size(1) * arch.hidden_size
+    return (arch.num_params(1, value_head, active=True)
+            - arch.padded_vocab_size(1) * arch.hidden_size)
 
 
 def forward_flops(arch: ArchSpec, tokens: float, mean_context: float,
                   value_head: bool = False) -> float:
     """FLOPs of a forward pass over ``tokens`` tokens that each attend ``mean_context`` tokens.
 
-    ``tokens * (2 * matmul_params + 4 * layers * hidden * mean_context)``; for whole causal
-    sequences of length ``s`` the mean context is ``s / 2``. Backward costs twice the forward.
+    ``tokens * (2 * matmul_params + 4 * layers * heads * head_dim * mean_context)``; for whole
+    causal sequences of length ``s`` the mean context is ``s / 2``. Backward costs twice the
+    forward.
     """
-    attention = 4 * arch.num_layers * arch.hidden_size * mean_context
+    attention = 4 * arch.num_layers * arch.query_width * mean_context
     return tokens * (2 * matmul_params(arch, value_head) + attention)
 
 
 def kv_dim(arch: ArchSpec) -> int:
     """Width of the keys (or values) of one layer: ``num_query_groups * head_dim``."""
-    return arch.num_query_groups * (arch.hidden_size // arch.num_attention_heads)
+    return arch.kv_width
 
 
 # --------------------------------------------------------------------------- memory
@@ -111,27 +123,38 @@ class StateBytes:
         return self.weights + self.grads + self.optimizer
 
 
+def device_params(params: float, tp: int, pp: int, expert_params: float = 0.0,
+                  ep: int = 1) -> float:
+    """Parameters on one device: the dense ones over ``tp * pp``, the ``expert_params`` of the
+    routed experts over ``tp * pp * ep``."""
+    return (params - expert_params + expert_params / ep) / (tp * pp)
+
+
 def state_bytes(params: float, tp: int, pp: int, dp: int, trainable: bool,
-                sharding: str = DISTRIBUTED_OPTIMIZER) -> StateBytes:
+                sharding: str = DISTRIBUTED_OPTIMIZER, expert_params: float = 0.0,
+                ep: int = 1) -> StateBytes:
     """Weights, gradients and optimizer state on one device, as the engine allocates them.
 
-    With ``psi = params / (tp * pp)`` on a device and ``d = dp``:
+    With ``psi`` the ``device_params`` (``params / (tp * pp)`` for a dense model) and ``d = dp``:
 
     - inference-only models (ref, reward, shadows): bf16 weights ``2 psi``, nothing else;
     - ``replicated`` (DDP): weights ``2 psi``, fp32 gradient buffer ``4 psi``, fp32 master
       weights and Adam moments ``12 psi``: ``18 psi``;
-    - ``distributed_optimizer`` (ZeRO-1): ``2 psi + 4 psi + 12 psi / d``; the gradient buffer
-      stays whole (megatron reduce-scatters it in place);
-    - ``fsdp`` (ZeRO-3): ``(2 + 4 + 12) psi / d``; the layers being computed are gathered on top
-      (``fsdp_gathered_bytes``).
+    - ``distributed_optimizer`` (ZeRO-1): ``2 psi + 4 psi + 12 params / (tp pp d)``; the
+      gradient buffer stays whole (megatron reduce-scatters it in place); the experts' state is
+      split over their ``d / ep`` expert-DP ranks, so with ``ep > 1`` the sharded state of a
+      device is still that of ``params / (tp pp d)`` parameters;
+    - ``fsdp`` (ZeRO-3): ``(2 + 4 + 12) params / (tp pp d)``; the layers being computed are
+      gathered on top (``fsdp_gathered_bytes``).
     """
-    psi = params / (tp * pp)
+    psi = device_params(params, tp, pp, expert_params, ep)
     if not trainable:
         return StateBytes(BF16 * psi)
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding={sharding!r}: use one of {SHARDINGS}")
-    optimizer = ADAM_STATE_BYTES * psi / (1 if sharding == REPLICATED else dp)
-    model = psi / (dp if sharding == FULLY_SHARDED else 1)
+    sharded = params / (tp * pp * dp)
+    optimizer = ADAM_STATE_BYTES * (psi if sharding == REPLICATED else sharded)
+    model = sharded if sharding == FULLY_SHARDED else psi
     return StateBytes(BF16 * model, GRAD_BYTES * model, optimizer)
 
 
@@ -158,12 +181,21 @@ def layer_activation_bytes(arch: ArchSpec, seq: int, micro_batch: int, tp: int) 
     Korthikanti et al. 2022 ("Reducing Activation Recomputation") adapted to LLaMA-style layers
     (RMSNorm, no dropout, flash attention, so no ``seq^2`` score matrix is stored), bf16 elements:
     replicated over TP: both norm inputs and both norm outputs (``4 h``); split by TP: q, k, v
-    (``h + 2 kv_dim``), the attention output (``h``), and the MLP's ``3 ffn`` (gate, up, SwiGLU
-    output; ``2 ffn`` for a GeLU MLP). Total ``2 s b (4 h + (2 h + 2 kv_dim + k ffn) / tp)``.
+    (``q + 2 kv_dim``, ``q = heads * head_dim``), the attention output (``q``), and the MLP's
+    ``3 ffn`` (gate, up, SwiGLU output; ``2 ffn`` for a GeLU MLP). Total
+    ``2 s b (4 h + (2 q + 2 kv_dim + k ffn) / tp)``. A mixture-of-experts MLP keeps, per token,
+    ``k ffn_e`` for each of its ``topk`` experts and ``k ffn_s`` for the shared expert (split by
+    TP), and the token's ``topk`` routed copies going into and out of the experts (``2 topk h``,
+    the dispatcher's buffers).
     """
-    h, ffn = arch.hidden_size, arch.ffn_hidden_size
-    mlp = (3 if arch.gated_mlp else 2) * ffn
-    per_token = 4 * h + (2 * h + 2 * kv_dim(arch) + mlp) / tp
+    h, k = arch.hidden_size, 3 if arch.gated_mlp else 2
+    experts = arch.experts
+    if experts is None:
+        mlp, routed = k * arch.ffn_hidden_size, 0
+    else:
+        mlp = k * (experts.topk * experts.ffn_hidden_size + experts.shared_ffn_size)
+        routed = 2 * experts.topk * h
+    per_token = 4 * h + routed + (2 * arch.query_width + 2 * kv_dim(arch) + mlp) / tp
     return BF16 * seq * micro_batch * per_token
 
 
@@ -264,28 +296,59 @@ def p2p_seconds(nbytes: float, link: Link) -> float:
 
 
 def grad_sync_seconds(params: float, tp: int, pp: int, dp: int, sharding: str,
-                      link: Link) -> float:
+                      link: Link, expert_params: float = 0.0, ep: int = 1) -> float:
     """Gradient reduction of one optimizer step over the DP group.
 
     The gradients are reduced in fp32 (``4 psi`` bytes, ``psi = params / (tp pp)``). DDP
     all-reduces them; the distributed optimizer (ZeRO-1) reduce-scatters them and all-gathers the
     updated bf16 weights (``2 psi``); FSDP reduce-scatters them here and pays its weight
-    all-gathers per pass (``fsdp_gather_seconds``). Not overlapped with the backward pass.
+    all-gathers per pass (``fsdp_gather_seconds``). With ``ep > 1`` a device's experts
+    (``expert_params / (tp pp ep)``) are reduced the same way over their ``dp / ep`` expert-DP
+    ranks, after the dense parameters over ``dp`` (both through ``link``). Not overlapped with
+    the backward pass.
     """
-    psi = params / (tp * pp)
-    grads = GRAD_BYTES * psi
-    if sharding == REPLICATED:
-        return allreduce_seconds(grads, dp, link)
-    sync = reduce_scatter_seconds(grads, dp, link)
-    if sharding == DISTRIBUTED_OPTIMIZER:
-        sync += all_gather_seconds(BF16 * psi, dp, link)
-    return sync
+    def reduce(psi: float, n: int) -> float:
+        if sharding == REPLICATED:
+            return allreduce_seconds(GRAD_BYTES * psi, n, link)
+        sync = reduce_scatter_seconds(GRAD_BYTES * psi, n, link)
+        if sharding == DISTRIBUTED_OPTIMIZER:
+            sync += all_gather_seconds(BF16 * psi, n, link)
+        return sync
+
+    if ep == 1:
+        return reduce(params / (tp * pp), dp)
+    dense = (params - expert_params) / (tp * pp)
+    return reduce(dense, dp) + reduce(expert_params / (tp * pp * ep), dp // ep)
 
 
 def fsdp_gather_seconds(params: float, tp: int, pp: int, dp: int, link: Link) -> float:
     """FSDP gathers a device's bf16 weights from its DP group once per pass over them:
     one all-gather of ``2 params / (tp pp)`` bytes."""
     return all_gather_seconds(BF16 * params / (tp * pp), dp, link)
+
+
+def dispatch_seconds(arch: ArchSpec, tokens: float, ep: int, link: Link) -> float:
+    """One all-to-all of the MoE token dispatcher over the expert-parallel group.
+
+    Each device sends the ``topk`` routed copies of its ``tokens`` hidden states
+    (``2 * tokens * topk * hidden`` bytes), ``(ep - 1) / ep`` of them to the other ``ep - 1``
+    devices; the all-to-all pays ``log2 ep`` latencies like the other collectives. A layer
+    forward does two (dispatch and combine), its backward two more. 0 for a dense model or
+    ``ep = 1``.
+    """
+    if arch.experts is None or ep <= 1:
+        return 0.0
+    nbytes = BF16 * tokens * arch.experts.topk * arch.hidden_size
+    return (ep - 1) / ep * nbytes / link.bytes_per_s + _latency(ep, link)
+
+
+def experts_touched(arch: ArchSpec, tokens: float) -> float:
+    """Expected share of a layer's routed experts that ``tokens`` tokens use, routing taken as
+    uniform: ``1 - (1 - topk / num_experts) ** tokens`` (1 for a dense model). A decode step
+    reads only those experts' weights."""
+    if arch.experts is None:
+        return 1.0
+    return 1.0 - (1.0 - arch.experts.topk / arch.experts.num_experts) ** tokens
 
 
 def pipeline_bubble_fraction(pp: int, microbatches: int) -> float:
@@ -341,6 +404,8 @@ class ModelEnv:
         dp_link: bandwidth of a DP group.
         sharding: how the states are split over DP (one of ``SHARDINGS``); with ``fsdp`` every
             pass first gathers the weights.
+        ep: expert-parallel size (1 for a dense model).
+        ep_link: bandwidth of an expert-parallel group (needed when ``ep > 1``).
     """
 
     arch: ArchSpec
@@ -353,18 +418,36 @@ class ModelEnv:
     pp_link: Link
     dp_link: Link
     sharding: str = DISTRIBUTED_OPTIMIZER
+    ep: int = 1
+    ep_link: Link | None = None
+
+    def __post_init__(self) -> None:
+        if self.ep > 1 and self.ep_link is None:
+            raise ValueError(f"ModelEnv: ep={self.ep} needs the ep_link of its expert group")
 
     @property
     def params(self) -> int:
-        """Parameters, with Megatron's vocabulary padding for this TP."""
+        """Parameters, with Megatron's vocabulary padding for this TP (every expert)."""
         return self.arch.num_params(self.tp, self.value_head)
+
+    @property
+    def device_params(self) -> float:
+        """Parameters on one device (``cost_model.device_params``)."""
+        return device_params(self.params, self.tp, self.pp, self.arch.expert_params(), self.ep)
+
+    def dispatches(self, tokens: float, count: float) -> float:
+        """Seconds of ``count`` token-dispatcher all-to-alls of ``tokens`` tokens."""
+        if self.ep_link is None:
+            return 0.0
+        return count * dispatch_seconds(self.arch, tokens, self.ep, self.ep_link)
 
     def slot_cost(self, tokens: float, context: float, passes: int, tp_collectives: int) -> Cost:
         """One micro-batch of ``tokens`` on one pipeline stage.
 
         ``passes`` forward-equivalents of compute, per-layer and per-call latency (1
         forward-only, 3 for forward+backward, 4 with recomputation); ``tp_collectives``
-        all-reduces of the activations per layer (2 forward, 2 backward, 2 recomputation); one
+        all-reduces of the activations per layer (2 forward, 2 backward, 2 recomputation) and as
+        many token-dispatcher all-to-alls of a mixture-of-experts layer with ``ep > 1``; one
         activation send to the next stage per forward or backward pass when ``pp > 1``.
         """
         layers = self.arch.num_layers / self.pp
@@ -372,6 +455,7 @@ class ModelEnv:
         compute = flops / (self.tp * self.pp * self.profile.flops_per_s)
         activation = BF16 * tokens * self.arch.hidden_size
         comm = tp_collectives * layers * allreduce_seconds(activation, self.tp, self.tp_link)
+        comm += self.dispatches(tokens, tp_collectives * layers)
         if self.pp > 1:
             comm += min(passes, 2) * p2p_seconds(activation, self.pp_link)
         overhead = passes * (layers * self.profile.layer_latency_s + self.profile.call_latency_s)
@@ -421,9 +505,10 @@ def training_cost(env: ModelEnv, rows: int, seq: int, micro_batch: int, minibatc
     pipeline = slot.scaled(microbatches + env.pp - 1)
     reductions = microbatches if env.sharding == FULLY_SHARDED else 1
     sync = reductions * grad_sync_seconds(env.params, env.tp, env.pp, env.dp, env.sharding,
-                                          env.dp_link)
+                                          env.dp_link, env.arch.expert_params(), env.ep)
     sync += STEP_ALLREDUCES * allreduce_seconds(FP32, env.dp, env.dp_link)
-    local = env.params / (env.tp * env.pp) / (1 if env.sharding == REPLICATED else env.dp)
+    local = (env.device_params if env.sharding == REPLICATED
+             else env.params / (env.tp * env.pp * env.dp))
     update = ADAM_UPDATE_BYTES * local / env.profile.hbm_bytes_per_s
     fixed = Cost(comm=sync, memory=update, overhead=env.profile.step_latency_s)
     fixed += env.gathers(2 * microbatches)
@@ -438,10 +523,15 @@ def decode_step_cost(env: ModelEnv, sequences: int, context: float) -> Cost:
     ``2 params / (tp pp)`` FLOPs per sequence plus attention. The stage time is the roofline
     ``max(bytes / HBM bandwidth, FLOPs / compute)``; a layer does 2 TP all-reduces of
     ``sequences x hidden`` activations and costs ``layer_latency_s``; the step (one model call
-    and the sampling) costs ``call_latency_s``.
+    and the sampling) costs ``call_latency_s``. A mixture-of-experts model does the FLOPs of its
+    active parameters, reads its dense weights and the share of its local experts that the
+    ``ep * sequences`` tokens of its expert group use (``experts_touched``), and a layer adds
+    2 dispatcher all-to-alls when ``ep > 1``.
     """
     arch, tp, pp = env.arch, env.tp, env.pp
-    weights = BF16 * env.params / (tp * pp)
+    experts = arch.expert_params() / (tp * pp * env.ep)
+    touched = experts_touched(arch, env.ep * sequences)
+    weights = BF16 * (env.device_params - experts + touched * experts)
     kv = kv_cache_bytes(arch, tp, pp, sequences, context)
     flops = forward_flops(arch, sequences, context, env.value_head) / (tp * pp)
     memory_s = (weights + kv) / env.profile.hbm_bytes_per_s
@@ -449,6 +539,7 @@ def decode_step_cost(env: ModelEnv, sequences: int, context: float) -> Cost:
     bound = Cost(memory=pp * memory_s) if memory_s >= compute_s else Cost(compute=pp * compute_s)
     activation = BF16 * sequences * arch.hidden_size
     comm = 2 * arch.num_layers * allreduce_seconds(activation, tp, env.tp_link)
+    comm += env.dispatches(sequences, 2 * arch.num_layers)
     comm += (pp - 1) * p2p_seconds(activation, env.pp_link)
     overhead = arch.num_layers * env.profile.layer_latency_s + env.profile.call_latency_s
     return bound + Cost(comm=comm, overhead=overhead)

@@ -243,9 +243,11 @@ class _Needs:
 
 
 def role_state(model: ModelPlacement, options: MemoryOptions) -> cm.StateBytes:
-    """The model's states on one of its devices under ``options``."""
-    return cm.state_bytes(model.spec.num_params(), model.tp, model.pp, model.dp,
-                          model.spec.trainable, options.sharding)
+    """The model's states on one of its devices under ``options`` (its experts split over its
+    ``ep``)."""
+    spec = model.spec
+    return cm.state_bytes(spec.num_params(), model.tp, model.pp, model.dp, spec.trainable,
+                          options.sharding, spec.arch.expert_params(), spec.ep)
 
 
 def _needs(model: ModelPlacement, rollout: RolloutSpec, options: MemoryOptions, forward: bool,

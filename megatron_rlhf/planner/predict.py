@@ -187,15 +187,21 @@ class _Context:
         profile = self.hardware[pool]
         spec = self.plan.cluster.pools[pool]
         tp_link = cm.group_link(spec.intra_node_gbps, spec.inter_node_gbps, False, 1, profile)
+        ep = model.spec.ep
         return cm.ModelEnv(model.spec.arch, model.tp, model.pp, model.dp,
                            role in VALUE_HEAD_ROLES, profile, tp_link,
                            self.group_link(model, "pp"), self.group_link(model, "dp"),
-                           options.sharding)
+                           options.sharding, ep, self.group_link(model, "ep") if ep > 1 else None)
 
     def group_link(self, model: ModelPlacement, dim: str) -> cm.Link:
-        """Link of the model's first ``dim`` group, shared by the groups on the same node."""
+        """Link of the model's first ``dim`` group (``tp``, ``pp``, ``dp``, or ``ep``: the first
+        ``ep`` ranks of its first DP group, ``topology.experts``), shared by the groups on the
+        same node."""
         cluster = self.plan.cluster
-        group = model.group_ranks(dim)[0]
+        if dim == "ep":
+            group = [model.global_rank(dp=e) for e in range(model.spec.ep)]
+        else:
+            group = model.group_ranks(dim)[0]
         nodes = [cluster.locate(rank).node for rank in group]
         pools = [cluster.pools[cluster.locate(rank).pool_index] for rank in group]
         members_here = nodes.count(nodes[0])
@@ -351,7 +357,9 @@ def _sync(ctx: _Context, trainer: str, shadow: str, deps: tuple[int, ...]) -> Ta
     else:
         receivers, senders = (len({cluster.locate(r).node for r in m.ranks})
                               for m in (target, source))
-    seconds = cm.weight_sync_seconds(target.spec.num_params(), target.tp, target.pp,
+    # the shadow's devices each receive their shard: experts split over its ep as well
+    params = target.spec.device_params() * target.tp * target.pp
+    seconds = cm.weight_sync_seconds(params, target.tp, target.pp,
                                      target.size, receivers, senders, link)
     return Task(f"{SYNC}:{trainer}->{shadow}", SYNC, (source.ranks, target.ranks),
                 cm.Cost(comm=seconds), deps)

@@ -4,7 +4,9 @@
     spec.bytes_per_device(dp=4)   # weights + grads + sharded Adam state, per device
 
 Architecture presets are for planning (parameter counts, divisibility checks): ``tiny`` and
-``small`` are CPU-sized GPTs, ``llama-7b/13b/33b/65b`` carry the public LLaMA numbers.
+``small`` are CPU-sized GPTs, ``llama-7b/13b/33b/65b`` carry the public LLaMA numbers. A
+mixture-of-experts model's MLPs are described by ``ExpertSpec`` (from ``models.moe``): its
+parameters are every expert's, the parameters a token passes through only its ``topk`` experts'.
 
 Vocabulary sizes need not divide TP: Megatron pads the vocabulary to a multiple of
 ``make_vocab_size_divisible_by * tp`` (128 * tp here), so the plan counts the padded size.
@@ -46,6 +48,34 @@ _GIB = 1024**3
 
 
 @dataclass(frozen=True)
+class ExpertSpec:
+    """The mixture-of-experts MLP of every layer (megatron's MoE layer, ``models.moe``).
+
+    Attributes:
+        num_experts: routed experts per layer, each a ``ffn_hidden_size``-wide MLP.
+        topk: experts each token is routed to.
+        ffn_hidden_size: width of one expert's MLP.
+        shared_ffn_size: width of a shared expert every token also passes through; 0: none.
+    """
+
+    num_experts: int
+    topk: int
+    ffn_hidden_size: int
+    shared_ffn_size: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "topk", "ffn_hidden_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"experts: {name}={value!r} must be an integer >= 1")
+        if self.topk > self.num_experts:
+            raise ValueError(f"experts: topk({self.topk}) exceeds num_experts({self.num_experts})")
+        if not isinstance(self.shared_ffn_size, int) or self.shared_ffn_size < 0:
+            raise ValueError(f"experts: shared_ffn_size={self.shared_ffn_size!r} must be an "
+                             "integer >= 0")
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     """Transformer architecture numbers needed for planning.
 
@@ -63,6 +93,11 @@ class ArchSpec:
         rotary_base: RoPE theta, the base of the rotary position embedding of a model built
             from these numbers (one started from a checkpoint takes the checkpoint's); the
             planner does not read it.
+        head_dim: channels per attention head (megatron's ``kv_channels``; Qwen3 has 128 at
+            ``hidden_size`` 2048 and 32 heads); 0 means ``hidden_size / num_attention_heads``.
+        qk_norm: RMSNorm of each query and key head before RoPE (Qwen3).
+        experts: the MoE MLP replacing the dense one in every layer; None: dense. Not a
+            ``models.arch`` field: set from ``models.moe``.
     """
 
     name: str
@@ -75,10 +110,22 @@ class ArchSpec:
     gated_mlp: bool = False
     num_query_groups: int = 0
     rotary_base: int = 10000
+    head_dim: int = 0
+    qk_norm: bool = False
+    experts: ExpertSpec | None = None
 
     def __post_init__(self) -> None:
         if self.num_query_groups == 0:
             object.__setattr__(self, "num_query_groups", self.num_attention_heads)
+        if self.head_dim == 0 and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"arch {self.name!r}: num_attention_heads({self.num_attention_heads}) does not "
+                f"divide hidden_size({self.hidden_size}): choose a divisor of hidden_size, or "
+                "give head_dim"
+            )
+        if not isinstance(self.head_dim, int) or self.head_dim < 0:
+            raise ValueError(f"arch {self.name!r}: head_dim={self.head_dim!r} must be an integer "
+                             ">= 0 (0: hidden_size / num_attention_heads)")
         if self.num_query_groups < 1 or self.num_attention_heads % self.num_query_groups:
             raise ValueError(
                 f"arch {self.name!r}: num_query_groups({self.num_query_groups}) must divide "
@@ -89,30 +136,64 @@ class ArchSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"arch {self.name!r}: {name}={value!r} must be an integer >= 1")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"arch {self.name!r}: num_attention_heads({self.num_attention_heads}) does not "
-                f"divide hidden_size({self.hidden_size}): choose a divisor of hidden_size"
-            )
 
     def padded_vocab_size(self, tp: int) -> int:
         """Vocabulary size after Megatron's padding to a multiple of ``128 * tp``."""
         multiple = VOCAB_DIVISIBLE_BY * tp
         return math.ceil(self.vocab_size / multiple) * multiple
 
-    def num_params(self, tp: int = 1, value_head: bool = False) -> int:
+    @property
+    def head_channels(self) -> int:
+        """Channels per attention head: ``head_dim``, or ``hidden_size / num_attention_heads``."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_width(self) -> int:
+        """Width of the queries (and of the attention output): ``heads * head_channels``."""
+        return self.num_attention_heads * self.head_channels
+
+    @property
+    def kv_width(self) -> int:
+        """Width of the keys (or values) of one layer: ``num_query_groups * head_channels``."""
+        return self.num_query_groups * self.head_channels
+
+    def _mlp(self, width: int) -> int:
+        return (3 if self.gated_mlp else 2) * self.hidden_size * width
+
+    def mlp_params(self, active: bool = False) -> int:
+        """Parameters of one layer's MLP: the dense MLP, or the router (``hidden x
+        num_experts``), the routed experts and the shared expert.
+
+        Args:
+            active: count only the experts one token passes through (``topk`` of them).
+        """
+        experts = self.experts
+        if experts is None:
+            return self._mlp(self.ffn_hidden_size)
+        routed = experts.topk if active else experts.num_experts
+        return (self.hidden_size * experts.num_experts + routed * self._mlp(experts.ffn_hidden_size)
+                + self._mlp(experts.shared_ffn_size))
+
+    def expert_params(self) -> int:
+        """Parameters of every routed expert of every layer (0 for a dense model): the part
+        megatron splits over the expert-parallel group."""
+        if self.experts is None:
+            return 0
+        return self.num_layers * self.experts.num_experts * self._mlp(self.experts.ffn_hidden_size)
+
+    def num_params(self, tp: int = 1, value_head: bool = False, active: bool = False) -> int:
         """Parameter count with untied input/output embeddings.
 
         Args:
             tp: tensor-parallel size, which sets the vocabulary padding.
             value_head: the output layer is a scalar head (critic, reward) instead of the
                 vocabulary projection.
+            active: of a mixture-of-experts model, the parameters one token passes through
+                (its ``topk`` experts of each layer, not every expert).
         """
-        h = self.hidden_size
-        kv = self.num_query_groups * (h // self.num_attention_heads)  # keys' width (GQA)
-        attention = h * (h + 2 * kv) + h * h + 4 * h
-        mlp = (3 if self.gated_mlp else 2) * h * self.ffn_hidden_size
-        per_layer = attention + mlp + 2 * h
+        h, q, kv = self.hidden_size, self.query_width, self.kv_width
+        attention = h * (q + 2 * kv) + q * h + 4 * h + (2 * self.head_channels if self.qk_norm else 0)
+        per_layer = attention + self.mlp_params(active) + 2 * h
         embedding = self.padded_vocab_size(tp) * h
         output = h if value_head else embedding
         return self.num_layers * per_layer + embedding + output + h
@@ -148,14 +229,15 @@ def resolve_arch(arch: str | ArchSpec | Mapping[str, Any]) -> ArchSpec:
     """An architecture from a configuration: a preset name, or a mapping of ``ArchSpec``'s
     fields (``num_layers``, ``hidden_size``, ``num_attention_heads``, ``vocab_size``,
     ``seq_length``, ``ffn_hidden_size``; optionally ``gated_mlp``, ``num_query_groups``,
-    ``rotary_base`` and a ``name``), as ``models.arch`` takes it.
+    ``rotary_base``, ``head_dim``, ``qk_norm`` and a ``name``), as ``models.arch`` takes it.
+    Experts are not among them: they come from ``models.moe``.
 
     Raises:
         ValueError: an unknown preset, an unknown or missing field, or an inconsistent shape.
     """
     if isinstance(arch, str | ArchSpec):
         return arch_preset(arch)
-    names = [f.name for f in fields(ArchSpec)]
+    names = [f.name for f in fields(ArchSpec) if f.name != "experts"]
     unknown = sorted(set(arch) - set(names))
     if unknown:
         raise ValueError(f"models.arch has unknown fields {unknown}: use {names[1:]}")
@@ -220,6 +302,14 @@ class ModelSpec:
                 f"{self.role}.pp({self.pp}) does not divide num_layers({layers}) of "
                 f"{self.arch.name!r}: choose pp in {divisors_text(layers)}"
             )
+        experts = self.arch.experts
+        if self.ep > 1 and experts is None:
+            raise ValueError(f"{self.role}.ep({self.ep}) splits experts, but {self.arch.name!r} "
+                             "is dense: set ep to 1")
+        if experts is not None and experts.num_experts % self.ep:
+            raise ValueError(
+                f"{self.role}.ep({self.ep}) does not divide num_experts({experts.num_experts}) "
+                f"of {self.arch.name!r}: choose ep in {divisors_text(experts.num_experts)}")
 
     @property
     def model_parallel_size(self) -> int:
@@ -230,29 +320,40 @@ class ModelSpec:
         """Parameter count, with vocabulary padding for this TP and the role's output head."""
         return self.arch.num_params(self.tp, value_head=self.role in VALUE_HEAD_ROLES)
 
+    def device_params(self) -> float:
+        """Parameters one device holds: the dense ones split over ``tp * pp``, the routed
+        experts over ``tp * pp * ep`` (megatron's expert grid, expert TP = TP)."""
+        experts = self.arch.expert_params()
+        dense = self.num_params() - experts
+        return (dense + experts / self.ep) / self.model_parallel_size
+
     def bytes_per_device(self, dp: int, fully_sharded: bool = False) -> float:
         """Rough lower bound of the memory one device needs for this model's states.
 
-        Inference models hold their weights, ``psi * bytes_per_param`` with
-        ``psi = params / (tp * pp)``. Trainable models add the fp32 gradient buffer of the
-        trainer's DDP (4 bytes per parameter) and 12 bytes of fp32 master weights and Adam
-        moments, divided by ``dp`` with the distributed optimizer: in bf16
-        ``psi * (6 + 12 / dp)`` bytes, ``18 psi`` without sharding. ``fully_sharded`` (FSDP,
-        ZeRO-3) divides all of a trainable model's states by ``dp``: ``18 psi / dp``.
-        Activations, the KV cache and framework buffers are not counted.
+        Inference models hold their weights, ``psi * bytes_per_param`` with ``psi`` the
+        ``device_params`` (``params / (tp * pp)`` for a dense model). Trainable models add the
+        fp32 gradient buffer of the trainer's DDP (4 bytes per parameter) and 12 bytes of fp32
+        master weights and Adam moments, divided by ``dp`` with the distributed optimizer: in
+        bf16 ``psi * (6 + 12 / dp)`` bytes, ``18 psi`` without sharding. ``fully_sharded``
+        (FSDP, ZeRO-3) divides all of a trainable model's states by ``dp``: ``18 psi / dp``.
+        An expert's optimizer state is split over its expert-DP group (``dp / ep`` devices
+        holding the same experts), so either way the sharded state of a device is that of
+        ``params / (tp * pp * dp)`` parameters. Activations, the KV cache and framework buffers
+        are not counted.
 
         Args:
             dp: data-parallel size of the model.
             fully_sharded: shard weights and gradients over DP as well (trainable models).
         """
-        shard = self.num_params() / self.model_parallel_size
+        shard = self.device_params()
         if not self.trainable:
             return shard * self.bytes_per_param
         states = self.bytes_per_param + _MAIN_GRAD_BYTES
+        sharded = self.num_params() / self.model_parallel_size / dp
         if fully_sharded:
-            return shard * (states + _ADAM_STATE_BYTES) / dp
-        optimizer = _ADAM_STATE_BYTES / dp if self.distributed_optimizer else _ADAM_STATE_BYTES
-        return shard * (states + optimizer)
+            return sharded * (states + _ADAM_STATE_BYTES)
+        optimizer = _ADAM_STATE_BYTES * (sharded if self.distributed_optimizer else shard)
+        return shard * states + optimizer
 
     def gib_per_device(self, dp: int, fully_sharded: bool = False) -> float:
         """``bytes_per_device`` in GiB."""

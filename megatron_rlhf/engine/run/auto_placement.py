@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron_rlhf.builder.sources import config_arch
 from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.engine.run.build import make_plan
 from megatron_rlhf.planner import (
@@ -25,7 +26,7 @@ from megatron_rlhf.planner import (
 )
 from megatron_rlhf.planner.memory_fit import FSDP, OFFLOAD, RECOMPUTE
 from megatron_rlhf.topology.cluster import ClusterSpec
-from megatron_rlhf.topology.models import SHADOW_OF, TRAINABLE_ROLES, resolve_arch
+from megatron_rlhf.topology.models import SHADOW_OF, TRAINABLE_ROLES
 
 ENGINE_MEMORY_OPTIONS = (FSDP, OFFLOAD, RECOMPUTE)
 """The planner's memory options the engine runs (``<role>_optimizer.fsdp``, ``models.offload``,
@@ -68,7 +69,7 @@ def ranked_candidates(config: RunConfig, cluster: ClusterSpec, profiles) -> list
     memory options the engine runs; a critic-free (or reward-model-free) run is priced as the
     step with the models it has."""
     rollout = RolloutSpec.from_run_config(config, overlap=config.rollout.async_rollout)
-    return auto_place(cluster, resolve_arch(config.models.arch), rollout, profiles,
+    return auto_place(cluster, config_arch(config), rollout, profiles,
                       SearchSpace(critic=config.placement.critic, reward=config.placement.reward,
                                   memory_options=ENGINE_MEMORY_OPTIONS))
 

@@ -59,7 +59,7 @@ def _state_bytes(model: ModelPlacement, fsdp: bool, dtype_bytes: int) -> float:
     sharding = (cm.FULLY_SHARDED if fsdp else cm.DISTRIBUTED_OPTIMIZER
                 if spec.distributed_optimizer else cm.REPLICATED)
     states = cm.state_bytes(spec.num_params(), model.tp, model.pp, model.dp, spec.trainable,
-                            sharding)
+                            sharding, spec.arch.expert_params(), spec.ep)
     return states.weights * dtype_bytes / cm.BF16 + states.grads + states.optimizer
 
 
