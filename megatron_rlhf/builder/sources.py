@@ -149,6 +149,7 @@ def resolve_sources(config: RunConfig) -> dict[str, ModelSource]:
             read[path] = read_source(path)
         sources[role] = read[path]
     _check_heads(sources)
+    _check_experts(config, sources)
     return sources
 
 
@@ -175,6 +176,39 @@ def _check_heads(sources: dict[str, ModelSource]) -> None:
             name = "reward model" if role == REWARD else role
             raise ValueError(f"{field}={source.path} is a {source.kind} checkpoint (head "
                              f"{source.description.head!r}); the {name} needs {needs}")
+
+
+def _experts(d: ModelDescription) -> str:
+    if not d.num_experts:
+        return "models.moe.num_experts=0"
+    return (f"models.moe.num_experts={d.num_experts} models.moe.topk={d.moe_topk} "
+            f"models.moe.ffn_hidden_size={d.moe_ffn_hidden_size} "
+            f"models.moe.shared_expert_ffn_size={d.moe_shared_ffn_size} "
+            f"models.moe.renormalize_topk={str(d.moe_renormalize_topk).lower()}")
+
+
+def _check_experts(config: RunConfig, sources: dict[str, ModelSource]) -> None:
+    """Refuse a source whose experts are not those of ``models.moe``, with which every model of
+    the run is built (a dense source with ``num_experts=0``).
+
+    Raises:
+        ValueError: naming the field, the source's experts and the settings that match them.
+    """
+    moe = config.models.moe
+    for role, (field, _, _) in _HEAD_NEEDS.items():
+        source = sources.get(role)
+        if source is None:
+            continue
+        d = source.description
+        ours = replace(d, num_experts=moe.num_experts, moe_topk=moe.topk,
+                       moe_ffn_hidden_size=moe.ffn_hidden_size or d.ffn_hidden_size,
+                       moe_shared_ffn_size=moe.shared_expert_ffn_size,
+                       moe_renormalize_topk=moe.renormalize_topk)
+        if _experts(ours) != _experts(d):
+            kind = f"a mixture-of-experts {source.kind}" if d.num_experts else (
+                f"a dense {source.kind}")
+            raise ValueError(f"{field}={source.path} is {kind} checkpoint, but models.moe builds "
+                             f"every model with {_experts(ours)}: set {_experts(d)}")
 
 
 def fresh_heads(config: RunConfig, sources: dict[str, ModelSource]) -> list[str]:

@@ -101,10 +101,11 @@ class ModelsConfig:
             training passes: ``none``, ``selective`` (the core attention) or ``full`` (every
             layer), e.g. ``models.recompute.actor=full`` (``models.gpt.ModelBuildOptions``).
             Inference-only models keep no activations for a backward pass and never recompute.
-        moe: mixture-of-experts MLPs in every model built from ``arch`` (``models.moe.MoEConfig``:
-            ``models.moe.num_experts=8 models.moe.topk=2``); ``num_experts=0``: dense. Expert
-            parallelism 1 (every rank holds every expert); not with ``actor_checkpoint`` or
-            ``reward_checkpoint``, whose descriptions record no experts, nor ``export_hf``.
+        moe: mixture-of-experts MLPs in every model (``models.moe.MoEConfig``:
+            ``models.moe.num_experts=8 models.moe.topk=2``); ``num_experts=0``: dense. The
+            experts of ``actor_checkpoint`` and ``reward_checkpoint`` (a Qwen3-MoE or Mixtral
+            directory, a megatron_rlhf MoE checkpoint) must be these; the error of a mismatch
+            lists the settings that match. Not with ``export_hf``.
     """
 
     arch: Any = "tiny"
@@ -127,15 +128,12 @@ class ModelsConfig:
 
     def __post_init__(self) -> None:
         resolve_arch(self.arch)
-        if self.moe.enabled and (self.actor_checkpoint or self.reward_checkpoint):
-            raise ValueError(f"models.moe.num_experts={self.moe.num_experts} builds the models "
-                             "from models.arch; a checkpoint's description records no experts: "
-                             "drop actor_checkpoint/reward_checkpoint or set num_experts=0")
         if self.moe.enabled and self.export_hf:
             raise ValueError(f"models.export_hf=true with models.moe.num_experts="
-                             f"{self.moe.num_experts}: Hugging Face export writes dense "
-                             "Llama-family models only; set export_hf=false (the run checkpoints "
-                             "keep the experts)")
+                             f"{self.moe.num_experts}: the run's export does not gather "
+                             "the experts of expert-parallel ranks; set export_hf=false and "
+                             "convert a model checkpoint of the run with "
+                             "tools/convert_megatron_to_hf.py (Qwen3-MoE, Mixtral)")
         for role, granularity in self.recompute.items():
             if role not in TRAINABLE_ROLES:
                 raise ValueError(f"models.recompute.{role}: only trained models recompute "

@@ -162,3 +162,36 @@ def test_unsupported_moe_configs_are_refused_by_name(tmp_path: Path) -> None:
             (replace(unnormalised, qkv_bias=True), "qkv_bias=True")]:
         with pytest.raises(ValueError, match=f"{fragment}.*is no Hugging Face family"):
             family_of(description)
+
+
+def test_a_run_builds_its_checkpoints_experts_or_names_the_settings(tmp_path: Path) -> None:
+    from megatron_rlhf.builder.sources import resolve_sources, role_options
+    from megatron_rlhf.config.loader import load_config
+    from megatron_rlhf.config.ppo_run import RunConfig
+
+    _make(tmp_path / "qwen3_moe", "qwen3_moe")
+    make_hf_model(tmp_path / "dense", "Qwen3Config", "Qwen3ForCausalLM", 1, **_SIZES,
+                  intermediate_size=32)
+
+    def config(actor: str, *moe: str) -> RunConfig:
+        example = Path(__file__).resolve().parents[2] / "examples" / "ppo_hf_tiny.yaml"
+        return load_config(RunConfig, str(example), [
+            f"models.actor_checkpoint={tmp_path / actor}", "models.reward_checkpoint=''",
+            "models.export_hf=false", "reward.rule=synthetic", "reward.model_weight=0", *moe])
+
+    matching = ("models.moe.num_experts=8", "models.moe.topk=2", "models.moe.ffn_hidden_size=32")
+    run = config("qwen3_moe", *matching, "models.moe.aux_loss_coeff=0.001")
+    options = role_options(run, resolve_sources(run), "actor")
+    assert (options.moe.num_experts, options.moe.topk, options.moe.ffn_hidden_size,
+            options.moe.aux_loss_coeff, options.qk_norm) == (8, 2, 32, 0.001, True)
+    settings = ("models.moe.num_experts=8 models.moe.topk=2 models.moe.ffn_hidden_size=32 "
+                "models.moe.shared_expert_ffn_size=0 models.moe.renormalize_topk=true")
+    for moe in [(), (*matching[:2],), (*matching, "models.moe.renormalize_topk=false")]:
+        with pytest.raises(ValueError, match=re.escape(
+                f"models.actor_checkpoint={tmp_path / 'qwen3_moe'} is a mixture-of-experts "
+                "Qwen3MoeForCausalLM checkpoint, but models.moe builds every model with ") +
+                ".*" + re.escape(f": set {settings}")):
+            resolve_sources(config("qwen3_moe", *moe))
+    with pytest.raises(ValueError, match=r"is a dense Qwen3ForCausalLM checkpoint, .*"
+                                         r"models.moe.num_experts=8 .*: set models.moe.num_experts=0"):
+        resolve_sources(config("dense", *matching))
