@@ -166,7 +166,8 @@ class SupervisedConfig:
 @dataclass
 class SFTConfig(SupervisedConfig):
     """An SFT run (fields as :class:`SupervisedConfig`) on the ``sft`` data portion; records
-    need only a prompt and a response."""
+    need only a prompt and a response, or in place of the response tool-calling ``turns``
+    (``reader.fields.turns``; the loss leaves the tools' answers out)."""
 
     data: SupervisedDataConfig = field(default_factory=lambda: SupervisedDataConfig(
         reader=ReaderConfig(required=["prompt", "response"])))

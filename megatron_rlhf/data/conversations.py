@@ -10,6 +10,10 @@ Two common layouts are read (turns are ``{"role": ..., "content": ...}``):
   stand for a single user turn when the conversations hold only the answer.
 
 Plain-text ``chosen``/``rejected``/``response`` columns may accompany a ``messages`` prompt.
+
+An SFT response may be a tool-calling trajectory instead (``turns``, :func:`tool_turns`): the
+assistant's replies and the tools' answers between them, ``{"role": "assistant" | "tool",
+"content": str}``, alternating, first and last the assistant's.
 """
 
 from __future__ import annotations
@@ -44,6 +48,44 @@ def _turns(value: Any, column: str) -> Conversation:
             raise ConversationError(column, f"turn {index} is not an object with string 'role' "
                                             "and 'content'")
         turns.append({"role": turn["role"], "content": turn["content"]})
+    return tuple(turns)
+
+
+TURN_ROLES = ("assistant", "tool")
+"""The roles of a trajectory's turns (:func:`tool_turns`)."""
+
+
+def tool_turns(value: Any, column: str) -> Conversation:
+    """A tool-calling trajectory checked: a non-empty list of ``role``/``content`` objects,
+    roles alternating ``assistant``, ``tool``, ..., ``assistant``, contents strings.
+
+    Raises:
+        ConversationError: naming ``column`` and the first turn that is wrong.
+    """
+    if not isinstance(value, list | tuple) or not value:
+        got = "an empty list" if isinstance(value, list | tuple) else type(value).__name__
+        raise ConversationError(column, "expected a non-empty list of assistant and tool turns, "
+                                        f"got {got}")
+    turns = []
+    for index, turn in enumerate(value):
+        expected = TURN_ROLES[index % 2]
+        if not isinstance(turn, dict):
+            raise ConversationError(column, f"turn {index} is a {type(turn).__name__}, not an "
+                                            "object with 'role' and 'content'")
+        role, content = turn.get("role"), turn.get("content")
+        if role not in TURN_ROLES:
+            raise ConversationError(column, f"turn {index} has role {role!r}; use one of "
+                                            f"{TURN_ROLES}")
+        if role != expected:
+            raise ConversationError(column, f"turn {index} is {role!r} where {expected!r} is "
+                                            "due: turns alternate, assistant first")
+        if not isinstance(content, str):
+            raise ConversationError(column, f"turn {index}'s content is "
+                                            f"{type(content).__name__}, not a string")
+        turns.append({"role": role, "content": content})
+    if turns[-1]["role"] != "assistant":
+        raise ConversationError(column, f"the last turn ({len(turns) - 1}) is a tool's answer; "
+                                        "a trajectory ends with the assistant's reply")
     return tuple(turns)
 
 

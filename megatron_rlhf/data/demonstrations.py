@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_rlhf.data.collate import right_pad_sft, sft_sequence
+from megatron_rlhf.data.collate import right_pad_sft, sft_sequences
 from megatron_rlhf.data.datasets import SFTExample
 from megatron_rlhf.models.hf_tokenizer import HFTokenizer
 from megatron_rlhf.models.tokenizer import Tokenizer
@@ -23,7 +23,8 @@ class DemonstrationStream:
     """Rows of ``input_ids``, ``attention_mask`` and ``loss_mask`` ``[rows, length]`` per update.
 
     Args:
-        examples: the (prompt, response) demonstrations.
+        examples: the (prompt, response) demonstrations; a response may be tool-calling turns,
+            whose tool answers are left out of the loss.
         tokenizer: the run's tokenizer.
         length: tokens per row (PPO's ``max_prompt_length + max_new_tokens``); longer
             demonstrations lose the end of their response.
@@ -40,8 +41,7 @@ class DemonstrationStream:
         if rows > len(examples):
             raise ValueError(f"ptx.rows({rows}) exceeds the {len(examples)} demonstrations "
                              "available; lower ptx.rows or add records to ptx.paths")
-        self.sequences = [sft_sequence(e.prompt, e.messages, e.response, tokenizer, length,
-                                       use_chat_template) for e in examples]
+        self.sequences = sft_sequences(examples, tokenizer, length, use_chat_template)
         self.pad_id = tokenizer.pad_id
         self.length = length
         self.rows = rows

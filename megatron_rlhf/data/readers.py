@@ -1,6 +1,6 @@
 """Readers for local JSONL and Parquet preference files: prompt/response/chosen/rejected as text,
 or conversation-shaped (``messages``, or ``chosen``/``rejected`` as lists of turns; see
-``data/conversations.py``).
+``data/conversations.py``); an SFT response may be a tool-calling trajectory (``turns``).
 
 A ``.json`` file may also hold one JSON array of record objects (what ``json.dump(records, f)``
 writes): it is read whole, and its records are numbered 1, 2, ... in the array.
@@ -29,6 +29,7 @@ from megatron_rlhf.data.conversations import (
     ConversationError,
     is_conversation_row,
     split_conversation,
+    tool_turns,
 )
 from megatron_rlhf.data.schema import RECORD_FIELDS, ReaderConfig
 from megatron_rlhf.models.hf_tokenizer import HFTokenizer
@@ -68,6 +69,9 @@ class PreferenceRecord:
     rejected: str | None = None
     messages: Conversation | None = None
     """The prompt's turns for a conversation-shaped record (``prompt`` then joins their text)."""
+    turns: Conversation | None = None
+    """The SFT response as a tool-calling trajectory (``FieldNames.turns``), when the record has
+    one."""
     row: dict[str, Any] | None = field(default=None, compare=False, repr=False)
     """The whole record as read (every field, ``answer`` or ``tests`` included): what reward
     functions receive (docs/rewards.md)."""
@@ -143,13 +147,18 @@ def prompt_tokens(prompt: str, messages: Conversation | None,
     return len(tokenizer.encode(prompt))
 
 
-def _check_conversation(row: dict[str, Any], config: ReaderConfig
-                        ) -> PreferenceRecord | tuple[str, str, str]:
+def _check_conversation(row: dict[str, Any], config: ReaderConfig, required: list[str],
+                        with_turns: bool) -> PreferenceRecord | tuple[str, str, str]:
     try:
         turns, texts = split_conversation(row, _columns(config))
     except ConversationError as err:
         return "bad_conversation", err.column, err.detail
-    for name in config.required:
+    messages = row.get(config.fields.messages)
+    if with_turns and messages and messages[-1]["role"] == "assistant":
+        return ("bad_conversation", config.fields.messages,
+                f"the last turn is the assistant's, but the response is {config.fields.turns!r}: "
+                f"with {config.fields.turns!r}, {config.fields.messages!r} holds the prompt only")
+    for name in required:
         if name in texts and name != "prompt" and (texts[name] is None
                                                     or not texts[name].strip()):
             column = getattr(config.fields, name)
@@ -161,7 +170,8 @@ def _check_conversation(row: dict[str, Any], config: ReaderConfig
 def _check_row(
     row: dict[str, Any], config: ReaderConfig, tokenizer: Tokenizer | HFTokenizer | None
 ) -> PreferenceRecord | tuple[str, str, str]:
-    """Return the record, or ``(reason, column, detail)`` for the first failed check."""
+    """Return the record, or ``(reason, column, detail)`` for the first failed check. A record
+    with ``turns`` (a tool-calling trajectory) needs no ``response``."""
     for column in config.extra_required:
         value = row.get(column)
         if value is None:
@@ -170,25 +180,34 @@ def _check_row(
         if isinstance(value, str) and not value.strip():
             return ("empty_text", column,
                     f"the {column!r} is empty or whitespace ({config.WHERE}.required)")
+    turns = row.get(config.fields.turns)
+    if turns is not None:
+        try:
+            turns = tool_turns(turns, config.fields.turns)
+        except ConversationError as err:
+            return "bad_conversation", err.column, err.detail
+    required = [name for name in config.required if turns is None or name != "response"]
     if is_conversation_row(row, _columns(config)):
-        record = _check_conversation(row, config)
+        record = _check_conversation(row, config, required, turns is not None)
         if isinstance(record, tuple):
             return record
-        return _check_length(record, config, tokenizer)
+        return _check_length(replace(record, turns=turns), config, tokenizer)
     values: dict[str, str | None] = {}
     for name, column in _text_fields(config).items():
         value = row.get(column)
-        if name not in config.required:
+        if name not in required:
             values[name] = value if isinstance(value, str) and value.strip() else None
         elif value is None:
-            return "missing_field", column, f"no {name}: key {column!r} absent or null"
+            alternative = f" and no {config.fields.turns!r}" if name == "response" else ""
+            return ("missing_field", column,
+                    f"no {name}: key {column!r} absent or null{alternative}")
         elif not isinstance(value, str):
             return "not_a_string", column, f"expected text, got {type(value).__name__}"
         elif not value.strip():
             return "empty_text", column, f"the {name} is empty or whitespace"
         else:
             values[name] = value
-    return _check_length(PreferenceRecord(**values), config, tokenizer)
+    return _check_length(PreferenceRecord(**values, turns=turns), config, tokenizer)
 
 
 def _check_length(record: PreferenceRecord, config: ReaderConfig,

@@ -29,9 +29,13 @@ class FieldNames:
     messages: str = "messages"
     """Column holding a conversation (a list of ``role``/``content`` turns), read when present
     (see ``data/conversations.py``)."""
+    turns: str = "turns"
+    """Column holding an SFT response as a tool-calling trajectory, read when present: a list of
+    ``{"role": "assistant" | "tool", "content": str}`` turns, alternating, first and last the
+    assistant's. It stands for the ``response`` (SFT trains on the assistant's turns only)."""
 
     def __post_init__(self) -> None:
-        for name in (*RECORD_FIELDS, "messages"):
+        for name in (*RECORD_FIELDS, "messages", "turns"):
             if not getattr(self, name):
                 raise ValueError(f"fields.{name} is empty; give the column name of the {name}")
 
@@ -47,7 +51,7 @@ class ReaderConfig:
     """Column names in the files."""
     required: list[str] = field(default_factory=lambda: list(RECORD_FIELDS))
     """Logical fields every record must have as non-empty text; others are read when present.
-    Any other name is a column every record must have (not null, not empty text), e.g. the
+    A record with ``turns`` has its ``response``. Any other name is a column every record must have (not null, not empty text), e.g. the
     ``answer`` a reward function reads: checked for every record when the files are read."""
     on_bad_record: str = "skip"
     """``skip``: count and drop bad records; ``error``: stop at the first with a DataError."""

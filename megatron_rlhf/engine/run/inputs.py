@@ -15,6 +15,7 @@ from megatron_rlhf.data import (
     load_splits,
     read_files,
 )
+from megatron_rlhf.data.datasets import sft_example
 from megatron_rlhf.data.demonstrations import DemonstrationStream
 from megatron_rlhf.data.prompts import PromptStream
 from megatron_rlhf.data.readers import prompt_tokens
@@ -118,7 +119,7 @@ def _read_demonstrations(config: RunConfig, tokenizer: Tokenizer | HFTokenizer
     if not records:
         raise ValueError(f"ptx.coef={config.ptx.coef} but {source} holds no (prompt, response) "
                          "record; name demonstrations in ptx.paths or set ptx.coef=0")
-    return [SFTExample(record.prompt, record.response, record.messages) for record in records]
+    return [sft_example(record) for record in records]
 
 
 def _encode(records: list[tuple[str, list | None]], config: RunConfig,
