@@ -1,4 +1,4 @@
-"""Convert a Hugging Face Llama/Qwen checkpoint into a megatron_rlhf checkpoint at a chosen TP/PP.
+"""Convert a Hugging Face checkpoint into a megatron_rlhf checkpoint at a chosen TP/PP.
 
     # one process, TP=1 PP=1 (CPU or one GPU)
     python tools/convert_hf_to_megatron.py --hf-dir llama-hf --out ckpt/actor --role actor
@@ -11,9 +11,9 @@ The checkpoint loads at any TP/PP later (load_model_checkpoint reshards); --tp/-
 the layout the conversion runs and saves at, which bounds each rank's memory. Run it with
 tp * pp ranks (a multiple works: the extra ranks are data-parallel replicas). The input must be
 ``config.json`` plus ``model.safetensors`` (or a safetensors index) as ``save_pretrained`` writes
-them, of a family docs/models.md lists (``...ForSequenceClassification`` becomes a scalar
-head); the original config.json is kept in the checkpoint metadata for the way back
-(tools/convert_megatron_to_hf.py).
+them, of a family docs/models.md lists (Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral;
+``...ForSequenceClassification`` becomes a scalar head); the original config.json is kept in the
+checkpoint metadata for the way back (tools/convert_megatron_to_hf.py).
 """
 
 from __future__ import annotations

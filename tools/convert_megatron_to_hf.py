@@ -1,4 +1,4 @@
-"""Export a megatron_rlhf model checkpoint as a Hugging Face Llama/Qwen checkpoint.
+"""Export a megatron_rlhf model checkpoint as a Hugging Face checkpoint.
 
     # one process loads the whole model (any saved TP/PP), rank 0 writes the files
     python tools/convert_megatron_to_hf.py --ckpt ckpt/actor --out llama-out
@@ -7,7 +7,8 @@
         --out llama-out --tp 2
     # on a GPU node the same command line uses NCCL, one GPU per rank
 
-Writes ``config.json`` and ``model.safetensors`` (in the checkpoint's dtype) that
+Writes ``config.json`` and ``model.safetensors`` (in the checkpoint's dtype) of the family that
+computes the model (Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral; the original's where it does) that
 ``AutoModelForCausalLM`` (``lm`` head) or ``AutoModelForSequenceClassification`` (``scalar`` head)
 loads, and copies the tokenizer files of ``--tokenizer-dir`` (default: the HF directory the
 checkpoint was converted from, when it still exists). When the checkpoint came from
