@@ -1,7 +1,9 @@
 """Hugging Face Qwen3-MoE and Mixtral (LM and sequence-classification) <-> megatron's MoE layers:
 converted models give transformers' outputs, both top-k weightings of Qwen3-MoE included; HF ->
 megatron checkpoint -> HF writes the same safetensors bytes, which transformers loads to the same
-outputs; configurations no megatron layer computes are refused by field."""
+outputs; configurations no megatron layer computes are refused by field. A run started from a
+Qwen3-MoE directory needs its experts in ``models.moe``, loads them split over two expert-parallel
+ranks (the reference gives transformers' outputs) and trains them with GRPO."""
 
 from __future__ import annotations
 
@@ -195,3 +197,57 @@ def test_a_run_builds_its_checkpoints_experts_or_names_the_settings(tmp_path: Pa
     with pytest.raises(ValueError, match=r"is a dense Qwen3ForCausalLM checkpoint, .*"
                                          r"models.moe.num_experts=8 .*: set models.moe.num_experts=0"):
         resolve_sources(config("dense", *matching))
+
+
+def _grpo_job(root: str, actor: str) -> tuple[list, list, int]:
+    """Two GRPO steps from the Hugging Face directory ``actor`` with its experts split over both
+    ranks; the reference's (the initial policy's) and the trained actor's outputs, and the
+    experts of one layer this rank holds."""
+    from megatron_rlhf.config.loader import load_config
+    from megatron_rlhf.config.ppo_run import RunConfig
+    from megatron_rlhf.engine.run import runner
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "ppo_hf_tiny.yaml"
+    config = load_config(RunConfig, str(example), [
+        f"models.actor_checkpoint={actor}", "models.reward_checkpoint=''",
+        "models.export_hf=false", f"models.hf_cache_dir={root}/cache", f"run_dir={root}/run",
+        f"prompts.paths=[{root}/prompts.jsonl]", "reward.model_weight=0", "reward.rule=synthetic",
+        "algorithm.advantage_estimator=grpo", "rollout.samples_per_prompt=2",
+        "placement.strategy=flattening", "placement.parallel.actor.ep=2",
+        "placement.parallel.ref.ep=2", "models.moe.num_experts=4", "models.moe.topk=2",
+        "models.moe.ffn_hidden_size=32", "actor_optimizer.lr=1e-2",
+        "runtime.distributed.timeout_s=90", "generation.max_new_tokens=4"])
+    captured = {}
+    build = runner.build_engine
+
+    def keep(*args, **kwargs):
+        captured["engine"] = build(*args, **kwargs)
+        return captured["engine"]
+
+    runner.build_engine = keep
+    try:
+        runner.run_ppo(config)
+    finally:
+        runner.build_engine = build
+    workers = captured["engine"].workers
+    ref, trained = (full_logits(workers[role].model, workers[role].pg_collection, _batch()).tolist()
+                    for role in ("ref", "actor"))
+    return ref, trained, len(workers["actor"].model.decoder.layers[0].mlp.experts.local_experts)
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(360)
+def test_grpo_starts_from_a_qwen3_moe_directory_at_ep2(tmp_path: Path) -> None:
+    from tools.make_tiny_hf import make_hf_tokenizer, make_tiny_qwen_pair
+
+    make_tiny_qwen_pair(tmp_path)  # the prompts
+    actor = tmp_path / "qwen3_moe"
+    make_hf_tokenizer(actor, "qwen")
+    expected = _outputs(make_hf_model(
+        actor, "Qwen3MoeConfig", "Qwen3MoeForCausalLM", 7, **_SIZES | {"vocab_size": 320, "max_position_embeddings": 128},
+        num_experts=4, moe_intermediate_size=32, norm_topk_prob=True))
+    ref, trained, local_experts = run_on_ranks(_grpo_job, world_size=2,
+                                               args=(str(tmp_path), str(actor)), timeout_s=300)[0]
+    assert local_experts == 2  # of 4: each rank holds half
+    torch.testing.assert_close(torch.tensor(ref), expected, **_TOLERANCE)
+    assert (torch.tensor(trained) - expected).abs().max() > 1e-4, "GRPO did not train the experts' model"
