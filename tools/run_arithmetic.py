@@ -1,7 +1,14 @@
-"""SFT then GRPO on the shipped arithmetic task, scored by the math verifier alone.
+"""SFT then GRPO on a shipped arithmetic task, scored by an exact-answer verifier alone.
 
     torchrun --nproc-per-node 1 tools/run_arithmetic.py --seed 0 --run-dir runs/arithmetic/seed0
     torchrun --nproc-per-node 1 tools/run_arithmetic.py --seed 1 steps=60   # GRPO overrides
+    PYTHONPATH=examples/calculator torchrun --nproc-per-node 1 tools/run_arithmetic.py \
+        --task calculator --seed 0        # three-digit products, with a calculator tool
+
+The tasks (``--task``): ``addition`` (the default, below), ``calculator`` (SFT on demonstrations
+that call ``calculator_tools:calculator``, then GRPO whose episodes call it; the last reply is
+scored by ``final_answer_reward``; examples/calculator/) and ``calculator-no-tools`` (the same
+questions answered directly, SFT and GRPO without the tool).
 
 SFT (examples/sft_arithmetic.yaml) learns from the 64 demonstrations of
 examples/arithmetic/sft.jsonl; GRPO (examples/grpo_arithmetic.yaml) starts from it and is rewarded
@@ -22,6 +29,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_rlhf import __version__
@@ -43,8 +51,38 @@ from megatron_rlhf.supervised.loop import CHECKPOINT_DIR, TOKENIZER_FILE  # noqa
 from megatron_rlhf.supervised.sft import run_sft  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-ACCURACY = "eval/{mode}/reward/math_reward"
-"""The held-out exact-match accuracy of ``mode`` answers in a run's metrics."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """A task's two stages and its verifier.
+
+    Attributes:
+        sft: the SFT configuration.
+        grpo: the GRPO configuration, starting from SFT's checkpoint and tokenizer.
+        verifier: the reward function whose score is the exact-match accuracy.
+        runs: the default run directory's parent.
+    """
+
+    sft: Path
+    grpo: Path
+    verifier: str
+    runs: Path
+
+    def accuracy(self, mode: str) -> str:
+        """The held-out exact-match accuracy of ``mode`` answers in a run's metrics."""
+        return f"eval/{mode}/reward/{self.verifier}"
+
+
+CALCULATOR = EXAMPLES / "calculator"
+TASKS = {
+    "addition": Task(EXAMPLES / "sft_arithmetic.yaml", EXAMPLES / "grpo_arithmetic.yaml",
+                     "math_reward", Path("runs/arithmetic")),
+    "calculator": Task(CALCULATOR / "sft_tools.yaml", CALCULATOR / "grpo_tools.yaml",
+                       "final_answer_reward", Path("runs/calculator/tools")),
+    "calculator-no-tools": Task(CALCULATOR / "sft_direct.yaml", CALCULATOR / "grpo_direct.yaml",
+                                "final_answer_reward", Path("runs/calculator/no-tools")),
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,8 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--task", choices=sorted(TASKS), default="addition")
     parser.add_argument("--seed", type=int, default=0, help="seed of both stages")
-    parser.add_argument("--run-dir", type=Path, help="default: runs/arithmetic/seed<seed>")
+    parser.add_argument("--run-dir", type=Path, help="default: runs/<task>/seed<seed>")
     parser.add_argument("--sft-set", action="append", default=[], metavar="KEY=VALUE",
                         help="override of the SFT configuration (repeatable)")
     parser.add_argument("--compare", nargs="+", type=Path, metavar="RUN_DIR",
@@ -65,22 +104,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def configs(args: argparse.Namespace, run_dir: Path) -> tuple[SFTConfig, RunConfig]:
     """The two stages' configurations, GRPO starting from SFT's checkpoint and tokenizer."""
-    seed = args.seed
-    sft = load_config(SFTConfig, EXAMPLES / "sft_arithmetic.yaml", [
+    seed, task = args.seed, TASKS[args.task]
+    sft = load_config(SFTConfig, task.sft, [
         f"out_dir={run_dir / 'sft'}", f"runtime.seed={seed}", f"model.init_seed={1000 + seed}",
         *args.sft_set])
-    grpo = load_config(RunConfig, EXAMPLES / "grpo_arithmetic.yaml", [
+    grpo = load_config(RunConfig, task.grpo, [
         f"run_dir={run_dir / 'grpo'}", f"runtime.seed={seed}", f"generation.seed={seed}",
         f"models.actor_checkpoint={run_dir / 'sft' / CHECKPOINT_DIR}",
         f"tokenizer.model_path={run_dir / 'sft' / TOKENIZER_FILE}", *args.overrides])
     return sft, grpo
 
 
-def held_out_accuracy(records: list[dict]) -> dict[str, dict[str, float]]:
+def held_out_accuracy(records: list[dict], task: Task) -> dict[str, dict[str, float]]:
     """``{"sft": ..., "grpo": ...}``: each mode's held-out accuracy before GRPO's first step and
     after its last."""
-    evaluations = [r for r in records if ACCURACY.format(mode=MODES[0]) in r]
-    return {stage: {mode: record[ACCURACY.format(mode=mode)] for mode in MODES}
+    evaluations = [r for r in records if task.accuracy(MODES[0]) in r]
+    return {stage: {mode: record[task.accuracy(mode)] for mode in MODES}
             for stage, record in (("sft", evaluations[0]), ("grpo", evaluations[-1]))}
 
 
@@ -90,12 +129,12 @@ def grpo_records(run_dir: Path) -> list[dict]:
             (run_dir / "grpo" / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def compare(run_dirs: list[Path], out: Path) -> None:
+def compare(run_dirs: list[Path], out: Path, task: Task) -> None:
     """One panel of training-batch accuracy and one of held-out accuracy per mode, a line per
     run (labelled by its directory's name)."""
     runs = {run_dir.name: grpo_records(run_dir) for run_dir in run_dirs}
-    keys = {"train batches": "reward/math_reward",
-            **{f"held-out ({mode})": ACCURACY.format(mode=mode) for mode in MODES}}
+    keys = {"train batches": f"reward/{task.verifier}",
+            **{f"held-out ({mode})": task.accuracy(mode) for mode in MODES}}
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4))
     for index, (label, records) in enumerate(runs.items()):
         for ax, key in zip(axes, keys.values(), strict=True):
@@ -116,14 +155,15 @@ def compare(run_dirs: list[Path], out: Path) -> None:
     plt.close(fig)
 
 
-def report(run_dir: Path) -> str:
+def report(run_dir: Path, task: Task) -> str:
     """The held-out accuracies of the SFT and GRPO policies, and a picture of GRPO's curves."""
     records = grpo_records(run_dir)
-    accuracy = held_out_accuracy(records)
-    evaluations = {mode: [{"step": r["step"], "accuracy": r[ACCURACY.format(mode=mode)]}
-                          for r in records if ACCURACY.format(mode=mode) in r] for mode in MODES}
-    plot({"train batches": [{"step": r["step"], "accuracy": r["reward/math_reward"]}
-                            for r in records if "reward/math_reward" in r],
+    accuracy = held_out_accuracy(records, task)
+    evaluations = {mode: [{"step": r["step"], "accuracy": r[task.accuracy(mode)]}
+                          for r in records if task.accuracy(mode) in r] for mode in MODES}
+    train = f"reward/{task.verifier}"
+    plot({"train batches": [{"step": r["step"], "accuracy": r[train]}
+                            for r in records if train in r],
           **{f"held-out ({mode})": rows for mode, rows in evaluations.items()}},
          ["accuracy"], run_dir / "curves.png", window=5,
          raw=frozenset(f"held-out ({mode})" for mode in MODES))
@@ -138,10 +178,10 @@ def report(run_dir: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.compare:
-        compare(args.compare, args.out)
+        compare(args.compare, args.out, TASKS[args.task])
         print(f"wrote {args.out}")
         return 0
-    run_dir = args.run_dir or Path(f"runs/arithmetic/seed{args.seed}")
+    run_dir = args.run_dir or TASKS[args.task].runs / f"seed{args.seed}"
     try:
         sft, grpo = configs(args, run_dir)
     except (ConfigError, ValueError) as error:
@@ -153,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         run_sft(sft)
         run_ppo(grpo)
         if dist.get_rank() == 0:
-            print(report(run_dir))
+            print(report(run_dir, TASKS[args.task]))
     finally:
         destroy_distributed()
     return 0
