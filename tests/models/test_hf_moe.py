@@ -1,5 +1,6 @@
 """Hugging Face Qwen3-MoE and Mixtral (LM and sequence-classification) <-> megatron's MoE layers:
-converted models give transformers' outputs, both top-k weightings of Qwen3-MoE included; HF ->
+converted models give transformers' outputs (at TP=1 and, experts split, TP=2), both top-k
+weightings of Qwen3-MoE included; HF ->
 megatron checkpoint -> HF writes the same safetensors bytes, which transformers loads to the same
 outputs; configurations no megatron layer computes are refused by field. A run started from a
 Qwen3-MoE directory needs its experts in ``models.moe``, loads them split over two expert-parallel
@@ -251,3 +252,29 @@ def test_grpo_starts_from_a_qwen3_moe_directory_at_ep2(tmp_path: Path) -> None:
     assert local_experts == 2  # of 4: each rank holds half
     torch.testing.assert_close(torch.tensor(ref), expected, **_TOLERANCE)
     assert (torch.tensor(trained) - expected).abs().max() > 1e-4, "GRPO did not train the experts' model"
+
+
+def _tp2_job(hf_dir: str, expected: torch.Tensor, out: str) -> None:
+    from megatron_rlhf.models.checkpoint import load_model_checkpoint, read_checkpoint_info
+    from megatron_rlhf.models.gpt import build_gpt_model
+    from tools import convert_hf_to_megatron, convert_megatron_to_hf
+
+    convert_hf_to_megatron.main(["--hf-dir", hf_dir, "--out", f"{out}/ckpt", "--tp", "2"])
+    description = read_checkpoint_info(f"{out}/ckpt").model
+    pgc = whole_world_groups(2, 1)
+    # megatron's MoE layer under TP wants sequence parallelism, which runs packed rows
+    options = replace(description.build_options(), packed_sequences=True, sequence_parallel=True)
+    model = build_gpt_model(description, options, pgc)
+    load_model_checkpoint(model, pgc, f"{out}/ckpt")
+    torch.testing.assert_close(full_logits(model, pgc, _batch()), expected, **_TOLERANCE)
+    convert_megatron_to_hf.main(["--ckpt", f"{out}/ckpt", "--out", f"{out}/hf", "--pp", "2"])
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_experts_split_by_tensor_parallelism_convert_both_ways(tmp_path: Path) -> None:
+    expected = _make(tmp_path / "mixtral", "mixtral")
+    run_on_ranks(_tp2_job, world_size=2, args=(str(tmp_path / "mixtral"), expected,
+                                              str(tmp_path / "out")), timeout_s=240)
+    exported = (tmp_path / "out" / "hf" / "model.safetensors").read_bytes()
+    assert exported == (tmp_path / "mixtral" / "model.safetensors").read_bytes()
