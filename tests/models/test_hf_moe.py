@@ -1,10 +1,10 @@
 """Hugging Face Qwen3-MoE and Mixtral (LM and sequence-classification) <-> megatron's MoE layers:
 converted models give transformers' outputs (at TP=1 and, experts split, TP=2), both top-k
-weightings of Qwen3-MoE included; HF ->
-megatron checkpoint -> HF writes the same safetensors bytes, which transformers loads to the same
-outputs; configurations no megatron layer computes are refused by field. A run started from a
-Qwen3-MoE directory needs its experts in ``models.moe``, loads them split over two expert-parallel
-ranks (the reference gives transformers' outputs) and trains them with GRPO."""
+weightings of Qwen3-MoE included; HF -> megatron checkpoint -> HF writes the same safetensors
+bytes, which transformers loads to the same outputs; configurations no megatron layer computes
+are refused by field. A run started from a Qwen3-MoE directory needs its experts in
+``models.moe``, loads them split over two expert-parallel ranks (the reference gives
+transformers' outputs) and trains them with GRPO."""
 
 from __future__ import annotations
 
