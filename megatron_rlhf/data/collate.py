@@ -48,7 +48,8 @@ class SFTBatch:
     """``[batch, length]`` 1 on real tokens, 0 on padding."""
     loss_mask: torch.Tensor
     """``[batch, length]`` 1 on response tokens and their EOS (the tokens to predict), else 0
-    (a tool's answer inside a response is 0). Aligned with ``input_ids``: the logits at position ``t - 1`` predict the token at ``t``."""
+    (a tool's answer inside a response is 0). Aligned with ``input_ids``: the logits at
+    position ``t - 1`` predict the token at ``t``."""
 
 
 @dataclass

@@ -51,8 +51,9 @@ class ReaderConfig:
     """Column names in the files."""
     required: list[str] = field(default_factory=lambda: list(RECORD_FIELDS))
     """Logical fields every record must have as non-empty text; others are read when present.
-    A record with ``turns`` has its ``response``. Any other name is a column every record must have (not null, not empty text), e.g. the
-    ``answer`` a reward function reads: checked for every record when the files are read."""
+    A record with ``turns`` has its ``response``. Any other name is a column every record must
+    have (not null, not empty text), e.g. the ``answer`` a reward function reads: checked for
+    every record when the files are read."""
     on_bad_record: str = "skip"
     """``skip``: count and drop bad records; ``error``: stop at the first with a DataError."""
     max_prompt_tokens: int | None = None

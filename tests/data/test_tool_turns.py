@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -69,7 +70,7 @@ class _ScriptedPolicy:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.turn = 0
-        self.pg_collection = type("PGC", (), {"tp": self._Solo()})()
+        self.pg_collection = SimpleNamespace(tp=self._Solo())
 
     def generate(self, contexts, ids, generation, eos_id, pad_id):
         from megatron_rlhf.generation import GenerationOutput
@@ -82,8 +83,9 @@ class _ScriptedPolicy:
         input_ids = torch.tensor([context + reply])
         mask = torch.ones_like(input_ids)
         logprobs = -torch.ones(1, n)
-        return GenerationOutput(input_ids, mask, mask[:, :width], torch.ones(1, n, dtype=torch.long),
-                                logprobs, logprobs, torch.tensor([width]), torch.tensor([n]))
+        return GenerationOutput(input_ids, mask, mask[:, :width],
+                                torch.ones(1, n, dtype=torch.long), logprobs, logprobs,
+                                torch.tensor([width]), torch.tensor([n]))
 
 
 def _episode_row(tokenizer, chat_template: bool) -> tuple[list[int], list[int]]:

@@ -256,6 +256,33 @@ def test_demonstrations_are_the_sft_portion_or_the_named_files(tmp_path) -> None
             coef=1.0, paths=[str(prompts_only)])), tokenizer)
 
 
+def test_demonstrations_with_turns_leave_the_tool_answers_out(tmp_path) -> None:
+    """``ptx.paths`` records whose response is tool-calling turns: each row is the prompt, the
+    replies, the plain-text tool message and EOS, with the loss on the replies and EOS only."""
+    import json
+
+    from megatron_rlhf.engine.run.runner import load_demonstrations
+    from megatron_rlhf.models.tokenizer import SHIPPED_CORPUS, Tokenizer
+
+    tokenizer = Tokenizer.train(SHIPPED_CORPUS, 512, tmp_path / "spm.model")
+    config = RunConfig()
+    records = [(f"Double {n}.", f'<tool_call>{{"a": {n}}}</tool_call>', str(2 * n),
+                f"It is {2 * n}.") for n in range(config.rollout.prompts_per_step)]
+    path = tmp_path / "turns.jsonl"
+    path.write_text("".join(json.dumps({"prompt": prompt, "turns": [
+        {"role": "assistant", "content": call}, {"role": "tool", "content": answer},
+        {"role": "assistant", "content": reply}]}) + "\n"
+        for prompt, call, answer, reply in records))
+    stream = load_demonstrations(RunConfig(ptx=PTXConfig(coef=1.0, paths=[str(path)])), tokenizer)
+    length = config.rollout.max_prompt_length + config.generation.max_new_tokens
+    for (ids, mask), (prompt, call, answer, reply) in zip(stream.sequences, records, strict=True):
+        parts = [(tokenizer.encode(prompt, add_bos=True), 0), (tokenizer.encode(call), 1),
+                 (tokenizer.encode(f"\n<tool_response>\n{answer}\n</tool_response>\n"), 0),
+                 (tokenizer.encode(reply, add_eos=True), 1)]
+        assert ids == [t for part, _ in parts for t in part][:length]
+        assert mask == [loss for part, loss in parts for _ in part][:length]
+
+
 def _ptx_share_of_the_gradient_with_ac_share() -> dict:
     import torch
 
