@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_rlhf.builder.sources import arch_spec, config_arch
 from megatron_rlhf.config.loader import load_config
 from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.engine.run.plan_only import (
@@ -28,7 +29,8 @@ RUN_PPO = load_script("tools/run_ppo.py")
 
 PUBLIC_PARAMETERS = {"qwen2.5-7b-grpo-math-1x8.yaml": 7_615_616_512,
                      "llama3.1-8b-ppo-async-16x8.yaml": 8_030_261_248,
-                     "llama3.1-70b-ppo-offload-16x8.yaml": 70_553_706_496}
+                     "llama3.1-70b-ppo-offload-16x8.yaml": 70_553_706_496,
+                     "qwen3-30b-a3b-grpo-16x8.yaml": 30_532_122_624}
 """Each recipe's model's parameter count as its model card (safetensors index) gives it."""
 
 HEADER_COMMAND = re.compile(r"^#   (python tools/run_ppo\.py .*--plan-only.*)$")
@@ -45,8 +47,7 @@ def test_recipe_is_the_real_model_on_its_own(name: str) -> None:
     config = load_config(RunConfig, RECIPES / name)
     # The planner's count has Megatron's 4h attention biases per layer that these models lack
     # (Qwen2.5 has a QKV bias instead): well under 0.01% of the parameters.
-    assert resolve_arch(config.models.arch).num_params() == pytest.approx(
-        PUBLIC_PARAMETERS[name], rel=1e-4)
+    assert config_arch(config).num_params() == pytest.approx(PUBLIC_PARAMETERS[name], rel=1e-4)
     assert config.models.params_dtype == "bfloat16"
     assert config.models.actor_checkpoint.startswith("/path/to/")
 
@@ -127,6 +128,45 @@ def test_llama8b_recipe_is_the_asynchronous_separation() -> None:
     plan = plan_run(config, plan_cluster(config)).plan
     assert plan["shadow_actor"].tp == 8 and (plan["actor"].tp, plan["critic"].tp) == (4, 4)
     assert plan["actor"].size == plan["shadow_actor"].size == 64, "half the GPUs train"
+
+
+QWEN3_30B_A3B_CONFIG = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,
+    "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936,
+    "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06,
+    "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu",
+    "torch_dtype": "bfloat16"}
+"""Qwen/Qwen3-30B-A3B's config.json (its architecture fields)."""
+
+
+def test_qwen3_moe_recipe_is_the_checkpoints_architecture(tmp_path: Path) -> None:
+    from transformers import Qwen3MoeConfig
+
+    from megatron_rlhf.models.hf_config import read_hf_config
+
+    # transformers reads the card's config.json as the model it builds (its own defaults are
+    # a smaller 24-layer model)
+    hf = Qwen3MoeConfig(**{k: v for k, v in QWEN3_30B_A3B_CONFIG.items()
+                           if k not in ("architectures", "model_type", "torch_dtype")})
+    assert (hf.num_hidden_layers, hf.head_dim, hf.num_experts, hf.num_experts_per_tok) == (
+        48, 128, 128, 8)
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B_CONFIG))
+    description, _ = read_hf_config(tmp_path)
+    config = load_config(RunConfig, RECIPES / "qwen3-30b-a3b-grpo-16x8.yaml")
+    recipe = config_arch(config)
+    checkpoint = arch_spec(description, recipe.name)
+    assert checkpoint == recipe
+    assert description.moe.renormalize_topk == config.models.moe.renormalize_topk
+    assert recipe.num_params(active=True) == pytest.approx(3.35e9, rel=0.01), "A3B"
+    run_plan = plan_run(config, plan_cluster(config))
+    for role in ("actor", "ref"):
+        assert run_plan.plan[role].spec.ep == 8 and run_plan.plan[role].tp == 1
+        # the experts' all-to-alls stay on one node: 8 consecutive ranks
+        groups = run_plan.groups()[role]["ep"]
+        assert len(groups) == 16 and all(g == list(range(g[0], g[0] + 8)) for g in groups)
 
 
 def test_oversized_plan_is_refused() -> None:

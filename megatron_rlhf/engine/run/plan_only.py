@@ -48,6 +48,7 @@ from megatron_rlhf.planner import (
 from megatron_rlhf.planner.cost_model import DISTRIBUTED_OPTIMIZER, FULLY_SHARDED, REPLICATED
 from megatron_rlhf.planner.report import format_prediction
 from megatron_rlhf.topology.cluster import ClusterSpec
+from megatron_rlhf.topology.experts import expert_rank_enums
 from megatron_rlhf.topology.models import SHADOW_OF, TRAINABLE_ROLES
 from megatron_rlhf.topology.plan import PlacementPlan
 from megatron_rlhf.topology.render import format_summary
@@ -57,6 +58,7 @@ DEFAULT_GPU = "A100-80GB"
 default of ``tools/plan_placement.py``)."""
 
 GROUP_DIMS = ("tp", "pp", "dp")
+EXPERT_GROUP_DIMS = ("ep", "expt_dp")
 
 
 def plan_cluster(config: RunConfig, nodes: int | None = None, gpus_per_node: int | None = None,
@@ -198,9 +200,18 @@ class RunPlan:
                 f"({p.samples_per_s:.2f} samples/s)")
 
     def groups(self) -> dict[str, dict[str, list[list[int]]]]:
-        """Each model's process groups, as rank lists per dimension (``tp``, ``pp``, ``dp``)."""
-        return {role: {dim: self.plan[role].group_ranks(dim) for dim in GROUP_DIMS}
-                for role in self.plan.roles}
+        """Each model's process groups, as rank lists per dimension (``tp``, ``pp``, ``dp``; with
+        expert parallelism also ``ep``, the ranks exchanging tokens, and ``expt_dp``, the ranks
+        holding the same experts: ``topology.experts``)."""
+        groups = {}
+        for role in self.plan.roles:
+            model = self.plan[role]
+            groups[role] = {dim: model.group_ranks(dim) for dim in GROUP_DIMS}
+            if model.spec.ep > 1:
+                experts = expert_rank_enums(model.rank_offset, model.tp, model.dp, model.pp,
+                                            model.spec.ep)
+                groups[role].update({dim: experts[dim] for dim in EXPERT_GROUP_DIMS})
+        return groups
 
     def to_dict(self) -> dict:
         """JSON-ready description: plan, groups, rollout, options, prediction, summary."""
@@ -229,13 +240,13 @@ class RunPlan:
         if self.chosen:
             lines.append(f"placement auto: {self.chosen}")
         lines += ["", format_summary(self.plan), "",
-                  f"{'process groups':<14} {'dim':<3} {'groups':>6} {'size':>5}  first"]
+                  f"{'process groups':<14} {'dim':<7} {'groups':>6} {'size':>5}  first"]
         for role, dims in self.groups().items():
             for dim, groups in dims.items():
                 first = groups[0]
                 span = (f"[{first[0]}, {first[-1]}]" if len(first) > 2 else str(first))
                 stride = f" step {first[1] - first[0]}" if len(first) > 2 else ""
-                lines.append(f"{role:<14} {dim:<3} {len(groups):>6} {len(first):>5}  "
+                lines.append(f"{role:<14} {dim:<7} {len(groups):>6} {len(first):>5}  "
                              f"{span}{stride}")
         lines += ["", format_prediction(self.prediction), "", self.summary_line()]
         return "\n".join(lines)
