@@ -162,7 +162,9 @@ def _check_conversation(row: dict[str, Any], config: ReaderConfig, required: lis
         if name in texts and name != "prompt" and (texts[name] is None
                                                     or not texts[name].strip()):
             column = getattr(config.fields, name)
-            return "missing_field", column, f"no {name} text in the record's turns or {column!r}"
+            alternative = f" and no {config.fields.turns!r}" if name == "response" else ""
+            return ("missing_field", column,
+                    f"no {name} text in the record's turns or {column!r}{alternative}")
     prompt = "\n\n".join(turn["content"] for turn in turns)
     return PreferenceRecord(prompt=prompt, messages=turns, **texts)
 

@@ -225,6 +225,10 @@ def test_a_record_without_response_or_turns_is_named(tmp_path: Path) -> None:
                                         r"response: key 'response' absent or null and no "
                                         r"'turns'\)"):
         read_records(path, SFT_READER)
+    conversation = _write(tmp_path / "chat.jsonl", [{"messages": [_turn("user", PROMPT)]}])
+    with pytest.raises(DataError, match=r"line 1, field 'response': missing_field \(no response "
+                                        r"text .* and no 'turns'\)"):
+        read_records(conversation, SFT_READER)
     with pytest.raises(ValueError, match="response text or turns, not neither"):
         SFTExample(PROMPT, None)
     with pytest.raises(ValueError, match="not both"):
