@@ -258,17 +258,24 @@ class RewardFunctions:
         """
         outcomes: list[tuple[str, Any]] = []
         while len(outcomes) < len(calls):
-            if self._pool is None:
-                self._start()
-            pending = [self._pool.apply_async(entry, call) for call in calls[len(outcomes):]]
+            pending = [self.submit_call(entry, call) for call in calls[len(outcomes):]]
             last = time.monotonic()
             for result in pending:
-                outcomes.append(self._outcome(result, last + self.timeout_s + _GRACE_S))
+                outcomes.append(self.outcome(result, self.due(last)))
                 if outcomes[-1][0] == "lost":
                     self.close()
                     break
                 last = time.monotonic()
         return outcomes
+
+    def submit_call(self, entry: Callable[..., tuple[str, Any]], call: tuple
+                    ) -> multiprocessing.pool.AsyncResult:
+        """Start ``entry(*call)`` in the workers (starting them first if they are not running)
+        and return at once; :meth:`outcome` reads the result. Not thread-safe: submit, read and
+        :meth:`close` from one thread."""
+        if self._pool is None:
+            self._start()
+        return self._pool.apply_async(entry, call)
 
     def _start(self) -> None:
         """Start the workers and wait until every one has run its setup (spawned workers import
@@ -290,7 +297,15 @@ class RewardFunctions:
                 "imports the run's entry script again: check that it imports without side "
                 "effects and keeps its work behind `if __name__ == \"__main__\":`") from error
 
-    def _outcome(self, result: Any, deadline: float) -> tuple[str, Any]:
+    def due(self, since: float) -> float:
+        """The deadline of a call that a worker may run from ``since`` on (``time.monotonic()``):
+        its timeout, and slack for pickling and scheduling."""
+        return since + self.timeout_s + _GRACE_S
+
+    def outcome(self, result: Any, deadline: float) -> tuple[str, Any]:
+        """The outcome of a submitted call, waiting for it until ``deadline``
+        (``time.monotonic()``); ``("lost", why)`` when it is not back by then or its worker
+        failed (the caller stops the pool: :meth:`close`)."""
         try:
             return result.get(max(0.0, deadline - time.monotonic()))
         except mp.TimeoutError:

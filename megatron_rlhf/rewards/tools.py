@@ -3,6 +3,8 @@
     tools = Tools(parse_tools([{"name": "my_tools:calculator"}]), on_error="observe",
                   timeout_s=10.0, workers=2)
     answers = tools.call([ToolCall(text, record, index), ...])   # one answer per call
+    pending = tools.submit(ToolCall(text, record, index))         # returns at once
+    answer = pending.answer(wait=True)                            # as call() answers it
     tools.close()
 
 A tool is ``function(arguments: dict, record: dict, **kwargs) -> str``; the policy calls it by
@@ -165,6 +167,10 @@ class ToolAnswer:
 class Tools:
     """The configured tools and the worker pool that runs them.
 
+    :meth:`call` answers a batch and returns; :meth:`submit` starts one call and returns at
+    once, its :class:`PendingAnswer` read later (the overlapped episode loop). Either applies
+    the same checks and ``on_error``; use one thread (the pool is not thread-safe).
+
     Args:
         specs: the checked ``rollout.tools``.
         on_error: ``observe`` or ``error`` (module docstring).
@@ -180,49 +186,159 @@ class Tools:
         self.on_error = on_error
         self.timeout_s = float(timeout_s)
         self._pool = RewardFunctions([], "error", timeout_s, workers)
+        self._flights: list[_Flight] = []
+        """Submitted calls in submission order, from the oldest one not yet back."""
 
     def call(self, calls: Sequence[ToolCall]) -> list[ToolAnswer]:
-        """Answer every call (the tools run concurrently in the pool), in order.
+        """Answer every call (the tools run concurrently in the pool), in order; each answer's
+        ``seconds`` is the batch's wall time shared out over the calls that ran.
 
         Raises:
             ToolError: the first failed call, with ``on_error="error"``.
         """
-        parsed: list[tuple[ToolSpec, dict[str, Any]] | str] = []
-        for call in calls:
-            try:
-                name, arguments = parse_call(call.text)
-            except ValueError as error:
-                parsed.append(str(error))
-                continue
-            if name not in self.specs:
-                parsed.append(f"unknown tool {name!r}; the tools are {sorted(self.specs)}")
-                continue
-            parsed.append((self.specs[name], arguments))
-        runs = [(spec.target, arguments, call.record, spec.kwargs, self.timeout_s)
-                for item, call in zip(parsed, calls, strict=True) if not isinstance(item, str)
-                for spec, arguments in [item]]
+        parsed = [self._parse(call) for call in calls]
+        runs = [self._run(item, call) for item, call in zip(parsed, calls, strict=True)
+                if not isinstance(item, str)]
         start = time.perf_counter()
         outcomes = iter(self._pool.run_calls(_tool_call, runs) if runs else [])
         seconds = (time.perf_counter() - start) / max(len(runs), 1)
-        answers = []
-        for item, call in zip(parsed, calls, strict=True):
-            if isinstance(item, str):
-                why = item
-            else:
-                status, value = next(outcomes)
-                if status == "ok":
-                    answers.append(ToolAnswer(value, False, seconds))
-                    continue
-                why = f"tool {item[0].name!r} {value}"
-            if self.on_error == "error":
-                raise ToolError(f"{why} on prompt record #{call.index} "
-                                f"({_excerpt(call.record)}); call: {call.text[-200:]!r}; fix "
-                                "the tool, or set rollout.tool_on_error=observe to show such "
-                                "errors to the policy and count them in rollout/tool_errors")
-            answers.append(ToolAnswer(f"error: {why}", True,
-                                      0.0 if isinstance(item, str) else seconds))
-        return answers
+        return [self._answer(call, item, None if isinstance(item, str) else next(outcomes),
+                             seconds)
+                for item, call in zip(parsed, calls, strict=True)]
+
+    def submit(self, call: ToolCall) -> PendingAnswer:
+        """Start ``call`` in the pool (a call that names no tool or is not JSON is answered at
+        once) and return its pending answer; its ``seconds`` run from here to the moment a
+        :meth:`PendingAnswer.ready` or :meth:`wait` saw it back. A call not back within its
+        timeout (plus slack) of the moment the pool could start it (the calls before it were
+        back) is lost, as in :meth:`call`: the pool is stopped, the answer is a failure, and
+        the calls still out start again on new workers."""
+        item = self._parse(call)
+        if isinstance(item, str):
+            return PendingAnswer(self, call, item, None)
+        run = self._run(item, call)
+        flight = _Flight(run, self._pool.submit_call(_tool_call, run), time.monotonic())
+        self._flights.append(flight)
+        return PendingAnswer(self, call, item, flight)
+
+    def wait(self, pending: Sequence[PendingAnswer]) -> None:
+        """Return once one of ``pending`` is ready (at once if one is, or none is given)."""
+        while pending and not any(answer.ready() for answer in pending):
+            waiting = next(answer.flight for answer in pending if answer.flight is not None
+                           and answer.flight.outcome is None)
+            waiting.result.wait(_POLL_S)
 
     def close(self) -> None:
-        """Stop the worker processes."""
+        """Stop the worker processes (the calls still out are dropped)."""
+        self._flights = []
         self._pool.close()
+
+    def _parse(self, call: ToolCall) -> tuple[ToolSpec, dict[str, Any]] | str:
+        """The tool and arguments ``call`` names, or why it cannot run."""
+        try:
+            name, arguments = parse_call(call.text)
+        except ValueError as error:
+            return str(error)
+        if name not in self.specs:
+            return f"unknown tool {name!r}; the tools are {sorted(self.specs)}"
+        return self.specs[name], arguments
+
+    def _run(self, item: tuple[ToolSpec, dict[str, Any]], call: ToolCall) -> tuple:
+        """The arguments of :func:`_tool_call` for a parsed call."""
+        spec, arguments = item
+        return spec.target, arguments, call.record, spec.kwargs, self.timeout_s
+
+    def _answer(self, call: ToolCall, item: tuple[ToolSpec, dict[str, Any]] | str,
+                outcome: tuple[str, Any] | None, seconds: float) -> ToolAnswer:
+        """What the policy reads back for ``call``: the tool's text, or the error.
+
+        Raises:
+            ToolError: the call failed, with ``on_error="error"``.
+        """
+        if isinstance(item, str):
+            why, seconds = item, 0.0
+        else:
+            status, value = outcome
+            if status == "ok":
+                return ToolAnswer(value, False, seconds)
+            why = f"tool {item[0].name!r} {value}"
+        if self.on_error == "error":
+            raise ToolError(f"{why} on prompt record #{call.index} "
+                            f"({_excerpt(call.record)}); call: {call.text[-200:]!r}; fix "
+                            "the tool, or set rollout.tool_on_error=observe to show such "
+                            "errors to the policy and count them in rollout/tool_errors")
+        return ToolAnswer(f"error: {why}", True, seconds)
+
+    def _poll(self) -> None:
+        """Read back the calls that are back, and stop a lost one (:meth:`submit`)."""
+        now = time.monotonic()
+        for flight in self._flights:
+            if flight.outcome is None and flight.result.ready():
+                flight.outcome, flight.back = self._pool.outcome(flight.result, now), now
+        while self._flights and self._flights[0].outcome is not None:
+            self._flights.pop(0)
+            if self._flights:  # the pool may start the next one from now on at the latest
+                self._flights[0].since = max(self._flights[0].since, now)
+        if not self._flights or now <= self._pool.due(self._flights[0].since):
+            return
+        lost, *rest = self._flights
+        lost.outcome, lost.back = self._pool.outcome(lost.result, now), now
+        self._pool.close()
+        self._flights = [flight for flight in rest if flight.outcome is None]
+        for flight in self._flights:
+            flight.result = self._pool.submit_call(_tool_call, flight.run)
+            flight.since = time.monotonic()
+
+
+_POLL_S = 0.005
+"""How long :meth:`Tools.wait` waits on one call before it looks at the others again."""
+
+
+@dataclass
+class _Flight:
+    """A submitted call in the pool."""
+
+    run: tuple
+    result: Any
+    """The pool's ``AsyncResult``."""
+    since: float
+    """From when the pool may run it (``time.monotonic()``): its deadline counts from here."""
+    outcome: tuple[str, Any] | None = None
+    back: float = 0.0
+    """When it was seen back."""
+
+
+class PendingAnswer:
+    """The answer to a submitted call (:meth:`Tools.submit`)."""
+
+    def __init__(self, tools: Tools, call: ToolCall,
+                 item: tuple[ToolSpec, dict[str, Any]] | str, flight: _Flight | None) -> None:
+        self.tools, self.call, self.item, self.flight = tools, call, item, flight
+        self.submitted = time.monotonic()
+
+    def ready(self) -> bool:
+        """Whether :meth:`answer` returns without waiting."""
+        if self.flight is None:
+            return True
+        if self.flight.outcome is None:
+            self.tools._poll()  # noqa: SLF001 - the pool's state is the tools'
+        return self.flight.outcome is not None
+
+    def answer(self, wait: bool = True) -> ToolAnswer:
+        """The answer, as :meth:`Tools.call` gives it.
+
+        Args:
+            wait: wait for the call; False: it must be :meth:`ready`.
+
+        Raises:
+            RuntimeError: not ready and ``wait`` False.
+            ToolError: the call failed, with ``on_error="error"``.
+        """
+        if wait:
+            self.tools.wait([self])
+        elif not self.ready():
+            raise RuntimeError("the tool call is not back yet; wait for it or check ready()")
+        if self.flight is None:
+            return self.tools._answer(self.call, self.item, None, 0.0)  # noqa: SLF001
+        return self.tools._answer(self.call, self.item, self.flight.outcome,  # noqa: SLF001
+                                  self.flight.back - self.submitted)

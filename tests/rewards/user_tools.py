@@ -34,3 +34,12 @@ def naps(arguments: dict[str, Any], record: dict[str, Any]) -> str:
     """Sleeps ``arguments["s"]`` seconds, like a slow search or sandbox."""
     time.sleep(float(arguments["s"]))
     return "rested"
+
+
+def stuck(arguments: dict[str, Any], record: dict[str, Any]) -> str:
+    """Hangs where the worker's timer cannot reach it (as a stuck C extension would)."""
+    import signal
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+    time.sleep(60)
+    return "late"
