@@ -303,9 +303,6 @@ class ModelSpec:
                 f"{self.arch.name!r}: choose pp in {divisors_text(layers)}"
             )
         experts = self.arch.experts
-        if self.ep > 1 and experts is None:
-            raise ValueError(f"{self.role}.ep({self.ep}) splits experts, but {self.arch.name!r} "
-                             "is dense: set ep to 1")
         if experts is not None and experts.num_experts % self.ep:
             raise ValueError(
                 f"{self.role}.ep({self.ep}) does not divide num_experts({experts.num_experts}) "

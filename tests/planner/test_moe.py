@@ -135,8 +135,9 @@ def test_a_plan_with_ep_holds_less_per_gpu() -> None:
     assert weights[1] > weights[2] > weights[3] > weights[6]
     with pytest.raises(ValueError, match=r"actor.ep\(4\) does not divide num_experts\(6\)"):
         ModelSpec("actor", MOE, trainable=True, ep=4)
-    with pytest.raises(ValueError, match=r"actor.ep\(2\) splits experts, but 'dense'"):
-        ModelSpec("actor", dataclasses.replace(MOE, name="dense", experts=None), True, ep=2)
+    # the expert groups of a dense model hold no experts: its states do not change
+    dense = ModelSpec("actor", dataclasses.replace(MOE, experts=None), True, ep=2)
+    assert dense.device_params() == dense.num_params()
 
 
 def test_active_flops_are_below_a_dense_model_of_the_same_size() -> None:
