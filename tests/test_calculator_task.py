@@ -55,7 +55,7 @@ def test_the_shipped_files_are_what_make_task_writes(tmp_path: Path, monkeypatch
 
 
 @pytest.mark.multirank
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(240)
 def test_sft_then_grpo_with_the_calculator_runs(tmp_path: Path) -> None:
     command = tool_command("run_arithmetic.py", [
         "--task", "calculator", "--run-dir", str(tmp_path), "--sft-set", "train.epochs=3",
