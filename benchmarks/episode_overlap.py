@@ -38,6 +38,7 @@ from megatron_rlhf.generation import GenerationConfig, generate_sequences  # noq
 from megatron_rlhf.generation.episodes import (  # noqa: E402
     EpisodeConfig,
     Episodes,
+    FutureAnswers,
     Observation,
     run_episodes,
     run_episodes_overlapped,
@@ -75,8 +76,8 @@ def _run(model, pgc, prompts, bounds: EpisodeConfig, end_ids: list[int], sleeps,
     args = (generate, prompts, list(range(len(prompts))), bounds, _decode)
     start = time.perf_counter()
     if overlapped:
-        episodes = run_episodes_overlapped(*args, lambda row, text: pool.submit(answer, row),
-                                           end_ids, 0)
+        answers = FutureAnswers(lambda row, text: pool.submit(answer, row))
+        episodes = run_episodes_overlapped(*args, answers, end_ids, 0)
     else:
         episodes = run_episodes(
             *args, lambda rows: list(pool.map(answer, [row for row, _ in rows])), end_ids, 0)

@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -107,9 +108,34 @@ Generate = Callable[[list[list[int]], list[int], int], GenerationOutput]
 Respond = Callable[[list[tuple[int, str]]], list[Observation]]
 """``[(row, reply text)]`` of the replies to answer -> their observations."""
 
-Submit = Callable[[int, str], Future]
-"""``(row, reply text) -> future`` of the reply's :class:`Observation`
-(:func:`run_episodes_overlapped`)."""
+class Answers(Protocol):
+    """Where :func:`run_episodes_overlapped` sends replies and reads their observations back;
+    every rank that takes part in the same ``generate`` calls must collect the same answers."""
+
+    def submit(self, row: int, text: str) -> None:
+        """Start answering row ``row``'s reply ``text``."""
+
+    def collect(self, block: bool) -> list[tuple[int, Observation]]:
+        """``(row, observation)`` of the replies answered since the last collect; with
+        ``block``, at least one while some are out."""
+
+
+class FutureAnswers:
+    """:class:`Answers` over futures: ``start(row, text)`` returns the future of the reply's
+    :class:`Observation` (a thread pool's ``submit``, for example); one process."""
+
+    def __init__(self, start: Callable[[int, str], Future]) -> None:
+        self.start = start
+        self.pending: dict[Future, int] = {}
+
+    def submit(self, row: int, text: str) -> None:
+        self.pending[self.start(row, text)] = row
+
+    def collect(self, block: bool) -> list[tuple[int, Observation]]:
+        done = [future for future in self.pending if future.done()]
+        if block and not done and self.pending:
+            done = list(wait(list(self.pending), return_when=FIRST_COMPLETED).done)
+        return [(self.pending.pop(future), future.result()) for future in done]
 
 
 @dataclass
@@ -193,33 +219,33 @@ def run_episodes(generate: Generate, prompts: Sequence[Sequence[int]],
 
 def run_episodes_overlapped(generate: Generate, prompts: Sequence[Sequence[int]],
                             noise_ids: Sequence[int], config: EpisodeConfig,
-                            decode: Callable[[list[int]], str], submit: Submit,
+                            decode: Callable[[list[int]], str], answers: Answers,
                             eos_ids: Sequence[int], pad_id: int,
                             greedy_every: int = 0) -> Episodes:
-    """:func:`run_episodes` with the tools' waits overlapped: each reply's answer is a future
-    (``submit``), and the next ``generate`` call takes every episode ready at that moment (not
-    yet started, or its answer arrived) while the others' tools still run, instead of one call
-    per turn after every answer of the turn. An episode waiting for its tool holds no row of a
-    decode batch. Each row draws the tokens :func:`run_episodes` draws (its noise is keyed by
-    its own turn, its context is the same tokens); which rows share a batch depends on the
-    tools' timing, so the log-probs agree with :func:`run_episodes`' to rounding only.
+    """:func:`run_episodes` with the tools' waits overlapped: each reply goes to ``answers``,
+    and the next ``generate`` call takes every episode ready at that moment (not yet started,
+    or its answer arrived) while the others' tools still run, instead of one call per turn
+    after every answer of the turn. An episode waiting for its tool holds no row of a decode
+    batch. Each row draws the tokens :func:`run_episodes` draws (its noise is keyed by its own
+    turn, its context is the same tokens); which rows share a batch depends on the tools'
+    timing, so the log-probs agree with :func:`run_episodes`' to rounding only.
 
     Args:
-        submit: ``(row, reply text) -> future`` of the reply's :class:`Observation` (a tool
-            call, or an environment's step).
+        answers: takes each reply to answer (a tool call, or an environment's step) and gives
+            back the observations; the ranks that call ``generate`` together read the same
+            ones from each collect.
         generate, prompts, noise_ids, config, decode, eos_ids, pad_id, greedy_every: as
             :func:`run_episodes`.
     """
     episodes, stats = _start(prompts)
     work: list[MicroBatchWork] = []
     device = torch.device("cpu")
-    ready, pending = list(range(len(prompts))), {}
+    ready, pending = list(range(len(prompts))), 0
     while ready or pending:
-        answered = [f for f in pending if f.done()]
-        if not ready and not answered:
-            answered = list(wait(list(pending), return_when=FIRST_COMPLETED).done)
-        for r, future in sorted((pending.pop(f), f) for f in answered):
-            _take_observation(episodes[r], stats, r, future.result(), config)
+        answered = answers.collect(block=not ready)
+        pending -= len(answered)
+        for r, observation in sorted(answered, key=lambda item: item[0]):
+            _take_observation(episodes[r], stats, r, observation, config)
             if not episodes[r].done:
                 ready.append(r)
         rows, ready = sorted(ready), []
@@ -231,7 +257,8 @@ def run_episodes_overlapped(generate: Generate, prompts: Sequence[Sequence[int]]
         device = out.input_ids.device
         for r, text in _take_replies(out, rows, room, episodes, stats, config, decode, eos_ids):
             if text is not None:
-                pending[submit(r, text)] = r
+                answers.submit(r, text)
+                pending += 1
     return _finish(episodes, stats, pad_id, work, device)
 
 

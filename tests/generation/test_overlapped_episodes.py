@@ -15,6 +15,7 @@ import torch
 from megatron_rlhf.generation import GenerationConfig, generate_sequences
 from megatron_rlhf.generation.episodes import (
     EpisodeConfig,
+    FutureAnswers,
     Observation,
     run_episodes,
     run_episodes_overlapped,
@@ -60,9 +61,8 @@ def test_other_episodes_decode_while_a_tool_runs_and_rows_match_the_turn_loop(ti
     slow_answered.clear()
     calls_while_slow.clear()
     with ThreadPoolExecutor(max_workers=6) as pool:
-        overlapped = run_episodes_overlapped(generate, *args,
-                                             lambda row, text: pool.submit(answer, row),
-                                             eos_ids=[249], pad_id=PAD)
+        answers = FutureAnswers(lambda row, text: pool.submit(answer, row))
+        overlapped = run_episodes_overlapped(generate, *args, answers, eos_ids=[249], pad_id=PAD)
     # the other rows ran their later turns while the slow row's first call was out
     assert len(calls_while_slow) >= 3 and max(calls_while_slow[1:]) < len(prompts)
     assert int(waiting.stats["turns"][SLOW_ROW]) > 1, "the slow row needs a second turn"
