@@ -236,6 +236,14 @@ class RolloutConfig:
             one-line error, counted in ``rollout/tool_errors``) or ``error`` (stop the run).
         tool_timeout_s: the longest one tool call may run, seconds.
         tool_workers: worker processes per generating rank that run the tools.
+        overlap_tools: with ``tools``, run the tools' waits beside decoding: each generation
+            call takes every episode ready at that moment (new, or its answer back) while the
+            others' tools still run, so an episode waiting for its tool holds no decode row;
+            worth it when tool latency varies and is of the size of a turn's decoding. The
+            sampled tokens are the default loop's (each row's noise is keyed by its own turn),
+            but which rows share a batch depends on the tools' timing: log-probs agree with
+            the default loop's to rounding only, and a resumed run is not bit-exact. Not with
+            ``environment``.
     """
 
     prompts_per_step: int = 8
@@ -256,6 +264,7 @@ class RolloutConfig:
     tool_on_error: str = "observe"
     tool_timeout_s: float = 10.0
     tool_workers: int = 2
+    overlap_tools: bool = False
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "samples_per_prompt", "max_prompt_length",
@@ -288,6 +297,13 @@ class RolloutConfig:
                              "the calls inside the policy's replies, an environment answers "
                              "every reply; give one of them (an environment may call your "
                              "tools itself)")
+        if self.overlap_tools and self.environment is not None:
+            raise ValueError("rollout.overlap_tools=true with rollout.environment: an "
+                             "environment answers every reply in this process, in order, so "
+                             "there are no tool waits to overlap; set overlap_tools=false")
+        if self.overlap_tools and not self.tool_specs:
+            raise ValueError("rollout.overlap_tools=true overlaps the calls of rollout.tools, "
+                             "which is empty; set rollout.tools or drop overlap_tools")
         if self.max_turns < 1:
             raise ValueError(f"rollout.max_turns={self.max_turns} must be >= 1")
         if not self.multi_turn and (self.max_turns != 1 or self.max_episode_tokens):

@@ -9,7 +9,9 @@ user message format and encoded once; those tokens are the observation the polic
 the tokens trained on (masked out of every loss). The episode counts and the environment's
 summed reward travel with the rollout as ``[b]`` fields (:data:`STAT_FIELDS`); the reward joins
 the sequence score, the counts become the step's ``rollout/*`` metrics
-(:func:`episode_metrics`).
+(:func:`episode_metrics`). With ``rollout.overlap_tools`` the tools run beside decoding
+(``run_episodes_overlapped``): the replica's first TP rank submits each call as its reply
+ends, and every generation call takes the episodes whose answers are back by then.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ from megatron_rlhf.generation.episodes import (
     EpisodeConfig,
     Observation,
     run_episodes,
+    run_episodes_overlapped,
 )
 from megatron_rlhf.models.prompting import ToolMessage, plain_tool_message
 from megatron_rlhf.rewards.environments import EnvironmentError_, EnvironmentSpec, Episode
-from megatron_rlhf.rewards.tools import ToolCall, Tools
+from megatron_rlhf.rewards.tools import PendingAnswer, ToolAnswer, ToolCall, ToolError, Tools
 
 STAT_FIELDS = {name: f"episode_{name}" for name in EPISODE_STATS}
 """Episode count -> the rollout field that carries it."""
@@ -63,6 +66,41 @@ def _raise_or_end(results: list[Any], on_error: str) -> list[Any]:
     return results
 
 
+class _ReplicaToolAnswers:
+    """The tool answers of the overlapped loop (``run_episodes_overlapped``'s ``Answers``) on a
+    replica: its first TP rank submits the calls and reads the answers back, and sends each
+    collect's answers to the other TP ranks, so every rank of the replica takes the same rows
+    into each ``generate`` call (generation runs with ``pp = 1``: the TP group is every rank
+    of the replica's calls). A :class:`ToolError` (``tool_on_error=error``) is raised on every
+    TP rank alike."""
+
+    def __init__(self, worker: ModelWorker, tools: Tools,
+                 records: Sequence[tuple[int, Mapping[str, Any]]],
+                 observe: Callable[[ToolAnswer], Observation]) -> None:
+        self.worker, self.tools, self.records, self.observe = worker, tools, records, observe
+        self.pending: dict[int, PendingAnswer] = {}  # on the first TP rank only
+
+    def submit(self, row: int, text: str) -> None:
+        if self.worker.pg_collection.tp.rank() == 0:
+            index, record = self.records[row]
+            self.pending[row] = self.tools.submit(ToolCall(text, record, index))
+
+    def collect(self, block: bool) -> list[tuple[int, Observation]]:
+        answered = _on_first_tp_rank(self.worker, lambda: self._answered(block))
+        if isinstance(answered, ToolError):
+            raise answered
+        return [(row, self.observe(answer)) for row, answer in answered]
+
+    def _answered(self, block: bool) -> list[tuple[int, ToolAnswer]] | ToolError:
+        if block:
+            self.tools.wait(list(self.pending.values()))
+        rows = sorted(row for row, pending in self.pending.items() if pending.ready())
+        try:
+            return [(row, self.pending.pop(row).answer(wait=False)) for row in rows]
+        except ToolError as error:  # raised on every TP rank by collect()
+            return error
+
+
 class EpisodeRollouts:
     """Episodes with tools or an environment on the ranks that generate.
 
@@ -80,6 +118,12 @@ class EpisodeRollouts:
             ``models.prompting.plain_tool_message``.
         encode_continuation: text to the ids it has after other text
             (``Tokenizer.encode_continuation``), for the stop text; default ``encode``.
+        overlap_tools: run the tools' waits beside decoding (``rollout.overlap_tools``,
+            ``run_episodes_overlapped``): the same tokens, log-probs equal to rounding.
+
+    Raises:
+        ValueError: neither or both of tools and an environment, or ``overlap_tools`` with an
+            environment.
     """
 
     def __init__(self, config: EpisodeConfig, encode: Callable[[str], list[int]],
@@ -87,9 +131,13 @@ class EpisodeRollouts:
                  environment: EnvironmentSpec | None = None,
                  encode_prompt: Callable[[str], list[int]] | None = None,
                  tool_message: ToolMessage = plain_tool_message,
-                 encode_continuation: Callable[[str], list[int]] | None = None) -> None:
+                 encode_continuation: Callable[[str], list[int]] | None = None,
+                 overlap_tools: bool = False) -> None:
         if (tools is None) == (environment is None):
             raise ValueError("give tools or an environment")
+        if overlap_tools and tools is None:
+            raise ValueError("overlap_tools overlaps tool calls; an environment has none")
+        self.overlap_tools = overlap_tools
         self.config = config
         self.tools = tools
         self.environment = environment
@@ -116,8 +164,7 @@ class EpisodeRollouts:
         def answer_tools(calls: list[tuple[int, str]]) -> list[Observation]:
             answers = _on_first_tp_rank(worker, lambda: self.tools.call(
                 [ToolCall(text, records[row][1], records[row][0]) for row, text in calls]))
-            return [Observation(self.encode(self.tool_message(answer.text)),
-                                answer.failed, answer.seconds) for answer in answers]
+            return [self._observation(answer) for answer in answers]
 
         if self.environment is not None:
             spec = self.environment
@@ -162,13 +209,25 @@ class EpisodeRollouts:
                                                     done=done or observation is None))
                 return observations
 
-        respond = answer_tools if self.environment is None else answer_environment
         eos_ids = list(eos_id) if isinstance(eos_id, tuple | list) else [eos_id]
-        episodes = run_episodes(generate, prompts, prompt_indices, self.config, self.decode,
-                                respond, eos_ids, pad_id, generation.greedy_every)
+        if self.overlap_tools:
+            answers = _ReplicaToolAnswers(worker, self.tools, records, self._observation)
+            episodes = run_episodes_overlapped(generate, prompts, prompt_indices, self.config,
+                                               self.decode, answers, eos_ids, pad_id,
+                                               generation.greedy_every)
+        else:
+            respond = answer_tools if self.environment is None else answer_environment
+            episodes = run_episodes(generate, prompts, prompt_indices, self.config,
+                                    self.decode, respond, eos_ids, pad_id,
+                                    generation.greedy_every)
         device = episodes.output.input_ids.device
         return episodes.output, {STAT_FIELDS[name]: value.to(device)
                                  for name, value in episodes.stats.items()}
+
+    def _observation(self, answer: ToolAnswer) -> Observation:
+        """A tool's answer as the tokens of the message the policy reads."""
+        return Observation(self.encode(self.tool_message(answer.text)), answer.failed,
+                           answer.seconds)
 
     def close(self) -> None:
         """Stop the tools' worker processes."""

@@ -132,7 +132,8 @@ def episode_rollouts_for(config: RunConfig, tokenizer: Tokenizer | HFTokenizer
                                        rollout.tool_timeout_s, rollout.tool_workers),
                            tool_message=tool_message_for(tokenizer,
                                                          config.prompts.chat_template),
-                           encode_continuation=tokenizer.encode_continuation)
+                           encode_continuation=tokenizer.encode_continuation,
+                           overlap_tools=rollout.overlap_tools)
 
 
 @dataclass
