@@ -131,8 +131,8 @@ def grpo_records(run_dir: Path) -> list[dict]:
 
 def compare(run_dirs: list[Path], out: Path, task: Task) -> None:
     """One panel of training-batch accuracy and one of held-out accuracy per mode, a line per
-    run (labelled by its directory's name)."""
-    runs = {run_dir.name: grpo_records(run_dir) for run_dir in run_dirs}
+    run (labelled by its directory and its parent's names)."""
+    runs = {f"{run_dir.parent.name}/{run_dir.name}": grpo_records(run_dir) for run_dir in run_dirs}
     keys = {"train batches": f"reward/{task.verifier}",
             **{f"held-out ({mode})": task.accuracy(mode) for mode in MODES}}
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4))
