@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from megatron_rlhf.runtime.checkpoint_store import verify_checkpoint
+from tests.helpers.runs import capture_engine
 from tests.multirank import run_on_ranks
 from tools.make_tiny_hf import make_tiny_qwen_pair
 
@@ -37,18 +38,8 @@ def _job(root: str, actor: str, reward: str, prompts: str) -> list:
     from megatron_rlhf.engine.run import runner
     from tests.helpers.models import full_logits
 
-    captured = {}
-    build = runner.build_engine
-
-    def keep(*args, **kwargs):
-        captured["engine"] = build(*args, **kwargs)
-        return captured["engine"]
-
-    runner.build_engine = keep
-    try:
-        runner.run_ppo(_config(Path(root), Path(actor), Path(reward), Path(prompts)))
-    finally:
-        runner.build_engine = build
+    captured = capture_engine()
+    runner.run_ppo(_config(Path(root), Path(actor), Path(reward), Path(prompts)))
     worker = captured["engine"].workers["actor"]
     logits = full_logits(worker.model, worker.pg_collection,
                          {"input_ids": _IDS, "attention_mask": torch.ones_like(_IDS)})

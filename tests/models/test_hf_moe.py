@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.helpers.models import full_logits
+from tests.helpers.runs import capture_engine
 from tests.model_fixtures import whole_world_groups
 from tests.multirank import run_on_ranks
 from tools.make_tiny_hf import make_hf_model
@@ -218,18 +219,8 @@ def _grpo_job(root: str, actor: str) -> tuple[list, list, int]:
         "placement.parallel.ref.ep=2", "models.moe.num_experts=4", "models.moe.topk=2",
         "models.moe.ffn_hidden_size=32", "actor_optimizer.lr=1e-2",
         "runtime.distributed.timeout_s=90", "generation.max_new_tokens=4"])
-    captured = {}
-    build = runner.build_engine
-
-    def keep(*args, **kwargs):
-        captured["engine"] = build(*args, **kwargs)
-        return captured["engine"]
-
-    runner.build_engine = keep
-    try:
-        runner.run_ppo(config)
-    finally:
-        runner.build_engine = build
+    captured = capture_engine()
+    runner.run_ppo(config)
     workers = captured["engine"].workers
     ref, trained = (full_logits(workers[role].model, workers[role].pg_collection, _batch()).tolist()
                     for role in ("ref", "actor"))
