@@ -268,14 +268,23 @@ class RewardFunctions:
                 last = time.monotonic()
         return outcomes
 
-    def submit_call(self, entry: Callable[..., tuple[str, Any]], call: tuple
+    def submit_call(self, entry: Callable[..., tuple[str, Any]], call: tuple,
+                    on_back: Callable[[], None] | None = None
                     ) -> multiprocessing.pool.AsyncResult:
         """Start ``entry(*call)`` in the workers (starting them first if they are not running)
         and return at once; :meth:`outcome` reads the result. Not thread-safe: submit, read and
-        :meth:`close` from one thread."""
+        :meth:`close` from one thread.
+
+        Args:
+            on_back: called, in the pool's result thread, as the result (or its error) comes
+                back, before the result reads ready.
+        """
         if self._pool is None:
             self._start()
-        return self._pool.apply_async(entry, call)
+        if on_back is None:
+            return self._pool.apply_async(entry, call)
+        return self._pool.apply_async(entry, call, callback=lambda _: on_back(),
+                                      error_callback=lambda _: on_back())
 
     def _start(self) -> None:
         """Start the workers and wait until every one has run its setup (spawned workers import

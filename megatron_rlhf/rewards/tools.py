@@ -208,16 +208,16 @@ class Tools:
 
     def submit(self, call: ToolCall) -> PendingAnswer:
         """Start ``call`` in the pool (a call that names no tool or is not JSON is answered at
-        once) and return its pending answer; its ``seconds`` run from here to the moment a
-        :meth:`PendingAnswer.ready` or :meth:`wait` saw it back. A call not back within its
+        once) and return its pending answer; its ``seconds`` run from here to the moment the
+        pool received its result (however late it is read). A call not back within its
         timeout (plus slack) of the moment the pool could start it (the calls before it were
         back) is lost, as in :meth:`call`: the pool is stopped, the answer is a failure, and
         the calls still out start again on new workers."""
         item = self._parse(call)
         if isinstance(item, str):
             return PendingAnswer(self, call, item, None)
-        run = self._run(item, call)
-        flight = _Flight(run, self._pool.submit_call(_tool_call, run), time.monotonic())
+        flight = _Flight(self._run(item, call))
+        self._start(flight)
         self._flights.append(flight)
         return PendingAnswer(self, call, item, flight)
 
@@ -269,16 +269,24 @@ class Tools:
                             "errors to the policy and count them in rollout/tool_errors")
         return ToolAnswer(f"error: {why}", True, seconds)
 
+    def _start(self, flight: _Flight) -> None:
+        """Submit ``flight`` to the pool; its deadline counts from now."""
+        def on_back() -> None:
+            flight.back = time.monotonic()
+
+        flight.result = self._pool.submit_call(_tool_call, flight.run, on_back)
+        flight.since = time.monotonic()
+
     def _poll(self) -> None:
         """Read back the calls that are back, and stop a lost one (:meth:`submit`)."""
         now = time.monotonic()
         for flight in self._flights:
             if flight.outcome is None and flight.result.ready():
-                flight.outcome, flight.back = self._pool.outcome(flight.result, now), now
+                flight.outcome = self._pool.outcome(flight.result, now)
         while self._flights and self._flights[0].outcome is not None:
-            self._flights.pop(0)
-            if self._flights:  # the pool may start the next one from now on at the latest
-                self._flights[0].since = max(self._flights[0].since, now)
+            back = self._flights.pop(0).back
+            if self._flights:  # a worker was free for the next one from then on
+                self._flights[0].since = max(self._flights[0].since, back)
         if not self._flights or now <= self._pool.due(self._flights[0].since):
             return
         lost, *rest = self._flights
@@ -286,8 +294,7 @@ class Tools:
         self._pool.close()
         self._flights = [flight for flight in rest if flight.outcome is None]
         for flight in self._flights:
-            flight.result = self._pool.submit_call(_tool_call, flight.run)
-            flight.since = time.monotonic()
+            self._start(flight)
 
 
 _POLL_S = 0.005
@@ -299,13 +306,13 @@ class _Flight:
     """A submitted call in the pool."""
 
     run: tuple
-    result: Any
+    result: Any = None
     """The pool's ``AsyncResult``."""
-    since: float
+    since: float = 0.0
     """From when the pool may run it (``time.monotonic()``): its deadline counts from here."""
     outcome: tuple[str, Any] | None = None
     back: float = 0.0
-    """When it was seen back."""
+    """When its result came back to the pool (set in the pool's result thread)."""
 
 
 class PendingAnswer:

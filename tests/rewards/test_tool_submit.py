@@ -67,7 +67,7 @@ def test_on_error_error_raises_the_same_error_from_the_answer() -> None:
         tools.close()
 
 
-def test_an_answer_not_back_cannot_be_read_without_waiting() -> None:
+def test_an_answer_is_timed_as_it_came_back_and_read_only_once_back() -> None:
     tools = _tools()
     try:
         pending = tools.submit(ToolCall(_call("naps", s=0.5), {}))
@@ -75,9 +75,14 @@ def test_an_answer_not_back_cannot_be_read_without_waiting() -> None:
         with pytest.raises(RuntimeError, match="not back yet"):
             pending.answer(wait=False)
         answer = pending.answer(wait=True)
+        late = tools.submit(ToolCall(_call("naps", s=0.2), {}))
+        time.sleep(1.0)  # as if the rank were decoding: read late, timed as it came back
+        read_late = late.answer(wait=False)
     finally:
         tools.close()
     assert (answer.text, answer.failed) == ("rested", False) and answer.seconds >= 0.5
+    assert (read_late.text, read_late.failed) == ("rested", False)
+    assert 0.2 <= read_late.seconds < 0.8, read_late.seconds
 
 
 def test_a_stuck_call_is_lost_and_the_calls_after_it_answer(monkeypatch) -> None:
