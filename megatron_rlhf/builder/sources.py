@@ -178,37 +178,42 @@ def _check_heads(sources: dict[str, ModelSource]) -> None:
                              f"{source.description.head!r}); the {name} needs {needs}")
 
 
-def _experts(d: ModelDescription) -> str:
+def _experts(d: ModelDescription, moe_field: str) -> str:
     if not d.num_experts:
-        return "models.moe.num_experts=0"
-    return (f"models.moe.num_experts={d.num_experts} models.moe.topk={d.moe_topk} "
-            f"models.moe.ffn_hidden_size={d.moe_ffn_hidden_size} "
-            f"models.moe.shared_expert_ffn_size={d.moe_shared_ffn_size} "
-            f"models.moe.renormalize_topk={str(d.moe_renormalize_topk).lower()}")
+        return f"{moe_field}.num_experts=0"
+    return (f"{moe_field}.num_experts={d.num_experts} {moe_field}.topk={d.moe_topk} "
+            f"{moe_field}.ffn_hidden_size={d.moe_ffn_hidden_size} "
+            f"{moe_field}.shared_expert_ffn_size={d.moe_shared_ffn_size} "
+            f"{moe_field}.renormalize_topk={str(d.moe_renormalize_topk).lower()}")
 
 
 def _check_experts(config: RunConfig, sources: dict[str, ModelSource]) -> None:
     """Refuse a source whose experts are not those of ``models.moe``, with which every model of
-    the run is built (a dense source with ``num_experts=0``).
+    the run is built (:func:`check_source_experts`)."""
+    for role, (field, _, _) in _HEAD_NEEDS.items():
+        if role in sources:
+            check_source_experts(config.models.moe, sources[role], field)
+
+
+def check_source_experts(moe: MoEConfig, source: ModelSource, field: str,
+                         moe_field: str = "models.moe") -> None:
+    """Refuse a source (given as ``field``) whose experts are not those of ``moe`` (configured
+    as ``moe_field``), with which its model is built (a dense source with ``num_experts=0``).
 
     Raises:
         ValueError: naming the field, the source's experts and the settings that match them.
     """
-    moe = config.models.moe
-    for role, (field, _, _) in _HEAD_NEEDS.items():
-        source = sources.get(role)
-        if source is None:
-            continue
-        d = source.description
-        ours = replace(d, num_experts=moe.num_experts, moe_topk=moe.topk,
-                       moe_ffn_hidden_size=moe.ffn_hidden_size or d.ffn_hidden_size,
-                       moe_shared_ffn_size=moe.shared_expert_ffn_size,
-                       moe_renormalize_topk=moe.renormalize_topk)
-        if _experts(ours) != _experts(d):
-            kind = f"a mixture-of-experts {source.kind}" if d.num_experts else (
-                f"a dense {source.kind}")
-            raise ValueError(f"{field}={source.path} is {kind} checkpoint, but models.moe builds "
-                             f"every model with {_experts(ours)}: set {_experts(d)}")
+    d = source.description
+    ours = replace(d, num_experts=moe.num_experts, moe_topk=moe.topk,
+                   moe_ffn_hidden_size=moe.ffn_hidden_size or d.ffn_hidden_size,
+                   moe_shared_ffn_size=moe.shared_expert_ffn_size,
+                   moe_renormalize_topk=moe.renormalize_topk)
+    if _experts(ours, moe_field) != _experts(d, moe_field):
+        kind = f"a mixture-of-experts {source.kind}" if d.num_experts else (
+            f"a dense {source.kind}")
+        raise ValueError(f"{field}={source.path} is {kind} checkpoint, but {moe_field} builds "
+                         f"every model with {_experts(ours, moe_field)}: set "
+                         f"{_experts(d, moe_field)}")
 
 
 def fresh_heads(config: RunConfig, sources: dict[str, ModelSource]) -> list[str]:

@@ -104,7 +104,9 @@ class MoEConfig:
         return self.num_experts > 0
 
     def check_expert_parallel(self, eps: dict[str, int], fsdp_roles: tuple[str, ...] = (),
-                              multi_turn: bool = False) -> None:
+                              multi_turn: bool = False,
+                              ep_field: str = "placement.parallel.{role}.ep",
+                              moe_field: str = "models.moe") -> None:
         """Refuse expert-parallel sizes this model cannot take.
 
         Args:
@@ -113,6 +115,8 @@ class MoEConfig:
             multi_turn: rollouts are episodes of several replies (``rollout.max_turns > 1``
                 with tools or an environment), a generation call per turn while any episode of
                 the rank goes on.
+            ep_field, moe_field: the fields messages name (a supervised run's ``model.ep``
+                and ``model.moe``); ``{role}`` in ``ep_field`` is replaced by the role.
 
         Raises:
             ValueError: ``ep > 1`` for a dense model, ``ep`` not dividing ``num_experts``, for
@@ -121,14 +125,14 @@ class MoEConfig:
         for role, ep in sorted(eps.items()):
             if ep == 1:
                 continue
-            field_ = f"placement.parallel.{role}.ep={ep}"
+            field_ = f"{ep_field.format(role=role)}={ep}"
             if not self.enabled:
                 raise ValueError(f"{field_} splits experts, but the models are dense "
-                                 "(models.moe.num_experts=0): set models.moe.num_experts or drop "
-                                 "the ep")
+                                 f"({moe_field}.num_experts=0): set {moe_field}.num_experts or "
+                                 "drop the ep")
             if self.num_experts % ep:
                 divisors = [d for d in range(1, self.num_experts + 1) if self.num_experts % d == 0]
-                raise ValueError(f"{field_} does not divide models.moe.num_experts="
+                raise ValueError(f"{field_} does not divide {moe_field}.num_experts="
                                  f"{self.num_experts}: choose ep in {divisors}")
             if multi_turn and role in ("actor", "shadow_actor"):
                 raise ValueError(f"{field_} with multi-turn episodes (rollout.max_turns > 1): "
