@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 from megatron_rlhf.data.schema import ReaderConfig, SplitConfig
 from megatron_rlhf.data.synthetic import SyntheticTaskConfig
 from megatron_rlhf.models.gpt import RECOMPUTE_GRANULARITIES, resolve_params_dtype
+from megatron_rlhf.models.moe import MoEConfig
 from megatron_rlhf.models.tokenizer import TokenizerConfig
 from megatron_rlhf.models.trainer import OptimizerSettings
 from megatron_rlhf.runtime.bootstrap import RuntimeConfig
@@ -75,6 +76,12 @@ class SupervisedModelConfig:
             padded rows.
         sequence_parallel: megatron's sequence parallelism when ``tp > 1`` and
             ``packed_sequences`` is on (ignored otherwise).
+        moe: mixture-of-experts MLPs (``models.moe.MoEConfig``, as a PPO run's ``models.moe``;
+            ``num_experts=0``: dense). An ``init_checkpoint`` with experts needs the same
+            experts here. The router's balancing losses join the training loss; routing replay
+            is an RL matter, so ``router_replay`` is ignored.
+        ep: expert-parallel size: groups of ``ep`` data-parallel ranks split the experts; must
+            divide ``moe.num_experts`` and the data-parallel size (1 for a dense model).
     """
 
     arch: Any = "tiny"
@@ -87,11 +94,16 @@ class SupervisedModelConfig:
     recompute: str = "none"
     packed_sequences: bool = True
     sequence_parallel: bool = True
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    ep: int = 1
 
     def __post_init__(self) -> None:
         resolve_arch(self.arch)
-        if self.tp < 1 or self.pp < 1:
-            raise ValueError(f"model.tp={self.tp} and model.pp={self.pp} must be >= 1")
+        if self.tp < 1 or self.pp < 1 or self.ep < 1:
+            raise ValueError(f"model.tp={self.tp}, model.pp={self.pp} and model.ep={self.ep} "
+                             "must be >= 1")
+        self.moe.check_expert_parallel({"model": self.ep}, ep_field="model.ep",
+                                       moe_field="model.moe")
         if self.recompute not in RECOMPUTE_GRANULARITIES:
             raise ValueError(f"model.recompute={self.recompute!r}: use one of "
                              f"{RECOMPUTE_GRANULARITIES}")

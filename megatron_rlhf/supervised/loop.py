@@ -29,6 +29,8 @@ from megatron_rlhf.builder.networks import build_model
 from megatron_rlhf.builder.sources import (
     ModelSource,
     arch_spec,
+    check_source_experts,
+    expert_spec,
     load_initial_weights,
     read_source,
 )
@@ -42,6 +44,7 @@ from megatron_rlhf.models.checkpoint import save_model_checkpoint
 from megatron_rlhf.models.forward_backward import Batch, LossFn, run_microbatches
 from megatron_rlhf.models.gpt import ModelBuildOptions
 from megatron_rlhf.models.hf_tokenizer import TOKENIZER_FILES, HFTokenizer, checkpoint_tokenizer
+from megatron_rlhf.models.moe import expert_metrics
 from megatron_rlhf.models.tokenizer import Tokenizer, load_tokenizer
 from megatron_rlhf.models.trainer import ModelTrainer
 from megatron_rlhf.runtime.bootstrap import initialize_runtime
@@ -136,7 +139,7 @@ def data_parallel_size(spec: ModelSpec, cluster: ClusterSpec) -> int:
     """DP of one model spread over every rank of ``cluster``.
 
     Raises:
-        ValueError: tp * pp does not divide the ranks, or tp the ranks of a node.
+        ValueError: tp * pp does not divide the ranks, tp the ranks of a node, or ep the DP.
     """
     mp, world = spec.model_parallel_size, cluster.world_size
     if world % mp:
@@ -146,7 +149,12 @@ def data_parallel_size(spec: ModelSpec, cluster: ClusterSpec) -> int:
         if pool.devices_per_node % spec.tp:
             raise ValueError(f"model.tp({spec.tp}) does not divide the {pool.devices_per_node} "
                              "ranks of a node: a TP group must stay inside a node")
-    return world // mp
+    dp = world // mp
+    if dp % spec.ep:
+        raise ValueError(f"model.ep({spec.ep}) does not divide the data-parallel size dp({dp}) = "
+                         f"{world} ranks / (tp x pp): launch a multiple of {mp * spec.ep} ranks "
+                         "or lower model.ep")
+    return dp
 
 
 def _reduce(per_microbatch: list[dict[str, Any]], keys: tuple[str, ...],
@@ -231,7 +239,11 @@ def _build(config: SupervisedConfig, objective: Objective, spec: ModelSpec, tota
     # The numerics (QKV bias, QK-norm, RoPE, ...) are the starting checkpoint's.
     base = (source.description.build_options() if source is not None
             else ModelBuildOptions(rotary_base=spec.arch.rotary_base))
+    # Routes are replayed only by RL's experience passes: a recording forward here would leave
+    # routes in the held-out batches, which later evaluations would then replay.
+    moe = config.model.moe
     options = replace(base, head=objective.head, params_dtype=config.model.params_dtype,
+                      moe=replace(moe, router_replay=False) if moe.enabled else None,
                       tie_embeddings=base.tie_embeddings and objective.head == "lm",
                       recompute=config.model.recompute, token_vocab_size=token_vocab_size,
                       packed_sequences=config.model.packed_sequences,
@@ -253,6 +265,8 @@ def _start(config: SupervisedConfig) -> tuple[ModelSource | None, Tokenizer | HF
     """The checkpoint to start from and the tokenizer (a Hugging Face start's own by default)."""
     source = read_source(config.model.init_checkpoint) if config.model.init_checkpoint else None
     configured = config.tokenizer.hf_dir or config.tokenizer.model_path
+    if source is not None:
+        check_source_experts(config.model.moe, source, "model.init_checkpoint", "model.moe")
     if not configured and source is not None and source.is_hf:
         return source, checkpoint_tokenizer(source.path, "model.init_checkpoint")
     return source, load_tokenizer(config.tokenizer)
@@ -282,10 +296,14 @@ def run_supervised(config: SupervisedConfig, objective: Objective) -> TrainingRe
                          "out_dir or delete it")
     check_writable_dir(config.out_dir, "out_dir")  # the synthetic data is written there first
     source, tokenizer = _start(config)
-    arch = (arch_spec(source.description, source.path) if source is not None and source.is_hf
-            else resolve_arch(config.model.arch))
+    if source is not None and source.is_hf:
+        arch = arch_spec(source.description, source.path)
+    else:
+        arch = resolve_arch(config.model.arch)
+        arch = replace(arch, experts=expert_spec(config.model.moe, arch.ffn_hidden_size))
     spec = ModelSpec(objective.role, arch, trainable=True, tp=config.model.tp, pp=config.model.pp,
-                     distributed_optimizer=config.optimizer.distributed_optimizer)
+                     distributed_optimizer=config.optimizer.distributed_optimizer,
+                     ep=config.model.ep)
     dp = data_parallel_size(spec, cluster_from_environment())
     train, held_out = load_examples(config, objective, tokenizer)
     total_steps, num_evaluated = _check_run(config, objective, arch, tokenizer, dp, len(train),
@@ -302,9 +320,9 @@ def run_supervised(config: SupervisedConfig, objective: Objective) -> TrainingRe
         _save_tokenizer(tokenizer, out)
         # metrics.jsonl is appended to: a fresh run replaces the metrics of an unfinished one.
         (out / "metrics.jsonl").unlink(missing_ok=True)
-    logger.info("%s: %d steps of %d of %d examples, tp=%d pp=%d dp=%d, %d held-out examples",
-                objective.name, total_steps, config.train.global_batch_size, len(train),
-                spec.tp, spec.pp, dp, num_evaluated)
+    logger.info("%s: %d steps of %d of %d examples, tp=%d pp=%d dp=%d ep=%d, %d held-out "
+                "examples", objective.name, total_steps, config.train.global_batch_size,
+                len(train), spec.tp, spec.pp, dp, spec.ep, num_evaluated)
     history = _train_loop(config, objective, trainer, pgc, batches, total_steps, device)
     metadata = {"role": objective.role, "task": objective.name, "steps": total_steps,
                 "tokenizer": "tokenizer.json" if isinstance(tokenizer, HFTokenizer)
@@ -326,8 +344,9 @@ def _train_loop(config: SupervisedConfig, objective: Objective, trainer: ModelTr
     try:
         for step in range(total_steps):
             start = time.perf_counter()
-            result = trainer.train_step(batches.step(step), loss_fn)
-            record = _reduce(result["metrics"], keys, pgc, device)
+            with expert_metrics(trainer.model, pgc) as moe:
+                result = trainer.train_step(batches.step(step), loss_fn)
+            record = {**_reduce(result["metrics"], keys, pgc, device), **moe}
             record.update(grad_norm=result["grad_norm"], lr=result["lr"],
                           step_seconds=time.perf_counter() - start)
             if step == total_steps - 1 or (interval and (step + 1) % interval == 0):
