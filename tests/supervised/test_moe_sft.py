@@ -1,15 +1,16 @@
 """SFT and reward-model training of mixture-of-experts models (``model.moe``, ``model.ep``).
 
-Tier 1 (no process group): bad expert layouts and checkpoints whose experts differ from
-``model.moe`` are refused naming the field. Tier 2 (gloo ranks): a tiny MoE (4 experts, top-2)
-SFT run learns, reports the routers' metrics and records its experts; a reward model trains from
-its trunk; a PPO run's source check takes the SFT checkpoint only with the same experts; SFT at
-EP 2 gives the losses of EP 1 on 2 ranks; an SFT run starts from a Hugging Face Qwen3-MoE
-directory and keeps its experts.
+Tier 1 (no process group): bad expert layouts are refused naming the field. Tier 2 (gloo ranks):
+a tiny MoE (4 experts, top-2) SFT run learns, reports the routers' metrics and records its
+experts; a reward model trains from its trunk; a one-step PPO run starts from the SFT checkpoint
+(its reference computes the checkpoint's logits), and a PPO or SFT run configured with other
+experts is refused before any process group; SFT at EP 2 gives the losses of EP 1 on 2 ranks; an
+SFT run starts from a Hugging Face Qwen3-MoE directory and keeps its experts.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -36,6 +37,7 @@ QWEN3_MOE = {"vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
              "rms_norm_eps": 1e-6, "initializer_range": 0.1, "num_experts": 4,
              "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}
+PPO_MOE = [f"models.moe.{o.removeprefix('model.moe.')}" for o in MOE]
 HF_MOE = ["model.moe.num_experts=4", "model.moe.topk=2", "model.moe.ffn_hidden_size=32"]
 
 
@@ -63,26 +65,56 @@ def test_expert_layouts_are_refused_naming_the_field() -> None:
         data_parallel_size(spec, ClusterSpec.homogeneous(1, 2))
 
 
-def _sft_then_rm(root: str) -> dict:
+def _ppo_config(checkpoint: str, run_dir: str, *overrides: str):
+    from megatron_rlhf.config.ppo_run import RunConfig
+
+    return load_config(RunConfig, ROOT / "examples" / "ppo_tiny.yaml", [
+        f"models.actor_checkpoint={checkpoint}", "models.reward_checkpoint=''",
+        "reward.model_weight=0", "reward.rule=synthetic", f"run_dir={run_dir}", "steps=1",
+        "rollout.prompts_per_step=4", "rollout.ppo_epochs=1", "generation.max_new_tokens=4",
+        *overrides])
+
+
+def _sft_then_rm_and_ppo(root: str) -> dict:
+    import torch
+
+    from megatron_rlhf.engine.run import runner
+    from megatron_rlhf.models.checkpoint import load_model_checkpoint
+    from megatron_rlhf.models.gpt import build_gpt_model
     from megatron_rlhf.supervised.reward_model import run_reward_training
     from megatron_rlhf.supervised.sft import run_sft
+    from tests.helpers.models import full_logits
+    from tests.helpers.runs import capture_engine
+    from tests.model_fixtures import whole_world_groups
 
+    checkpoint = f"{root}/sft/checkpoint"
     sft = run_sft(_config(SFTConfig, f"{root}/sft", [
         *MOE, "train.max_steps=24", "train.eval_interval=12", "optimizer.lr=2.0e-3"])).history
     rm = run_reward_training(_config(RMConfig, f"{root}/rm", [
-        *MOE, f"model.init_checkpoint={root}/sft/checkpoint", "train.max_steps=4",
+        *MOE, f"model.init_checkpoint={checkpoint}", "train.max_steps=4",
         "train.eval_interval=4"])).history
-    return {"sft": sft, "rm": rm}
+    captured = capture_engine()
+    runner.run_ppo(_ppo_config(checkpoint, f"{root}/ppo", *PPO_MOE))
+    ids = torch.randint(4, 500, (2, 12), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    ref = captured["engine"].workers["ref"]
+    description = read_checkpoint_info(checkpoint).model
+    groups = whole_world_groups(1, 1)
+    saved = build_gpt_model(description, description.build_options(), groups)
+    load_model_checkpoint(saved, groups, checkpoint)
+    difference = (full_logits(ref.model, ref.pg_collection, batch)
+                  - full_logits(saved, groups, batch)).abs().max().item()
+    return {"sft": sft, "rm": rm, "ppo_ref_vs_sft": difference}
 
 
 @pytest.mark.multirank
 @pytest.mark.timeout(300)
-def test_moe_sft_learns_records_its_experts_and_feeds_rm_and_ppo(tmp_path: Path) -> None:
-    from megatron_rlhf.builder.sources import resolve_sources, role_options
-    from megatron_rlhf.config.ppo_run import RunConfig
+def test_moe_sft_learns_records_its_experts_and_starts_rm_and_ppo(tmp_path: Path) -> None:
+    from megatron_rlhf.builder.sources import resolve_sources
     from megatron_rlhf.supervised.sft import run_sft
 
-    runs = run_on_ranks(_sft_then_rm, world_size=1, args=(str(tmp_path),), timeout_s=260)[0]
+    runs = run_on_ranks(_sft_then_rm_and_ppo, world_size=1, args=(str(tmp_path),),
+                        timeout_s=260)[0]
     sft, rm = runs["sft"], runs["rm"]
     losses = [step["loss"] for step in sft]
     assert sum(losses[-4:]) / 4 < losses[0] - 0.5, losses
@@ -95,21 +127,16 @@ def test_moe_sft_learns_records_its_experts_and_feeds_rm_and_ppo(tmp_path: Path)
         assert (model.head, model.num_experts, model.moe_topk, model.moe_ffn_hidden_size,
                 model.moe_renormalize_topk) == (head, 4, 2, 128, True)
 
+    # PPO ran a step from the SFT checkpoint: its reference computes the checkpoint's logits.
+    assert runs["ppo_ref_vs_sft"] < 1e-6, runs["ppo_ref_vs_sft"]
+    first = json.loads((tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6) and first["actor/moe_max_load"] >= 1.0
     checkpoint = tmp_path / "sft" / "checkpoint"
-
-    def ppo(*moe: str) -> RunConfig:
-        return load_config(RunConfig, ROOT / "examples" / "ppo_tiny.yaml", [
-            f"models.actor_checkpoint={checkpoint}", "models.reward_checkpoint=''",
-            "reward.model_weight=0", "reward.rule=synthetic", *moe])
-
-    config = ppo(*(f"models.moe.{o.removeprefix('model.moe.')}" for o in MOE))
-    options = role_options(config, resolve_sources(config), "actor")
-    assert (options.moe.num_experts, options.moe.topk, options.moe.ffn_hidden_size) == (4, 2, 128)
     with pytest.raises(ValueError, match=re.escape(
             f"models.actor_checkpoint={checkpoint} is a mixture-of-experts megatron_rlhf "
             "'actor' checkpoint, but models.moe builds every model with "
             "models.moe.num_experts=0: set models.moe.num_experts=4 models.moe.topk=2")):
-        resolve_sources(ppo())
+        resolve_sources(_ppo_config(str(checkpoint), str(tmp_path / "dense-ppo")))
     # An SFT run from it with other experts is refused before any process group exists.
     with pytest.raises(ValueError, match=re.escape(
             f"model.init_checkpoint={checkpoint} is a mixture-of-experts megatron_rlhf 'actor' "
