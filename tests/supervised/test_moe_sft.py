@@ -5,7 +5,8 @@ a tiny MoE (4 experts, top-2) SFT run learns, reports the routers' metrics and r
 experts; a reward model trains from its trunk; a one-step PPO run starts from the SFT checkpoint
 (its reference computes the checkpoint's logits), and a PPO or SFT run configured with other
 experts is refused before any process group; SFT at EP 2 gives the losses of EP 1 on 2 ranks; an
-SFT run starts from a Hugging Face Qwen3-MoE directory and keeps its experts.
+SFT run starts from a Hugging Face Qwen3-MoE directory and keeps its experts; the routers'
+balancing loss changes the gradient, not the reported loss.
 """
 
 from __future__ import annotations
@@ -212,3 +213,24 @@ def test_sft_starts_from_a_qwen3_moe_directory_with_its_experts(tmp_path: Path) 
     assert (info.model.num_experts, info.model.moe_topk, info.model.moe_ffn_hidden_size,
             info.model.qk_norm) == (4, 2, 32, True)
     assert info.metadata["hf_config"]["model_type"] == "qwen3_moe"
+
+
+def _first_steps(root: str) -> dict[str, dict[str, float]]:
+    from megatron_rlhf.supervised.sft import run_sft
+
+    return {coeff: run_sft(_config(SFTConfig, f"{root}/aux{coeff}", [
+        *MOE, f"model.moe.aux_loss_coeff={coeff}", "train.max_steps=1"])).history[0]
+        for coeff in ("0.0", "10.0")}
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(200)
+def test_the_balancing_loss_reaches_the_gradient_not_the_reported_loss(tmp_path: Path) -> None:
+    steps = run_on_ranks(_first_steps, world_size=1, args=(str(tmp_path),), timeout_s=160)[0]
+    without, weighted = steps["0.0"], steps["10.0"]
+    # Same weights and data: the token loss and the routing agree; the weighted balancing loss
+    # (megatron computes none at coefficient 0) adds its gradient (~0.3% of the norm here).
+    assert weighted["loss"] == without["loss"]
+    assert weighted["moe_max_load"] == without["moe_max_load"]
+    assert "moe_load_balancing_loss" not in without and weighted["moe_load_balancing_loss"] > 0
+    assert abs(weighted["grad_norm"] - without["grad_norm"]) > 1e-3 * without["grad_norm"]
