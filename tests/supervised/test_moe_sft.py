@@ -55,6 +55,9 @@ def test_expert_layouts_are_refused_naming_the_field() -> None:
     with pytest.raises(ValueError, match=re.escape(
             "model.ep=3 does not divide model.moe.num_experts=4: choose ep in [1, 2, 4]")):
         _config(SFTConfig, "unused", [*MOE, "model.ep=3"])
+    with pytest.raises(ValueError, match=re.escape(
+            "model.moe.token_dispatcher=allgather with model.ep=2: megatron's all-gather")):
+        _config(SFTConfig, "unused", [*MOE, "model.ep=2", "model.moe.token_dispatcher=allgather"])
     with pytest.raises(ValueError, match=r"model.ep=0 must be >= 1"):
         _config(RMConfig, "unused", [*MOE, "model.ep=0"])
     tiny = arch_preset("tiny")
