@@ -4,6 +4,8 @@ CPU, the tiny model on the synthetic task, 2 gloo ranks (DP=2)::
 
     torchrun --nproc-per-node 2 tools/train_sft.py
     torchrun --nproc-per-node 2 tools/train_sft.py --tp 2 --steps 50 --out-dir runs/sft_tp2
+    torchrun --nproc-per-node 2 tools/train_sft.py --out-dir runs/sft_moe \\
+        model.moe.num_experts=4 model.ep=2    # 4 experts (top-2) a layer, 2 on each rank
 
 Your own JSONL/Parquet file in the rm-static schema (see docs/howto/bring-data.md)::
 
