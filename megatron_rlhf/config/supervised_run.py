@@ -105,11 +105,6 @@ class SupervisedModelConfig:
                              "must be >= 1")
         self.moe.check_expert_parallel({"model": self.ep}, ep_field="model.ep",
                                        moe_field="model.moe")
-        if self.ep > 1 and self.moe.token_dispatcher == "allgather":
-            raise ValueError(f"model.moe.token_dispatcher=allgather with model.ep={self.ep}: "
-                             "megatron's all-gather dispatcher needs as many tokens on every "
-                             "expert-parallel rank, and replicas' micro-batches differ in "
-                             "length; use alltoall")
         if self.recompute not in RECOMPUTE_GRANULARITIES:
             raise ValueError(f"model.recompute={self.recompute!r}: use one of "
                              f"{RECOMPUTE_GRANULARITIES}")

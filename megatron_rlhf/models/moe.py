@@ -119,8 +119,9 @@ class MoEConfig:
                 and ``model.moe``); ``{role}`` in ``ep_field`` is replaced by the role.
 
         Raises:
-            ValueError: ``ep > 1`` for a dense model, ``ep`` not dividing ``num_experts``, for
-                a model trained under Megatron-FSDP, or for the policy of multi-turn episodes.
+            ValueError: ``ep > 1`` for a dense model, ``ep`` not dividing ``num_experts``, with
+                the all-gather dispatcher, for a model trained under Megatron-FSDP, or for the
+                policy of multi-turn episodes.
         """
         for role, ep in sorted(eps.items()):
             if ep == 1:
@@ -139,6 +140,11 @@ class MoEConfig:
                                  "each rank decodes a turn while its own episodes go on, so the "
                                  "expert-parallel ranks would run different numbers of forwards; "
                                  "set the policy's ep to 1 or rollout.max_turns=1")
+            if self.token_dispatcher == "allgather":
+                raise ValueError(f"{moe_field}.token_dispatcher=allgather with {field_}: "
+                                 "megatron's all-gather dispatcher needs as many tokens on every "
+                                 "expert-parallel rank, and replicas' micro-batches differ in "
+                                 "length; use alltoall")
             if role in fsdp_roles:
                 raise ValueError(f"{field_} with {role}_optimizer.fsdp=true: expert parallelism "
                                  f"runs under megatron's DDP here; set {role}_optimizer.fsdp=false "

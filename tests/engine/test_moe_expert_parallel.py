@@ -93,6 +93,9 @@ def test_bad_expert_parallel_sizes_are_refused() -> None:
     with pytest.raises(ValueError, match=r"ep=3 does not divide models.moe.num_experts=4: "
                                          r"choose ep in \[1, 2, 4\]"):
         config(3)
+    with pytest.raises(ValueError, match=r"models.moe.token_dispatcher=allgather with "
+                                         r"placement.parallel.actor.ep=2: .*use alltoall"):
+        config(2, MoEConfig(num_experts=4, token_dispatcher="allgather"))
     config(2, turns=1)  # one reply per episode: one generation call per rank
     with pytest.raises(ValueError, match=r"actor.ep=2 with multi-turn episodes .* "
                                          r"rollout.max_turns=1"):
