@@ -205,13 +205,16 @@ class RewardFunctions:
         on_error: ``error`` or ``zero`` (see the module docstring).
         timeout_s: the longest one call may run.
         workers: worker processes (started at the first :meth:`score`, on the ranks that score).
+        timeout_field: the setting a lost call's message names (the tools' pool names
+            ``rollout.tool_timeout_s``).
 
     Raises:
         ValueError: an unknown ``on_error``, or a timeout or worker count that is not positive.
     """
 
     def __init__(self, specs: Sequence[RewardFunctionSpec], on_error: str = "error",
-                 timeout_s: float = 10.0, workers: int = 2) -> None:
+                 timeout_s: float = 10.0, workers: int = 2,
+                 timeout_field: str = "reward.timeout_s") -> None:
         if on_error not in ON_ERROR_POLICIES:
             raise ValueError(f"reward.on_error={on_error!r}: use one of {ON_ERROR_POLICIES}")
         if not timeout_s > 0:
@@ -222,6 +225,7 @@ class RewardFunctions:
         self.on_error = on_error
         self.timeout_s = float(timeout_s)
         self.workers = workers
+        self.timeout_field = timeout_field
         self._pool: Any = None
 
     def score(self, prompts: Sequence[str], responses: Sequence[str],
@@ -318,7 +322,7 @@ class RewardFunctions:
         try:
             return result.get(max(0.0, deadline - time.monotonic()))
         except mp.TimeoutError:
-            return "lost", (f"ran past its timeout of {self.timeout_s} s (reward.timeout_s) "
+            return "lost", (f"ran past its timeout of {self.timeout_s} s ({self.timeout_field}) "
                             "and could not be interrupted; its worker was stopped")
         except Exception as error:  # noqa: BLE001 - a worker that died, unpicklable results
             return "lost", f"failed in its worker process ({type(error).__name__}: {error})"

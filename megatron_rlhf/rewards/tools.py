@@ -185,7 +185,8 @@ class Tools:
         self.specs = {spec.name: spec for spec in specs}
         self.on_error = on_error
         self.timeout_s = float(timeout_s)
-        self._pool = RewardFunctions([], "error", timeout_s, workers)
+        self._pool = RewardFunctions([], "error", timeout_s, workers,
+                                     timeout_field="rollout.tool_timeout_s")
         self._flights: list[_Flight] = []
         """Submitted calls in submission order, from the oldest one not yet back."""
 

@@ -99,7 +99,7 @@ def test_a_stuck_call_is_lost_and_the_calls_after_it_answer(monkeypatch) -> None
     finally:
         tools.close()
     assert lost.failed and lost.text == (
-        "error: tool 'stuck' ran past its timeout of 1.0 s (reward.timeout_s) and could not be "
-        "interrupted; its worker was stopped")
+        "error: tool 'stuck' ran past its timeout of 1.0 s (rollout.tool_timeout_s) and could "
+        "not be interrupted; its worker was stopped")
     assert 1.4 <= waited < 5.0, waited
     assert [(a.text, a.failed) for a in answers] == [("rested", False)] * 3
