@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
@@ -45,3 +47,19 @@ def full_forward_logprobs(model, pg_collection, out, temperature: float) -> torc
     logprobs, _ = vocab_parallel_logprobs(logits[:, :-1], out.input_ids[:, 1:], pg_collection.tp,
                                           model.real_vocab_size, temperature)
     return logprobs[:, out.prompt_length - 1:] * out.response_mask
+
+
+def assert_hf_mapping_round_trips(hf_dir: Path):
+    """Map a Hugging Face checkpoint to the full Megatron state and back; every tensor must come
+    back bit-identical under its name. Returns the checkpoint's ``(description, hf_state, full)``
+    for further checks."""
+    from megatron_rlhf.models.hf_config import read_hf_config
+    from megatron_rlhf.models.hf_llama import full_state_to_hf, hf_to_full_state, load_hf_state
+
+    description, _ = read_hf_config(hf_dir)
+    hf_state = load_hf_state(hf_dir)
+    full = hf_to_full_state(hf_state, description)
+    back = full_state_to_hf(full, description)
+    assert back.keys() == hf_state.keys(), hf_dir
+    assert all(torch.equal(back[name], tensor) for name, tensor in hf_state.items()), hf_dir
+    return description, hf_state, full

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.helpers.models import full_logits
+from tests.helpers.models import assert_hf_mapping_round_trips, full_logits
 from tests.model_fixtures import whole_world_groups
 from tests.multirank import run_on_ranks
 from tools.make_tiny_hf import make_hf_model
@@ -153,20 +153,14 @@ def test_tp2_and_pp2_outputs_and_round_trip(tmp_path: Path) -> None:
 
 def test_mapping_is_exact_both_ways(tmp_path: Path) -> None:
     from megatron_rlhf.models.hf_config import read_hf_config
-    from megatron_rlhf.models.hf_llama import full_state_to_hf, hf_to_full_state, load_hf_state
+    from megatron_rlhf.models.hf_llama import hf_to_full_state, load_hf_state
 
+    checked = {}
     for case in ("llama", "qwen2-tied", "qwen3", "llama-rm"):
         _make_hf_model(tmp_path / case, case)
-        description, _ = read_hf_config(tmp_path / case)
-        hf_state = load_hf_state(tmp_path / case)
-        full = hf_to_full_state(hf_state, description)
-        back = full_state_to_hf(full, description)
-        assert back.keys() == hf_state.keys(), case
-        assert all(torch.equal(back[name], tensor) for name, tensor in hf_state.items()), case
+        checked[case] = assert_hf_mapping_round_trips(tmp_path / case)
     # Qwen2, layer 1, query group 1 = [q heads 2, 3; k head 1; v head 1], 16 rows per head.
-    description, _ = read_hf_config(tmp_path / "qwen2-tied")
-    hf_state = load_hf_state(tmp_path / "qwen2-tied")
-    full = hf_to_full_state(hf_state, description)
+    description, hf_state, full = checked["qwen2-tied"]
     layer, qkv = "model.layers.1.self_attn.", "decoder.layers.1.self_attention.linear_qkv."
     torch.testing.assert_close(full[qkv + "weight"][64:96], hf_state[layer + "q_proj.weight"][32:])
     torch.testing.assert_close(full[qkv + "bias"][96:112], hf_state[layer + "k_proj.bias"][16:])

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.models import full_logits
+from tests.helpers.models import assert_hf_mapping_round_trips, full_logits
 from tests.helpers.runs import capture_engine
 from tests.model_fixtures import whole_world_groups
 from tests.multirank import run_on_ranks
@@ -112,24 +112,15 @@ def test_outputs_match_transformers_and_round_trip_is_bit_exact(tmp_path: Path) 
 
 
 def test_experts_map_by_global_index_both_ways(tmp_path: Path) -> None:
-    from megatron_rlhf.models.hf_config import read_hf_config
-    from megatron_rlhf.models.hf_llama import full_state_to_hf, hf_to_full_state, load_hf_state
-
+    checked = {}
     for case in ("qwen3_moe", "mixtral"):
         _make(tmp_path / case, case)
-        description, _ = read_hf_config(tmp_path / case)
-        hf_state = load_hf_state(tmp_path / case)
-        full = hf_to_full_state(hf_state, description)
-        back = full_state_to_hf(full, description)
-        assert back.keys() == hf_state.keys(), case
-        assert all(torch.equal(back[name], tensor) for name, tensor in hf_state.items()), case
-    qwen, _ = read_hf_config(tmp_path / "qwen3_moe")
+        checked[case] = assert_hf_mapping_round_trips(tmp_path / case)
+    qwen = checked["qwen3_moe"][0]
     assert (qwen.num_experts, qwen.moe_topk, qwen.moe_ffn_hidden_size, qwen.ffn_hidden_size,
             qwen.moe_renormalize_topk, qwen.qk_norm) == (8, 2, 32, 96, True, True)
-    mixtral, _ = read_hf_config(tmp_path / "mixtral")
+    mixtral, hf, full = checked["mixtral"]
     assert (mixtral.num_experts, mixtral.moe_ffn_hidden_size, mixtral.qk_norm) == (8, 32, False)
-    hf, full = load_hf_state(tmp_path / "mixtral"), hf_to_full_state(
-        load_hf_state(tmp_path / "mixtral"), mixtral)
     expert, fc1 = "model.layers.1.block_sparse_moe.experts.5.", (
         full["decoder.layers.1.mlp.experts.local_experts.5.linear_fc1.weight"])
     assert torch.equal(fc1[:32], hf[expert + "w1.weight"])  # [gate; up]
