@@ -15,12 +15,8 @@ import pytest
 from megatron_rlhf.builder.sources import arch_spec, config_arch
 from megatron_rlhf.config.loader import load_config
 from megatron_rlhf.config.ppo_run import RunConfig
-from megatron_rlhf.engine.run.plan_only import (
-    plan_cluster,
-    plan_run,
-    planner_rollout,
-    run_memory_options,
-)
+from megatron_rlhf.engine.run.micro_batching import planner_rollout
+from megatron_rlhf.engine.run.plan_only import plan_cluster, plan_run, run_memory_options
 from megatron_rlhf.topology.models import resolve_arch
 from tests.scripts import REPO, load_script
 
@@ -167,6 +163,32 @@ def test_qwen3_moe_recipe_is_the_checkpoints_architecture(tmp_path: Path) -> Non
         # the experts' all-to-alls stay on one node: 8 consecutive ranks
         groups = run_plan.groups()[role]["ep"]
         assert len(groups) == 16 and all(g == list(range(g[0], g[0] + 8)) for g in groups)
+
+
+def test_auto_places_the_moe_recipe_with_experts_split_and_prices_it_as_plan_only() -> None:
+    """Qwen3-30B-A3B on 16 x 8 under ``--placement auto``: routing replay refuses TP with
+    sequence parallelism, and at TP 1 every expert on every GPU fits only fully sharded, at
+    under half the speed, so an expert-parallel layout wins; the search prices it as
+    ``--plan-only`` prices that placement (the micro-batches of the run's token budgets there)."""
+    from megatron_rlhf.engine.run.auto_placement import ranked_candidates
+
+    config = load_config(RunConfig, RECIPES / "qwen3-30b-a3b-grpo-16x8.yaml")
+    cluster = plan_cluster(config)
+    auto = plan_run(config, cluster, auto=True)
+    assert auto.fits and auto.plan["actor"].tp == 1
+    ep = auto.plan["actor"].spec.ep
+    assert ep > 1 and auto.plan["ref"].spec.ep == ep and f"ep={ep} wins" in auto.chosen
+    ranked = ranked_candidates(config, cluster, None)
+    winner = next(c for c in ranked if c.config.to_dict() == auto.config.placement.to_dict())
+    assert winner.prediction.samples_per_s == pytest.approx(auto.prediction.samples_per_s,
+                                                            rel=1e-9)
+    unsplit = [c for c in ranked if c.prediction.feasible
+               and c.plan["actor"].tp == 1 and c.plan["actor"].spec.ep == 1]
+    assert unsplit and all(c.prediction.memory.options["actor"].sharding == "fsdp"
+                           for c in unsplit), "whole experts fit only fully sharded"
+    assert max(c.prediction.samples_per_s for c in unsplit) < 0.6 * auto.prediction.samples_per_s
+    fixed = plan_run(config, cluster)  # the recipe's own ep 8
+    assert auto.prediction.samples_per_s >= fixed.prediction.samples_per_s
 
 
 def test_oversized_plan_is_refused() -> None:

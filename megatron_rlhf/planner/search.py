@@ -9,23 +9,34 @@ Candidates: for every TP (a divisor of the node size that divides the heads and 
 every model) and PP (a divisor of the layers, at most ``max_pp``): the presets flattening,
 interleaving (also with ref and reward at half the PP) and interleaving2; custom ratio vectors from a grid; separation for each
 ``train_fraction`` and shadow TP; hetero-separation (when the cluster has two or more pools) for
-each shadow TP. Requests the placement refuses are skipped; identical plans are kept once.
+each shadow TP. For mixture-of-experts models, each of those again with every expert-parallel
+size up to ``max_ep`` that divides the experts, set for every placed MoE model (shadows
+included). Requests the placement refuses (e.g. an ``ep`` that does not divide a model's DP size)
+are skipped; identical plans are kept once.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron_rlhf.planner.hardware import HardwareProfile
 from megatron_rlhf.planner.memory_fit import MEMORY_OPTIONS, check_memory_options
 from megatron_rlhf.planner.predict import STAGES, StepPrediction, predict_step
 from megatron_rlhf.planner.workload import RolloutSpec
 from megatron_rlhf.topology.cluster import ClusterSpec
-from megatron_rlhf.topology.models import REF, REWARD, ArchSpec, arch_preset
+from megatron_rlhf.topology.models import (
+    ACTOR,
+    CRITIC,
+    REF,
+    REWARD,
+    SHADOW_OF,
+    ArchSpec,
+    arch_preset,
+)
 from megatron_rlhf.topology.placement import plan_placement
 from megatron_rlhf.topology.placement_config import (
     CUSTOM,
@@ -56,6 +67,9 @@ class SearchSpace:
         tps: TP sizes to try; None for every valid one.
         pps: PP sizes to try; None for the divisors of the layers up to ``max_pp``.
         max_pp: largest PP tried when ``pps`` is None.
+        eps: expert-parallel sizes to try on mixture-of-experts models; None for 1 and every
+            divisor of the experts up to ``max_ep``. Dense models always run at 1.
+        max_ep: largest EP tried when ``eps`` is None.
         train_fractions: separation splits tried.
         ratio_grid: custom ratio vectors tried.
         ac_share: plan with AC-Share (no critic).
@@ -72,6 +86,8 @@ class SearchSpace:
     tps: tuple[int, ...] | None = None
     pps: tuple[int, ...] | None = None
     max_pp: int = 8
+    eps: tuple[int, ...] | None = None
+    max_ep: int = 16
     train_fractions: tuple[float, ...] = (0.25, 0.5, 0.75)
     ratio_grid: tuple[tuple[float, float, float, float], ...] = DEFAULT_RATIO_GRID
     ac_share: bool = False
@@ -81,10 +97,11 @@ class SearchSpace:
     memory_options: tuple[str, ...] = MEMORY_OPTIONS
 
     def __post_init__(self) -> None:
-        if self.max_pp < 1:
-            raise ValueError(f"search.max_pp={self.max_pp} must be >= 1")
+        for name in ("max_pp", "max_ep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"search.{name}={getattr(self, name)} must be >= 1")
         check_memory_options(self.memory_options)
-        for name in ("tps", "pps"):
+        for name in ("tps", "pps", "eps"):
             values = getattr(self, name)
             if values is not None and (not values or min(values) < 1):
                 raise ValueError(f"search.{name}={values} must list sizes >= 1, or be None")
@@ -122,10 +139,11 @@ class RankedCandidate:
                 "problems": list(p.problems)}
 
 
-def _archs(models: ArchLike | Mapping[str, ArchLike]) -> list[ArchSpec]:
+def _archs(models: ArchLike | Mapping[str, ArchLike]) -> dict[str, ArchSpec]:
+    """Role -> architecture (one for all four roles when ``models`` is one)."""
     if isinstance(models, str | ArchSpec):
-        return [arch_preset(models)]
-    return [arch_preset(arch) for arch in models.values()]
+        return dict.fromkeys((ACTOR, CRITIC, REF, REWARD), arch_preset(models))
+    return {role: arch_preset(arch) for role, arch in models.items()}
 
 
 def parallel_sizes(cluster: ClusterSpec, archs: list[ArchSpec],
@@ -141,10 +159,36 @@ def parallel_sizes(cluster: ClusterSpec, archs: list[ArchSpec],
             [p for p in pps if space.pps is None or p in space.pps])
 
 
-def candidate_configs(cluster: ClusterSpec, archs: list[ArchSpec],
+def expert_parallel_sizes(archs: Mapping[str, ArchSpec], space: SearchSpace) -> list[int]:
+    """The EP sizes to try: 1, and for mixture-of-experts models every size up to
+    ``space.max_ep`` that divides the experts of each of them (``space.eps`` when given)."""
+    experts = [a.experts.num_experts for a in archs.values() if a.experts is not None]
+    if not experts:
+        return [1]
+    common = math.gcd(*experts)
+    sizes = [e for e in range(1, min(space.max_ep, common) + 1) if common % e == 0]
+    return [1] + [e for e in sizes if e > 1 and (space.eps is None or e in space.eps)]
+
+
+def with_expert_parallelism(config: PlacementConfig, moe_roles: frozenset[str],
+                            ep: int) -> PlacementConfig:
+    """``config`` with expert-parallel size ``ep`` for each mixture-of-experts model it places
+    (a shadow as the model it copies), other per-role settings kept."""
+    placed = list(config.base_roles) + [shadow for shadow, base in SHADOW_OF.items()
+                                        if config.separated and base in config.base_roles]
+    parallel = dict(config.parallel)
+    for role in placed:
+        if SHADOW_OF.get(role, role) in moe_roles:
+            parallel[role] = replace(parallel.get(role, ParallelOverride()), ep=ep)
+    return replace(config, parallel=parallel)
+
+
+def candidate_configs(cluster: ClusterSpec, models: ArchLike | Mapping[str, ArchLike],
                       space: SearchSpace) -> list[PlacementConfig]:
-    """Every placement request of the search space, before planning."""
-    tps, pps = parallel_sizes(cluster, archs, space)
+    """Every placement request of the search space, before planning (``models`` as
+    ``auto_place`` takes them)."""
+    archs = _archs(models)
+    tps, pps = parallel_sizes(cluster, list(archs.values()), space)
 
     def wanted(strategy: str) -> bool:
         return space.strategies is None or strategy in space.strategies
@@ -186,14 +230,17 @@ def candidate_configs(cluster: ClusterSpec, archs: list[ArchSpec],
                 if len(cluster.pools) > 1 and wanted(HETERO_SEPARATION):
                     found.append(PlacementConfig(HETERO_SEPARATION, tp=tp, pp=pp,
                                                  parallel=dict(shadows), **common))
-    return found
+    moe_roles = frozenset(role for role, arch in archs.items() if arch.experts is not None)
+    return found + [with_expert_parallelism(config, moe_roles, ep)
+                    for ep in expert_parallel_sizes(archs, space)[1:] for config in found]
 
 
 def describe(plan: PlacementPlan) -> str:
-    """A short label of a plan: strategy (ratios, or the devices that train), tp, pp, shadow tp.
+    """A short label of a plan: strategy (ratios, or the devices that train), tp, pp, shadow tp,
+    and the largest expert-parallel size where one is above 1.
 
     E.g. ``flattening tp=4 pp=1``, ``custom[1, 1, 0.25, 0.25] tp=2 pp=1``,
-    ``separation(8/16 train) tp=4 pp=2 shadow_tp=2``.
+    ``separation(8/16 train) tp=4 pp=2 shadow_tp=2``, ``flattening tp=1 pp=1 ep=8``.
     """
     config, actor = plan.config, plan["actor"]
     name = config.strategy
@@ -206,7 +253,8 @@ def describe(plan: PlacementPlan) -> str:
         label += f" ref_pp={plan[REF].pp}"
     if "shadow_actor" in plan.models:
         label += f" shadow_tp={plan['shadow_actor'].tp}"
-    return label
+    ep = max(m.spec.ep for m in plan.models.values())
+    return label + (f" ep={ep}" if ep > 1 else "")
 
 
 @contextmanager
@@ -223,11 +271,12 @@ def _quiet_planner() -> Iterator[None]:
 
 
 def _signature(plan: PlacementPlan) -> tuple:
-    return tuple((role, m.rank_offset, m.size, m.tp, m.pp) for role, m in plan.models.items())
+    return tuple((role, m.rank_offset, m.size, m.tp, m.pp, m.spec.ep)
+                 for role, m in plan.models.items())
 
 
 def auto_place(cluster: ClusterSpec, models: ArchLike | Mapping[str, ArchLike],
-               rollout: RolloutSpec,
+               rollout: RolloutSpec | Callable[[PlacementPlan], RolloutSpec],
                profiles: Mapping[str, HardwareProfile] | HardwareProfile | None = None,
                space: SearchSpace | None = None) -> list[RankedCandidate]:
     """Rank every candidate placement by predicted samples/s, best first.
@@ -235,7 +284,8 @@ def auto_place(cluster: ClusterSpec, models: ArchLike | Mapping[str, ArchLike],
     Args:
         cluster: the devices.
         models: one architecture for all models, or one per role (as ``plan_placement``).
-        rollout: the step's shapes.
+        rollout: the step's shapes, or a function that gives them for a plan (a run's token
+            budgets, and so its micro-batches, depend on which models share a device).
         profiles: device profiles (``hardware.resolve_profiles``).
         space: the candidates to try; default ``SearchSpace()``.
 
@@ -247,7 +297,7 @@ def auto_place(cluster: ClusterSpec, models: ArchLike | Mapping[str, ArchLike],
     scored: list[tuple[str, PlacementConfig, PlacementPlan, StepPrediction]] = []
     seen: set[tuple] = set()
     with _quiet_planner():
-        for config in candidate_configs(cluster, _archs(models), space):
+        for config in candidate_configs(cluster, models, space):
             try:
                 plan = plan_placement(cluster, config, models)
             except ValueError:
@@ -255,8 +305,9 @@ def auto_place(cluster: ClusterSpec, models: ArchLike | Mapping[str, ArchLike],
             if _signature(plan) in seen:
                 continue
             seen.add(_signature(plan))
+            shapes = rollout(plan) if callable(rollout) else rollout
             scored.append((describe(plan), config, plan,
-                           predict_step(plan, rollout, profiles, space.memory_options)))
+                           predict_step(plan, shapes, profiles, space.memory_options)))
     scored.sort(key=lambda c: (not c[3].feasible, -c[3].samples_per_s))
     return [RankedCandidate(i + 1, *c) for i, c in enumerate(scored)]
 

@@ -109,7 +109,7 @@ def test_the_planner_prices_and_proposes_no_reward_model() -> None:
     cluster = homogeneous_cluster("A100-80GB", 4, 8)
     rollout = RolloutSpec(batch=256, prompt_length=128, generation_length=128)
     space = SearchSpace(tps=(4,), pps=(1, 2), critic=False, reward=False)
-    configs = candidate_configs(cluster, [arch_preset("llama-7b")], space)
+    configs = candidate_configs(cluster, arch_preset("llama-7b"), space)
     assert all(not c.reward and "reward" not in c.parallel for c in configs)
     # The grid's vectors differ in the reward entry only once the critic's is dropped.
     assert [c.ratios for c in configs if c.strategy == "custom" and c.pp == 1] == [

@@ -26,7 +26,7 @@ def test_parallel_sizes_divide_nodes_heads_and_layers() -> None:
 def test_candidates_cover_presets_ratio_grid_and_separation_splits() -> None:
     cluster = homogeneous_cluster("A100-80GB", 4, 8)
     space = SearchSpace(tps=(2, 4), pps=(1,))
-    configs = candidate_configs(cluster, [arch_preset("llama-7b")], space)
+    configs = candidate_configs(cluster, arch_preset("llama-7b"), space)
     labels = {describe(plan_placement(cluster, config, "llama-7b")) for config in configs}
     for expected in ("flattening tp=4 pp=1", "interleaving2 tp=2 pp=1",
                      "custom[1, 1, 0.25, 0.25] tp=4 pp=1",
@@ -40,7 +40,7 @@ def test_candidates_cover_presets_ratio_grid_and_separation_splits() -> None:
 def test_a_critic_free_search_prices_three_models() -> None:
     cluster = homogeneous_cluster("A100-80GB", 4, 8)
     space = SearchSpace(tps=(4,), pps=(1,), critic=False)
-    configs = candidate_configs(cluster, [arch_preset("llama-7b")], space)
+    configs = candidate_configs(cluster, arch_preset("llama-7b"), space)
     assert {c.strategy for c in configs} == {"flattening", "interleaving", "custom", "separation"}
     assert [c.ratios for c in configs if c.strategy == "custom"] == [
         [1.0, 0.25, 0.25], [1.0, 0.5, 0.25], [1.0, 0.25, 0.5], [0.5, 0.25, 0.25]]
@@ -75,7 +75,7 @@ def test_auto_place_tries_hetero_separation_on_two_pools() -> None:
     assert len({c.label for c in ranked}) == len(ranked) == 8
     # The winner, found without auto_place: plan and predict every candidate, keep the fastest.
     predicted = {}
-    for config in candidate_configs(cluster, [arch_preset("llama-7b")], space):
+    for config in candidate_configs(cluster, arch_preset("llama-7b"), space):
         plan = plan_placement(cluster, config, "llama-7b")
         prediction = predict_step(plan, ROLLOUT)
         if prediction.feasible:

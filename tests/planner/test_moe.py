@@ -234,3 +234,67 @@ def test_a_checkpoints_description_gives_its_experts_to_the_planner() -> None:
     dense = dataclasses.replace(description, num_experts=0, moe_topk=0, moe_ffn_hidden_size=0,
                                 moe_shared_ffn_size=0)
     assert arch_spec(dense, "moe").experts is None
+
+
+def test_the_search_tries_the_expert_parallel_sizes_that_divide_the_experts() -> None:
+    from megatron_rlhf.planner import SearchSpace
+    from megatron_rlhf.planner.search import expert_parallel_sizes
+
+    dense = dataclasses.replace(MOE, experts=None)
+    wide = dataclasses.replace(MOE, experts=ExpertSpec(128, 8, 32))
+    assert expert_parallel_sizes({"actor": dense, "ref": dense}, SearchSpace()) == [1]
+    assert expert_parallel_sizes({"actor": MOE, "ref": MOE}, SearchSpace()) == [1, 2, 3, 6]
+    assert expert_parallel_sizes({"actor": wide}, SearchSpace()) == [1, 2, 4, 8, 16]
+    assert expert_parallel_sizes({"actor": wide}, SearchSpace(max_ep=64))[-1] == 64
+    assert expert_parallel_sizes({"actor": wide}, SearchSpace(eps=(8, 3))) == [1, 8]
+    # every MoE model's experts must split: 6 and 128 share 2; a dense model does not count
+    assert expert_parallel_sizes({"actor": MOE, "ref": wide, "reward": dense},
+                                 SearchSpace()) == [1, 2]
+    with pytest.raises(ValueError, match="search.max_ep=0"):
+        SearchSpace(max_ep=0)
+
+
+@pytest.mark.parametrize("critic", [True, False])
+def test_candidates_set_ep_on_every_placed_moe_model_and_its_shadow(critic: bool) -> None:
+    from megatron_rlhf.planner import SearchSpace
+    from megatron_rlhf.planner.search import candidate_configs
+
+    dense = dataclasses.replace(MOE, experts=None)
+    models = {"actor": MOE, "critic": MOE, "ref": MOE, "reward": dense}
+    if not critic:
+        del models["critic"]
+    cluster = ClusterSpec((DevicePool("A100-80GB", nodes=2, devices_per_node=4),))
+    space = SearchSpace(eps=(2,), critic=critic, tps=(1,), pps=(1,))
+    configs = candidate_configs(cluster, models, space)
+    with_ep = [c for c in configs if any(o.ep for o in c.parallel.values())]
+    assert len(with_ep) * 2 == len(configs), "each candidate once at ep 1 and once at ep 2"
+    assert {c.strategy for c in with_ep} == {c.strategy for c in configs} >= {"separation"}
+    for config in with_ep:
+        moe_roles = {"actor", "ref"} | ({"critic"} if critic else set())
+        if config.separated:
+            moe_roles |= {"shadow_actor"} | ({"shadow_critic"} if critic else set())
+            assert config.parallel["shadow_actor"].tp == 1, "the shadow's TP is kept"
+        assert {role: o.ep for role, o in config.parallel.items() if o.ep} == dict.fromkeys(
+            moe_roles, 2), config
+
+
+def test_auto_placement_gives_a_moe_model_expert_parallelism_when_it_needs_it() -> None:
+    """A dense-sized MoE model that fits 8 GPUs only with its experts split: the search finds
+    placements with ep > 1, labels them, and builds their expert groups."""
+    from megatron_rlhf.planner import SearchSpace, auto_place
+
+    big = ArchSpec("moe-big", 16, 2048, 16, 32000, 4096, 8192, gated_mlp=True,
+                   experts=ExpertSpec(64, 2, 2048))
+    cluster = ClusterSpec((DevicePool("A100-80GB", nodes=1, devices_per_node=8),))
+    rollout = RolloutSpec(batch=64, prompt_length=256, generation_length=256, micro_batch_size=1)
+    space = SearchSpace(strategies=("flattening",), tps=(1,), pps=(1,), critic=False,
+                        reward=False, memory_options=())
+    ranked = auto_place(cluster, big, rollout, space=space)
+    by_ep = {c.plan["actor"].spec.ep: c for c in ranked}
+    assert sorted(by_ep) == [1, 2, 4, 8]
+    assert not by_ep[1].prediction.feasible, "every expert on every GPU does not fit"
+    assert ranked[0].prediction.feasible and ranked[0].plan["actor"].spec.ep > 1
+    assert ranked[0].label.endswith(f"ep={ranked[0].plan['actor'].spec.ep}")
+    assert "ep=" not in by_ep[1].label
+    gib = {ep: c.prediction.memory.peak_gib for ep, c in by_ep.items() if ep > 1}
+    assert gib[2] > gib[4] > gib[8], "states per GPU fall as the experts are split further"

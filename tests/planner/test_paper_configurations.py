@@ -44,7 +44,7 @@ def _cells(fitting: bool) -> list[tuple[str, int, str]]:
 def _first_feasible(model: str, nodes: int, strategy: str) -> StepPrediction | None:
     """The first candidate of ``strategy`` that fits, trying the largest TP x PP first."""
     cluster = homogeneous_cluster("A100-80GB", nodes, 8)
-    configs = candidate_configs(cluster, [arch_preset(model)],
+    configs = candidate_configs(cluster, arch_preset(model),
                                 SearchSpace(strategies=(strategy,)))
     for config in sorted(configs, key=lambda c: -c.tp * c.pp):
         try:

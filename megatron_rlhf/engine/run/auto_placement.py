@@ -16,9 +16,9 @@ import dataclasses
 from megatron_rlhf.builder.sources import config_arch
 from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.engine.run.build import make_plan
+from megatron_rlhf.engine.run.micro_batching import planner_rollout, token_budgets
 from megatron_rlhf.planner import (
     MemoryOptions,
-    RolloutSpec,
     SearchSpace,
     auto_place,
     explain_choice,
@@ -67,11 +67,21 @@ def choose_placement(config: RunConfig, cluster: ClusterSpec,
 def ranked_candidates(config: RunConfig, cluster: ClusterSpec, profiles) -> list:
     """The planner's candidate placements for ``config`` on ``cluster``, best first, with the
     memory options the engine runs; a critic-free (or reward-model-free) run is priced as the
-    step with the models it has."""
-    rollout = RolloutSpec.from_run_config(config, overlap=config.rollout.async_rollout)
-    return auto_place(cluster, config_arch(config), rollout, profiles,
-                      SearchSpace(critic=config.placement.critic, reward=config.placement.reward,
-                                  memory_options=ENGINE_MEMORY_OPTIONS))
+    step with the models it has, each candidate with the micro-batches the run would fill at
+    that placement (``planner_rollout``)."""
+    return auto_place(cluster, config_arch(config),
+                      lambda plan: planner_rollout(config, token_budgets(config, plan)),
+                      profiles, search_space(config))
+
+
+def search_space(config: RunConfig) -> SearchSpace:
+    """The candidates the planner may give ``config``: the memory options the engine runs, and
+    under MoE routing replay neither a pipelined policy nor full recomputation, which replay
+    refuses (``RunConfig._check_router_replay``)."""
+    replay = config.models.moe.enabled and config.models.moe.router_replay
+    options = tuple(o for o in ENGINE_MEMORY_OPTIONS if not (replay and o == RECOMPUTE))
+    return SearchSpace(critic=config.placement.critic, reward=config.placement.reward,
+                       memory_options=options, pps=(1,) if replay else None)
 
 
 def candidate_config(config: RunConfig, candidate) -> RunConfig:

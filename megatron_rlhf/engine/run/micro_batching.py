@@ -21,6 +21,7 @@ the GPU's, or on CPU the host's divided by the ranks on the host (``LOCAL_WORLD_
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Sequence
@@ -28,6 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from megatron_rlhf.config.ppo_run import TOKEN_BUDGET_AUTO, RunConfig
+from megatron_rlhf.planner import RolloutSpec
 from megatron_rlhf.planner import cost_model as cm
 from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.topology.models import TRAINABLE_ROLES, VALUE_HEAD_ROLES
@@ -118,3 +120,34 @@ def auto_token_budget(config: RunConfig, model: ModelPlacement,
     if budget > BUDGET_GRANULE:
         budget -= budget % BUDGET_GRANULE
     return max(budget, row)
+
+
+def token_budgets(config: RunConfig, plan: PlacementPlan) -> dict[str, int]:
+    """Each model's tokens per micro-batch as the run resolves them on the model's first rank,
+    with that rank's pool's device memory; 0 means fixed ``rollout.micro_batch_size`` rows."""
+    budgets = {}
+    for role in plan.roles:
+        rank = plan[role].ranks.start
+        pool = plan.cluster.pools[plan.cluster.locate(rank).pool_index]
+        budgets[role] = resolve_token_budget(config, plan, role, rank, torch.device("cpu"),
+                                             memory_bytes=pool.memory_gib * 2**30)
+    return budgets
+
+
+def planner_rollout(config: RunConfig, budgets: dict[str, int] | None = None,
+                    rollout: RolloutSpec | None = None) -> RolloutSpec:
+    """The step's shapes for the planner, the smallest of ``budgets`` (:func:`token_budgets`;
+    None: a numeric ``max_tokens_per_micro_batch`` alone) as rows.
+
+    The planner prices every sequence at the same length (``rollout``'s; by default the
+    configured ``max_prompt_length + max_new_tokens``), so a budget is priced as ``budget //
+    sequence length`` rows (at least one); padded rows (no packing) are
+    ``rollout.micro_batch_size`` rows."""
+    rollout = rollout or RolloutSpec.from_run_config(config, overlap=config.rollout.async_rollout)
+    budget = config.rollout.max_tokens_per_micro_batch
+    if budgets is not None:
+        budget = min((b for b in budgets.values() if b > 0), default=0)
+    if isinstance(budget, int) and budget > 0:
+        rollout = dataclasses.replace(
+            rollout, micro_batch_size=max(1, budget // rollout.sequence_length))
+    return rollout

@@ -13,29 +13,24 @@ memory per GPU per model, seconds per stage and per step. Nothing is launched an
 read: the architecture is that of the initial checkpoints when every configured one exists
 (their ``config.json`` or ``megatron_rlhf.json``), else ``models.arch``.
 
-The planner prices every sequence at full length (``max_prompt_length + max_new_tokens``); with a
-number as ``rollout.max_tokens_per_micro_batch`` a forward or training micro-batch holds that
-many tokens, so it is priced as ``max_tokens_per_micro_batch // sequence length`` rows (at least
-one). ``auto`` is the budget the run would choose (``micro_batching.resolve_token_budget``, on
-each model's first rank, with its pool's device memory), priced as the smallest model's budget
-in rows; padded rows (no packing) are ``rollout.micro_batch_size`` rows.
+A micro-batch is priced as the run fills it (``micro_batching.planner_rollout``): with
+``rollout.max_tokens_per_micro_batch`` a number, that many tokens; with ``auto`` the budget the
+run would choose (``micro_batching.token_budgets``: on each model's first rank, with its pool's
+device memory), the smallest model's; padded rows, ``rollout.micro_batch_size`` rows.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from megatron_rlhf.builder.sources import initial_checkpoints, resolve_sources
 from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.engine.run.auto_placement import choose_placement
 from megatron_rlhf.engine.run.build import make_plan
-from megatron_rlhf.engine.run.micro_batching import resolve_token_budget
+from megatron_rlhf.engine.run.micro_batching import planner_rollout, token_budgets
 from megatron_rlhf.engine.run.stage_memory import offload_policies
 from megatron_rlhf.planner import (
     MemoryOptions,
@@ -132,31 +127,6 @@ def run_memory_options(config: RunConfig, plan: PlacementPlan) -> dict[str, Memo
         options[role] = MemoryOptions(sharding, config.models.recompute_of(role) == "full",
                                       offload[role] == "always")
     return options
-
-
-def token_budgets(config: RunConfig, plan: PlacementPlan) -> dict[str, int]:
-    """Each model's tokens per micro-batch as the run resolves them on the model's first rank,
-    with that rank's pool's device memory; 0 means fixed ``rollout.micro_batch_size`` rows."""
-    budgets = {}
-    for role in plan.roles:
-        rank = plan[role].ranks.start
-        pool = plan.cluster.pools[plan.cluster.locate(rank).pool_index]
-        budgets[role] = resolve_token_budget(config, plan, role, rank, torch.device("cpu"),
-                                             memory_bytes=pool.memory_gib * 2**30)
-    return budgets
-
-
-def planner_rollout(config: RunConfig, budgets: dict[str, int] | None = None) -> RolloutSpec:
-    """The step's shapes for the planner, the smallest of ``budgets`` (:func:`token_budgets`;
-    None: a numeric ``max_tokens_per_micro_batch`` alone) as rows (module docstring)."""
-    rollout = RolloutSpec.from_run_config(config, overlap=config.rollout.async_rollout)
-    budget = config.rollout.max_tokens_per_micro_batch
-    if budgets is not None:
-        budget = min((b for b in budgets.values() if b > 0), default=0)
-    if isinstance(budget, int) and budget > 0:
-        rollout = dataclasses.replace(
-            rollout, micro_batch_size=max(1, budget // rollout.sequence_length))
-    return rollout
 
 
 @dataclass(frozen=True)
