@@ -10,13 +10,15 @@ slower than its bandwidth says, a tiny model's training is all latency). ``calib
 factor per stage such that the run's own placement, predicted with them, takes the measured stage
 times; ``rerank`` prices every candidate placement with the same factors and with the answers the
 run really generates (the measured mean response length instead of ``max_new_tokens``), and ranks
-them. The factors are found again at every call from the times given: nothing is carried over.
+them; ``shapes_of`` fits the shapes to each plan where they depend on it (a run's token budgets set
+its micro-batches by what shares a device). The factors are found again at every call from the
+times given: nothing is carried over.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from megatron_rlhf.planner.hardware import HardwareProfile
@@ -31,6 +33,8 @@ scheduled seconds a little off from its scaled cost, so each pass corrects the f
 the previous one missed."""
 
 Profiles = Mapping[str, HardwareProfile] | HardwareProfile | None
+ShapesOf = Callable[[PlacementPlan, RolloutSpec], RolloutSpec]
+"""The step's shapes at a plan, from the shapes measured (e.g. its micro-batch rows)."""
 
 
 @dataclass(frozen=True)
@@ -129,7 +133,8 @@ def calibrate(plan: PlacementPlan, rollout: RolloutSpec, measured: Measured,
 
 def rerank(current: tuple[str, PlacementPlan], candidates: Sequence[tuple[str, PlacementPlan]],
            rollout: RolloutSpec, measured: Measured, profiles: Profiles = None,
-           memory_options: tuple[str, ...] = MEMORY_OPTIONS) -> Replan:
+           memory_options: tuple[str, ...] = MEMORY_OPTIONS,
+           shapes_of: ShapesOf | None = None) -> Replan:
     """Rank ``candidates`` by step seconds predicted with the run's measurements.
 
     Args:
@@ -139,13 +144,19 @@ def rerank(current: tuple[str, PlacementPlan], candidates: Sequence[tuple[str, P
         measured: the run's recent stage times and answer length.
         profiles: device profiles (``hardware.resolve_profiles``).
         memory_options: the memory options the planner may add.
+        shapes_of: the shapes at each plan (None: the same at every plan).
 
     Raises:
         ValueError: the current placement does not fit under the cost model.
     """
-    shapes = measured_rollout(rollout, measured.response_length)
-    scales, before, after = calibrate(current[1], shapes, measured, profiles, memory_options)
-    priced = [Priced(label, plan, predict_step(plan, shapes, profiles, memory_options,
+    measured_shapes = measured_rollout(rollout, measured.response_length)
+
+    def shapes(plan: PlacementPlan) -> RolloutSpec:
+        return measured_shapes if shapes_of is None else shapes_of(plan, measured_shapes)
+
+    scales, before, after = calibrate(current[1], shapes(current[1]), measured, profiles,
+                                      memory_options)
+    priced = [Priced(label, plan, predict_step(plan, shapes(plan), profiles, memory_options,
                                                stage_scale=scales))
               for label, plan in candidates]
     priced.sort(key=lambda c: (not c.prediction.feasible, c.prediction.step_seconds))
@@ -154,7 +165,8 @@ def rerank(current: tuple[str, PlacementPlan], candidates: Sequence[tuple[str, P
     if best.prediction.step_seconds >= after.step_seconds:
         best = mine
     return Replan(tuple(priced), mine, best, 1.0 - best.prediction.step_seconds /
-                  after.step_seconds, scales, _versus(measured, before, after), shapes)
+                  after.step_seconds, scales, _versus(measured, before, after),
+                  shapes(current[1]))
 
 
 def _versus(measured: Measured, before: StepPrediction,

@@ -263,15 +263,15 @@ def _replanner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *overrides: str)
 def _as_predicted(replanner):
     """The ranking after steps that took the time predicted for them: on 2 ranks flattening
     beats separation (the trainers get both ranks)."""
-    from megatron_rlhf.engine.run.auto_placement import ENGINE_MEMORY_OPTIONS
     from megatron_rlhf.planner import predict_step
     from megatron_rlhf.planner.replan import Measured, rerank
 
     label, plan = replanner.current
-    predicted = predict_step(plan, replanner.rollout, replanner.profiles, ENGINE_MEMORY_OPTIONS)
+    predicted = predict_step(plan, replanner.shapes_at(plan, replanner.rollout),
+                             replanner.profiles, replanner.memory_options)
     measured = Measured(predicted.stage_seconds, predicted.step_seconds, 6.0)
     return rerank(replanner.current, replanner.candidates, replanner.rollout, measured,
-                  replanner.profiles, ENGINE_MEMORY_OPTIONS)
+                  replanner.profiles, replanner.memory_options, replanner.shapes_at)
 
 
 def test_a_move_is_chosen_only_when_its_saving_pays_for_it(tmp_path: Path,

@@ -57,6 +57,34 @@ def test_a_slow_generation_flips_the_ranking_to_separation() -> None:
     assert direct.step_seconds == result.best.prediction.step_seconds
 
 
+def test_each_candidate_is_priced_with_its_own_shapes() -> None:
+    """``shapes_of`` (a run's token budgets) gives separation micro-batches of 1 row and
+    flattening of 8; each plan is calibrated and priced with its own, and the measured answer
+    length reaches both."""
+    from dataclasses import replace
+
+    seen = []
+
+    def shapes_of(plan, shapes):
+        seen.append((plan, shapes.generation_length))
+        return replace(shapes, micro_batch_size=1 if plan is SEP else 8)
+
+    measured = Measured(_measured(1.0).stage_seconds, _measured(1.0).step_seconds, 12.0)
+    result = rerank(CANDIDATES[0], CANDIDATES, ROLLOUT, measured, None, OPTIONS, shapes_of)
+    assert {length for _, length in seen} == {12}
+    assert result.rollout.micro_batch_size == 8 and result.rollout.generation_length == 12
+    flat_shapes = replace(ROLLOUT, generation_length=12, micro_batch_size=8)
+    scales, _, after = calibrate(FLAT, flat_shapes, measured, None, OPTIONS)
+    assert result.current.prediction.step_seconds == after.step_seconds
+    priced = {c.label: c.prediction.step_seconds for c in result.ranking}
+    separation = predict_step(SEP, replace(flat_shapes, micro_batch_size=1), None, OPTIONS,
+                              stage_scale=scales)
+    assert priced[describe(SEP)] == separation.step_seconds
+    same = rerank(CANDIDATES[0], CANDIDATES, ROLLOUT, measured, None, OPTIONS)
+    assert {c.label: c.prediction.step_seconds for c in same.ranking}[describe(SEP)] != (
+        separation.step_seconds), "the shapes changed the price"
+
+
 def test_calibration_reproduces_the_measured_stage_times() -> None:
     measured = Measured({"generation": 0.5, "training": 0.02, "experience": 0.04},
                         step_seconds=0.6, response_length=20.0)

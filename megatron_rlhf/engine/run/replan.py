@@ -36,11 +36,12 @@ import torch.distributed as dist
 
 from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.engine.run.auto_placement import (
-    ENGINE_MEMORY_OPTIONS,
     candidate_config,
     ranked_candidates,
+    search_space,
 )
 from megatron_rlhf.engine.run.build import make_plan
+from megatron_rlhf.engine.run.micro_batching import planner_rollout, token_budgets
 from megatron_rlhf.planner import RolloutSpec, describe, load_profile
 from megatron_rlhf.planner.hardware import resolve_profiles
 from megatron_rlhf.planner.predict import EXPERIENCE, GENERATION, STAGES, SYNC, TRAINING, TRANSFER
@@ -153,6 +154,7 @@ class RunReplanner:
         self.tracer, self.keep_spans = tracer, config.trace
         self.history = Path(run_dir) / HISTORY
         self.rollout = RolloutSpec.from_run_config(config, overlap=config.rollout.async_rollout)
+        self.memory_options = search_space(config).memory_options
         self.profiles = load_profile(self.settings.profile) if self.settings.profile else None
         self.current = (describe(plan), plan)
         found = candidate_plans(config, plan.cluster, self.profiles)
@@ -196,7 +198,7 @@ class RunReplanner:
         measured = self._measured()
         self._window = []
         result = rerank(self.current, self.candidates, self.rollout, measured, self.profiles,
-                        ENGINE_MEMORY_OPTIONS)
+                        self.memory_options, self.shapes_at)
         gain = result.gain
         self._target, saving = self.decide(step, result)
         if dist.get_rank() == 0:
@@ -247,6 +249,10 @@ class RunReplanner:
         self.move_cost_s = seconds
         self.first_measured = step + 1 + self.settings.warmup_steps
         self._window = []
+
+    def shapes_at(self, plan: PlacementPlan, shapes: RolloutSpec) -> RolloutSpec:
+        """``shapes`` with the micro-batch rows the run's token budgets give at ``plan``."""
+        return planner_rollout(self.config, token_budgets(self.config, plan), shapes)
 
     def _plan(self, label: str) -> PlacementPlan:
         return self.candidates[self.labels.index(label)][1]
