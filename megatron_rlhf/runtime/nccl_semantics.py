@@ -36,6 +36,13 @@ on a gloo world; it never runs in production. Each rule names the torch source i
    runs on CPU too. :func:`group_calls` counts the calls (each a communicator split under NCCL).
 5. **Default group timeout.** A group created without a timeout gets NCCL's default
    (``default_pg_nccl_timeout``, 10 minutes), not gloo's 30.
+6. **CUDA tensors only.** A group made with backend ``nccl`` maps only the ``cuda`` device type:
+   a host tensor in one of its collectives or point-to-point operations raises ``No backend
+   type associated with device type cpu``. Here every tensor a GPU run would hold in host
+   memory is marked where it is made (:mod:`~megatron_rlhf.runtime.nccl_device_rule`), and a
+   collective, ``send``/``recv`` or batched P2P that gets one raises
+   :class:`~megatron_rlhf.runtime.nccl_device_rule.HostTensorInCollective`, naming the file and
+   line of the call and of the tensor's making.
 """
 
 from __future__ import annotations
@@ -55,6 +62,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from megatron_rlhf.runtime import nccl_device_rule
+
 ENV = "MEGATRON_RLHF_NCCL_SEMANTICS"
 """``1``: install NCCL's semantics on a gloo world (the test suite's default)."""
 
@@ -65,6 +74,9 @@ TRACKED_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into
                        "reduce_scatter_tensor", "all_to_all_single", "barrier", "reduce",
                        "all_gather_object", "broadcast_object_list", "gather", "scatter")
 """Collectives whose first call on a group counts as the group's first operation."""
+
+POINT_TO_POINT = ("send", "recv", "isend", "irecv")
+"""Single transfers: only the device rule (6) applies to them."""
 
 _KEY = "megatron_rlhf/nccl_semantics"
 
@@ -191,6 +203,9 @@ def install() -> None:
     _replace("split_group", _split_group)
     for name in TRACKED_COLLECTIVES:
         _replace(name, _tracked(name))
+    for name in POINT_TO_POINT:
+        _replace(name, _device_checked(name))
+    nccl_device_rule.install()
 
 
 def uninstall() -> None:
@@ -201,6 +216,7 @@ def uninstall() -> None:
     for (module, name), function in _state.original.items():
         setattr(module, name, function)
     _state = None
+    nccl_device_rule.uninstall()
 
 
 def _replace(name: str, replacement: Callable) -> None:
@@ -263,6 +279,7 @@ def _first_operation(group: dist.ProcessGroup | None, kind: str) -> None:
 
 def _batch_isend_irecv(p2p_op_list: list[dist.P2POp]) -> list[CoalescedWork]:
     group = p2p_op_list[0].group if p2p_op_list else None
+    nccl_device_rule.check_collective("batch_isend_irecv", p2p_op_list, sys._getframe(1))
     _first_operation(group, "batch_isend_irecv")
     state = _group_state(group)
     works = _original("batch_isend_irecv")(p2p_op_list)
@@ -279,9 +296,22 @@ def _tracked(name: str) -> Callable:
 
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
-        group = signature.bind_partial(*args, **kwargs).arguments.get("group")
+        arguments = signature.bind_partial(*args, **kwargs).arguments
+        group = arguments.get("group")
         if group is not dist.GroupMember.NON_GROUP_MEMBER:
+            nccl_device_rule.check_collective(name, arguments.values(), sys._getframe(1))
             _first_operation(group, "collective")
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+def _device_checked(name: str) -> Callable:
+    function = getattr(distributed_c10d, name)
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        nccl_device_rule.check_collective(name, [*args, *kwargs.values()], sys._getframe(1))
         return function(*args, **kwargs)
 
     return wrapper

@@ -23,6 +23,8 @@ from functools import cache
 import torch
 import torch.distributed as dist
 
+from megatron_rlhf.runtime.device import comm_device
+
 # Dense bf16 FLOP/s of the GPUs the project has seen (spec sheets).
 SPEC_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 STAGES = ("train", "generate")
@@ -120,7 +122,8 @@ def step_throughput(engine, metrics: dict[str, float], rows: int, seconds: float
     sums = take_work_sums(engine)
     keys = [f"throughput/{stage}_{kind}" for stage in STAGES for kind in ("flop",
                                                                          "capacity_flop")]
-    totals = torch.tensor([sums.get(key, 0.0) for key in keys], dtype=torch.float64)
+    totals = torch.tensor([sums.get(key, 0.0) for key in keys], dtype=torch.float64,
+                          device=comm_device())
     # World: every rank's models contribute to the stages.
     dist.all_reduce(totals, group=dist.group.WORLD)
     result = utilisation(dict(zip(keys, totals.tolist(), strict=True)))

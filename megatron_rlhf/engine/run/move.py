@@ -42,6 +42,7 @@ from megatron_rlhf.engine.run.evaluation import HeldOutEvaluator
 from megatron_rlhf.engine.run.export import HFExporter
 from megatron_rlhf.engine.run.replan import HISTORY, MoveTarget, append_history
 from megatron_rlhf.planner import describe
+from megatron_rlhf.runtime.device import comm_device
 from megatron_rlhf.runtime.distributed import destroy_groups_since
 from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.runtime.memory_meter import MemoryMeter
@@ -102,7 +103,8 @@ class PlacementMover:
         fits = (not config.checkpoint.save_dir and sum(p.nodes for p in plan.cluster.pools) == 1
                 and MEMORY_DIR.is_dir() and shutil.disk_usage(MEMORY_DIR).free > 2 * size)
         # World: every rank must choose the same directory and estimate.
-        agreed = torch.tensor([build_seconds, 0.0 if fits else 1.0], dtype=torch.float64)
+        agreed = torch.tensor([build_seconds, 0.0 if fits else 1.0], dtype=torch.float64,
+                              device=comm_device())
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
         self.estimate_s = agreed[0].item() + 2 * size / MOVE_BYTES_PER_S
         self.kind = ("checkpoint" if config.checkpoint.save_dir else
@@ -178,7 +180,7 @@ class PlacementMover:
                 seconds: dict[str, float], destroyed: int) -> float:
         """The seconds of each part, largest over the ranks, logged and appended to the
         history; returns their sum."""
-        parts = torch.tensor(list(seconds.values()), dtype=torch.float64)
+        parts = torch.tensor(list(seconds.values()), dtype=torch.float64, device=comm_device())
         dist.all_reduce(parts, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
         seconds = dict(zip(seconds, parts.tolist(), strict=True))
         total = sum(seconds.values())

@@ -47,6 +47,7 @@ from megatron_rlhf.planner.hardware import resolve_profiles
 from megatron_rlhf.planner.predict import EXPERIENCE, GENERATION, STAGES, SYNC, TRAINING, TRANSFER
 from megatron_rlhf.planner.replan import Measured, Replan, rerank
 from megatron_rlhf.planner.schedule import covered_seconds
+from megatron_rlhf.runtime.device import comm_device
 from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.runtime.tracing import Span, Tracer
 from megatron_rlhf.topology.cluster import ClusterSpec
@@ -265,7 +266,7 @@ class RunReplanner:
         step = sum(seconds for _, seconds, _ in self._window) / count
         # max(-x) is -min(x): one reduction gives both; ranks without the stage offer -inf.
         totals = torch.tensor([*means, step, *(-m if m > 0 else -math.inf for m in means)],
-                              dtype=torch.float64)
+                              dtype=torch.float64, device=comm_device())
         # World: each stage runs on some ranks only; every rank needs the same figures.
         dist.all_reduce(totals, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
         reduced = totals.tolist()
