@@ -4,7 +4,7 @@
     with tracker.stage("step", signature=(step, rows)):                # every rank (checked)
         with tracker.stage("experience/reward"):                       # rank-local marker
             ...
-    if preemption.requested():                                         # collective, per step
+    if preemption.requested():                             # every rank, per step (store)
         ...
 
 Every rank records its current stage (name, start time, pid, host) in the job's TCP store at each
@@ -32,7 +32,7 @@ import signal
 import socket
 import time
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,7 @@ from megatron_rlhf.runtime.device import comm_device
 from megatron_rlhf.runtime.distributed import attempt_store, restart_attempt
 from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.runtime.patches import default_group_store, set_default_group_timeout
+from megatron_rlhf.runtime.store_exchange import PeerStopped, StoreExchange
 
 logger = get_logger(__name__)
 
@@ -92,10 +93,6 @@ class FaultConfig:
 
 class RankFailure(RuntimeError):
     """Another rank failed, hung or disagrees; the message names it and its stage."""
-
-
-class PeerStopped(RuntimeError):
-    """Ranks this rank waits for outside a collective (a transfer's handshake) have stopped."""
 
 
 class NonFiniteError(RuntimeError):
@@ -358,14 +355,22 @@ class PreemptionWatcher:
     """Turns SIGTERM, or the appearance of a stop file, into a stop that every rank agrees on at a
     step boundary.
 
-    The handler only sets a flag; :meth:`requested` all-reduces it (MAX) over the default group,
-    so one signalled rank (or one rank that sees the file) is enough and all ranks stop after the
-    same step.
+    The handler only sets a flag; :meth:`requested` gathers every rank's flag through the job's
+    store (no deadline: a rank that finished its step early waits for the others there), so one
+    signalled rank (or one rank that sees the file) is enough and all ranks stop after the same
+    step.
+
+    Args:
+        stop_file: a path whose appearance stops the run as SIGTERM does ("": none).
+        stopped: which of the given ranks have stopped (the fault tracker's
+            ``stopped_ranks``), asked while waiting for the others' flags; None: wait anyway.
     """
 
-    def __init__(self, stop_file: str = "") -> None:
+    def __init__(self, stop_file: str = "",
+                 stopped: Callable[[Iterable[int]], list[int]] | None = None) -> None:
         self.signalled = False
         self.stop_file = stop_file
+        self._exchange = StoreExchange("preemption", stopped=stopped)
         self._previous = signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
@@ -373,16 +378,12 @@ class PreemptionWatcher:
         logger.warning("SIGTERM received: finishing the current step, then saving and exiting")
 
     def requested(self) -> bool:
-        """Whether any rank was signalled (collective over the default group)."""
+        """Whether any rank was signalled (every rank calls it; through the job's store)."""
         if self.stop_file and not self.signalled and os.path.exists(self.stop_file):
             self.signalled = True
             logger.warning("stop file %s found: finishing the current step, then saving and "
                            "exiting", self.stop_file)
-        flag = torch.tensor([1 if self.signalled else 0], dtype=torch.int32,
-                            device=comm_device())
-        # World: one signalled rank stops every rank after the same step.
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
-        return bool(flag.item())
+        return any(self._exchange.all_gather_object(self.signalled))
 
     def close(self) -> None:
         """Restore the previous SIGTERM handler."""

@@ -351,7 +351,9 @@ def _train(live: LiveRun, start: int, run_dir: Path, mover: PlacementMover | Non
         first_eval = eval_metrics(_drop_metrics_from(run_dir / "metrics.jsonl", start))
     context = run.engine.context
     writer = MetricsWriter(run_dir, config.steps, label=algorithm_label(config), first_step=start)
-    preemption = PreemptionWatcher(config.faults.stop_file)
+    faults = context.faults
+    preemption = PreemptionWatcher(config.faults.stop_file,
+                                   faults.stopped_ranks if faults is not None else None)
     saver = CheckpointSaver(config.checkpoint)
     stop = False
     replanner = (RunReplanner(config, run.engine.plan, context.tracer, run_dir, start,

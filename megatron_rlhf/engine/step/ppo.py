@@ -48,6 +48,7 @@ from megatron_rlhf.engine.step.dynamic_sampling import (
 )
 from megatron_rlhf.engine.step.experience import compute_advantages, sequence_scores
 from megatron_rlhf.engine.step.step_metrics import (
+    STEP_END,
     accumulate_train_sums,
     apply_nan_policy,
     experience_sources,
@@ -57,6 +58,7 @@ from megatron_rlhf.engine.step.step_metrics import (
 from megatron_rlhf.engine.step.training_losses import actor_loss_fn, critic_loss_fn
 from megatron_rlhf.rewards import RewardFunctionSpec
 from megatron_rlhf.runtime.logging import get_logger
+from megatron_rlhf.runtime.store_exchange import StoreExchange
 from megatron_rlhf.topology.models import ACTOR, CRITIC
 
 logger = get_logger(__name__)
@@ -137,6 +139,9 @@ class PPOAlgorithm:
         self.kl_controller = build_kl_controller(algorithm)
         self.score_moments = RunningMoments()
         self._queue: deque[Experience] = deque()
+        faults = engine.context.faults
+        self._step_end = StoreExchange(
+            STEP_END, stopped=faults.stopped_ranks if faults is not None else None)
 
     @property
     def staleness(self) -> int:
@@ -159,7 +164,8 @@ class PPOAlgorithm:
         with self.engine.context.span("sync_weights"):
             self.engine.sync_weights()
         peaks = self.engine.context.memory.take()
-        return apply_nan_policy(share_metrics(experience.metrics, train_sums, peaks), step,
+        return apply_nan_policy(share_metrics(experience.metrics, train_sums, peaks,
+                                              self._step_end), step,
                                 experience_sources(self.engine), self.on_nan)
 
     def state_dict(self) -> dict[str, Any]:

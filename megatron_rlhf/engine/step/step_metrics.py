@@ -1,7 +1,8 @@
 """What a PPO step reports: loss sums combined over ranks, peak memory, and NaN/Inf found and
 named.
 
-A step's metrics are the same dict on every rank (:func:`share_metrics`); a stage's peak memory
+A step's metrics are the same dict on every rank (:func:`share_metrics`, through the job's store,
+so that ranks done early wait for the trainers without a collective's timeout); a stage's peak memory
 is the largest over the ranks that ran it (``memory/<stage>_peak_bytes``). Non-finite model
 outputs are counted per experience field (:func:`nonfinite_experience`) and non-finite metrics are
 named with the model and stage that produced them (:func:`nonfinite_report`), then the run's
@@ -13,14 +14,17 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
 from megatron_rlhf.engine.execution.ppo_engine import PPOEngine
 from megatron_rlhf.runtime.faults import NonFiniteError
 from megatron_rlhf.runtime.logging import get_logger
+from megatron_rlhf.runtime.store_exchange import StoreExchange
 from megatron_rlhf.topology.models import ACTOR, CRITIC, REF, REWARD
 
 logger = get_logger(__name__)
+
+STEP_END = "step_end"
+"""The store exchange of :func:`share_metrics`."""
 
 _EXPERIENCE_SOURCES = ("old_logprobs", "ref_logprobs", "values", "rm_scores", "rule_scores")
 
@@ -102,18 +106,23 @@ def accumulate_train_sums(sums: dict[str, float], role: str, result: dict, worke
 
 
 def share_metrics(step_metrics: dict[str, float], train_sums: dict[str, float],
-                  memory_peaks: dict[str, int] | None = None) -> dict[str, float]:
+                  memory_peaks: dict[str, int] | None = None,
+                  exchange: StoreExchange | None = None) -> dict[str, float]:
     """Combine every rank's contributions into the same metrics dict on every rank.
+
+    The contributions go through the job's store, not a world collective: a rank that only
+    generated and scored arrives here while the trainers still train and sync weights, and waits
+    for them without the process-group timeout (under NCCL, the watchdog) ending the job.
 
     Args:
         step_metrics: this rank's experience metrics (identical where present).
         train_sums: this rank's loss sums (:func:`accumulate_train_sums`).
         memory_peaks: this rank's peak bytes per stage (``MemoryMeter.take``).
+        exchange: the step end's exchange over every rank (default: one without fault records).
     """
-    gathered: list = [None] * dist.get_world_size()
-    # World: the metrics come from the ranks of every model and every rank returns all of them.
-    dist.all_gather_object(gathered, (step_metrics, train_sums, memory_peaks or {}),
-                           group=dist.group.WORLD)
+    exchange = exchange if exchange is not None else StoreExchange(STEP_END)
+    # Every rank: the metrics come from the ranks of every model and every rank returns all.
+    gathered = exchange.all_gather_object((step_metrics, train_sums, memory_peaks or {}))
     metrics: dict[str, float] = {}
     totals: dict[str, float] = {}
     for rank_metrics, rank_sums, rank_peaks in gathered:
