@@ -15,7 +15,12 @@ With graphs (CUDA, or the CPU stand-in) the slots never go below ``GRAPH_MIN_SLO
 it at the start of a small call, within ``micro_batch_size``), and each slot count's decoder and
 captured step are kept on the model across calls (:class:`DecodeGraphs`): a call captures only
 the slot counts no earlier call captured, and shrinking copies the kept rows into the smaller
-decoder's buffers instead of allocating new ones.
+decoder's buffers instead of allocating new ones. The cache length is that of the longest
+sequence the run allows (``max_length``: the longest prompt plus the most response or episode
+tokens), not of each call's longest prompt, so the calls of a run (the turns of multi-turn
+episodes, too) share one length and one capture per slot count. The kept decoders hold their
+model weakly: dropping the model frees them, and :func:`release_decode_graphs` frees them
+while the model lives (before training on the same devices, say).
 """
 
 from __future__ import annotations
@@ -50,7 +55,8 @@ class DecodeGraphs:
     decoder's length and the step's settings are the same (another length or setting drops
     them all) and the parameters are where they were (a refit that copies in place keeps them;
     parameters that moved drop the captured steps, which capture again). The KV memory of every
-    slot count used stays allocated between calls: :func:`release_decode_graphs` frees it.
+    slot count used stays allocated between calls: :func:`release_decode_graphs` frees it, and
+    so does dropping the model (nothing here refers to it strongly).
     """
 
     def __init__(self) -> None:
@@ -63,8 +69,9 @@ class DecodeGraphs:
                 length: int, vocab_size: int, config: GenerationConfig,
                 eos_id: int | Sequence[int] | None, pad_id: int) -> SlotDecoder:
         """An empty decoder of ``slots`` slots: the kept one, or a new one."""
-        # what a captured step bakes in; the seed only picks the noise keys, a buffer
-        settings = (length, vocab_size, dataclasses.replace(config, seed=0),
+        # what a captured step bakes in; the seed only picks the noise keys and the budgets are
+        # a buffer: the turns of an episode, each with its own max_new_tokens, share the steps
+        settings = (length, vocab_size, dataclasses.replace(config, seed=0, max_new_tokens=0),
                     tuple(eos_id) if isinstance(eos_id, Sequence) else eos_id, pad_id)
         if settings != self.settings:
             self.release()
@@ -101,6 +108,16 @@ class DecodeGraphs:
         self.weights = {}
 
 
+def kept_slot_counts(rows: int, limit: int) -> list[int]:
+    """The slot counts a model keeps decoders (and captured steps) for when its calls decode up
+    to ``rows`` prompts with ``micro_batch_size=limit``: the first slot count of a call of
+    ``rows`` prompts and every power of two from ``GRAPH_MIN_SLOTS`` below it (what the slots
+    shrink to, and where calls of fewer prompts start), largest first."""
+    top = max(batch_bucket(rows, limit), min(GRAPH_MIN_SLOTS, limit or GRAPH_MIN_SLOTS))
+    return [top] + [1 << k for k in range(top.bit_length() - 1, -1, -1)
+                    if GRAPH_MIN_SLOTS <= 1 << k < top]
+
+
 _KEPT: weakref.WeakKeyDictionary[torch.nn.Module, DecodeGraphs] = weakref.WeakKeyDictionary()
 
 
@@ -125,7 +142,7 @@ def generate_continuous(model: torch.nn.Module, decode_model: torch.nn.Module | 
                         eos_id: int | Sequence[int] | None, pad_id: int, vocab_size: int,
                         on_cache: Callable[[int], None] | None,
                         lockstep: ExpertLockstep | None = None,
-                        keep_graphs: bool = True) -> GenerationOutput:
+                        keep_graphs: bool = True, max_length: int = 0) -> GenerationOutput:
     """Generate one response per prompt with continuous batching (module docstring).
 
     Args:
@@ -144,6 +161,9 @@ def generate_continuous(model: torch.nn.Module, decode_model: torch.nn.Module | 
         keep_graphs: with graphs, keep the decoders and captured steps on ``model`` for the
             next call (:class:`DecodeGraphs`); False: capture for this call only (the slots
             shrink by reallocation).
+        max_length: positions (prompt plus response) every call of the run fits in: the cache
+            length, so that every call shares the captured steps (0, or a call that needs
+            more: its longest prompt plus its largest budget).
     """
     device = next(model.parameters()).device
     greedy_every = config.greedy_every if not config.greedy else 0
@@ -161,8 +181,8 @@ def generate_continuous(model: torch.nn.Module, decode_model: torch.nn.Module | 
     if waiting:
         # a prefill left-pads its prompts to the longest of them, so a short prompt's response
         # starts past its own length: bound by the longest prompt plus the largest budget
-        length = length_bucket(max(len(prompts[i]) for i in waiting)
-                               + max(budgets[i] for i in waiting))
+        length = length_bucket(max(max_length, max(len(prompts[i]) for i in waiting)
+                                   + max(budgets[i] for i in waiting)))
         settings = (length, vocab_size, config, eos_id, pad_id)
         decoder = (kept.decoder(model, decode_model, slots, *settings) if kept is not None else
                    SlotDecoder(model, slots, *settings, decode_model))

@@ -22,6 +22,8 @@ step, so a prompt draws the same numbers whatever slot, batch or order it decode
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -38,6 +40,9 @@ from megatron_rlhf.generation.sampling import (
 )
 from megatron_rlhf.models.forward_backward import causal_padding_mask
 from megatron_rlhf.models.slot_cache import SlotInferenceContext
+from megatron_rlhf.runtime.logging import get_logger
+
+logger = get_logger(__name__)
 
 LENGTH_BUCKET = 32
 """Cache lengths are rounded up to a multiple of this, so calls of similar lengths share a
@@ -49,6 +54,18 @@ GRAPH_MIN_SLOTS = 8
 is a capture (two eager steps, a device sync, the capture), and a memory-bound decode step at
 fewer slots costs about what it costs at this many. Graphs per call: at most
 1 + log2(slots / GRAPH_MIN_SLOTS)."""
+
+
+CAPTURE_ERROR_MODE = "thread_local"
+"""``torch.cuda.graph``'s ``capture_error_mode`` for the decode step. Under torch's default,
+``global``, a CUDA call that capture deems unsafe made by any thread breaks the capture: the
+transfer thread's first send to a new peer makes NCCL allocate. ``thread_local`` checks the
+capturing thread only (as megatron captures)."""
+
+MOE_GRAPH_REFUSAL = ("megatron's MoE token dispatch synchronises with the host (the all-to-all "
+                     "dispatcher copies token counts to the host, SequentialMLP calls tolist(), "
+                     "the permutation uses masked_select), which CUDA graph capture forbids")
+"""Why an MoE model's decode step is not captured, at any expert parallelism."""
 
 
 def batch_bucket(rows: int, limit: int) -> int:
@@ -98,8 +115,11 @@ class SlotDecoder:
             decode_model: runs the decode steps (``model`` when None; a compiled ``model``).
         """
         device = next(model.parameters()).device
-        self.model = model
-        self.decode_model = model if decode_model is None else decode_model
+        # weak: a decoder kept across calls (``continuous.DecodeGraphs``) must not keep its
+        # model, and with it the model's memory, alive after the model is dropped (nor the
+        # call's compiled model, which holds the model; the call holds it while it decodes)
+        self._model = weakref.ref(model)
+        self._decode_model = _weak(decode_model)
         self.vocab_size = vocab_size
         self.config = config
         self.pad_id = pad_id
@@ -132,6 +152,26 @@ class SlotDecoder:
     @property
     def slots(self) -> int:
         return self.tokens.shape[0]
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model the decoder prefills with (held weakly)."""
+        model = self._model()
+        if model is None:
+            raise RuntimeError("the decoder's model was released; make a new decoder")
+        return model
+
+    @property
+    def decode_model(self) -> torch.nn.Module:
+        """What runs the decode steps: the call's compiled model (held weakly), else
+        :attr:`model`."""
+        if self._decode_model is None:
+            return self.model
+        decode_model = self._decode_model()
+        if decode_model is None:
+            raise RuntimeError("the decoder's compiled model was released; reset() the decoder "
+                               "with the next call's")
+        return decode_model
 
     @property
     def positions(self) -> torch.Tensor:
@@ -192,7 +232,7 @@ class SlotDecoder:
         included, stays where a captured graph reads it. The KV memory keeps the last call's
         keys and values; a step reads them only under the key mask, which gives finite keys a
         weight of exactly zero, so the outputs are those of a new decoder."""
-        self.decode_model = self.model if decode_model is None else decode_model
+        self._decode_model = _weak(decode_model)
         self.tokens.fill_(self.pad_id)
         self.out_tokens.fill_(self.pad_id)
         for name in ("key_valid", "steps", "budgets", "noise_keys", "greedy", "active",
@@ -337,6 +377,10 @@ class SlotDecoder:
         return named
 
 
+def _weak(model: torch.nn.Module | None) -> weakref.ref | None:
+    return None if model is None else weakref.ref(model)
+
+
 class DecodeGraph:
     """:meth:`SlotDecoder.step` captured into one CUDA graph and replayed per token.
 
@@ -367,10 +411,11 @@ class DecodeGraph:
         if cuda:
             torch.cuda.current_stream().wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+            with torch.cuda.graph(self.graph, capture_error_mode=CAPTURE_ERROR_MODE):
                 decoder.step()
         else:  # the stand-in runs the step once to check it, and undoes it itself
-            self.graph = StandInGraph(decoder.step, decoder.graph_buffers)
+            self.graph = StandInGraph(decoder.step, decoder.graph_buffers,
+                                      capture_error_mode=CAPTURE_ERROR_MODE)
         undo()  # capturing ran nothing on CUDA; this puts the context's mode back
 
     def step(self) -> None:
@@ -379,7 +424,38 @@ class DecodeGraph:
 
 
 def graphs_enabled(config: GenerationConfig, device: torch.device) -> bool:
-    """Whether ``config.cuda_graphs`` asks for graphs on ``device`` (auto: on CUDA; on CPU only
-    stand-in graphs, with :data:`~megatron_rlhf.generation.graph_standin.EMULATE_ENV` set)."""
-    return (config.continuous and config.cuda_graphs == "auto"
+    """Whether ``config.cuda_graphs`` asks for graphs on ``device`` (``auto`` or ``on``: on CUDA;
+    on CPU only stand-in graphs, with
+    :data:`~megatron_rlhf.generation.graph_standin.EMULATE_ENV` set)."""
+    return (config.continuous and config.cuda_graphs != "off"
             and (device.type == "cuda" or (device.type == "cpu" and emulating_graphs())))
+
+
+def graph_refusal(model: torch.nn.Module) -> str | None:
+    """Why ``model``'s decode step cannot be captured into a CUDA graph (None: it can)."""
+    if getattr(model.config, "num_moe_experts", None):
+        return MOE_GRAPH_REFUSAL
+    return None
+
+
+_REFUSALS_LOGGED: set[str] = set()
+"""The refusals logged so far: one line per reason and process, not one per call."""
+
+
+def with_graph_setting(config: GenerationConfig, model: torch.nn.Module) -> GenerationConfig:
+    """``config`` with ``cuda_graphs`` as ``model`` can honour it: ``auto`` runs a model whose
+    decode step cannot be captured (:func:`graph_refusal`) eagerly, saying why once.
+
+    Raises:
+        ValueError: ``cuda_graphs=on`` for such a model.
+    """
+    why = graph_refusal(model) if config.continuous and config.cuda_graphs != "off" else None
+    if why is None:
+        return config
+    if config.cuda_graphs == "on":
+        raise ValueError(f"generation.cuda_graphs=on, but {why}; set generation.cuda_graphs="
+                         "auto (decodes this model eagerly) or off")
+    if why not in _REFUSALS_LOGGED:
+        _REFUSALS_LOGGED.add(why)
+        logger.warning("generation.cuda_graphs=auto: decoding without CUDA graphs: %s", why)
+    return dataclasses.replace(config, cuda_graphs="off")

@@ -33,6 +33,7 @@ import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_rlhf.generation.continuous import generate_continuous
+from megatron_rlhf.generation.decode_step import with_graph_setting
 from megatron_rlhf.generation.forward import CachedNextTokenLogits, RecomputeNextTokenLogits
 from megatron_rlhf.generation.lockstep import ExpertLockstep
 from megatron_rlhf.generation.output import GenerationOutput, MicroBatchWork, concat_outputs
@@ -148,7 +149,7 @@ def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollec
                        prompts: Sequence[Sequence[int]], prompt_indices: Sequence[int],
                        config: GenerationConfig, eos_id: int | Sequence[int] | None,
                        pad_id: int, on_cache: Callable[[int], None] | None = None,
-                       keep_graphs: bool = True) -> GenerationOutput:
+                       keep_graphs: bool = True, max_length: int = 0) -> GenerationOutput:
     """Generate one response per prompt.
 
     A prompt's response stops after EOS (when ``config.stop_at_eos``), after one of
@@ -174,6 +175,10 @@ def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollec
         keep_graphs: with CUDA graphs (continuous batching), keep the decoders and captured
             decode steps on the model for the next call (their KV memory stays allocated);
             False: capture for this call only and free them at its end.
+        max_length: with CUDA graphs, the most positions (prompt plus response) any call of
+            the run needs: the KV cache and captured steps are sized for it, so that calls of
+            other prompt lengths replay them (0: each call sizes them for its own longest
+            prompt; a call that needs more also does).
 
     Returns:
         The batch, on the model's device.
@@ -181,7 +186,8 @@ def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollec
     Raises:
         ValueError: PP > 1, an empty prompt list or prompt, a prompt longer than ``seq_length``,
             token ids outside the vocabulary, a missing ``eos_id``, a scalar-head model, a
-            Transformer Engine model decoding with the KV cache.
+            Transformer Engine model decoding with the KV cache, ``cuda_graphs=on`` for a model
+            whose decode step cannot be captured (MoE).
     """
     if pg_collection.pp.size() > 1:
         raise ValueError(f"generation does not support pp>1 (got pp={pg_collection.pp.size()}); "
@@ -193,6 +199,7 @@ def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollec
     vocab_size = getattr(core, "token_vocab_size", core.vocab_size)
     seq_length = core.max_sequence_length
     _check_inputs(prompts, prompt_indices, config, eos_id, pad_id, vocab_size, seq_length)
+    config = with_graph_setting(config, core)
     size = config.micro_batch_size or len(prompts)
     was_training = model.training
     model.eval()
@@ -204,7 +211,8 @@ def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollec
                 budgets = [min(config.max_new_tokens, seq_length - len(p)) for p in prompts]
                 return generate_continuous(model, _decode_model(model, config), prompts,
                                            prompt_indices, budgets, config, eos_id, pad_id,
-                                           vocab_size, on_cache, lockstep, keep_graphs)
+                                           vocab_size, on_cache, lockstep, keep_graphs,
+                                           min(max_length, seq_length))
             starts = range(0, len(prompts), size)
             idle = lockstep.most(len(starts)) - len(starts) if lockstep else 0
             outputs = [

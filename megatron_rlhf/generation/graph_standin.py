@@ -6,6 +6,10 @@ capture path (warm-up, state restore, capture, replay, re-capture after the slot
 never run in a test. With ``MEGATRON_RLHF_EMULATE_CUDA_GRAPHS=1`` (tests only; production on
 CPU stays eager) ``DecodeGraph`` captures into a :class:`StandInGraph` instead:
 
+* **capture mode**: the stand-in takes ``capture_error_mode`` as ``torch.cuda.graph`` does and
+  refuses ``global``, torch's default: under it any other thread's CUDA call that capture deems
+  unsafe (NCCL allocating for a transfer thread's first send to a new peer, say) breaks the
+  capture. ``thread_local`` (what megatron captures with) checks the capturing thread only.
 * **capture** runs the step once under :class:`_CaptureChecks` and then puts back every buffer
   it wrote, as a real capture records kernels without running them. The checks raise
   :class:`GraphCaptureError` on a host synchronisation (``.item()``, ``bool(tensor)``,
@@ -34,6 +38,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 EMULATE_ENV = "MEGATRON_RLHF_EMULATE_CUDA_GRAPHS"
 """Set to ``1`` to capture the continuous decode step into a :class:`StandInGraph` on CPU."""
+
+
+CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+"""The values of ``torch.cuda.graph``'s ``capture_error_mode``."""
 
 
 def emulating_graphs() -> bool:
@@ -178,7 +186,8 @@ class StandInGraph:
     """Captures made in this process (tests count them)."""
 
     def __init__(self, step: Callable[[], None],
-                 watched: Callable[[], dict[str, torch.Tensor]]) -> None:
+                 watched: Callable[[], dict[str, torch.Tensor]],
+                 capture_error_mode: str = "global") -> None:
         """Capture ``step``.
 
         Args:
@@ -186,10 +195,23 @@ class StandInGraph:
             watched: the named buffers the step reads or writes (called at capture and at each
                 replay); their values are restored after the capture run, and their addresses
                 compared at each replay.
+            capture_error_mode: as ``torch.cuda.graph``'s (its default here too); kept as
+                :attr:`capture_error_mode`.
 
         Raises:
-            GraphCaptureError: the step synchronises with the host.
+            GraphCaptureError: the step synchronises with the host, or the capture mode is
+                ``global`` (module docstring).
+            ValueError: an unknown capture mode.
         """
+        if capture_error_mode not in CAPTURE_ERROR_MODES:
+            raise ValueError(f"capture_error_mode={capture_error_mode!r} must be one of "
+                             f"{CAPTURE_ERROR_MODES}")
+        if capture_error_mode == "global":
+            raise GraphCaptureError(
+                "capture_error_mode='global' fails the capture when another thread makes a "
+                "CUDA call that capture deems unsafe (NCCL allocating for the transfer "
+                "thread's first send to a new peer); capture with 'thread_local'")
+        self.capture_error_mode = capture_error_mode
         self.step = step
         self.watched = watched
         buffers = watched()

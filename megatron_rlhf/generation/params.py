@@ -82,7 +82,10 @@ class GenerationConfig:
     cuda_graphs: str = "auto"
     """``auto``: with ``batching=continuous`` on a CUDA device, capture the decode step into a
     CUDA graph for each slot count it decodes at (the slots shrink as prompts run out) and
-    replay it per token; ``off``: run it eagerly. On CPU the step runs eagerly (the tests set
+    replay it per token, except for a model whose step cannot be captured (a mixture of experts:
+    megatron's token dispatch synchronises with the host), which decodes eagerly and says so
+    once in the log; ``on``: the same, but such a model is a configuration error; ``off``: run
+    the step eagerly. On CPU the step runs eagerly (the tests set
     ``MEGATRON_RLHF_EMULATE_CUDA_GRAPHS=1`` to run the capture path through a checking
     stand-in graph: ``generation/graph_standin.py``)."""
 
@@ -123,8 +126,12 @@ class GenerationConfig:
                  "use_kv_cache=True (got use_kv_cache=False)")
         _require(self.batching in ("continuous", "static"),
                  f"generation.batching={self.batching!r} must be 'continuous' or 'static'")
-        _require(self.cuda_graphs in ("auto", "off"),
-                 f"generation.cuda_graphs={self.cuda_graphs!r} must be 'auto' or 'off'")
+        _require(self.cuda_graphs in ("auto", "on", "off"),
+                 f"generation.cuda_graphs={self.cuda_graphs!r} must be 'auto', 'on' or 'off'")
+        _require(self.cuda_graphs != "on" or self.continuous,
+                 "generation.cuda_graphs=on captures the continuous loop's decode step; it needs "
+                 f"batching=continuous and use_kv_cache=True (got batching={self.batching!r}, "
+                 f"use_kv_cache={self.use_kv_cache})")
 
     @property
     def continuous(self) -> bool:

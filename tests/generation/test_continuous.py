@@ -165,11 +165,16 @@ def test_buckets_and_graph_switch() -> None:
     assert not graphs_enabled(BASE, cpu) and graphs_enabled(BASE, cuda)
     assert not graphs_enabled(dataclasses.replace(BASE, cuda_graphs="off"), cuda)
     assert not graphs_enabled(dataclasses.replace(BASE, batching="static"), cuda)
+    assert graphs_enabled(dataclasses.replace(BASE, cuda_graphs="on"), cuda)
 
 
 @pytest.mark.parametrize("fields,match", [
     ({"batching": "dynamic"}, "generation.batching='dynamic' must be 'continuous' or 'static'"),
-    ({"cuda_graphs": "on"}, "generation.cuda_graphs='on' must be 'auto' or 'off'"),
+    ({"cuda_graphs": "always"},
+     "generation.cuda_graphs='always' must be 'auto', 'on' or 'off'"),
+    ({"cuda_graphs": "on", "batching": "static"},
+     "generation.cuda_graphs=on captures the continuous loop's decode step; it needs "
+     "batching=continuous"),
 ])
 def test_bad_batching_settings_are_refused(fields, match) -> None:
     with pytest.raises(ValueError, match=match):

@@ -99,9 +99,9 @@ def test_a_graph_is_recaptured_at_each_slot_count(tiny, monkeypatch, slots, inte
     shapes = []
     original = StandInGraph.__init__
 
-    def counting(graph, step, watched):
+    def counting(graph, step, watched, **kwargs):
         shapes.append(watched()["tokens"].shape[0])
-        original(graph, step, watched)
+        original(graph, step, watched, **kwargs)
 
     monkeypatch.setattr(StandInGraph, "__init__", counting)
     static = generate_tiny(tiny, dataclasses.replace(config, batching="static"), ends)
@@ -302,7 +302,8 @@ def test_a_tensor_read_at_a_new_address_is_refused(tiny, emulate) -> None:
     """A buffer the decoder does not name (here the end ids) moving is caught op by op."""
     with torch.no_grad():
         decoder = _decoder(tiny)
-        graph = StandInGraph(decoder.step, lambda: {"tokens": decoder.tokens})
+        graph = StandInGraph(decoder.step, lambda: {"tokens": decoder.tokens},
+                             capture_error_mode="thread_local")
         graph.replay()
         decoder.eos_ids = decoder.eos_ids.clone()
         with pytest.raises(GraphCaptureError, match="differs from the captured one"):
