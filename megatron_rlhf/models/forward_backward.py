@@ -26,7 +26,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_model_config
 
 from megatron_rlhf.models.moe import routes_of_batch
-from megatron_rlhf.models.packing import PackedRows, pack_rows, packed_length
+from megatron_rlhf.models.packing import PackedRows, host_masks, pack_rows, packed_length
 
 Batch = dict[str, torch.Tensor]
 # (output, batch) -> (loss, metrics), or (loss_sum, num_tokens, metrics) when the model's config
@@ -67,12 +67,13 @@ def _loss_with_safe_metrics(loss_fn: LossFn, output: torch.Tensor, batch: Batch,
 
 
 def _forward_step(loss_fn: LossFn, length: int | None, data_iterator, model):
-    batch = next(data_iterator)
     if length is None:
+        batch = next(data_iterator)
         with routes_of_batch(model, batch, None, 0):
             output = model(*model_inputs(batch))
         return output, partial(_loss_with_safe_metrics, loss_fn, batch=batch)
-    packed = pack_rows(batch["input_ids"], batch["attention_mask"], length)
+    batch, host_mask = next(data_iterator)
+    packed = pack_rows(batch["input_ids"], host_mask, length)
     with routes_of_batch(model, batch, packed.index, length):
         output = model(packed.input_ids, packed.position_ids, None,
                        packed_seq_params=packed.params)
@@ -115,11 +116,14 @@ def run_microbatches(
         raise ValueError("run_microbatches needs at least one micro-batch")
     pp_size = pg_collection.pp.size()
     config = get_model_config(model)
-    length = None
+    length, data = None, iter(microbatches)
     if packs_sequences(model):
         multiple = pg_collection.tp.size() if config.sequence_parallel else 1
-        length = packed_length([mb["attention_mask"] for mb in microbatches], multiple)
+        # the packing layout comes from host copies of the masks: one transfer for the call
+        masks = host_masks([mb["attention_mask"] for mb in microbatches])
+        length = packed_length(masks, multiple)
         seq_length, micro_batch_size = length, 1
+        data = zip(microbatches, masks, strict=True)
     else:
         shapes = {tuple(mb["input_ids"].shape) for mb in microbatches}
         if len(shapes) > 1:
@@ -132,7 +136,7 @@ def run_microbatches(
         kwargs["p2p_communicator"] = P2PCommunicator(pp_group=pg_collection.pp, config=config)
     results = schedule(
         forward_step_func=partial(_forward_step, loss_fn, length),
-        data_iterator=iter(microbatches),
+        data_iterator=data,
         model=[model],
         num_microbatches=len(microbatches),
         seq_length=seq_length,

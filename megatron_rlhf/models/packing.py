@@ -68,9 +68,23 @@ def real_tokens(attention_mask: torch.Tensor) -> int:
     return int(attention_mask.count_nonzero())
 
 
+def host_masks(attention_masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Boolean host copies of a schedule call's ``[b, s]`` validity masks, in one
+    device-to-host copy for all of them.
+
+    The packing layout (:func:`packed_length`, :func:`pack_rows`) is computed from these: on the
+    device each of its data-dependent shapes (lengths, ``nonzero``, boolean indexing) would be a
+    host sync of its own.
+    """
+    flat = torch.cat([mask.reshape(-1).bool() for mask in attention_masks]).cpu()
+    parts = flat.split([mask.numel() for mask in attention_masks])
+    return [part.view(mask.shape) for part, mask in zip(parts, attention_masks, strict=True)]
+
+
 def packed_length(attention_masks: Sequence[torch.Tensor], multiple: int = 1) -> int:
     """The one packed length of a schedule call: its micro-batches' most real tokens, rounded up
-    to a multiple of ``multiple`` (the TP size under sequence parallelism)."""
+    to a multiple of ``multiple`` (the TP size under sequence parallelism). Give host masks
+    (:func:`host_masks`): a device mask costs a host sync each."""
     most = max(real_tokens(mask) for mask in attention_masks)
     return -(-max(most, 1) // multiple) * multiple
 
@@ -82,17 +96,21 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, length: int
     every batch of the project is laid out; positions then count from each row's first real
     token. RoPE depends on relative positions only, so the outputs equal the padded forward's.
 
+    The layout (token index, positions, cu_seqlens) is computed on the host from
+    ``attention_mask``, which should be a host copy (:func:`host_masks`; a device mask is copied
+    here, one transfer), and then copied to ``input_ids``' device without waiting on it.
+
     Raises:
         ValueError: the rows hold more than ``length`` real tokens, or a row's real tokens are
             not contiguous.
     """
-    valid = attention_mask.bool()
+    valid = attention_mask.bool().cpu()
     lengths = valid.sum(dim=1)
     total = int(lengths.sum())
     if total > length:
         raise ValueError(f"{total} real tokens do not fit a packed row of {length}")
     rows, seq = valid.shape
-    columns = torch.arange(seq, device=valid.device).expand(rows, seq)
+    columns = torch.arange(seq).expand(rows, seq)
     first = torch.where(valid, columns, seq).min(dim=1).values
     last = torch.where(valid, columns, -1).max(dim=1).values
     if bool(((last - first + 1).clamp(min=0) != lengths).any()):
@@ -100,18 +118,19 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, length: int
                          "before and after them); set models.packed_sequences=false for others")
     index = valid.flatten().nonzero().squeeze(1)
     starts = torch.repeat_interleave(first, lengths)
-    positions = columns.flatten()[index] - starts
     tail = length - total
+    positions = torch.cat([columns.flatten()[index] - starts, torch.arange(tail)])
     seqlens = lengths[lengths > 0]
     if tail:
         seqlens = torch.cat([seqlens, seqlens.new_tensor([tail])])
-    cu_seqlens = torch.zeros(seqlens.numel() + 1, dtype=torch.int32, device=valid.device)
+    cu_seqlens = torch.zeros(seqlens.numel() + 1, dtype=torch.int32)
     cu_seqlens[1:] = seqlens.cumsum(0)
-    pad_ids = input_ids.new_zeros(tail)
-    packed_ids = torch.cat([input_ids.flatten()[index], pad_ids])
-    packed_positions = torch.cat([positions, torch.arange(tail, device=valid.device)])
     max_seqlen = int(seqlens.max())
+    device = input_ids.device
+    index, positions, cu_seqlens = (x.to(device, non_blocking=True)
+                                    for x in (index, positions, cu_seqlens))
+    packed_ids = torch.cat([input_ids.flatten()[index], input_ids.new_zeros(tail)])
     params = PackedPositionParams(qkv_format="thd", cu_seqlens_q=cu_seqlens,
                                   cu_seqlens_kv=cu_seqlens, max_seqlen_q=max_seqlen,
-                                  max_seqlen_kv=max_seqlen, positions=packed_positions)
-    return PackedRows(packed_ids[None], packed_positions[None], params, index, (rows, seq))
+                                  max_seqlen_kv=max_seqlen, positions=positions)
+    return PackedRows(packed_ids[None], positions[None], params, index, (rows, seq))

@@ -7,8 +7,14 @@ and right padding, GQA and the Hugging Face numerics options.
 
 from __future__ import annotations
 
+import os
+import sys
+from itertools import pairwise
+
 import pytest
 import torch
+import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
 
 from megatron_rlhf.models.forward_backward import run_microbatches
 from megatron_rlhf.models.gpt import ModelBuildOptions, build_gpt_model
@@ -152,3 +158,112 @@ def test_packed_attention_equals_each_sequence_attended_alone(lengths) -> None:
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     for g, e in zip(got_grads, expected_grads, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+class _HostSyncs(TorchFunctionMode):
+    """Counts the host syncs that code in ``files`` would make if ``device`` tensors were on a
+    GPU. A tensor is on the device when it is one of ``device`` or computed from one other than
+    by ``.cpu()``; a sync reads one back to the host (``cpu``, ``item``, ``tolist``, ``bool``,
+    ``int``...) or sizes an output by its values (``nonzero``, boolean indexing,
+    ``repeat_interleave`` without ``output_size``)."""
+
+    _READS = {"cpu", "item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__",
+              "nonzero", "masked_select", "unique", "count_nonzero_"}
+
+    def __init__(self, device: list[torch.Tensor], files: tuple[str, ...]) -> None:
+        super().__init__()
+        self._held = list(device)  # alive, so that their ids stay theirs
+        self.on_device = {id(x) for x in device}
+        self.files = files
+        self.syncs: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        inputs = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        from_device = any(id(x) in self.on_device for x in inputs)
+        to_host = name == "cpu" or (name == "to" and "cpu" in map(str, (*args[1:],
+                                                                         *kwargs.values())))
+        if from_device and self._caller_counts() and (
+                name in self._READS or to_host
+                or (name == "__getitem__" and any(x.dtype == torch.bool for x in inputs[1:]))
+                or (name == "repeat_interleave" and "output_size" not in kwargs)):
+            self.syncs.append(name)
+        result = func(*args, **kwargs)
+        if to_host and result is args[0]:  # on the CPU: a copy stands for the host's
+            result = result.clone()
+        if from_device and not to_host:
+            for x in pytree.tree_leaves(result):
+                if isinstance(x, torch.Tensor):
+                    self._held.append(x)
+                    self.on_device.add(id(x))
+        return result
+
+    def _caller_counts(self) -> bool:
+        frame = sys._getframe(2)
+        while frame is not None and f"{os.sep}torch{os.sep}" in frame.f_code.co_filename:
+            frame = frame.f_back
+        return frame is not None and frame.f_code.co_filename.endswith(self.files)
+
+
+def test_the_counter_sees_the_syncs_of_a_layout_computed_on_the_device() -> None:
+    mask = MASK.clone()
+    with _HostSyncs([mask], ("test_packing.py",)) as counter:
+        lengths = mask.sum(dim=1)
+        int(lengths.sum())
+        mask.bool().flatten().nonzero()
+        lengths[lengths > 0]
+        torch.repeat_interleave(lengths, lengths)
+        host = mask.cpu()
+        int(host.sum())  # on the host: free
+    assert counter.syncs == ["__int__", "nonzero", "__getitem__", "repeat_interleave", "cpu"]
+
+
+def _reference_layout(mask: torch.Tensor, length: int) -> tuple[list[int], list[int], list[int]]:
+    """(token index, positions, cu_seqlens) of packing ``mask``'s rows, row by row."""
+    index, positions, cu_seqlens = [], [], [0]
+    for row, values in enumerate(mask.tolist()):
+        columns = [column for column, value in enumerate(values) if value]
+        index += [row * mask.shape[1] + column for column in columns]
+        positions += list(range(len(columns)))
+        if columns:
+            cu_seqlens.append(cu_seqlens[-1] + len(columns))
+    tail = length - len(index)
+    if tail:
+        cu_seqlens.append(length)
+    return index, positions + list(range(tail)), cu_seqlens
+
+
+def test_a_packed_call_reads_its_masks_back_once_and_packs_as_before(groups) -> None:
+    """The layout (lengths, boundaries, cu_seqlens) comes from host copies of the masks, taken
+    in one transfer for the whole call: on the device every data-dependent shape of it was a
+    sync of its own (7 per micro-batch)."""
+    from megatron_rlhf.models import forward_backward
+
+    microbatches = [_batch(0), _batch(1), {k: v[1:] for k, v in _batch(2).items()}]
+    packs = []
+    original = forward_backward.pack_rows
+    forward_backward.pack_rows = lambda *args: packs.append(original(*args)) or packs[-1]
+    model = build_gpt_model(TinyArch(), ModelBuildOptions(params_dtype="float32",
+                                                          packed_sequences=True), groups)
+    device = [tensor for batch in microbatches for tensor in batch.values()]
+    try:
+        with _HostSyncs(device, ("packing.py", "forward_backward.py")) as counter:
+            run_microbatches(model, groups, microbatches, lambda output, batch: (
+                output.float().sum(), {}), forward_only=True)
+    finally:
+        forward_backward.pack_rows = original
+    assert len(counter.syncs) <= 1 < len(microbatches), counter.syncs
+    assert counter.syncs == ["cpu"]
+    length = packed_length([batch["attention_mask"] for batch in microbatches])
+    assert length == 21
+    for batch, packed in zip(microbatches, packs, strict=True):
+        index, positions, cu_seqlens = _reference_layout(batch["attention_mask"], length)
+        assert packed.index.tolist() == index and packed.index.dtype == torch.int64
+        assert packed.position_ids[0].tolist() == positions
+        assert packed.params.positions.tolist() == positions
+        assert packed.params.cu_seqlens_q.tolist() == cu_seqlens
+        assert packed.params.cu_seqlens_q.dtype == torch.int32
+        assert packed.params.max_seqlen_q == max(b - a for a, b in pairwise(cu_seqlens))
+        expected_ids = batch["input_ids"].flatten()[index].tolist() + [0] * (length - len(index))
+        assert packed.input_ids[0].tolist() == expected_ids
