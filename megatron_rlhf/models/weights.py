@@ -27,6 +27,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_rlhf.models.layer_names import local_layer_name
+from megatron_rlhf.runtime.device import comm_device
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
 _VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight",
@@ -285,10 +286,30 @@ def gather_full_state_to_first_rank(model: GPTModel, pg_collection: ProcessGroup
         return None
     if pp_group.size() == 1:
         return stage_state
-    stages: list[dict[str, torch.Tensor] | None] | None = (
-        [None] * pp_group.size() if pp_group.rank() == 0 else None)
-    # Host tensors: pickled CUDA tensors would be unpickled onto the sender's device index.
-    dist.gather_object(stage_state, stages, dst=dist.get_global_rank(pp_group, 0), group=pp_group)
-    if stages is None:
+    return _stages_to_first(stage_state, pp_group)
+
+
+def _stages_to_first(stage_state: dict[str, torch.Tensor], pp_group: dist.ProcessGroup
+                     ) -> dict[str, torch.Tensor] | None:
+    """Every pipeline stage's host state onto stage 0's host, one tensor at a time.
+
+    Only the tensors' names, shapes and dtypes are gathered as objects; the tensors go one by one
+    over the backend's device and back to the host: ``gather_object`` under NCCL stages every
+    stage's pickled state in one buffer on the destination's GPU (pp times a stage's bytes).
+    """
+    device = comm_device(pp_group)
+    first = dist.get_global_rank(pp_group, 0)
+    layout = [(name, tuple(t.shape), t.dtype) for name, t in stage_state.items()]
+    layouts: list | None = [None] * pp_group.size() if pp_group.rank() == 0 else None
+    dist.gather_object(layout, layouts, dst=first, group=pp_group)
+    if layouts is None:
+        for tensor in stage_state.values():
+            dist.send(tensor.to(device), dst=first, group=pp_group)
         return None
-    return {name: tensor for stage in stages for name, tensor in (stage or {}).items()}
+    full = dict(stage_state)
+    for stage, stage_layout in enumerate(layouts[1:], start=1):
+        for name, shape, dtype in stage_layout:
+            buffer = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(buffer, src=dist.get_global_rank(pp_group, stage), group=pp_group)
+            full[name] = buffer.cpu()
+    return full
