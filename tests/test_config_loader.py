@@ -97,8 +97,8 @@ def test_plain_optimizer_settings_take_their_roles_section(tmp_path: Path) -> No
     assert load_config(RunConfig, tmp_path / "config.yaml").actor_optimizer.lr == 0.5
 
 
-BOOLEAN_WORDS = [("generation.cuda_graphs", {"off": "off", "no": "off", "on": "auto",
-                                             "yes": "auto"}),
+BOOLEAN_WORDS = [("generation.cuda_graphs", {"off": "off", "no": "off", "on": "on",
+                                             "yes": "on", "auto": "auto"}),
                  ("checkpoint.resume", {"off": "off", "no": "off", "on": "latest",
                                         "yes": "latest"})]
 """Each field that takes one of YAML's boolean words, and what each word gives it."""

@@ -671,7 +671,7 @@ class RunConfig:
     """What the run reads; relative values are relative to the YAML file that gives them
     (``config.loader``)."""
     BOOLEAN_WORDS: ClassVar[dict[str, tuple[str, str]]] = {
-        "generation.cuda_graphs": ("off", "auto"), "checkpoint.resume": ("off", "latest"),
+        "generation.cuda_graphs": ("off", "on"), "checkpoint.resume": ("off", "latest"),
         "refit.verify": ("off", "every")}
     """The fields that take ``off``/``on``/``yes``/``no``, which YAML reads as booleans: the
     values false and true stand for (``config.loader``)."""
@@ -731,6 +731,7 @@ class RunConfig:
         self._check_fsdp()
         self._check_optimizer_sharding()
         self._check_router_replay()
+        self._check_cuda_graphs()
         self.models.moe.check_expert_parallel(
             {role: o.ep for role, o in self.placement.parallel.items() if o.ep},
             tuple(role for role in TRAINABLE_ROLES if self.optimizer(role).fsdp),
@@ -780,6 +781,16 @@ class RunConfig:
             raise ValueError(f"{role!r} is not trained: no optimizer settings "
                              f"(trained roles: {TRAINABLE_ROLES})")
         return self.actor_optimizer if role == ACTOR else self.critic_optimizer
+
+    def _check_cuda_graphs(self) -> None:
+        """Refuse ``generation.cuda_graphs=on`` for a mixture of experts: megatron's token
+        dispatch synchronises with the host, so its decode step cannot be captured (``auto``
+        decodes it eagerly)."""
+        if self.generation.cuda_graphs == "on" and self.models.moe.enabled:
+            raise ValueError("generation.cuda_graphs=on cannot capture an MoE model's decode step "
+                             f"(models.moe.num_experts={self.models.moe.num_experts}): megatron's "
+                             "token dispatch synchronises with the host; set "
+                             "generation.cuda_graphs=auto (decodes it eagerly) or off")
 
     def _check_router_replay(self) -> None:
         """Refuse MoE routing replay where the policy's routes cannot be kept by row: a
