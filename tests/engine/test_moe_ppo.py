@@ -98,17 +98,23 @@ def test_moe_separation_matches_flattening_at_the_first_step() -> None:
 
 @pytest.mark.multirank
 @pytest.mark.timeout(420)
-def test_replayed_routes_make_the_first_ratio_exactly_one() -> None:
+def test_replayed_routes_make_the_first_ratio_one_up_to_rounding() -> None:
     """One mini-batch per step: the first training forward sees the weights that computed the
-    old log-probs, and with the recorded routes replayed the ratio is exactly 1 (k3 KL 0, no
-    clipping); the experience carries the routes of every row, layer and top-k slot."""
+    old log-probs, and with the recorded routes replayed the ratio is 1 up to rounding (k3 KL
+    below 1e-9, no clipping); the experience carries the routes of every row, layer and top-k slot."""
     per_rank = run_on_ranks(_steps, world_size=2, args=("grpo", 1), timeout_s=380)
     result = per_rank[0]
     assert result["replayed"] == (2, 2)
     shape, low, high = result["routes"]
     assert shape[0] == PROMPTS * 4 and shape[2:] == (2, 2) and low >= -1 and high <= 3, shape
     first = result["metrics"][0]
-    assert first["actor/ppo_kl"] == 0.0 and first["actor/pg_clipfrac"] == 0.0, first
+    # Same weights and routes, but the experience and the training forwards batch the rows
+    # differently, and the CPU's kernels (chosen by shape, and not the same on every CPU) may
+    # round differently: the log-probs then differ by fp32 rounding, |d| < 1e-5, and k3
+    # (expm1(d) - d, about d^2 / 2) stays below 1e-9 (1.3e-15 measured on an AMD EPYC). A route
+    # not replayed moves a token's log-prob by orders of magnitude more.
+    assert abs(first["actor/ppo_kl"]) < 1e-9, first
+    assert first["actor/pg_clipfrac"] == 0.0, first  # a ratio outside 1 +- 0.2: no rounding
 
 
 def _resumed_runs(root: str) -> dict:
