@@ -20,6 +20,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_rlhf.engine.execution.throughput import WorkMeter, forward_flops
 from megatron_rlhf.generation import GenerationConfig, GenerationOutput, generate_sequences
+from megatron_rlhf.generation.continuous import release_decode_graphs
 from megatron_rlhf.generation.lockstep import ExpertLockstep
 from megatron_rlhf.models.forward_backward import (
     Batch,
@@ -62,12 +63,20 @@ class ModelWorker:
             A Megatron-FSDP model is never offloaded; after each operator it frees the weights
             it gathered, so that between operators it holds its shards only.
         meter: the run's memory meter, which counts this model's resident state (default: none).
+        keep_graphs: a generating model keeps its captured decode steps and their KV memory
+            from one generate call to the next (``engine.run.stage_memory.decode_graph_roles``:
+            resident inference-only models on ranks that train nothing); False frees them at
+            the end of each call.
+        generation_length: the most positions (prompt plus response) a generate call of the
+            run decodes: the captured decode steps are sized for it, so one capture serves
+            every call (0: each call's own).
     """
 
     def __init__(self, role: str, model: torch.nn.Module, pg_collection: ProcessGroupCollection,
                  trainer: ModelTrainer | None, micro_batch_size: int,
                  offload: str = "never", meter: MemoryMeter | None = None,
-                 max_tokens_per_micro_batch: int = 0, work: WorkMeter | None = None) -> None:
+                 max_tokens_per_micro_batch: int = 0, work: WorkMeter | None = None,
+                 keep_graphs: bool = False, generation_length: int = 0) -> None:
         self.role = role
         self.model = model
         self.pg_collection = pg_collection
@@ -77,6 +86,8 @@ class ModelWorker:
         self.work = work
         self.device = model_device(model)
         self.offload = offload
+        self.keep_graphs = keep_graphs
+        self.generation_length = generation_length
         self.offloader = StateOffloader(model, trainer)
         self.meter = meter or MemoryMeter()
         self.meter.track(self.offloader)
@@ -226,18 +237,23 @@ class ModelWorker:
                  pad_id: int) -> GenerationOutput:
         """Sample one response per prompt (every TP rank returns the same tokens).
 
-        An inference-only model that stays resident keeps its captured decode steps (and
-        their KV memory) for the next call; a model that also trains or is offloaded here
-        frees them at the end of the call, so they do not hold memory through other stages."""
+        With ``keep_graphs`` the captured decode steps (and their KV memory) stay for the next
+        call; otherwise (a model that trains, is offloaded, or shares its ranks with training)
+        they are freed at the end of the call, so they hold no memory through other stages."""
         with (self.resident(WEIGHTS), without_sequence_parallel(self.model),
               self._measured("generate") as rows):
             output = generate_sequences(self._module(), self.pg_collection, prompts,
                                         prompt_indices, config, eos_id, pad_id,
                                         on_cache=self.meter.observe,
-                                        keep_graphs=self.trainer is None
-                                        and self.offload != "always")
+                                        keep_graphs=self.keep_graphs,
+                                        max_length=self.generation_length)
             rows.append((output.attention_mask, 1))
         return output
+
+    def release_decode_graphs(self) -> None:
+        """Free the decode steps and KV memory kept for this model (before it is dropped: a
+        move tears the run down)."""
+        release_decode_graphs(self._module())
 
     def generate_nothing(self, config: GenerationConfig, pad_id: int) -> None:
         """Take part in a generation call that gives this replica no prompts: nothing for a

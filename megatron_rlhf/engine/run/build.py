@@ -29,7 +29,12 @@ from megatron_rlhf.engine.execution.ppo_engine import PPOEngine
 from megatron_rlhf.engine.execution.throughput import WorkMeter, device_peak_flops
 from megatron_rlhf.engine.execution.workers import ModelWorker
 from megatron_rlhf.engine.run.micro_batching import resolve_token_budget
-from megatron_rlhf.engine.run.stage_memory import offload_policies
+from megatron_rlhf.engine.run.stage_memory import (
+    decode_graph_roles,
+    decode_positions,
+    graphs_captured,
+    offload_policies,
+)
 from megatron_rlhf.models.checkpoint import read_checkpoint_info
 from megatron_rlhf.models.hf_tokenizer import HFTokenizer, is_hf_tokenizer_dir
 from megatron_rlhf.models.tokenizer import Tokenizer
@@ -199,7 +204,9 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
     initial = {role: source for role, source in sources.items()
                if load_initial or role not in TRAINABLE_ROLES}
     load_initial_weights(models, groups, plan.models, initial, config.models.hf_cache_dir)
-    offload = offload_policies(config, plan)
+    graphs = graphs_captured(config, compute_device())
+    offload = offload_policies(config, plan, graphs)
+    keeps_graphs = decode_graph_roles(plan, offload, graphs)
     work = WorkMeter(device_peak_flops(compute_device(),
                                        getattr(torch, config.models.params_dtype)))
     for role, model in models.items():
@@ -213,7 +220,8 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
                                     meter=context.memory if context else None,
                                     max_tokens_per_micro_batch=resolve_token_budget(
                                         config, plan, role, rank, compute_device()),
-                                    work=work)
+                                    work=work, keep_graphs=role in keeps_graphs,
+                                    generation_length=decode_positions(config))
     logger.info("tokens per micro-batch: %s", ", ".join(
         f"{role} {worker.max_tokens_per_micro_batch or 'fixed rows'}"
         for role, worker in workers.items()))

@@ -9,8 +9,9 @@ At the boundary after step ``step`` every rank, in the same processes:
    (``CheckpointSaver``): into ``checkpoint.save_dir`` when the run has one (a checkpoint like
    any other, reused when the run saved that step already), else into ``/dev/shm`` on a single
    node where the state fits twice (in memory), else into ``<run_dir>/move``;
-2. drops the old engine, algorithm and evaluator and destroys every process group created since
-   the run started (``runtime.distributed.destroy_groups_since``);
+2. frees the decode graphs and KV caches the generating models kept, drops the old engine,
+   algorithm and evaluator and destroys every process group created since the run started
+   (``runtime.distributed.destroy_groups_since``);
 3. reseeds the host RNGs as a starting process does, builds the new placement (``assemble``:
    what ``run_ppo`` builds for a resumed run) and loads the checkpoint into it
    (``load_rl_checkpoint``: weights and optimizer states resharded, shadows synced, experience
@@ -76,6 +77,18 @@ Assemble = Callable[[RunConfig, PlacementPlan], LiveRun]
 """Builds a run at a placement as a resumed run is built (trained weights not loaded)."""
 
 
+def drop_run(live: LiveRun) -> None:
+    """Drop ``live``'s run, evaluator and exporter and free their device memory: the decode
+    graphs and KV caches its generating models kept go first, so they are freed even where
+    something else still refers to a model."""
+    for worker in live.run.engine.workers.values():
+        worker.release_decode_graphs()
+    live.run = live.evaluator = live.exporter = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def checkpoint_bytes(plan: PlacementPlan) -> float:
     """Rough size of a checkpoint of the trained models of ``plan``."""
     return sum(plan[role].spec.num_params() * CHECKPOINT_BYTES_PER_PARAM
@@ -137,11 +150,8 @@ class PlacementMover:
         seconds["save_s"] = time.perf_counter() - begin
         begin = time.perf_counter()
         with context.stage("move/teardown"):
-            live.run = live.evaluator = live.exporter = None
+            drop_run(live)
             context.memory = MemoryMeter(enabled=context.memory.enabled, cuda=context.memory.cuda)
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
             destroyed = destroy_groups_since(self.kept_groups)
         seconds["teardown_s"] = time.perf_counter() - begin
         begin = time.perf_counter()

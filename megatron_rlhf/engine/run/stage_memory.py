@@ -13,16 +13,27 @@ stages an offloaded model holds nothing on the device; an operator brings back w
 one model at a time: the generating model's weights (``generate``), each scoring model's
 weights (``experience``), all the state of each trained model (``train``), and a trained model's
 weights with its shadow's (``sync_weights``).
+
+A generating model that keeps its captured decode steps between calls (:func:`decode_graph_roles`)
+keeps their KV memory too, one cache per slot count it decodes at, through every stage: that
+memory is resident on its ranks, in the training peak of a rank it shares as well. Only a model
+whose ranks train no model keeps them: where generation and training share devices (a shadow
+beside the trained models it copies, under flattening) the graphs and their caches are freed at
+the end of every generate call, as they are for a model that trains or is offloaded, since a
+resident cache would only take memory from training.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
+import torch
+
 from megatron_rlhf.config.ppo_run import RunConfig
-from megatron_rlhf.generation.decode_step import batch_bucket, length_bucket
+from megatron_rlhf.generation.continuous import kept_slot_counts
+from megatron_rlhf.generation.decode_step import batch_bucket, graphs_enabled, length_bucket
 from megatron_rlhf.planner import RolloutSpec, load_profile, plan_memory
 from megatron_rlhf.planner.cost_model import FULLY_SHARDED, fsdp_gathered_bytes, kv_cache_bytes
 from megatron_rlhf.planner.memory_fit import base_options, experience_roles, generating_roles
@@ -46,6 +57,9 @@ class RoleBytes:
         kv_cache: the KV cache of one generation round (generating models).
         gathered: the weights Megatron-FSDP gathers while the model computes (FSDP models):
             two layers and the embeddings (``planner.cost_model.fsdp_gathered_bytes``).
+        kept_cache: the KV memory of the decoders a model that keeps its captured decode steps
+            holds between calls (:func:`decode_graph_roles`), resident in every stage; 0: the
+            cache lives only while the model generates.
     """
 
     weights: float
@@ -53,6 +67,7 @@ class RoleBytes:
     optimizer: float = 0.0
     kv_cache: float = 0.0
     gathered: float = 0.0
+    kept_cache: float = 0.0
 
     @property
     def state(self) -> float:
@@ -60,10 +75,48 @@ class RoleBytes:
         return self.weights + self.grads + self.optimizer
 
 
-def planner_role_bytes(plan: PlacementPlan, config: RunConfig) -> dict[str, RoleBytes]:
+def decode_positions(config: RunConfig) -> int:
+    """The most positions (prompt plus response) a generate call of the run decodes: the
+    longest prompt plus ``generation.max_new_tokens``, or plus ``rollout.max_episode_tokens``
+    for multi-turn episodes (their turns' contexts grow to it)."""
+    rollout = config.rollout
+    episodes = bool(rollout.tools or rollout.environment)
+    return rollout.max_prompt_length + (rollout.max_episode_tokens if episodes
+                                        else config.generation.max_new_tokens)
+
+
+def graphs_captured(config: RunConfig, device: torch.device) -> bool:
+    """Whether the run's generating models capture their decode steps on ``device``
+    (``generation.cuda_graphs``; never an MoE model, whose token dispatch synchronises with
+    the host)."""
+    return graphs_enabled(config.generation, device) and not config.models.moe.enabled
+
+
+def decode_graph_roles(plan: PlacementPlan, offload: Mapping[str, str], graphs: bool
+                       ) -> set[str]:
+    """The generating models that keep their captured decode steps, and the KV memory under
+    them, from one generate call to the next (module docstring): those not trained, not
+    offloaded (``offload[role] != "always"``) and on no rank of a trained model.
+
+    Args:
+        plan: the placement.
+        offload: every placed model's offload policy (``auto`` counts as resident).
+        graphs: whether the decode steps are captured at all (:func:`graphs_captured`).
+    """
+    if not graphs:
+        return set()
+    trained = [plan[role] for role in TRAINABLE_ROLES if role in plan.models]
+    return {role for role in generating_roles(plan)
+            if role not in TRAINABLE_ROLES and offload.get(role) != "always"
+            and not any(plan[role].overlaps(other) for other in trained)}
+
+
+def planner_role_bytes(plan: PlacementPlan, config: RunConfig, kept: Collection[str] = ()
+                       ) -> dict[str, RoleBytes]:
     """The planner's bytes of every model of ``plan`` for the run ``config`` (bf16 weights, fp32
     gradient buffers, mixed-precision Adam; sharded over DP under ``<role>_optimizer.fsdp``),
-    with a generation round of at most ``generation.micro_batch_size`` rows when that is set."""
+    with a generation round of at most ``generation.micro_batch_size`` rows when that is set,
+    and the kept KV memory of the models in ``kept`` (:func:`decode_graph_roles`)."""
     rollout = RolloutSpec.from_run_config(config)
     # Memory large enough that nothing is offloaded and one round holds the whole batch.
     unlimited = dataclasses.replace(load_profile("A100-80GB"), memory_gib=2.0**40)
@@ -81,12 +134,18 @@ def planner_role_bytes(plan: PlacementPlan, config: RunConfig) -> dict[str, Role
     kv_cache = {role: (batch_bucket(rows, bound) if continuous else min(rows, bound or rows))
                 * kv_cache_bytes(plan[role].spec.arch, plan[role].tp, plan[role].pp, 1, length)
                 for role, rows in report.generation_micro_batch.items()}
+    # A kept model's decoders are as long as the longest call of the run, one per slot count.
+    kept_cache = {role: sum(kept_slot_counts(rows, bound)) * kv_cache_bytes(
+                      plan[role].spec.arch, plan[role].tp, plan[role].pp, 1,
+                      length_bucket(decode_positions(config)))
+                  for role, rows in report.generation_micro_batch.items() if role in kept}
     # What the CPU meter sees gathered: the weights at each layer's forward (on a GPU the
     # allocator also sees the backward's gradient buckets, which the planner's fit adds).
     gathered = {role: fsdp_gathered_bytes(plan[role].spec.arch, plan[role].tp, training=False)
                 for role in fsdp}
     return {role: RoleBytes(m.weights * _GIB, m.grads * _GIB, m.optimizer * _GIB,
-                            kv_cache.get(role, 0.0), gathered.get(role, 0.0))
+                            kv_cache.get(role, 0.0), gathered.get(role, 0.0),
+                            kept_cache.get(role, 0.0))
             for role, m in report.roles.items()}
 
 
@@ -113,7 +172,9 @@ def stage_peaks(plan: PlacementPlan, roles: dict[str, RoleBytes], offloaded: Col
     peaks: dict[int, dict[str, float]] = {}
     for rank in range(plan.world_size):
         here = set(plan.roles_on(rank))
-        resident = sum(roles[role].state for role in here if role not in offloaded)
+        # a kept KV cache is never offloaded: it stays through every stage
+        resident = sum(roles[role].state for role in here if role not in offloaded) + sum(
+            roles[role].kept_cache for role in here)
         peaks[rank] = {}
         for stage, stage_units in units.items():
             running = [[role for role in unit if role in here] for unit in stage_units]
@@ -128,25 +189,28 @@ def stage_peaks(plan: PlacementPlan, roles: dict[str, RoleBytes], offloaded: Col
 def _brought_back(stage: str, role: RoleBytes, offloaded: bool) -> float:
     """Bytes a stage adds for one of its models: what an offloaded model brings back, plus the
     generation's KV cache and the weights FSDP gathers (both alive while a decoding step
-    computes; ``sync_weights`` computes nothing)."""
-    work = (role.kv_cache if stage == GENERATE else 0.0) + (role.gathered if stage != SYNC
-                                                             else 0.0)
+    computes; ``sync_weights`` computes nothing). A kept KV cache is resident already."""
+    cache = role.kv_cache if stage == GENERATE and not role.kept_cache else 0.0
+    work = cache + (role.gathered if stage != SYNC else 0.0)
     if not offloaded:
         return work
     return (role.state if stage == TRAIN else role.weights) + work
 
 
-def offload_policies(config: RunConfig, plan: PlacementPlan) -> dict[str, str]:
+def offload_policies(config: RunConfig, plan: PlacementPlan, graphs: bool = False
+                     ) -> dict[str, str]:
     """``never`` or ``always`` for every placed model, deciding ``models.offload.<role>=auto``.
 
     An ``auto`` model is offloaded when a rank it is placed on is predicted to exceed the
     per-rank budget (``models.memory_budget_gib``, or the device memory of the rank's pool) in
-    some stage with every ``auto`` model resident; ``always`` models count as offloaded.
+    some stage with every ``auto`` model resident; ``always`` models count as offloaded. With
+    ``graphs`` (:func:`graphs_captured`) a resident model of :func:`decode_graph_roles` counts
+    its kept KV memory; offloading it frees that too.
     """
     policies = {role: config.models.offload_policy(role) for role in plan.roles}
     auto = {role for role, policy in policies.items() if policy == "auto"}
     if auto:
-        roles = planner_role_bytes(plan, config)
+        roles = planner_role_bytes(plan, config, decode_graph_roles(plan, policies, graphs))
         always = {role for role, policy in policies.items() if policy == "always"}
         peaks = stage_peaks(plan, roles, always)
         over = {rank for rank, stages in peaks.items()
