@@ -88,12 +88,20 @@ class CudaToCpuMode(TorchFunctionMode):
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            return _tensor_type_name(args[0], caller=sys._getframe(1))
+            return _tensor_type_name(args[0], caller=_caller(sys._getframe(1)))
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs = {**kwargs, "device": "cpu"}
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)
+
+
+def _caller(frame: FrameType) -> FrameType:
+    """The frame that made a torch call, past other torch function modes relaying it (the
+    NCCL-semantics test mode's sits above this one)."""
+    while frame.f_code.co_name == "__torch_function__" and frame.f_back is not None:
+        frame = frame.f_back
+    return frame
 
 
 def _tensor_type_name(tensor: torch.Tensor, caller: FrameType) -> str:
