@@ -83,6 +83,9 @@ class CudaToCpuMode(TorchFunctionMode):
     clipping, default causal masks, checkpoint exchange buffers, ...).
     """
 
+    suspended_in_generation = True
+    """Left by ``patches.cuda_redirect_suspended`` while a model generates."""
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:

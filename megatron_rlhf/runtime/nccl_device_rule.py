@@ -22,8 +22,10 @@ production):
 
 The rule is heuristic where CPU cannot tell: ``torch.device("cpu")`` written out in the code
 counts as the device (it is indistinguishable from ``comm_device()`` here), and
-``torch.from_numpy`` is not seen (it does not reach torch function modes). Generation with the
-CUDA-to-CPU redirect suspended still runs under this mode.
+``torch.from_numpy`` is not seen (it does not reach torch function modes). Inside
+``generate_sequences`` no tensor is marked: the mode is left there with the CUDA-to-CPU one
+(``runtime.patches.cuda_redirect_suspended``). On a machine with CUDA the rule is not installed:
+there a gloo world really takes host tensors.
 """
 
 from __future__ import annotations
@@ -113,6 +115,10 @@ def _alias(tensor: torch.Tensor) -> torch.Tensor:
 class HostTensorMode(TorchFunctionMode):
     """Marks the tensors a GPU run would hold in host memory (see the module docstring)."""
 
+    suspended_in_generation = True
+    """Left with the CUDA-to-CPU mode while a model generates (``torch.compile`` of the decode
+    step cannot trace a mode, and generation would run at half speed)."""
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
@@ -163,9 +169,9 @@ _mode: HostTensorMode | None = None
 
 
 def install() -> None:
-    """Start marking host-made tensors in this thread (idempotent)."""
+    """Start marking host-made tensors in this thread (idempotent; nothing with CUDA)."""
     global _mode
-    if _mode is None:
+    if _mode is None and not torch.cuda.is_available():
         _mode = HostTensorMode()
         _mode.__enter__()
 
