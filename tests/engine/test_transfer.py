@@ -325,8 +325,17 @@ def _sender_goes_on() -> dict:
         in_flight.append(channels.in_flight)
     sent_s = time.monotonic() - start
     channels.drain()
-    return {"sent_s": sent_s, "got": got, "in_flight": in_flight,
-            "after_drain": channels.in_flight}
+    after_drain = channels.in_flight
+    threads_before = _channel_threads()
+    channels.close()
+    return {"sent_s": sent_s, "got": got, "in_flight": in_flight, "after_drain": after_drain,
+            "threads": [threads_before, _channel_threads()]}
+
+
+def _channel_threads() -> int:
+    import threading
+
+    return sum(thread.name == "transfer-sends" for thread in threading.enumerate())
 
 
 @pytest.mark.multirank
@@ -337,4 +346,6 @@ def test_a_second_transfer_on_a_channel_does_not_wait_for_the_first_one_to_be_re
     sender, receiver = run_on_ranks(_sender_goes_on, world_size=2, timeout_s=60)
     assert sender["sent_s"] < 1.5 and sender["in_flight"] == [1, 2], sender
     assert sender["after_drain"] == 0
+    # A move closes the channels: their thread ends with them instead of leaking once per move.
+    assert sender["threads"] == [1, 0] and receiver["threads"] == [0, 0]
     assert receiver["got"] == [[[0.0] * 3] * 2, [[1.0] * 3] * 2]

@@ -194,7 +194,7 @@ class TransferChannels:
         self._transfers: dict[ChannelKey, int] = {key: 0 for key in self._groups}
         self._unposted: dict[ChannelKey, int] = {key: 0 for key in self._groups}
         self._posted = threading.Condition()
-        self._deferred: queue.SimpleQueue[_DeferredSends] = queue.SimpleQueue()
+        self._deferred: queue.SimpleQueue[_DeferredSends | None] = queue.SimpleQueue()
         self._poster: threading.Thread | None = None
         self._stream: torch.cuda.Stream | None = None
         self._failure: BaseException | None = None
@@ -289,8 +289,7 @@ class TransferChannels:
             self._poster.start()
 
     def _post_deferred(self) -> None:
-        while True:
-            batch = self._deferred.get()
+        while (batch := self._deferred.get()) is not None:
             try:
                 self._await(batch.posting, batch.receivers,
                             "they posted their receives of this transfer",
@@ -354,6 +353,17 @@ class TransferChannels:
                 pending.clear()
         for request, _ in batches:
             request.wait()
+
+    def close(self) -> None:
+        """Drain every channel and end the channels' thread, before the groups are destroyed
+        (a move): destroying an NCCL communicator with sends pending flushes them, which can
+        block until the timeout, and the thread would otherwise live on, holding the channels,
+        once per move."""
+        self.drain()
+        if self._poster is not None:
+            self._deferred.put(None)
+            self._poster.join()
+            self._poster = None
 
     @property
     def in_flight(self) -> int:

@@ -78,9 +78,11 @@ Assemble = Callable[[RunConfig, PlacementPlan], LiveRun]
 
 
 def drop_run(live: LiveRun) -> None:
-    """Drop ``live``'s run, evaluator and exporter and free their device memory: the decode
-    graphs and KV caches its generating models kept go first, so they are freed even where
-    something else still refers to a model."""
+    """Drop ``live``'s run, evaluator and exporter and free their device memory: the transfer
+    channels drain and end their thread (nothing in flight when the groups are destroyed), and
+    the decode graphs and KV caches its generating models kept go first, so they are freed
+    even where something else still refers to a model."""
+    live.run.engine.channels.close()
     for worker in live.run.engine.workers.values():
         worker.release_decode_graphs()
     live.run = live.evaluator = live.exporter = None
