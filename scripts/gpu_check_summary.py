@@ -2,11 +2,13 @@
 
     python scripts/gpu_check_summary.py LOG_DIR RUN_DIR
 
-Reads ``LOG_DIR/parts.txt`` (name, exit status, seconds and time limit per part), the part logs
-in ``RUN_DIR/logs`` and the run directories under ``RUN_DIR``; prints the summary as one JSON
-line and writes it to ``LOG_DIR/summary.json``. A part that timed out has exit 124 (``timed_out``
-in its entry); a section that cannot be read is named under ``summary_errors``, the rest is
-still summarised. Exits 0 when every part that ran passed (on a machine without CUDA only the
+Reads ``LOG_DIR/parts.txt`` (name, exit status, seconds, time limit and side-by-side group per
+part), the part logs in ``RUN_DIR/logs`` and the run directories under ``RUN_DIR``; prints the
+summary as one JSON line and writes it to ``LOG_DIR/summary.json``. Each part has an entry of its
+own: a run's last step with its ``throughput/*`` metrics, the MoE run's line about CUDA graphs,
+the multi-turn counts, the re-planning's moves, ``te`` skipped without Transformer Engine. A part
+that timed out has exit 124 (``timed_out`` in its entry); a section that cannot be read is named
+under ``summary_errors``, the rest is still summarised. Exits 0 when every part that ran passed (on a machine without CUDA only the
 test collection runs, and its GPU tests are reported as skipped), 1 otherwise.
 """
 
@@ -63,6 +65,70 @@ NCCL_PLACEMENTS = ("flattening", "interleaving", "interleaving2", "separation",
 """The placements the check runs under NCCL with 2 or more GPUs (``nccl_<name>`` run dirs)."""
 
 
+THROUGHPUT = ("throughput/tokens_per_s_per_device", "throughput/train_mfu",
+              "throughput/generate_mfu")
+"""The per-step throughput metrics (the step's all-reduce over the world), in each run's entry."""
+
+
+def _last_step(run_dir: Path, keys: tuple[str, ...]) -> dict | None:
+    """``keys`` of the last record of ``run_dir/metrics.jsonl`` (with the throughput metrics);
+    None without one."""
+    last = _last_json(run_dir / "metrics.jsonl")
+    return None if last is None else {key: last.get(key) for key in ("step", *keys, *THROUGHPUT)}
+
+
+def _log_lines(log: Path, pattern: str) -> list[str]:
+    """The lines of ``log`` that match ``pattern``, without the logger's ``[time rank level
+    name]`` prefix, 300 characters at most each."""
+    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    return [re.sub(r"^\[[^]]*\] ", "", line)[:300] for line in lines if re.search(pattern, line)]
+
+
+def _moe(run_dir: Path, logs: Path) -> dict | None:
+    """The MoE run at ep 1: its last step and what it logged about CUDA graphs (under
+    ``generation.cuda_graphs: auto`` MoE decodes eagerly and says so once)."""
+    last = _last_step(run_dir / "moe_ep1", ("reward_mean", "kl", "policy_loss"))
+    if last is None:
+        return None
+    return {**last, "cuda_graphs": _log_lines(logs / "moe_ep1.log", r"(?i)cuda.?graphs")[:3]}
+
+
+def _multi_turn(run_dir: Path) -> dict | None:
+    """The multi-turn run's last step: turns per episode, the environment's answers."""
+    return _last_step(run_dir / "multi_turn", (
+        "reward_mean", "kl", "rollout/turns", "rollout/observation_tokens", "rollout/truncated",
+        "rollout/environment_reward", "response_length"))
+
+
+def _te(run_dir: Path, logs: Path) -> dict | None:
+    """The Transformer Engine part: skipped without TE, else the models' layers and the step."""
+    if _log_lines(logs / "te.log", r"^skipped: transformer_engine not installed"):
+        return {"skipped": "transformer_engine not installed"}
+    last = _last_step(run_dir / "te", ("reward_mean", "kl"))
+    layers = _log_lines(logs / "te.log", r"\] layers: ")
+    if last is None and not layers:
+        return None
+    return {**(last or {}), "layers": layers[0].removeprefix("layers: ") if layers else None}
+
+
+def _replan(run_dir: Path) -> dict | None:
+    """The re-planning run: how often it re-planned, each move (forced) with its seconds, the
+    last ranking's verdict and the last step."""
+    path = run_dir / "replan" / "plan_history.jsonl"
+    lines = _records(path)
+    last = _last_step(run_dir / "replan", ("replan/predicted_gain", "replan/move_seconds"))
+    if not lines and last is None:
+        return None
+    rankings = [line for line in lines if "ranking" in line]
+    moves = [{"after_step": line["step"], **{key: line["moved"].get(key) for key in (
+        "from", "to", "forced", "state", "move_seconds")}} for line in lines if "moved" in line]
+    result: dict = {"replans": len(rankings), "moves": moves, "last_step": last}
+    if rankings:
+        result["last_ranking"] = {key: rankings[-1].get(key) for key in (
+            "step", "current", "best", "predicted_gain", "would_move")}
+    return result
+
+
 def _placement_agreement(log_dir: Path) -> dict:
     """Each NCCL run's last metrics, and per synchronous placement the largest difference from
     flattening's per-step ``reward_mean``, ``kl`` and ``policy_loss`` (the same steps, fp32:
@@ -94,17 +160,30 @@ def _placement_agreement(log_dir: Path) -> dict:
 
 
 def _parts(log_dir: Path) -> dict:
-    """``parts.txt``: per part its exit status, seconds and time limit, in the order they ran."""
+    """``parts.txt``: per part its exit status, seconds, time limit and, for parts run side by
+    side, their group (``side_by_side:N``), in the order they finished."""
     parts = {}
     path = log_dir / "parts.txt"
     for line in path.read_text().splitlines() if path.is_file() else []:
-        name, status, seconds, *limit = line.split()
+        name, status, seconds, *rest = line.split()
         parts[name] = {"exit": int(status), "seconds": int(seconds)}
-        if limit:
-            parts[name]["limit_s"] = int(limit[0])
+        if rest:
+            parts[name]["limit_s"] = int(rest[0])
+        if rest[1:]:
+            parts[name]["side_by_side"] = int(rest[1].removeprefix("side_by_side:"))
         if int(status) in (124, 137):  # timeout's status, or killed after its grace period
             parts[name]["timed_out"] = True
     return parts
+
+
+def _limits_total(parts: dict) -> int:
+    """The longest the parts could have taken: every limit, but of the parts run side by side
+    only each group's largest."""
+    groups: dict = {}
+    for name, part in parts.items():
+        key = part.get("side_by_side", name)
+        groups[key] = max(groups.get(key, 0), part.get("limit_s", 0))
+    return sum(groups.values())
 
 
 def summarize(log_dir: Path, run_dir: Path) -> tuple[dict, bool]:
@@ -128,25 +207,27 @@ def summarize(log_dir: Path, run_dir: Path) -> tuple[dict, bool]:
 
     section("parts", lambda: _parts(log_dir))
     summary.setdefault("parts", {})
-    summary["limits_s_total"] = sum(p.get("limit_s", 0) for p in summary["parts"].values())
+    summary["limits_s_total"] = _limits_total(summary["parts"])
     section("gpu_tests", lambda: _pytest_counts(sorted(logs.glob("gpu_tests.*.log"))))
     summary.setdefault("gpu_tests", {})
     if not cuda:
         summary["skipped"] = ("no CUDA device: the gpu tests were collected and skipped; "
-                              "run_ppo, the throughput, stage-memory and rollouts benchmarks "
-                              "need a GPU")
+                              "run_ppo, moe_ep1, multi_turn, te, replan, the throughput, "
+                              "stage-memory and rollouts benchmarks need a GPU")
     for dtype in ("float32", "bfloat16"):
-        def last_step(dtype: str = dtype) -> dict | None:
-            last = _last_json(run_dir / f"ppo_{dtype}" / "metrics.jsonl")
-            return None if last is None else {key: last.get(key) for key in (
-                "step", "reward_mean", "kl", "policy_loss", "value_loss", "step_seconds",
-                "rollout/logprob_diff_max")}
-        section(f"run_ppo_{dtype}", last_step)
+        section(f"run_ppo_{dtype}", lambda dtype=dtype: _last_step(run_dir / f"ppo_{dtype}", (
+            "reward_mean", "kl", "policy_loss", "value_loss", "step_seconds",
+            "rollout/logprob_diff_max")))
+    section("moe_ep1", lambda: _moe(run_dir, logs))
+    section("multi_turn", lambda: _multi_turn(run_dir))
+    section("te", lambda: _te(run_dir, logs))
+    section("replan", lambda: _replan(run_dir))
     for part in ("throughput", "stage_memory", "rollouts"):
         section(part, lambda part=part: _last_json(logs / f"{part}.log"))
     if cuda and torch.cuda.device_count() < 2:
-        summary["skipped"] = "one GPU: the NCCL runs across devices (flattening, separation) " \
-                             "need 2 or more"
+        summary["skipped"] = ("one GPU: the NCCL runs across devices (flattening, separation) "
+                              "need 2 or more; replan moved at world size 1, to the same "
+                              "placement")
     section("nccl", lambda: _placement_agreement(run_dir))
     if errors:
         summary["summary_errors"] = errors

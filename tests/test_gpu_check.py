@@ -55,31 +55,60 @@ DEVICE_COMMAND_S = 600
 """One device command's limit; the parts' limits must leave room for set-up and the summary."""
 
 
-def _part_limits() -> dict[str, int]:
-    """Each ``run_part NAME LIMIT`` of the script (the largest where a name appears twice: the
-    CPU branch repeats ``gpu_tests``)."""
+PART = re.compile(r"^\s*(run_part|start_part)\s+(\S+)\s+(\S+)\s|^\s*(wait_parts)\b",
+                  flags=re.MULTILINE)
+ONE_GPU_S = 365
+"""The parts' limits on one GPU: a machine start, the check and a rerun of the parts that failed
+fit 15 minutes of device time."""
+
+
+def _part_groups() -> list[dict[str, int]]:
+    """The script's parts as they run, after its functions (``export -f``): each ``run_part NAME
+    LIMIT`` alone, the ``start_part`` calls before a ``wait_parts`` side by side (such a group
+    takes as long as its largest limit). A part named twice (the CPU branch repeats
+    ``gpu_tests``) counts once, with its larger limit."""
     text = SCRIPT.read_text()
-    calls = re.findall(r"^\s*run_part\s+(\S+)\s+(\S+)\s", text, flags=re.MULTILINE)
-    assert calls and all(limit.isdigit() for _, limit in calls), calls  # literal limits only
-    assert len(calls) == len(re.findall(r"^\s*run_part\s", text, flags=re.MULTILINE))
-    limits: dict[str, int] = {}
-    for name, limit in calls:
-        limits[name] = max(limits.get(name, 0), int(limit))
-    return limits
+    calls = text[text.index("\nexport -f "):]
+    groups: list[dict[str, int]] = []
+    together: dict[str, int] = {}
+    for kind, name, limit, wait in PART.findall(calls):
+        if wait:
+            groups.append(together)
+            together = {}
+            continue
+        assert limit.isdigit(), (name, limit)  # literal limits only
+        if kind == "start_part":
+            together[name] = int(limit)
+        else:
+            groups.append({name: int(limit)})
+    assert not together, f"start_part without wait_parts: {together}"
+    assert sum(map(len, groups)) == len(re.findall(r"^\s*(?:run_part|start_part)\s", calls,
+                                                  flags=re.MULTILINE))
+    merged: dict[frozenset, dict[str, int]] = {}
+    for group in groups:
+        kept = merged.setdefault(frozenset(group), {})
+        for name, limit in group.items():
+            kept[name] = max(kept.get(name, 0), limit)
+    return list(merged.values())
 
 
 def test_gpu_check_fits_one_device_command() -> None:
-    """The parts' time limits, the NCCL parts of a machine with several GPUs included, sum to
+    """The parts' time limits, the NCCL parts of a machine with several GPUs included, add up to
     540 s at most (a 600 s command with set-up, the summary and timeout's grace periods); on one
-    GPU to 330 s, so two checks and two machine starts fit 15 minutes of device time."""
-    limits = _part_limits()
-    assert {"run_ppo", "throughput", "stage_memory", "rollouts", "gpu_tests", "nccl_flattening",
-            "nccl_interleaving", "nccl_interleaving2", "nccl_separation",
-            "nccl_async_separation"} <= set(limits)
-    assert sum(limits.values()) <= 540, limits
-    assert sum(v for name, v in limits.items() if not name.startswith("nccl_")) <= 330, limits
+    GPU to ``ONE_GPU_S``. The short world-size-1 runs go side by side, before the rest."""
+    groups = _part_groups()
+    limits = {name: limit for group in groups for name, limit in group.items()}
+    assert {"run_ppo", "moe_ep1", "multi_turn", "te", "replan", "throughput", "stage_memory",
+            "rollouts", "gpu_tests", "nccl_flattening", "nccl_interleaving",
+            "nccl_interleaving2", "nccl_separation", "nccl_async_separation"} <= set(limits)
+    assert set(groups[0]) == {"run_ppo", "moe_ep1", "multi_turn", "te"}, groups
+    assert all(len(group) == 1 for group in groups[1:]), groups
+    seconds = [max(group.values()) for group in groups]
+    assert sum(seconds) <= 540, groups
+    assert sum(max(group.values()) for group in groups
+               if not any(name.startswith("nccl_") for name in group)) <= ONE_GPU_S, groups
     grace = re.search(r"timeout --kill-after=(\d+)", SCRIPT.read_text())
-    assert grace and sum(limits.values()) + len(limits) * int(grace[1]) <= DEVICE_COMMAND_S - 20
+    assert grace and sum(seconds) + len(groups) * int(grace[1]) <= DEVICE_COMMAND_S - 20
 
 
 def test_gpu_check_keeps_run_directories_out_of_what_comes_back() -> None:
@@ -153,6 +182,96 @@ def test_throughput_benchmark_figures_are_consistent(tmp_path: Path) -> None:
     flop = 3 * 128 * (2 * figures["matmul_params"] + 4 * 2 * 32 * 64)
     assert train["tflops"] == pytest.approx(flop / train["step_s"] / 1e12)
     assert decode["tokens_per_s"] == pytest.approx(4 * 8 / decode["seconds"])
+
+
+def _script_module(name: str):
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.pop(0)
+
+
+def _write_metrics(run_dir: Path, records: list[dict]) -> None:
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_a_run_part_fails_when_a_step_lacks_its_throughput(tmp_path: Path) -> None:
+    """A run that crashed at the end of step 1, or whose step dropped the throughput metric (the
+    all-reduce on the world), fails its part; the last evaluation's record is not a step."""
+    problems = _script_module("gpu_check_metrics").problems
+    key = "throughput/tokens_per_s_per_device"
+    assert problems(tmp_path / "none", 2) == [f"{tmp_path / 'none' / 'metrics.jsonl'}: missing "
+                                              "(the run wrote no step)"]
+    _write_metrics(tmp_path / "ok", [{"step": 0, key: 10.0}, {"step": 1, key: 12.5},
+                                     {"step": 2, "eval/greedy/rule_score": 0.5}])
+    assert problems(tmp_path / "ok", 2) == []
+    assert problems(tmp_path / "ok", 3) == [f"step 2: {key}=None (a finite number expected)"]
+    _write_metrics(tmp_path / "crashed", [{"step": 0, key: 10.0}])
+    assert problems(tmp_path / "crashed", 2) == ["step 1: no record"]
+    _write_metrics(tmp_path / "dropped", [{"step": 0, key: float("nan")}, {"step": 1}])
+    assert problems(tmp_path / "dropped", 2, (key, "replan/predicted_gain")) == [
+        f"step 0: {key}=nan (a finite number expected)",
+        "step 0: replan/predicted_gain=None (a finite number expected)",
+        f"step 1: {key}=None (a finite number expected)",
+        "step 1: replan/predicted_gain=None (a finite number expected)"]
+
+
+def test_the_move_part_parses_its_forced_moves() -> None:
+    forced_moves = _script_module("gpu_check_move").forced_moves
+    assert forced_moves(["0=separation", "1=flattening tp=1"]) == {0: "separation",
+                                                                   1: "flattening tp=1"}
+    for bad in ("separation", "-1=flattening", "0="):
+        with pytest.raises(ValueError, match="STEP=PREFIX"):
+            forced_moves([bad])
+
+
+def test_the_summary_reports_the_new_parts(tmp_path: Path) -> None:
+    """Each world-size-1 run's last step with its throughput, MoE's line about CUDA graphs,
+    the multi-turn counts, the re-planning's moves, and TE skipped without it."""
+    summarize = _script_module("gpu_check_summary").summarize
+    run, key = tmp_path / "run", "throughput/tokens_per_s_per_device"
+    logs = run / "logs"
+    for name in ("ppo_float32", "ppo_bfloat16", "moe_ep1", "multi_turn", "replan"):
+        _write_metrics(run / name, [{"step": 0, key: 5.0, "throughput/train_mfu": 0.1,
+                                     "reward_mean": 0.5, "rollout/turns": 2.0}])
+    logs.mkdir()
+    (logs / "moe_ep1.log").write_text(
+        "[22:07:42 rank0 WARNING megatron_rlhf.generation.decode_step] generation.cuda_graphs="
+        "auto: decoding without CUDA graphs: megatron's MoE token dispatch\nppo: step 1/1\n")
+    (logs / "te.log").write_text("skipped: transformer_engine not installed\n")
+    (run / "replan" / "plan_history.jsonl").write_text("".join(json.dumps(line) + "\n" for line in (
+        {"step": 0, "current": "flattening tp=1 pp=1", "best": "interleaving2 tp=1 pp=1",
+         "predicted_gain": 0.3, "would_move": True, "ranking": []},
+        {"step": 0, "moved": {"from": "flattening tp=1 pp=1", "to": "separation(1/2 train)",
+                              "forced": True, "state": "memory", "move_seconds": 4.5}})))
+    names = ("run_ppo", "moe_ep1", "multi_turn", "te", "replan")
+    (tmp_path / "parts.txt").write_text("".join(f"{name} 0 20 {50 + i} side_by_side:1\n"
+                                                for i, name in enumerate(names[:4]))
+                                        + "replan 0 20 45\n")
+    summary, passed = summarize(tmp_path, run)
+    assert list(summary["parts"]) == list(names) and passed
+    assert summary["parts"]["te"] == {"exit": 0, "seconds": 20, "limit_s": 53, "side_by_side": 1}
+    assert summary["limits_s_total"] == 53 + 45  # the group takes its largest limit
+    assert summary["run_ppo_bfloat16"][key] == 5.0
+    assert summary["run_ppo_float32"]["throughput/train_mfu"] == 0.1
+    assert summary["moe_ep1"]["cuda_graphs"] == [
+        "generation.cuda_graphs=auto: decoding without CUDA graphs: megatron's MoE token dispatch"]
+    assert summary["multi_turn"]["rollout/turns"] == 2.0
+    assert summary["te"] == {"skipped": "transformer_engine not installed"}
+    assert summary["replan"]["moves"] == [{"after_step": 0, "from": "flattening tp=1 pp=1",
+                                           "to": "separation(1/2 train)", "forced": True,
+                                           "state": "memory", "move_seconds": 4.5}]
+    assert summary["replan"]["replans"] == 1 and summary["replan"]["last_ranking"]["would_move"]
+    assert "summary_errors" not in summary
+    json.dumps(summary)
+    (logs / "te.log").write_text("[0 rank0 INFO megatron_rlhf.engine.run.build] layers: actor "
+                                 "local, critic transformer_engine, ref transformer_engine\n")
+    _write_metrics(run / "te", [{"step": 0, key: 4.0}])
+    te = summarize(tmp_path, run)[0]["te"]
+    assert te["layers"] == "actor local, critic transformer_engine, ref transformer_engine"
+    assert te[key] == 4.0
 
 
 def test_the_summary_compares_the_nccl_placements_step_by_step(tmp_path: Path) -> None:
