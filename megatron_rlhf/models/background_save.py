@@ -60,12 +60,16 @@ WriteBucket = tuple[str, str, tuple[list, list]]
 class ThreadedWriter(FileSystemWriterAsync):
     """megatron's asynchronous file-system writer, writing from a thread of this process.
 
-    ``write_seconds`` is the background write's duration once it has run.
+    ``write_seconds`` is the background write's duration once it has run; ``error`` its
+    failure (None: none), raised from the original error (a full disk's ``OSError`` included).
+    megatron's finalisation gives the failure's text to its coordinator rank only; the committing
+    code reads every rank's own here.
     """
 
     def __init__(self, path: str | Path) -> None:
         super().__init__(path, thread_count=1)
         self.write_seconds = 0.0
+        self.error: Exception | None = None
 
     def prepare_write_data(self, plan: Any, planner: Any) -> None:
         with _no_manager_queue():
@@ -96,6 +100,8 @@ class ThreadedWriter(FileSystemWriterAsync):
                     os.fsync(stream.fileno())
         except Exception as error:  # noqa: BLE001 - reported on every rank at the commit
             outcome = RuntimeError(f"rank {rank} could not write its checkpoint shards: {error}")
+            outcome.__cause__ = error
+            self.error = outcome
         self.write_seconds = time.perf_counter() - begin
         self.results_queue.put(outcome)
 

@@ -10,7 +10,9 @@ A checkpoint is complete when its directory carries no suffix: files are written
 ``step_<k>.tmp-<hex>``, every rank hashes a share of them, rank 0 writes ``manifest.json`` (size and
 sha256 of every other file) last, fsyncs and renames. A killed save leaves only the ``.tmp-``
 directory, which is never picked and is removed by the next save. Older checkpoints are removed
-only after the rename.
+only after the rename. A save that fills the disk removes its ``.tmp-`` directory at once and
+raises :class:`DiskFullError`, naming the directory, the bytes the save needs and those free
+(:func:`removed_when_disk_full`).
 
 Model checkpoints (``models.checkpoint``) and whole-run checkpoints (``engine.checkpointing``)
 are both written through this module; it knows nothing about what the files hold.
@@ -18,6 +20,8 @@ are both written through this module; it knows nothing about what the files hold
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -25,7 +29,7 @@ import re
 import secrets
 import shutil
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -40,6 +44,10 @@ MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
 _NAME = re.compile(r"^step_(\d{8})$")
 _T = TypeVar("_T")
+# How a write to a full disk (or one over quota) is reported: the OS's text, and torch.save's
+# (its zip writer checks positions, "unexpected pos 704 vs 598", after a short write).
+_DISK_FULL_TEXTS = ("no space left on device", "disk quota exceeded", "unexpected pos",
+                    "file write failed")
 
 
 def checkpoint_step(path: Path) -> int:
@@ -85,6 +93,93 @@ def check_writable_dir(path: str | Path, field: str) -> None:
         raise ValueError(f"{field}={path} cannot be {action} ({type(error).__name__}: "
                          f"{error.strerror or error}); give a directory this job can write, or "
                          "fix its permissions") from error
+
+
+class DiskFullError(OSError):
+    """A save found no space on its disk; the message names the directory, the bytes the save
+    needs and the bytes free. Its partial save was removed."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.errno = errno.ENOSPC
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether ``error``, or an error it was raised from or that it gathers from other ranks
+    (torch.distributed.checkpoint's ``CheckpointException``), is a write to a full disk."""
+    pending: list[BaseException | None] = [error]
+    seen: set[int] = set()
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(text in str(current).lower() for text in _DISK_FULL_TEXTS):
+            return True
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            pending.extend(exc for exc, _ in failures.values())
+        pending.extend((current.__cause__, current.__context__))
+    return False
+
+
+def checkpoint_bytes(path: Path) -> int:
+    """The bytes of a complete checkpoint's files, manifest included (from its manifest)."""
+    return (path / MANIFEST).stat().st_size + sum(
+        entry["size"] for entry in read_manifest(path)["files"].values())
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for file in path.rglob("*"):
+        with contextlib.suppress(OSError):  # another rank may be removing it too
+            total += file.stat().st_size if file.is_file() else 0
+    return total
+
+
+@contextlib.contextmanager
+def removed_when_disk_full(temp: Path) -> Iterator[None]:
+    """Write a save's files into ``temp`` (a :func:`shared_temp_dir`) inside this block; when the
+    disk fills, remove ``temp`` and raise :class:`DiskFullError` instead, so the space is free
+    for the next try. Complete checkpoints beside it are left as they are.
+
+    The bytes needed are the newest complete checkpoint's in the same directory (a run's
+    checkpoints are all about as large), or at least what was written before the disk filled.
+
+    Raises:
+        DiskFullError: the block raised a full-disk error (:func:`is_disk_full`).
+    """
+    try:
+        yield
+    except BaseException as error:
+        if not is_disk_full(error):
+            raise
+        written = _tree_bytes(temp)
+        shutil.rmtree(temp, ignore_errors=True)
+        raise DiskFullError(_disk_full_message(temp, written, error)) from error
+
+
+def _disk_full_message(temp: Path, written: int, error: BaseException) -> str:
+    directory = temp.parent
+    free = shutil.disk_usage(directory).free
+    complete = complete_checkpoints(directory)
+    if complete:
+        needed = (f"needs about {_size(checkpoint_bytes(complete[-1]))} (the size of "
+                  f"{complete[-1].name})")
+    else:
+        needed = f"needs more than {_size(written)} (written before the disk filled)"
+    final = temp.name.split(".tmp-")[0]
+    cause = str(error).strip().splitlines()[-1][:200] if str(error).strip() else ""
+    return (f"no space left on device for checkpoint {final} in {directory}: the save {needed}, "
+            f"{_size(free)} free there; its partial save {temp.name} was removed and older "
+            "checkpoints are untouched. Free space there (checkpoint.keep_last keeps fewer "
+            f"checkpoints) or give another --save-dir ({type(error).__name__}: {cause})")
+
+
+def _size(count: int) -> str:
+    return f"{count:,} bytes ({count / 2**20:.1f} MiB)"
 
 
 def unfinished_saves(save_dir: str | Path) -> list[Path]:

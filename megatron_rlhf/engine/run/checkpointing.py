@@ -81,6 +81,7 @@ from megatron_rlhf.runtime.checkpoint_store import (
     complete_checkpoints,
     publish,
     read_torch_file,
+    removed_when_disk_full,
     shared_temp_dir,
     unfinished_saves,
 )
@@ -303,7 +304,7 @@ class CheckpointSaver:
     def __init__(self, config: CheckpointConfig) -> None:
         self.config = config
         self.queue = BackgroundSaveQueue() if config.async_save else None
-        self._pending: tuple[Path, list[ThreadedSaveStrategy]] | None = None
+        self._pending: tuple[Path, Path, list[ThreadedSaveStrategy]] | None = None
         self._seconds: dict[str, float] = {}
 
     @property
@@ -323,9 +324,10 @@ class CheckpointSaver:
             requests[-1][0].add_finalize_fn(finish)
             for request, _ in requests:
                 self.queue.schedule_async_request(request)
-            self._pending = (final, [strategy for _, strategy in requests])
+            self._pending = (final, temp, [strategy for _, strategy in requests])
         else:
-            finish()
+            with removed_when_disk_full(temp):
+                finish()
         self._seconds = {"checkpoint/save_s": time.perf_counter() - begin}
         if not requests:
             logger.info("saved checkpoint %s in %.2f s", final, self._seconds["checkpoint/save_s"])
@@ -334,10 +336,18 @@ class CheckpointSaver:
         """Complete the save whose files are being written in the background, if any."""
         if self._pending is None:
             return
-        final, strategies = self._pending
+        final, temp, strategies = self._pending
         self._pending = None
         begin = time.perf_counter()
-        self.queue.maybe_finalize_async_calls(blocking=True)
+        with removed_when_disk_full(temp):
+            try:
+                self.queue.maybe_finalize_async_calls(blocking=True)
+            except BaseException as error:
+                # megatron raises the writers' errors on its coordinator rank only
+                own = [w.error for s in strategies for w in s.writers if w.error is not None]
+                if own:
+                    raise own[0] from error
+                raise
         self._seconds.update({
             "checkpoint/write_s": sum(writer.write_seconds for strategy in strategies
                                       for writer in strategy.writers),
@@ -365,6 +375,16 @@ def _write_run_state(run: RunState, step: int, final: Path, background: bool
     dist.all_gather_object(hosts, _host_state(run, {r: s[1] for r, s in states.items()}),
                            group=dist.group.WORLD)
     temp = shared_temp_dir(final, stale="step_*.tmp-*")
+    with removed_when_disk_full(temp):
+        requests = _write_files(run, step, temp, hosts, states, fsdp, background)
+    return temp, requests
+
+
+def _write_files(run: RunState, step: int, temp: Path, hosts: list[dict],
+                 states: dict[str, tuple[dict, dict, dict]], fsdp: dict[str, bool],
+                 background: bool) -> list[tuple[AsyncRequest, ThreadedSaveStrategy]]:
+    """:func:`_write_run_state`'s writing into ``temp``."""
+    roles = list(states)
     write_experience_ahead(run.algorithm, temp)
     requests = []
     for role in roles:
@@ -383,7 +403,7 @@ def _write_run_state(run: RunState, step: int, final: Path, background: bool
     torch.save(_rng_state(), temp / "rng" / f"rank_{rank:05d}.pt")
     if rank == 0:
         _write_run_files(temp, run, step, hosts, roles)
-    return temp, requests
+    return requests
 
 
 def _trained_roles(engine: PPOEngine) -> list[str]:
