@@ -17,10 +17,12 @@ from megatron_rlhf.generation.decode_step import batch_bucket, graphs_enabled, l
 from tests.generation.helpers import (
     BASE,
     INIT_SEED,
+    MIN_MARGIN,
     PAD,
     SAMPLES,
     assert_same_samples,
     build_tiny,
+    decision_margin,
     generate_tiny,
     make_prompts,
     split_work,
@@ -36,11 +38,13 @@ def test_continuous_batching_gives_the_static_loops_tokens(tiny, end_ids, static
 
 @pytest.mark.parametrize("config", [
     GenerationConfig(max_new_tokens=10, greedy=True, micro_batch_size=2),
-    GenerationConfig(max_new_tokens=10, temperature=0.7, top_k=20, seed=8, micro_batch_size=3,
+    GenerationConfig(max_new_tokens=10, temperature=0.7, top_k=20, seed=11, micro_batch_size=3,
                      stop_check_interval=2),
 ], ids=["greedy", "top-k"])
 def test_continuous_batching_equals_static_with_other_samplers(tiny, end_ids, config) -> None:
     reference = generate_tiny(tiny, dataclasses.replace(config, batching="static"), end_ids[0])
+    # seed 11: seed 8 had a draw 5e-6 from its token's edge, near another CPU's rounding
+    assert decision_margin(tiny, reference, config, list(range(30, 44))) > MIN_MARGIN
     assert_same_samples(generate_tiny(tiny, config, end_ids[0]), reference)
 
 
