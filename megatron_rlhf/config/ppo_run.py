@@ -351,8 +351,9 @@ class RewardConfig:
 
     Attributes:
         model_weight: weight of the reward model's score. 0: no reward model is placed or run
-            (the score is the rule's and the functions'), and ``models.reward_checkpoint`` must
-            be empty; > 0 without a checkpoint scores with a freshly initialised reward model.
+            (the score is the rule's, the functions' and an environment's), and
+            ``models.reward_checkpoint`` must be empty; with no rule, function or environment
+            either, the run is refused; > 0 without a checkpoint scores with a freshly initialised reward model.
         rule: a rule-based reward added to it: ``synthetic`` (the shipped task's rule, on decoded
             text) or ``none``.
         rule_weight: weight of the rule's score.
@@ -385,7 +386,7 @@ class RewardConfig:
     def __post_init__(self) -> None:
         if self.rule not in ("none", "synthetic"):
             raise ValueError(f"reward.rule={self.rule!r}: use 'synthetic' or 'none'")
-        specs = self.specs
+        self.specs  # noqa: B018 (imports and checks the functions once, here)
         if self.on_error not in ON_ERROR_POLICIES:
             raise ValueError(f"reward.on_error={self.on_error!r}: use one of {ON_ERROR_POLICIES}")
         if not self.timeout_s > 0:
@@ -398,9 +399,6 @@ class RewardConfig:
         if not (math.isfinite(self.overlong_penalty) and self.overlong_penalty > 0):
             raise ValueError(f"reward.overlong_penalty={self.overlong_penalty} must be a finite "
                              "number > 0; e.g. 1.0")
-        if self.rule == "none" and self.model_weight == 0 and not specs:
-            raise ValueError("reward.model_weight=0 with reward.rule='none' leaves no reward; "
-                             "set a rule, reward.functions or a non-zero model_weight")
 
     @property
     def specs(self) -> list[RewardFunctionSpec]:
@@ -727,6 +725,7 @@ class RunConfig:
         if not algorithm.uses_critic and placement.critic:
             self.placement = replace(placement, critic=False)
         self._fit_reward_model()
+        self._check_reward_source()
         self.placement.role_ratios()
         self._check_fsdp()
         self._check_optimizer_sharding()
@@ -769,6 +768,16 @@ class RunConfig:
                 "reward.model_weight)")
         if weight == 0 and self.placement.reward:
             self.placement = replace(self.placement, reward=False)
+
+    def _check_reward_source(self) -> None:
+        """Refuse a run that nothing scores: no reward model, no rule, no reward function and
+        no environment (whose step rewards are a score of their own)."""
+        reward = self.reward
+        if (reward.model_weight == 0 and reward.rule == "none" and not reward.functions
+                and self.rollout.environment is None):
+            raise ValueError("reward.model_weight=0 with reward.rule='none' leaves no reward; "
+                             "set a rule, reward.functions, rollout.environment or a non-zero "
+                             "model_weight")
 
     @property
     def ptx_rows(self) -> int:

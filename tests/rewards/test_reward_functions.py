@@ -235,8 +235,24 @@ def test_reward_config_checks_its_functions_before_any_process_group() -> None:
         RewardConfig(on_error="skip")
     with pytest.raises(ValueError, match=r"reward.timeout_s=-1 must be > 0"):
         RewardConfig(timeout_s=-1)
-    with pytest.raises(ValueError, match=r"leaves no reward; set a rule, reward.functions"):
-        RewardConfig(model_weight=0)
+
+
+def _grpo(*overrides: str):
+    from megatron_rlhf.config.loader import load_config
+    from megatron_rlhf.config.ppo_run import RunConfig
+
+    return load_config(RunConfig, Path("examples/ppo_grpo_tiny.yaml"), [
+        "reward.model_weight=0", "reward.rule=none", *overrides])
+
+
+def test_an_environment_is_a_reward_source_and_nothing_else_is_refused() -> None:
+    config = _grpo("rollout.environment={name: 'tests.rewards.user_envs:Countdown'}",
+                   "rollout.max_turns=3", "rollout.max_episode_tokens=32")
+    assert config.rollout.environment_spec is not None and not config.placement.reward
+    with pytest.raises(ValueError, match=r"leaves no reward; set a rule, reward.functions, "
+                                         r"rollout.environment or a non-zero model_weight"):
+        _grpo()
+    assert _grpo(f"reward.functions=[{{name: '{USER}:graded'}}]").reward.specs
 
 
 _KILLED_RANK = """
