@@ -325,3 +325,12 @@ def test_move_must_be_a_boolean() -> None:
     with pytest.raises(ValueError, match="placement.replan.interval_steps above 0"):
         ReplanConfig(move=True)
     assert ReplanConfig(interval_steps=1, move=True).move
+
+
+def test_a_move_is_logged_with_the_steps_the_progress_line_counts() -> None:
+    """A move at the boundary after ``step 3/8`` (index 2) used to be logged after step 2; the
+    mover now passes the steps done (index + 1)."""
+    from megatron_rlhf.engine.run.move import moved_message
+
+    assert moved_message(3, "flattening", "separation", {"save_s": 1.0, "load_s": 0.5}) == (
+        "moved after step 3 from flattening to separation in 1.50 s (save_s 1.00, load_s 0.50)")

@@ -205,9 +205,15 @@ class PlacementMover:
                     "groups_destroyed": destroyed,
                     "placement": asdict(target.config.placement)}})
             (self.run_dir / "plan.json").write_text(_plan_json(target.plan))
-        logger.info("moved after step %d from %s to %s in %.2f s (%s)", step, source,
-                    target.label, total, ", ".join(f"{k} {v:.2f}" for k, v in seconds.items()))
+        logger.info("%s", moved_message(step + 1, source, target.label, seconds))
         return total
+
+
+def moved_message(steps_done: int, source: str, target: str, seconds: dict[str, float]) -> str:
+    """The log line of a move after ``steps_done`` steps (the progress line's ``step k/N``)."""
+    parts = ", ".join(f"{key} {value:.2f}" for key, value in seconds.items())
+    return (f"moved after step {steps_done} from {source} to {target} in "
+            f"{sum(seconds.values()):.2f} s ({parts})")
 
 
 def _plan_json(plan: PlacementPlan) -> str:

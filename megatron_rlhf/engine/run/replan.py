@@ -297,7 +297,7 @@ class RunReplanner:
                         move=self._target.label if self._target else None)
         append_history(self.history, line)
         logger.info("replan after step %d: %s %.3g s/step predicted, best %s %.3g s (gain %.1f%%)",
-                    step, result.current.label, result.current.prediction.step_seconds,
+                    step + 1, result.current.label, result.current.prediction.step_seconds,
                     result.best.label, result.best.prediction.step_seconds, 100 * result.gain)
 
 

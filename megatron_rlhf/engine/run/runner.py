@@ -372,7 +372,8 @@ def _train(live: LiveRun, start: int, run_dir: Path, mover: PlacementMover | Non
             if replanner is not None:
                 replanner.begin_step()
             begin = time.perf_counter()
-            with context.stage(f"step {step}", signature=(step, run.prompts.fingerprint)):
+            # Named as the progress line counts (step k of N, from 1), also in fault reports.
+            with context.stage(f"step {step + 1}", signature=(step, run.prompts.fingerprint)):
                 try:
                     metrics = run.algorithm.step(step)
                 except NonFiniteError:  # raised by every rank alike: the save can complete
@@ -415,8 +416,7 @@ def _train(live: LiveRun, start: int, run_dir: Path, mover: PlacementMover | Non
                 with context.stage("export/hf"), run.engine.resident():
                     exporter.export(run.engine, run_dir / "hf" / f"step_{step + 1:08d}")
             if stop:
-                logger.warning("stopping after step %d on request%s", step, "" if config.checkpoint
-                               .save_dir else " (no checkpoint.save_dir: nothing was saved)")
+                logger.warning("%s", stop_message(step + 1, config.checkpoint.save_dir))
                 break
             target = replanner.take_target(step) if replanner is not None else None
             if target is not None and mover is not None and not last:
@@ -437,13 +437,23 @@ def _train(live: LiveRun, start: int, run_dir: Path, mover: PlacementMover | Non
         write_chrome_trace(context.tracer, run_dir / "timeline.json")
 
 
-def _warn_on_hacking(first: dict[str, float], current: dict[str, float], step: int,
+def stop_message(steps_done: int, save_dir: str) -> str:
+    """What a run stopped on request (SIGTERM, Ctrl-C, the stop file) says after ``steps_done``
+    steps: the count the progress line ``step k/N`` shows, and the checkpoint it saved."""
+    if not save_dir:
+        return (f"stopping after step {steps_done} on request (no checkpoint.save_dir: nothing "
+                "was saved)")
+    return (f"stopping after step {steps_done} on request; saved "
+            f"{Path(save_dir) / f'step_{steps_done:08d}'} (resume with --resume)")
+
+
+def _warn_on_hacking(first: dict[str, float], current: dict[str, float], steps_done: int,
                      config: RunConfig) -> None:
     evaluation = config.evaluation
     for line in hacking_report(first, current, evaluation.hacking_tolerance,
                                evaluation.hacking_rm_rise):
-        logger.warning("reward hacking suspected before step %d on held-out prompts: %s",
-                       step, line)
+        logger.warning("reward hacking suspected after step %d on held-out prompts: %s",
+                       steps_done, line)
 
 
 _RUN_OUTPUTS = ("metrics.jsonl", "config.yaml", "plan.json", "timeline.json", HISTORY, "hf")

@@ -223,7 +223,7 @@ class PPOAlgorithm:
         extras: dict[str, float] = {}
         if self.function_rewards is not None:
             extras = self.function_rewards.take_extras()
-            self.function_rewards.warn_failures(f"step {step}")
+            self.function_rewards.warn_failures(f"step {step + 1}")
         return Experience(step, batch, metrics, extras)
 
     @property

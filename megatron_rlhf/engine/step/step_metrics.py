@@ -60,7 +60,7 @@ def apply_nan_policy(metrics: dict[str, float], step: int, sources: dict[str, st
     problems = nonfinite_report(metrics, sources)
     if not problems:
         return metrics
-    message = f"step {step}: " + "; ".join(problems)
+    message = f"step {step + 1}: " + "; ".join(problems)  # counted from 1, as the progress line
     if on_nan == "stop":
         raise NonFiniteError(f"{message}. No update was applied from these values; find the "
                              "cause (learning rate, data, reward model) or set "
@@ -100,6 +100,7 @@ def accumulate_train_sums(sums: dict[str, float], role: str, result: dict, worke
         for key, value in micro.items():
             sums[f"{role}/{key}"] = sums.get(f"{role}/{key}", 0.0) + float(value)
     sums[f"{role}/grad_norm_sum"] = sums.get(f"{role}/grad_norm_sum", 0.0) + result["grad_norm"]
+    sums[f"{role}/lr_sum"] = sums.get(f"{role}/lr_sum", 0.0) + result["lr"]
     for key, value in result.get("moe", {}).items():  # the same on every rank of the replica
         sums[f"{role}/{key}_total"] = sums.get(f"{role}/{key}_total", 0.0) + value
     sums[f"{role}/steps"] = sums.get(f"{role}/steps", 0.0) + 1.0
@@ -136,7 +137,8 @@ def share_metrics(step_metrics: dict[str, float], train_sums: dict[str, float],
     for role in ("actor", "critic"):
         tokens = totals.get(f"{role}/tokens", 0.0)
         for key, value in totals.items():
-            if key.startswith(f"{role}/") and key.endswith("_sum") and "grad_norm" not in key:
+            if (key.startswith(f"{role}/") and key.endswith("_sum")
+                    and key not in (f"{role}/grad_norm_sum", f"{role}/lr_sum")):
                 weight = totals.get(f"{key[:-4]}_count", tokens)  # training_losses._as_sums
                 metrics[key[:-4]] = value / weight if weight else 0.0
         if totals.get(f"{role}/ptx_tokens"):
@@ -145,6 +147,7 @@ def share_metrics(step_metrics: dict[str, float], train_sums: dict[str, float],
         if totals.get(f"{role}/steps"):
             replicas = totals[f"{role}/steps"]
             metrics[f"{role}/grad_norm"] = totals[f"{role}/grad_norm_sum"] / replicas
+            metrics[f"{role}/lr"] = totals[f"{role}/lr_sum"] / replicas
             for key, value in totals.items():  # router metrics: the mean over updates
                 if key.startswith(f"{role}/moe_") and key.endswith("_total"):
                     metrics[key[:-6]] = value / replicas
