@@ -28,7 +28,8 @@ written back under <run_dir>/hf/step_<k>/; docs/models.md)::
 Any field of the configuration can be overridden as ``section.key=value`` after the flags, e.g.
 ``rollout.ppo_epochs=2 generation.temperature=0.7``.
 
-Checkpoints and resume (a preempted job, SIGTERM, saves after its current step and exits 0)::
+Checkpoints and resume (a preempted job, SIGTERM, or Ctrl-C saves after its current step and
+exits 0; a second Ctrl-C aborts at once without saving)::
 
     torchrun --nproc-per-node 4 tools/run_ppo.py --save-dir ckpt --save-interval 5
     torchrun --nproc-per-node 4 tools/run_ppo.py --save-dir ckpt --resume
@@ -45,13 +46,15 @@ memory does not fit the GPUs is refused with status 2::
     python tools/run_ppo.py --plan-only --nodes 2 --gpus-per-node 8 --gpu H200-141GB --json
 
 Exit status: 0 done (or preempted and saved), 1 a rank failed (the message names it and its
-stage) or NaN/Inf with faults.on_nan=stop, 2 bad configuration, data or checkpoint.
+stage), NaN/Inf with faults.on_nan=stop or a full disk, 2 bad configuration, data or checkpoint,
+130 Ctrl-C while the run starts or a second Ctrl-C (nothing saved).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -193,8 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         return refuse("run_ppo", f"bad configuration: {error}")
     from megatron_rlhf.engine.run.runner import run_outputs, run_ppo
     from megatron_rlhf.rewards import RewardFunctionError
+    from megatron_rlhf.runtime.checkpoint_store import DiskFullError
     from megatron_rlhf.runtime.distributed import destroy_distributed
-    from megatron_rlhf.runtime.faults import NonFiniteError, RankFailure
+    from megatron_rlhf.runtime.faults import EXIT_INTERRUPTED, NonFiniteError, RankFailure
 
     # An undestroyed gloo group at interpreter exit can abort the process ("terminate called
     # without an active exception") after a successful run.
@@ -202,7 +206,14 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = run_ppo(config)
     except (ValueError, FileNotFoundError) as error:
         return refuse("run_ppo", str(error))
-    except (RankFailure, NonFiniteError, RewardFunctionError) as error:
+    except KeyboardInterrupt:
+        # Ctrl-C outside the steps (during them the run stops after the step and saves):
+        # one line per rank, and deaf to the SIGINT that torchrun's agent forwards right after.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print(f"run_ppo: rank {os.environ.get('RANK', '0')}: interrupted by Ctrl-C outside a "
+              "training step; no checkpoint was written for it", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (RankFailure, NonFiniteError, RewardFunctionError, DiskFullError) as error:
         # The message names the cause; a traceback per rank would bury it.
         print(f"run_ppo: rank {os.environ.get('RANK', '0')}: {error}", file=sys.stderr)
         return 1

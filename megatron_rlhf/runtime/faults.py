@@ -351,14 +351,23 @@ def install_fault_tracker(config: FaultConfig, timeout_s: float) -> FaultTracker
     return tracker
 
 
-class PreemptionWatcher:
-    """Turns SIGTERM, or the appearance of a stop file, into a stop that every rank agrees on at a
-    step boundary.
+INTERRUPT_REPEAT_S = 2.0
+"""Seconds after a first Ctrl-C within which another SIGINT is the same press: a terminal sends
+SIGINT to torchrun and every worker, and torchrun's agent forwards it to the workers again."""
 
-    The handler only sets a flag; :meth:`requested` gathers every rank's flag through the job's
+EXIT_INTERRUPTED = 128 + signal.SIGINT
+"""A run's exit status when it was aborted by a second Ctrl-C (the shell's convention)."""
+
+
+class PreemptionWatcher:
+    """Turns SIGTERM, Ctrl-C (SIGINT), or the appearance of a stop file, into a stop that every
+    rank agrees on at a step boundary.
+
+    The handlers only set a flag; :meth:`requested` gathers every rank's flag through the job's
     store (no deadline: a rank that finished its step early waits for the others there), so one
     signalled rank (or one rank that sees the file) is enough and all ranks stop after the same
-    step.
+    step. A second Ctrl-C, more than ``INTERRUPT_REPEAT_S`` after the first, aborts the process
+    at once without saving (the default action of SIGINT: no traceback, status 130).
 
     Args:
         stop_file: a path whose appearance stops the run as SIGTERM does ("": none).
@@ -370,12 +379,29 @@ class PreemptionWatcher:
                  stopped: Callable[[Iterable[int]], list[int]] | None = None) -> None:
         self.signalled = False
         self.stop_file = stop_file
+        self._interrupted_at: float | None = None
         self._exchange = StoreExchange("preemption", stopped=stopped)
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        self._previous = {signum: signal.signal(signum, self._handle)
+                          for signum in (signal.SIGTERM, signal.SIGINT)}
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT:
+            self._interrupt()
+            return
         self.signalled = True
         logger.warning("SIGTERM received: finishing the current step, then saving and exiting")
+
+    def _interrupt(self) -> None:
+        now = time.monotonic()
+        if self._interrupted_at is None:
+            self._interrupted_at = now
+            self.signalled = True
+            logger.warning("Ctrl-C received: finishing the current step, then saving and exiting "
+                           "(press Ctrl-C again to abort at once without saving)")
+        elif now - self._interrupted_at > INTERRUPT_REPEAT_S:
+            logger.warning("Ctrl-C again: aborting without saving")
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
 
     def requested(self) -> bool:
         """Whether any rank was signalled (every rank calls it; through the job's store)."""
@@ -386,5 +412,6 @@ class PreemptionWatcher:
         return any(self._exchange.all_gather_object(self.signalled))
 
     def close(self) -> None:
-        """Restore the previous SIGTERM handler."""
-        signal.signal(signal.SIGTERM, self._previous)
+        """Restore the previous SIGTERM and SIGINT handlers."""
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)

@@ -1,7 +1,8 @@
-"""Preemption and a lost launcher under torchrun: SIGTERM to one worker makes every rank finish
-its current step, save a checkpoint and exit 0 (the ranks agree on the stop at the step
-boundary); SIGKILL to torchrun's agent makes every worker stop within seconds, leaving only
-complete checkpoints behind."""
+"""Preemption and a lost launcher under torchrun: SIGTERM to one worker, or Ctrl-C (SIGINT to the
+whole job, as a terminal sends it), makes every rank finish its current step, save a checkpoint
+and exit 0 (the ranks agree on the stop at the step boundary), saying which step it saved in the
+progress line's count; a second Ctrl-C aborts at once. SIGKILL to torchrun's agent makes every
+worker stop within seconds, leaving only complete checkpoints behind."""
 
 from __future__ import annotations
 
@@ -9,12 +10,16 @@ import json
 import os
 import signal
 import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
+from megatron_rlhf.engine.run.runner import stop_message
 from megatron_rlhf.runtime.checkpoint_store import complete_checkpoints, verify_checkpoint
+from megatron_rlhf.runtime.distributed import free_port
 from megatron_rlhf.runtime.launcher_watch import EXIT_ORPHANED, LauncherWatch
 from tests.helpers.launch import tool_command, tool_env
 from tests.helpers.processes import children, pid_running, wait_for
@@ -59,7 +64,88 @@ def test_sigterm_to_one_rank_finishes_the_step_saves_and_exits_zero(tmp_path: Pa
     saved = sorted(p.name for p in save_dir.iterdir())
     assert saved == [f"step_{len(steps):08d}"], saved
     assert (save_dir / saved[0] / "manifest.json").is_file()
-    assert "stopping after step" in output
+    assert stop_message(len(steps), str(save_dir)) in output, output[-3000:]
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the workers through /proc")
+def test_ctrl_c_to_the_job_saves_as_sigterm_does_without_a_traceback(tmp_path: Path) -> None:
+    """Ctrl-C used to end every rank with a KeyboardInterrupt traceback and save nothing. A
+    terminal sends SIGINT to torchrun and to every worker, and the agent forwards it once more:
+    the workers take both as one press."""
+    run_dir, save_dir = tmp_path / "run", tmp_path / "ckpt"
+    log = (tmp_path / "log.txt").open("w")
+    command = tool_command("run_ppo.py", [
+        "--steps", "500", "--placement", "flattening", "--run-dir", str(run_dir),
+        "--save-dir", str(save_dir), *_SMALL], nproc=2)
+    job = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=tool_env(),
+                           start_new_session=True)
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        wait_for(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 1, 240,
+                 "the first step")
+        os.killpg(job.pid, signal.SIGINT)
+        returncode = job.wait(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+        log.close()
+    output = (tmp_path / "log.txt").read_text()
+    # torchrun's agent, signalled itself, exits 1 with its own SignalException traceback after
+    # its workers ended; the workers print none.
+    assert returncode in (0, 1), (returncode, output[-3000:])
+    assert output.count("Traceback") == returncode, output[-3000:]
+    assert "KeyboardInterrupt" not in output, output[-3000:]
+    assert "Ctrl-C received: finishing the current step, then saving and exiting (press Ctrl-C "
+    "again to abort at once without saving)" in output, output[-3000:]
+    assert "run_ppo: done" in output, output[-3000:]
+    steps = len(metrics.read_text().splitlines())
+    assert 1 <= steps < 500
+    saved = complete_checkpoints(save_dir)
+    assert [p.name for p in saved] == [f"step_{steps:08d}"], output[-3000:]
+    assert verify_checkpoint(saved[0]) == []
+    assert stop_message(steps, str(save_dir)) in output, output[-3000:]
+
+
+_TWO_PRESSES = textwrap.dedent("""
+    import logging, os, signal, sys, time
+    import torch.distributed as dist
+    from megatron_rlhf.runtime.faults import INTERRUPT_REPEAT_S, PreemptionWatcher
+    logging.basicConfig(stream=sys.stderr, format="%(message)s")
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0,
+                            world_size=1)
+    watcher = PreemptionWatcher()
+    os.kill(os.getpid(), signal.SIGINT)      # the terminal's SIGINT
+    os.kill(os.getpid(), signal.SIGINT)      # torchrun's agent forwarding it: the same press
+    print("stop requested", watcher.requested(), flush=True)
+    time.sleep(INTERRUPT_REPEAT_S + 0.5)
+    os.kill(os.getpid(), signal.SIGINT)      # a second press
+    time.sleep(30)
+    print("still running", flush=True)
+""")
+
+
+def test_a_second_ctrl_c_aborts_at_once_and_the_forwarded_one_does_not() -> None:
+    begin = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", _TWO_PRESSES, str(free_port())], cwd=REPO,
+                          env=tool_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGINT, (done.returncode, done.stdout, done.stderr)
+    assert time.monotonic() - begin < 25 and "still running" not in done.stdout
+    assert done.stdout == "stop requested True\n", done.stdout
+    assert done.stderr.count("Ctrl-C received") == 1, done.stderr
+    assert "Ctrl-C again: aborting without saving" in done.stderr
+    assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr
+
+
+def test_the_stop_message_counts_steps_as_the_progress_line_and_names_the_save() -> None:
+    """After the progress line's ``step 4/50`` the run says it stops after step 4 and saved
+    step_00000004 (it used to say step 3)."""
+    assert stop_message(4, "ckpt") == ("stopping after step 4 on request; saved "
+                                       f"{Path('ckpt') / 'step_00000004'} (resume with --resume)")
+    assert stop_message(4, "") == ("stopping after step 4 on request (no checkpoint.save_dir: "
+                                   "nothing was saved)")
 
 
 @pytest.mark.multirank
@@ -199,4 +285,4 @@ def test_sigterm_to_the_job_while_reward_functions_score_saves_and_exits_in_seco
     saved = complete_checkpoints(save_dir)
     assert [p.name for p in saved] == [f"step_{steps:08d}"], output[-3000:]
     assert verify_checkpoint(saved[0]) == []
-    assert "stopping after step" in output
+    assert stop_message(steps, str(save_dir)) in output, output[-3000:]
