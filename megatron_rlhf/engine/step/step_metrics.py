@@ -3,10 +3,12 @@ named.
 
 A step's metrics are the same dict on every rank (:func:`share_metrics`, through the job's store,
 so that ranks done early wait for the trainers without a collective's timeout); a stage's peak memory
-is the largest over the ranks that ran it (``memory/<stage>_peak_bytes``). Non-finite model
-outputs are counted per experience field (:func:`nonfinite_experience`) and non-finite metrics are
-named with the model and stage that produced them (:func:`nonfinite_report`), then the run's
-``faults.on_nan`` policy skips or stops (:func:`apply_nan_policy`).
+is the largest over the ranks that ran it (``memory/<stage>_peak_bytes``); a trained model's
+learning rate is the mean over its step's updates (``<role>/lr``, the schedule's value).
+Non-finite model outputs are counted per experience field (:func:`nonfinite_experience`) and
+non-finite metrics are named with the model and stage that produced them
+(:func:`nonfinite_report`), then the run's ``faults.on_nan`` policy skips or stops
+(:func:`apply_nan_policy`).
 """
 
 from __future__ import annotations
