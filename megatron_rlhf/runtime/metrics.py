@@ -36,7 +36,8 @@ class MetricsWriter:
         progress: show a tqdm progress bar with the headline metrics (not for a run of no
             steps); when ``stream`` is not a terminal, a line every few steps instead.
         label: the progress bar's name.
-        first_step: the step the run starts from (a resumed run's bar starts there).
+        first_step: the step the run starts from (a resumed run's bar starts there); TensorBoard
+            shows none of the events earlier runs in ``run_dir`` logged from this step on.
         stream: where progress goes (default: stderr).
     """
 
@@ -62,7 +63,9 @@ class MetricsWriter:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(path / "tensorboard"))
+            # TensorBoard hides the events an earlier run in this directory logged at steps
+            # from first_step on: a fresh run's (0) all, a resumed run's the ones it logs again.
+            self._tb = SummaryWriter(str(path / "tensorboard"), purge_step=first_step)
         stream = sys.stderr if stream is None else stream
         if progress and total_steps > 0 and _is_terminal(stream):
             from tqdm import tqdm

@@ -1,10 +1,12 @@
 """The progress of a run on the console: a bar on a terminal (a resumed run's starts at its
 checkpoint's step and ends at the last), a plain line every few steps when stderr is redirected
-(no carriage-return frames in a log file)."""
+(no carriage-return frames in a log file). TensorBoard shows one run per directory: a new run
+hides an earlier run's steps, a resumed run the steps it logs again."""
 
 from __future__ import annotations
 
 import io
+import time
 from pathlib import Path
 
 from megatron_rlhf.runtime.metrics import MetricsWriter
@@ -43,3 +45,27 @@ def test_a_redirected_console_gets_a_line_every_few_steps(tmp_path: Path) -> Non
     assert lines[-1].startswith("grpo: step 40/40 [")
     assert lines[-1].endswith("] reward_mean=0.5 kl=0.01")
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 27
+
+
+def _scalars(run_dir: Path) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return [(event.step, event.value) for event in events.Scalars("reward_mean")]
+
+
+def test_tensorboard_shows_a_new_run_alone_and_a_resumed_run_once_per_step(
+        tmp_path: Path) -> None:
+    def log(first: int, last: int, value: float) -> None:
+        time.sleep(1.1)  # event files are read in the order of their names: their start second
+        writer = MetricsWriter(tmp_path, last, progress=False, first_step=first)
+        for step in range(first, last):
+            writer.write(step, {"reward_mean": value + step})
+        writer.close()
+
+    log(0, 2, 0.0)
+    log(0, 2, 10.0)  # the run directory reused by a new run
+    assert _scalars(tmp_path) == [(0, 10.0), (1, 11.0)]
+    log(1, 3, 20.0)  # resumed from the checkpoint after step 0
+    assert _scalars(tmp_path) == [(0, 10.0), (1, 21.0), (2, 22.0)]
