@@ -41,6 +41,13 @@ def test_run_ppo_prints_the_version_from_the_command_line() -> None:
     assert result.stdout.strip() == f"run_ppo.py {megatron_rlhf.__version__}"
 
 
+def test_make_tiny_hf_prints_the_version() -> None:
+    result = subprocess.run([sys.executable, "tools/make_tiny_hf.py", "--version"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"make_tiny_hf.py {megatron_rlhf.__version__}"
+
+
 @pytest.mark.parametrize("name", ENTRY_POINTS)
 def test_every_entry_point_prints_the_version(name: str, capsys: pytest.CaptureFixture[str],
                                               monkeypatch: pytest.MonkeyPatch) -> None:

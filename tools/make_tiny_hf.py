@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -129,8 +130,21 @@ def make_tiny_qwen_pair(out: Path) -> tuple[Path, Path, Path]:
     return actor, reward, prompts
 
 
-if __name__ == "__main__":
+def package_version() -> str:
+    """The package's version, read from its source beside this tool (which runs without the
+    package installed, as setup.py reads it)."""
+    source = (Path(__file__).resolve().parents[1] / "megatron_rlhf" / "__init__.py").read_text()
+    return re.search(r'^__version__ = "([^"]+)"$', source, re.MULTILINE).group(1)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line: ``--out`` and ``--version``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("hf-tiny"), help="directory to fill")
-    for path in make_tiny_qwen_pair(parser.parse_args().out):
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    for path in make_tiny_qwen_pair(parse_args().out):
         print(f"wrote {path}")
