@@ -358,7 +358,8 @@ def _check_tp2_graphs() -> int:
     initialize_runtime()
     model, pgc = build_tiny(tp=2)
     prompts, indices = make_prompts([5, 1, 9, 4, 7], seed=21), [10, 11, 12, 13, 14]
-    sampled = GenerationConfig(max_new_tokens=12, temperature=0.9, top_p=0.9, seed=4)
+    # seed 14, as the TP=2 generation test: seed 4 had a draw 1.3e-6 from a tie
+    sampled = GenerationConfig(max_new_tokens=12, temperature=0.9, top_p=0.9, seed=14)
     captures = StandInGraph.captures
     for config in (sampled, dataclasses.replace(sampled, micro_batch_size=3,
                                                 stop_check_interval=1),
