@@ -58,7 +58,9 @@ class PromptStream:
             raise ValueError(f"prompts {empty[:5]} are empty after tokenisation; drop them")
         if batch_size > len(prompts):
             raise ValueError(f"rollout.prompts_per_step({batch_size}) exceeds the "
-                             f"{len(prompts)} prompts available{where}; lower it or add prompts")
+                             f"{len(prompts)} prompts available{where}; add at least "
+                             f"{batch_size - len(prompts)} prompts or set "
+                             f"rollout.prompts_per_step <= {len(prompts)}")
         if records is not None and len(records) != len(prompts):
             raise ValueError(f"{len(records)} records for {len(prompts)} prompts; give one "
                              "record per prompt")

@@ -97,3 +97,26 @@ def test_load_splits_end_to_end(tmp_path: Path) -> None:
     assert min(splits.sizes().values()) > 40
     with pytest.raises(ValueError, match="paths is empty"):
         DataConfig()
+
+
+def test_too_few_prompts_says_how_many_to_add_or_the_largest_prompts_per_step(
+        tmp_path: Path) -> None:
+    """With the whole file PPO's (``prompts.split.ppo=1``) the fix is more prompts or fewer per
+    step, with the numbers; the split is named only when it holds prompts back."""
+    import json
+
+    from megatron_rlhf.config.loader import load_config
+    from megatron_rlhf.config.ppo_run import RunConfig
+    from megatron_rlhf.engine.run.inputs import load_prompts
+    from megatron_rlhf.models.tokenizer import load_tokenizer
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"prompt number {i}"}) + "\n"
+                            for i in range(10)))
+    config = load_config(RunConfig, Path("examples/ppo_tiny.yaml"),
+                         [f"prompts.paths=[{data}]", "rollout.prompts_per_step=16"])
+    with pytest.raises(ValueError) as refusal:
+        load_prompts(config, load_tokenizer(config.tokenizer))
+    assert str(refusal.value) == (
+        "rollout.prompts_per_step(16) exceeds the 10 prompts available (the good records of "
+        "prompts.paths); add at least 6 prompts or set rollout.prompts_per_step <= 10")

@@ -48,6 +48,8 @@ def load_prompts(config: RunConfig, tokenizer: Tokenizer | HFTokenizer) -> Promp
 
 def _split_origin(sizes: dict[str, int], ppo_share: float) -> str:
     """Which share of the files PPO reads, with the split's counts, for the prompt refusals."""
+    if ppo_share >= 1:
+        return "the good records of prompts.paths"
     counts = ", ".join(f"{name} {count}" for name, count in sizes.items())
     return (f"PPO uses only the ppo share of prompts.paths, prompts.split.ppo={ppo_share:g}: "
             f"{sizes['ppo']} of the {sum(sizes.values())} good records ({counts}); raise "
