@@ -39,6 +39,29 @@ def test_hacking_report_is_silent_unless_reward_up_and_rule_down(change: dict) -
     assert hacking_report(FIRST, {**FIRST, **change}, tolerance=0.02, rm_rise=2.0) == []
 
 
+def test_a_logged_example_shows_the_scores_of_the_sources_the_run_scores_with() -> None:
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_rlhf.engine.run.evaluation import HeldOutEvaluator
+
+    fields = {"rule_scores": torch.tensor([0.0, 1.0]), "rm_scores": torch.tensor([0.5, -2.0]),
+              "episode_reward": torch.tensor([2.0, 0.0])}
+
+    def scores(rule_reward, fields, environment=None) -> str:
+        engine = SimpleNamespace(episodes=None if environment is None
+                                 else SimpleNamespace(environment=environment))
+        evaluator = HeldOutEvaluator(engine, [[1]], rule_reward, str)
+        return evaluator._example_scores(fields, 0)
+
+    only_rule = {"rule_scores": fields["rule_scores"]}  # rule scores are 0 without a rule
+    assert scores(None, only_rule) == ""
+    assert scores(len, only_rule) == " (rule 0.000)"
+    assert scores(None, fields, environment="my_envs:Guess") == (
+        " (reward model 0.500, environment 2.000)")
+
+
 def test_hacking_threshold_is_the_standard_error_of_the_mean_change() -> None:
     """The previous default run's greedy answers at seed 0 (docs/results/main-job-history.md): the reward
     model's mean rose by 2.9 over 128 answers whose scores spread by 6.2, while the rule score

@@ -62,8 +62,10 @@ def test_every_reply_is_answered_until_done_and_rewards_add_up(tiny) -> None:
         assert mask == [1] * first + [0] * len(observation) + [1] * (
             len(span) - first - len(observation))
     assert stats["episode_observation_tokens"].tolist() == [len(observation)] * 2
-    metrics = episode_metrics(stats)
+    metrics = episode_metrics(stats, environment=True)
     assert metrics["rollout/environment_reward"] == 1.0 and metrics["rollout/truncated"] == 0.0
+    # tool episodes carry the same (zero) reward field; without an environment it is no metric
+    assert "rollout/environment_reward" not in episode_metrics(stats, environment=False)
 
 
 def test_the_last_turn_truncates_and_an_opening_replaces_the_prompt(tiny) -> None:
@@ -121,7 +123,7 @@ def test_with_on_error_end_a_failing_environment_ends_its_episode(tiny, record) 
     assert stats["episode_tool_errors"].tolist() == [0.0, 1.0]
     assert stats["episode_observation_tokens"][1] == 0
     assert stats["episode_reward"].tolist() == [1.0, 0.0]
-    assert episode_metrics(stats)["rollout/tool_errors"] == 0.5
+    assert episode_metrics(stats, environment=True)["rollout/tool_errors"] == 0.5
 
 
 def test_an_alarm_already_set_is_put_back_with_the_time_it_has_left() -> None:

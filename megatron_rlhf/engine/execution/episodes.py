@@ -235,10 +235,11 @@ class EpisodeRollouts:
             self.tools.close()
 
 
-def episode_metrics(fields: Mapping[str, torch.Tensor]) -> dict[str, float]:
+def episode_metrics(fields: Mapping[str, torch.Tensor], environment: bool) -> dict[str, float]:
     """The step's ``rollout/*`` metrics from the rows' episode counts (empty without them):
     means per episode of turns, tool calls, failed calls and observation tokens, the share of
-    truncated episodes, and the mean seconds of a tool call."""
+    truncated episodes, the mean seconds of a tool call, and with an ``environment`` the mean of
+    its summed step rewards."""
     if STAT_FIELDS["turns"] not in fields:
         return {}
     stats = {name: fields[field].float() for name, field in STAT_FIELDS.items()}
@@ -246,6 +247,7 @@ def episode_metrics(fields: Mapping[str, torch.Tensor]) -> dict[str, float]:
     metrics = {f"rollout/{name}": float(stats[name].mean())
                for name in ("turns", "tool_calls", "tool_errors", "observation_tokens",
                             "truncated")}
-    metrics["rollout/environment_reward"] = float(stats["reward"].mean())
+    if environment:
+        metrics["rollout/environment_reward"] = float(stats["reward"].mean())
     metrics["rollout/tool_latency_s"] = float(stats["tool_seconds"].sum()) / calls if calls else 0.0
     return metrics

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.algorithms import kl_penalty, mean_sequence_kl
-from megatron_rlhf.engine.execution.episodes import episode_metrics
+from megatron_rlhf.engine.execution.episodes import STAT_FIELDS, episode_metrics
 from megatron_rlhf.engine.execution.function_rewards import FunctionRewards
 from megatron_rlhf.engine.execution.ppo_engine import PPOEngine, RuleReward
 from megatron_rlhf.generation import GenerationConfig
@@ -120,22 +120,34 @@ class HeldOutEvaluator:
                 metrics[f"eval/{mode}/{spec.metric}"] = scores[:, i].mean().item()
             metrics[f"eval/{mode}/reward/errors"] = fields["reward_errors"].sum().item()
         metrics.update({f"eval/{mode}/{key}": value
-                        for key, value in episode_metrics(fields).items()})
+                        for key, value in episode_metrics(fields, self._environment).items()})
         if mode == "sampled":
             kl = kl_penalty(fields["old_logprobs"], fields["ref_logprobs"], mask, "k1")
             metrics["eval/sampled/kl"] = mean_sequence_kl(kl, mask).item()
         return metrics
 
+    @property
+    def _environment(self) -> bool:
+        """Whether an environment answers the episodes (its rewards are then a score)."""
+        episodes = self.engine.episodes
+        return episodes is not None and episodes.environment is not None
+
     def _log_examples(self, mode: str, fields: dict[str, torch.Tensor]) -> None:
         p = self.engine.prompt_length
         for i in range(min(self.log_examples, len(fields["input_ids"]))):
             ids, mask = fields["input_ids"][i], fields["attention_mask"][i].bool()
-            rm = (f"reward model {fields['rm_scores'][i].item():.3f}, "
-                  if "rm_scores" in fields else "")
-            logger.info("held-out %s answer: %r -> %r (%srule %.3f)", mode,
+            logger.info("held-out %s answer: %r -> %r%s", mode,
                         self.decode(ids[:p][mask[:p]].tolist()),
-                        self.decode(ids[p:][mask[p:]].tolist()), rm,
-                        fields["rule_scores"][i].item())
+                        self.decode(ids[p:][mask[p:]].tolist()), self._example_scores(fields, i))
+
+    def _example_scores(self, fields: dict[str, torch.Tensor], row: int) -> str:
+        """`` (reward model 0.123, rule 1.000)``: the scores a row has, from the sources the run
+        scores with (none: an empty string)."""
+        sources = [("reward model", "rm_scores", "rm_scores" in fields),
+                   ("rule", "rule_scores", self.rule_reward is not None),
+                   ("environment", STAT_FIELDS["reward"], self._environment)]
+        scores = [f"{name} {fields[key][row].item():.3f}" for name, key, used in sources if used]
+        return f" ({', '.join(scores)})" if scores else ""
 
 
 def hacking_report(first: dict[str, float], current: dict[str, float], tolerance: float,

@@ -215,7 +215,7 @@ class PPOAlgorithm:
                     self.rollout.samples_per_prompt,
                     self._function_specs, self._overlong)
             metrics.update(advantage_metrics)
-            metrics.update(episode_metrics(batch.fields))
+            metrics.update(episode_metrics(batch.fields, self.rollout.environment is not None))
             bad = nonfinite_experience(batch.fields)
             if bad:
                 self.load_state_dict(before)  # the KL controller must not learn from NaNs
