@@ -4,6 +4,7 @@ end absolute, so a run's saved config.yaml loads from anywhere."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 
@@ -62,13 +63,41 @@ def test_supervised_configs_follow_the_same_rule(tmp_path: Path) -> None:
 
 
 def test_every_path_field_is_either_read_or_written() -> None:
-    written = {"run_dir", "checkpoint.save_dir", "models.hf_cache_dir", "tokenizer.cache_dir",
-               "out_dir", "model.hf_cache_dir"}
     for schema in (RunConfig, SFTConfig):
+        written = {*schema.OUTPUT_PATHS, "checkpoint.save_dir"}  # save_dir empty: no saves
         fields = _leaf_names(schema())
         pathlike = {name for name in fields if name.endswith(
             ("path", "paths", "_dir", "checkpoint", "resume_from"))}
         assert pathlike - written == set(schema.INPUT_PATHS), schema.__name__
+
+
+@pytest.mark.parametrize("schema, example", [(RunConfig, "ppo_tiny.yaml"),
+                                             (SFTConfig, "sft_tiny.yaml")])
+def test_an_empty_path_is_refused_naming_the_field(schema: type, example: str) -> None:
+    """An empty directory would put the run's files into the working directory."""
+    for key in schema.OUTPUT_PATHS:
+        with pytest.raises(ValueError, match=rf"^{key}='' names no directory; give one"):
+            load_config(schema, EXAMPLES / example, [f"{key}=''"])
+    lists = "prompts.paths" if schema is RunConfig else "data.paths"
+    with pytest.raises(ValueError, match=rf"^{lists}\[1\]='' names no file"):
+        load_config(schema, EXAMPLES / example, [f"{lists}=[a.jsonl,'']"])
+
+
+def test_a_bad_value_and_an_unknown_key_are_told_apart() -> None:
+    with pytest.raises(ValueError, match=r"override 'rollout.ppo_epochs=two': invalid value for "
+                                         r"key 'rollout.ppo_epochs': Value 'two'"):
+        load_config(RunConfig, EXAMPLES / "ppo_tiny.yaml", ["rollout.ppo_epochs=two"])
+    with pytest.raises(ValueError, match=r"override 'rollout.ppo_epoch=2': unknown config key "
+                                         r"'rollout.ppo_epoch'"):
+        load_config(RunConfig, EXAMPLES / "ppo_tiny.yaml", ["rollout.ppo_epoch=2"])
+
+
+def test_a_missing_base_file_names_the_yaml_that_refers_to_it(tmp_path: Path) -> None:
+    run = _yaml(tmp_path / "configs" / "run.yaml", "base: common.yaml\nsteps: 2\n")
+    base = run.resolve().parent / "common.yaml"
+    with pytest.raises(ValueError, match=re.escape(f"{run.resolve()}: base: common.yaml ({base}) "
+                                                   "does not exist")):
+        load_config(RunConfig, run)
 
 
 def _leaf_names(config: object, prefix: str = "") -> list[str]:

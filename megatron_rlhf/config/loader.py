@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 T = TypeVar("T")
 BASE_KEY = "base"
@@ -86,7 +86,10 @@ def _read_yaml_chain(path: Path, keys: Sequence[str],
     _resolve_input_paths(node, keys, path.parent)
     if base is None:
         return node
-    return OmegaConf.merge(_read_yaml_chain(path.parent / str(base), keys, (*seen, path)), node)
+    base_path = (path.parent / str(base)).resolve()
+    if not base_path.is_file():
+        raise ConfigError(f"{path}: base: {base} ({base_path}) does not exist")
+    return OmegaConf.merge(_read_yaml_chain(base_path, keys, (*seen, path)), node)
 
 
 def load_config(schema: type[T], path: str | Path | None = None,
@@ -127,7 +130,9 @@ def load_config(schema: type[T], path: str | Path | None = None,
             raise ConfigError(f"{source}: {key} has no value; "
                               f"{_empty_value_hint(merged, key)}") from None
         reason = str(error.msg).splitlines()[0]
-        raise ConfigError(f"{source}: invalid config key {key!r}: {reason}") from None
+        if isinstance(error, ConfigKeyError | ConfigAttributeError):  # a key of no field
+            raise ConfigError(f"{source}: unknown config key {key!r}: {reason}") from None
+        raise ConfigError(f"{source}: invalid value for key {key!r}: {reason}") from None
 
 
 def _empty_value_hint(merged: DictConfig, key: str) -> str:

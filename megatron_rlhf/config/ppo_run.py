@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
 
 from megatron_rlhf.algorithms import PPOAlgorithmConfig
+from megatron_rlhf.config.paths import check_paths
 from megatron_rlhf.data import ReaderConfig, SplitConfig, SyntheticTaskConfig
 from megatron_rlhf.generation import GenerationConfig
 from megatron_rlhf.models.gpt import (
@@ -668,6 +669,9 @@ class RunConfig:
         "tokenizer.corpus_path", "checkpoint.resume_from")
     """What the run reads; relative values are relative to the YAML file that gives them
     (``config.loader``)."""
+    OUTPUT_PATHS: ClassVar[tuple[str, ...]] = (
+        "run_dir", "models.hf_cache_dir", "tokenizer.cache_dir")
+    """Where the run writes (its outputs, its caches): never empty (``config.paths``)."""
     BOOLEAN_WORDS: ClassVar[dict[str, tuple[str, str]]] = {
         "generation.cuda_graphs": ("off", "on"), "checkpoint.resume": ("off", "latest"),
         "refit.verify": ("off", "every")}
@@ -710,6 +714,7 @@ class RunConfig:
         # refusals name it and the YAML written for the run loads back.
         self.actor_optimizer = _in_section(self.actor_optimizer, ActorOptimizerSettings)
         self.critic_optimizer = _in_section(self.critic_optimizer, CriticOptimizerSettings)
+        check_paths(self, self.OUTPUT_PATHS, self.INPUT_PATHS)
         if self.steps < 0:
             raise ValueError(f"steps={self.steps} must be >= 0 (0 only evaluates the initial "
                              "policy)")

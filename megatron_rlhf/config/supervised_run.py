@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from megatron_rlhf.config.paths import check_paths
 from megatron_rlhf.data.schema import ReaderConfig, SplitConfig
 from megatron_rlhf.data.synthetic import SyntheticTaskConfig
 from megatron_rlhf.models.gpt import RECOMPUTE_GRANULARITIES, resolve_params_dtype
@@ -160,6 +161,9 @@ class SupervisedConfig:
         "tokenizer.model_path", "tokenizer.corpus_path")
     """What the run reads; relative values are relative to the YAML file that gives them
     (``config.loader``)."""
+    OUTPUT_PATHS: ClassVar[tuple[str, ...]] = (
+        "out_dir", "model.hf_cache_dir", "tokenizer.cache_dir")
+    """Where the run writes (its outputs, its caches): never empty (``config.paths``)."""
 
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     data: SupervisedDataConfig = field(default_factory=SupervisedDataConfig)
@@ -170,6 +174,7 @@ class SupervisedConfig:
     out_dir: str = "runs/supervised"
 
     def __post_init__(self) -> None:
+        check_paths(self, self.OUTPUT_PATHS, self.INPUT_PATHS)
         if self.optimizer.fsdp:
             raise ValueError("optimizer.fsdp=true: a supervised run ends by saving the model's "
                              "whole weights as a checkpoint, which a Megatron-FSDP model does "
