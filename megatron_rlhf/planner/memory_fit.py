@@ -204,7 +204,9 @@ class MemoryReport:
         offloaded: models that are swapped to the host between stages.
         peak_gib: the most memory any device uses.
         usable_gib: the usable memory of that device.
-        largest_batch: the largest rollout batch generated in one round on every replica.
+        largest_batch: the KV cache's room over all generating replicas: the sequences they
+            hold in one round (``sequences_per_round`` times each model's DP size), the largest
+            rollout batch one round can generate.
         largest_micro_batch: per trainable model, the largest micro-batch its training fits.
         problems: why the plan cannot run (empty when it can), each with a fix.
     """

@@ -7,7 +7,8 @@ from megatron_rlhf.planner.search import RankedCandidate, explain_choice
 
 
 def format_prediction(prediction: StepPrediction) -> str:
-    """Samples/s, seconds per stage and per task, memory per device, largest batch."""
+    """Samples/s, seconds per stage and per task, memory per device, the generation
+    micro-batch and the KV cache's room in sequences, the largest training micro-batch."""
     if not prediction.feasible:
         return "\n".join(["predicted: does not fit in memory"]
                          + [f"  - {problem}" for problem in prediction.problems])
@@ -34,14 +35,16 @@ def format_prediction(prediction: StepPrediction) -> str:
         lines.append(f"{role:<24} {m.weights:>8.2f} {m.grads:>8.2f} {m.optimizer:>8.2f} "
                      f"{m.activations:>8.2f} {m.kv_cache:>8.2f} {m.total:>8.2f}  "
                      f"{memory.options[role].label}")
-    micro = ", ".join(f"{role} {n}" for role, n in memory.largest_micro_batch.items())
+    micro = ", ".join(f"{role} {n} rows" for role, n in memory.largest_micro_batch.items())
     rounds = ", ".join(f"{role} {n}" for role, n in memory.sequences_per_round.items())
     generation = ", ".join(f"{role} {n}" for role, n in memory.generation_micro_batch.items())
     lines += [
+        "states GiB (placement table) = weights + grads + optim; total adds activ and kv",
         "",
         f"peak per device: {memory.peak_gib:.1f} GiB of {memory.usable_gib:.1f} usable",
-        f"largest rollout batch generated in one round: {memory.largest_batch} "
-        f"(sequences per replica and round: {rounds}; generation micro-batch: {generation})",
+        f"generation micro-batch: {generation} sequences per replica",
+        f"KV cache room: {rounds} sequences per replica, {memory.largest_batch} over all "
+        "generating replicas in one round",
         f"largest training micro-batch: {micro}",
     ]
     return "\n".join(lines)

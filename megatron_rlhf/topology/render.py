@@ -32,13 +32,14 @@ _LEGEND_LINE = 18
 
 
 def format_summary(plan: PlacementPlan) -> str:
-    """One line per model: ranks, devices, tp/pp/dp, pools and rough memory per device."""
+    """One line per model: ranks, devices, tp/pp/dp, pools and the rough memory of its states
+    per device (weights, gradients and optimizer state: ``ModelSpec.gib_per_device``)."""
     pools = ", ".join(f"{p.kind} {p.nodes}x{p.devices_per_node}" for p in plan.cluster.pools)
     lines = [
         f"placement {plan.config.strategy} on {plan.cluster.num_nodes} nodes "
         f"({plan.world_size} devices): {pools}",
         f"{'role':<14} {'ranks':<14} {'devices':>7} {'tp':>3} {'pp':>3} {'dp':>4}  "
-        f"{'arch':<10} {'GiB/dev':>8}  pools",
+        f"{'arch':<10} {'states GiB':>10}  pools",
     ]
     for role in plan.roles:
         model = plan[role]
@@ -46,7 +47,7 @@ def format_summary(plan: PlacementPlan) -> str:
         ranks = f"[{model.ranks.start}, {model.ranks.stop})"
         lines.append(
             f"{role:<14} {ranks:<14} {model.size:>7} {model.tp:>3} {model.pp:>3} {model.dp:>4}  "
-            f"{model.spec.arch.name:<10} {model.spec.gib_per_device(model.dp):>8.1f}  {kinds}"
+            f"{model.spec.arch.name:<10} {model.spec.gib_per_device(model.dp):>10.1f}  {kinds}"
         )
     return "\n".join(lines)
 

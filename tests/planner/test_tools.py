@@ -21,7 +21,7 @@ def test_predict_prints_samples_stages_memory_and_largest_batch(
     tool.main(["--nodes", "2", "--placement", "separation", "--tp", "4", "--model", "llama-13b",
                "--predict", "--batch", "512"])
     out = capsys.readouterr().out
-    for text in ("samples/s", "generation", "memory per device", "largest rollout batch",
+    for text in ("samples/s", "generation", "memory per device", "KV cache room",
                  "pipelined"):
         assert text in out
     tool.main(["--nodes", "1", "--placement", "flattening", "--tp", "2", "--model", "llama-7b",

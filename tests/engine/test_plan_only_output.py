@@ -1,0 +1,38 @@
+"""What ``run_ppo.py --plan-only`` prints says what each figure is: the placement table's memory
+is the models' states per device and the memory table's total adds activations and the KV cache;
+the generation lines count sequences per replica and the KV cache's room, never a rollout batch
+other than the configured one."""
+
+from __future__ import annotations
+
+import re
+
+from megatron_rlhf.config.loader import load_config
+from megatron_rlhf.config.ppo_run import RunConfig
+from megatron_rlhf.engine.run.plan_only import plan_cluster, plan_run
+from tests.scripts import REPO
+
+RECIPE = REPO / "examples" / "recipes" / "llama3.1-70b-ppo-offload-16x8.yaml"
+
+
+def test_plan_only_labels_each_memory_figure_and_counts_generation_in_sequences() -> None:
+    config = load_config(RunConfig, RECIPE)
+    run_plan = plan_run(config, plan_cluster(config, 16, 8, "H100-80GB"))
+    text = run_plan.format()
+    memory, plan = run_plan.prediction.memory, run_plan.plan
+    header = next(line for line in text.splitlines() if line.startswith("role "))
+    assert header.split()[-3:] == ["states", "GiB", "pools"]
+    actor = next(line for line in text.splitlines() if line.startswith("actor   "))
+    states = memory.roles["actor"]
+    assert f"{states.weights + states.grads + states.optimizer:.1f}" in actor.split()
+    assert ("states GiB (placement table) = weights + grads + optim; total adds activ and kv"
+            in text)
+    rows = config.rollout.rows_per_step
+    assert f"rollout: {rows} rows" in text
+    (role,) = memory.sequences_per_round
+    per_replica = rows // plan[role].dp
+    assert f"generation micro-batch: {role} {per_replica} sequences per replica" in text
+    room = memory.sequences_per_round[role]
+    assert (f"KV cache room: {role} {room} sequences per replica, {room * plan[role].dp} over all "
+            "generating replicas in one round") in text
+    assert not re.search(r"rollout batch\D*\d", text)
