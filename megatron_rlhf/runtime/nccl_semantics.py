@@ -299,7 +299,8 @@ def _tracked(name: str) -> Callable:
         arguments = signature.bind_partial(*args, **kwargs).arguments
         group = arguments.get("group")
         if group is not dist.GroupMember.NON_GROUP_MEMBER:
-            nccl_device_rule.check_collective(name, arguments.values(), sys._getframe(1))
+            if not torch.compiler.is_compiling():  # dynamo cannot trace frame inspection
+                nccl_device_rule.check_collective(name, arguments.values(), sys._getframe(1))
             _first_operation(group, "collective")
         return function(*args, **kwargs)
 
@@ -311,7 +312,8 @@ def _device_checked(name: str) -> Callable:
 
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
-        nccl_device_rule.check_collective(name, [*args, *kwargs.values()], sys._getframe(1))
+        if not torch.compiler.is_compiling():
+            nccl_device_rule.check_collective(name, [*args, *kwargs.values()], sys._getframe(1))
         return function(*args, **kwargs)
 
     return wrapper

@@ -268,12 +268,12 @@ def cuda_redirect_suspended() -> Iterator[None]:
     a generate call at the rollouts benchmark's shape on CPU (``cpu_compat_mode_cost`` in
     docs/results/rollouts.md); ``torch.compile`` of the decode step cannot trace it either.
     Other modes that declare ``suspended_in_generation`` (the NCCL-semantics test mode's) are
-    left with it, in either order on the stack. Nothing changes where the mode is not active
-    (CUDA) or a mode without that declaration was entered after it.
+    left with it, in either order on the stack, or alone where the CPU layer is not active.
+    Nothing changes where a mode without that declaration was entered after them.
     """
     stack = _get_current_function_mode_stack()
     ours = [i for i, mode in enumerate(stack) if getattr(mode, "suspended_in_generation", False)]
-    if not _modes or not ours or len(ours) != len(stack) - ours[0]:
+    if not ours or len(ours) != len(stack) - ours[0]:
         yield
         return
     suspended = stack[ours[0]:]
