@@ -220,10 +220,14 @@ def test_a_fresh_run_sets_a_previous_runs_outputs_aside(tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
     (tmp_path / "config.yaml").write_text("steps: 3\n")
     (tmp_path / "hf" / "step_00000003").mkdir(parents=True)
+    (tmp_path / "tensorboard").mkdir()
+    (tmp_path / "tensorboard" / "events.out.tfevents.1").write_bytes(b"old")
     (tmp_path / "notes.txt").write_text("mine")
     _set_aside_previous_run(tmp_path)
     [previous] = list((tmp_path / "previous").iterdir())
-    assert sorted(p.name for p in previous.iterdir()) == ["config.yaml", "hf", "metrics.jsonl"]
+    # TensorBoard would show the old run's steps beside the new run's if its events stayed.
+    assert sorted(p.name for p in previous.iterdir()) == ["config.yaml", "hf", "metrics.jsonl",
+                                                         "tensorboard"]
     assert (previous / "metrics.jsonl").read_text() == '{"step": 0}\n'
     assert (previous / "hf" / "step_00000003").is_dir()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "previous"]

@@ -456,7 +456,8 @@ def _warn_on_hacking(first: dict[str, float], current: dict[str, float], steps_d
                        steps_done, line)
 
 
-_RUN_OUTPUTS = ("metrics.jsonl", "config.yaml", "plan.json", "timeline.json", HISTORY, "hf")
+_RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "config.yaml", "plan.json", "timeline.json",
+                HISTORY, "hf")
 """What a run writes into its ``run_dir``."""
 
 
@@ -472,8 +473,8 @@ def _set_aside_previous_run(run_dir: Path) -> None:
     for name in _RUN_OUTPUTS:
         if (run_dir / name).exists():
             (run_dir / name).rename(target / name)
-    logger.warning("run_dir %s held a previous run's metrics: moved them, with its config, plan, "
-                   "timeline and exports, to %s", run_dir, target)
+    logger.warning("run_dir %s held a previous run's metrics: moved them, with its TensorBoard "
+                   "events, config, plan, timeline and exports, to %s", run_dir, target)
 
 
 def _drop_metrics_from(path: Path, step: int) -> dict:
