@@ -20,6 +20,7 @@ from megatron_rlhf.models.gpt import (
     TRANSFORMER_IMPLS,
     resolve_params_dtype,
 )
+from megatron_rlhf.models.hf_import import checkpoint_moe, is_hf_dir
 from megatron_rlhf.models.moe import MoEConfig
 from megatron_rlhf.models.tokenizer import TokenizerConfig
 from megatron_rlhf.models.trainer import OptimizerSettings
@@ -103,10 +104,13 @@ class ModelsConfig:
             layer), e.g. ``models.recompute.actor=full`` (``models.gpt.ModelBuildOptions``).
             Inference-only models keep no activations for a backward pass and never recompute.
         moe: mixture-of-experts MLPs in every model (``models.moe.MoEConfig``:
-            ``models.moe.num_experts=8 models.moe.topk=2``); ``num_experts=0``: dense. The
-            experts of ``actor_checkpoint`` and ``reward_checkpoint`` (a Qwen3-MoE or Mixtral
-            directory, a megatron_rlhf MoE checkpoint) must be these; the error of a mismatch
-            lists the settings that match. Not with ``export_hf``.
+            ``models.moe.num_experts=8 models.moe.topk=2``); ``num_experts=0``: dense. A
+            Hugging Face ``actor_checkpoint`` (else ``reward_checkpoint``) gives its experts
+            (``num_experts``, ``topk``, ``ffn_hidden_size``, ``shared_expert_ffn_size``,
+            ``renormalize_topk``) as it gives the architecture: a setting left at its default
+            takes the checkpoint's value, one set to another value is refused naming both. The
+            experts of every other source (a megatron_rlhf MoE checkpoint) must be these; the
+            error of a mismatch lists the settings that match. Not with ``export_hf``.
     """
 
     arch: Any = "tiny"
@@ -129,6 +133,7 @@ class ModelsConfig:
 
     def __post_init__(self) -> None:
         resolve_arch(self.arch)
+        self._read_checkpoint_experts()
         if self.moe.enabled and self.export_hf:
             raise ValueError(f"models.export_hf=true with models.moe.num_experts="
                              f"{self.moe.num_experts}: the run's export does not gather "
@@ -164,6 +169,17 @@ class ModelsConfig:
         if self.packed_sequences and self.attention_backend == "megatron":
             raise ValueError("models.attention_backend=megatron takes no sequence boundaries; "
                              "set models.packed_sequences=false too (or use sdpa)")
+
+    def _read_checkpoint_experts(self) -> None:
+        """Take ``moe``'s expert settings from the run's first source (``actor_checkpoint``,
+        else ``reward_checkpoint``) where it is a Hugging Face directory (see ``moe``); any
+        other source, or a path that holds none, is checked by ``builder.sources``."""
+        for field_ in ("actor_checkpoint", "reward_checkpoint"):
+            path = getattr(self, field_)
+            if path:
+                if is_hf_dir(path):
+                    self.moe = checkpoint_moe(self.moe, path, f"models.{field_}")
+                return
 
     def offload_policy(self, role: str) -> str:
         """The offload policy of ``role`` (a shadow takes its trained model's); ``auto`` is

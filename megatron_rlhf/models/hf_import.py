@@ -5,6 +5,10 @@ into a cache, and loaded into a model at any TP/PP.
         entry = cached_full_state(path, "~/.cache/megatron_rlhf/converted")  # rank 0, barrier
         load_full_state(model, pg_collection, load_file(entry), new_head=...)  # any layout
 
+A run's expert settings come from its Hugging Face source as its dense architecture does:
+
+    moe = checkpoint_moe(config.models.moe, path, "models.actor_checkpoint")  # MoEConfig
+
 The cache holds the *full state* (megatron names, TP=1/PP=1 layout, see ``weights.py``) as one
 safetensors file under ``<cache>/<fingerprint>/``; the fingerprint is the sha256 of config.json
 and of every weight file's bytes, so a changed checkpoint converts again. Each entry is written to
@@ -18,7 +22,7 @@ import hashlib
 import json
 import os
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from safetensors.torch import save_file
@@ -31,9 +35,13 @@ from megatron_rlhf.models.hf_llama import (
     load_hf_state,
     weight_files,
 )
+from megatron_rlhf.models.moe import MoEConfig
 from megatron_rlhf.runtime.logging import get_logger
 
 FULL_STATE_FILE = "full_state.safetensors"
+MOE_SETTINGS = ("num_experts", "topk", "ffn_hidden_size", "shared_expert_ffn_size",
+                "renormalize_topk")
+"""The fields of :class:`MoEConfig` a checkpoint's ``config.json`` determines."""
 _CHUNK = 1 << 24
 logger = get_logger(__name__)
 
@@ -103,3 +111,39 @@ def cached_full_state(hf_dir: str | Path, cache_dir: str | Path) -> Path:
         Path(temp + ".sha256").unlink(missing_ok=True)
         raise
     return entry
+
+
+def _setting(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def checkpoint_moe(moe: MoEConfig, hf_dir: str | Path, field: str,
+                   moe_field: str = "models.moe") -> MoEConfig:
+    """``moe`` with the experts of the Hugging Face checkpoint ``hf_dir``, as its dense
+    architecture is read from it.
+
+    Each of :data:`MOE_SETTINGS` left at its default takes the checkpoint's value; one set to
+    another value must equal it (a dense checkpoint: only ``num_experts``, which is 0). The
+    other settings (load balancing, dispatcher, routing replay) stay ``moe``'s.
+
+    Args:
+        moe: the configured settings.
+        hf_dir: a Hugging Face directory (:func:`is_hf_dir`).
+        field, moe_field: the config fields of the directory and of ``moe``, for messages.
+
+    Raises:
+        ValueError: a setting conflicts with the checkpoint, naming the field and both values;
+            from :func:`read_hf_config`, a ``config.json`` that does not convert.
+    """
+    description, config = read_hf_config(hf_dir)
+    theirs, default = description.moe or MoEConfig(), MoEConfig()
+    names = MOE_SETTINGS if description.num_experts else ("num_experts",)
+    kind = (config.get("architectures") or [config["model_type"]])[0]
+    for name in names:
+        ours, value = getattr(moe, name), getattr(theirs, name)
+        if ours not in (value, getattr(default, name)):
+            raise ValueError(
+                f"{moe_field}.{name}={_setting(ours)} conflicts with {field}={hf_dir}: its "
+                f"{kind} config.json gives {name}={_setting(value)}; drop {moe_field}.{name} "
+                f"(it is read from the checkpoint) or set it to {_setting(value)}")
+    return replace(moe, **{name: getattr(theirs, name) for name in names})

@@ -2,9 +2,9 @@
 converted models give transformers' outputs (at TP=1 and, experts split, TP=2), both top-k
 weightings of Qwen3-MoE included; HF -> megatron checkpoint -> HF writes the same safetensors
 bytes, which transformers loads to the same outputs; configurations no megatron layer computes
-are refused by field. A run started from a Qwen3-MoE directory needs its experts in
-``models.moe``, loads them split over two expert-parallel ranks (the reference gives
-transformers' outputs) and trains them with GRPO."""
+are refused by field. A run started from a Qwen3-MoE or Mixtral directory reads its experts from
+it into ``models.moe`` (a conflicting setting is refused), loads them split over two
+expert-parallel ranks (the reference gives transformers' outputs) and trains them with GRPO."""
 
 from __future__ import annotations
 
@@ -159,37 +159,63 @@ def test_unsupported_moe_configs_are_refused_by_name(tmp_path: Path) -> None:
             family_of(description)
 
 
-def test_a_run_builds_its_checkpoints_experts_or_names_the_settings(tmp_path: Path) -> None:
-    from megatron_rlhf.builder.sources import resolve_sources, role_options
+def _run_config(actor: Path, *overrides: str):
     from megatron_rlhf.config.loader import load_config
     from megatron_rlhf.config.ppo_run import RunConfig
 
+    example = Path(__file__).resolve().parents[2] / "examples" / "ppo_hf_tiny.yaml"
+    return load_config(RunConfig, str(example), [
+        f"models.actor_checkpoint={actor}", "models.reward_checkpoint=''",
+        "models.export_hf=false", "reward.rule=synthetic", "reward.model_weight=0", *overrides])
+
+
+def _moe_settings(moe) -> tuple:
+    return (moe.num_experts, moe.topk, moe.ffn_hidden_size, moe.shared_expert_ffn_size,
+            moe.renormalize_topk)
+
+
+def test_a_run_reads_its_checkpoints_experts_with_no_moe_settings(tmp_path: Path) -> None:
+    from megatron_rlhf.builder.sources import resolve_sources, role_options
+
+    _make(tmp_path / "qwen3_moe-softmax", "qwen3_moe-softmax")
+    _make(tmp_path / "mixtral", "mixtral")
+    make_hf_model(tmp_path / "qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", 3,
+                  **_SIZES | {"num_experts_per_tok": 3}, num_experts=6,
+                  moe_intermediate_size=40, intermediate_size=96, norm_topk_prob=True)
+    grpo = ("algorithm.advantage_estimator=grpo", "rollout.samples_per_prompt=2")
+    for name, expected, overrides in [("qwen3_moe", (6, 3, 40, 0, True), grpo),
+                                      ("qwen3_moe-softmax", (4, 2, 48, 0, False), grpo),
+                                      ("mixtral", (8, 2, 32, 0, True), ())]:
+        run = _run_config(tmp_path / name, *overrides)
+        assert _moe_settings(run.models.moe) == expected, name
+        options = role_options(run, resolve_sources(run), "actor")
+        assert _moe_settings(options.moe) == expected, name
+    # settings the checkpoint does not give stay the config's; matching ones are accepted
+    run = _run_config(tmp_path / "qwen3_moe", "models.moe.num_experts=6",
+                      "models.moe.renormalize_topk=true", "models.moe.aux_loss_coeff=0.001")
+    assert _moe_settings(run.models.moe) == (6, 3, 40, 0, True)
+    assert run.models.moe.aux_loss_coeff == 0.001
+
+
+def test_a_setting_that_conflicts_with_the_checkpoints_experts_is_refused(
+        tmp_path: Path) -> None:
     _make(tmp_path / "qwen3_moe", "qwen3_moe")
     make_hf_model(tmp_path / "dense", "Qwen3Config", "Qwen3ForCausalLM", 1, **_SIZES,
                   intermediate_size=32)
-
-    def config(actor: str, *moe: str) -> RunConfig:
-        example = Path(__file__).resolve().parents[2] / "examples" / "ppo_hf_tiny.yaml"
-        return load_config(RunConfig, str(example), [
-            f"models.actor_checkpoint={tmp_path / actor}", "models.reward_checkpoint=''",
-            "models.export_hf=false", "reward.rule=synthetic", "reward.model_weight=0", *moe])
-
-    matching = ("models.moe.num_experts=8", "models.moe.topk=2", "models.moe.ffn_hidden_size=32")
-    run = config("qwen3_moe", *matching, "models.moe.aux_loss_coeff=0.001")
-    options = role_options(run, resolve_sources(run), "actor")
-    assert (options.moe.num_experts, options.moe.topk, options.moe.ffn_hidden_size,
-            options.moe.aux_loss_coeff, options.qk_norm) == (8, 2, 32, 0.001, True)
-    settings = ("models.moe.num_experts=8 models.moe.topk=2 models.moe.ffn_hidden_size=32 "
-                "models.moe.shared_expert_ffn_size=0 models.moe.renormalize_topk=true")
-    for moe in [(), (*matching[:2],), (*matching, "models.moe.renormalize_topk=false")]:
+    qwen = tmp_path / "qwen3_moe"
+    for setting, theirs in [("num_experts=4", "num_experts=8"), ("topk=3", "topk=2"),
+                            ("ffn_hidden_size=64", "ffn_hidden_size=32"),
+                            ("renormalize_topk=false", "renormalize_topk=true")]:
         with pytest.raises(ValueError, match=re.escape(
-                f"models.actor_checkpoint={tmp_path / 'qwen3_moe'} is a mixture-of-experts "
-                "Qwen3MoeForCausalLM checkpoint, but models.moe builds every model with ") +
-                ".*" + re.escape(f": set {settings}")):
-            resolve_sources(config("qwen3_moe", *moe))
-    with pytest.raises(ValueError, match=r"is a dense Qwen3ForCausalLM checkpoint, .*"
-                                         r"models.moe.num_experts=8 .*: set models.moe.num_experts=0"):
-        resolve_sources(config("dense", *matching))
+                f"models.moe.{setting} conflicts with models.actor_checkpoint={qwen}: its "
+                f"Qwen3MoeForCausalLM config.json gives {theirs}; drop models.moe.")):
+            _run_config(qwen, "algorithm.advantage_estimator=grpo",
+                        "rollout.samples_per_prompt=2", f"models.moe.{setting}")
+    with pytest.raises(ValueError, match=re.escape(
+            f"models.moe.num_experts=8 conflicts with models.actor_checkpoint={tmp_path / 'dense'}"
+            ": its Qwen3ForCausalLM config.json gives num_experts=0")):
+        _run_config(tmp_path / "dense", "models.moe.num_experts=8")
+    assert _run_config(tmp_path / "dense").models.moe.num_experts == 0
 
 
 def _grpo_job(root: str, actor: str) -> tuple[list, list, int]:
