@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import functools
 import importlib
+import os
 import re
 import runpy
 import sys
@@ -334,3 +335,256 @@ def test_the_making_of_checker_finds_issue_numbers_and_sessions() -> None:
     lines = [("page.md", 1, "Fixed in issue #16 during the third session."),
              ("page.md", 2, "No host branch on their values; record #17 of the prompts.")]
     assert making_of(lines) == ["page.md:1: 'issue #16'", "page.md:1: 'session'"]
+
+
+# What the pages claim about the code: module tables, recipes, defaults, the how-tos' reach.
+
+PACKAGE = REPO / "megatron_rlhf"
+PY_NAME = re.compile(r"`([\w./-]*\w\.py)`")
+BACKTICKED = re.compile(r"`([^`]+)`")
+
+
+def tables(path: Path) -> list[list[tuple[int, list[str]]]]:
+    """Every table outside code blocks: its rows as (line number, cells), the header first and
+    the ``---`` separator left out."""
+    found, current = [], []
+    for number, line in [*prose(path), (0, "")]:
+        if line.lstrip().startswith("|"):
+            cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+            if not all(re.fullmatch(r":?-+:?", cell) for cell in cells):
+                current.append((number, cells))
+        elif current:
+            found.append(current)
+            current = []
+    return found
+
+
+def modules(directory: Path) -> set[str]:
+    """The modules a table of ``directory`` lists: its .py files but ``__init__.py``."""
+    return {p.name for p in directory.glob("*.py") if p.name != "__init__.py"}
+
+
+def _module_path(name: str, page: Path, previous: Path | None) -> Path:
+    """Where a table's ``name.py`` is: a bare name beside the cell's previous one (else beside
+    the page, a package README), a path from the repository or from ``megatron_rlhf/``."""
+    if "/" not in name:
+        return (previous.parent if previous else page.parent) / name
+    for base in (REPO, PACKAGE):
+        if (base / name).exists():
+            return base / name
+    return PACKAGE / name
+
+
+def _mismatch(where: str, directory: Path, named: set[str], root: Path) -> list[str]:
+    missing, extra = sorted(modules(directory) - named), sorted(named - modules(directory))
+    shown = os.path.relpath(directory, root)
+    return [f"{where}: {shown}/ table lacks {missing}"] * bool(missing) + [
+        f"{where}: {shown}/ has no {extra}"] * bool(extra)
+
+
+def module_table_problems(page: Path, root: Path = REPO) -> list[str]:
+    """A table whose first column is headed ``file`` and names .py files lists exactly the
+    modules of the directory most of its rows are in (rows of other directories must exist); a
+    table with a ``modules`` column lists in each row exactly the modules of the directory its
+    first cell links to (``[`step/`](.../step/README.md)``)."""
+    problems = []
+    for table in tables(page):
+        header = [cell.lower() for cell in table[0][1]]
+        where = f"{page.relative_to(root)}:{table[0][0]}"
+        if "modules" in header:
+            column = header.index("modules")
+            for number, cells in table[1:]:
+                link = LINK.search(cells[0])
+                if link and column < len(cells):
+                    directory = Path(os.path.normpath(page.parent / link.group(1)))
+                    directory = directory.parent if directory.suffix else directory
+                    problems += _mismatch(f"{page.relative_to(root)}:{number}", directory,
+                                          set(PY_NAME.findall(cells[column])), root)
+            continue
+        if header[0] != "file":
+            continue
+        paths = []
+        for _, cells in table[1:]:
+            previous = None
+            for name in PY_NAME.findall(cells[0]):
+                previous = _module_path(name, page, previous)
+                paths.append(previous)
+        if not paths:
+            continue  # a table of other files (checkpoint contents)
+        directories = [path.parent for path in paths]
+        home = max(set(directories), key=directories.count)
+        problems += _mismatch(where, home, {p.name for p in paths if p.parent == home}, root)
+        problems += [f"{where}: no such module {os.path.relpath(p, root)}" for p in paths
+                     if p.parent != home and not p.is_file()]
+    return problems
+
+
+def module_pages() -> list[Path]:
+    return [*pages(), *sorted(PACKAGE.rglob("README.md"))]
+
+
+def test_every_module_table_lists_its_directory() -> None:
+    problems = [problem for page in module_pages() for problem in module_table_problems(page)]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_module_table_checker_finds_a_missing_and_a_gone_module(tmp_path: Path) -> None:
+    package = tmp_path / "megatron_rlhf" / "pkg"
+    package.mkdir(parents=True)
+    for name in ("__init__.py", "a.py", "b.py", "c.py"):
+        (package / name).write_text("")
+    readme = package / "README.md"
+    readme.write_text("| file | what |\n|---|---|\n| `a.py`, `b.py` | two |\n| `gone.py` | x |\n")
+    page = tmp_path / "page.md"
+    page.write_text("| room | modules |\n|---|---|\n"
+                    "| [`pkg/`](megatron_rlhf/pkg/README.md) | `a.py`, `b.py`, `c.py` |\n")
+    assert module_table_problems(readme, tmp_path) == [
+        "megatron_rlhf/pkg/README.md:1: megatron_rlhf/pkg/ table lacks ['c.py']",
+        "megatron_rlhf/pkg/README.md:1: megatron_rlhf/pkg/ has no ['gone.py']"]
+    assert module_table_problems(page, tmp_path) == []
+
+
+RECIPES = REPO / "examples" / "recipes"
+RECIPE_PATH = re.compile(r"examples/recipes/([\w.-]+\.yaml)")
+
+
+def recipes_named() -> dict[str, list[str]]:
+    """Recipe file name -> where the pages name it: as ``examples/recipes/<name>``, or in the
+    first column of a table headed ``recipe``."""
+    named: dict[str, list[str]] = {}
+    for page in pages():
+        where = str(page.relative_to(REPO))
+        for number, line in prose(page):
+            for name in RECIPE_PATH.findall(line):
+                named.setdefault(name, []).append(f"{where}:{number}")
+        for table in tables(page):
+            if table[0][1][0].lower() == "recipe":
+                for number, cells in table[1:]:
+                    for name in BACKTICKED.findall(cells[0]):
+                        named.setdefault(name, []).append(f"{where}:{number}")
+    return named
+
+
+def test_every_recipe_is_in_the_docs_and_every_recipe_named_exists() -> None:
+    named = recipes_named()
+    unlisted = sorted(p.name for p in RECIPES.glob("*.yaml") if p.name not in named)
+    gone = [f"{where}: no recipe {name}" for name, places in sorted(named.items())
+            if not (RECIPES / name).is_file() for where in places]
+    assert not unlisted, f"recipes no page names: {unlisted} (list them in the recipe table of " \
+                         "docs/howto/run-on-a-cluster.md)"
+    assert not gone, "\n".join(gone)
+
+
+DEFAULT_AFTER_FIELD = re.compile(
+    r"`([a-z_][\w.]*)(?:\s*[:=]\s*[^`]*)?`\s*\(default:?\s+`?([^\s`()]+)`?\)")
+"""``field`` (default ``value``), the field also as ``field: x`` or ``field=x``."""
+
+
+@functools.cache
+def config_defaults() -> dict[str, tuple]:
+    """Dotted field -> the defaults it has in the PPO, SFT and reward-model configurations."""
+    from megatron_rlhf.config.ppo_run import RunConfig
+    from megatron_rlhf.config.supervised_run import RMConfig, SFTConfig
+
+    found: dict[str, list] = {}
+
+    def walk(config: object, prefix: str) -> None:
+        for field in dataclasses.fields(config):
+            value = getattr(config, field.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, prefix + field.name + ".")
+            elif value not in found.setdefault(prefix + field.name, []):
+                found[prefix + field.name].append(value)
+
+    for cls in (RunConfig, SFTConfig, RMConfig):
+        walk(cls(), "")
+    return {name: tuple(values) for name, values in found.items()}
+
+
+def _defaults_of(name: str) -> tuple | None:
+    """The defaults of ``name``: a dotted field, or a field's last names when every field so
+    named has the same defaults; None when it is no field or an ambiguous one."""
+    defaults = config_defaults()
+    if name in defaults:
+        return defaults[name]
+    matches = {defaults[f] for f in defaults if f.endswith("." + name)}
+    return matches.pop() if len(matches) == 1 else None
+
+
+def _same(text: str, default: object) -> bool:
+    import yaml
+
+    value = None if text in ("None", "null") else yaml.safe_load(text)
+    if isinstance(default, bool) or isinstance(value, bool):
+        return value is default
+    if isinstance(default, int | float) and isinstance(value, int | float):
+        return float(value) == float(default)
+    return value == default or str(value) == str(default)
+
+
+def default_claims(lines: list[tuple[str, int, str]]) -> list[tuple[str, str, str]]:
+    """(where, field, value) of every ``field`` (default ``value``) in ``lines``."""
+    return [(f"{where}:{number}", name, value) for where, number, line in lines
+            for name, value in DEFAULT_AFTER_FIELD.findall(line)]
+
+
+def table_default_claims(page: Path) -> list[tuple[str, str, str]]:
+    """(where, field, value) of the rows of a table whose second column is headed
+    ``... (default first)``: one field takes the first value, several fields the values in
+    turn (what stands in parentheses is a note)."""
+    claims = []
+    for table in tables(page):
+        if len(table[0][1]) < 2 or "(default first)" not in table[0][1][1]:
+            continue
+        for number, cells in table[1:]:
+            names = BACKTICKED.findall(cells[0])
+            values = BACKTICKED.findall(re.sub(r"\([^)]*\)", "", cells[1]))
+            where = f"{page.relative_to(REPO)}:{number}"
+            if len(names) != 1 and len(names) != len(values):
+                claims.append((where, ", ".join(names), f"<{len(values)} values>"))
+                continue
+            claims += [(where, name, value) for name, value in zip(names, values, strict=False)]
+    return claims
+
+
+def wrong_defaults(claims: list[tuple[str, str, str]]) -> list[str]:
+    problems = []
+    for where, name, value in claims:
+        if value.startswith("<"):
+            problems.append(f"{where}: {name}: one field or one value per field ({value})")
+            continue
+        defaults = _defaults_of(name)
+        if defaults is not None and not any(_same(value, d) for d in defaults):
+            problems.append(f"{where}: {name} defaults to {' or '.join(map(repr, defaults))}, "
+                            f"not {value}")
+    return problems
+
+
+def test_every_default_the_pages_state_is_the_codes() -> None:
+    claims = default_claims(texts()) + [c for page in pages() for c in table_default_claims(page)]
+    assert len(claims) > 10, "the default claims are no longer found: check the patterns"
+    problems = wrong_defaults(claims)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_default_checker_finds_a_wrong_default() -> None:
+    lines = [("page.md", 1, "`placement.replan.move: true` (default false), "
+                            "`algorithm.kl_coef` (default `0.5`), `use_math_verify` (default x)")]
+    assert default_claims(lines) == [("page.md:1", "placement.replan.move", "false"),
+                                     ("page.md:1", "algorithm.kl_coef", "0.5"),
+                                     ("page.md:1", "use_math_verify", "x")]
+    assert wrong_defaults(default_claims(lines)) == [
+        "page.md:1: algorithm.kl_coef defaults to 0.1, not 0.5"]
+    assert wrong_defaults([("t.md:2", "gamma", "0.9"), ("t.md:3", "kl_in", "reward")]) == [
+        "t.md:2: gamma defaults to 1.0, not 0.9"]
+
+
+def test_every_howto_is_linked_from_the_readme_and_the_quickstart() -> None:
+    howtos = {p.resolve() for p in (REPO / "docs" / "howto").glob("*.md") if p.name != "README.md"}
+    problems = []
+    for page in (REPO / "README.md", REPO / "docs" / "quickstart.md"):
+        linked = {(page.parent / target.partition("#")[0]).resolve()
+                  for _, line in prose(page) for target in LINK.findall(line)}
+        problems += [f"{page.relative_to(REPO)} does not link {h.relative_to(REPO)}"
+                     for h in sorted(howtos - linked)]
+    assert not problems, "\n".join(problems)
