@@ -46,6 +46,7 @@ from megatron_rlhf.topology.placement_config import PlacementConfig
 
 OFFLOAD_ROLES = (ACTOR, CRITIC, REF, REWARD)
 TOKEN_BUDGET_AUTO = "auto"
+EPISODE_TOKENS_AUTO = "auto"
 OFFLOAD_POLICIES = ("never", "always", "auto")
 
 
@@ -247,7 +248,11 @@ class RolloutConfig:
             whose last allowed reply is answered without ending it stops there, truncated.
         max_episode_tokens: with ``tools`` or ``environment``, the tokens after the prompt
             (replies and answers), the rows' response width; an episode that reaches it ends,
-            marked truncated. ``generation.max_new_tokens`` bounds each reply.
+            marked truncated. ``generation.max_new_tokens`` bounds each reply. ``auto``
+            (default): room for every reply and, between two replies, an answer as long as a
+            prompt: ``max_turns * generation.max_new_tokens + (max_turns - 1) *
+            max_prompt_length``, resolved when the config is built (``config.yaml`` records
+            the number). Ignored without tools or an environment (``auto`` or 0 there).
         tool_on_error: a call that is not valid JSON, names no tool, or whose tool raises, runs
             past ``tool_timeout_s`` or returns no string: ``observe`` (the policy reads a
             one-line error, counted in ``rollout/tool_errors``) or ``error`` (stop the run).
@@ -277,7 +282,7 @@ class RolloutConfig:
     tools: list[dict[str, Any]] = field(default_factory=list)
     environment: dict[str, Any] | None = None
     max_turns: int = 1
-    max_episode_tokens: int = 0
+    max_episode_tokens: int | str = EPISODE_TOKENS_AUTO
     tool_on_error: str = "observe"
     tool_timeout_s: float = 10.0
     tool_workers: int = 2
@@ -323,16 +328,22 @@ class RolloutConfig:
                              "which is empty; set rollout.tools or drop overlap_tools")
         if self.max_turns < 1:
             raise ValueError(f"rollout.max_turns={self.max_turns} must be >= 1")
-        if not self.multi_turn and (self.max_turns != 1 or self.max_episode_tokens):
-            raise ValueError(f"rollout.max_turns={self.max_turns} and max_episode_tokens="
-                             f"{self.max_episode_tokens} bound episodes with tools or an "
+        budget = self.max_episode_tokens
+        if budget != EPISODE_TOKENS_AUTO and (not isinstance(budget, int)
+                                              or isinstance(budget, bool) or budget < 0):
+            raise ValueError(f"rollout.max_episode_tokens={budget!r} must be "
+                             f"{EPISODE_TOKENS_AUTO!r} or a token count")
+        bounds = [f"rollout.max_turns={self.max_turns}"] if self.max_turns != 1 else []
+        if budget not in (EPISODE_TOKENS_AUTO, 0):
+            bounds.append(f"rollout.max_episode_tokens={budget}")
+        if not self.multi_turn and bounds:
+            raise ValueError(f"{' and '.join(bounds)} bound episodes with tools or an "
                              "environment; set rollout.tools or rollout.environment, or drop "
                              "them")
-        if self.multi_turn and self.max_episode_tokens < 1:
-            raise ValueError(f"rollout.max_episode_tokens={self.max_episode_tokens}: with "
-                             "rollout.tools or rollout.environment give the tokens an episode "
-                             "may take after its prompt (replies and answers), e.g. max_turns "
-                             "x generation.max_new_tokens + room for the answers")
+        if self.multi_turn and budget == 0:
+            raise ValueError(f"rollout.max_episode_tokens={budget}: with rollout.tools or "
+                             "rollout.environment give the tokens an episode may take after "
+                             f"its prompt (replies and answers), or {EPISODE_TOKENS_AUTO!r}")
         if self.tool_on_error not in TOOL_ON_ERROR:
             raise ValueError(f"rollout.tool_on_error={self.tool_on_error!r}: use one of "
                              f"{TOOL_ON_ERROR}")
@@ -340,6 +351,14 @@ class RolloutConfig:
             raise ValueError(f"rollout.tool_timeout_s={self.tool_timeout_s} must be > 0")
         if self.tool_workers < 1:
             raise ValueError(f"rollout.tool_workers={self.tool_workers} must be >= 1")
+
+    def episode_tokens(self, max_new_tokens: int) -> int:
+        """The tokens an episode may take after its prompt: ``max_episode_tokens``, or for
+        ``auto`` every reply of ``max_new_tokens`` and an answer of ``max_prompt_length``
+        between two replies."""
+        if self.max_episode_tokens != EPISODE_TOKENS_AUTO:
+            return self.max_episode_tokens
+        return self.max_turns * max_new_tokens + (self.max_turns - 1) * self.max_prompt_length
 
     @property
     def tool_specs(self) -> list[ToolSpec]:
@@ -737,6 +756,9 @@ class RunConfig:
         if self.generation.max_new_tokens < 1:
             raise ValueError(f"generation.max_new_tokens={self.generation.max_new_tokens} leaves "
                              "PPO no response to score; give at least 1")
+        if self.rollout.multi_turn and self.rollout.max_episode_tokens == EPISODE_TOKENS_AUTO:
+            self.rollout.max_episode_tokens = self.rollout.episode_tokens(
+                self.generation.max_new_tokens)
         algorithm, placement = self.algorithm, self.placement
         if algorithm.uses_critic and not placement.critic:
             raise ValueError(
