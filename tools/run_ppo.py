@@ -46,7 +46,9 @@ memory does not fit the GPUs is refused with status 2::
     python tools/run_ppo.py --plan-only --nodes 2 --gpus-per-node 8 --gpu H200-141GB --json
 
 Exit status: 0 done (or preempted and saved), 1 a rank failed (the message names it and its
-stage), NaN/Inf with faults.on_nan=stop or a full disk, 2 bad configuration, data or checkpoint,
+stage), a reward function, tool or environment of yours raised with on_error=error (one line
+naming it, the record and the file:line), NaN/Inf with faults.on_nan=stop or a full disk, 2 bad
+configuration, data or checkpoint,
 130 Ctrl-C while the run starts or a second Ctrl-C (nothing saved).
 """
 
@@ -195,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as error:
         return refuse("run_ppo", f"bad configuration: {error}")
     from megatron_rlhf.engine.run.runner import run_outputs, run_ppo
-    from megatron_rlhf.rewards import RewardFunctionError
+    from megatron_rlhf.rewards import UserCodeError
     from megatron_rlhf.runtime.checkpoint_store import DiskFullError
     from megatron_rlhf.runtime.distributed import destroy_distributed
     from megatron_rlhf.runtime.faults import EXIT_INTERRUPTED, NonFiniteError, RankFailure
@@ -213,8 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"run_ppo: rank {os.environ.get('RANK', '0')}: interrupted by Ctrl-C outside a "
               "training step; no checkpoint was written for it", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except (RankFailure, NonFiniteError, RewardFunctionError, DiskFullError) as error:
-        # The message names the cause; a traceback per rank would bury it.
+    except (RankFailure, NonFiniteError, UserCodeError, DiskFullError) as error:
+        # The message names the cause (a user's reward function, tool or environment: it, the
+        # record and where it raised); a traceback per rank would bury it.
         print(f"run_ppo: rank {os.environ.get('RANK', '0')}: {error}", file=sys.stderr)
         return 1
     finally:

@@ -7,7 +7,8 @@ Map of the files:
   when the config is built (``parse_reward_functions``); the ``REWARD_FUNCTIONS`` registry of the
   functions an entry names without their module.
 - ``pool.py``: ``RewardFunctions``: calls every function on every row in worker processes, with
-  a per-call timeout and the ``reward.on_error`` policy.
+  a per-call timeout and the ``reward.on_error`` policy; ``UserCodeError``, the error of a
+  user's function, tool or environment that stops the run (an entry point prints it as one line).
 - ``verifiers.py``: math final-answer equivalence, exact and regex match, a format check (the
   registered ``math_reward``, ``exact_reward``, ``regex_reward``, ``format_reward``), and DAPO's
   overlong penalty.
@@ -29,9 +30,14 @@ from megatron_rlhf.rewards.functions import (
     parse_reward_functions,
     register_reward_function,
 )
-from megatron_rlhf.rewards.pool import RewardFunctionError, RewardFunctions, RewardScores
+from megatron_rlhf.rewards.pool import (
+    RewardFunctionError,
+    RewardFunctions,
+    RewardScores,
+    UserCodeError,
+)
 from megatron_rlhf.rewards.verifiers import exact_reward, format_reward, math_reward, regex_reward
 
 __all__ = ["ON_ERROR_POLICIES", "REWARD_FUNCTIONS", "RewardFunctionError", "RewardFunctionSpec",
            "RewardFunctions", "RewardScores", "exact_reward", "format_reward", "math_reward",
-           "parse_reward_functions", "regex_reward", "register_reward_function"]
+           "parse_reward_functions", "regex_reward", "register_reward_function", "UserCodeError"]

@@ -28,16 +28,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_rlhf.rewards.functions import import_function
-from megatron_rlhf.rewards.pool import _excerpt
+from megatron_rlhf.rewards.pool import UserCodeError, _excerpt, raised_at
 
 ENVIRONMENT_ON_ERROR = ("error", "end")
 """``rollout.environment.on_error``: a failed call stops the run, or ends its episode."""
 
 
-class EnvironmentError_(RuntimeError):  # noqa: N801 - ``EnvironmentError`` is a builtin alias
+class EnvironmentError_(UserCodeError):  # noqa: N801 - ``EnvironmentError`` is a builtin alias
     """An environment's call failed."""
-
-    local_cause = True
 
 
 @dataclass(frozen=True)
@@ -151,8 +149,10 @@ def _called(call: Callable[[], Any], what: str, record: Mapping[str, Any],
                                 "(rollout.environment.timeout_s) "
                                 f"({_excerpt(record)})") from None
     except Exception as error:  # noqa: BLE001 - the user's environment may raise anything
+        at = raised_at(error)
         raise EnvironmentError_(f"{what} raised {type(error).__name__}: {error} "
-                                f"({_excerpt(record)})") from error
+                                f"({_excerpt(record)}){f'; raised at {at}' if at else ''}"
+                                ) from error
 
 
 @dataclass

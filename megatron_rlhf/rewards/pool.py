@@ -36,8 +36,10 @@ import multiprocessing.pool
 import numbers
 import os
 import signal
+import sysconfig
 import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,14 +68,52 @@ _imported: dict[str, Callable[..., Any]] = {}
 """The worker's imported functions, by target."""
 
 
-class RewardFunctionError(RuntimeError):
-    """A reward function failed on a record with ``reward.on_error=error``.
+class UserCodeError(RuntimeError):
+    """A user's reward function, tool or environment failed and the run stops; the message names
+    it, the record, what went wrong and, when it raised, where in the user's code.
 
     Its cause is on the rank that raised it, even when its text says "timeout": the run's fault
-    tracker reports it as that rank's own failure, in full, not as a collective's.
+    tracker reports it as that rank's own failure, in full, not as a collective's. An entry
+    point prints its message as one line: a traceback through the library would bury it.
     """
 
     local_cause = True
+
+
+class RewardFunctionError(UserCodeError):
+    """A reward function failed on a record with ``reward.on_error=error``."""
+
+
+@dataclass(frozen=True)
+class Raised:
+    """What a user's call raised: ``why`` (``raised ValueError: ...``, its text) and ``at``, the
+    ``file:line`` in the user's code that raised it ("" when unknown)."""
+
+    why: str
+    at: str = ""
+
+    def __str__(self) -> str:
+        return self.why
+
+
+_LIBRARY_DIRS = tuple(os.path.join(path, "") for path in
+                      {sysconfig.get_paths()[key] for key in ("stdlib", "purelib", "platlib")}
+                      | {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
+"""Code that is not the user's: Python's, the installed packages' and this package's."""
+
+
+def raised_at(error: BaseException) -> str:
+    """``file:line`` of the innermost frame of ``error``'s traceback in the user's code (outside
+    :data:`_LIBRARY_DIRS`), else of its innermost frame; "" without a traceback. A file under the
+    working directory is named relative to it."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return ""
+    frame = next((f for f in reversed(frames)
+                  if not os.path.abspath(f.filename).startswith(_LIBRARY_DIRS)), frames[-1])
+    path = os.path.abspath(frame.filename)
+    cwd = os.getcwd() + os.sep
+    return f"{path[len(cwd):] if path.startswith(cwd) else path}:{frame.lineno}"
 
 
 class _Timeout(Exception):
@@ -165,7 +205,7 @@ def _call(target: str, prompt: str, response: str, record: Mapping[str, Any],
 def timed_call(function: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
                timeout_s: float, setting: str) -> tuple[str, Any]:
     """``function(*args, **kwargs)`` in a worker, stopped by an alarm after ``timeout_s``:
-    ``("ok", value)``, ``("timeout", why)`` naming ``setting``, or ``("raised", why)``."""
+    ``("ok", value)``, ``("timeout", why)`` naming ``setting``, or ``("raised", Raised)``."""
     previous = signal.signal(signal.SIGALRM, _alarm)
     signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
@@ -173,7 +213,7 @@ def timed_call(function: Callable[..., Any], args: tuple, kwargs: dict[str, Any]
     except _Timeout:
         return "timeout", f"ran past its timeout of {timeout_s} s ({setting})"
     except Exception as error:  # noqa: BLE001 - the user's function may raise anything
-        return "raised", f"raised {type(error).__name__}: {error}"
+        return "raised", Raised(f"raised {type(error).__name__}: {error}", raised_at(error))
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_rlhf.rewards.functions import import_function
-from megatron_rlhf.rewards.pool import RewardFunctions, _excerpt, timed_call
+from megatron_rlhf.rewards.pool import RewardFunctions, UserCodeError, _excerpt, timed_call
 
 TOOL_ON_ERROR = ("observe", "error")
 """``rollout.tool_on_error``: the error becomes the policy's observation, or the run stops."""
@@ -39,10 +39,8 @@ _imported: dict[str, Callable[..., Any]] = {}
 """The worker's imported tools, by target."""
 
 
-class ToolError(RuntimeError):
+class ToolError(UserCodeError):
     """A tool call failed with ``rollout.tool_on_error=error``."""
-
-    local_cause = True
 
 
 @dataclass(frozen=True)
@@ -256,18 +254,20 @@ class Tools:
         Raises:
             ToolError: the call failed, with ``on_error="error"``.
         """
+        at = ""
         if isinstance(item, str):
             why, seconds = item, 0.0
         else:
             status, value = outcome
             if status == "ok":
                 return ToolAnswer(value, False, seconds)
-            why = f"tool {item[0].name!r} {value}"
+            why, at = f"tool {item[0].name!r} {value}", getattr(value, "at", "")
         if self.on_error == "error":
             raise ToolError(f"{why} on prompt record #{call.index} "
-                            f"({_excerpt(call.record)}); call: {call.text[-200:]!r}; fix "
-                            "the tool, or set rollout.tool_on_error=observe to show such "
-                            "errors to the policy and count them in rollout/tool_errors")
+                            f"({_excerpt(call.record)}); call: {call.text[-200:]!r}"
+                            f"{f'; raised at {at}' if at else ''}; fix the tool, or set "
+                            "rollout.tool_on_error=observe to show such errors to the policy and "
+                            "count them in rollout/tool_errors")
         return ToolAnswer(f"error: {why}", True, seconds)
 
     def _start(self, flight: _Flight) -> None:
