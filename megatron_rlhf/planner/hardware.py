@@ -202,7 +202,8 @@ def resolve_profiles(cluster: ClusterSpec,
         if profile is None:
             raise ValueError(
                 f"pool {pool.kind!r} has no hardware profile: name the pool after one of "
-                f"{sorted(shipped_profiles())} or pass a profile (tools/calibrate.py writes one)"
+                f"{sorted(shipped_profiles())} or give one (--profile NAME|PATH, for "
+                "re-planning placement.replan.profile; tools/calibrate.py writes one)"
             )
         result.append(profile)
     return tuple(result)

@@ -70,8 +70,9 @@ def test_auto_skips_candidates_whose_batches_do_not_split() -> None:
 
 
 def test_a_pool_without_a_profile_is_refused_with_the_fix() -> None:
-    cluster = ClusterSpec((DevicePool("local", nodes=1, devices_per_node=4),))
-    with pytest.raises(ValueError, match="calibrate"):
+    cluster = ClusterSpec((DevicePool("MI300X", nodes=1, devices_per_node=4),))
+    with pytest.raises(ValueError, match=r"pool 'MI300X' has no hardware profile: .*--profile "
+                                         r"NAME\|PATH.*calibrate"):
         choose_placement(_config(), cluster)
 
 

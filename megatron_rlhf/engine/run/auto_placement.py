@@ -22,8 +22,8 @@ from megatron_rlhf.planner import (
     SearchSpace,
     auto_place,
     explain_choice,
-    load_profile,
 )
+from megatron_rlhf.planner.local_profile import pool_profiles
 from megatron_rlhf.planner.memory_fit import FSDP, OFFLOAD, RECOMPUTE
 from megatron_rlhf.topology.cluster import ClusterSpec
 from megatron_rlhf.topology.models import SHADOW_OF, TRAINABLE_ROLES
@@ -35,19 +35,22 @@ ENGINE_MEMORY_OPTIONS = (FSDP, OFFLOAD, RECOMPUTE)
 
 def choose_placement(config: RunConfig, cluster: ClusterSpec,
                      profile: str | None = None) -> tuple[RunConfig, str]:
-    """The run configuration with the planner's best placement, and why it won.
+    """The run configuration with the planner's best placement, and why it won (with the
+    profiles measured or read from the cache, ``planner.local_profile``).
 
     Args:
         config: the run; its placement's ``ac_share``, ``critic`` and ``reward`` are kept.
         cluster: the devices of the job.
         profile: a hardware profile name or JSON path for every pool; None uses the shipped
-            profile named like each pool's kind.
+            profile named like each pool's kind, and for a CPU run's ``local`` pool this
+            machine's, measured once and cached (``planner.local_profile``).
 
     Raises:
-        ValueError: no profile for a pool (run tools/calibrate.py), or no candidate the engine
-            accepts.
+        ValueError: no profile for a pool (named with ``--profile``), or no candidate the
+            engine accepts.
     """
-    ranked = ranked_candidates(config, cluster, load_profile(profile) if profile else None)
+    profiles, notes = pool_profiles(cluster, profile)
+    ranked = ranked_candidates(config, cluster, profiles)
     rejected = []
     for candidate in ranked:
         if not candidate.prediction.feasible:
@@ -58,7 +61,7 @@ def choose_placement(config: RunConfig, cluster: ClusterSpec,
         except ValueError as error:
             rejected.append(f"{candidate.label}: {error}")
             continue
-        return chosen, explain_choice(ranked[candidate.rank - 1:])
+        return chosen, "; ".join([explain_choice(ranked[candidate.rank - 1:]), *notes])
     reasons = "; ".join(rejected[:3]) or explain_choice(ranked)
     raise ValueError(f"placement=auto found no placement this run can use ({reasons}); "
                      "choose one with --placement or adjust rollout sizes")

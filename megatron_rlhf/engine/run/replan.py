@@ -42,8 +42,9 @@ from megatron_rlhf.engine.run.auto_placement import (
 )
 from megatron_rlhf.engine.run.build import make_plan
 from megatron_rlhf.engine.run.micro_batching import planner_rollout, token_budgets
-from megatron_rlhf.planner import RolloutSpec, describe, load_profile
+from megatron_rlhf.planner import RolloutSpec, describe
 from megatron_rlhf.planner.hardware import resolve_profiles
+from megatron_rlhf.planner.local_profile import pool_profiles
 from megatron_rlhf.planner.predict import EXPERIENCE, GENERATION, STAGES, SYNC, TRAINING, TRANSFER
 from megatron_rlhf.planner.replan import Measured, Replan, rerank
 from megatron_rlhf.planner.schedule import covered_seconds
@@ -96,7 +97,7 @@ def check_replan(config: RunConfig, cluster: ClusterSpec) -> None:
     if not replan.enabled:
         return
     try:
-        resolve_profiles(cluster, load_profile(replan.profile) if replan.profile else None)
+        resolve_profiles(cluster, pool_profiles(cluster, replan.profile)[0])
     except ValueError as error:
         raise ValueError(f"placement.replan needs a hardware profile: {error}; set "
                          "placement.replan.profile to a shipped name or a tools/calibrate.py "
@@ -156,7 +157,7 @@ class RunReplanner:
         self.history = Path(run_dir) / HISTORY
         self.rollout = RolloutSpec.from_run_config(config, overlap=config.rollout.async_rollout)
         self.memory_options = search_space(config).memory_options
-        self.profiles = load_profile(self.settings.profile) if self.settings.profile else None
+        self.profiles = pool_profiles(plan.cluster, self.settings.profile)[0]
         self.current = (describe(plan), plan)
         found = candidate_plans(config, plan.cluster, self.profiles)
         self.candidates = [(label, candidate) for label, _, candidate in found]
