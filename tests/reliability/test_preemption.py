@@ -6,6 +6,7 @@ worker stop within seconds, leaving only complete checkpoints behind."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,26 @@ from tests.helpers.processes import children, pid_running, wait_for
 REPO = Path(__file__).resolve().parents[2]
 _SMALL = ["rollout.prompts_per_step=8", "rollout.ppo_epochs=1", "rollout.num_minibatches=1",
           "generation.max_new_tokens=6", "runtime.distributed.timeout_s=60"]
+
+
+@contextlib.contextmanager
+def _job_in_its_own_session(command: list[str], log_path: Path) -> Iterator[subprocess.Popen]:
+    """The job in a session of its own, which the test signals as a terminal or torchrun's agent
+    signals a process group; killed with its workers on the way out."""
+    with log_path.open("w") as log:
+        job = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                               env=tool_env(), start_new_session=True)
+        try:
+            yield job
+        finally:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+                job.wait()
+
+
+def _wait_for_the_first_step(metrics: Path) -> None:
+    wait_for(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 1, 240,
+             "the first step")
 
 
 def _rank_of(pid: int) -> int | None:
@@ -75,23 +97,14 @@ def test_ctrl_c_to_the_job_saves_as_sigterm_does_without_a_traceback(tmp_path: P
     terminal sends SIGINT to torchrun and to every worker, and the agent forwards it once more:
     the workers take both as one press."""
     run_dir, save_dir = tmp_path / "run", tmp_path / "ckpt"
-    log = (tmp_path / "log.txt").open("w")
     command = tool_command("run_ppo.py", [
         "--steps", "500", "--placement", "flattening", "--run-dir", str(run_dir),
         "--save-dir", str(save_dir), *_SMALL], nproc=2)
-    job = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=tool_env(),
-                           start_new_session=True)
-    try:
-        metrics = run_dir / "metrics.jsonl"
-        wait_for(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 1, 240,
-                 "the first step")
+    metrics = run_dir / "metrics.jsonl"
+    with _job_in_its_own_session(command, tmp_path / "log.txt") as job:
+        _wait_for_the_first_step(metrics)
         os.killpg(job.pid, signal.SIGINT)
         returncode = job.wait(timeout=120)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
-        log.close()
     output = (tmp_path / "log.txt").read_text()
     # torchrun's agent, signalled itself, exits 1 with its own SignalException traceback after
     # its workers ended; the workers print none.
@@ -248,7 +261,6 @@ def test_sigterm_to_the_job_while_reward_functions_score_saves_and_exits_in_seco
     they used to die, the step then waited on their lost calls, no checkpoint was written and
     closing the pool hung on a lock a dead worker held until the agent's SIGKILL 30 s later."""
     run_dir, save_dir, marker = tmp_path / "run", tmp_path / "ckpt", tmp_path / "scoring"
-    log = (tmp_path / "log.txt").open("w")
     function = (f"{{name: 'tests.rewards.user_functions:slow_and_marked', marker: '{marker}', "
                 "seconds: 0.25}")
     command = tool_command("run_ppo.py", [
@@ -257,24 +269,15 @@ def test_sigterm_to_the_job_while_reward_functions_score_saves_and_exits_in_seco
         *_SMALL, "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
         "reward.model_weight=0", "reward.rule=none", "reward.workers=2",
         f"reward.functions=[{function}]"], nproc=2)
-    # A session of its own: the test signals the job's process group as the agent does.
-    job = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=tool_env(),
-                           start_new_session=True)
-    try:
-        metrics = run_dir / "metrics.jsonl"
-        wait_for(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 1, 240,
-                 "the first step")
+    metrics = run_dir / "metrics.jsonl"
+    with _job_in_its_own_session(command, tmp_path / "log.txt") as job:
+        _wait_for_the_first_step(metrics)
         marker.unlink()
         wait_for(marker.exists, 120, "the second step's scoring")
         os.killpg(job.pid, signal.SIGTERM)
         signalled = time.monotonic()
         returncode = job.wait(timeout=60)
         seconds = time.monotonic() - signalled
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
-        log.close()
     output = (tmp_path / "log.txt").read_text()
     # torchrun's agent, signalled itself, stops its workers and then always exits 1 with its own
     # SignalException; the ranks' clean exit is read from the log: no other traceback.
