@@ -210,20 +210,25 @@ def _predicted_move(root: str, profile: str) -> dict:
     from megatron_rlhf.engine.run.runner import run_ppo
 
     init = move.PlacementMover.__init__
+    movers = []
 
     def free_first_move(self, *args, **kwargs):
         init(self, *args, **kwargs)
         self.estimate_s = 0.0
+        movers.append(self)
 
     move.PlacementMover.__init__ = free_first_move
     run_ppo(_config(root, "S", 3, "ppo", [
         "placement.strategy=separation", "placement.replan.interval_steps=1",
         "placement.replan.warmup_steps=0", f"placement.replan.profile={profile}",
         "placement.replan.move=true"]))
+    dist.barrier()
     if dist.get_rank() != 0:
         return {}
     history = (Path(root) / "S" / "plan_history.jsonl").read_text().splitlines()
-    return {"records": _records(root, "S"), "history": [json.loads(line) for line in history]}
+    return {"records": _records(root, "S"), "history": [json.loads(line) for line in history],
+            "state_dirs_left": [str(directory) for mover in movers
+                                if (directory := mover._state_dir()).exists()]}
 
 
 @pytest.mark.multirank
@@ -233,6 +238,7 @@ def test_a_run_moves_when_the_prediction_pays(tmp_path: Path) -> None:
                        timeout_s=180)[0]
     records, history = out["records"], out["history"]
     assert [record["step"] for record in records] == [0, 1, 2]
+    assert out["state_dirs_left"] == []  # the move's state (in /dev/shm here) is removed whole
     ranked = [line for line in history if "ranking" in line]
     moves = [line["moved"] for line in history if "moved" in line]
     assert ranked[0]["move"] is not None and ranked[0]["move_cost_s"] == 0.0

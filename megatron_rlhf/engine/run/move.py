@@ -171,8 +171,8 @@ class PlacementMover:
         live.run, live.evaluator, live.exporter = rebuilt.run, rebuilt.evaluator, rebuilt.exporter
         if self.kind != "checkpoint":
             dist.barrier(group=dist.group.WORLD)  # every rank has read it
-            if dist.get_rank() == 0:
-                shutil.rmtree(path, ignore_errors=True)
+            if dist.get_rank() == 0:  # the move's own store, with nothing else in it
+                shutil.rmtree(path.parent, ignore_errors=True)
         return self._record(step, source, target, path, seconds, destroyed)
 
     def _save(self, live: LiveRun, steps_done: int, saver: CheckpointSaver, saved: bool) -> Path:
