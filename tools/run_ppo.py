@@ -59,6 +59,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatron_rlhf import __version__
 from megatron_rlhf.runtime.patches import add_warning_filters
@@ -66,10 +67,11 @@ from megatron_rlhf.runtime.patches import add_warning_filters
 add_warning_filters()  # megatron-core warns about missing GPU extras while it is imported
 
 from megatron_rlhf.algorithms import ADVANTAGE_ESTIMATORS
-from megatron_rlhf.config.loader import ConfigError, load_config
-from megatron_rlhf.config.ppo_run import RunConfig
-from megatron_rlhf.runtime.refusal import refuse
+from megatron_rlhf.runtime.refusal import RankZeroFirst, refuse
 from megatron_rlhf.topology.placement_config import STRATEGIES
+
+if TYPE_CHECKING:  # the configuration's modules import megatron-core: main imports them
+    from megatron_rlhf.config.ppo_run import RunConfig
 
 ALGORITHMS = {"ppo" if name == "gae" else name: name for name in ADVANTAGE_ESTIMATORS}
 """``--algorithm`` name -> ``algorithm.advantage_estimator``: every registered estimator, gae
@@ -188,8 +190,20 @@ def plan_only(config: RunConfig, args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)
+    # Rank 0 checks the configuration while the other ranks wait, their megatron-core not yet
+    # imported: a mistake is said in seconds, once, and the other ranks exit quietly.
+    first = RankZeroFirst("run_ppo")
+    if first.refused():
+        return 2
+    from megatron_rlhf.config.loader import ConfigError, load_config
+    from megatron_rlhf.config.ppo_run import RunConfig
+
     try:
         config = load_config(RunConfig, args.config, overrides)
+    except (ConfigError, ValueError) as error:
+        return first.refuse(f"bad configuration: {error}")
+    first.accept()
+    try:
         if args.plan_only:
             return plan_only(config, args)
         if args.placement == "auto":
