@@ -855,10 +855,8 @@ class RunConfig:
             raise ValueError("models.recompute.actor=full reruns the routers in the backward "
                              f"pass, outside the replayed routing: use selective or none, {fix}")
         for role in (ACTOR, SHADOW_ACTOR):
-            override = placement.parallel.get(role)
-            tp = (override.tp if override and override.tp else None) or placement.tp
-            pp = (override.pp if override and override.pp else None) or (
-                1 if role == SHADOW_ACTOR else placement.pp)
+            parallel = placement.role_parallel(role)
+            tp, pp = parallel.tp, parallel.pp
             if pp > 1:
                 raise ValueError(f"{role} pp={pp}: routing replay keeps one pipeline stage's "
                                  f"routes; place the policy with pp=1, {fix}")

@@ -125,9 +125,7 @@ def resolve_models(config: PlacementConfig,
                    models: ArchLike | Mapping[str, ArchLike]) -> dict[str, ModelSpec]:
     """Build the ``ModelSpec`` of every role the strategy places.
 
-    Parallelism comes from ``config.parallel[role]`` where given, else from ``config.tp`` and
-    ``config.pp`` (shadows default to ``pp=1``; ``ep`` defaults to 1). Actor and critic are
-    trainable.
+    Parallelism is ``config.role_parallel(role)``. Actor and critic are trainable.
 
     Raises:
         ValueError: a needed architecture is missing, or a spec is invalid (e.g. heads not
@@ -139,17 +137,11 @@ def resolve_models(config: PlacementConfig,
         roles += [SHADOW_ACTOR, SHADOW_CRITIC] if config.places_critic else [SHADOW_ACTOR]
     specs = {}
     for role in roles:
-        override = config.parallel.get(role)
-        default_pp = 1 if role in SHADOW_OF else config.pp
-        tp = override.tp if override and override.tp is not None else config.tp
-        pp = override.pp if override and override.pp is not None else default_pp
-        dist_opt = (override.distributed_optimizer if override
-                    and override.distributed_optimizer is not None
-                    else config.distributed_optimizer)
+        parallel = config.role_parallel(role)
         specs[role] = ModelSpec(role, archs[SHADOW_OF.get(role, role)],
-                                trainable=role in TRAINABLE_ROLES, tp=tp, pp=pp,
-                                distributed_optimizer=dist_opt,
-                                ep=override.ep if override and override.ep else 1)
+                                trainable=role in TRAINABLE_ROLES, tp=parallel.tp, pp=parallel.pp,
+                                distributed_optimizer=parallel.distributed_optimizer,
+                                ep=parallel.ep)
     return specs
 
 

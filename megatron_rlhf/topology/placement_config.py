@@ -11,7 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_rlhf.topology.models import ACTOR, CRITIC, REF, REWARD, ROLES, SHADOW_CRITIC
+from megatron_rlhf.topology.models import (
+    ACTOR,
+    CRITIC,
+    REF,
+    REWARD,
+    ROLES,
+    SHADOW_CRITIC,
+    SHADOW_OF,
+)
 
 FLATTENING = "flattening"
 INTERLEAVING = "interleaving"
@@ -54,9 +62,12 @@ SEPARATED = (SEPARATION, HETERO_SEPARATION)
 class ParallelOverride:
     """Per-role parallelism that replaces the placement-wide defaults.
 
+    None inherits the default (``PlacementConfig.role_parallel`` resolves it); a size below 1,
+    0 included, is refused.
+
     Attributes:
-        tp: tensor-parallel size, or None for the default.
-        pp: pipeline-parallel size, or None for the default.
+        tp: tensor-parallel size, or None for ``placement.tp``.
+        pp: pipeline-parallel size, or None for ``placement.pp`` (1 for a shadow).
         distributed_optimizer: shard optimizer state over DP, or None for the default.
         ep: expert-parallel size of a mixture-of-experts model (``models.moe``), or None for 1:
             its experts are split over groups of ``ep`` of its data-parallel ranks, which
@@ -68,6 +79,16 @@ class ParallelOverride:
     pp: int | None = None
     distributed_optimizer: bool | None = None
     ep: int | None = None
+
+
+@dataclass(frozen=True)
+class RoleParallel:
+    """A role's effective parallelism: its ``ParallelOverride`` over the placement defaults."""
+
+    tp: int
+    pp: int
+    ep: int
+    distributed_optimizer: bool
 
 
 @dataclass
@@ -196,9 +217,12 @@ class PlacementConfig:
                 raise ValueError(f"placement.{name}={value!r} must be an integer >= 1")
         self.parallel = {role: _override(role, o) for role, o in self.parallel.items()}
         for role, override in self.parallel.items():
-            if override.ep is not None and (not isinstance(override.ep, int) or override.ep < 1):
-                raise ValueError(f"placement.parallel.{role}.ep={override.ep!r} must be an "
-                                 "integer >= 1 (the expert-parallel size), or unset for 1")
+            for name, unset in (("tp", "placement.tp"), ("pp", "placement.pp (1 for a shadow)"),
+                                ("ep", "1")):
+                value = getattr(override, name)
+                if value is not None and (not isinstance(value, int) or value < 1):
+                    raise ValueError(f"placement.parallel.{role}.{name}={value!r} must be an "
+                                     f"integer >= 1, or unset for {unset}")
         unknown = sorted(set(self.parallel) - set(ROLES))
         if unknown:
             raise ValueError(
@@ -307,6 +331,20 @@ class PlacementConfig:
             return dict(zip(self.ratio_roles, ratios, strict=True))
         presets = PRESET_RATIOS if self.critic else CRITIC_FREE_PRESET_RATIOS
         return dict(zip(self.ratio_roles, presets.get(self.strategy, ()), strict=False))
+
+    def role_parallel(self, role: str) -> RoleParallel:
+        """The parallelism ``role`` runs with: each field of ``parallel[role]`` that is set, else
+        the placement-wide default (``pp=1`` for a shadow, ``ep=1``)."""
+        override = self.parallel.get(role) or ParallelOverride()
+        default_pp = 1 if role in SHADOW_OF else self.pp
+        return RoleParallel(
+            tp=self.tp if override.tp is None else override.tp,
+            pp=default_pp if override.pp is None else override.pp,
+            ep=1 if override.ep is None else override.ep,
+            distributed_optimizer=(self.distributed_optimizer
+                                   if override.distributed_optimizer is None
+                                   else override.distributed_optimizer),
+        )
 
     def to_dict(self) -> dict:
         """JSON-ready description."""
