@@ -17,7 +17,7 @@ from megatron_rlhf import __version__
 from megatron_rlhf.config.loader import load_config
 from megatron_rlhf.data import DataError
 from megatron_rlhf.runtime.distributed import destroy_distributed
-from megatron_rlhf.runtime.refusal import refuse
+from megatron_rlhf.runtime.refusal import RankZeroFirst, refuse
 
 
 def parser_for(prog: str, doc: str, default_config: str) -> argparse.ArgumentParser:
@@ -49,13 +49,24 @@ def overrides_from(args: argparse.Namespace, extra: dict[str, Any] | None = None
     return [f"{key}={value}" for key, value in flags.items() if value is not None] + args.overrides
 
 
-def run(prog: str, schema: type, config_path: str, overrides: list[str],
-        train: Callable[[Any], Any], summary: Callable[[Any], str]) -> int:
-    """Load, run and report; 2 on bad configuration or data, 0 on success."""
+def run(prog: str, objective: Callable[[], tuple[type, Callable[[Any], Any]]],
+        config_path: str, overrides: list[str], summary: Callable[[Any], str]) -> int:
+    """Load, run and report; 2 on bad configuration or data, 0 on success.
+
+    Args:
+        objective: imports and returns the configuration's dataclass and the training function;
+            called after rank 0's check of the configuration (``RankZeroFirst``), as their
+            modules import megatron-core.
+    """
+    first = RankZeroFirst(prog)
+    if first.refused():
+        return 2
+    schema, train = objective()
     try:
         config = load_config(schema, config_path, overrides)
     except ValueError as error:
-        return refuse(prog, f"bad configuration: {error}")
+        return first.refuse(f"bad configuration: {error}")
+    first.accept()
     try:
         result = train(config)
     except DataError as error:

@@ -27,7 +27,9 @@ overridden as ``section.key=value`` after the flags.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from supervised_cli import overrides_from, parser_for, run
 
@@ -35,11 +37,17 @@ from megatron_rlhf.runtime.patches import add_warning_filters
 
 add_warning_filters()  # megatron-core warns about missing GPU extras while it is imported
 
-from megatron_rlhf.config.supervised_run import RMConfig
-from megatron_rlhf.supervised.reward_model import run_reward_training
-
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "examples" / "rm_tiny.yaml")
 PROG = "train_reward_model"
+
+
+def _objective() -> tuple[type, Callable[[Any], Any]]:
+    """The configuration and the training function, imported after rank 0 checked the
+    configuration (tools/supervised_cli.py): they import megatron-core."""
+    from megatron_rlhf.config.supervised_run import RMConfig
+    from megatron_rlhf.supervised.reward_model import run_reward_training
+
+    return RMConfig, run_reward_training
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     init = None if args.init_from is None else "''" if args.init_from == "none" else args.init_from
     overrides = overrides_from(args, {"model.init_checkpoint": init})
-    return run(PROG, RMConfig, args.config, overrides, run_reward_training,
+    return run(PROG, _objective, args.config, overrides,
                lambda result: ("held-out pairwise accuracy "
                             f"{result.history[-1]['eval_accuracy']:.3f}"))
 

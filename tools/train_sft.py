@@ -27,7 +27,9 @@ as ``section.key=value`` after the flags.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from supervised_cli import overrides_from, parser_for, run
 
@@ -35,18 +37,24 @@ from megatron_rlhf.runtime.patches import add_warning_filters
 
 add_warning_filters()  # megatron-core warns about missing GPU extras while it is imported
 
-from megatron_rlhf.config.supervised_run import SFTConfig
-from megatron_rlhf.supervised.sft import run_sft
-
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "examples" / "sft_tiny.yaml")
 PROG = "train_sft"
+
+
+def _objective() -> tuple[type, Callable[[Any], Any]]:
+    """The configuration and the training function, imported after rank 0 checked the
+    configuration (tools/supervised_cli.py): they import megatron-core."""
+    from megatron_rlhf.config.supervised_run import SFTConfig
+    from megatron_rlhf.supervised.sft import run_sft
+
+    return SFTConfig, run_sft
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = parser_for(PROG, __doc__, DEFAULT_CONFIG)
     args = parser.parse_args(argv)
     overrides = overrides_from(args)
-    return run(PROG, SFTConfig, args.config, overrides, run_sft,
+    return run(PROG, _objective, args.config, overrides,
                lambda result: f"eval_loss {result.history[-1]['eval_loss']:.4f}")
 
 
