@@ -12,6 +12,8 @@ Tensors are ``[batch, response_len]`` with a 0/1 ``response_mask``. Map of the f
 - ``group_advantages.py``: GRPO and RLOO outcome advantages over groups of responses.
 - ``aggregation.py``: per-token loss to scalar (token_mean, seq_mean_token_mean, ...).
 - ``losses.py``: clipped policy loss, KL loss term, clipped value loss, entropy bonus.
+- ``policy_losses.py``: the ``POLICY_LOSSES`` registry (``algorithm.policy_loss``): ppo (the
+  clipped loss above) and gspo (sequence-level ratio and clip).
 
 One experience batch, in order::
 
@@ -80,6 +82,14 @@ from megatron_rlhf.algorithms.losses import (
     entropy_from_logits,
 )
 from megatron_rlhf.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from megatron_rlhf.algorithms.policy_losses import (
+    POLICY_LOSSES,
+    PolicyLoss,
+    PolicyLossFunction,
+    compute_gspo_policy_loss,
+    get_policy_loss,
+    register_policy_loss,
+)
 from megatron_rlhf.algorithms.rewards import (
     SCORE_NORMALIZATIONS,
     RunningMoments,
@@ -92,6 +102,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "KL_PLACEMENTS",
     "LOSS_AGGREGATIONS",
+    "POLICY_LOSSES",
     "SCORE_NORMALIZATIONS",
     "AdaptiveKLController",
     "AdvantageEstimator",
@@ -100,6 +111,8 @@ __all__ = [
     "KLController",
     "KLEstimator",
     "PPOAlgorithmConfig",
+    "PolicyLoss",
+    "PolicyLossFunction",
     "RunningMoments",
     "aggregate_loss",
     "aggregation_denominator",
@@ -109,6 +122,7 @@ __all__ = [
     "compute_entropy_loss",
     "compute_gae_advantage_return",
     "compute_grpo_outcome_advantages",
+    "compute_gspo_policy_loss",
     "compute_kl_loss",
     "compute_policy_loss",
     "compute_reinforce_plus_plus_advantage_return",
@@ -118,6 +132,7 @@ __all__ = [
     "entropy_from_logits",
     "get_advantage_estimator",
     "get_kl_estimator",
+    "get_policy_loss",
     "kl_k1",
     "kl_k2",
     "kl_k3",
@@ -130,4 +145,5 @@ __all__ = [
     "normalize_scores",
     "register_advantage_estimator",
     "register_kl_estimator",
+    "register_policy_loss",
 ]

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from megatron_rlhf.algorithms.advantages import ADVANTAGE_ESTIMATORS, get_advantage_estimator
 from megatron_rlhf.algorithms.aggregation import LOSS_AGGREGATIONS
 from megatron_rlhf.algorithms.kl import KL_ESTIMATORS
+from megatron_rlhf.algorithms.policy_losses import POLICY_LOSSES, get_policy_loss
 from megatron_rlhf.algorithms.rewards import SCORE_NORMALIZATIONS
 
 
@@ -51,6 +52,14 @@ class PPOAlgorithmConfig:
     clip_ratio_high: float | None = None
     """Clip range above 1 (at ``1 + clip_ratio_high``), > 0; None: ``clip_ratio``. DAPO's
     clip-higher uses ``clip_ratio_low=0.2, clip_ratio_high=0.28``."""
+    policy_loss: str = "ppo"
+    """A name in ``POLICY_LOSSES``: ppo (PPO's token-level clipped surrogate, with the
+    ``clip_ratio*`` fields) or gspo (GSPO's sequence-level one, with the ``gspo_clip_ratio_*``
+    fields; needs ``loss_aggregation=seq_mean_token_mean``)."""
+    gspo_clip_ratio_low: float = 3e-4
+    """GSPO only: clip range of the sequence ratio below 1, in (0, 1) (the paper: 3e-4)."""
+    gspo_clip_ratio_high: float = 4e-4
+    """GSPO only: clip range of the sequence ratio above 1, > 0 (the paper: 4e-4)."""
     dual_clip: float | None = None
     """Dual-clip bound ``c`` (> 1) for negative advantages; None disables it."""
     value_clip: float | None = 0.2
@@ -137,6 +146,7 @@ class PPOAlgorithmConfig:
             f"loss_aggregation({self.loss_aggregation!r}) is unknown; use one of "
             f"{LOSS_AGGREGATIONS}",
         )
+        self._check_policy_loss()
         _require(0.0 <= self.gamma <= 1.0, f"gamma({self.gamma}) must be in [0, 1]; e.g. gamma=1.0")
         _require(0.0 <= self.lam <= 1.0, f"lam({self.lam}) must be in [0, 1]; e.g. lam=0.95")
         _require(
@@ -204,4 +214,29 @@ class PPOAlgorithmConfig:
         _require(
             self.reward_norm in SCORE_NORMALIZATIONS,
             f"reward_norm({self.reward_norm!r}) is unknown; use one of {SCORE_NORMALIZATIONS}",
+        )
+
+    def _check_policy_loss(self) -> None:
+        """The policy loss is registered, accepts the loss aggregation, and its clip ranges are
+        in range."""
+        _require(
+            self.policy_loss in POLICY_LOSSES,
+            f"policy_loss({self.policy_loss!r}) is unknown; use one of {list(POLICY_LOSSES)}",
+        )
+        accepted = get_policy_loss(self.policy_loss).loss_aggregations
+        _require(
+            self.loss_aggregation in accepted,
+            f"loss_aggregation({self.loss_aggregation!r}) does not fit policy_loss"
+            f"({self.policy_loss!r}), which takes {list(accepted)}; e.g. "
+            f"loss_aggregation={accepted[0]!r}",
+        )
+        _require(
+            0.0 < self.gspo_clip_ratio_low < 1.0,
+            f"gspo_clip_ratio_low({self.gspo_clip_ratio_low}) must be in (0, 1); e.g. "
+            "gspo_clip_ratio_low=3e-4",
+        )
+        _require(
+            math.isfinite(self.gspo_clip_ratio_high) and self.gspo_clip_ratio_high > 0.0,
+            f"gspo_clip_ratio_high({self.gspo_clip_ratio_high}) must be > 0; e.g. "
+            "gspo_clip_ratio_high=4e-4",
         )

@@ -19,8 +19,8 @@ from megatron_rlhf.algorithms import (
     aggregation_denominator,
     compute_entropy_loss,
     compute_kl_loss,
-    compute_policy_loss,
     compute_value_loss,
+    get_policy_loss,
 )
 from megatron_rlhf.engine.execution.workers import ModelWorker
 from megatron_rlhf.models.gpt import split_policy_value
@@ -51,13 +51,15 @@ def _as_sums(tokens: torch.Tensor, metrics: dict[str, torch.Tensor],
 
 def actor_loss_fn(worker: ModelWorker, prompt_length: int, temperature: float,
                   config: PPOAlgorithmConfig) -> LossFn:
-    """Clipped policy loss + entropy bonus (+ value loss with a shared trunk, AC-Share; + KL loss
-    to the reference, from the batch's ``ref_logprobs``, when ``kl_in="loss"``).
+    """Policy loss (``algorithm.policy_loss``) + entropy bonus (+ value loss with a shared trunk,
+    AC-Share; + KL loss to the reference, from the batch's ``ref_logprobs``, when
+    ``kl_in="loss"``).
 
     A micro-batch of PPO-ptx demonstrations (it has a ``loss_mask``) contributes its summed
     response NLL times its ``ptx_weight`` and no count (``PPOAlgorithm._supervised_rows``).
     """
     token_mean = config.loss_aggregation == "token_mean"
+    policy_loss = get_policy_loss(config.policy_loss).compute
 
     def loss_fn(output: torch.Tensor, batch: dict[str, torch.Tensor]):
         if "loss_mask" in batch:
@@ -73,10 +75,8 @@ def actor_loss_fn(worker: ModelWorker, prompt_length: int, temperature: float,
         count = tokens if token_mean else aggregation_denominator(mask, config.loss_aggregation)
         logprobs, entropy = worker.token_logprobs(output, batch, prompt_length, temperature,
                                                   with_entropy=config.entropy_coef > 0)
-        low, high = config.clip_ratios
-        loss, metrics = compute_policy_loss(logprobs, batch["old_logprobs"], batch["advantages"],
-                                            mask, low, config.dual_clip, config.loss_aggregation,
-                                            high)
+        loss, metrics = policy_loss(logprobs, batch["old_logprobs"], batch["advantages"], mask,
+                                    config)
         if config.kl_in == "loss":
             kl_loss, kl_metrics = compute_kl_loss(logprobs, batch["ref_logprobs"], mask,
                                                   config.kl_loss_estimator,
