@@ -20,6 +20,8 @@ def TinyArch(**overrides) -> ArchSpec:  # noqa: N802 - reads like the dataclass 
     return dataclasses.replace(TINY_ARCH, **overrides)
 
 
-def whole_world_groups(tp: int, pp: int) -> ProcessGroupCollection:
-    """Process groups of one model spread over every rank (collective)."""
-    return build_model_process_groups(ModelSpec("actor", TINY_ARCH, trainable=True, tp=tp, pp=pp))
+def whole_world_groups(tp: int, pp: int, ep: int = 1) -> ProcessGroupCollection:
+    """Process groups of one model spread over every rank (collective), built as a run builds
+    them: with ``ep > 1`` a mixture-of-experts model's expert groups too."""
+    return build_model_process_groups(ModelSpec("actor", TINY_ARCH, trainable=True, tp=tp, pp=pp,
+                                                ep=ep))

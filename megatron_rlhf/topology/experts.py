@@ -1,7 +1,8 @@
-"""Expert-parallel groups of one model: its experts split over ``ep`` of its data-parallel ranks.
+"""Expert-parallel rank arithmetic of one model: its experts split over ``ep`` of its DP ranks.
 
-    pg_collection = with_expert_parallel(pg_collection, offset=0, tp=1, dp=2, pp=1, ep=2)
-    model = build_gpt_model(arch, ModelBuildOptions(moe=MoEConfig(num_experts=4)), pg_collection)
+    expert_rank_enums(offset=0, tp=1, dp=4, pp=1, ep=2)["ep"]   # [[0, 1], [2, 3]]
+
+``topology.groups`` creates these groups for a placed model whose ``ModelSpec.ep > 1``.
 
 A mixture-of-experts model runs attention on megatron's dense grid (tp, cp, dp, pp) and its
 experts on a second decomposition of the same ranks, megatron's expert grid
@@ -13,12 +14,6 @@ ranks holding the same experts, over which expert gradients are reduced.
 """
 
 from __future__ import annotations
-
-import datetime
-from dataclasses import fields
-
-import torch.distributed as dist
-from megatron.core.process_groups_config import ProcessGroupCollection
 
 
 def expert_rank_enums(offset: int, tp: int, dp: int, pp: int, ep: int
@@ -53,45 +48,3 @@ def expert_rank_enums(offset: int, tp: int, dp: int, pp: int, ep: int
                      for k in edps],
     }
 
-
-def with_expert_parallel(pg_collection: ProcessGroupCollection | None, offset: int, tp: int,
-                         dp: int, pp: int, ep: int,
-                         timeout: datetime.timedelta | None = None
-                         ) -> ProcessGroupCollection | None:
-    """A model's collection with its expert groups for expert parallelism ``ep``.
-
-    Collective over the default group: every rank calls it with the same numbers, also ranks that
-    hold no part of the model (``pg_collection`` None; they get None back). With ``ep == 1`` the
-    collection is returned unchanged (megatron's dense defaults: EP of one rank, expert DP = DP).
-
-    Args:
-        pg_collection: this rank's dense groups of the model, or None.
-        offset: the model's first global rank.
-        tp, dp, pp: the model's dense layout (cp = 1).
-        ep: expert-parallel size; must divide ``dp``.
-        timeout: timeout of collectives on the new groups; None keeps the default group's.
-
-    Raises:
-        ValueError: ``ep`` does not divide ``dp``.
-    """
-    enums = expert_rank_enums(offset, tp, dp, pp, ep)
-    if ep == 1:
-        return pg_collection
-    me = dist.get_rank()
-    created: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
-    mine: dict[str, dist.ProcessGroup | None] = {}
-    for name, enumeration in enums.items():
-        for ranks in enumeration:
-            key = tuple(ranks)
-            if key not in created:
-                group = dist.new_group(list(key), timeout=timeout, group_desc=f"expert_{name}")
-                created[key] = group if me in key else None
-            if me in key:
-                mine[name] = created[key]
-    if pg_collection is None:
-        return None
-    groups = {f.name: getattr(pg_collection, f.name) for f in fields(pg_collection)
-              if hasattr(pg_collection, f.name)}
-    groups.update(ep=mine["ep"], tp_ep=mine["tp_ep"], tp_ep_pp=mine["tp_ep_pp"],
-                  expt_dp=mine["expt_dp"], intra_expt_dp=mine["expt_dp"])
-    return ProcessGroupCollection(**groups)

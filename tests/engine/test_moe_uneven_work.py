@@ -19,11 +19,9 @@ def _worker(ep: int):
     from megatron_rlhf.builder.networks import build_model
     from megatron_rlhf.engine.execution.workers import ModelWorker
     from megatron_rlhf.models.gpt import ModelBuildOptions
-    from megatron_rlhf.topology.experts import with_expert_parallel
     from tests.model_fixtures import whole_world_groups
 
-    pgc = with_expert_parallel(whole_world_groups(1, 1), offset=0, tp=1,
-                               dp=dist.get_world_size(), pp=1, ep=ep)
+    pgc = whole_world_groups(1, 1, ep=ep)
     options = ModelBuildOptions(moe=MoEConfig(num_experts=4, topk=2, ffn_hidden_size=48),
                                 packed_sequences=True)
     model = build_model(TinyArch(num_layers=2), options, pgc, runtime_seed=5, init_seed=9)

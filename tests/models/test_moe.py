@@ -37,11 +37,9 @@ def _batch(rank: int) -> dict[str, torch.Tensor]:
 def _build(ep: int, dispatcher: str, packed: bool = False):
     from megatron_rlhf.builder.networks import build_model
     from megatron_rlhf.models.gpt import ModelBuildOptions
-    from megatron_rlhf.topology.experts import with_expert_parallel
     from tests.model_fixtures import whole_world_groups
 
-    pgc = whole_world_groups(1, 1)
-    pgc = with_expert_parallel(pgc, offset=0, tp=1, dp=dist.get_world_size(), pp=1, ep=ep)
+    pgc = whole_world_groups(1, 1, ep=ep)
     options = ModelBuildOptions(moe=_moe(dispatcher), packed_sequences=packed)
     return build_model(ARCH, options, pgc, runtime_seed=5, init_seed=9), pgc
 

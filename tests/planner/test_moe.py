@@ -15,6 +15,7 @@ from megatron_rlhf.topology import (
     ModelSpec,
     ParallelOverride,
     PlacementConfig,
+    flops,
     plan_placement,
 )
 from megatron_rlhf.topology.models import ArchSpec, ExpertSpec
@@ -41,7 +42,8 @@ def test_parameters_are_counted_by_hand() -> None:
     assert MOE.expert_params() == 2 * 6 * expert == 73_728
     # a token passes through 2 of the 6 experts
     assert MOE.num_params(active=True) == MOE.num_params() - 2 * 4 * expert == 159_424
-    assert cm.matmul_params(MOE) == 159_424 - 512 * 64
+    # a token's matrix products: all but the embedding lookup, the biases and the norms
+    assert flops.matmul_weights(MOE) == 159_424 - 512 * 64 - 2 * (4 * 64 + 2 * 32 + norms) - 64
 
 
 def test_qwen3_30b_a3b_has_3_3b_active_parameters() -> None:
@@ -61,12 +63,9 @@ def test_qwen3_30b_a3b_has_3_3b_active_parameters() -> None:
 
 def _megatron_counts() -> dict[int, tuple[int, int]]:
     """Per EP size, this rank's (parameters, expert parameters) of ``MOE`` built by megatron."""
-    import torch.distributed as dist
-
     from megatron_rlhf.models.gpt import ModelBuildOptions, build_gpt_model
     from megatron_rlhf.models.moe import MoEConfig
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
-    from megatron_rlhf.topology.experts import with_expert_parallel
     from tests.model_fixtures import whole_world_groups
 
     initialize_runtime()
@@ -77,8 +76,7 @@ def _megatron_counts() -> dict[int, tuple[int, int]]:
                                               shared_expert_ffn_size=experts.shared_ffn_size))
     counts = {}
     for ep in (1, 2):
-        groups = with_expert_parallel(whole_world_groups(1, 1), offset=0, tp=1,
-                                      dp=dist.get_world_size(), pp=1, ep=ep)
+        groups = whole_world_groups(1, 1, ep=ep)
         model = build_gpt_model(MOE, options, groups)
         named = list(model.named_parameters())
         counts[ep] = (sum(p.numel() for _, p in named),
