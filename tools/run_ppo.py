@@ -46,9 +46,7 @@ memory does not fit the GPUs is refused with status 2::
     python tools/run_ppo.py --plan-only --nodes 2 --gpus-per-node 8 --gpu H200-141GB --json
 
 Exit status: 0 done (or preempted and saved), 1 a rank failed (the message names it and its
-stage), a reward function, tool or environment of yours raised with on_error=error (one line
-naming it, the record and the file:line), NaN/Inf with faults.on_nan=stop or a full disk, 2 bad
-configuration, data or checkpoint,
+stage), NaN/Inf with faults.on_nan=stop or a full disk, 2 bad configuration, data or checkpoint,
 130 Ctrl-C while the run starts or a second Ctrl-C (nothing saved).
 """
 
