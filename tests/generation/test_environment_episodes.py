@@ -79,7 +79,8 @@ def test_the_last_turn_truncates_and_an_opening_replaces_the_prompt(tiny) -> Non
 def test_a_failing_environment_names_the_record(tiny) -> None:
     with pytest.raises(EnvironmentError_, match=r"rollout.environment 'tests.rewards.user_envs:"
                        r"Countdown' on prompt record #7: step\(\) raised RuntimeError: the "
-                       r"board caught fire"):
+                       r"board caught fire \(\{\"explode\": true\}\); raised at "
+                       r"tests/rewards/user_envs.py:26$"):
         _run(tiny, {}, [(3, {}), (7, {"explode": True})])
 
 

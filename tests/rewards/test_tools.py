@@ -79,7 +79,8 @@ def test_on_error_error_stops_naming_the_tool_and_the_record() -> None:
                   workers=1)
     try:
         with pytest.raises(ToolError, match=r"tool 'calculator' raised KeyError: 'b' on prompt "
-                           r"record #4 \(\{\"answer\": 7\}\)"):
+                           r"record #4 \(\{\"answer\": 7\}\); call: .*; raised at "
+                           r"tests/rewards/user_tools.py:11; fix the tool"):
             tools.call([ToolCall(_call("calculator", a=1), {"answer": 7}, 4)])
     finally:
         tools.close()
