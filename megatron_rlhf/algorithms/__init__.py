@@ -45,6 +45,7 @@ from megatron_rlhf.algorithms.advantages import (
     compute_discounted_returns,
     compute_gae_advantage_return,
     compute_reinforce_plus_plus_advantage_return,
+    critic_free_estimators,
     get_advantage_estimator,
     register_advantage_estimator,
 )
@@ -129,6 +130,7 @@ __all__ = [
     "compute_rloo_outcome_advantages",
     "compute_token_level_rewards",
     "compute_value_loss",
+    "critic_free_estimators",
     "entropy_from_logits",
     "get_advantage_estimator",
     "get_kl_estimator",

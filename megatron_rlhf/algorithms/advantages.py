@@ -86,6 +86,12 @@ def register_advantage_estimator(name: str, *, uses_critic: bool = False,
     return register
 
 
+def critic_free_estimators() -> list[str]:
+    """The registered estimators that train no critic (``uses_critic=False``), in registration
+    order: what a refusal offers a run without a critic."""
+    return [name for name, estimator in ADVANTAGE_ESTIMATORS.items() if not estimator.uses_critic]
+
+
 def get_advantage_estimator(name: str) -> AdvantageEstimator:
     """The estimator registered as ``name``.
 

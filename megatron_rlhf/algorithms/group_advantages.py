@@ -28,7 +28,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_rlhf.algorithms.advantages import register_advantage_estimator
+from megatron_rlhf.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    register_advantage_estimator,
+)
 from megatron_rlhf.algorithms.masked import masked_sum
 
 if TYPE_CHECKING:
@@ -43,9 +46,10 @@ def _grouped(scores: torch.Tensor, group_size: int, estimator: str) -> torch.Ten
             f"{tuple(scores.shape)}; pass one scalar score per response"
         )
     if group_size < 2:
+        ungrouped = [name for name, entry in ADVANTAGE_ESTIMATORS.items() if not entry.needs_groups]
         raise ValueError(
             f"{estimator} needs group_size >= 2 responses per prompt, got {group_size}; set "
-            "rollout.samples_per_prompt >= 2, or use advantage_estimator='gae' or 'reinforce++'"
+            f"rollout.samples_per_prompt >= 2, or use an advantage_estimator of {ungrouped}"
         )
     if scores.numel() % group_size != 0:
         raise ValueError(

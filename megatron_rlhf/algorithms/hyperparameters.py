@@ -205,7 +205,7 @@ class PPOAlgorithmConfig:
             not self.dynamic_sampling or self.needs_groups,
             f"dynamic_sampling(True) drops groups of equal scores, which only the group "
             f"estimators {groups} form; advantage_estimator({self.advantage_estimator!r}) "
-            "has none: set advantage_estimator='grpo' or dynamic_sampling=False",
+            f"has none: set advantage_estimator={groups[0]!r} or dynamic_sampling=False",
         )
         _require(
             self.max_refill_rounds >= 0,

@@ -7,10 +7,12 @@ them (with inheritance and dotted overrides) and every dataclass validates itsel
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
 
-from megatron_rlhf.algorithms import PPOAlgorithmConfig
+from megatron_rlhf.algorithms import PPOAlgorithmConfig, critic_free_estimators
 from megatron_rlhf.config.paths import check_paths
 from megatron_rlhf.data import ReaderConfig, SplitConfig, SyntheticTaskConfig
 from megatron_rlhf.generation import GenerationConfig
@@ -647,6 +649,16 @@ class EvalConfig:
         return step == start or bool(self.interval and step % self.interval == 0)
 
 
+@contextmanager
+def _naming_critic_free_estimators() -> Iterator[None]:
+    """Adds the registered critic-free estimators to a placement's refusal of a critic option
+    (``topology/`` sits below ``algorithms/`` and knows no estimator names)."""
+    try:
+        yield
+    except ValueError as error:
+        raise ValueError(f"{error} (critic-free estimators: {critic_free_estimators()})") from None
+
+
 def _in_section(settings: OptimizerSettings, section: type[OptimizerSettings]
                 ) -> OptimizerSettings:
     """``settings`` as an instance of its role's ``section`` subclass (the same values)."""
@@ -763,13 +775,16 @@ class RunConfig:
         if algorithm.uses_critic and not placement.critic:
             raise ValueError(
                 f"placement.critic=false but algorithm.advantage_estimator="
-                f"{algorithm.advantage_estimator!r} trains a critic: choose grpo, rloo or "
-                "reinforce++, or leave placement.critic alone (it follows the estimator)")
+                f"{algorithm.advantage_estimator!r} trains a critic: choose one of "
+                f"{critic_free_estimators()}, or leave placement.critic alone (it follows the "
+                "estimator)")
         if not algorithm.uses_critic and placement.critic:
-            self.placement = replace(placement, critic=False)
+            with _naming_critic_free_estimators():
+                self.placement = replace(placement, critic=False)
         self._fit_reward_model()
         self._check_reward_source()
-        self.placement.role_ratios()
+        with _naming_critic_free_estimators():
+            self.placement.role_ratios()
         self._check_fsdp()
         self._check_optimizer_sharding()
         self._check_router_replay()

@@ -240,21 +240,21 @@ class PlacementConfig:
         if self.ac_share:
             raise ValueError(
                 "placement.ac_share=true puts a critic's value head on the actor, but this run has "
-                "no critic (algorithm.advantage_estimator is grpo, rloo or reinforce++): drop "
+                "no critic (its algorithm.advantage_estimator is critic-free): drop "
                 "placement.ac_share, or use advantage_estimator='gae'"
             )
         if self.strategy == INTERLEAVING2:
             raise ValueError(
                 "placement.strategy='interleaving2' trains actor and critic side by side, but "
-                "this run has no critic (algorithm.advantage_estimator is grpo, rloo or "
-                "reinforce++): use 'interleaving', or strategy='custom' with ratios over "
+                "this run has no critic (its algorithm.advantage_estimator is critic-free): "
+                "use 'interleaving', or strategy='custom' with ratios over "
                 f"{list(CRITIC_FREE_RATIO_ROLES)}"
             )
         for role in self.parallel:
             if role in (CRITIC, SHADOW_CRITIC):
                 raise ValueError(
                     f"placement.parallel[{role!r}] is set, but this run places no {role} "
-                    "(algorithm.advantage_estimator is grpo, rloo or reinforce++): drop it"
+                    "(its algorithm.advantage_estimator is critic-free): drop it"
                 )
 
     def _check_reward_free(self) -> None:
@@ -279,7 +279,7 @@ class PlacementConfig:
         if self.ratios is not None and not self.critic and len(self.ratios) == len(RATIO_ROLES):
             raise ValueError(
                 f"placement.ratios={self.ratios} gives a critic ratio, but this run has no critic "
-                "(algorithm.advantage_estimator is grpo, rloo or reinforce++): give "
+                "(its algorithm.advantage_estimator is critic-free): give "
                 f"{len(CRITIC_FREE_RATIO_ROLES)} ratios for {list(CRITIC_FREE_RATIO_ROLES)}, "
                 "e.g. [1, 0.5, 0.5]"
             )
@@ -326,7 +326,7 @@ class PlacementConfig:
                     f"placement.ratios={self.ratios} names {list(CRITIC_FREE_RATIO_ROLES)} (a "
                     "critic-free run) but a critic is placed (algorithm.advantage_estimator="
                     f"'gae'): give {len(RATIO_ROLES)} ratios for {list(RATIO_ROLES)}, or choose "
-                    "a critic-free advantage_estimator (grpo, rloo, reinforce++)"
+                    "a critic-free advantage_estimator"
                 )
             return dict(zip(self.ratio_roles, ratios, strict=True))
         presets = PRESET_RATIOS if self.critic else CRITIC_FREE_PRESET_RATIOS
