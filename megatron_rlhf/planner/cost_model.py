@@ -8,12 +8,12 @@ Assumptions shared by all formulas (each function adds its own):
 - Weights, activations and the KV cache are bf16 (2 bytes); gradients live in the trainer's fp32
   DDP buffers (``grad_reduce_in_fp32``, 4 bytes); the optimizer keeps fp32 master weights and
   Adam's two moments (12 bytes per parameter); logits are fp32.
-- Per token and layer, the matrix multiplies cost 2 FLOPs per parameter the token passes
-  through forward (4 backward); attention scores and weighting cost ``4 * heads * head_dim *
-  context`` FLOPs. The input embedding is a lookup (no FLOPs). Norms, softmax and element-wise
-  ops are not counted.
+- FLOPs are the model FLOPs of ``topology.flops``, the count the engine's MFU metrics use too:
+  2 per weight of a matrix product a token passes through forward (4 backward), attention
+  scores and weighting ``4 * heads * head_dim * context`` per layer; no embedding lookup, norms,
+  softmax or element-wise ops. Full recomputation adds a forward.
 - Mixture of experts (``arch.experts``): a token passes through the router, its ``topk`` experts
-  and the shared expert, so FLOPs count those active parameters; memory counts every expert,
+  and the shared expert, so FLOPs count those (``topology.flops``); memory counts every expert,
   the routed ones split over the expert-parallel group (``ep`` DP ranks, megatron's expert grid
   with expert TP = TP) and their gradients reduced over the ``dp / ep`` ranks holding the same
   experts. Routing is taken as balanced: each device computes its own tokens' share of expert
@@ -34,6 +34,12 @@ import math
 from dataclasses import dataclass, fields
 
 from megatron_rlhf.planner.hardware import HardwareProfile
+from megatron_rlhf.topology.flops import (
+    FORWARD_PASSES,
+    RECOMPUTED_TRAINING_PASSES,
+    TRAINING_PASSES,
+    forward_flops,
+)
 from megatron_rlhf.topology.models import ArchSpec
 
 BF16 = 2
@@ -72,31 +78,7 @@ EXPERIENCE_FIELDS = 9
 ref log-probs, values, reward-model and rule scores; one message each."""
 
 
-# --------------------------------------------------------------------------- sizes and FLOPs
-def matmul_params(arch: ArchSpec, value_head: bool = False) -> int:
-    """Parameters one token's matrix multiplies use: all but the input embedding (a lookup),
-    and of a mixture-of-experts model only the ``topk`` experts a token is routed to
-    (``ArchSpec.num_params(active=True)``).
-
-    Uses Megatron's vocabulary padding at ``tp=1``; the output layer is the vocabulary projection,
-    or ``hidden`` weights for a scalar value head (critic, reward).
-    """
-    return (arch.num_params(1, value_head, active=True)
-            - arch.padded_vocab_size(1) * arch.hidden_size)
-
-
-def forward_flops(arch: ArchSpec, tokens: float, mean_context: float,
-                  value_head: bool = False) -> float:
-    """FLOPs of a forward pass over ``tokens`` tokens that each attend ``mean_context`` tokens.
-
-    ``tokens * (2 * matmul_params + 4 * layers * heads * head_dim * mean_context)``; for whole
-    causal sequences of length ``s`` the mean context is ``s / 2``. Backward costs twice the
-    forward.
-    """
-    attention = 4 * arch.num_layers * arch.query_width * mean_context
-    return tokens * (2 * matmul_params(arch, value_head) + attention)
-
-
+# --------------------------------------------------------------------------- sizes
 def kv_dim(arch: ArchSpec) -> int:
     """Width of the keys (or values) of one layer: ``num_query_groups * head_dim``."""
     return arch.kv_width
@@ -480,7 +462,7 @@ def forward_cost(env: ModelEnv, rows: int, seq: int, micro_batch: int) -> Cost:
         return Cost()
     micro_batch = min(micro_batch, rows)
     microbatches = math.ceil(rows / micro_batch)
-    slot = env.slot_cost(micro_batch * seq, seq / 2, passes=1, tp_collectives=2)
+    slot = env.slot_cost(micro_batch * seq, seq / 2, FORWARD_PASSES, tp_collectives=2)
     return slot.scaled(microbatches + env.pp - 1) + env.gathers(microbatches)
 
 
@@ -500,7 +482,8 @@ def training_cost(env: ModelEnv, rows: int, seq: int, micro_batch: int, minibatc
     rows_per_step = math.ceil(rows / minibatches)
     micro_batch = min(micro_batch, rows_per_step)
     microbatches = math.ceil(rows_per_step / micro_batch)
-    passes, collectives = (4, 6) if checkpointing else (3, 4)
+    passes, collectives = ((RECOMPUTED_TRAINING_PASSES, 6) if checkpointing
+                           else (TRAINING_PASSES, 4))
     slot = env.slot_cost(micro_batch * seq, seq / 2, passes, collectives)
     pipeline = slot.scaled(microbatches + env.pp - 1)
     reductions = microbatches if env.sharding == FULLY_SHARDED else 1
@@ -559,7 +542,7 @@ def generation_cost(env: ModelEnv, rows: int, prompt: int, new_tokens: int,
         return Cost()
     rounds = math.ceil(rows / max_sequences)
     sequences = math.ceil(rows / rounds)
-    prefill = env.slot_cost(sequences * prompt, prompt / 2, passes=1, tp_collectives=2)
+    prefill = env.slot_cost(sequences * prompt, prompt / 2, FORWARD_PASSES, tp_collectives=2)
     prefill = prefill.scaled(env.pp)
     decode = decode_step_cost(env, sequences, prompt + new_tokens / 2).scaled(new_tokens - 1)
     return (prefill + decode).scaled(rounds) + env.gathers(1)

@@ -1,9 +1,11 @@
-"""Throughput in the metrics: model FLOPs counted by hand, and a run's records carry tokens per
-second per device and the MFU of its training and generation stages (2 gloo ranks, token-budget
+"""Throughput in the metrics: the model FLOPs a worker records are ``topology.flops``'s, the
+planner's count (routed experts included), and a run's records carry tokens per second per
+device and the MFU of its training and generation stages (2 gloo ranks, token-budget
 micro-batches, so that path runs end to end too)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,22 +16,84 @@ import torch
 from megatron_rlhf.engine.execution.throughput import (
     WorkMeter,
     device_peak_flops,
-    forward_flops,
-    matmul_weights,
+    model_arch,
     utilisation,
+    work_flops,
 )
+from megatron_rlhf.engine.execution.workers import ModelWorker
+from megatron_rlhf.models.gpt import ModelBuildOptions, transformer_config
+from megatron_rlhf.models.moe import MoEConfig
+from megatron_rlhf.planner import cost_model as cm
+from megatron_rlhf.topology.flops import TRAINING_PASSES, sequence_flops
+from megatron_rlhf.topology.models import ArchSpec, ExpertSpec
 from tests.multirank import run_on_ranks
+from tests.planner.helpers import ROUND
+
+MOE = ArchSpec("model", num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256,
+               seq_length=64, ffn_hidden_size=32, gated_mlp=True, num_query_groups=2,
+               head_dim=16, experts=ExpertSpec(num_experts=8, topk=2, ffn_hidden_size=32))
+"""hidden 64, 2 layers, 4 heads of 16 channels over 2 KV groups, 8 SwiGLU experts of width 32
+(the dense twin's MLP width), top-2, no shared expert."""
+DENSE = dataclasses.replace(MOE, experts=None)
 
 
-def test_forward_flops_count_matmuls_and_the_attention_square() -> None:
-    config = SimpleNamespace(num_layers=2, hidden_size=64, num_attention_heads=4,
-                             num_query_groups=2, kv_channels=16, ffn_hidden_size=128,
-                             gated_linear_unit=True)
-    # as benchmarks/gpu_throughput.py: attention 64x16x(4+2*2) + 4x16x64, MLP 3x64x128, head
-    weights = 2 * (64 * 16 * 8 + 4 * 16 * 64 + 3 * 64 * 128) + 256 * 64
-    assert matmul_weights(config, 256) == weights
-    flops = forward_flops(config, 256, torch.tensor([3, 5]))
-    assert flops == 2 * weights * 8 + 4 * 2 * 64 * (9 + 25)
+def _groups(tp: int = 1) -> SimpleNamespace:
+    """The sizes a model's ``ProcessGroupCollection`` gives the builder and the worker."""
+    sizes = {"tp": tp, "pp": 1, "ep": 1}
+    return SimpleNamespace(**{axis: SimpleNamespace(size=lambda n=n: n)
+                              for axis, n in sizes.items()})
+
+
+def _model(arch: ArchSpec, head: str = "lm", tp: int = 1) -> SimpleNamespace:
+    """What the FLOP count reads of a model ``build_gpt_model`` built from ``arch``: the megatron
+    ``TransformerConfig`` the builder makes, the vocabulary, the length and the head."""
+    experts = arch.experts
+    moe = experts and MoEConfig(experts.num_experts, experts.topk,
+                                ffn_hidden_size=experts.ffn_hidden_size,
+                                shared_expert_ffn_size=experts.shared_ffn_size)
+    options = ModelBuildOptions(head=head, head_dim=arch.head_dim, moe=moe)
+    return SimpleNamespace(config=transformer_config(arch, options, _groups(tp)),
+                           real_vocab_size=arch.vocab_size, max_sequence_length=arch.seq_length,
+                           head_kind=head)
+
+
+def _mask(lengths: list[int]) -> torch.Tensor:
+    """An attention mask of one row per length, padded on the right."""
+    return (torch.arange(max(lengths)) < torch.tensor(lengths)[:, None]).long()
+
+
+def test_the_flop_count_reads_the_models_megatron_config() -> None:
+    for arch in (MOE, DENSE):
+        assert model_arch(_model(arch)) == arch
+
+
+def test_the_worker_records_an_moe_models_routed_experts() -> None:
+    """A worker's training work is the FLOP model's, over its TP ranks: for the MoE model, the
+    dense twin's count plus, per token and layer, the router and the second expert."""
+    recorded = {}
+    for arch in (MOE, DENSE):
+        worker = SimpleNamespace(model=_model(arch, tp=2), work=WorkMeter(peak_flops=1.0),
+                                 device=torch.device("cpu"), pg_collection=_groups(tp=2))
+        with ModelWorker._measured(worker, "train") as rows:
+            rows.append((_mask([4, 6]), TRAINING_PASSES))
+        recorded[arch.experts] = worker.work.take()["throughput/train_flop"]
+    # 10 tokens, 3 passes, 2 layers, over 2 TP ranks; 2 FLOPs per weight: the 64 x 8 router and
+    # one more 32-wide SwiGLU MLP (3 x 64 x 32)
+    expert_term = 10 * 3 * 2 * 2 * (64 * 8 + 3 * 64 * 32) / 2
+    assert recorded[MOE.experts] - recorded[None] == expert_term == 399_360
+    assert recorded[MOE.experts] == 3 * sequence_flops(MOE, [4, 6]) / 2
+
+
+@pytest.mark.parametrize("arch", [MOE, DENSE], ids=["moe", "dense"])
+@pytest.mark.parametrize("value_head", [False, True], ids=["lm", "value"])
+def test_the_planner_and_the_metric_count_the_same_flops(arch: ArchSpec,
+                                                         value_head: bool) -> None:
+    rows, seq = 4, 32
+    model = _model(arch, "scalar" if value_head else "lm")
+    metric = work_flops(model, [(_mask([seq] * rows), TRAINING_PASSES)])
+    env = cm.ModelEnv(arch, 1, 1, 1, value_head, ROUND, *[cm.Link(100e9, 0.0)] * 3)
+    slot = env.slot_cost(rows * seq, seq / 2, TRAINING_PASSES, tp_collectives=4)
+    assert metric == pytest.approx(slot.compute * ROUND.flops_per_s, rel=1e-12)
 
 
 def test_measuring_the_matmul_rate_leaves_the_default_generator_alone() -> None:

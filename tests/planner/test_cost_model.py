@@ -8,7 +8,7 @@ import math
 import pytest
 
 from megatron_rlhf.planner import cost_model as cm
-from megatron_rlhf.topology import ModelSpec, arch_preset
+from megatron_rlhf.topology import ModelSpec, arch_preset, flops
 from tests.planner.helpers import ROUND
 
 LLAMA7B = arch_preset("llama-7b")
@@ -23,15 +23,17 @@ def _env(arch=LLAMA7B, tp=1, pp=1, dp=1, link=LINK_100, value_head=False) -> cm.
 def test_llama_7b_parameter_count_matches_the_published_model() -> None:
     # LLaMA-7B has 6,738,415,616 weights; the planner's ArchSpec also counts 4 h biases per layer.
     assert LLAMA7B.num_params() == 6_738_415_616 + 32 * 4 * 4096
-    assert cm.matmul_params(LLAMA7B) == LLAMA7B.num_params() - 32000 * 4096
+    # A token's matrix products: attention 4 h^2 and MLP 3 h ffn per layer, the output layer;
+    # not the embedding lookup, the norms or the biases.
+    assert flops.matmul_weights(LLAMA7B) == 32 * (4 * 4096**2 + 3 * 4096 * 11008) + 32000 * 4096
     # A value head replaces the 32000 x 4096 output projection by 4096 weights.
-    assert cm.matmul_params(LLAMA7B, value_head=True) == (
-        cm.matmul_params(LLAMA7B) - 32000 * 4096 + 4096)
+    assert flops.matmul_weights(LLAMA7B, value_head=True) == (
+        flops.matmul_weights(LLAMA7B) - 32000 * 4096 + 4096)
 
 
 def test_forward_flops_is_two_per_weight_plus_attention() -> None:
     # tiny: 2 layers, h=64; 100 tokens attending 10 tokens each.
-    expected = 100 * (2 * cm.matmul_params(TINY) + 4 * 2 * 64 * 10)
+    expected = 100 * (2 * flops.matmul_weights(TINY) + 4 * 2 * 64 * 10)
     assert cm.forward_flops(TINY, 100, 10) == expected
 
 

@@ -1,12 +1,12 @@
 """Model FLOPs of the training and generation stages, and their utilisation of the devices.
 
-Model FLOPs (Narayanan et al. 2021, as ``benchmarks/gpu_throughput.py`` counts them) of one
-forward over a sequence of ``l`` real tokens:
-    2 * N_matmul * l + 4 * L * a * l^2
-with ``N_matmul`` the weights of every matrix product (attention, MLP, output head; not the
-embedding lookup), ``L`` layers and ``a`` the attention width (heads x head size); a training
-pass is 3 forwards. Padding is not counted: it is not model work, which is what makes the
-figure comparable between the packed and the padded layouts and across systems.
+The FLOPs are ``topology.flops``'s, the count the planner's stage times use too: 2 per weight of
+every matrix product a real token passes through (attention, the dense MLP or a
+mixture-of-experts layer's router, ``topk`` routed experts and shared expert, the LM or value
+head; not the embedding lookup) plus causal attention, ``4 * L * q * l^2 / 2`` over a sequence of
+``l`` real tokens (``q`` heads x head size); a training pass is 3 forwards (recomputation is not
+model work). Padding is not counted: it is not model work, which is what makes the figure
+comparable between the packed and the padded layouts and across systems.
 
 Each rank records, per stage, the FLOPs of its share of the work (a model replica's FLOPs
 divided over its TP x PP ranks) and its capacity, seconds x its device's peak; the step's MFU
@@ -18,34 +18,47 @@ peak is the spec sheet's dense bf16 rate for a GPU the table knows, else a measu
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from functools import cache
 
 import torch
 import torch.distributed as dist
 
 from megatron_rlhf.runtime.device import comm_device
+from megatron_rlhf.topology.flops import sequence_flops
+from megatron_rlhf.topology.models import ArchSpec, ExpertSpec
 
 # Dense bf16 FLOP/s of the GPUs the project has seen (spec sheets).
 SPEC_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 STAGES = ("train", "generate")
 
 
-def matmul_weights(config, vocab_size: int) -> int:
-    """Weights of every matrix product of a model (megatron ``TransformerConfig``)."""
-    hidden, heads, groups = config.hidden_size, config.num_attention_heads, config.num_query_groups
-    head_dim = config.kv_channels or hidden // heads
-    attention = hidden * head_dim * (heads + 2 * groups) + heads * head_dim * hidden
-    mlp = (3 if config.gated_linear_unit else 2) * hidden * config.ffn_hidden_size
-    return config.num_layers * (attention + mlp) + vocab_size * hidden
+def model_arch(model: torch.nn.Module) -> ArchSpec:
+    """The FLOP model's numbers of a model ``models.gpt.build_gpt_model`` built: its megatron
+    ``TransformerConfig`` (every layer's MLP an MoE layer when it has experts), its real
+    vocabulary and its maximum sequence length."""
+    config = model.config
+    experts = None
+    if config.num_moe_experts:
+        experts = ExpertSpec(config.num_moe_experts, config.moe_router_topk,
+                             config.moe_ffn_hidden_size,
+                             config.moe_shared_expert_intermediate_size or 0)
+    return ArchSpec("model", config.num_layers, config.hidden_size, config.num_attention_heads,
+                    model.real_vocab_size, model.max_sequence_length, config.ffn_hidden_size,
+                    gated_mlp=config.gated_linear_unit,
+                    num_query_groups=config.num_query_groups or config.num_attention_heads,
+                    head_dim=config.kv_channels or 0, experts=experts)
 
 
-def forward_flops(config, vocab_size: int, lengths: torch.Tensor) -> float:
-    """Model FLOPs of one forward over sequences of ``lengths`` real tokens (module docstring)."""
-    head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
-    width = config.num_attention_heads * head_dim
-    lengths = lengths.double()
-    return float(2 * matmul_weights(config, vocab_size) * lengths.sum()
-                 + 4 * config.num_layers * width * lengths.square().sum())
+def work_flops(model: torch.nn.Module, rows: Iterable[tuple[torch.Tensor, int]]) -> float:
+    """Model FLOPs of ``rows``, ``(attention_mask, forwards)`` pairs: each mask's rows are whole
+    causal sequences of their real tokens, passed through ``model`` in ``forwards`` forward
+    equivalents (``topology.flops.TRAINING_PASSES`` to train, 1 forward-only). A scalar head
+    counts ``h`` output weights; a policy-value head (``lm+scalar``) its vocabulary projection."""
+    arch = model_arch(model)
+    value_head = model.head_kind == "scalar"
+    return sum(forwards * sequence_flops(arch, mask.sum(dim=1).tolist(), value_head)
+               for mask, forwards in rows)
 
 
 @cache

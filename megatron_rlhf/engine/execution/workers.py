@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megatron_rlhf.engine.execution.throughput import WorkMeter, forward_flops
+from megatron_rlhf.engine.execution.throughput import WorkMeter, work_flops
 from megatron_rlhf.generation import GenerationConfig, GenerationOutput, generate_sequences
 from megatron_rlhf.generation.continuous import release_decode_graphs
 from megatron_rlhf.generation.lockstep import ExpertLockstep
@@ -40,6 +40,7 @@ from megatron_rlhf.models.offload import GRADS, OPTIMIZER, PARTS, WEIGHTS, State
 from megatron_rlhf.models.trainer import ModelTrainer
 from megatron_rlhf.runtime.device import model_device, to_device
 from megatron_rlhf.runtime.memory_meter import MemoryMeter
+from megatron_rlhf.topology.flops import FORWARD_PASSES, TRAINING_PASSES
 
 Fields = dict[str, torch.Tensor]
 
@@ -247,7 +248,7 @@ class ModelWorker:
                                         on_cache=self.meter.observe,
                                         keep_graphs=self.keep_graphs,
                                         max_length=self.generation_length)
-            rows.append((output.attention_mask, 1))
+            rows.append((output.attention_mask, FORWARD_PASSES))
         return output
 
     def release_decode_graphs(self) -> None:
@@ -284,7 +285,7 @@ class ModelWorker:
             microbatches += self._microbatches(supervised)
         with (self.resident(WEIGHTS, GRADS, OPTIMIZER), self._measured("train") as rows,
               expert_metrics(self.model, self.pg_collection) as moe):
-            rows += [(batch["attention_mask"], 3) for batch in microbatches]
+            rows += [(batch["attention_mask"], TRAINING_PASSES) for batch in microbatches]
             result = self.trainer.train_step(microbatches, loss_fn)
         return {**result, "moe": moe}
 
@@ -301,10 +302,7 @@ class ModelWorker:
             torch.cuda.current_stream(self.device).synchronize()
         seconds = time.perf_counter() - start
         ranks = self.pg_collection.tp.size() * self.pg_collection.pp.size()
-        flops = sum(forwards * forward_flops(self.model.config, self.model.real_vocab_size,
-                                             mask.sum(dim=1))
-                    for mask, forwards in rows)
-        self.work.record(stage, flops / ranks, seconds)
+        self.work.record(stage, work_flops(self.model, rows) / ranks, seconds)
 
     def _microbatches(self, fields: Fields) -> list[Fields]:
         """This rank's micro-batches of ``fields`` for training: as many as on every rank of
