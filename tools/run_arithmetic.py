@@ -45,8 +45,10 @@ from megatron_rlhf.config.ppo_run import RunConfig  # noqa: E402
 from megatron_rlhf.config.supervised_run import SFTConfig  # noqa: E402
 from megatron_rlhf.engine.run.evaluation import MODES  # noqa: E402
 from megatron_rlhf.engine.run.runner import run_ppo  # noqa: E402
+from megatron_rlhf.rewards import UserCodeError  # noqa: E402
 from megatron_rlhf.runtime.bootstrap import initialize_runtime  # noqa: E402
 from megatron_rlhf.runtime.distributed import destroy_distributed  # noqa: E402
+from megatron_rlhf.runtime.faults import NonFiniteError, RankFailure  # noqa: E402
 from megatron_rlhf.supervised.loop import CHECKPOINT_DIR, TOKENIZER_FILE  # noqa: E402
 from megatron_rlhf.supervised.sft import run_sft  # noqa: E402
 
@@ -194,6 +196,11 @@ def main(argv: list[str] | None = None) -> int:
         run_ppo(grpo)
         if dist.get_rank() == 0:
             print(report(run_dir, TASKS[args.task]))
+    except (RankFailure, NonFiniteError, UserCodeError) as error:
+        # The message names the cause (the calculator tool or the answer reward: it, the record
+        # and where it raised); a traceback per rank would bury it.
+        print(f"run_arithmetic: rank {os.environ.get('RANK', '0')}: {error}", file=sys.stderr)
+        return 1
     finally:
         destroy_distributed()
     return 0

@@ -29,7 +29,9 @@ add_warning_filters()  # megatron-core warns about missing GPU extras while it i
 from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.engine.run.evaluation import MODES
 from megatron_rlhf.instructgpt import format_report, run_pipeline
+from megatron_rlhf.rewards import UserCodeError
 from megatron_rlhf.runtime.distributed import destroy_distributed
+from megatron_rlhf.runtime.faults import NonFiniteError, RankFailure
 from megatron_rlhf.runtime.logging import log_to_file
 from megatron_rlhf.runtime.refusal import refuse
 from megatron_rlhf.topology.placement_config import STRATEGIES
@@ -104,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         result = run_pipeline(args.run_dir, args.data, overrides, sft, rm)
     except (ConfigError, ValueError) as error:
         return refuse("run_pipeline", str(error))
+    except (RankFailure, NonFiniteError, UserCodeError) as error:
+        # The message names the cause (a reward function, tool or environment of the user's:
+        # it, the record and where it raised); a traceback per rank would bury it.
+        print(f"run_pipeline: rank {os.environ.get('RANK', '0')}: {error}", file=sys.stderr)
+        return 1
     finally:
         destroy_distributed()
     if os.environ.get("RANK", "0") == "0":

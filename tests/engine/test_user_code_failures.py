@@ -5,7 +5,9 @@ the record, the exception's type and message, and the file:line of the user's co
 Each rank's output is read from torchrun's per-rank log files (``--redirects 3``), apart from the
 launcher's own report, which always carries a ``ChildFailedError`` traceback of torchrun's when a
 worker exits non-zero. The tool's run makes the tiny random policy call it: its tokenizer has the
-whole call as one piece (``tokenizer.user_defined_symbols``) in a vocabulary of 12.
+whole call as one piece (``tokenizer.user_defined_symbols``) in a vocabulary of 12. The other
+entry points that run PPO (``run_pipeline``, ``run_arithmetic``) are checked in one process, their
+stages replaced by one that raises.
 """
 
 from __future__ import annotations
@@ -98,3 +100,28 @@ def test_a_raising_environment_stops_the_run_with_one_line_naming_it(tmp_path: P
         r"^run_ppo: rank \d: rollout.environment 'boom_env:Boom' on prompt record #\d+: "
         r"step\(\) raised RuntimeError: the board caught fire \(\{\"prompt\": .*\); raised at "
         + re.escape(f"{tmp_path / 'boom_env.py'}:10") + "$"))
+
+
+@pytest.mark.parametrize(("script", "patched", "argv"), [
+    ("run_pipeline", ("run_pipeline",), ["--verbose"]),
+    ("run_arithmetic", ("initialize_runtime", "run_sft", "run_ppo"), [])])
+def test_the_other_ppo_entry_points_say_it_in_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+        script: str, patched: tuple[str, ...], argv: list[str]) -> None:
+    from megatron_rlhf.rewards.tools import ToolError
+    from tests.scripts import load_script
+
+    monkeypatch.syspath_prepend(str(REPO / "tools"))  # their sibling modules
+    tool = load_script(f"tools/{script}.py")
+
+    def fails(*args: object, **kwargs: object) -> None:
+        raise ToolError("tool 'boom' raised ValueError: the sandbox is down on prompt record #7")
+
+    for name in patched:
+        monkeypatch.setattr(tool, name, fails if name == patched[-1] else lambda *a, **k: None)
+    monkeypatch.setenv("RANK", "1")
+    assert tool.main([*argv, "--run-dir", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.endswith(f"{script}: rank 1: tool 'boom' raised ValueError: the sandbox is down on "
+                        "prompt record #7\n"), err
