@@ -10,6 +10,7 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
+from functools import cached_property
 from typing import Any, ClassVar
 
 from megatron_rlhf.algorithms import PPOAlgorithmConfig, critic_free_estimators
@@ -424,7 +425,7 @@ class RewardConfig:
     def __post_init__(self) -> None:
         if self.rule not in ("none", "synthetic"):
             raise ValueError(f"reward.rule={self.rule!r}: use 'synthetic' or 'none'")
-        self.specs  # noqa: B018 (imports and checks the functions once, here)
+        self.specs  # noqa: B018 (imports and checks the functions, once: refused at the edge)
         if self.on_error not in ON_ERROR_POLICIES:
             raise ValueError(f"reward.on_error={self.on_error!r}: use one of {ON_ERROR_POLICIES}")
         if not self.timeout_s > 0:
@@ -438,9 +439,10 @@ class RewardConfig:
             raise ValueError(f"reward.overlong_penalty={self.overlong_penalty} must be a finite "
                              "number > 0; e.g. 1.0")
 
-    @property
+    @cached_property
     def specs(self) -> list[RewardFunctionSpec]:
-        """``functions``, checked (the modules are imported once)."""
+        """``functions``, checked: parsed (their modules imported) once, when the config is
+        built; every later read returns that list, so the step loop imports nothing."""
         return parse_reward_functions(self.functions)
 
     def overlong(self, max_new_tokens: int) -> OverlongPenalty | None:

@@ -237,6 +237,48 @@ def test_reward_config_checks_its_functions_before_any_process_group() -> None:
         RewardConfig(timeout_s=-1)
 
 
+def test_reward_config_imports_its_functions_once_not_at_every_read(monkeypatch) -> None:
+    """``reward.specs`` is read in the step loop: the entries are parsed (their modules
+    imported) when the config is built, and no later read imports again."""
+    import dataclasses
+    import importlib
+
+    from megatron_rlhf.config.ppo_run import RewardConfig
+
+    imported: list[str] = []
+    real = importlib.import_module
+
+    def counting(name: str, package: str | None = None):
+        imported.append(name)
+        return real(name, package)
+
+    monkeypatch.setattr(importlib, "import_module", counting)
+    config = RewardConfig(functions=[{"name": f"{USER}:graded"}, {"name": "math_reward"}])
+    assert set(imported) == {USER, "megatron_rlhf.rewards.verifiers"}, imported
+    built = len(imported)
+    first = config.specs
+    for _ in range(5):
+        assert config.specs is first
+    assert len(imported) == built, imported
+    assert [spec.target for spec in first] == [f"{USER}:graded",
+                                                "megatron_rlhf.rewards.verifiers:math_reward"]
+    changed = dataclasses.replace(config, functions=[{"name": f"{USER}:graded", "weight": 2}])
+    assert imported[built:] == [USER] and changed.specs[0].weight == 2.0
+    assert config.specs is first
+
+
+def test_a_bad_reward_function_is_still_refused_when_the_config_is_built() -> None:
+    from megatron_rlhf.config.ppo_run import RewardConfig
+
+    for _ in range(2):  # a refusal is not cached: each build refuses it the same way
+        with pytest.raises(ValueError) as refused:
+            RewardConfig(functions=[{"name": "tests.rewards.nope:f"}])
+        assert str(refused.value) == (
+            "reward.functions[0].name='tests.rewards.nope:f': module 'tests.rewards.nope' does "
+            "not import (ModuleNotFoundError: No module named 'tests.rewards.nope'); check the "
+            "name and that it is on PYTHONPATH")
+
+
 def _grpo(*overrides: str):
     from megatron_rlhf.config.loader import load_config
     from megatron_rlhf.config.ppo_run import RunConfig
