@@ -13,7 +13,7 @@ added to the sequence score; its other keys are logged as ``reward/<function>/<k
 
 A call that raises, runs past ``timeout_s`` or returns anything else is a failed call: with
 ``on_error="error"`` :class:`RewardFunctionError` names the function, the record (its index in
-the prompt set and an excerpt) and what went wrong; with ``"zero"`` it scores 0 and is counted in
+the prompt set and an excerpt), what went wrong and the file:line that raised; with ``"zero"`` it scores 0 and is counted in
 ``reward/errors``. The worker enforces the timeout with an interval timer; a call stuck where
 the timer cannot interrupt it (inside a C extension) is caught by the pool's own deadline, after
 which the pool's processes are terminated and the calls after it run on new ones.
@@ -377,9 +377,11 @@ class RewardFunctions:
                     failure = (f"reward function {spec.target!r} {value} on prompt record "
                                f"#{index} ({_excerpt(record)})")
                     if self.on_error == "error":
+                        at = getattr(value, "at", "")
                         raise RewardFunctionError(
-                            f"{failure}; fix the function, or set reward.on_error=zero to "
-                            "score such calls 0 and count them in reward/errors")
+                            f"{failure}{f'; raised at {at}' if at else ''}; fix the function, or "
+                            "set reward.on_error=zero to score such calls 0 and count them in "
+                            "reward/errors")
                     result.first_error = result.first_error or failure
                     scores.append(0.0)
                     errors += 1

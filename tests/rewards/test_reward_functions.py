@@ -109,7 +109,8 @@ def test_a_bad_call_is_named_with_its_record(name: str, what: str) -> None:
     message = str(raised.value)
     assert message.startswith(f"reward function '{USER}:{name}' {what} on prompt record #17 "
                               '({"prompt": "What is 6 * 7? xxx')
-    assert "...); fix the function, or set reward.on_error=zero" in message
+    where = "; raised at tests/rewards/user_functions.py:23" if name == "explodes" else ""
+    assert f"...){where}; fix the function, or set reward.on_error=zero" in message
 
 
 def test_with_on_error_zero_bad_calls_score_zero_and_are_counted() -> None:
