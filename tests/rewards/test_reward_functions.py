@@ -8,6 +8,7 @@ checks that no worker outlives ``close``.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import subprocess
@@ -23,6 +24,7 @@ from megatron_rlhf.rewards import (
     RewardFunctionSpec,
     parse_reward_functions,
 )
+from megatron_rlhf.rewards.pool import raised_at
 
 USER = "tests.rewards.user_functions"
 
@@ -349,3 +351,13 @@ def test_workers_that_do_not_start_are_named(monkeypatch: pytest.MonkeyPatch) ->
                                                   r"imports the run's entry script again"):
         functions.score(["p"], ["r"], [(0, {})])
     assert functions._pool is None and mp.active_children() == []
+
+
+def test_the_place_that_raised_is_the_users_line_not_the_librarys() -> None:
+    def users_function() -> None:
+        json.loads("{")  # raises inside the standard library's json/decoder.py
+
+    with pytest.raises(ValueError) as raised:
+        users_function()
+    line = users_function.__code__.co_firstlineno + 1
+    assert raised_at(raised.value) == f"tests/rewards/test_reward_functions.py:{line}"
