@@ -22,8 +22,9 @@ Map of the files (details in docs/generation.md):
 
 from __future__ import annotations
 
-from megatron_rlhf.generation.forward import CachedNextTokenLogits, RecomputeNextTokenLogits
-from megatron_rlhf.generation.generate import generate_sequences, left_pad
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from megatron_rlhf.generation.output import GenerationOutput, MicroBatchWork, concat_outputs
 from megatron_rlhf.generation.params import GenerationConfig
 from megatron_rlhf.generation.sampling import (
@@ -38,6 +39,25 @@ from megatron_rlhf.generation.sampling import (
     uniforms_at_step,
     uniforms_for_steps,
 )
+
+if TYPE_CHECKING:
+    from megatron_rlhf.generation.forward import CachedNextTokenLogits, RecomputeNextTokenLogits
+    from megatron_rlhf.generation.generate import generate_sequences, left_pad
+
+_LAZY = {"CachedNextTokenLogits": "forward", "RecomputeNextTokenLogits": "forward",
+         "generate_sequences": "generate", "left_pad": "generate"}
+"""Names whose modules import megatron-core, imported at their first use: a module that needs
+only ``GenerationConfig`` or the sampling functions (the run's configuration) does not pay
+for it."""
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "CachedNextTokenLogits",

@@ -59,9 +59,9 @@ def test_the_entry_point_imports_no_megatron_core_before_the_verdict() -> None:
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "config.ppo_run reaches megatron-core through generation/__init__ -> generation.forward, "
-    "models.gpt, models.hf_import -> models.checkpoint, models.trainer, refit/__init__ -> "
-    "refit.layout -> models.weights, and runtime.bootstrap -> runtime.cpu_compat"))
+    "config.ppo_run reaches megatron-core through models.gpt, models.hf_import -> "
+    "models.checkpoint, models.trainer, refit.verify -> refit.layout -> models.weights, and "
+    "runtime.bootstrap -> runtime.cpu_compat"))
 def test_the_ppo_configuration_imports_without_megatron_core() -> None:
     """Rank 0 would check a configuration about 2 s sooner (the import of megatron-core, on an
     idle core) were its modules free of it; torch alone costs about 1.2 s."""
