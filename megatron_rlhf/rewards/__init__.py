@@ -39,5 +39,5 @@ from megatron_rlhf.rewards.pool import (
 from megatron_rlhf.rewards.verifiers import exact_reward, format_reward, math_reward, regex_reward
 
 __all__ = ["ON_ERROR_POLICIES", "REWARD_FUNCTIONS", "RewardFunctionError", "RewardFunctionSpec",
-           "RewardFunctions", "RewardScores", "exact_reward", "format_reward", "math_reward",
-           "parse_reward_functions", "regex_reward", "register_reward_function", "UserCodeError"]
+           "RewardFunctions", "RewardScores", "UserCodeError", "exact_reward", "format_reward",
+           "math_reward", "parse_reward_functions", "regex_reward", "register_reward_function"]
