@@ -83,10 +83,10 @@ def test_a_config_mistake_is_said_once_within_seconds_and_every_rank_exits_2(
     """2 ranks under torchrun: rank 0 alone loads the configuration (the other rank waits for
     its verdict, megatron-core not imported) and says why; both exit with status 2, no traceback.
 
-    Measured on the 2-core test machine with other work on it: the message 6.1-8.5 s after the
-    command, torchrun done 1.5-2 s later (rank 0's interpreter winds down); 4 ranks: 8.5 s to
-    the message. Before, when every rank loaded it at once: 7.4 s on 2 ranks, 11-13.7 s on 4.
-    train_sft: 4.8 s to the message on 2 ranks.
+    Measured on the 2-core test machine (message / torchrun done): idle, 2 ranks 5.2 / 6.7 s,
+    4 ranks 5.9 / 7.4 s; with other work on both cores, 2 ranks 6.1-8.5 / 7.8-10.5 s. Before,
+    when every rank loaded the configuration at once: idle, 2 ranks 5.0 / 6.2 s, 4 ranks 9.3 /
+    10.9 s; loaded, 4 ranks 11-13.7 s to the message. train_sft: 4.8 s to the message, 2 ranks.
     """
     logs = tmp_path / "logs"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
