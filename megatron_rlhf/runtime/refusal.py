@@ -8,8 +8,8 @@ after the grace (its refusal was its own, rank 0 did not refuse) says why as wel
 
 A configuration is checked by rank 0 first (:class:`RankZeroFirst`): under torchrun the other
 ranks wait for its verdict before they import megatron-core, so the check does not share the CPU
-with their imports (on 2 cores, 4 ranks: 8.5 s to the message instead of 11-14 s), and they exit
-quietly with status 2 when it refuses.
+with their imports (4 ranks on 2 idle cores: 5.9 s to the message instead of 9.3 s), and they
+exit quietly with status 2 when it refuses.
 The library itself only raises; this is for the tools' ``main`` functions. Importing this module
 imports nothing heavy.
 """
