@@ -17,16 +17,16 @@ from megatron_rlhf.algorithms import PPOAlgorithmConfig, critic_free_estimators
 from megatron_rlhf.config.paths import check_paths
 from megatron_rlhf.data import ReaderConfig, SplitConfig, SyntheticTaskConfig
 from megatron_rlhf.generation import GenerationConfig
-from megatron_rlhf.models.gpt import (
+from megatron_rlhf.models.hf_import import checkpoint_moe, is_hf_dir
+from megatron_rlhf.models.moe import MoEConfig
+from megatron_rlhf.models.options import (
     ATTENTION_BACKENDS,
     RECOMPUTE_GRANULARITIES,
     TRANSFORMER_IMPLS,
+    OptimizerSettings,
     resolve_params_dtype,
 )
-from megatron_rlhf.models.hf_import import checkpoint_moe, is_hf_dir
-from megatron_rlhf.models.moe import MoEConfig
 from megatron_rlhf.models.tokenizer import TokenizerConfig
-from megatron_rlhf.models.trainer import OptimizerSettings
 from megatron_rlhf.refit.verify import RefitConfig
 from megatron_rlhf.rewards import ON_ERROR_POLICIES, RewardFunctionSpec, parse_reward_functions
 from megatron_rlhf.rewards.environments import EnvironmentSpec, parse_environment

@@ -13,10 +13,13 @@ from typing import Any, ClassVar
 from megatron_rlhf.config.paths import check_paths
 from megatron_rlhf.data.schema import ReaderConfig, SplitConfig
 from megatron_rlhf.data.synthetic import SyntheticTaskConfig
-from megatron_rlhf.models.gpt import RECOMPUTE_GRANULARITIES, resolve_params_dtype
 from megatron_rlhf.models.moe import MoEConfig
+from megatron_rlhf.models.options import (
+    RECOMPUTE_GRANULARITIES,
+    OptimizerSettings,
+    resolve_params_dtype,
+)
 from megatron_rlhf.models.tokenizer import TokenizerConfig
-from megatron_rlhf.models.trainer import OptimizerSettings
 from megatron_rlhf.runtime.bootstrap import RuntimeConfig
 from megatron_rlhf.topology.models import resolve_arch
 

@@ -23,8 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -42,40 +41,22 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.utils import set_model_to_sequence_parallel
 
 from megatron_rlhf.models.attention import CachedRopeSelfAttention, SDPAttention
-from megatron_rlhf.models.moe import MoEConfig, moe_transformer_fields
+from megatron_rlhf.models.moe import moe_transformer_fields
+from megatron_rlhf.models.options import (  # noqa: F401  (re-exported: their home before)
+    ATTENTION_BACKENDS,
+    HEAD_KINDS,
+    PARAMS_DTYPES,
+    RECOMPUTE_GRANULARITIES,
+    TRANSFORMER_IMPLS,
+    HeadKind,
+    ModelBuildOptions,
+    resolve_params_dtype,
+    transformer_engine_importable,
+)
 from megatron_rlhf.models.te_attention import packed_te_core_attention
 from megatron_rlhf.runtime.cpu_compat import seed_model_parallel_rng
 from megatron_rlhf.runtime.device import compute_device
 from megatron_rlhf.runtime.patches import define_moe_router_gemm
-
-HeadKind = Literal["lm", "scalar", "lm+scalar"]
-HEAD_KINDS: tuple[str, ...] = ("lm", "scalar", "lm+scalar")
-PARAMS_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")
-TRANSFORMER_IMPLS: tuple[str, ...] = ("auto", "local", "transformer_engine")
-ATTENTION_BACKENDS: tuple[str, ...] = ("sdpa", "megatron")
-RECOMPUTE_GRANULARITIES: tuple[str, ...] = ("none", "selective", "full")
-
-
-def resolve_params_dtype(params_dtype: str) -> str:
-    """``auto`` -> ``bfloat16`` on a CUDA machine, ``float32`` on CPU; others unchanged.
-
-    Raises:
-        ValueError: not one of :data:`PARAMS_DTYPES`.
-    """
-    if params_dtype not in PARAMS_DTYPES:
-        raise ValueError(f"params_dtype={params_dtype!r}: use one of {PARAMS_DTYPES}")
-    if params_dtype == "auto":
-        return "bfloat16" if torch.cuda.is_available() else "float32"
-    return params_dtype
-
-
-def transformer_engine_importable() -> bool:
-    """Whether Transformer Engine's PyTorch layers can be imported in this process."""
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except (ImportError, OSError):
-        return False
-    return True
 
 
 def resolve_transformer_impl(transformer_impl: str, needs_kv_cache: bool) -> str:
@@ -117,106 +98,6 @@ class Architecture(Protocol):
     ffn_hidden_size: int
     vocab_size: int
     seq_length: int
-
-
-@dataclass
-class ModelBuildOptions:
-    """How a model is instantiated, beyond its architecture.
-
-    Attributes:
-        head: which output head the model carries (see module docstring).
-        tie_embeddings: share the input embedding and the LM head (``lm`` heads only).
-        dropout: hidden and attention dropout (PPO usually runs with 0).
-        norm_epsilon: RMSNorm epsilon.
-        rotary_base: base of the rotary position embedding.
-        params_dtype: ``float32``, ``bfloat16`` or ``auto`` (bf16 with CUDA, fp32 on CPU);
-            resolved on construction.
-        transformer_impl: ``local`` (megatron's modules) or ``transformer_engine`` (its TE
-            layer spec; CUDA with TE installed only). Resolve ``auto`` first with
-            :func:`resolve_transformer_impl`.
-        attention_backend: core attention of the ``local`` implementation: ``sdpa`` (torch's
-            fused scaled-dot-product attention, ``models.attention``) or ``megatron`` (its
-            ``DotProductAttention``, which materialises the score matrix).
-        qkv_bias: a bias on the fused QKV projection only (Qwen2; megatron's ``add_qkv_bias``).
-        qk_norm: RMSNorm of each query and key head before RoPE (Qwen3; megatron's
-            ``qk_layernorm``).
-        head_dim: channels per attention head (megatron's ``kv_channels``); 0 means
-            ``hidden_size / num_attention_heads``.
-        rope_scaling_factor: Llama-3 RoPE frequency scaling factor (megatron's ``rope_scaling``,
-            with its fixed low/high frequency factors 1 and 4 and original context 8192); 0 means
-            no scaling.
-        recompute: activation recomputation in training passes (megatron's
-            ``recompute_granularity``): ``none``; ``selective`` (megatron's default module list,
-            the core attention); ``full`` (every transformer layer keeps only its input and is
-            recomputed in the backward pass, ``recompute_method=uniform``, one layer per unit).
-            Forward-only passes never recompute.
-        token_vocab_size: ids the tokenizer has, when the embedding has more rows (Hugging Face
-            checkpoints pad it, Qwen2.5's by hundreds of rows): LM logits at or past it are never
-            sampled and take no part in any log-probability or loss; 0: every row is a token.
-        packed_sequences: full forwards (training and scoring, not decoding) pack each
-            micro-batch's real tokens into one row with sequence boundaries instead of computing
-            padding (``models.packing``); needs attention that takes boundaries (``sdpa`` or
-            Transformer Engine).
-        sequence_parallel: with TP > 1, megatron's sequence parallelism: the activations
-            outside attention and MLP (norms, dropout, residuals) are split along the sequence
-            over the TP ranks instead of replicated. Needs ``packed_sequences`` (the packed row
-            is padded to a multiple of TP); generation runs without it
-            (:func:`without_sequence_parallel`).
-        moe: mixture-of-experts MLPs (``models.moe``); None: dense MLPs.
-    """
-
-    head: str = "lm"
-    tie_embeddings: bool = False
-    dropout: float = 0.0
-    norm_epsilon: float = 1e-5
-    rotary_base: int = 10000
-    params_dtype: str = "auto"
-    transformer_impl: str = "local"
-    attention_backend: str = "sdpa"
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    head_dim: int = 0
-    rope_scaling_factor: float = 0.0
-    recompute: str = "none"
-    token_vocab_size: int = 0
-    packed_sequences: bool = True
-    sequence_parallel: bool = False
-    moe: MoEConfig | None = None
-
-    def __post_init__(self) -> None:
-        if self.head not in HEAD_KINDS:
-            raise ValueError(f"model.head={self.head!r} is not one of {HEAD_KINDS}")
-        if self.tie_embeddings and self.head != "lm":
-            raise ValueError("model.tie_embeddings=True needs head='lm'; set tie_embeddings=False")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
-        if self.params_dtype not in PARAMS_DTYPES:
-            raise ValueError(f"model.params_dtype={self.params_dtype!r}: use one of "
-                             f"{PARAMS_DTYPES}")
-        self.params_dtype = resolve_params_dtype(self.params_dtype)
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"model.attention_backend={self.attention_backend!r}: use one of "
-                             f"{ATTENTION_BACKENDS}")
-        if self.transformer_impl not in ("local", "transformer_engine"):
-            raise ValueError(f"model.transformer_impl={self.transformer_impl!r}: use 'local' or "
-                             "'transformer_engine' (resolve 'auto' with resolve_transformer_impl)")
-        if self.recompute not in RECOMPUTE_GRANULARITIES:
-            raise ValueError(f"model.recompute={self.recompute!r}: use one of "
-                             f"{RECOMPUTE_GRANULARITIES}")
-        if (self.packed_sequences and self.transformer_impl == "local"
-                and self.attention_backend != "sdpa"):
-            raise ValueError(f"packed sequences need attention that takes sequence boundaries "
-                             f"(attention_backend='sdpa' or Transformer Engine), got "
-                             f"attention_backend={self.attention_backend!r}; set "
-                             "packed_sequences=false")
-        if self.sequence_parallel and not self.packed_sequences:
-            raise ValueError("sequence_parallel splits a packed row over the TP ranks; padded "
-                             "rows are not a multiple of TP: set packed_sequences=true or "
-                             "sequence_parallel=false")
-        if self.head_dim < 0 or self.rope_scaling_factor < 0 or self.token_vocab_size < 0:
-            raise ValueError(f"model.head_dim={self.head_dim}, model.rope_scaling_factor="
-                             f"{self.rope_scaling_factor} and model.token_vocab_size="
-                             f"{self.token_vocab_size} must be >= 0 (0: the default)")
 
 
 class ScalarHead(torch.nn.Module):

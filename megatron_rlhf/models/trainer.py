@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,121 +36,14 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch.distributed.tensor import DTensor, Shard
 
 from megatron_rlhf.models.forward_backward import Batch, LossFn, run_microbatches
-from megatron_rlhf.models.gpt import transformer_engine_importable
+from megatron_rlhf.models.options import OptimizerSettings  # noqa: F401  (re-exported)
 from megatron_rlhf.runtime.patches import default_group_gathers_scoped_to, megatron_fsdp_wrapping
 
-_SCHEDULES = ("constant", "linear", "cosine")
 FSDP_GATHERED_LAYERS = 2
 """Transformer layers Megatron-FSDP holds gathered at once: the one computing and the one
 prefetched (``suggested_communication_unit_size``; ``planner.cost_model.FSDP_LAYERS_GATHERED``)."""
 _ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 _OPTIMIZER_CHECKPOINT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
-
-
-@dataclass
-class OptimizerSettings:
-    """Optimizer, gradient and learning-rate settings of one trainable model.
-
-    Attributes:
-        lr: peak learning rate.
-        min_lr: learning rate at the end of the decay.
-        weight_decay: decoupled weight decay (AdamW).
-        adam_beta1: Adam beta1.
-        adam_beta2: Adam beta2.
-        adam_eps: Adam epsilon.
-        clip_grad: global gradient-norm clip (0 disables).
-        lr_warmup_steps: linear warm-up steps.
-        lr_decay_steps: steps of the decay after warm-up (0: as long as the run).
-        lr_schedule: ``constant``, ``linear`` or ``cosine``.
-        distributed_optimizer: shard optimizer state over DP (megatron's distributed optimizer,
-            ZeRO-1); False keeps plain DDP with replicated optimizer state.
-        cpu_offload_fraction: the share of this rank's optimizer shard whose fp32 main weights,
-            Adam moments and update live on the host (megatron's ``HybridDeviceOptimizer``:
-            ``optimizer_cpu_offload``, ``optimizer_offload_fraction``); 0 keeps all of it on
-            the device. Needs CUDA, Transformer Engine and ``distributed_optimizer``; the update
-            is AdamW (decoupled weight decay), as megatron requires and as every setting here
-            runs.
-        fsdp: Megatron-FSDP (ZeRO-3): weights, gradients and optimizer state sharded over DP,
-            each transformer layer's weights gathered while it computes. Needs
-            ``distributed_optimizer``, and the model alone on every rank of the job with pp=1
-            (megatron-core 0.16.1's adapter lays its DP x TP mesh over the whole world). Its
-            checkpoints hold its DTensor shards (:meth:`ModelTrainer.fsdp_state`,
-            ``models.fsdp_checkpoint``).
-        overlap_grad_reduce: reduce each gradient bucket over DP as soon as the last
-            micro-batch's backward pass has filled it, while the rest of the backward pass
-            runs (megatron DDP's ``overlap_grad_reduce``); None: on with CUDA, off on CPU, where
-            gloo gains nothing from it. The gradients are the same either way.
-        grad_reduce_dtype: dtype the gradients are accumulated and reduced over DP in:
-            ``float32`` (megatron's ``grad_reduce_in_fp32``) or ``bfloat16``, half the bytes
-            on the wire and in the gradient buffers at the cost of bf16 rounding of the sums;
-            only a bf16 model differs.
-    """
-
-    SECTION: ClassVar[str] = "optimizer"
-    """The configuration section these settings are read from, named by the refusals (a run's
-    ``actor_optimizer`` and ``critic_optimizer`` are subclasses that name themselves)."""
-
-    lr: float = 1e-5
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    lr_warmup_steps: int = 0
-    lr_decay_steps: int = 0
-    lr_schedule: str = "constant"
-    distributed_optimizer: bool = True
-    cpu_offload_fraction: float = 0.0
-    fsdp: bool = False
-    overlap_grad_reduce: bool | None = None
-    grad_reduce_dtype: str = "float32"
-
-    def __post_init__(self) -> None:
-        section = self.SECTION
-        if self.overlap_grad_reduce is None:
-            self.overlap_grad_reduce = torch.cuda.is_available()
-        if self.grad_reduce_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"{section}.grad_reduce_dtype={self.grad_reduce_dtype!r}: use "
-                             "'float32' or 'bfloat16'")
-        if not self.lr > 0:
-            raise ValueError(f"{section}.lr={self.lr} must be positive")
-        if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"{section}.min_lr={self.min_lr} must be in [0, lr={self.lr}]")
-        if self.clip_grad < 0:
-            raise ValueError(f"{section}.clip_grad={self.clip_grad} must be >= 0 (0 disables)")
-        if self.lr_schedule not in _SCHEDULES:
-            raise ValueError(f"{section}.lr_schedule={self.lr_schedule!r} is not one of "
-                             f"{_SCHEDULES}")
-        if self.lr_warmup_steps < 0 or self.lr_decay_steps < 0:
-            raise ValueError(f"{section}.lr_warmup_steps and lr_decay_steps must be >= 0")
-        self._check_cpu_offload()
-        if self.fsdp and not self.distributed_optimizer:
-            raise ValueError(f"{section}.fsdp=true needs {section}.distributed_optimizer=true "
-                             "(megatron steps Megatron-FSDP's shards with its distributed "
-                             "optimizer)")
-        if self.fsdp and self.cpu_offload_fraction:
-            raise ValueError(f"{section}.fsdp=true with {section}.cpu_offload_fraction="
-                             f"{self.cpu_offload_fraction}: the optimizer CPU offload is wired for "
-                             "the distributed optimizer only; set one of them off")
-
-    def _check_cpu_offload(self) -> None:
-        fraction, section = self.cpu_offload_fraction, self.SECTION
-        if not 0.0 <= fraction <= 1.0:
-            raise ValueError(f"{section}.cpu_offload_fraction={fraction} must be in [0, 1]")
-        if fraction and not self.distributed_optimizer:
-            raise ValueError(f"{section}.cpu_offload_fraction={fraction} needs "
-                             f"{section}.distributed_optimizer=true (megatron offloads the "
-                             "distributed optimizer's shards)")
-        if fraction and not torch.cuda.is_available():
-            raise ValueError(f"{section}.cpu_offload_fraction={fraction} moves optimizer state "
-                             "from a CUDA device to the host and needs CUDA, which this machine "
-                             "lacks; set it to 0")
-        if fraction and not transformer_engine_importable():
-            raise ValueError(f"{section}.cpu_offload_fraction={fraction} needs Transformer "
-                             "Engine: megatron-core 0.16.1 offloads through its precision-aware "
-                             "optimizer, whose config reads TE's version; install "
-                             "transformer-engine or set it to 0")
 
 
 class ModelTrainer:

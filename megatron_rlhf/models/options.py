@@ -1,0 +1,255 @@
+"""The settings of a model that a configuration names, free of megatron-core.
+
+``ModelBuildOptions`` (how ``models.gpt.build_gpt_model`` instantiates a model) and
+``OptimizerSettings`` (how ``models.trainer.ModelTrainer`` trains it), with the names their fields
+take. A configuration validates against them without importing megatron-core, which a process
+would otherwise pay about 2 s for before it could report a mistake; ``models.gpt`` and
+``models.trainer`` re-export them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+
+from megatron_rlhf.models.moe import MoEConfig
+
+HeadKind = Literal["lm", "scalar", "lm+scalar"]
+HEAD_KINDS: tuple[str, ...] = ("lm", "scalar", "lm+scalar")
+PARAMS_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")
+TRANSFORMER_IMPLS: tuple[str, ...] = ("auto", "local", "transformer_engine")
+ATTENTION_BACKENDS: tuple[str, ...] = ("sdpa", "megatron")
+RECOMPUTE_GRANULARITIES: tuple[str, ...] = ("none", "selective", "full")
+
+
+def resolve_params_dtype(params_dtype: str) -> str:
+    """``auto`` -> ``bfloat16`` on a CUDA machine, ``float32`` on CPU; others unchanged.
+
+    Raises:
+        ValueError: not one of :data:`PARAMS_DTYPES`.
+    """
+    if params_dtype not in PARAMS_DTYPES:
+        raise ValueError(f"params_dtype={params_dtype!r}: use one of {PARAMS_DTYPES}")
+    if params_dtype == "auto":
+        return "bfloat16" if torch.cuda.is_available() else "float32"
+    return params_dtype
+
+
+def transformer_engine_importable() -> bool:
+    """Whether Transformer Engine's PyTorch layers can be imported in this process."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except (ImportError, OSError):
+        return False
+    return True
+
+
+@dataclass
+class ModelBuildOptions:
+    """How a model is instantiated, beyond its architecture.
+
+    Attributes:
+        head: which output head the model carries (see ``models.gpt``).
+        tie_embeddings: share the input embedding and the LM head (``lm`` heads only).
+        dropout: hidden and attention dropout (PPO usually runs with 0).
+        norm_epsilon: RMSNorm epsilon.
+        rotary_base: base of the rotary position embedding.
+        params_dtype: ``float32``, ``bfloat16`` or ``auto`` (bf16 with CUDA, fp32 on CPU);
+            resolved on construction.
+        transformer_impl: ``local`` (megatron's modules) or ``transformer_engine`` (its TE
+            layer spec; CUDA with TE installed only). Resolve ``auto`` first with
+            ``models.gpt.resolve_transformer_impl``.
+        attention_backend: core attention of the ``local`` implementation: ``sdpa`` (torch's
+            fused scaled-dot-product attention, ``models.attention``) or ``megatron`` (its
+            ``DotProductAttention``, which materialises the score matrix).
+        qkv_bias: a bias on the fused QKV projection only (Qwen2; megatron's ``add_qkv_bias``).
+        qk_norm: RMSNorm of each query and key head before RoPE (Qwen3; megatron's
+            ``qk_layernorm``).
+        head_dim: channels per attention head (megatron's ``kv_channels``); 0 means
+            ``hidden_size / num_attention_heads``.
+        rope_scaling_factor: Llama-3 RoPE frequency scaling factor (megatron's ``rope_scaling``,
+            with its fixed low/high frequency factors 1 and 4 and original context 8192); 0 means
+            no scaling.
+        recompute: activation recomputation in training passes (megatron's
+            ``recompute_granularity``): ``none``; ``selective`` (megatron's default module list,
+            the core attention); ``full`` (every transformer layer keeps only its input and is
+            recomputed in the backward pass, ``recompute_method=uniform``, one layer per unit).
+            Forward-only passes never recompute.
+        token_vocab_size: ids the tokenizer has, when the embedding has more rows (Hugging Face
+            checkpoints pad it, Qwen2.5's by hundreds of rows): LM logits at or past it are never
+            sampled and take no part in any log-probability or loss; 0: every row is a token.
+        packed_sequences: full forwards (training and scoring, not decoding) pack each
+            micro-batch's real tokens into one row with sequence boundaries instead of computing
+            padding (``models.packing``); needs attention that takes boundaries (``sdpa`` or
+            Transformer Engine).
+        sequence_parallel: with TP > 1, megatron's sequence parallelism: the activations
+            outside attention and MLP (norms, dropout, residuals) are split along the sequence
+            over the TP ranks instead of replicated. Needs ``packed_sequences`` (the packed row
+            is padded to a multiple of TP); generation runs without it
+            (``models.gpt.without_sequence_parallel``).
+        moe: mixture-of-experts MLPs (``models.moe``); None: dense MLPs.
+    """
+
+    head: str = "lm"
+    tie_embeddings: bool = False
+    dropout: float = 0.0
+    norm_epsilon: float = 1e-5
+    rotary_base: int = 10000
+    params_dtype: str = "auto"
+    transformer_impl: str = "local"
+    attention_backend: str = "sdpa"
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    head_dim: int = 0
+    rope_scaling_factor: float = 0.0
+    recompute: str = "none"
+    token_vocab_size: int = 0
+    packed_sequences: bool = True
+    sequence_parallel: bool = False
+    moe: MoEConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.head not in HEAD_KINDS:
+            raise ValueError(f"model.head={self.head!r} is not one of {HEAD_KINDS}")
+        if self.tie_embeddings and self.head != "lm":
+            raise ValueError("model.tie_embeddings=True needs head='lm'; set tie_embeddings=False")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
+        if self.params_dtype not in PARAMS_DTYPES:
+            raise ValueError(f"model.params_dtype={self.params_dtype!r}: use one of "
+                             f"{PARAMS_DTYPES}")
+        self.params_dtype = resolve_params_dtype(self.params_dtype)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"model.attention_backend={self.attention_backend!r}: use one of "
+                             f"{ATTENTION_BACKENDS}")
+        if self.transformer_impl not in ("local", "transformer_engine"):
+            raise ValueError(f"model.transformer_impl={self.transformer_impl!r}: use 'local' or "
+                             "'transformer_engine' (resolve 'auto' with resolve_transformer_impl)")
+        if self.recompute not in RECOMPUTE_GRANULARITIES:
+            raise ValueError(f"model.recompute={self.recompute!r}: use one of "
+                             f"{RECOMPUTE_GRANULARITIES}")
+        if (self.packed_sequences and self.transformer_impl == "local"
+                and self.attention_backend != "sdpa"):
+            raise ValueError(f"packed sequences need attention that takes sequence boundaries "
+                             f"(attention_backend='sdpa' or Transformer Engine), got "
+                             f"attention_backend={self.attention_backend!r}; set "
+                             "packed_sequences=false")
+        if self.sequence_parallel and not self.packed_sequences:
+            raise ValueError("sequence_parallel splits a packed row over the TP ranks; padded "
+                             "rows are not a multiple of TP: set packed_sequences=true or "
+                             "sequence_parallel=false")
+        if self.head_dim < 0 or self.rope_scaling_factor < 0 or self.token_vocab_size < 0:
+            raise ValueError(f"model.head_dim={self.head_dim}, model.rope_scaling_factor="
+                             f"{self.rope_scaling_factor} and model.token_vocab_size="
+                             f"{self.token_vocab_size} must be >= 0 (0: the default)")
+
+
+_SCHEDULES = ("constant", "linear", "cosine")
+
+
+@dataclass
+class OptimizerSettings:
+    """Optimizer, gradient and learning-rate settings of one trainable model.
+
+    Attributes:
+        lr: peak learning rate.
+        min_lr: learning rate at the end of the decay.
+        weight_decay: decoupled weight decay (AdamW).
+        adam_beta1: Adam beta1.
+        adam_beta2: Adam beta2.
+        adam_eps: Adam epsilon.
+        clip_grad: global gradient-norm clip (0 disables).
+        lr_warmup_steps: linear warm-up steps.
+        lr_decay_steps: steps of the decay after warm-up (0: as long as the run).
+        lr_schedule: ``constant``, ``linear`` or ``cosine``.
+        distributed_optimizer: shard optimizer state over DP (megatron's distributed optimizer,
+            ZeRO-1); False keeps plain DDP with replicated optimizer state.
+        cpu_offload_fraction: the share of this rank's optimizer shard whose fp32 main weights,
+            Adam moments and update live on the host (megatron's ``HybridDeviceOptimizer``:
+            ``optimizer_cpu_offload``, ``optimizer_offload_fraction``); 0 keeps all of it on
+            the device. Needs CUDA, Transformer Engine and ``distributed_optimizer``; the update
+            is AdamW (decoupled weight decay), as megatron requires and as every setting here
+            runs.
+        fsdp: Megatron-FSDP (ZeRO-3): weights, gradients and optimizer state sharded over DP,
+            each transformer layer's weights gathered while it computes. Needs
+            ``distributed_optimizer``, and the model alone on every rank of the job with pp=1
+            (megatron-core 0.16.1's adapter lays its DP x TP mesh over the whole world). Its
+            checkpoints hold its DTensor shards (:meth:`ModelTrainer.fsdp_state`,
+            ``models.fsdp_checkpoint``).
+        overlap_grad_reduce: reduce each gradient bucket over DP as soon as the last
+            micro-batch's backward pass has filled it, while the rest of the backward pass
+            runs (megatron DDP's ``overlap_grad_reduce``); None: on with CUDA, off on CPU, where
+            gloo gains nothing from it. The gradients are the same either way.
+        grad_reduce_dtype: dtype the gradients are accumulated and reduced over DP in:
+            ``float32`` (megatron's ``grad_reduce_in_fp32``) or ``bfloat16``, half the bytes
+            on the wire and in the gradient buffers at the cost of bf16 rounding of the sums;
+            only a bf16 model differs.
+    """
+
+    SECTION: ClassVar[str] = "optimizer"
+    """The configuration section these settings are read from, named by the refusals (a run's
+    ``actor_optimizer`` and ``critic_optimizer`` are subclasses that name themselves)."""
+
+    lr: float = 1e-5
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    lr_warmup_steps: int = 0
+    lr_decay_steps: int = 0
+    lr_schedule: str = "constant"
+    distributed_optimizer: bool = True
+    cpu_offload_fraction: float = 0.0
+    fsdp: bool = False
+    overlap_grad_reduce: bool | None = None
+    grad_reduce_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        section = self.SECTION
+        if self.overlap_grad_reduce is None:
+            self.overlap_grad_reduce = torch.cuda.is_available()
+        if self.grad_reduce_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"{section}.grad_reduce_dtype={self.grad_reduce_dtype!r}: use "
+                             "'float32' or 'bfloat16'")
+        if not self.lr > 0:
+            raise ValueError(f"{section}.lr={self.lr} must be positive")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"{section}.min_lr={self.min_lr} must be in [0, lr={self.lr}]")
+        if self.clip_grad < 0:
+            raise ValueError(f"{section}.clip_grad={self.clip_grad} must be >= 0 (0 disables)")
+        if self.lr_schedule not in _SCHEDULES:
+            raise ValueError(f"{section}.lr_schedule={self.lr_schedule!r} is not one of "
+                             f"{_SCHEDULES}")
+        if self.lr_warmup_steps < 0 or self.lr_decay_steps < 0:
+            raise ValueError(f"{section}.lr_warmup_steps and lr_decay_steps must be >= 0")
+        self._check_cpu_offload()
+        if self.fsdp and not self.distributed_optimizer:
+            raise ValueError(f"{section}.fsdp=true needs {section}.distributed_optimizer=true "
+                             "(megatron steps Megatron-FSDP's shards with its distributed "
+                             "optimizer)")
+        if self.fsdp and self.cpu_offload_fraction:
+            raise ValueError(f"{section}.fsdp=true with {section}.cpu_offload_fraction="
+                             f"{self.cpu_offload_fraction}: the optimizer CPU offload is wired for "
+                             "the distributed optimizer only; set one of them off")
+
+    def _check_cpu_offload(self) -> None:
+        fraction, section = self.cpu_offload_fraction, self.SECTION
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"{section}.cpu_offload_fraction={fraction} must be in [0, 1]")
+        if fraction and not self.distributed_optimizer:
+            raise ValueError(f"{section}.cpu_offload_fraction={fraction} needs "
+                             f"{section}.distributed_optimizer=true (megatron offloads the "
+                             "distributed optimizer's shards)")
+        if fraction and not torch.cuda.is_available():
+            raise ValueError(f"{section}.cpu_offload_fraction={fraction} moves optimizer state "
+                             "from a CUDA device to the host and needs CUDA, which this machine "
+                             "lacks; set it to 0")
+        if fraction and not transformer_engine_importable():
+            raise ValueError(f"{section}.cpu_offload_fraction={fraction} needs Transformer "
+                             "Engine: megatron-core 0.16.1 offloads through its precision-aware "
+                             "optimizer, whose config reads TE's version; install "
+                             "transformer-engine or set it to 0")
