@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_rlhf.models.checkpoint import ModelDescription
+from megatron_rlhf.models.description import ModelDescription
 from megatron_rlhf.models.hf_tokenizer import read_json_object
 
 CONFIG_FILE = "config.json"

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from megatron_rlhf.models.checkpoint import INFO_FILE
+from megatron_rlhf.models.description import INFO_FILE
 from megatron_rlhf.models.hf_config import CONFIG_FILE, read_hf_config
 from megatron_rlhf.models.hf_llama import (
     file_sha256,

@@ -51,7 +51,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from megatron_rlhf.models.checkpoint import ModelDescription
+from megatron_rlhf.models.description import ModelDescription
 from megatron_rlhf.models.hf_config import CONFIG_FILE, HFExperts, family_of, hf_config
 from megatron_rlhf.models.hf_tokenizer import TOKENIZER_FILES
 
