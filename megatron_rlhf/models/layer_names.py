@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import functools
 
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
 FUSED_NORM_MARK = "layer_norm_"
 """What TE's fused-norm parameters have in their name (``layer_norm_weight``, ``layer_norm_bias``)
 and no local parameter has (the local norms are ``*_layernorm``)."""
@@ -32,6 +30,10 @@ and no local parameter has (the local norms are ``*_layernorm``)."""
 def fused_norm_prefixes() -> dict[str, str]:
     """Local norm prefix -> TE fused-norm prefix inside a transformer layer, from megatron's local
     layer spec: ``{"input_layernorm.": "self_attention.linear_qkv.layer_norm_", ...}``."""
+    # Imported here: refit's planning and a configuration's checks reach this module and need no
+    # megatron-core until a model's names are mapped.
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
     return dict(get_gpt_layer_local_spec().submodules.sharded_state_dict_keys_map)
 
 

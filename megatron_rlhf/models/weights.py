@@ -20,14 +20,17 @@ import re
 import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from megatron.core.models.gpt import GPTModel
-from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_rlhf.models.layer_names import local_layer_name
 from megatron_rlhf.runtime.device import comm_device
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
 _VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight",

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_rlhf.runtime.cpu_compat import check_megatron_core_version
 from megatron_rlhf.runtime.distributed import DistributedConfig, init_distributed
 from megatron_rlhf.runtime.launcher_watch import watch_launcher
 from megatron_rlhf.runtime.logging import setup_logging
@@ -70,6 +69,10 @@ def report_fatal_signals() -> None:
 
 def initialize_runtime(config: RuntimeConfig | None = None) -> None:
     """Prepare this process (idempotent apart from reseeding)."""
+    # Imported here: cpu_compat imports megatron-core, which a configuration holding a
+    # RuntimeConfig must not pay for before it is checked.
+    from megatron_rlhf.runtime.cpu_compat import check_megatron_core_version
+
     config = config or RuntimeConfig()
     report_fatal_signals()
     check_megatron_core_version()
