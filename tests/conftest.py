@@ -1,7 +1,7 @@
 """Shared pytest set-up: one thread per test process on these 2-core machines; every gloo rank
 the tests start (in-process, forked or launched by torchrun) answers with NCCL's semantics
-(``runtime/nccl_semantics.py``; ``MEGATRON_RLHF_NCCL_SEMANTICS=0`` turns it off); GPU tests skip
-without CUDA."""
+(``testing/nccl_semantics.py``; ``MEGATRON_RLHF_NCCL_SEMANTICS=0`` turns it off); GPU tests
+skip without CUDA."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from megatron_rlhf.runtime.nccl_semantics import ENV as NCCL_SEMANTICS
+from megatron_rlhf.testing.nccl_semantics import ENV as NCCL_SEMANTICS
 
 torch.set_num_threads(1)
 os.environ.setdefault(NCCL_SEMANTICS, "1")

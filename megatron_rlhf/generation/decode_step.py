@@ -8,7 +8,7 @@ its response ends with a stop sequence. :meth:`SlotDecoder.step` is a function o
 tensors alone, updated in place, with no host branch on their values: the same kernels run at
 every token, so on CUDA the step is captured once into a graph (:class:`DecodeGraph`) and
 replayed per token; on CPU it runs eagerly (with ``MEGATRON_RLHF_EMULATE_CUDA_GRAPHS=1``, for
-tests, it is captured into the checking stand-in of ``graph_standin.py``). An eager step attends
+tests, it is captured into the checking stand-in of ``testing/graph_standin.py``). An eager step attends
 only over the cache positions that some decoding slot may have written (a bound the host keeps
 from the prefill widths and the steps since), not the whole bucket: fewer masked keys, the same
 tokens.
@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from megatron_rlhf.generation.graph_standin import StandInGraph, emulating_graphs
 from megatron_rlhf.generation.params import GenerationConfig
 from megatron_rlhf.generation.sampling import (
     SampledTokens,
@@ -43,6 +43,10 @@ from megatron_rlhf.models.slot_cache import SlotInferenceContext
 from megatron_rlhf.runtime.logging import get_logger
 
 logger = get_logger(__name__)
+
+EMULATE_GRAPHS_ENV = "MEGATRON_RLHF_EMULATE_CUDA_GRAPHS"
+"""Set to ``1`` (tests only) to capture the continuous decode step on CPU into the checking
+stand-in graph of :mod:`megatron_rlhf.testing.graph_standin`; production on CPU stays eager."""
 
 LENGTH_BUCKET = 32
 """Cache lengths are rounded up to a multiple of this, so calls of similar lengths share a
@@ -396,8 +400,12 @@ class DecodeGraph:
     def __init__(self, decoder: SlotDecoder) -> None:
         """Warm up on a side stream and capture (kernels are launched once for warm-up, and the
         state they advanced is restored, so capturing does not consume a token). On CPU (only
-        with :data:`~megatron_rlhf.generation.graph_standin.EMULATE_ENV` set) the step is
-        captured into a checking :class:`~megatron_rlhf.generation.graph_standin.StandInGraph`."""
+        with :data:`EMULATE_GRAPHS_ENV` set) the step is captured into a checking
+        :class:`~megatron_rlhf.testing.graph_standin.StandInGraph`.
+
+        Raises:
+            RuntimeError: a CPU decoder without :data:`EMULATE_GRAPHS_ENV` set.
+        """
         self.decoder = decoder
         cuda = decoder.tokens.device.type == "cuda"
         undo = decoder.undo_steps()
@@ -413,9 +421,14 @@ class DecodeGraph:
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, capture_error_mode=CAPTURE_ERROR_MODE):
                 decoder.step()
-        else:  # the stand-in runs the step once to check it, and undoes it itself
+        elif emulating_graphs():  # the stand-in runs the step once to check it, and undoes it
+            from megatron_rlhf.testing.graph_standin import StandInGraph
+
             self.graph = StandInGraph(decoder.step, decoder.graph_buffers,
                                       capture_error_mode=CAPTURE_ERROR_MODE)
+        else:
+            raise RuntimeError(f"no graph of a decode step on {decoder.tokens.device}: on CPU "
+                               f"only stand-in graphs, with {EMULATE_GRAPHS_ENV}=1")
         undo()  # capturing ran nothing on CUDA; this puts the context's mode back
 
     def step(self) -> None:
@@ -425,10 +438,14 @@ class DecodeGraph:
 
 def graphs_enabled(config: GenerationConfig, device: torch.device) -> bool:
     """Whether ``config.cuda_graphs`` asks for graphs on ``device`` (``auto`` or ``on``: on CUDA;
-    on CPU only stand-in graphs, with
-    :data:`~megatron_rlhf.generation.graph_standin.EMULATE_ENV` set)."""
+    on CPU only stand-in graphs, with :data:`EMULATE_GRAPHS_ENV` set)."""
     return (config.continuous and config.cuda_graphs != "off"
             and (device.type == "cuda" or (device.type == "cpu" and emulating_graphs())))
+
+
+def emulating_graphs() -> bool:
+    """Whether :data:`EMULATE_GRAPHS_ENV` asks for stand-in graphs on CPU."""
+    return os.environ.get(EMULATE_GRAPHS_ENV, "") == "1"
 
 
 def graph_refusal(model: torch.nn.Module) -> str | None:

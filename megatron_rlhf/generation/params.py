@@ -87,7 +87,7 @@ class GenerationConfig:
     once in the log; ``on``: the same, but such a model is a configuration error; ``off``: run
     the step eagerly. On CPU the step runs eagerly (the tests set
     ``MEGATRON_RLHF_EMULATE_CUDA_GRAPHS=1`` to run the capture path through a checking
-    stand-in graph: ``generation/graph_standin.py``)."""
+    stand-in graph: ``testing/graph_standin.py``)."""
 
     def __post_init__(self) -> None:
         """Checks every field.

@@ -13,16 +13,23 @@ import datetime
 import functools
 import os
 import socket
+import sys
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.runtime import nccl_semantics
 from megatron_rlhf.runtime.device import comm_device
 from megatron_rlhf.runtime.logging import get_logger
 
 logger = get_logger(__name__)
+
+NCCL_SEMANTICS_ENV = "MEGATRON_RLHF_NCCL_SEMANTICS"
+"""``1``: a gloo world answers with NCCL's semantics (the test suite's default; the emulation is
+:mod:`megatron_rlhf.testing.nccl_semantics`, which production never loads)."""
+
+_NCCL_EMULATION = "megatron_rlhf.testing.nccl_semantics"
 
 _BACKENDS = ("auto", "nccl", "gloo")
 _LAUNCHER_SIZES = ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
@@ -138,10 +145,37 @@ def init_distributed(config: DistributedConfig | None = None) -> None:
         kwargs.update(store=store, rank=int(os.environ["RANK"]),
                       world_size=int(os.environ["WORLD_SIZE"]))
     dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
-    if backend == "gloo" and nccl_semantics.requested() and dist.is_initialized():
+    if backend == "gloo" and nccl_semantics_requested() and dist.is_initialized():
+        from megatron_rlhf.testing import nccl_semantics  # the test mode only
+
         nccl_semantics.install()
     logger.info("initialised %s world of %d ranks%s", backend, dist.get_world_size(),
-                " with NCCL's semantics" if nccl_semantics.installed() else "")
+                " with NCCL's semantics" if nccl_semantics_installed() else "")
+
+
+def nccl_semantics_requested() -> bool:
+    """Whether the environment asks for NCCL's semantics on gloo (:data:`NCCL_SEMANTICS_ENV`)."""
+    return os.environ.get(NCCL_SEMANTICS_ENV, "0") not in ("", "0", "false", "False")
+
+
+def _nccl_emulation() -> ModuleType | None:
+    """The NCCL-semantics emulation if this process has loaded it (only the test mode does)."""
+    return sys.modules.get(_NCCL_EMULATION)
+
+
+def nccl_semantics_installed() -> bool:
+    """Whether this gloo world answers with NCCL's semantics now."""
+    emulation = _nccl_emulation()
+    return emulation is not None and emulation.installed()
+
+
+def supports_split_group() -> bool:
+    """Whether ``torch.distributed.split_group`` can be used in this world: NCCL with a device
+    bound to the default group, or gloo with NCCL's semantics, which emulate it."""
+    if nccl_semantics_installed():
+        return True
+    default = dist.distributed_c10d._get_default_group()
+    return dist.get_backend() == "nccl" and default.bound_device_id is not None
 
 
 def restart_attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
@@ -214,4 +248,6 @@ def destroy_distributed() -> None:
     """Tear the default process group down if it exists."""
     if dist.is_initialized():
         dist.destroy_process_group()
-    nccl_semantics.uninstall()
+    emulation = _nccl_emulation()
+    if emulation is not None:
+        emulation.uninstall()

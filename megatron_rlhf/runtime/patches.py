@@ -167,14 +167,14 @@ PATCHES: tuple[Patch, ...] = (
           "group's first batch, times works from their post, compares group creation order and "
           "emulates split_group, so code that would fail under NCCL fails on CPU. Test mode only "
           "(MEGATRON_RLHF_NCCL_SEMANTICS=1 on a gloo world)",
-          "called by runtime/nccl_semantics.py's install (init_distributed, test mode only); "
+          "called by testing/nccl_semantics.py's install (init_distributed, test mode only); "
           "undone by its uninstall (destroy_distributed)"),
     Patch("torch.distributed.distributed_c10d._get_process_group_name, ProcessGroup._get_backend"
           "(...).options._timeout (private API)",
           "the NCCL-semantics mode names a group's keys in the job's store after the group, and "
           "reads a group's timeout to time its works as NCCL's watchdog does; torch exposes "
           "neither publicly",
-          "called in runtime/nccl_semantics.py (test mode only)"),
+          "called in testing/nccl_semantics.py (test mode only)"),
 )
 
 _WARNING_FILTERS: tuple[tuple[str, type[Warning], str], ...] = (

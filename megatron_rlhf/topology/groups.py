@@ -26,8 +26,8 @@ import torch.distributed as dist
 from megatron.core.hyper_comm_grid import HyperCommGrid
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from megatron_rlhf.runtime.distributed import supports_split_group
 from megatron_rlhf.runtime.logging import get_logger
-from megatron_rlhf.runtime.nccl_semantics import supports_split_group
 from megatron_rlhf.topology.experts import expert_rank_enums
 from megatron_rlhf.topology.grid import DIM_NAMES
 from megatron_rlhf.topology.models import ModelSpec

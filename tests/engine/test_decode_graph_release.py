@@ -100,8 +100,8 @@ def _release_job() -> dict:
     from megatron_rlhf.engine.execution.workers import ModelWorker
     from megatron_rlhf.engine.run.move import LiveRun, drop_run
     from megatron_rlhf.generation.continuous import decode_graphs
-    from megatron_rlhf.generation.graph_standin import EMULATE_ENV
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
+    from megatron_rlhf.testing.graph_standin import EMULATE_ENV
     from tests.generation.helpers import build_tiny
 
     initialize_runtime()

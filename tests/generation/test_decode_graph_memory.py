@@ -24,7 +24,7 @@ from megatron_rlhf.generation.continuous import (
     release_decode_graphs,
 )
 from megatron_rlhf.generation.decode_step import CAPTURE_ERROR_MODE
-from megatron_rlhf.generation.graph_standin import EMULATE_ENV, GraphCaptureError, StandInGraph
+from megatron_rlhf.testing.graph_standin import EMULATE_ENV, GraphCaptureError, StandInGraph
 from tests.generation.helpers import (
     BASE,
     PAD,

@@ -22,7 +22,7 @@ from megatron_rlhf.generation import GenerationConfig, generate_sequences
 from megatron_rlhf.generation import decode_step as decode_step_module
 from megatron_rlhf.generation.continuous import release_decode_graphs
 from megatron_rlhf.generation.episodes import EpisodeConfig, Observation, run_episodes
-from megatron_rlhf.generation.graph_standin import EMULATE_ENV, StandInGraph
+from megatron_rlhf.testing.graph_standin import EMULATE_ENV, StandInGraph
 from tests.generation.helpers import BASE, PAD, assert_same_samples, make_prompts
 from tests.multirank import run_on_ranks
 

@@ -23,7 +23,7 @@ from megatron_rlhf.generation.decode_step import (
     SlotDecoder,
     SlotPrompt,
 )
-from megatron_rlhf.generation.graph_standin import EMULATE_ENV, GraphCaptureError, StandInGraph
+from megatron_rlhf.testing.graph_standin import EMULATE_ENV, GraphCaptureError, StandInGraph
 from tests.generation.helpers import (
     BASE,
     INIT_SEED,

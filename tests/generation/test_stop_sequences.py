@@ -14,9 +14,9 @@ import torch
 from megatron_rlhf.engine.execution.episodes import EpisodeRollouts
 from megatron_rlhf.generation import GenerationConfig, GenerationOutput, generate_sequences
 from megatron_rlhf.generation.episodes import EpisodeConfig, Observation, run_episodes
-from megatron_rlhf.generation.graph_standin import EMULATE_ENV
 from megatron_rlhf.generation.sampling import ends_with_stop_sequence, stop_sequence_tensors
 from megatron_rlhf.rewards.tools import ToolAnswer
+from megatron_rlhf.testing.graph_standin import EMULATE_ENV
 from tests.generation.helpers import BASE, PAD, generate_tiny, make_prompts
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.runtime import nccl_device_rule
-from megatron_rlhf.runtime.nccl_device_rule import HostTensorInCollective, host_made_at
+from megatron_rlhf.testing import nccl_device_rule
+from megatron_rlhf.testing.nccl_device_rule import HostTensorInCollective, host_made_at
 from tests.multirank import run_on_ranks
 
 PROBE = textwrap.dedent("""

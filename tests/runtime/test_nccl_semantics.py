@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.runtime import nccl_semantics
+from megatron_rlhf.runtime.distributed import supports_split_group
+from megatron_rlhf.testing import nccl_semantics
 from tests.multirank import run_on_ranks
 
 pytestmark = pytest.mark.multirank
@@ -139,7 +140,7 @@ def _split_and_defaults() -> dict:
     dist.all_reduce(total, group=mine)
     return {"members": dist.get_process_group_ranks(mine), "sum": total.item(),
             "calls": nccl_semantics.group_calls() - before, "timeout_s": timeout.total_seconds(),
-            "split_supported": nccl_semantics.supports_split_group()}
+            "split_supported": supports_split_group()}
 
 
 def test_split_group_runs_on_gloo_and_groups_get_nccls_default_timeout() -> None:

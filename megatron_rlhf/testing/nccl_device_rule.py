@@ -6,7 +6,7 @@ handed to one of its collectives or point-to-point operations raises ``No backen
 associated with device type cpu`` on every GPU run. On CPU every tensor is a host tensor and
 gloo takes them all, so the suite cannot see the mistake unless something remembers which
 tensors *would* be host tensors on a GPU. This module does, as part of the NCCL-semantics test
-mode (:mod:`~megatron_rlhf.runtime.nccl_semantics`, which installs it; it never runs in
+mode (:mod:`~megatron_rlhf.testing.nccl_semantics`, which installs it; it never runs in
 production):
 
 * A tensor becomes **host-made** where a GPU run would put it in host memory: a factory
@@ -42,8 +42,8 @@ _SITE = "_megatron_rlhf_host_made_at"
 """The attribute a host-made tensor carries: where it was made, ``file:line (function)``."""
 
 _PACKAGE = "megatron_rlhf."
-_NOT_CALLERS = ("megatron_rlhf.runtime.cpu_compat", "megatron_rlhf.runtime.nccl_device_rule",
-                "megatron_rlhf.runtime.nccl_semantics")
+_NOT_CALLERS = ("megatron_rlhf.runtime.cpu_compat", "megatron_rlhf.testing.nccl_device_rule",
+                "megatron_rlhf.testing.nccl_semantics")
 """This package's modules that only relay another caller's torch calls."""
 
 FACTORIES = frozenset({

@@ -28,7 +28,6 @@ CPU stays eager) ``DecodeGraph`` captures into a :class:`StandInGraph` instead:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -36,17 +35,14 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-EMULATE_ENV = "MEGATRON_RLHF_EMULATE_CUDA_GRAPHS"
+from megatron_rlhf.generation.decode_step import EMULATE_GRAPHS_ENV
+
+EMULATE_ENV = EMULATE_GRAPHS_ENV
 """Set to ``1`` to capture the continuous decode step into a :class:`StandInGraph` on CPU."""
 
 
 CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 """The values of ``torch.cuda.graph``'s ``capture_error_mode``."""
-
-
-def emulating_graphs() -> bool:
-    """Whether :data:`EMULATE_ENV` asks for stand-in graphs on CPU."""
-    return os.environ.get(EMULATE_ENV, "") == "1"
 
 
 class GraphCaptureError(RuntimeError):

@@ -39,9 +39,9 @@ on a gloo world; it never runs in production. Each rule names the torch source i
 6. **CUDA tensors only.** A group made with backend ``nccl`` maps only the ``cuda`` device type:
    a host tensor in one of its collectives or point-to-point operations raises ``No backend
    type associated with device type cpu``. Here every tensor a GPU run would hold in host
-   memory is marked where it is made (:mod:`~megatron_rlhf.runtime.nccl_device_rule`), and a
+   memory is marked where it is made (:mod:`~megatron_rlhf.testing.nccl_device_rule`), and a
    collective, ``send``/``recv`` or batched P2P that gets one raises
-   :class:`~megatron_rlhf.runtime.nccl_device_rule.HostTensorInCollective`, naming the file and
+   :class:`~megatron_rlhf.testing.nccl_device_rule.HostTensorInCollective`, naming the file and
    line of the call and of the tensor's making.
 """
 
@@ -50,7 +50,6 @@ from __future__ import annotations
 import datetime
 import functools
 import inspect
-import os
 import sys
 import threading
 import time
@@ -62,10 +61,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from megatron_rlhf.runtime import nccl_device_rule
-
-ENV = "MEGATRON_RLHF_NCCL_SEMANTICS"
-"""``1``: install NCCL's semantics on a gloo world (the test suite's default)."""
+from megatron_rlhf.runtime.distributed import NCCL_SEMANTICS_ENV as ENV
+from megatron_rlhf.testing import nccl_device_rule
 
 NCCL_DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 """torch's ``default_pg_nccl_timeout``: a group created without a timeout gets it under NCCL."""
@@ -91,11 +88,6 @@ class FreshGroupPartialBatch(RuntimeError):
 
 class GroupOrderMismatch(RuntimeError):
     """Ranks created process groups in different orders."""
-
-
-def requested() -> bool:
-    """Whether the environment asks for the mode."""
-    return os.environ.get(ENV, "0") not in ("", "0", "false", "False")
 
 
 @dataclass
@@ -366,12 +358,3 @@ def _split_group(parent_pg=None, split_ranks=None, timeout=None, pg_options=None
         if rank in ranks:
             mine = group
     return mine
-
-
-def supports_split_group() -> bool:
-    """Whether ``torch.distributed.split_group`` can be used in this world: NCCL with a device
-    bound to the default group, or gloo under this mode."""
-    if _state is not None:
-        return True
-    default = distributed_c10d._get_default_group()
-    return dist.get_backend() == "nccl" and default.bound_device_id is not None
