@@ -8,8 +8,9 @@ under NCCL, loading) runs on the GPUs.
         placement.replan.move=true placement.replan.profile=H100-80GB
 
 ``--move STEP=PREFIX`` (repeatable) moves after step STEP to the first candidate placement whose
-label starts with PREFIX (``runner.run_ppo``'s ``forced_moves``); every other argument is
-``tools/run_ppo.py``'s. Exit status: 0 done, 1 the run failed, 2 bad arguments or configuration.
+label starts with PREFIX (``megatron_rlhf.testing.run_hooks.forcing_moves``); every other
+argument is ``tools/run_ppo.py``'s. Exit status: 0 done, 1 the run failed, 2 bad arguments or
+configuration.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_rlhf.config.ppo_run import RunConfig
     from megatron_rlhf.engine.run.runner import run_ppo
     from megatron_rlhf.runtime.distributed import destroy_distributed
+    from megatron_rlhf.testing.run_hooks import forcing_moves
 
     args, overrides = parse_args(rest)
     try:
@@ -55,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_check_move: bad configuration: {error}", file=sys.stderr)
         return 2
     try:
-        run_ppo(config, forced_moves=moves)
+        with forcing_moves(moves):
+            run_ppo(config)
     finally:
         destroy_distributed()
     return 0

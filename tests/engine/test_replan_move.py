@@ -1,11 +1,11 @@
 """Moving a run to another placement inside the job (``placement.replan.move``), on 2 gloo ranks.
 
 A run moves from flattening to separation after step 0 and back after step 1 (forced by the
-test hook ``run_ppo(forced_moves=...)``; its state goes through ``/dev/shm``). Its metrics equal,
-bit for bit, those of runs resumed at the new placement from checkpoints of the same steps; no
-step is lost; the history records each move with its seconds. A run saving into a save dir,
-SIGKILLed while its second move builds the new placement (its checkpoint complete), resumes from
-that checkpoint with the same results. PPO (with a critic) and GRPO.
+test hook ``testing.run_hooks.forcing_moves``; its state goes through ``/dev/shm``). Its
+metrics equal, bit for bit, those of runs resumed at the new placement from checkpoints of the
+same steps; no step is lost; the history records each move with its seconds. A run saving
+into a save dir, SIGKILLed while its second move builds the new placement (its checkpoint
+complete), resumes from that checkpoint with the same results. PPO (with a critic) and GRPO.
 """
 
 from __future__ import annotations
@@ -66,13 +66,14 @@ def _moving_runs(root: str, algorithm: str, profile: str) -> dict:
     import torch.distributed as dist
 
     from megatron_rlhf.engine.run.runner import run_ppo
+    from megatron_rlhf.testing.run_hooks import forcing_moves
 
     replan = ["placement.replan.interval_steps=1", "placement.replan.warmup_steps=0",
               f"placement.replan.profile={profile}", "placement.replan.move=true"]
     run_ppo(_config(root, "P", 2, algorithm, [f"checkpoint.save_dir={root}/ckpt-P",
                                                "checkpoint.save_interval=1"]))
-    run_ppo(_config(root, "M", 3, algorithm, replan),
-            forced_moves={0: SEPARATION, 1: FLATTENING})
+    with forcing_moves({0: SEPARATION, 1: FLATTENING}):
+        run_ppo(_config(root, "M", 3, algorithm, replan))
     run_ppo(_config(root, "R1", 2, algorithm, [
         "placement.strategy=separation", f"checkpoint.resume_from={root}/ckpt-P/step_00000001",
         f"checkpoint.save_dir={root}/ckpt-P", "checkpoint.save_interval=1"]))
@@ -95,6 +96,7 @@ def _killed_while_building(root: str, algorithm: str, profile: str) -> None:
     import signal
 
     from megatron_rlhf.engine.run import runner
+    from megatron_rlhf.testing.run_hooks import forcing_moves
 
     build, calls = runner.build_engine, []
 
@@ -105,10 +107,11 @@ def _killed_while_building(root: str, algorithm: str, profile: str) -> None:
         return build(*args, **kwargs)
 
     runner.build_engine = die_on_third_build
-    runner.run_ppo(_config(root, "K", 3, algorithm, [
-        "placement.replan.interval_steps=1", f"placement.replan.profile={profile}",
-        "placement.replan.move=true", f"checkpoint.save_dir={root}/ckpt-K",
-        "checkpoint.save_interval=2"]), forced_moves={0: SEPARATION, 1: FLATTENING})
+    with forcing_moves({0: SEPARATION, 1: FLATTENING}):
+        runner.run_ppo(_config(root, "K", 3, algorithm, [
+            "placement.replan.interval_steps=1", f"placement.replan.profile={profile}",
+            "placement.replan.move=true", f"checkpoint.save_dir={root}/ckpt-K",
+            "checkpoint.save_interval=2"]))
 
 
 def _resume_killed(root: str, algorithm: str) -> dict | None:
@@ -176,13 +179,15 @@ def _async_runs(root: str, profile: str) -> dict:
     import torch.distributed as dist
 
     from megatron_rlhf.engine.run.runner import run_ppo
+    from megatron_rlhf.testing.run_hooks import forcing_moves
 
     base = ["placement.strategy=separation", "rollout.async_rollout=true",
             "rollout.max_staleness=1"]
     run_ppo(_config(root, "A", 4, "ppo", base))
-    run_ppo(_config(root, "B", 4, "ppo", [
-        *base, "placement.replan.interval_steps=1", f"placement.replan.profile={profile}",
-        "placement.replan.move=true"]), forced_moves={1: SEPARATION})
+    with forcing_moves({1: SEPARATION}):
+        run_ppo(_config(root, "B", 4, "ppo", [
+            *base, "placement.replan.interval_steps=1", f"placement.replan.profile={profile}",
+            "placement.replan.move=true"]))
     if dist.get_rank() != 0:
         return {}
     history = (Path(root) / "B" / "plan_history.jsonl").read_text().splitlines()
@@ -263,7 +268,7 @@ def _replanner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *overrides: str)
         "placement.strategy=separation", "placement.replan.interval_steps=2",
         f"placement.replan.profile={_profile(tmp_path)}", *overrides])
     plan = make_plan(config, cluster_from_environment(config.cluster.pools))
-    return RunReplanner(config, plan, Tracer(), tmp_path, 0, {3: "flattening tp=2", 4: "nowhere"})
+    return RunReplanner(config, plan, Tracer(), tmp_path, 0)
 
 
 def _as_predicted(replanner):
@@ -282,6 +287,8 @@ def _as_predicted(replanner):
 
 def test_a_move_is_chosen_only_when_its_saving_pays_for_it(tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_rlhf.testing.run_hooks import forcing_moves
+
     replanner = _replanner(tmp_path, monkeypatch, "placement.replan.move=true")
     result = _as_predicted(replanner)
     assert _strategy(result.best.label) == "flattening" and result.gain > 0.05
@@ -303,12 +310,14 @@ def test_a_move_is_chosen_only_when_its_saving_pays_for_it(tmp_path: Path,
     assert saving == pytest.approx(per_step) and target is not None
     assert replanner.decide(9, result) == (None, 0.0)  # the last step: nothing to save
 
-    assert replanner.take_target(2) is None
-    forced = replanner.take_target(3)
-    assert forced.forced and forced.label.startswith("flattening tp=2")
-    assert forced.plan["actor"].tp == 2 and "shadow_actor" not in forced.plan.models
-    with pytest.raises(ValueError, match="'nowhere'"):
-        replanner.take_target(4)
+    with forcing_moves({3: "flattening tp=2", 4: "nowhere"}):
+        assert replanner.take_target(2) is None
+        forced = replanner.take_target(3)
+        assert forced.forced and forced.label.startswith("flattening tp=2")
+        assert forced.plan["actor"].tp == 2 and "shadow_actor" not in forced.plan.models
+        with pytest.raises(ValueError, match="'nowhere'"):
+            replanner.take_target(4)
+    assert replanner.take_target(3) is None  # the hook is gone with its block
 
 
 @pytest.mark.parametrize("overrides", [[], ["placement.replan.min_gain=0.99"]])

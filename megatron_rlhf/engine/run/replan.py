@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,7 +76,7 @@ class MoveTarget:
         label: the candidate's label (``planner.describe``).
         config: the run's configuration with that placement (and its memory options).
         plan: its placement plan.
-        forced: chosen by the test hook rather than by the prediction.
+        forced: chosen whatever the prediction (``megatron_rlhf.testing.run_hooks``).
     """
 
     label: str
@@ -145,12 +144,10 @@ class RunReplanner:
         tracer: this rank's tracer (enabled).
         run_dir: where rank 0 writes ``plan_history.jsonl``.
         start: the run's first step (after a resume, the checkpoint's).
-        forced_moves: step -> the start of a candidate's label: move there after that step
-            whatever the prediction (a test hook; needs ``placement.replan.move``).
     """
 
     def __init__(self, config: RunConfig, plan: PlacementPlan, tracer: Tracer, run_dir: Path,
-                 start: int, forced_moves: Mapping[int, str] | None = None) -> None:
+                 start: int) -> None:
         self.settings = config.placement.replan
         self.config, self.steps = config, config.steps
         self.tracer, self.keep_spans = tracer, config.trace
@@ -167,7 +164,6 @@ class RunReplanner:
             self.configs.setdefault(label, chosen)
         self.first_measured = start + self.settings.warmup_steps
         self.max_new_tokens = config.generation.max_new_tokens
-        self.forced = dict(forced_moves or {})
         self.move_cost_s = math.inf
         self._target: MoveTarget | None = None
         self._cursor = 0
@@ -229,19 +225,16 @@ class RunReplanner:
                 or saving <= threshold or not ahead
                 or not loads_checkpoint_of(self.config, self.configs[label])):
             return None, saving
-        return MoveTarget(label, self.configs[label], self._plan(label)), saving
+        return self.target(label), saving
 
     def take_target(self, step: int) -> MoveTarget | None:
-        """Where to move after step ``step`` (a forced move first), or None; once."""
+        """Where to move after step ``step``, or None; once."""
         target, self._target = self._target, None
-        prefix = self.forced.pop(step, None)
-        if prefix is not None:
-            label = next((label for label in self.labels if label.startswith(prefix)), None)
-            if label is None:
-                raise ValueError(f"no candidate placement starts with {prefix!r}: "
-                                 f"{self.labels}")
-            target = MoveTarget(label, self.configs[label], self._plan(label), forced=True)
         return target
+
+    def target(self, label: str) -> MoveTarget:
+        """The move to candidate ``label`` (one of :attr:`labels`)."""
+        return MoveTarget(label, self.configs[label], self._plan(label))
 
     def moved(self, target: MoveTarget, step: int, seconds: float) -> None:
         """The run moved to ``target`` after step ``step`` in ``seconds`` (the same on every

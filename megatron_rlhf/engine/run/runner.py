@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -180,17 +179,11 @@ def assemble_run(config: RunConfig, plan: PlacementPlan, inputs: RunInputs,
     return LiveRun(run, evaluator, HFExporter(config, inputs.sources, tokenizer))
 
 
-def run_ppo(config: RunConfig, skip_state: Collection[str] = (),
-            forced_moves: Mapping[int, str] | None = None) -> Path:
+def run_ppo(config: RunConfig) -> Path:
     """Run PPO as configured; returns the run directory. Every rank calls it.
 
     Args:
         config: the run.
-        skip_state: pieces of ``checkpointing.STATE_PIECES`` not restored on resume (a debug
-            hook for the tests that show each piece is needed).
-        forced_moves: step -> the start of a candidate placement's label: with
-            ``placement.replan.move`` the run moves there after that step whatever the
-            prediction (a test hook for the moving tests).
 
     Raises:
         ValueError, FileNotFoundError: bad configuration, data or checkpoints (before any
@@ -220,8 +213,6 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = (),
                          "would stop after its first step; remove it first")
     check_writable_dir(config.run_dir, "run_dir (--run-dir)")
     check_replan(config, plan.cluster)
-    if forced_moves and not config.placement.replan.move:
-        raise ValueError("forced moves need placement.replan.move=true")
     if config.checkpoint.save_dir:
         check_writable_dir(config.checkpoint.save_dir, "checkpoint.save_dir (--save-dir)")
     initialize_runtime(config.runtime)
@@ -254,14 +245,14 @@ def run_ppo(config: RunConfig, skip_state: Collection[str] = (),
     start = 0
     if resume_from is not None:
         with context.stage("checkpoint/load"), live.run.engine.resident():
-            start = load_rl_checkpoint(live.run, resume_from, skip_state)
+            start = load_rl_checkpoint(live.run, resume_from)
         check_steps_to_go(start, config.steps, resume_from)
     mover = (PlacementMover(config, run_dir, kept_groups,
                             lambda moved, at: assemble_run(moved, at, inputs, load_initial=False),
                             build_seconds, plan)
              if config.placement.replan.enabled and config.placement.replan.move else None)
     try:
-        _train(live, start, run_dir, mover, forced_moves)
+        _train(live, start, run_dir, mover)
     finally:
         if function_rewards is not None:
             function_rewards.close()  # the worker processes, also when a step raised
@@ -334,8 +325,7 @@ def _shape_signature(config: RunConfig) -> tuple[str, ...]:
             f"steps={config.steps}", f"placement={config.placement}")
 
 
-def _train(live: LiveRun, start: int, run_dir: Path, mover: PlacementMover | None,
-           forced_moves: Mapping[int, str] | None) -> None:
+def _train(live: LiveRun, start: int, run_dir: Path, mover: PlacementMover | None) -> None:
     """Steps ``start`` to ``config.steps``; checkpoints by interval, at the end and on SIGTERM;
     with a ``mover``, moves to another placement after a step where re-planning says it pays.
 
@@ -356,8 +346,8 @@ def _train(live: LiveRun, start: int, run_dir: Path, mover: PlacementMover | Non
                                    faults.stopped_ranks if faults is not None else None)
     saver = CheckpointSaver(config.checkpoint)
     stop = False
-    replanner = (RunReplanner(config, run.engine.plan, context.tracer, run_dir, start,
-                              forced_moves) if config.placement.replan.enabled else None)
+    replanner = (RunReplanner(config, run.engine.plan, context.tracer, run_dir, start)
+                 if config.placement.replan.enabled else None)
     if replanner is not None and mover is not None:
         replanner.move_cost_s = mover.estimate_s
     moved: dict[str, float] = {}
