@@ -17,6 +17,7 @@ import torch
 from megatron_rlhf.algorithms import PPOAlgorithmConfig, RunningMoments, build_kl_controller
 from megatron_rlhf.data import ReaderConfig, read_records
 from megatron_rlhf.data.prompts import PromptStream
+from megatron_rlhf.engine.execution import function_rewards
 from megatron_rlhf.engine.execution.function_rewards import FunctionRewards, row_token_ids
 from megatron_rlhf.engine.step.experience import compute_advantages
 from megatron_rlhf.rewards import RewardFunctions, RewardFunctionSpec, parse_reward_functions
@@ -95,7 +96,8 @@ def test_compute_advantages_weighs_function_scores_beside_the_model_and_the_rule
     torch.testing.assert_close(out["advantages"][:, 0], torch.tensor([-0.75, 0.75, -0.75, 0.75]))
 
 
-def test_a_function_failing_on_most_rows_under_on_error_zero_is_warned_about() -> None:
+def test_a_function_failing_on_most_rows_under_on_error_zero_is_warned_about(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """12 of 16 rows without the ``answer`` the function reads: one warning for the step, with
     the share and the first failure; the next step inside the rate limit is counted, not
     warned about; a step at or under the share is quiet."""
@@ -111,16 +113,23 @@ def test_a_function_failing_on_most_rows_under_on_error_zero_is_warned_about() -
     handler.emit = seen.append  # type: ignore[method-assign]
     log = logging.getLogger("megatron_rlhf.engine.execution.function_rewards")
     log.addHandler(handler)
+    clock = [0.0]
+    monkeypatch.setattr(function_rewards, "monotonic", lambda: clock[0])
+
+    def warn_at(now: float, what: str) -> str | None:
+        clock[0] = now
+        return rewards.warn_failures(what)
+
     try:
         rewards.score(input_ids[:8], mask[:8], 1, records[:8], keep_extras=True)
         rewards.score(input_ids[8:], mask[8:], 1, records[8:], keep_extras=True)
-        first = rewards.warn_failures("step 3", now=1000.0)
+        first = warn_at(1000.0, "step 3")
         rewards.score(input_ids, mask, 1, records, keep_extras=True)
-        second = rewards.warn_failures("step 4", now=1010.0)
+        second = warn_at(1010.0, "step 4")
         rewards.score(input_ids[:5], mask[:5], 1, records[:5], keep_extras=True)  # 1 of 5
-        quiet = rewards.warn_failures("step 5", now=2000.0)
+        quiet = warn_at(2000.0, "step 5")
         rewards.score(input_ids, mask, 1, records, keep_extras=True)
-        third = rewards.warn_failures("step 6", now=2000.0)
+        third = warn_at(2000.0, "step 6")
     finally:
         rewards.close()
         log.removeHandler(handler)

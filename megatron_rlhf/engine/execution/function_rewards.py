@@ -11,9 +11,9 @@ with the rest of the experience, where ``compute_advantages`` weighs and logs th
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from time import monotonic
 from typing import Any
 
 import torch
@@ -98,7 +98,7 @@ class FunctionRewards:
         self._extras.clear()
         return sums
 
-    def warn_failures(self, what: str, now: float | None = None) -> str | None:
+    def warn_failures(self, what: str) -> str | None:
         """Warn on the console, from this rank, when more than :data:`WARN_SHARE` of the rows it
         scored (with ``keep_extras``) since the last call had a failed call (``reward.on_error=
         zero`` scores them 0, which is easy to miss in ``reward/errors``), quoting the first
@@ -106,7 +106,6 @@ class FunctionRewards:
 
         Args:
             what: the rows' step, e.g. ``"step 3"``.
-            now: the time (``time.monotonic()``; for tests).
 
         Returns:
             The warning, or None when none was logged.
@@ -115,7 +114,7 @@ class FunctionRewards:
         self._rows, self._failed_rows, self._first_error = 0, 0, ""
         if not rows or failed <= WARN_SHARE * rows:
             return None
-        now = time.monotonic() if now is None else now
+        now = monotonic()
         if self._last_warning is not None and now - self._last_warning < WARN_EVERY_S:
             self._unwarned_steps += 1
             return None
