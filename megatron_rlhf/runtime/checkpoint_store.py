@@ -133,9 +133,10 @@ def checkpoint_bytes(path: Path) -> int:
 
 def _tree_bytes(path: Path) -> int:
     total = 0
-    for file in path.rglob("*"):
-        with contextlib.suppress(OSError):  # another rank may be removing it too
-            total += file.stat().st_size if file.is_file() else 0
+    for root, _, files in os.walk(path):  # os.walk skips folders removed meanwhile
+        for name in files:
+            with contextlib.suppress(OSError):  # another rank may be removing it too
+                total += os.stat(os.path.join(root, name)).st_size
     return total
 
 
@@ -185,6 +186,18 @@ def _size(count: int) -> str:
 def unfinished_saves(save_dir: str | Path) -> list[Path]:
     """Temporary directories of saves that did not finish."""
     return sorted(Path(save_dir).glob("step_*.tmp-*"))
+
+
+def remove_unfinished_saves(save_dir: str | Path) -> None:
+    """Remove the partial saves in ``save_dir`` of a run that stops because the disk filled.
+
+    :func:`removed_when_disk_full` removes a save's directory on the rank that hit the full
+    disk, but another rank may still be writing its own files there, and learn of the failure
+    only later; every rank calls this once its own writes have stopped, so the last one leaves
+    none behind. Complete checkpoints are not touched.
+    """
+    for temp in unfinished_saves(save_dir):
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def read_manifest(path: Path) -> dict[str, Any]:

@@ -121,7 +121,9 @@ def _release_job() -> dict:
             for pair in d.context.key_value_memory_dict.values() for t in pair]
     refs += [weakref.ref(g.graph) for g in kept.graphs.values()]
     model_ref = weakref.ref(model)
-    engine = SimpleNamespace(workers={"shadow_actor": worker})
+    closed = []  # one rank: no transfer channel, only their closing to see
+    engine = SimpleNamespace(workers={"shadow_actor": worker},
+                             channels=SimpleNamespace(close=lambda: closed.append(True)))
     live = LiveRun(SimpleNamespace(engine=engine), None, None)
     held = model  # the old model is still referred to elsewhere
     del model, worker, kept, engine
@@ -131,7 +133,8 @@ def _release_job() -> dict:
     del held
     gc.collect()
     return {"kept_by_default": kept_by_default, "lengths": sorted(lengths), "freed": freed,
-            "alive_while_held": alive, "model_freed": model_ref() is None}
+            "alive_while_held": alive, "model_freed": model_ref() is None,
+            "channels_closed": closed == [True]}
 
 
 @pytest.mark.multirank
@@ -142,3 +145,4 @@ def test_a_move_frees_the_kept_graphs_and_the_old_model() -> None:
     assert result["lengths"] == [32]  # generation_length 30: one 32-long bucket
     assert result["freed"] and all(result["freed"])  # freed although the model is still held
     assert result["alive_while_held"] and result["model_freed"]
+    assert result["channels_closed"]  # drained, their thread ended, before the groups go

@@ -109,7 +109,7 @@ def _engine_gradient(ac_share: bool = False):
                              forward_only=False)
             captured[role] = dict(microbatches=len(microbatches), grads=[
                 param.main_grad.clone() for param in worker.model.parameters()])
-            return {"metrics": [], "grad_norm": 0.0}
+            return {"metrics": [], "grad_norm": 0.0, "lr": 0.0}
 
         trainer.train_step = train_step
 

@@ -64,10 +64,10 @@ def _slow_trainer_run(root: str) -> list[dict]:
 
 
 @pytest.mark.multirank
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(340)
 def test_ranks_that_only_score_outwait_a_trainer_slower_than_the_world_timeout(
         tmp_path: Path) -> None:
-    ranks = run_on_ranks(_slow_trainer_run, world_size=4, args=(str(tmp_path),), timeout_s=400)
+    ranks = run_on_ranks(_slow_trainer_run, world_size=4, args=(str(tmp_path),), timeout_s=300)
     assert [len(steps) for steps in ranks] == [2, 2, 2, 2]
     trainers = [rank for rank, steps in enumerate(ranks) if steps[0]["trains"]]
     assert trainers and len(trainers) < 4, trainers
@@ -123,10 +123,10 @@ def _exchanges(late_s: float) -> dict:
 
 
 @pytest.mark.multirank
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(130)
 def test_the_store_exchange_outwaits_the_world_timeout_and_stops_on_a_stopped_peer() -> None:
     late_s = 2 * WORLD_TIMEOUT_S
-    ranks = run_on_ranks(_exchanges, world_size=3, args=(late_s,), timeout_s=100)
+    ranks = run_on_ranks(_exchanges, world_size=3, args=(late_s,), timeout_s=90)
     for rank, result in enumerate(ranks):
         assert result["first"] == [0, 1, 2] and result["second"] == [0, 10, 20]
         assert result["leftover"] == [], "the last reader deletes the exchange's keys"

@@ -54,7 +54,12 @@ from megatron_rlhf.models.tokenizer import Tokenizer, load_tokenizer
 from megatron_rlhf.rewards import RewardFunctions
 from megatron_rlhf.rewards.tools import CALL_CLOSE, Tools
 from megatron_rlhf.runtime.bootstrap import initialize_runtime
-from megatron_rlhf.runtime.checkpoint_store import check_writable_dir, select_checkpoint
+from megatron_rlhf.runtime.checkpoint_store import (
+    check_writable_dir,
+    is_disk_full,
+    remove_unfinished_saves,
+    select_checkpoint,
+)
 from megatron_rlhf.runtime.context import RunContext
 from megatron_rlhf.runtime.distributed import live_groups
 from megatron_rlhf.runtime.faults import (
@@ -253,6 +258,10 @@ def run_ppo(config: RunConfig) -> Path:
              if config.placement.replan.enabled and config.placement.replan.move else None)
     try:
         _train(live, start, run_dir, mover)
+    except BaseException as error:
+        if config.checkpoint.save_dir and is_disk_full(error):
+            remove_unfinished_saves(config.checkpoint.save_dir)
+        raise
     finally:
         if function_rewards is not None:
             function_rewards.close()  # the worker processes, also when a step raised
