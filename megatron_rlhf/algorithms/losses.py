@@ -67,25 +67,43 @@ def compute_policy_loss(
     log_ratio = torch.where(mask, log_prob - old_log_prob, 0.0)
     log_ratio = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     advantages = torch.where(mask, advantages, 0.0)
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
     high = clip_ratio if clip_ratio_high is None else clip_ratio_high
-    clipped = -advantages * ratio.clamp(1.0 - clip_ratio, 1.0 + high)
-    pg_losses = torch.maximum(unclipped, clipped)
-    dual_active = torch.zeros_like(pg_losses, dtype=torch.bool)
-    if dual_clip is not None:
-        dual_bound = -advantages * dual_clip
-        dual_active = (advantages < 0) & (dual_bound < pg_losses)
-        pg_losses = torch.where(dual_active, dual_bound, pg_losses)
+    pg_losses, clip_active, dual_active = clipped_surrogate(torch.exp(log_ratio), advantages,
+                                                            clip_ratio, high, dual_clip)
     pg_loss = aggregate_loss(pg_losses, response_mask, loss_aggregation)
     dtype = pg_losses.dtype
     metrics = {
         "pg_loss": pg_loss.detach(),
-        "pg_clipfrac": masked_mean((clipped > unclipped).to(dtype), response_mask).detach(),
+        "pg_clipfrac": masked_mean(clip_active.to(dtype), response_mask).detach(),
         "pg_clipfrac_dual": masked_mean(dual_active.to(dtype), response_mask).detach(),
         "ppo_kl": masked_mean(kl_k3(old_log_prob, log_prob.detach()), response_mask).detach(),
     }
     return pg_loss, metrics
+
+
+def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float,
+                      clip_high: float, dual_clip: float | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate loss, elementwise (per token, or per sequence for GSPO).
+
+    Args:
+        ratio: importance ratios; any shape.
+        advantages: same shape as ``ratio``.
+        clip_low, clip_high: the ratio is clipped to ``[1 - clip_low, 1 + clip_high]``.
+        dual_clip: lower bound ``c > 1`` of the dual clip for negative advantages, or None.
+
+    Returns:
+        ``(losses, clip_active, dual_active)``: the losses and where each clip is active.
+    """
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    losses = torch.maximum(unclipped, clipped)
+    dual_active = torch.zeros_like(losses, dtype=torch.bool)
+    if dual_clip is not None:
+        dual_bound = -advantages * dual_clip
+        dual_active = (advantages < 0) & (dual_bound < losses)
+        losses = torch.where(dual_active, dual_bound, losses)
+    return losses, clipped > unclipped, dual_active
 
 
 def compute_kl_loss(

@@ -27,7 +27,11 @@ import torch
 
 from megatron_rlhf.algorithms.aggregation import LOSS_AGGREGATIONS, aggregate_loss
 from megatron_rlhf.algorithms.kl import kl_k3
-from megatron_rlhf.algorithms.losses import _MAX_LOG_RATIO, compute_policy_loss
+from megatron_rlhf.algorithms.losses import (
+    _MAX_LOG_RATIO,
+    clipped_surrogate,
+    compute_policy_loss,
+)
 from megatron_rlhf.algorithms.masked import masked_mean
 from megatron_rlhf.algorithms.registry import Registry
 
@@ -153,15 +157,8 @@ def compute_gspo_policy_loss(
     seq_log_ratio = masked_mean(token_log_ratio, response_mask, dim=-1)
     seq_log_ratio = seq_log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     seq_advantages = masked_mean(torch.where(mask, advantages, 0.0), response_mask, dim=-1)
-    ratio = torch.exp(seq_log_ratio)
-    unclipped = -seq_advantages * ratio
-    clipped = -seq_advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    seq_losses = torch.maximum(unclipped, clipped)
-    dual_active = torch.zeros_like(seq_losses, dtype=torch.bool)
-    if dual_clip is not None:
-        dual_bound = -seq_advantages * dual_clip
-        dual_active = (seq_advantages < 0) & (dual_bound < seq_losses)
-        seq_losses = torch.where(dual_active, dual_bound, seq_losses)
+    seq_losses, clip_active, dual_active = clipped_surrogate(
+        torch.exp(seq_log_ratio), seq_advantages, clip_ratio_low, clip_ratio_high, dual_clip)
     pg_losses = seq_losses[:, None].expand_as(token_log_ratio)
     pg_loss = aggregate_loss(pg_losses, response_mask, loss_aggregation)
     dtype = pg_losses.dtype
@@ -171,7 +168,7 @@ def compute_gspo_policy_loss(
 
     metrics = {
         "pg_loss": pg_loss.detach(),
-        "pg_clipfrac": token_fraction(clipped > unclipped).detach(),
+        "pg_clipfrac": token_fraction(clip_active).detach(),
         "pg_clipfrac_dual": token_fraction(dual_active).detach(),
         "ppo_kl": masked_mean(kl_k3(old_log_prob, log_prob.detach()), response_mask).detach(),
     }
