@@ -26,7 +26,7 @@ from megatron.core.distributed import (
     finalize_model_grads,
 )
 from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
-    update_uneven_dtensor_chunk_metadata,
+    gather_and_compute_chunk_metadata,
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -423,9 +423,10 @@ def _full_tensor(dtensor: DTensor) -> torch.Tensor:
     """
     local = dtensor.to_local()
     mesh = dtensor.device_mesh
-    if not hasattr(local, "__create_chunk_list__"):
-        update_uneven_dtensor_chunk_metadata(dtensor)
-    (chunk,) = dtensor.__create_chunk_list__()
+    # Always gathered, never read from the chunk list megatron may have attached to the local
+    # tensor: whether that attribute is still there can differ between ranks, and a rank that
+    # skipped the gather would pair its next collective with another rank's gather.
+    chunk = gather_and_compute_chunk_metadata(dtensor)
     full = torch.zeros(dtensor.shape, dtype=local.dtype, device=local.device)
     region = zip(chunk.offsets, local.shape, strict=True)
     full[tuple(slice(start, start + size) for start, size in region)] = local
