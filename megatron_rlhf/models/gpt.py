@@ -57,6 +57,7 @@ from megatron_rlhf.models.te_attention import packed_te_core_attention
 from megatron_rlhf.runtime.cpu_compat import seed_model_parallel_rng
 from megatron_rlhf.runtime.device import compute_device
 from megatron_rlhf.runtime.patches import define_moe_router_gemm
+from megatron_rlhf.topology.models import padded_vocab_size
 
 
 def resolve_transformer_impl(transformer_impl: str, needs_kv_cache: bool) -> str:
@@ -148,12 +149,6 @@ class PolicyValueHead(torch.nn.Module):
 def split_policy_value(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Split an AC-Share model output ``[b, s, v_local + 1]`` into logits and values ``[b, s]``."""
     return output[..., :-1], output[..., -1]
-
-
-def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 128) -> int:
-    """Megatron's vocabulary padding: a multiple of ``divisible_by * tp_size``."""
-    multiple = divisible_by * tp_size
-    return -(-vocab_size // multiple) * multiple
 
 
 def transformer_config(arch: Architecture, options: ModelBuildOptions,

@@ -3,10 +3,14 @@
     spec = ModelSpec("actor", arch_preset("llama-65b"), trainable=True, tp=8, pp=2)
     spec.bytes_per_device(dp=4)   # weights + grads + sharded Adam state, per device
 
-Architecture presets are for planning (parameter counts, divisibility checks): ``tiny`` and
-``small`` are CPU-sized GPTs, ``llama-7b/13b/33b/65b`` carry the public LLaMA numbers. A
-mixture-of-experts model's MLPs are described by ``ExpertSpec`` (from ``models.moe``): its
-parameters are every expert's, the parameters a token passes through only its ``topk`` experts'.
+``ArchSpec`` is the one record of a model's architecture, mixture of experts included: the
+planner counts its parameters and checks divisibility, ``models.gpt`` builds the network from it,
+a checkpoint's ``megatron_rlhf.json`` records it and the Hugging Face conversion maps it to and
+from ``config.json``. How a model is run (dtype, head, recomputation, layer implementation) is
+not architecture: that is ``models.options.ModelBuildOptions``. Presets: ``tiny`` and ``small``
+are CPU-sized, ``llama-7b/13b/33b/65b`` carry the public LLaMA numbers. A mixture-of-experts
+model's MLPs are an ``ExpertSpec``: its parameters are every expert's, the parameters a token
+passes through only its ``topk`` experts'.
 
 Vocabulary sizes need not divide TP: Megatron pads the vocabulary to a multiple of
 ``make_vocab_size_divisible_by * tp`` (128 * tp here), so the plan counts the padded size.
@@ -47,6 +51,13 @@ _MAIN_GRAD_BYTES = 4
 _GIB = 1024**3
 
 
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
+    """Megatron's vocabulary padding: the multiple of ``divisible_by * tp`` at or above
+    ``vocab_size`` (the embedding's rows at that TP)."""
+    multiple = divisible_by * tp
+    return math.ceil(vocab_size / multiple) * multiple
+
+
 @dataclass(frozen=True)
 class ExpertSpec:
     """The mixture-of-experts MLP of every layer (megatron's MoE layer, ``models.moe``).
@@ -56,12 +67,17 @@ class ExpertSpec:
         topk: experts each token is routed to.
         ffn_hidden_size: width of one expert's MLP.
         shared_ffn_size: width of a shared expert every token also passes through; 0: none.
+        renormalize_topk: the chosen experts' weights are the softmax over their own router
+            logits, summing to 1 (Mixtral; Qwen3-MoE with ``norm_topk_prob``); false: their
+            probabilities in the softmax over every expert (megatron's
+            ``moe_router_pre_softmax``). The planner does not read it.
     """
 
     num_experts: int
     topk: int
     ffn_hidden_size: int
     shared_ffn_size: int = 0
+    renormalize_topk: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "topk", "ffn_hidden_size"):
@@ -77,7 +93,12 @@ class ExpertSpec:
 
 @dataclass(frozen=True)
 class ArchSpec:
-    """Transformer architecture numbers needed for planning.
+    """A transformer's architecture: what its weights are and what they compute.
+
+    Every field reaches the planner (through the numbers it counts), the built network
+    (``models.gpt.transformer_config``), a checkpoint's description (``models.description``) and
+    the Hugging Face ``config.json`` mapping (``models.hf_config``); a new field is added here, in
+    the builder and in that mapping (CONTRIBUTING.md, "Add a layer field").
 
     Attributes:
         name: preset name, or any label for a custom architecture.
@@ -87,15 +108,22 @@ class ArchSpec:
         vocab_size: tokenizer vocabulary (unpadded).
         seq_length: maximum sequence length.
         ffn_hidden_size: MLP width.
-        gated_mlp: SwiGLU MLP (three matrices, LLaMA) instead of two (GPT).
+        gated_mlp: SwiGLU MLP (three matrices, LLaMA) instead of two (GPT); ``models.gpt``
+            builds the SwiGLU one only.
         num_query_groups: key/value heads (grouped-query attention); 0 means one per attention
             head (multi-head attention).
-        rotary_base: RoPE theta, the base of the rotary position embedding of a model built
-            from these numbers (one started from a checkpoint takes the checkpoint's); the
-            planner does not read it.
+        rotary_base: RoPE theta, the base of the rotary position embedding; the planner does
+            not read it.
         head_dim: channels per attention head (megatron's ``kv_channels``; Qwen3 has 128 at
             ``hidden_size`` 2048 and 32 heads); 0 means ``hidden_size / num_attention_heads``.
-        qk_norm: RMSNorm of each query and key head before RoPE (Qwen3).
+        qk_norm: RMSNorm of each query and key head before RoPE (Qwen3; megatron's
+            ``qk_layernorm``).
+        qkv_bias: a bias on the fused QKV projection only (Qwen2; megatron's ``add_qkv_bias``);
+            the planner does not count it.
+        norm_epsilon: the RMSNorms' epsilon.
+        rope_scaling_factor: Llama-3 RoPE frequency scaling factor (megatron's ``rope_scaling``,
+            with its fixed low/high frequency factors 1 and 4 and original context 8192); 0: no
+            scaling.
         experts: the MoE MLP replacing the dense one in every layer; None: dense. Not a
             ``models.arch`` field: set from ``models.moe``.
     """
@@ -112,6 +140,9 @@ class ArchSpec:
     rotary_base: int = 10000
     head_dim: int = 0
     qk_norm: bool = False
+    qkv_bias: bool = False
+    norm_epsilon: float = 1e-5
+    rope_scaling_factor: float = 0.0
     experts: ExpertSpec | None = None
 
     def __post_init__(self) -> None:
@@ -136,11 +167,15 @@ class ArchSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"arch {self.name!r}: {name}={value!r} must be an integer >= 1")
+        numbers = (self.norm_epsilon, self.rope_scaling_factor)
+        if (not all(isinstance(x, int | float) and not isinstance(x, bool) for x in numbers)
+                or not self.norm_epsilon > 0 or not self.rope_scaling_factor >= 0):
+            raise ValueError(f"arch {self.name!r}: norm_epsilon={self.norm_epsilon!r} must be > 0 "
+                             f"and rope_scaling_factor={self.rope_scaling_factor!r} >= 0 (0: none)")
 
     def padded_vocab_size(self, tp: int) -> int:
         """Vocabulary size after Megatron's padding to a multiple of ``128 * tp``."""
-        multiple = VOCAB_DIVISIBLE_BY * tp
-        return math.ceil(self.vocab_size / multiple) * multiple
+        return padded_vocab_size(self.vocab_size, tp)
 
     @property
     def head_channels(self) -> int:
@@ -228,8 +263,9 @@ def arch_preset(arch: str | ArchSpec) -> ArchSpec:
 def resolve_arch(arch: str | ArchSpec | Mapping[str, Any]) -> ArchSpec:
     """An architecture from a configuration: a preset name, or a mapping of ``ArchSpec``'s
     fields (``num_layers``, ``hidden_size``, ``num_attention_heads``, ``vocab_size``,
-    ``seq_length``, ``ffn_hidden_size``; optionally ``gated_mlp``, ``num_query_groups``,
-    ``rotary_base``, ``head_dim``, ``qk_norm`` and a ``name``), as ``models.arch`` takes it.
+    ``seq_length``, ``ffn_hidden_size``; optionally the others, such as ``gated_mlp``,
+    ``num_query_groups``, ``rotary_base``, ``head_dim``, ``qk_norm`` and a ``name``), as
+    ``models.arch`` takes it.
     Experts are not among them: they come from ``models.moe``.
 
     Raises:
