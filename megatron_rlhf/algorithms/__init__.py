@@ -14,6 +14,8 @@ Tensors are ``[batch, response_len]`` with a 0/1 ``response_mask``. Map of the f
 - ``losses.py``: clipped policy loss, KL loss term, clipped value loss, entropy bonus.
 - ``policy_losses.py``: the ``POLICY_LOSSES`` registry (``algorithm.policy_loss``): ppo (the
   clipped loss above) and gspo (sequence-level ratio and clip).
+- ``off_policy.py``: the ``OFF_POLICY_CORRECTIONS`` registry (``algorithm.off_policy``): none,
+  decoupled (clip around the proximal policy, behaviour importance weight) and truncated_is.
 
 One experience batch, in order::
 
@@ -83,6 +85,15 @@ from megatron_rlhf.algorithms.losses import (
     entropy_from_logits,
 )
 from megatron_rlhf.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from megatron_rlhf.algorithms.off_policy import (
+    OFF_POLICY_CORRECTIONS,
+    OffPolicyCorrection,
+    OffPolicyFunction,
+    get_off_policy,
+    importance_weights,
+    off_policy_metrics,
+    register_off_policy,
+)
 from megatron_rlhf.algorithms.policy_losses import (
     POLICY_LOSSES,
     PolicyLoss,
@@ -103,6 +114,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "KL_PLACEMENTS",
     "LOSS_AGGREGATIONS",
+    "OFF_POLICY_CORRECTIONS",
     "POLICY_LOSSES",
     "SCORE_NORMALIZATIONS",
     "AdaptiveKLController",
@@ -111,6 +123,8 @@ __all__ = [
     "FixedKLController",
     "KLController",
     "KLEstimator",
+    "OffPolicyCorrection",
+    "OffPolicyFunction",
     "PPOAlgorithmConfig",
     "PolicyLoss",
     "PolicyLossFunction",
@@ -134,7 +148,9 @@ __all__ = [
     "entropy_from_logits",
     "get_advantage_estimator",
     "get_kl_estimator",
+    "get_off_policy",
     "get_policy_loss",
+    "importance_weights",
     "kl_k1",
     "kl_k2",
     "kl_k3",
@@ -145,7 +161,9 @@ __all__ = [
     "masked_whiten",
     "mean_sequence_kl",
     "normalize_scores",
+    "off_policy_metrics",
     "register_advantage_estimator",
     "register_kl_estimator",
+    "register_off_policy",
     "register_policy_loss",
 ]

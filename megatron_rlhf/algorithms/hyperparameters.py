@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from megatron_rlhf.algorithms.advantages import ADVANTAGE_ESTIMATORS, get_advantage_estimator
 from megatron_rlhf.algorithms.aggregation import LOSS_AGGREGATIONS
 from megatron_rlhf.algorithms.kl import KL_ESTIMATORS
+from megatron_rlhf.algorithms.off_policy import OFF_POLICY_CORRECTIONS
 from megatron_rlhf.algorithms.policy_losses import POLICY_LOSSES, get_policy_loss
 from megatron_rlhf.algorithms.rewards import SCORE_NORMALIZATIONS
 
@@ -60,6 +61,13 @@ class PPOAlgorithmConfig:
     """GSPO only: clip range of the sequence ratio below 1, in (0, 1) (the paper: 3e-4)."""
     gspo_clip_ratio_high: float = 4e-4
     """GSPO only: clip range of the sequence ratio above 1, > 0 (the paper: 4e-4)."""
+    off_policy: str = "none"
+    """A name in ``OFF_POLICY_CORRECTIONS``: none (PPO's ratio against the experience's old
+    log-probs), decoupled (the ratio clipped around the trainer's log-probs before the step's
+    update, each token weighted by ``exp(proximal - behaviour)``) or truncated_is (that weight
+    capped at ``off_policy_cap``); see ``algorithms/off_policy.py``."""
+    off_policy_cap: float = 2.0
+    """truncated_is only: the importance weight of a token is capped at this, >= 1."""
     dual_clip: float | None = None
     """Dual-clip bound ``c`` (> 1) for negative advantages; None disables it."""
     value_clip: float | None = 0.2
@@ -147,6 +155,16 @@ class PPOAlgorithmConfig:
             f"{LOSS_AGGREGATIONS}",
         )
         self._check_policy_loss()
+        _require(
+            self.off_policy in OFF_POLICY_CORRECTIONS,
+            f"off_policy({self.off_policy!r}) is unknown; use one of "
+            f"{list(OFF_POLICY_CORRECTIONS)}",
+        )
+        _require(
+            math.isfinite(self.off_policy_cap) and self.off_policy_cap >= 1.0,
+            f"off_policy_cap({self.off_policy_cap}) must be a finite number >= 1; e.g. "
+            "off_policy_cap=2.0",
+        )
         _require(0.0 <= self.gamma <= 1.0, f"gamma({self.gamma}) must be in [0, 1]; e.g. gamma=1.0")
         _require(0.0 <= self.lam <= 1.0, f"lam({self.lam}) must be in [0, 1]; e.g. lam=0.95")
         _require(

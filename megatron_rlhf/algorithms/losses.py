@@ -30,6 +30,7 @@ def compute_policy_loss(
     dual_clip: float | None = None,
     loss_aggregation: str = "token_mean",
     clip_ratio_high: float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate objective of PPO (Schulman et al., 2017), optionally dual-clipped.
 
@@ -55,6 +56,8 @@ def compute_policy_loss(
         loss_aggregation: How the per-token losses become ``pg_loss``, one of
             ``LOSS_AGGREGATIONS`` (see ``aggregate_loss``); the clip metrics stay token means.
         clip_ratio_high: Clip range of the ratio above 1; ``None``: ``clip_ratio``.
+        token_weights: ``[batch, response_len]`` detached weights of the per-token losses
+            before aggregation (an off-policy correction, ``off_policy.py``); None: all 1.
 
     Returns:
         ``(pg_loss, metrics)``: the 0-dim loss and detached 0-dim metrics ``pg_loss``,
@@ -70,6 +73,8 @@ def compute_policy_loss(
     high = clip_ratio if clip_ratio_high is None else clip_ratio_high
     pg_losses, clip_active, dual_active = clipped_surrogate(torch.exp(log_ratio), advantages,
                                                             clip_ratio, high, dual_clip)
+    if token_weights is not None:
+        pg_losses = pg_losses * token_weights
     pg_loss = aggregate_loss(pg_losses, response_mask, loss_aggregation)
     dtype = pg_losses.dtype
     metrics = {

@@ -5,7 +5,7 @@ A policy loss is one function registered where it is defined, with the loss aggr
 makes sense under; the config's allowed values and its aggregation check read the registry::
 
     @register_policy_loss("my_loss", loss_aggregations=("token_mean",))
-    def my_loss(log_prob, old_log_prob, advantages, response_mask, config):
+    def my_loss(log_prob, old_log_prob, advantages, response_mask, config, token_weights=None):
         ...  # [batch, response_len] each in; (0-dim pg_loss, metrics) out
         return pg_loss, {"pg_loss": pg_loss.detach(), ...}
 
@@ -44,7 +44,8 @@ class PolicyLossFunction(Protocol):
 
     def __call__(self, log_prob: torch.Tensor, old_log_prob: torch.Tensor,
                  advantages: torch.Tensor, response_mask: torch.Tensor,
-                 config: PPOAlgorithmConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                 config: PPOAlgorithmConfig, token_weights: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(pg_loss, metrics)`` of one (micro-)batch.
 
         Args:
@@ -54,6 +55,8 @@ class PolicyLossFunction(Protocol):
             advantages: ``[batch, response_len]`` advantages.
             response_mask: ``[batch, response_len]`` 0/1 mask of real response tokens.
             config: the algorithm's settings (clip ranges, ``loss_aggregation``, ...).
+            token_weights: ``[batch, response_len]`` detached weights of the per-token losses
+                (``algorithm.off_policy``, ``off_policy.py``); None: all 1.
 
         Returns:
             The 0-dim loss, reduced with ``config.loss_aggregation``, and detached 0-dim metrics
@@ -122,6 +125,7 @@ def compute_gspo_policy_loss(
     clip_ratio_high: float,
     dual_clip: float | None = None,
     loss_aggregation: str = "seq_mean_token_mean",
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO's clipped surrogate objective with one importance ratio per response.
 
@@ -145,6 +149,9 @@ def compute_gspo_policy_loss(
         dual_clip: Lower bound ``c > 1`` of the dual clip; ``None`` disables it.
         loss_aggregation: one of ``LOSS_AGGREGATIONS``; GSPO is registered for
             ``seq_mean_token_mean`` only.
+        token_weights: ``[batch, response_len]`` detached weights of the per-token losses
+            after the response's loss stands on each token (an off-policy correction); None:
+            all 1.
 
     Returns:
         ``(pg_loss, metrics)``: the 0-dim loss and detached 0-dim metrics ``pg_loss``,
@@ -160,6 +167,8 @@ def compute_gspo_policy_loss(
     seq_losses, clip_active, dual_active = clipped_surrogate(
         torch.exp(seq_log_ratio), seq_advantages, clip_ratio_low, clip_ratio_high, dual_clip)
     pg_losses = seq_losses[:, None].expand_as(token_log_ratio)
+    if token_weights is not None:
+        pg_losses = pg_losses * token_weights
     pg_loss = aggregate_loss(pg_losses, response_mask, loss_aggregation)
     dtype = pg_losses.dtype
 
@@ -178,21 +187,23 @@ def compute_gspo_policy_loss(
 @register_policy_loss("ppo")
 def ppo_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor,
                     advantages: torch.Tensor, response_mask: torch.Tensor,
-                    config: PPOAlgorithmConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                    config: PPOAlgorithmConfig, token_weights: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's token-level clipped surrogate (``compute_policy_loss``) with ``clip_ratio_low`` /
     ``clip_ratio_high`` and ``dual_clip``; under every aggregation."""
     low, high = config.clip_ratios
     return compute_policy_loss(log_prob, old_log_prob, advantages, response_mask, low,
-                               config.dual_clip, config.loss_aggregation, high)
+                               config.dual_clip, config.loss_aggregation, high, token_weights)
 
 
 @register_policy_loss("gspo", loss_aggregations=("seq_mean_token_mean",))
 def gspo_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor,
                      advantages: torch.Tensor, response_mask: torch.Tensor,
-                     config: PPOAlgorithmConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                     config: PPOAlgorithmConfig, token_weights: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO's sequence-level clipped surrogate (``compute_gspo_policy_loss``) with
     ``gspo_clip_ratio_low`` / ``gspo_clip_ratio_high`` and ``dual_clip``; its loss is one per
     response, so only ``seq_mean_token_mean`` (each response weighs the same) applies."""
     return compute_gspo_policy_loss(log_prob, old_log_prob, advantages, response_mask,
                                     config.gspo_clip_ratio_low, config.gspo_clip_ratio_high,
-                                    config.dual_clip, config.loss_aggregation)
+                                    config.dual_clip, config.loss_aggregation, token_weights)

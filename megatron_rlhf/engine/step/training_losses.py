@@ -20,6 +20,7 @@ from megatron_rlhf.algorithms import (
     compute_entropy_loss,
     compute_kl_loss,
     compute_value_loss,
+    get_off_policy,
     get_policy_loss,
 )
 from megatron_rlhf.engine.execution.workers import ModelWorker
@@ -53,13 +54,17 @@ def actor_loss_fn(worker: ModelWorker, prompt_length: int, temperature: float,
                   config: PPOAlgorithmConfig) -> LossFn:
     """Policy loss (``algorithm.policy_loss``) + entropy bonus (+ value loss with a shared trunk,
     AC-Share; + KL loss to the reference, from the batch's ``ref_logprobs``, when
-    ``kl_in="loss"``).
+    ``kl_in="loss"``). The ratio is taken against, and the per-token losses weighted by, what
+    ``algorithm.off_policy`` says (``algorithms/off_policy.py``): with ``none`` against the
+    batch's ``old_logprobs``; otherwise against its ``proximal_logprobs``, weighted by their
+    importance against the behaviour's ``gen_logprobs``.
 
     A micro-batch of PPO-ptx demonstrations (it has a ``loss_mask``) contributes its summed
     response NLL times its ``ptx_weight`` and no count (``PPOAlgorithm._supervised_rows``).
     """
     token_mean = config.loss_aggregation == "token_mean"
     policy_loss = get_policy_loss(config.policy_loss).compute
+    off_policy = get_off_policy(config.off_policy).compute
 
     def loss_fn(output: torch.Tensor, batch: dict[str, torch.Tensor]):
         if "loss_mask" in batch:
@@ -75,8 +80,12 @@ def actor_loss_fn(worker: ModelWorker, prompt_length: int, temperature: float,
         count = tokens if token_mean else aggregation_denominator(mask, config.loss_aggregation)
         logprobs, entropy = worker.token_logprobs(output, batch, prompt_length, temperature,
                                                   with_entropy=config.entropy_coef > 0)
-        loss, metrics = policy_loss(logprobs, batch["old_logprobs"], batch["advantages"], mask,
-                                    config)
+        anchor, weights = off_policy(batch["old_logprobs"], batch.get("gen_logprobs"),
+                                     batch.get("proximal_logprobs"), mask, config)
+        # A loss registered without ``token_weights`` still serves off_policy=none.
+        weighted = {} if weights is None else {"token_weights": weights}
+        loss, metrics = policy_loss(logprobs, anchor, batch["advantages"], mask, config,
+                                    **weighted)
         if config.kl_in == "loss":
             kl_loss, kl_metrics = compute_kl_loss(logprobs, batch["ref_logprobs"], mask,
                                                   config.kl_loss_estimator,
