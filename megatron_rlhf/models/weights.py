@@ -37,6 +37,8 @@ _VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight",
                    "output_layer.lm_head.weight")
 _SCALED_INIT = ("self_attention.linear_proj.weight", "linear_fc2.weight")
 _LOCAL_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.")
+_GLU_ROWS = ("linear_fc1.weight", "linear_fc1.adapter.lora_b")
+"""SwiGLU's fc1 weight and its LoRA ``B`` (``models.lora``): [gate; up] rows per TP shard."""
 
 
 @dataclass(frozen=True)
@@ -75,8 +77,7 @@ def shard_rules(model: GPTModel) -> Iterator[tuple[str, torch.nn.Parameter, Shar
         yield name, param, ShardRule(
             global_name=_global_name(model, name),
             partition_dim=int(param.partition_dim) if is_tp else None,
-            glu_halves=is_tp and name.endswith("linear_fc1.weight")
-            and model.config.gated_linear_unit,
+            glu_halves=is_tp and name.endswith(_GLU_ROWS) and model.config.gated_linear_unit,
             vocab_rows=model.real_vocab_size if is_tp and name in _VOCAB_PARALLEL else None,
         )
 
