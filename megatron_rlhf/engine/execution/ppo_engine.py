@@ -396,6 +396,37 @@ class PPOEngine:
                           for name, tensor in supervised.items()}
         return worker.train(fields, loss_fn, supervised)
 
+    def compute_proximal_logprobs(self, experience: DistBatch, temperature: float) -> None:
+        """The actor's log-probs of every experience row before this step's first update, as
+        the batch's ``proximal_logprobs`` (an off-policy correction's proximal policy).
+
+        DP replica ``d`` computes the ``d``-th share of the rows and the replicas gather them,
+        so every rank of the actor's last stage holds all of them, as it holds every other
+        field; other ranks get none (no loss is computed there). Collective over the actor's
+        ranks.
+
+        Raises:
+            ValueError: the actor's DP size does not divide the batch.
+        """
+        if ACTOR not in self.workers or experience.fields is None:
+            return
+        worker = self.workers[ACTOR]
+        dp_rank, dp = worker.pg_collection.dp.rank(), self.plan[ACTOR].dp
+        if experience.batch_size % dp:
+            raise ValueError(f"the actor's dp({dp}) does not divide the step's "
+                             f"{experience.batch_size} rows; the proximal log-probs "
+                             "(algorithm.off_policy) are computed in equal shares")
+        device = experience.fields["input_ids"].device
+        rows = _replica_share(torch.arange(experience.batch_size, device=device), dp_rank, dp)
+        fields = {name: experience.fields[name][rows] for name in ("input_ids", "attention_mask")}
+        with self.context.span("experience", ACTOR):
+            share = worker.compute_log_prob(fields, self.prompt_length, temperature)
+        if share is None:  # not the last pipeline stage
+            return
+        shares = [torch.empty_like(share) for _ in range(dp)]
+        dist.all_gather(shares, share.contiguous(), group=worker.pg_collection.dp)
+        experience.fields["proximal_logprobs"] = torch.cat(shares)
+
     def sync_weights(self) -> None:
         """Copy trained weights into the shadows (no-op without shadows). Collective."""
         for role in self.trainable_roles:

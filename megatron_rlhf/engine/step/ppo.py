@@ -33,6 +33,8 @@ from megatron_rlhf.algorithms import (
     RunningMoments,
     aggregation_denominator,
     build_kl_controller,
+    get_off_policy,
+    off_policy_metrics,
 )
 from megatron_rlhf.config.ppo_run import RewardConfig, RolloutConfig
 from megatron_rlhf.data.demonstrations import DemonstrationStream
@@ -288,6 +290,8 @@ class PPOAlgorithm:
         if CRITIC in engine.workers:
             loss_fns[CRITIC] = critic_loss_fn(engine.workers[CRITIC], engine.prompt_length,
                                               self.algorithm)
+        if get_off_policy(self.algorithm.off_policy).needs_proximal:
+            self._proximal_logprobs(experience)
         train_sums: dict[str, float] = {}
         minibatches = self._minibatches(experience.batch.batch_size, experience.step)
         for index, rows in enumerate(minibatches):
@@ -300,6 +304,18 @@ class PPOAlgorithm:
                     result = engine.update(role, experience.batch, rows, loss_fn, supervised)
                 accumulate_train_sums(train_sums, role, result, engine.workers[role])
         return train_sums
+
+    def _proximal_logprobs(self, experience: Experience) -> None:
+        """The actor's log-probs before this step's update (``algorithm.off_policy``), and the
+        correction's metrics (``off_policy_metrics``) where they are."""
+        engine = self.engine
+        engine.compute_proximal_logprobs(experience.batch, engine.generation.temperature)
+        fields = experience.batch.fields
+        if fields is not None and "proximal_logprobs" in fields:
+            truncated = self.algorithm.off_policy == "truncated_is"
+            experience.metrics.update(off_policy_metrics(
+                fields["gen_logprobs"], fields["proximal_logprobs"], fields["response_mask"],
+                self.algorithm.off_policy_cap if truncated else None))
 
     def _supervised_rows(self, experience: Experience, rows: torch.Tensor,
                          update: int) -> dict[str, torch.Tensor]:
