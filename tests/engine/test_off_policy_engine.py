@@ -4,7 +4,8 @@ Synchronously the trainer's log-probs before the update (proximal) are the sampl
 to rounding, so ``decoupled`` trains as ``none`` does and its importance weights are 1. Under
 asynchronous separation the shadows sample step 1 with step 0's weights while the trainer has
 already moved: the weights move away from 1, and ``truncated_is`` with a cap of 1 clips every
-token whose weight is above it, changing the loss only from that step on.
+token whose weight is above it, changing the loss only from that step on. Every token records
+the weight version that sampled it: staleness 0 synchronously, then 1 from step 1 on.
 """
 
 from __future__ import annotations
@@ -90,7 +91,15 @@ def test_off_policy_corrections_in_synchronous_and_asynchronous_separation() -> 
         assert got["off_policy/weight_max"] == pytest.approx(1.0, abs=1e-4)
         assert_metrics_match(got, want, COMPARED, f"sync decoupled step {step}", rel=1e-4)
 
+    for step, got in enumerate(synchronous):
+        assert (got["rollout/staleness_mean"], got["rollout/staleness_max"]) == (0.0, 0.0)
+        assert (got["rollout/versions_per_answer"], got["rollout/partial_fraction"],
+                got["rollout/dropped_stale"]) == (1.0, 0.0, 0.0), (step, got)
+
     asynchronous = results["async_decoupled"]["metrics"]
+    assert [m["rollout/staleness_max"] for m in asynchronous] == [0.0, *[1.0] * (STEPS - 1)]
+    assert [m["rollout/staleness_mean"] for m in asynchronous] == [0.0, *[1.0] * (STEPS - 1)]
+    assert all(m["rollout/dropped_stale"] == 0.0 for m in asynchronous)
     truncated = results["async_truncated"]["metrics"]
     # Step 0 trains on what the current weights sampled; later steps on one step older tokens.
     assert asynchronous[0]["off_policy/logprob_gap"] < 1e-5

@@ -49,6 +49,13 @@ from megatron_rlhf.engine.step.dynamic_sampling import (
     shared_decision,
 )
 from megatron_rlhf.engine.step.experience import compute_advantages, sequence_scores
+from megatron_rlhf.engine.step.staleness import (
+    VERSION_FIELD,
+    drop_answers,
+    stale_answers,
+    staleness_metrics,
+    token_versions,
+)
 from megatron_rlhf.engine.step.step_metrics import (
     STEP_END,
     accumulate_train_sums,
@@ -157,12 +164,12 @@ class PPOAlgorithm:
             # and what the shadows run ahead with.
             for ahead in range(max(1, self.staleness)):
                 if step + ahead < self.total_steps:
-                    self._queue.append(self.produce(step + ahead))
+                    self._queue.append(self.produce(step + ahead, version=step))
         experience = self._queue.popleft()
         train_sums = {**self.consume(experience), **experience.reward_sums}
         if self.staleness and step + self.staleness < self.total_steps:
             # Shadows generate ahead while the trainers above were busy; then both meet here.
-            self._queue.append(self.produce(step + self.staleness))
+            self._queue.append(self.produce(step + self.staleness, version=step))
         with self.engine.context.span("sync_weights"):
             self.engine.sync_weights()
         peaks = self.engine.context.memory.take()
@@ -196,8 +203,11 @@ class PPOAlgorithm:
         """Continue with ``experiences`` (from a checkpoint) as the experience produced ahead."""
         self._queue = deque(experiences)
 
-    def produce(self, step: int) -> Experience:
+    def produce(self, step: int, version: int | None = None) -> Experience:
         """Generate and score step ``step``'s prompts; advantages on the trainer ranks.
+
+        ``version`` is the weight version that generates (``engine/step/staleness.py``), which
+        every response token records; None: ``step``, as in a synchronous step.
 
         The prompts go through in ``rollout.pipeline_chunks`` chunks: a generating rank starts on
         chunk ``i + 1`` while the experience models score chunk ``i``. A chunk holds whole
@@ -208,7 +218,11 @@ class PPOAlgorithm:
         metrics: dict[str, float] = {}
         if self.algorithm.dynamic_sampling:
             batch, metrics = self._dynamic_sample(step, batch)
+        batch.schema = {**batch.schema, VERSION_FIELD: (torch.int64, batch.schema[
+            "response_mask"][1])}
         if batch.fields is not None:
+            batch.fields[VERSION_FIELD] = token_versions(batch.fields["response_mask"],
+                                                         step if version is None else version)
             before = self.state_dict()
             with self.engine.context.span("advantages"):
                 batch.fields, advantage_metrics = compute_advantages(
@@ -290,6 +304,8 @@ class PPOAlgorithm:
         if CRITIC in engine.workers:
             loss_fns[CRITIC] = critic_loss_fn(engine.workers[CRITIC], engine.prompt_length,
                                               self.algorithm)
+        if not self._drop_stale(experience):
+            return {}
         if get_off_policy(self.algorithm.off_policy).needs_proximal:
             self._proximal_logprobs(experience)
         train_sums: dict[str, float] = {}
@@ -304,6 +320,22 @@ class PPOAlgorithm:
                     result = engine.update(role, experience.batch, rows, loss_fn, supervised)
                 accumulate_train_sums(train_sums, role, result, engine.workers[role])
         return train_sums
+
+    def _drop_stale(self, experience: Experience) -> bool:
+        """Drop the answers staler than this run allows (``staleness.stale_answers``; whole
+        groups for a group estimator) and add the step's staleness metrics; False when no
+        answer is left to train on."""
+        fields = experience.batch.fields
+        if fields is None or VERSION_FIELD not in fields:  # off the trainers, or an old save
+            return True
+        versions, mask = fields[VERSION_FIELD], fields["response_mask"]
+        group = self.rollout.samples_per_prompt if self.algorithm.needs_groups else 1
+        dropped = stale_answers(versions, mask, experience.step, self.staleness, group)
+        experience.metrics.update(staleness_metrics(versions, mask, experience.step,
+                                                    int(dropped.sum())))
+        if dropped.any():
+            experience.batch.fields = drop_answers(fields, dropped)
+        return not bool(dropped.all())
 
     def _proximal_logprobs(self, experience: Experience) -> None:
         """The actor's log-probs before this step's update (``algorithm.off_policy``), and the
