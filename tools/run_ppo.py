@@ -116,9 +116,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     plan.add_argument("--gpus-per-node", type=int, help="--plan-only: GPUs per node")
     plan.add_argument("--gpu", help="--plan-only: device kind, a shipped profile such as "
                       "H100-80GB (default: cluster.pools' kind, else A100-80GB)")
+    plan.add_argument("--answer-mean", type=float, metavar="TOKENS", help="--plan-only: price "
+                      "answers of this mean length, exponentially spread and cut at "
+                      "--answer-max (default: every answer max_new_tokens long)")
+    plan.add_argument("--answer-max", type=int, metavar="TOKENS",
+                      help="--plan-only: longest answer (default generation.max_new_tokens)")
+    plan.add_argument("--answer-lengths", metavar="PATH", help="--plan-only: price these "
+                      "answer lengths, one per line (tokens, or JSON with a \"tokens\" field)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = parser.parse_args(argv)
-    given = [flag for flag in ("json", "nodes", "gpus_per_node", "gpu") if getattr(args, flag)]
+    given = [flag for flag in ("json", "nodes", "gpus_per_node", "gpu", "answer_mean",
+                               "answer_max", "answer_lengths") if getattr(args, flag)]
     if given and not args.plan_only:
         parser.error(f"--{given[0].replace('_', '-')} is a --plan-only flag: add --plan-only")
     strategy = None if args.placement == "auto" else args.placement
@@ -171,11 +179,13 @@ def auto_placement(config: RunConfig, profile: str | None) -> RunConfig:
 def plan_only(config: RunConfig, args: argparse.Namespace) -> int:
     """``--plan-only``: print the plan and the planner's prediction (engine/run/plan_only.py);
     exit 2 when the configuration is refused or the plan does not fit in memory."""
-    from megatron_rlhf.engine.run.plan_only import plan_cluster, plan_run
+    from megatron_rlhf.engine.run.plan_only import answer_lengths, plan_cluster, plan_run
 
     try:
         cluster = plan_cluster(config, args.nodes, args.gpus_per_node, args.gpu)
-        run_plan = plan_run(config, cluster, args.profile, auto=args.placement == "auto")
+        lengths = answer_lengths(config, args.answer_mean, args.answer_max, args.answer_lengths)
+        run_plan = plan_run(config, cluster, args.profile, auto=args.placement == "auto",
+                            lengths=lengths)
     except (ValueError, FileNotFoundError) as error:
         return refuse("run_ppo", f"bad configuration: {error}")
     print(run_plan.to_json() if args.json else run_plan.format())

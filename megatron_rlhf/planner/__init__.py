@@ -41,12 +41,13 @@ from megatron_rlhf.planner.search import (
     describe,
     explain_choice,
 )
-from megatron_rlhf.planner.workload import RolloutSpec
+from megatron_rlhf.planner.workload import AnswerLengths, RolloutSpec
 
 __all__ = [
     "BOTTLENECKS",
     "MEMORY_OPTIONS",
     "STAGES",
+    "AnswerLengths",
     "HardwareProfile",
     "MemoryOptions",
     "MemoryReport",

@@ -30,7 +30,9 @@ Assumptions shared by all formulas (each function adds its own):
 
 from __future__ import annotations
 
+import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from megatron_rlhf.planner.hardware import HardwareProfile
@@ -546,6 +548,91 @@ def generation_cost(env: ModelEnv, rows: int, prompt: int, new_tokens: int,
     prefill = prefill.scaled(env.pp)
     decode = decode_step_cost(env, sequences, prompt + new_tokens / 2).scaled(new_tokens - 1)
     return (prefill + decode).scaled(rounds) + env.gathers(1)
+
+
+@dataclass(frozen=True)
+class DecodeSegment:
+    """Decode steps that compute the same number of slots.
+
+    Attributes:
+        slots: sequences each decode step computes (the decode batch, empty slots included).
+        steps: decode steps.
+        mean_age: tokens the answers still decoding have generated, on average over their
+            steps (the attended context beyond the prompt).
+    """
+
+    slots: int
+    steps: int
+    mean_age: float
+
+
+def decode_schedule(queue: Sequence[int], slots: int, continuous: bool) -> list[DecodeSegment]:
+    """The decode steps of one replica generating answers of lengths ``queue`` (in queue
+    order), ``slots`` at a time, as the engine batches them (``generation/continuous.py``).
+
+    An answer of ``L`` tokens takes its first token from the prefill and ``L - 1`` decode steps.
+    ``continuous``: an answer that ends frees its slot for the next queued prompt at once, so
+    the batch stays full while the queue lasts (throughput ``total tokens / slots``); once the
+    queue is empty the batch shrinks to the smallest power of two that holds the answers still
+    decoding, and the call ends with its last answer (the tail). Otherwise (static batching)
+    the queue runs in rounds of ``slots`` answers, each round as long as its longest answer.
+    Not modelled: the ``stop_check_interval`` steps a finished slot may wait.
+
+    Returns:
+        Segments in time order, one per change of the batch size (or per static round).
+    """
+    if not continuous:
+        rounds = [queue[i:i + slots] for i in range(0, len(queue), slots)]
+        return [DecodeSegment(len(r), max(r) - 1, max(r) / 2) for r in rounds if max(r) > 1]
+    waiting = list(reversed(queue))
+    active: list[tuple[int, int]] = []  # (end step, start step) of each answer decoding
+    spans: list[list[float]] = []  # per batch size: slots, steps, answer-steps, summed ages
+    now, batch, started = 0, slots, 0
+    while True:
+        while waiting and len(active) < slots:  # refill the free slots
+            length = waiting.pop()
+            if length > 1:
+                heapq.heappush(active, (now + length - 1, now))
+                started += now
+        if not active:
+            break
+        if not waiting:
+            batch = min(batch, 1 << (len(active) - 1).bit_length())
+        end = active[0][0]
+        n, steps = len(active), end - now
+        # an answer started at step s has generated tau - s + 1 tokens at step tau
+        ages = steps * (n - started) + n * (now + end - 1) * steps / 2
+        if not spans or spans[-1][0] != batch:
+            spans.append([batch, 0, 0, 0.0])
+        spans[-1][1:] = [spans[-1][1] + steps, spans[-1][2] + n * steps, spans[-1][3] + ages]
+        now = end
+        while active and active[0][0] == now:
+            started -= heapq.heappop(active)[1]
+    return [DecodeSegment(int(b), int(steps), ages / weight)
+            for b, steps, weight, ages in spans]
+
+
+def answers_generation_cost(env: ModelEnv, queue: Sequence[int], prompt: int,
+                            max_sequences: int, continuous: bool) -> Cost:
+    """Generation of the answers ``queue`` (lengths, in queue order) on one replica, at most
+    ``max_sequences`` at a time (``generation_cost`` when every answer has one length).
+
+    ``ceil(rows / max_sequences)`` rounds' worth of prefills of ``ceil(rows / rounds)`` prompts
+    each, and the decode steps of ``decode_schedule`` with that many slots, each segment priced
+    by ``decode_step_cost`` at its batch size and its mean context ``prompt + mean age``. With
+    every answer ``G`` tokens and one round this is ``generation_cost`` exactly.
+    """
+    rows = len(queue)
+    if rows == 0:
+        return Cost()
+    rounds = math.ceil(rows / max_sequences)
+    slots = math.ceil(rows / rounds)
+    prefill = env.slot_cost(slots * prompt, prompt / 2, FORWARD_PASSES, tp_collectives=2)
+    total = prefill.scaled(env.pp * rounds) + env.gathers(1)
+    for segment in decode_schedule(queue, slots, continuous):
+        step = decode_step_cost(env, segment.slots, prompt + segment.mean_age)
+        total += step.scaled(segment.steps)
+    return total
 
 
 def transfer_seconds(nbytes: float, fields: int, link: Link) -> float:

@@ -242,14 +242,20 @@ class _Context:
     def generation(self, role: str, pool: int, rows: int, options: MemoryOptions,
                    max_sequences: int) -> cm.Cost:
         """Generation of ``rows`` on one replica of ``role`` in ``pool``."""
-        rollout = self.rollout
-        return cm.generation_cost(self.env(role, pool, options), rows, rollout.prompt_length,
-                                  rollout.generation_length, max_sequences) + self.offload(
-            role, options, training=False)
+        rollout, env = self.rollout, self.env(role, pool, options)
+        lengths = rollout.answer_lengths
+        if lengths is None:
+            cost = cm.generation_cost(env, rows, rollout.prompt_length,
+                                      rollout.generation_length, max_sequences)
+        else:  # the replica holding the step's longest answer: the one the step waits for
+            cost = cm.answers_generation_cost(
+                env, lengths.replica_queue(rows, rollout.batch), rollout.prompt_length,
+                max_sequences, rollout.batching == "continuous")
+        return cost + self.offload(role, options, training=False)
 
     def experience(self, role: str, options: MemoryOptions) -> cm.Cost:
         """The experience forward pass of ``role``."""
-        seq, mbs = self.rollout.sequence_length, self.rollout.micro_batch_size
+        seq, mbs = self.rollout.priced_sequence_length, self.rollout.micro_batch_size
         return self.per_pool(role, options, lambda env, rows: cm.forward_cost(
             env, rows, seq, mbs)) + self.offload(role, options, training=False)
 
@@ -257,7 +263,7 @@ class _Context:
         """The training of ``role``."""
         r = self.rollout
         return self.per_pool(role, options, lambda env, rows: cm.training_cost(
-            env, rows, r.sequence_length, r.micro_batch_size, r.num_minibatches,
+            env, rows, r.priced_sequence_length, r.micro_batch_size, r.num_minibatches,
             options.recompute, r.ppo_epochs)) + self.offload(role, options, training=True)
 
     def option_seconds(self, role: str, options: MemoryOptions) -> float:
@@ -283,7 +289,7 @@ def build_tasks(ctx: _Context, memory: MemoryReport) -> list[Task]:
     that models on disjoint ranks (ref and reward under interleaving) can run side by side.
     """
     plan, rollout, options = ctx.plan, ctx.rollout, memory.options
-    seq = rollout.sequence_length
+    seq = rollout.priced_sequence_length
     tasks: list[Task] = []
 
     def add(task: Task) -> int:

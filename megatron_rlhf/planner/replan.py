@@ -9,8 +9,9 @@ The cost model's seconds per stage are off by factors that differ per stage (dec
 slower than its bandwidth says, a tiny model's training is all latency). ``calibrate`` finds one
 factor per stage such that the run's own placement, predicted with them, takes the measured stage
 times; ``rerank`` prices every candidate placement with the same factors and with the answers the
-run really generates (the measured mean response length instead of ``max_new_tokens``), and ranks
-them; ``shapes_of`` fits the shapes to each plan where they depend on it (a run's token budgets set
+run really generates (``measured_rollout``: a length distribution of the measured mean, cut at
+the longest answer measured or at ``max_new_tokens``, instead of every answer at the cap), and
+ranks them; ``shapes_of`` fits the shapes to each plan where they depend on it (a run's token budgets set
 its micro-batches by what shares a device). The factors are found again at every call from the
 times given: nothing is carried over.
 """
@@ -19,12 +20,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from megatron_rlhf.planner.hardware import HardwareProfile
 from megatron_rlhf.planner.memory_fit import MEMORY_OPTIONS
 from megatron_rlhf.planner.predict import STAGES, StepPrediction, predict_step
-from megatron_rlhf.planner.workload import RolloutSpec
+from megatron_rlhf.planner.workload import AnswerLengths, RolloutSpec
 from megatron_rlhf.topology.plan import PlacementPlan
 
 CALIBRATION_PASSES = 4
@@ -46,11 +47,13 @@ class Measured:
             stages keep the cost model's own seconds.
         step_seconds: seconds per step.
         response_length: mean generated tokens per answer.
+        longest: the longest answer measured (None: not measured; the cap stands for it).
     """
 
     stage_seconds: dict[str, float]
     step_seconds: float
     response_length: float
+    longest: float | None = None
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.stage_seconds) - set(STAGES))
@@ -86,7 +89,7 @@ class Replan:
         scales: the calibration factor per stage.
         predicted_vs_measured: per stage (and ``step``) of the current placement, the measured
             seconds and the predicted ones before and after the calibration.
-        rollout: the shapes priced (generation length from the measured answers).
+        rollout: the shapes priced (answer lengths from the measured ones).
     """
 
     ranking: tuple[Priced, ...]
@@ -98,9 +101,20 @@ class Replan:
     rollout: RolloutSpec
 
 
-def measured_rollout(rollout: RolloutSpec, response_length: float) -> RolloutSpec:
-    """``rollout`` with the measured mean answer length instead of the configured maximum."""
-    return replace(rollout, generation_length=max(1, round(response_length)))
+def measured_rollout(rollout: RolloutSpec, response_length: float,
+                     longest: float | None = None) -> RolloutSpec:
+    """``rollout`` with the answers measured: exponentially spread lengths of mean
+    ``response_length`` cut at ``longest`` (None: at ``rollout.generation_length``, the cap),
+    which stays the cap (``AnswerLengths.from_mean_max``); every answer at the cap when the
+    mean reaches it (answers forced to full length)."""
+    cap = rollout.generation_length
+    mean = min(max(1.0, response_length), float(cap))
+    if round(mean) >= cap:
+        return rollout.with_answer_lengths(None)
+    cut = cap if longest is None else min(cap, max(round(longest), round(mean)))
+    found = AnswerLengths.from_mean_max(mean, cut)
+    return rollout.with_answer_lengths(
+        AnswerLengths(found.lengths, cap, f"measured mean; {found.source}"))
 
 
 def calibrate(plan: PlacementPlan, rollout: RolloutSpec, measured: Measured,
@@ -149,7 +163,7 @@ def rerank(current: tuple[str, PlacementPlan], candidates: Sequence[tuple[str, P
     Raises:
         ValueError: the current placement does not fit under the cost model.
     """
-    measured_shapes = measured_rollout(rollout, measured.response_length)
+    measured_shapes = measured_rollout(rollout, measured.response_length, measured.longest)
 
     def shapes(plan: PlacementPlan) -> RolloutSpec:
         return measured_shapes if shapes_of is None else shapes_of(plan, measured_shapes)

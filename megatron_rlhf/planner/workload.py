@@ -3,15 +3,142 @@
     rollout = RolloutSpec(batch=1024, prompt_length=256, generation_length=256)
     rollout = RolloutSpec.from_run_config(run_config)   # a RunConfig, read by attribute
 
-Every sequence is taken at full length (``prompt_length + generation_length``): generation is
-priced as if no sequence stopped early, which is what a step costs when responses reach
-``max_new_tokens`` (an upper bound otherwise).
+Without ``answer_lengths`` every sequence is taken at full length (``prompt_length +
+generation_length``): generation is priced as if no sequence stopped early, which is what a step
+costs when responses reach ``max_new_tokens`` (an upper bound otherwise). With a length
+distribution (``AnswerLengths``) generation is priced answer by answer as the engine batches it
+(``cost_model.decode_schedule``), and the other stages at the mean answer:
+
+    lengths = AnswerLengths.from_mean_max(1019, 3840)     # or .from_samples(measured, cap)
+    rollout = RolloutSpec(batch=2048, prompt_length=256, generation_length=3840,
+                          answer_lengths=lengths)
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+
+QUANTILE_POINTS = 4096
+"""Points of the quantile table ``AnswerLengths.from_mean_max`` builds."""
+QUEUE_SEED = 0
+"""Seed of the fixed order in which ``AnswerLengths.replica_queue`` queues a replica's answers:
+the engine takes prompts in the order given, which is unrelated to how long their answers get."""
+
+
+@dataclass(frozen=True)
+class AnswerLengths:
+    """How long the answers of a step are: a sorted table of lengths (tokens) standing for the
+    distribution, and where it came from.
+
+    Attributes:
+        lengths: answer lengths, sorted, each in ``[1, cap]``: measured answers, reference
+            answers, or the quantiles of an assumed distribution.
+        cap: the longest answer allowed (``generation.max_new_tokens``).
+        source: the assumption, in words (``--plan-only`` prints it).
+    """
+
+    lengths: tuple[int, ...]
+    cap: int
+    source: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.lengths:
+            raise ValueError("answer lengths: no lengths given")
+        if not isinstance(self.cap, int) or self.cap < 1:
+            raise ValueError(f"answer lengths: cap={self.cap!r} must be an integer >= 1")
+        if list(self.lengths) != sorted(self.lengths) or self.lengths[0] < 1 or (
+                self.lengths[-1] > self.cap):
+            raise ValueError(f"answer lengths must be sorted integers in [1, cap={self.cap}]: "
+                             "build them with AnswerLengths.from_samples")
+
+    @classmethod
+    def from_samples(cls, samples: Sequence[float], cap: int, source: str = "") -> AnswerLengths:
+        """Measured (or reference) answer lengths, each clipped to ``[1, cap]``."""
+        lengths = tuple(sorted(min(cap, max(1, round(x))) for x in samples))
+        return cls(lengths, cap, source or f"{len(lengths)} answer lengths given")
+
+    @classmethod
+    def from_mean_max(cls, mean: float, cap: int, points: int = QUANTILE_POINTS) -> AnswerLengths:
+        """Answers of mean ``mean`` that stop at ``cap``: exponentially distributed (the most
+        spread-out distribution of a given mean), an answer longer than ``cap`` cut there.
+
+        With rate ``lam`` the clipped mean is ``(1 - exp(-lam cap)) / lam``; ``lam`` is solved
+        for ``mean`` and the table holds the quantiles ``min(cap, -ln(1 - q) / lam)`` at
+        ``q = (i + 1/2) / points``. A mean at or above ``cap`` gives every answer ``cap``.
+
+        Raises:
+            ValueError: ``mean`` below 1 or ``cap`` below 1.
+        """
+        if not mean >= 1 or cap < 1:
+            raise ValueError(f"answer lengths: mean={mean!r} and max={cap!r} must be >= 1")
+        if mean >= cap:
+            return cls((cap,) * points, cap, f"every answer {cap} tokens (mean >= max)")
+        lam = _clipped_exponential_rate(mean, cap)
+        lengths = tuple(min(cap, max(1, round(-math.log1p(-(i + 0.5) / points) / lam)))
+                        for i in range(points))
+        clipped = math.exp(-lam * cap)
+        return cls(lengths, cap, f"exponential answers of mean {mean:g} tokens cut at {cap} "
+                                 f"({100 * clipped:.1f}% reach it)")
+
+    @property
+    def mean(self) -> float:
+        """Mean answer length."""
+        return sum(self.lengths) / len(self.lengths)
+
+    def quantile(self, q: float) -> int:
+        """The table's length at quantile ``q`` in [0, 1] (nearest rank)."""
+        index = min(len(self.lengths) - 1, max(0, math.ceil(q * len(self.lengths)) - 1))
+        return self.lengths[index]
+
+    def batch(self, rows: int) -> list[int]:
+        """The lengths of a step of ``rows`` answers, ascending: the quantiles at
+        ``j / (rows + 1)``, ``j = 1..rows`` (the expected positions of ``rows`` draws)."""
+        return [self.quantile(j / (rows + 1)) for j in range(1, rows + 1)]
+
+    def replica_queue(self, rows: int, batch: int) -> list[int]:
+        """The answers of the replica that waits longest, ``rows`` of the step's ``batch``, in
+        the order it generates them.
+
+        The step's answers (``batch``) are dealt to the replicas in turn from the longest down,
+        so this replica gets the longest answer of the step and every ``batch / rows``-th one
+        after it; the queue order is a fixed shuffle (``QUEUE_SEED``)."""
+        every = self.batch(batch)
+        stride = batch / rows
+        mine = [every[batch - 1 - math.floor(i * stride)] for i in range(rows)]
+        random.Random(QUEUE_SEED).shuffle(mine)
+        return mine
+
+    def to_dict(self) -> dict:
+        """JSON-ready summary: the assumption, mean, median, p90, p99, max, cap, count."""
+        return {"source": self.source, "mean": round(self.mean, 1),
+                "p50": self.quantile(0.5), "p90": self.quantile(0.9),
+                "p99": self.quantile(0.99), "max": self.lengths[-1], "cap": self.cap,
+                "count": len(self.lengths)}
+
+    def describe(self) -> str:
+        """One line: the assumption and its figures."""
+        d = self.to_dict()
+        return (f"{d['source']}: mean {d['mean']:g}, median {d['p50']}, p90 {d['p90']}, "
+                f"p99 {d['p99']}, max {d['max']} tokens")
+
+
+def _clipped_exponential_rate(mean: float, cap: int) -> float:
+    """The rate ``lam`` with ``(1 - exp(-lam cap)) / lam == mean`` (``0 < mean < cap``), by
+    bisection: the clipped mean falls from ``cap`` (``lam -> 0``) to 0 as ``lam`` grows."""
+    low, high = 1e-12, 1.0
+    while (1 - math.exp(-high * cap)) / high > mean:
+        high *= 2
+    for _ in range(200):
+        mid = (low + high) / 2
+        if (1 - math.exp(-mid * cap)) / mid > mean:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
 
 
 @dataclass(frozen=True)
@@ -32,6 +159,12 @@ class RolloutSpec:
             False leaves it to the planner, per model, where memory needs it.
         overlap: let strategies with shadow models (separation, hetero-separation) generate
             rollout k+1 while training on rollout k; False prices the synchronous schedule.
+        answer_lengths: the answers' length distribution (capped at ``generation_length``);
+            None: every answer ``generation_length`` tokens.
+        batching: how a replica batches its answers (``generation.batching``):
+            ``continuous`` refills a finished answer's slot from the queue, ``static`` runs
+            rounds that each wait for their longest answer. Only priced with
+            ``answer_lengths``.
     """
 
     batch: int = 512
@@ -42,6 +175,8 @@ class RolloutSpec:
     micro_batch_size: int = 4
     activation_checkpointing: bool = False
     overlap: bool = True
+    answer_lengths: AnswerLengths | None = None
+    batching: str = "continuous"
 
     def __post_init__(self) -> None:
         for name in ("batch", "prompt_length", "generation_length", "ppo_epochs",
@@ -54,11 +189,37 @@ class RolloutSpec:
                 f"rollout.batch({self.batch}) is not a multiple of num_minibatches"
                 f"({self.num_minibatches}): change one of them"
             )
+        if self.batching not in ("continuous", "static"):
+            raise ValueError(f"rollout batching={self.batching!r} must be 'continuous' or "
+                             "'static' (generation.batching)")
+        lengths = self.answer_lengths
+        if lengths is not None and lengths.cap != self.generation_length:
+            raise ValueError(f"answer lengths are cut at {lengths.cap} tokens but "
+                             f"generation_length is {self.generation_length}: build them with "
+                             "cap=generation_length (generation.max_new_tokens)")
 
     @property
     def sequence_length(self) -> int:
         """Tokens of one sample: prompt plus response."""
         return self.prompt_length + self.generation_length
+
+    @property
+    def mean_answer_length(self) -> float:
+        """Mean answer tokens: the distribution's mean, else ``generation_length``."""
+        lengths = self.answer_lengths
+        return lengths.mean if lengths is not None else float(self.generation_length)
+
+    @property
+    def priced_sequence_length(self) -> int:
+        """Tokens of one sample as the experience and training passes are priced: prompt plus
+        the mean answer (a packed micro-batch holds the answers' tokens, not their cap)."""
+        return self.prompt_length + max(1, round(self.mean_answer_length))
+
+    def with_answer_lengths(self, lengths: AnswerLengths | None) -> RolloutSpec:
+        """These shapes with ``lengths`` (its cap becomes ``generation_length``)."""
+        if lengths is None:
+            return replace(self, answer_lengths=None)
+        return replace(self, generation_length=lengths.cap, answer_lengths=lengths)
 
     @classmethod
     def from_run_config(cls, run: Any, activation_checkpointing: bool = False,
@@ -68,7 +229,7 @@ class RolloutSpec:
         Args:
             run: an object with ``rollout`` (prompts_per_step, samples_per_prompt (default 1),
                 max_prompt_length, micro_batch_size, ppo_epochs, num_minibatches) and ``generation``
-                (max_new_tokens), such as ``megatron_rlhf.config.ppo_run.RunConfig``.
+                (max_new_tokens, batching), such as ``megatron_rlhf.config.ppo_run.RunConfig``.
             activation_checkpointing: whether the trainers recompute activations.
             overlap: see ``RolloutSpec.overlap``.
         """
@@ -78,8 +239,12 @@ class RolloutSpec:
                    generation_length=max(generation.max_new_tokens, 1),
                    ppo_epochs=rollout.ppo_epochs, num_minibatches=rollout.num_minibatches,
                    micro_batch_size=rollout.micro_batch_size,
-                   activation_checkpointing=activation_checkpointing, overlap=overlap)
+                   activation_checkpointing=activation_checkpointing, overlap=overlap,
+                   batching=getattr(generation, "batching", "continuous"))
 
     def to_dict(self) -> dict:
-        """JSON-ready description."""
-        return asdict(self)
+        """JSON-ready description (the length distribution as its summary)."""
+        values = asdict(self)
+        lengths = self.answer_lengths
+        values["answer_lengths"] = lengths.to_dict() if lengths is not None else None
+        return values

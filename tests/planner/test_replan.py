@@ -66,14 +66,16 @@ def test_each_candidate_is_priced_with_its_own_shapes() -> None:
     seen = []
 
     def shapes_of(plan, shapes):
-        seen.append((plan, shapes.generation_length))
+        seen.append((plan, shapes.answer_lengths))
         return replace(shapes, micro_batch_size=1 if plan is SEP else 8)
 
     measured = Measured(_measured(1.0).stage_seconds, _measured(1.0).step_seconds, 12.0)
     result = rerank(CANDIDATES[0], CANDIDATES, ROLLOUT, measured, None, OPTIONS, shapes_of)
-    assert {length for _, length in seen} == {12}
-    assert result.rollout.micro_batch_size == 8 and result.rollout.generation_length == 12
-    flat_shapes = replace(ROLLOUT, generation_length=12, micro_batch_size=8)
+    lengths = measured_rollout(ROLLOUT, 12.0).answer_lengths
+    assert {answers for _, answers in seen} == {lengths}
+    assert lengths.mean == pytest.approx(12, rel=1e-2) and lengths.cap == 32
+    assert result.rollout.micro_batch_size == 8 and result.rollout.answer_lengths == lengths
+    flat_shapes = replace(ROLLOUT, answer_lengths=lengths, micro_batch_size=8)
     scales, _, after = calibrate(FLAT, flat_shapes, measured, None, OPTIONS)
     assert result.current.prediction.step_seconds == after.step_seconds
     priced = {c.label: c.prediction.step_seconds for c in result.ranking}
@@ -89,7 +91,7 @@ def test_calibration_reproduces_the_measured_stage_times() -> None:
     measured = Measured({"generation": 0.5, "training": 0.02, "experience": 0.04},
                         step_seconds=0.6, response_length=20.0)
     shapes = measured_rollout(ROLLOUT, measured.response_length)
-    assert shapes.generation_length == 20
+    assert shapes.generation_length == 32 and shapes.priced_sequence_length == 64 + 20
     scales, before, after = calibrate(FLAT, shapes, measured, None, OPTIONS)
     for stage, seconds in measured.stage_seconds.items():
         assert after.stage_seconds[stage] == pytest.approx(seconds, rel=1e-6)
@@ -125,3 +127,14 @@ def test_replan_settings_read_from_yaml_become_a_replan_config() -> None:
     assert placement.replan.enabled and not PlacementConfig().replan.enabled
     with pytest.raises(ValueError, match=r"placement\.replan has unknown keys \['interval'\]"):
         PlacementConfig(replan={"interval": 2})
+
+
+def test_measured_answers_are_priced_as_a_distribution_cut_at_the_longest() -> None:
+    """Forced full-length answers stay at the cap; shorter ones become exponential answers of
+    the measured mean, cut at the longest measured (the cap stays the KV cache's length)."""
+    assert measured_rollout(ROLLOUT, 32.0).answer_lengths is None
+    spread = measured_rollout(ROLLOUT, 10.0, longest=20.0)
+    lengths = spread.answer_lengths
+    assert spread.generation_length == lengths.cap == 32 and lengths.lengths[-1] == 20
+    assert lengths.mean == pytest.approx(10, rel=1e-2)
+    assert measured_rollout(ROLLOUT, 10.0).answer_lengths.lengths[-1] == 32

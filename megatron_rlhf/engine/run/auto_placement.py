@@ -18,6 +18,7 @@ from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.engine.run.build import make_plan
 from megatron_rlhf.engine.run.micro_batching import planner_rollout, token_budgets
 from megatron_rlhf.planner import (
+    AnswerLengths,
     MemoryOptions,
     SearchSpace,
     auto_place,
@@ -33,8 +34,8 @@ ENGINE_MEMORY_OPTIONS = (FSDP, OFFLOAD, RECOMPUTE)
 ``models.recompute``)."""
 
 
-def choose_placement(config: RunConfig, cluster: ClusterSpec,
-                     profile: str | None = None) -> tuple[RunConfig, str]:
+def choose_placement(config: RunConfig, cluster: ClusterSpec, profile: str | None = None,
+                     lengths: AnswerLengths | None = None) -> tuple[RunConfig, str]:
     """The run configuration with the planner's best placement, and why it won (with the
     profiles measured or read from the cache, ``planner.local_profile``).
 
@@ -44,13 +45,15 @@ def choose_placement(config: RunConfig, cluster: ClusterSpec,
         profile: a hardware profile name or JSON path for every pool; None uses the shipped
             profile named like each pool's kind, and for a CPU run's ``local`` pool this
             machine's, measured once and cached (``planner.local_profile``).
+        lengths: the answers' length distribution to price (None: every answer
+            ``generation.max_new_tokens`` tokens).
 
     Raises:
         ValueError: no profile for a pool (named with ``--profile``), or no candidate the
             engine accepts.
     """
     profiles, notes = pool_profiles(cluster, profile)
-    ranked = ranked_candidates(config, cluster, profiles)
+    ranked = ranked_candidates(config, cluster, profiles, lengths)
     rejected = []
     for candidate in ranked:
         if not candidate.prediction.feasible:
@@ -67,13 +70,15 @@ def choose_placement(config: RunConfig, cluster: ClusterSpec,
                      "choose one with --placement or adjust rollout sizes")
 
 
-def ranked_candidates(config: RunConfig, cluster: ClusterSpec, profiles) -> list:
+def ranked_candidates(config: RunConfig, cluster: ClusterSpec, profiles,
+                      lengths: AnswerLengths | None = None) -> list:
     """The planner's candidate placements for ``config`` on ``cluster``, best first, with the
     memory options the engine runs; a critic-free (or reward-model-free) run is priced as the
     step with the models it has, each candidate with the micro-batches the run would fill at
-    that placement (``planner_rollout``)."""
+    that placement (``planner_rollout``) and the answers ``lengths`` (None: all full-length)."""
     return auto_place(cluster, config_arch(config),
-                      lambda plan: planner_rollout(config, token_budgets(config, plan)),
+                      lambda plan: planner_rollout(config, token_budgets(config, plan))
+                      .with_answer_lengths(lengths),
                       profiles, search_space(config))
 
 

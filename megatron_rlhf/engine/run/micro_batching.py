@@ -139,15 +139,15 @@ def planner_rollout(config: RunConfig, budgets: dict[str, int] | None = None,
     """The step's shapes for the planner, the smallest of ``budgets`` (:func:`token_budgets`;
     None: a numeric ``max_tokens_per_micro_batch`` alone) as rows.
 
-    The planner prices every sequence at the same length (``rollout``'s; by default the
-    configured ``max_prompt_length + max_new_tokens``), so a budget is priced as ``budget //
-    sequence length`` rows (at least one); padded rows (no packing) are
-    ``rollout.micro_batch_size`` rows."""
+    The planner prices every sequence at the same length (``rollout``'s priced one: by default
+    the configured ``max_prompt_length + max_new_tokens``, the mean answer when it holds a length
+    distribution), so a budget is priced as ``budget // sequence length`` rows (at least one);
+    padded rows (no packing) are ``rollout.micro_batch_size`` rows."""
     rollout = rollout or RolloutSpec.from_run_config(config, overlap=config.rollout.async_rollout)
     budget = config.rollout.max_tokens_per_micro_batch
     if budgets is not None:
         budget = min((b for b in budgets.values() if b > 0), default=0)
     if isinstance(budget, int) and budget > 0:
         rollout = dataclasses.replace(
-            rollout, micro_batch_size=max(1, budget // rollout.sequence_length))
+            rollout, micro_batch_size=max(1, budget // rollout.priced_sequence_length))
     return rollout

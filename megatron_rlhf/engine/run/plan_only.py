@@ -17,6 +17,10 @@ A micro-batch is priced as the run fills it (``micro_batching.planner_rollout``)
 ``rollout.max_tokens_per_micro_batch`` a number, that many tokens; with ``auto`` the budget the
 run would choose (``micro_batching.token_budgets``: on each model's first rank, with its pool's
 device memory), the smallest model's; padded rows, ``rollout.micro_batch_size`` rows.
+
+Answers are priced at ``generation.max_new_tokens`` each unless a length distribution is given
+(:func:`answer_lengths`: a stated mean and maximum, or a file of answer lengths or reference
+answers); the plan prints the assumption it used.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from megatron_rlhf.engine.run.build import make_plan
 from megatron_rlhf.engine.run.micro_batching import planner_rollout, token_budgets
 from megatron_rlhf.engine.run.stage_memory import offload_policies
 from megatron_rlhf.planner import (
+    AnswerLengths,
     MemoryOptions,
     RolloutSpec,
     StepPrediction,
@@ -142,6 +147,8 @@ class RunPlan:
         architecture: where the architecture came from.
         budgets: each model's tokens per micro-batch (:func:`token_budgets`; 0: fixed rows).
         chosen: why the planner chose the placement (``--placement auto``), else empty.
+        lengths: the answers' length distribution priced (None: every answer
+            ``generation.max_new_tokens`` tokens).
     """
 
     config: RunConfig
@@ -152,6 +159,7 @@ class RunPlan:
     architecture: str
     budgets: dict[str, int]
     chosen: str = ""
+    lengths: AnswerLengths | None = None
 
     @property
     def fits(self) -> bool:
@@ -205,6 +213,10 @@ class RunPlan:
         lines = [f"architecture: {self.architecture}",
                  f"rollout: {r.batch} rows of {r.prompt_length} + {r.generation_length} tokens, "
                  f"micro-batches of {r.micro_batch_size} rows{priced}",
+                 "answer lengths: " + (self.lengths.describe() if self.lengths else
+                                       f"every answer {r.generation_length} tokens "
+                                       "(generation.max_new_tokens; --answer-mean prices a "
+                                       "distribution)"),
                  "tokens per micro-batch: " + ", ".join(
                      f"{role} {tokens or 'fixed rows'}" for role, tokens in self.budgets.items())]
         if self.chosen:
@@ -223,7 +235,7 @@ class RunPlan:
 
 
 def plan_run(config: RunConfig, cluster: ClusterSpec, profile: str | None = None,
-             auto: bool = False) -> RunPlan:
+             auto: bool = False, lengths: AnswerLengths | None = None) -> RunPlan:
     """The plan and prediction of ``config`` on ``cluster`` (module docstring).
 
     Args:
@@ -232,6 +244,8 @@ def plan_run(config: RunConfig, cluster: ClusterSpec, profile: str | None = None
         profile: a hardware profile name or JSON path for every pool; None: the shipped profile
             named like each pool's kind.
         auto: let the planner choose the placement first (``--placement auto``).
+        lengths: the answers' length distribution (:func:`answer_lengths`); None: every answer
+            ``generation.max_new_tokens`` tokens.
 
     Raises:
         ValueError: a placement the run cannot use (named as ``make_plan`` names it), a pool
@@ -239,12 +253,66 @@ def plan_run(config: RunConfig, cluster: ClusterSpec, profile: str | None = None
     """
     chosen = ""
     if auto:
-        config, chosen = choose_placement(config, cluster, profile)
+        config, chosen = choose_placement(config, cluster, profile, lengths)
     sources, architecture = plan_architectures(config)
     plan = make_plan(config, cluster, sources)
     budgets = token_budgets(config, plan)
-    rollout = planner_rollout(config, budgets)
+    rollout = planner_rollout(config, budgets).with_answer_lengths(lengths)
     options = run_memory_options(config, plan)
     prediction = predict_step(plan, rollout, load_profile(profile) if profile else None,
                               options=options)
-    return RunPlan(config, plan, rollout, options, prediction, architecture, budgets, chosen)
+    return RunPlan(config, plan, rollout, options, prediction, architecture, budgets, chosen,
+                   lengths)
+
+
+def answer_lengths(config: RunConfig, mean: float | None = None, maximum: int | None = None,
+                   path: str | None = None) -> AnswerLengths | None:
+    """The answers' length distribution for ``--plan-only``, capped at
+    ``generation.max_new_tokens``: from ``path`` (one answer per line: a token count, or a JSON
+    object whose ``tokens`` field is one), else exponential answers of ``mean`` tokens cut at
+    ``maximum`` (default the cap; ``AnswerLengths.from_mean_max``); None when neither is given.
+
+    Raises:
+        ValueError: naming the flag: a maximum above ``generation.max_new_tokens``, a maximum
+            without a mean, both a mean and a file, or an unreadable file.
+    """
+    cap = config.generation.max_new_tokens
+    if path is not None and (mean is not None or maximum is not None):
+        raise ValueError("--answer-lengths takes the lengths from its file: drop --answer-mean "
+                         "and --answer-max")
+    if path is not None:
+        return AnswerLengths.from_samples(_read_lengths(path), cap,
+                                          f"answer lengths of {path}")
+    if mean is None:
+        if maximum is not None:
+            raise ValueError("--answer-max needs --answer-mean (the mean answer, in tokens)")
+        return None
+    maximum = cap if maximum is None else maximum
+    if not 1 <= maximum <= cap:
+        raise ValueError(f"--answer-max {maximum} must be in [1, generation.max_new_tokens="
+                         f"{cap}]: raise generation.max_new_tokens or lower --answer-max")
+    if not 1 <= mean <= maximum:
+        raise ValueError(f"--answer-mean {mean:g} must be in [1, --answer-max {maximum}]")
+    found = AnswerLengths.from_mean_max(mean, maximum)
+    return AnswerLengths(found.lengths, cap, found.source)
+
+
+def _read_lengths(path: str) -> list[float]:
+    """Answer lengths from ``path``: per non-empty line a number, or a JSON object with a
+    numeric ``tokens`` field."""
+    lengths = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            value = json.loads(line)
+            value = value["tokens"] if isinstance(value, dict) else value
+            lengths.append(float(value))
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"--answer-lengths {path} line {number}: {line[:60]!r} is neither a "
+                             "token count nor a JSON object with a numeric \"tokens\" field") \
+                from None
+    if not lengths:
+        raise ValueError(f"--answer-lengths {path} holds no answer lengths")
+    return lengths

@@ -10,7 +10,8 @@ Each rank times its stages on the run's timeline (the tracer is on while re-plan
 are dropped once counted unless the run writes its timeline). After ``interval_steps`` measured
 steps, one all-reduce (max over ranks) gives every rank the same stage seconds per step (the
 slowest rank's; for transfers and weight sync the least waiting rank's); with the
-answers' mean length (the same on every rank, from the step metrics) each rank then runs the same
+answers' mean length (and longest, when the step metrics hold ``response_length_max``; the same on
+every rank) each rank then runs the same
 pure ranking (``planner.replan.rerank``), so every rank holds the same ``replan/*`` metrics. Rank
 0 appends the ranking to ``<run_dir>/plan_history.jsonl``. Nothing here touches the models, the
 data or a random generator: training is the same with and without re-planning.
@@ -167,7 +168,7 @@ class RunReplanner:
         self.move_cost_s = math.inf
         self._target: MoveTarget | None = None
         self._cursor = 0
-        self._window: list[tuple[dict[str, float], float, float | None]] = []
+        self._window: list[tuple[dict[str, float], float, float | None, float | None]] = []
 
     def begin_step(self) -> None:
         """Leave the spans recorded so far (a held-out evaluation) out of the next step's."""
@@ -190,7 +191,8 @@ class RunReplanner:
         spans = self._take_spans()
         if step < self.first_measured:
             return {}
-        self._window.append((stage_seconds(spans), seconds, metrics.get("response_length")))
+        self._window.append((stage_seconds(spans), seconds, metrics.get("response_length"),
+                             metrics.get("response_length_max")))
         if len(self._window) < self.settings.interval_steps:
             return {}
         measured = self._measured()
@@ -256,8 +258,8 @@ class RunReplanner:
         """The window's means per step: stage seconds of the slowest rank (``WAITING_STAGES``:
         of the rank that ran them in the least time), step seconds of the slowest rank."""
         count = len(self._window)
-        means = [sum(stages[s] for stages, _, _ in self._window) / count for s in STAGES]
-        step = sum(seconds for _, seconds, _ in self._window) / count
+        means = [sum(window[0][s] for window in self._window) / count for s in STAGES]
+        step = sum(window[1] for window in self._window) / count
         # max(-x) is -min(x): one reduction gives both; ranks without the stage offer -inf.
         totals = torch.tensor([*means, step, *(-m if m > 0 else -math.inf for m in means)],
                               dtype=torch.float64, device=comm_device())
@@ -267,9 +269,10 @@ class RunReplanner:
         slowest, least = reduced[:len(STAGES)], reduced[len(STAGES) + 1:]
         stages = {stage: (-least[i] if math.isfinite(least[i]) else 0.0)
                   if stage in WAITING_STAGES else slowest[i] for i, stage in enumerate(STAGES)}
-        lengths = [length for _, _, length in self._window if length is not None]
+        lengths = [window[2] for window in self._window if window[2] is not None]
         length = sum(lengths) / len(lengths) if lengths else float(self.max_new_tokens)
-        return Measured(stages, reduced[len(STAGES)], length)
+        longest = [window[3] for window in self._window if window[3] is not None]
+        return Measured(stages, reduced[len(STAGES)], length, max(longest, default=None))
 
     def _index(self, label: str) -> int:
         """The position of ``label`` among the candidates (-1: the run's own placement, which
@@ -283,6 +286,7 @@ class RunReplanner:
                 "would_move": result.gain > self.settings.min_gain,
                 "response_length_mean": round(measured.response_length, 3),
                 "generation_length_priced": result.rollout.generation_length,
+                "answer_lengths_priced": result.rollout.to_dict()["answer_lengths"],
                 "scales": {k: round(v, 6) for k, v in result.scales.items()},
                 "predicted_vs_measured": result.predicted_vs_measured,
                 "ranking": [c.to_dict() for c in result.ranking]}
