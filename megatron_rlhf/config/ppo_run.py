@@ -18,6 +18,7 @@ from megatron_rlhf.config.paths import check_paths
 from megatron_rlhf.data import ReaderConfig, SplitConfig, SyntheticTaskConfig
 from megatron_rlhf.generation import GenerationConfig
 from megatron_rlhf.models.hf_import import checkpoint_moe, is_hf_dir
+from megatron_rlhf.models.lora import LoRAConfig
 from megatron_rlhf.models.moe import MoEConfig
 from megatron_rlhf.models.options import (
     ATTENTION_BACKENDS,
@@ -115,6 +116,12 @@ class ModelsConfig:
             takes the checkpoint's value, one set to another value is refused naming both. The
             experts of every other source (a megatron_rlhf MoE checkpoint) must be these; the
             error of a mismatch lists the settings that match. Not with ``export_hf``.
+        lora: low-rank adapters on the actor (and optionally the critic) instead of training
+            every weight (``models.lora.LoRAConfig``: ``models.lora.rank=8
+            models.lora.alpha=16``); ``rank=0``: full training. With adapters on the actor
+            the reference log-probs are the actor's with its adapters switched off. Needs
+            ``transformer_impl`` ``local`` or ``auto`` (which then builds the adapted roles with
+            the local layers).
     """
 
     arch: Any = "tiny"
@@ -134,9 +141,13 @@ class ModelsConfig:
     memory_budget_gib: float = 0.0
     recompute: dict[str, str] = field(default_factory=dict)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         resolve_arch(self.arch)
+        if self.lora.enabled and self.transformer_impl == "transformer_engine":
+            raise ValueError("models.lora.rank > 0 puts adapters on megatron's local linear "
+                             "layers; set models.transformer_impl=local (or auto)")
         self._read_checkpoint_experts()
         if self.moe.enabled and self.export_hf:
             raise ValueError(f"models.export_hf=true with models.moe.num_experts="
@@ -788,6 +799,7 @@ class RunConfig:
         with _naming_critic_free_estimators():
             self.placement.role_ratios()
         self._check_fsdp()
+        self._check_lora()
         self._check_optimizer_sharding()
         self._check_router_replay()
         self._check_cuda_graphs()
@@ -900,6 +912,33 @@ class RunConfig:
                     f"{field_}={str(planned).lower()} but {role}_optimizer.distributed_optimizer="
                     f"{str(built).lower()}: the {role}'s optimizer is built from the second and "
                     "its memory is planned from the first; give both the same value")
+
+    def _check_lora(self) -> None:
+        """Refuse what adapters (``models.lora``) are not yet carried through: a shadow's weight
+        sync, Megatron-FSDP, AC-Share, the run's Hugging Face export, a critic that is not
+        there."""
+        lora = self.models.lora
+        if not lora.enabled:
+            return
+        if CRITIC in lora.roles and not self.placement.critic:
+            raise ValueError(f"models.lora.roles={lora.roles} names the critic, but this run "
+                             "has no critic (a critic-free estimator): drop it from the roles")
+        if self.placement.separated:
+            raise ValueError(f"models.lora.rank={lora.rank}: placement.strategy="
+                             f"{self.placement.strategy!r} syncs the trained weights into "
+                             "shadow models, which does not carry adapters yet; use "
+                             "flattening or interleaving")
+        if self.placement.ac_share:
+            raise ValueError("models.lora with placement.ac_share=true: the shared trunk's "
+                             "value head is not kept trainable; set placement.ac_share=false")
+        if self.models.export_hf:
+            raise ValueError("models.export_hf=true with models.lora: the run's export writes "
+                             "full models; set export_hf=false")
+        for role in lora.roles:
+            if self.optimizer(role).fsdp:
+                raise ValueError(f"{role}_optimizer.fsdp=true with models.lora on the {role}: "
+                                 "Megatron-FSDP is not checked with frozen weights; set "
+                                 f"{role}_optimizer.fsdp=false (the adapters are small)")
 
     def _check_fsdp(self) -> None:
         """Refuse what reads or moves a Megatron-FSDP model's whole parameters, which it holds

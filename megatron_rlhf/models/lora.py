@@ -170,14 +170,17 @@ class LoRAAdapter(torch.nn.Module):
         """The adapter's output, shaped as the base layer's ``[s, b, out]`` output."""
         if self.dropout and self.training:
             x = torch.nn.functional.dropout(x, p=self.dropout)
+        # megatron's set_model_to_sequence_parallel toggles every module's attribute, experts'
+        # too, whose communication the token dispatcher does whatever it says.
+        sequence_parallel = self.sequence_parallel and not self.expert_comm
         h = torch.matmul(x, self.lora_a.t())
         if self.column:
-            if self.sequence_parallel:
+            if sequence_parallel:
                 h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True,
                                                          group=self.tp_group)
             elif self.tp_size > 1 and not self.expert_comm:
                 h = copy_to_tensor_model_parallel_region(h, group=self.tp_group)
-        elif self.sequence_parallel:
+        elif sequence_parallel:
             h = reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group)
         elif self.tp_size > 1 and not self.expert_comm:
             h = reduce_from_tensor_model_parallel_region(h, group=self.tp_group)

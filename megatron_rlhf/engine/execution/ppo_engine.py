@@ -29,6 +29,7 @@ from megatron_rlhf.engine.execution.function_rewards import FunctionRewards, Rec
 from megatron_rlhf.engine.execution.transfer import RowLayout, TransferChannels
 from megatron_rlhf.engine.execution.workers import ModelWorker
 from megatron_rlhf.generation import GenerationConfig, GenerationOutput
+from megatron_rlhf.models.lora import adapters_disabled
 from megatron_rlhf.models.moe import ROUTES
 from megatron_rlhf.models.offload import PARTS, WEIGHTS
 from megatron_rlhf.refit import WeightSync
@@ -64,6 +65,9 @@ class PPOEngine:
         replayed_routes: ``(layers, topk)`` of a mixture-of-experts policy whose experts per
             token are recorded with the old log-probs (``models.moe.ROUTES``) and replayed in
             every training pass of the actor on those rows; None: no replay.
+        reference_is_base: the actor trains LoRA adapters (``models.lora``) and the reference
+            log-probs are its own with the adapters switched off, its frozen base; False: the
+            reference model's.
 
     Building is collective: it creates the transfer channels (process groups) on every rank.
     """
@@ -75,8 +79,10 @@ class PPOEngine:
                  reuse_generation_logprobs: bool = False,
                  transfer_timeout_s: float = 1800.0,
                  episodes: EpisodeRollouts | None = None,
-                 replayed_routes: tuple[int, int] | None = None) -> None:
+                 replayed_routes: tuple[int, int] | None = None,
+                 reference_is_base: bool = False) -> None:
         self.plan = plan
+        self.reference_is_base = reference_is_base
         self.replayed_routes = replayed_routes
         self.episodes = episodes
         self.workers = workers
@@ -99,6 +105,12 @@ class PPOEngine:
     def policy_for_inference(self) -> str:
         """The model that generates and computes old log-probs: the shadow actor if placed."""
         return SHADOW_ACTOR if SHADOW_ACTOR in self.plan.models else ACTOR
+
+    @property
+    def reference(self) -> str:
+        """The model that computes the reference log-probs: the actor (adapters off) when the
+        reference is its base, else the reference model."""
+        return ACTOR if self.reference_is_base else REF
 
     @property
     def critic_for_inference(self) -> str | None:
@@ -133,7 +145,7 @@ class PPOEngine:
         scores (on the :attr:`scorer`'s ranks)."""
         passes = [] if self.reuse_generation_logprobs else [(self.policy_for_inference,
                                                              "old_logprobs")]
-        passes.append((REF, "ref_logprobs"))
+        passes.append((self.reference, "ref_logprobs"))
         if self.critic_for_inference is not None:
             passes.append((self.critic_for_inference, "values"))
         return [*passes, (self.scorer, "scores")]
@@ -291,7 +303,7 @@ class PPOEngine:
         computations = {
             "old_logprobs": self._old_logprobs(p, r, temperature),
             "ref_logprobs": ({"ref_logprobs": (r,)}, lambda w, f, rows: {
-                "ref_logprobs": w.compute_log_prob(f, p, temperature)}),
+                "ref_logprobs": _base_logprobs(w, f, p, temperature)}),
             "values": ({"values": (r,)}, lambda w, f, rows: {"values": w.compute_values(f, p)}),
             "scores": (self._score_shapes(function_rewards),
                        lambda w, f, rows: self._scores(
@@ -459,3 +471,10 @@ def rule_scores_of(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt
     return torch.tensor([rule_reward(prompt, response) for prompt, response in
                          row_token_ids(input_ids, attention_mask, prompt_length)],
                         dtype=torch.float32)
+
+
+def _base_logprobs(worker: ModelWorker, fields: dict[str, torch.Tensor], prompt_length: int,
+                   temperature: float) -> torch.Tensor:
+    """The log-probs of ``worker``'s model with any LoRA adapters off: the reference's."""
+    with adapters_disabled(worker.model):
+        return worker.compute_log_prob(fields, prompt_length, temperature)

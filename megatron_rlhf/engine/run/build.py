@@ -37,6 +37,7 @@ from megatron_rlhf.engine.run.stage_memory import (
 )
 from megatron_rlhf.models.checkpoint import read_checkpoint_info
 from megatron_rlhf.models.hf_tokenizer import HFTokenizer, is_hf_tokenizer_dir
+from megatron_rlhf.models.lora import apply_lora
 from megatron_rlhf.models.tokenizer import Tokenizer
 from megatron_rlhf.models.trainer import ModelTrainer
 from megatron_rlhf.refit import build_weight_sync
@@ -47,6 +48,7 @@ from megatron_rlhf.topology.cluster import ClusterSpec
 from megatron_rlhf.topology.groups import build_process_groups
 from megatron_rlhf.topology.models import (
     ACTOR,
+    CRITIC,
     SHADOW_OF,
     TRAINABLE_ROLES,
     resolve_arch,
@@ -196,6 +198,8 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
                                        decodes=role in decoding),
                           recompute=config.models.recompute_of(role),
                           token_vocab_size=token_vocab_size)
+        if config.models.lora.applies_to(role):  # adapters need megatron's local layers
+            options = replace(options, transformer_impl="local")
         models[role] = build_model(plan[role].spec.arch, options, pgc,
                                    runtime_seed=config.runtime.seed,
                                    init_seed=config.models.init_seed)
@@ -204,6 +208,11 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
     initial = {role: source for role, source in sources.items()
                if load_initial or role not in TRAINABLE_ROLES}
     load_initial_weights(models, groups, plan.models, initial, config.models.hf_cache_dir)
+    for role, model in models.items():
+        if config.models.lora.applies_to(role):
+            # a critic's new value head trains in full beside its adapters
+            apply_lora(model, config.models.lora,
+                       trainable=("output_layer",) if role == CRITIC else ())
     graphs = graphs_captured(config, compute_device())
     offload = offload_policies(config, plan, graphs)
     keeps_graphs = decode_graph_roles(plan, offload, graphs)
@@ -240,7 +249,8 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
                        generation, eos_id, pad_id, context,
                        reuse_generation_logprobs=config.rollout.reuse_generation_logprobs,
                        transfer_timeout_s=config.runtime.transfer_timeout_s, episodes=episodes,
-                       replayed_routes=_replayed_routes(config))
+                       replayed_routes=_replayed_routes(config),
+                       reference_is_base=config.models.lora.applies_to(ACTOR))
     engine.sync_weights()
     return engine
 

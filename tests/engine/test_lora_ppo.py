@@ -1,0 +1,88 @@
+"""PPO with LoRA on the actor (``models.lora``): the reference is the actor's frozen base.
+
+Two gloo ranks run two PPO steps of the tiny model (the critic trained in full), actor at TP=2
+with adapters. The reference
+log-probs come from the actor with its adapters off, so the first step's KL is exactly zero
+(``B`` starts at zero) and the reference model computes nothing; after training, the actor's
+base weights still equal the reference model's to the bit while its adapters moved, and its
+log-probs with the adapters off equal the reference model's (rounding: the reference model's
+weights require gradients, which changes torch's matmul kernel, see ``tests/models/test_lora.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.multirank import run_on_ranks
+
+
+def _config(run_dir: str, *overrides: str):
+    from megatron_rlhf.config.loader import load_config
+    from megatron_rlhf.config.ppo_run import RunConfig
+
+    return load_config(RunConfig, Path("examples/ppo_tiny.yaml"), [
+        f"run_dir={run_dir}", "steps=2", "placement.strategy=flattening", "placement.tp=2",
+        "rollout.prompts_per_step=4", "rollout.num_minibatches=1",
+        "rollout.ppo_epochs=1", "generation.max_new_tokens=6", "models.lora.rank=4",
+        "models.lora.alpha=8", "actor_optimizer.lr=1e-2", *overrides])
+
+
+def test_lora_config_refusals(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"models\.lora\.roles=\['actor', 'critic'\] names the "
+                                         r"critic, but this run has no critic"):
+        _config(str(tmp_path), "models.lora.roles=[actor, critic]", "algorithm.advantage_estimator=grpo",
+                "rollout.samples_per_prompt=2")
+    with pytest.raises(ValueError, match=r"placement.strategy='separation' syncs"):
+        _config(str(tmp_path), "placement.strategy=separation", "placement.tp=1")
+    with pytest.raises(ValueError, match=r"models.transformer_impl=local"):
+        _config(str(tmp_path), "models.transformer_impl=transformer_engine")
+    with pytest.raises(ValueError, match=r"actor_optimizer.fsdp=true with models.lora"):
+        _config(str(tmp_path), "actor_optimizer.fsdp=true",
+                "actor_optimizer.distributed_optimizer=true",
+                "placement.distributed_optimizer=true")
+
+
+def _run(root: str) -> dict:
+    from megatron_rlhf.engine.run import runner
+    from megatron_rlhf.models.lora import adapters_disabled, is_adapter_param
+    from tests.helpers.metrics import run_metrics
+    from tests.helpers.runs import capture_engine
+    from tests.models.batches import global_batch
+
+    captured = capture_engine()
+    runner.run_ppo(_config(root))
+    engine = captured["engine"]
+    actor, ref = engine.workers["actor"], engine.workers["ref"]
+    actor_state = dict(actor.model.named_parameters())
+    ref_state = dict(ref.model.named_parameters())
+    base = {n: p for n, p in actor_state.items() if not is_adapter_param(n)}
+    assert base.keys() == ref_state.keys()
+    assert all(torch.equal(p, ref_state[n]) for n, p in base.items())
+    assert all(not p.requires_grad for p in base.values())
+    moved = [n for n, p in actor_state.items() if n.endswith("lora_b") and p.abs().sum() > 0]
+    batch = {k: v[:4] for k, v in global_batch(0).items()}
+    with adapters_disabled(actor.model):
+        off = actor.compute_log_prob(batch, 4, 1.0)
+    on = actor.compute_log_prob(batch, 4, 1.0)
+    reference = ref.compute_log_prob(batch, 4, 1.0)
+    return {"passes": engine.experience_passes(), "moved": len(moved),
+            "adapters": sum(1 for n in actor_state if n.endswith("lora_b")),
+            "off_vs_ref": (off - reference).abs().max().item(),
+            "on_vs_ref": (on - reference).abs().max().item(),
+            "metrics": run_metrics(Path(root))}
+
+
+def test_ppo_with_lora_uses_the_base_as_reference(tmp_path: Path) -> None:
+    results = run_on_ranks(_run, world_size=2, args=(str(tmp_path),), timeout_s=240)
+    for result in results:
+        assert ("actor", "ref_logprobs") in result["passes"]
+        assert all(role != "ref" or output == "scores" for role, output in result["passes"])
+        assert result["moved"] == result["adapters"] > 0
+        assert result["off_vs_ref"] < 1e-5
+        assert result["on_vs_ref"] > 1e-4
+    metrics = results[0]["metrics"]
+    assert len(metrics) == 2
+    assert metrics[0]["kl"] == 0.0
