@@ -43,6 +43,7 @@ import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from megatron.core.tensor_parallel.layers import (
@@ -56,6 +57,8 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2",
                 "experts.linear_fc1", "experts.linear_fc2")
@@ -196,6 +199,26 @@ def _add_adapter_output(module: torch.nn.Module, args: tuple, kwargs: dict, outp
     return out + adapter(x), bias
 
 
+def _sharded_with_adapter(base_sharded_state_dict, adapter: LoRAAdapter, glu: bool,
+                          prefix: str = "", sharded_offsets: tuple = (),
+                          metadata: dict | None = None) -> dict:
+    """An adapted layer's megatron sharded state: the base layer's, whose own method would
+    store the adapter's tensors as replicated, with the adapter's split as its base weight is
+    (and, for a SwiGLU ``linear_fc1``, ``B``'s [gate; up] rows resharded as megatron reshards
+    the weight's), so a checkpoint loads at any TP."""
+    state = base_sharded_state_dict(prefix, sharded_offsets, metadata)
+    axis = {"lora_b": 0} if adapter.column else {"lora_a": 1}
+    own = make_sharded_tensors_for_checkpoint(
+        adapter.state_dict(prefix="", keep_vars=True), f"{prefix}{ADAPTER}.", axis,
+        sharded_offsets, tp_group=adapter.tp_group, dp_cp_group=(metadata or {})["dp_cp_group"])
+    if glu:
+        key = f"{prefix}{ADAPTER}.lora_b"
+        own[key] = apply_swiglu_sharded_factory(
+            own[key], sharded_offsets, (metadata or {}).get("singleton_local_shards", False))
+    state.update(own)
+    return state
+
+
 def _targets_of(name: str, module: torch.nn.Module) -> str | None:
     """Which of :data:`LORA_TARGETS` the module named ``name`` is, if any."""
     leaf = name.rsplit(".", 1)[-1]
@@ -246,6 +269,9 @@ def apply_lora(model: torch.nn.Module, config: LoRAConfig, seed: int | None = No
         adapter = LoRAAdapter(module, config.rank, config.scaling, config.dropout)
         module.add_module(ADAPTER, adapter)
         module.register_forward_hook(_add_adapter_output, with_kwargs=True)
+        glu = target.endswith("linear_fc1") and module.config.gated_linear_unit
+        module.sharded_state_dict = partial(_sharded_with_adapter, module.sharded_state_dict,
+                                            adapter, glu)
         adapted.append(name)
     if not adapted:
         raise ValueError(f"models.lora.target_modules={config.target_modules} match no layer "

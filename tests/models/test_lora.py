@@ -206,3 +206,33 @@ def _all_layouts() -> None:
 
 def test_lora_matches_base_and_dense_reference():
     run_on_ranks(_all_layouts, world_size=2, timeout_s=180)
+
+
+def _checkpoint_round_trip(directory: str) -> None:
+    """Save a TP=2 model with adapters (random ``B``), load it at TP=1 into one whose adapters
+    start otherwise: the same full state, adapters included, to the bit."""
+    from megatron_rlhf.models.checkpoint import load_model_checkpoint, save_model_checkpoint
+    from megatron_rlhf.models.lora import apply_lora
+    from megatron_rlhf.models.weights import gather_full_state
+    from megatron_rlhf.runtime.bootstrap import initialize_runtime
+
+    initialize_runtime()
+    pgc = whole_world_groups(2, 1)
+    model = _build(pgc, sequence_parallel=False)
+    apply_lora(model, _config(), seed=3)
+    saved = _random_b(model, pgc)
+    save_model_checkpoint(model, pgc, directory, {"role": "actor"})
+
+    single = whole_world_groups(1, 1)
+    other = _build(single, sequence_parallel=False)
+    apply_lora(other, _config(), seed=4)
+    load_model_checkpoint(other, single, directory)
+    loaded = gather_full_state(other, single)
+    assert loaded.keys() == saved.keys()
+    different = [k for k in saved if not torch.equal(loaded[k], saved[k])]
+    assert not different, different
+
+
+def test_a_checkpoint_with_adapters_loads_at_another_tp(tmp_path):
+    run_on_ranks(_checkpoint_round_trip, world_size=2, args=(str(tmp_path / "ckpt"),),
+                 timeout_s=120)
