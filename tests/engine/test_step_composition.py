@@ -133,6 +133,7 @@ def _hand_step(fields: dict[str, torch.Tensor], cfg: PPOAlgorithmConfig,
         "kl": sequence_kl,
         "kl_coef": coef,
         "response_length": tokens / len(lengths),
+        "response_length_max": float(max(lengths)),
         "returns_mean": sum(x for row in returns for x in row) / tokens,
         "values_mean": sum(x for row in real["values"] for x in row) / tokens,
     }

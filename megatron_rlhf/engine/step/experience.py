@@ -81,6 +81,8 @@ def compute_advantages(fields: dict[str, torch.Tensor], config: PPOAlgorithmConf
         "kl": sequence_kl,
         "kl_coef": kl_coef,
         "response_length": mask.sum(dim=1).float().mean().item(),
+        # A generation round lasts as long as its longest answer (a long tail of lengths).
+        "response_length_max": mask.sum(dim=1).float().max().item(),
         "returns_mean": masked_mean(returns, mask).item(),
         **function_metrics,
     }
