@@ -255,7 +255,7 @@ def role_state(model: ModelPlacement, options: MemoryOptions) -> cm.StateBytes:
 def _needs(model: ModelPlacement, rollout: RolloutSpec, options: MemoryOptions, forward: bool,
            generates: bool) -> _Needs:
     arch, tp, pp = model.spec.arch, model.tp, model.pp
-    seq, mbs = rollout.sequence_length, rollout.micro_batch_size
+    seq, mbs = rollout.activation_sequence_length, rollout.micro_batch_size
     value_head = model.role in VALUE_HEAD_ROLES
     state = role_state(model, options)
     fsdp = options.sharding == cm.FULLY_SHARDED
@@ -277,7 +277,7 @@ def _needs(model: ModelPlacement, rollout: RolloutSpec, options: MemoryOptions, 
     if generates:
         # The prefill's layer activations and the gathered fp32 logits of the last token sit
         # next to the static KV cache of the whole sequence.
-        kv = (cm.kv_cache_bytes(arch, tp, pp, 1, seq)
+        kv = (cm.kv_cache_bytes(arch, tp, pp, 1, rollout.sequence_length)
               + cm.layer_activation_bytes(arch, rollout.prompt_length, 1, tp)
               + cm.logits_bytes(arch, 1, 1, training=False))
         # Each decoding step gathers the layers as a forward pass does.

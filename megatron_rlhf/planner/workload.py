@@ -165,6 +165,9 @@ class RolloutSpec:
             ``continuous`` refills a finished answer's slot from the queue, ``static`` runs
             rounds that each wait for their longest answer. Only priced with
             ``answer_lengths``.
+        packed: micro-batches are filled to a token budget (``micro_batch_size`` rows of the
+            priced length each), so their activations are sized at the priced length; False:
+            padded rows, sized at the full length.
     """
 
     batch: int = 512
@@ -177,6 +180,7 @@ class RolloutSpec:
     overlap: bool = True
     answer_lengths: AnswerLengths | None = None
     batching: str = "continuous"
+    packed: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch", "prompt_length", "generation_length", "ppo_epochs",
@@ -214,6 +218,12 @@ class RolloutSpec:
         """Tokens of one sample as the experience and training passes are priced: prompt plus
         the mean answer (a packed micro-batch holds the answers' tokens, not their cap)."""
         return self.prompt_length + max(1, round(self.mean_answer_length))
+
+    @property
+    def activation_sequence_length(self) -> int:
+        """Tokens per row that a micro-batch's activations are sized for: the priced length
+        when packed, else the full length (a padded row may hold the longest answer)."""
+        return self.priced_sequence_length if self.packed else self.sequence_length
 
     def with_answer_lengths(self, lengths: AnswerLengths | None) -> RolloutSpec:
         """These shapes with ``lengths`` (its cap becomes ``generation_length``)."""

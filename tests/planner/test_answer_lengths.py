@@ -139,3 +139,18 @@ def test_answer_flags_are_checked_with_the_fix(tmp_path: Path) -> None:
     bad.write_text("3\nlong\n")
     with pytest.raises(ValueError, match="bad.txt line 2: 'long' is neither a token count"):
         answer_lengths(config, path=str(bad))
+
+
+def test_a_token_budget_fills_micro_batches_with_answers_of_the_mean_length() -> None:
+    """112 tokens per micro-batch: 112 // (16 + 12) = 4 full-length rows, or 112 // (16 + 3)
+    = 5 rows of answers averaging 3 tokens, whose activations are sized at 19 tokens a row."""
+    from megatron_rlhf.engine.run.auto_placement import answered_rollout
+    from megatron_rlhf.engine.run.micro_batching import planner_rollout
+
+    config = load_config(RunConfig, TINY, ["rollout.max_tokens_per_micro_batch=112"])
+    lengths = AnswerLengths.from_samples([1] * 4 + [2] * 4 + [3] * 4 + [4] * 3 + [12], cap=12)
+    full = planner_rollout(config, None, answered_rollout(config, None))
+    spread = planner_rollout(config, None, answered_rollout(config, lengths))
+    assert (full.micro_batch_size, full.activation_sequence_length) == (4, 28)
+    assert (spread.micro_batch_size, spread.activation_sequence_length) == (5, 19)
+    assert spread.packed and replace(spread, packed=False).activation_sequence_length == 28

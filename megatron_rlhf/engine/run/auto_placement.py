@@ -20,6 +20,7 @@ from megatron_rlhf.engine.run.micro_batching import planner_rollout, token_budge
 from megatron_rlhf.planner import (
     AnswerLengths,
     MemoryOptions,
+    RolloutSpec,
     SearchSpace,
     auto_place,
     explain_choice,
@@ -77,9 +78,15 @@ def ranked_candidates(config: RunConfig, cluster: ClusterSpec, profiles,
     step with the models it has, each candidate with the micro-batches the run would fill at
     that placement (``planner_rollout``) and the answers ``lengths`` (None: all full-length)."""
     return auto_place(cluster, config_arch(config),
-                      lambda plan: planner_rollout(config, token_budgets(config, plan))
-                      .with_answer_lengths(lengths),
+                      lambda plan: planner_rollout(config, token_budgets(config, plan),
+                                                   answered_rollout(config, lengths)),
                       profiles, search_space(config))
+
+
+def answered_rollout(config: RunConfig, lengths: AnswerLengths | None) -> RolloutSpec:
+    """The run's shapes (``RolloutSpec.from_run_config``) with the answers ``lengths``."""
+    rollout = RolloutSpec.from_run_config(config, overlap=config.rollout.async_rollout)
+    return rollout.with_answer_lengths(lengths)
 
 
 def search_space(config: RunConfig) -> SearchSpace:

@@ -149,5 +149,5 @@ def planner_rollout(config: RunConfig, budgets: dict[str, int] | None = None,
         budget = min((b for b in budgets.values() if b > 0), default=0)
     if isinstance(budget, int) and budget > 0:
         rollout = dataclasses.replace(
-            rollout, micro_batch_size=max(1, budget // rollout.priced_sequence_length))
+            rollout, micro_batch_size=max(1, budget // rollout.priced_sequence_length), packed=True)
     return rollout

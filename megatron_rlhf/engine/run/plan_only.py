@@ -32,7 +32,7 @@ from typing import Any
 
 from megatron_rlhf.builder.sources import initial_checkpoints, resolve_sources
 from megatron_rlhf.config.ppo_run import RunConfig
-from megatron_rlhf.engine.run.auto_placement import choose_placement
+from megatron_rlhf.engine.run.auto_placement import answered_rollout, choose_placement
 from megatron_rlhf.engine.run.build import make_plan
 from megatron_rlhf.engine.run.micro_batching import planner_rollout, token_budgets
 from megatron_rlhf.engine.run.stage_memory import offload_policies
@@ -257,7 +257,7 @@ def plan_run(config: RunConfig, cluster: ClusterSpec, profile: str | None = None
     sources, architecture = plan_architectures(config)
     plan = make_plan(config, cluster, sources)
     budgets = token_budgets(config, plan)
-    rollout = planner_rollout(config, budgets).with_answer_lengths(lengths)
+    rollout = planner_rollout(config, budgets, answered_rollout(config, lengths))
     options = run_memory_options(config, plan)
     prediction = predict_step(plan, rollout, load_profile(profile) if profile else None,
                               options=options)
