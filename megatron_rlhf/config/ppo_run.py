@@ -914,20 +914,14 @@ class RunConfig:
                     "its memory is planned from the first; give both the same value")
 
     def _check_lora(self) -> None:
-        """Refuse what adapters (``models.lora``) are not yet carried through: a shadow's weight
-        sync, Megatron-FSDP, AC-Share, the run's Hugging Face export, a critic that is not
-        there."""
+        """Refuse what adapters (``models.lora``) are not yet carried through: Megatron-FSDP,
+        AC-Share, the run's Hugging Face export, a critic that is not there."""
         lora = self.models.lora
         if not lora.enabled:
             return
         if CRITIC in lora.roles and not self.placement.critic:
             raise ValueError(f"models.lora.roles={lora.roles} names the critic, but this run "
                              "has no critic (a critic-free estimator): drop it from the roles")
-        if self.placement.separated:
-            raise ValueError(f"models.lora.rank={lora.rank}: placement.strategy="
-                             f"{self.placement.strategy!r} syncs the trained weights into "
-                             "shadow models, which does not carry adapters yet; use "
-                             "flattening or interleaving")
         if self.placement.ac_share:
             raise ValueError("models.lora with placement.ac_share=true: the shared trunk's "
                              "value head is not kept trainable; set placement.ac_share=false")

@@ -13,6 +13,8 @@ megatron's ``execute_reshard_plan`` and a megatron copy service (see ``docs/refi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -86,6 +88,26 @@ class ReshardWeightSync(WeightSync):
                     len(self.plan.transfers))
 
 
+class FirstFullSync(WeightSync):
+    """A sync whose first call copies every weight and whose later calls copy only what
+    changes: a model trained through LoRA adapters moves its frozen base once.
+
+    Attributes:
+        full: the copy of every parameter (the first sync).
+        then: the copy of the trained ones (every later sync).
+    """
+
+    def __init__(self, full: WeightSync, then: WeightSync) -> None:
+        self.full = full
+        self.then = then
+        self.syncs = 0
+
+    def sync(self) -> None:
+        """The full copy the first time, the trained parameters' after (collective)."""
+        (self.full if self.syncs == 0 else self.then).sync()
+        self.syncs += 1
+
+
 def build_weight_sync(
     src_model: torch.nn.Module | None,
     src_pg_collection: ProcessGroupCollection | None,
@@ -96,6 +118,7 @@ def build_weight_sync(
     copy_service: str | CopyService = "pair",
     timeout_s: float = 1800.0,
     verify: str = "first",
+    only: Callable[[str], bool] | None = None,
 ) -> ReshardWeightSync:
     """Plan the copy of ``src_model``'s weights into ``dst_model``; call on every rank.
 
@@ -115,6 +138,8 @@ def build_weight_sync(
             wait through its trainer's whole training stage.
         verify: check the copy after the ``first`` sync, after ``every`` one, or ``off``
             (``refit.verify``).
+        only: copy only the parameters whose (local) names it accepts, e.g. LoRA adapters
+            (``models.lora.is_adapter_param``); None: every parameter.
 
     Returns:
         The synchronisation; its ``sync()`` is collective over the default group.
@@ -129,8 +154,10 @@ def build_weight_sync(
     src_layout, dst_layout = ModelLayout.of(src_layout), ModelLayout.of(dst_layout)
     src_model = unwrap_model(src_model) if src_model is not None else None
     dst_model = unwrap_model(dst_model) if dst_model is not None else None
-    local = (_local_shards("src", src_model, src_pg_collection, src_layout, rank, world_size),
-             _local_shards("dst", dst_model, dst_pg_collection, dst_layout, rank, world_size))
+    local = (_local_shards("src", src_model, src_pg_collection, src_layout, rank, world_size,
+                           only),
+             _local_shards("dst", dst_model, dst_pg_collection, dst_layout, rank, world_size,
+                           only))
     gathered: list[tuple[RankShards | None, RankShards | None] | None] = [None] * world_size
     # World: every rank builds the same plan from both models' shards, wherever they are.
     dist.all_gather_object(gathered, local, group=dist.group.WORLD)
@@ -146,17 +173,20 @@ def build_weight_sync(
     return sync
 
 
-def local_shards(model: torch.nn.Module, layout: ModelLayout, rank: int) -> RankShards:
-    """Describe this rank's part of ``model`` for the planner (no communication)."""
+def local_shards(model: torch.nn.Module, layout: ModelLayout, rank: int,
+                 only: Callable[[str], bool] | None = None) -> RankShards:
+    """Describe this rank's part of ``model`` (the parameters ``only`` accepts) for the
+    planner (no communication)."""
     coords = layout.coords(rank)
     params = tuple(ParamShard(name, rule, tuple(param.shape), param.dtype)
-                   for name, param, rule in shard_rules(model))
+                   for name, param, rule in shard_rules(model) if only is None or only(name))
     return RankShards(rank, coords.tp, layout.tp, coords.pp, coords.dp, params)
 
 
 def _local_shards(side: str, model: torch.nn.Module | None,
                   pg_collection: ProcessGroupCollection | None, layout: ModelLayout, rank: int,
-                  world_size: int) -> RankShards | None:
+                  world_size: int, only: Callable[[str], bool] | None = None
+                  ) -> RankShards | None:
     """Check a side's arguments against its layout; describe the shards if the rank holds any."""
     if layout.ranks.stop > world_size:
         raise ValueError(f"{side}_layout covers ranks {layout.ranks.start}.."
@@ -181,7 +211,7 @@ def _local_shards(side: str, model: torch.nn.Module | None,
                 f"{side}_pg_collection.{axis} has rank {group.rank()} of {group.size()} on rank "
                 f"{rank}, {side}_layout says {expected[0]} of {expected[1]}: build the groups "
                 "from the same layout")
-    return local_shards(model, layout, rank)
+    return local_shards(model, layout, rank, only)
 
 
 def _check_names(reshard_plan: ReshardPlan, zero_fills: list[ZeroFill],

@@ -37,8 +37,6 @@ def test_lora_config_refusals(tmp_path: Path) -> None:
                                          r"critic, but this run has no critic"):
         _config(str(tmp_path), "models.lora.roles=[actor, critic]", "algorithm.advantage_estimator=grpo",
                 "rollout.samples_per_prompt=2")
-    with pytest.raises(ValueError, match=r"placement.strategy='separation' syncs"):
-        _config(str(tmp_path), "placement.strategy=separation", "placement.tp=1")
     with pytest.raises(ValueError, match=r"models.transformer_impl=local"):
         _config(str(tmp_path), "models.transformer_impl=transformer_engine")
     with pytest.raises(ValueError, match=r"actor_optimizer.fsdp=true with models.lora"):
@@ -111,3 +109,42 @@ def test_a_run_with_adapters_resumes_bit_exactly(tmp_path: Path) -> None:
                                           timeout_s=300)[0]
     assert [m["step"] for m in resumed] == [m["step"] for m in uninterrupted]
     assert resumed == uninterrupted
+
+
+def _separated(root: str) -> dict:
+    from megatron_rlhf.engine.run import runner
+    from megatron_rlhf.models.lora import is_adapter_param
+    from megatron_rlhf.refit.sync import FirstFullSync
+    from tests.helpers.runs import capture_engine
+
+    captured = capture_engine()
+    runner.run_ppo(_config(root, "placement.strategy=separation", "placement.tp=1"))
+    engine = captured["engine"]
+    engine.sync_weights()  # the shadow as of the last step
+    sync = engine.weight_syncs["actor"]
+    assert isinstance(sync, FirstFullSync) and sync.syncs == 4  # built, 2 steps, here
+    names = {t.global_name for t in sync.then.plan.transfers}
+    assert names and all(is_adapter_param(name) for name in names)
+    sent = (sum(sync.full.plan.remote_elements_sent().values()),
+            sum(sync.then.plan.remote_elements_sent().values()))
+    # numpy arrays travel by value (torch tensors would by a shared memory the rank takes along)
+    return {"sent": sent, **{role: {n: p.detach().numpy().copy()
+                                    for n, p in engine.workers[role].model.named_parameters()}
+                             for role in ("actor", "shadow_actor") if role in engine.workers}}
+
+
+def test_a_shadow_keeps_the_adapters_and_receives_only_them(tmp_path: Path) -> None:
+    """Under separation the shadow actor carries the same adapters: its first sync copies every
+    weight, the later ones the adapters alone, and it ends equal to the actor to the bit."""
+    from megatron_rlhf.models.lora import is_adapter_param
+
+    results = run_on_ranks(_separated, world_size=2, args=(str(tmp_path),), timeout_s=240)
+    actor = next(r["actor"] for r in results if "actor" in r)
+    shadow = next(r["shadow_actor"] for r in results if "shadow_actor" in r)
+    assert actor.keys() == shadow.keys()
+    assert all((actor[n] == shadow[n]).all() for n in actor)
+    assert any(is_adapter_param(n) and n.endswith("lora_b") and abs(actor[n]).sum() > 0
+               for n in actor)
+    full, adapters = results[0]["sent"]
+    adapter_elements = sum(p.size for n, p in actor.items() if is_adapter_param(n))
+    assert adapters == adapter_elements < full / 5

@@ -37,10 +37,11 @@ from megatron_rlhf.engine.run.stage_memory import (
 )
 from megatron_rlhf.models.checkpoint import read_checkpoint_info
 from megatron_rlhf.models.hf_tokenizer import HFTokenizer, is_hf_tokenizer_dir
-from megatron_rlhf.models.lora import apply_lora
+from megatron_rlhf.models.lora import apply_lora, is_adapter_param
 from megatron_rlhf.models.tokenizer import Tokenizer
 from megatron_rlhf.models.trainer import ModelTrainer
 from megatron_rlhf.refit import build_weight_sync
+from megatron_rlhf.refit.sync import FirstFullSync
 from megatron_rlhf.runtime.context import RunContext
 from megatron_rlhf.runtime.device import compute_device
 from megatron_rlhf.runtime.logging import get_logger
@@ -198,7 +199,7 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
                                        decodes=role in decoding),
                           recompute=config.models.recompute_of(role),
                           token_vocab_size=token_vocab_size)
-        if config.models.lora.applies_to(role):  # adapters need megatron's local layers
+        if config.models.lora.applies_to(SHADOW_OF.get(role, role)):  # on the local layers
             options = replace(options, transformer_impl="local")
         models[role] = build_model(plan[role].spec.arch, options, pgc,
                                    runtime_seed=config.runtime.seed,
@@ -209,8 +210,9 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
                if load_initial or role not in TRAINABLE_ROLES}
     load_initial_weights(models, groups, plan.models, initial, config.models.hf_cache_dir)
     for role, model in models.items():
-        if config.models.lora.applies_to(role):
-            # a critic's new value head trains in full beside its adapters
+        if config.models.lora.applies_to(SHADOW_OF.get(role, role)):
+            # a critic's new value head trains in full beside its adapters; a shadow keeps
+            # the same adapters, which its syncs then copy
             apply_lora(model, config.models.lora,
                        trainable=("output_layer",) if role == CRITIC else ())
     graphs = graphs_captured(config, compute_device())
@@ -238,10 +240,15 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
     for shadow, source in SHADOW_OF.items():
         if shadow in plan.models:
             src, dst = workers.get(source), workers.get(shadow)
-            weight_syncs[source] = build_weight_sync(
-                src.model if src else None, groups[source], plan[source],
-                dst.model if dst else None, groups[shadow], plan[shadow],
-                timeout_s=config.runtime.transfer_timeout_s, verify=config.refit.verify)
+            pair = (src.model if src else None, groups[source], plan[source],
+                    dst.model if dst else None, groups[shadow], plan[shadow])
+            settings = {"timeout_s": config.runtime.transfer_timeout_s,
+                        "verify": config.refit.verify}
+            weight_syncs[source] = build_weight_sync(*pair, **settings)
+            if config.models.lora.applies_to(source):  # the frozen base moves once
+                weight_syncs[source] = FirstFullSync(
+                    weight_syncs[source],
+                    build_weight_sync(*pair, **settings, only=is_adapter_param))
     generation = config.generation
     if episodes is not None:
         generation = replace(generation, max_new_tokens=config.rollout.max_episode_tokens)
