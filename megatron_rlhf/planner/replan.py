@@ -33,6 +33,16 @@ CALIBRATION_PASSES = 4
 scheduled seconds a little off from its scaled cost, so each pass corrects the factors by what
 the previous one missed."""
 
+MOVE_PARTS_PER_BUILD = {"save_s": 2.0, "teardown_s": 1.5, "build_s": 0.75, "load_s": 1.0}
+"""Fixed seconds of each part of a move, in units of the run's own start-up build: saving the
+state (the distributed checkpoint's planning, metadata and barriers), tearing the run down
+(dropping models, freeing caches, destroying process groups), building the new placement (warm:
+less than the first build) and loading the state. Measured on 4 gloo ranks of ``ppo_tiny``
+sharing 2 CPU cores, whose start-up build took 0.26 s and whose move took save 0.55, teardown
+0.40, build 0.19, load 0.25 s (docs/results/replanning.md); assumed elsewhere."""
+MOVE_BYTES_PER_S = 1e9
+"""Bytes per second assumed for writing, and again for reading, the state in a move."""
+
 Profiles = Mapping[str, HardwareProfile] | HardwareProfile | None
 ShapesOf = Callable[[PlacementPlan, RolloutSpec], RolloutSpec]
 """The step's shapes at a plan, from the shapes measured (e.g. its micro-batch rows)."""
@@ -99,6 +109,17 @@ class Replan:
     scales: dict[str, float]
     predicted_vs_measured: dict[str, dict[str, float]]
     rollout: RolloutSpec
+
+
+def move_estimate(build_seconds: float, state_bytes: float) -> dict[str, float]:
+    """Seconds of each part of a first move (``save_s``, ``teardown_s``, ``build_s``,
+    ``load_s``), before any was measured: the fixed parts ``MOVE_PARTS_PER_BUILD`` times the run's
+    start-up build ``build_seconds``, and the state's ``state_bytes`` written and read again at
+    ``MOVE_BYTES_PER_S``."""
+    parts = {part: factor * build_seconds for part, factor in MOVE_PARTS_PER_BUILD.items()}
+    parts["save_s"] += state_bytes / MOVE_BYTES_PER_S
+    parts["load_s"] += state_bytes / MOVE_BYTES_PER_S
+    return parts
 
 
 def measured_rollout(rollout: RolloutSpec, response_length: float,

@@ -349,3 +349,46 @@ def test_a_move_is_logged_with_the_steps_the_progress_line_counts() -> None:
 
     assert moved_message(3, "flattening", "separation", {"save_s": 1.0, "load_s": 0.5}) == (
         "moved after step 3 from flattening to separation in 1.50 s (save_s 1.00, load_s 0.50)")
+
+
+def test_a_move_back_must_beat_what_was_measured_there_and_repay_the_round_trip(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From separation the run moves to flattening (predicted faster). Back at flattening the
+    predictions flip (separation priced 0.6 s against flattening's 0.9 s), but separation was
+    measured at 1.0 s a step on the same answers: no move back, whatever the move costs. Once
+    the answers have changed, the measurement no longer stands for separation, and going back
+    must also repay the 0.8 s the move away from it took."""
+    from dataclasses import replace
+
+    from megatron_rlhf.planner.replan import Measured, Priced, Replan
+
+    replanner = _replanner(tmp_path, monkeypatch, "placement.replan.move=true")
+    result = _as_predicted(replanner)
+    separation = replanner.current
+    replanner.move_cost_s = 0.0
+    target, _ = replanner.decide(0, result)
+    assert _strategy(target.label) == "flattening"
+    replanner.last_measured = Measured({}, step_seconds=1.0, response_length=6.0)
+    replanner.moved(target, 0, seconds=0.8)
+    assert replanner.current[0] == target.label and replanner.move_cost_s == 0.8
+    other = next(label for label in replanner.labels
+                 if label not in (target.label, separation[0]))
+    flat_prediction = next(c.prediction for c in result.ranking if c.label == target.label)
+
+    def flipped(length: int, seconds: float, label: str = separation[0]) -> Replan:
+        """At flattening (0.9 s calibrated), ``label`` priced ``seconds`` a step."""
+        mine = Priced(target.label, target.plan, replace(flat_prediction, step_seconds=0.9))
+        plan = dict(replanner.candidates).get(label, separation[1])
+        priced = Priced(label, plan, replace(flat_prediction, step_seconds=seconds))
+        shapes = replace(replanner.rollout, generation_length=length)
+        return Replan((priced,), mine, priced, 1 - seconds / 0.9, {}, {}, shapes)
+
+    # The same answers (6 tokens): separation counts at its measured 1.0 s, slower than 0.9.
+    assert replanner.decide(2, flipped(6, 0.01)) == (None, 0.0)
+    # Answers of 12 tokens: 2 steps ahead save 2 x 0.5 = 1.0 s, short of min_gain's 0.09 plus
+    # this move's 0.8 plus the round trip's 0.8; a placement never left would have moved.
+    target_back, saving = replanner.decide(2, flipped(12, 0.4))
+    assert target_back is None and saving == pytest.approx(1.0)
+    assert replanner.decide(2, flipped(12, 0.4, other))[0].label == other
+    # A saving of 2 x 0.89 = 1.78 s repays the round trip (1.69 s): the run goes back.
+    assert replanner.decide(2, flipped(12, 0.01))[0].label == separation[0]

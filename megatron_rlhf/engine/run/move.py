@@ -20,7 +20,9 @@ At the boundary after step ``step`` every rank, in the same processes:
 The run then continues exactly as a run resumed from that checkpoint at the new placement would.
 A failure before the save is complete leaves the previous checkpoint as the last complete one; a
 failure after it leaves this one. The seconds of each part, the largest over the ranks, go into
-``plan_history.jsonl``; their sum is ``replan/move_seconds``.
+``plan_history.jsonl`` beside the estimate a first move is decided with
+(``planner.replan.move_estimate``: every part, from the run's start-up build and state size);
+their sum is ``replan/move_seconds``.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from megatron_rlhf.engine.run.evaluation import HeldOutEvaluator
 from megatron_rlhf.engine.run.export import HFExporter
 from megatron_rlhf.engine.run.replan import HISTORY, MoveTarget, append_history
 from megatron_rlhf.planner import describe
+from megatron_rlhf.planner.replan import move_estimate
 from megatron_rlhf.runtime.device import comm_device
 from megatron_rlhf.runtime.distributed import destroy_groups_since
 from megatron_rlhf.runtime.logging import get_logger
@@ -56,10 +59,6 @@ logger = get_logger(__name__)
 CHECKPOINT_BYTES_PER_PARAM = 16
 """Bytes a trained model's checkpoint holds per parameter: fp32 weights and Adam's two moments
 (12), with the bf16/fp32 model weights (4 at most)."""
-
-MOVE_BYTES_PER_S = 1e9
-"""Bytes per second assumed for writing, and again for reading, the state in the estimate of a
-first move's cost."""
 
 MEMORY_DIR = Path("/dev/shm")
 
@@ -121,7 +120,8 @@ class PlacementMover:
         agreed = torch.tensor([build_seconds, 0.0 if fits else 1.0], dtype=torch.float64,
                               device=comm_device())
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
-        self.estimate_s = agreed[0].item() + 2 * size / MOVE_BYTES_PER_S
+        self.estimate = move_estimate(agreed[0].item(), size)
+        self.estimate_s = sum(self.estimate.values())
         self.kind = ("checkpoint" if config.checkpoint.save_dir else
                      "memory" if agreed[1].item() == 0.0 else "disk")
 
@@ -202,6 +202,8 @@ class PlacementMover:
                     "from": source, "to": target.label, "forced": target.forced,
                     "state": self.kind, "path": str(path), "move_seconds": round(total, 6),
                     **{key: round(value, 6) for key, value in seconds.items()},
+                    "first_move_estimate": {key: round(value, 6)
+                                            for key, value in self.estimate.items()},
                     "groups_destroyed": destroyed,
                     "placement": asdict(target.config.placement)}})
             (self.run_dir / "plan.json").write_text(_plan_json(target.plan))

@@ -22,6 +22,13 @@ current placement plus the cost of a move: the last move's measured seconds, bef
 ``move_cost_s`` (set by the runner from its estimate). The inputs are the same on every rank, so every rank decides alike.
 A candidate is a move target only where the run's checkpoint loads into it (the same
 Megatron-FSDP choice per trained model).
+
+Hysteresis: a placement the run moved away from is remembered with the step time measured there,
+the answers' mean length then, and what leaving it cost. Going back is priced at no less than
+that measured step while the answers' mean stays within ``RETURN_LENGTH_TOLERANCE`` of it (the
+planner's extrapolation cannot overrule a measurement of the same workload), and the saving
+must also repay the move that left it (the round trip). A run therefore never moves back and
+forth on predictions that flip within the cost model's error.
 """
 
 from __future__ import annotations
@@ -67,6 +74,25 @@ inside the weight sync while the trainers train): measured by the rank that wait
 last to arrive), where the other stages are measured by the slowest rank."""
 
 HISTORY = "plan_history.jsonl"
+
+RETURN_LENGTH_TOLERANCE = 0.1
+"""A placement left earlier is priced at no less than its measured step while the answers' mean
+length is within this share of the mean measured there (the same workload)."""
+
+
+@dataclass(frozen=True)
+class LeftPlacement:
+    """A placement the run moved away from.
+
+    Attributes:
+        step_seconds: seconds per step measured there (the window that decided the move).
+        response_length: the answers' mean length then.
+        move_seconds: what the move away from it took.
+    """
+
+    step_seconds: float
+    response_length: float
+    move_seconds: float
 
 
 @dataclass(frozen=True)
@@ -166,6 +192,8 @@ class RunReplanner:
         self.first_measured = start + self.settings.warmup_steps
         self.max_new_tokens = config.generation.max_new_tokens
         self.move_cost_s = math.inf
+        self.left: dict[str, LeftPlacement] = {}
+        self.last_measured: Measured | None = None
         self._target: MoveTarget | None = None
         self._cursor = 0
         self._window: list[tuple[dict[str, float], float, float | None, float | None]] = []
@@ -195,7 +223,7 @@ class RunReplanner:
                              metrics.get("response_length_max")))
         if len(self._window) < self.settings.interval_steps:
             return {}
-        measured = self._measured()
+        measured = self.last_measured = self._measured()
         self._window = []
         result = rerank(self.current, self.candidates, self.rollout, measured, self.profiles,
                         self.memory_options, self.shapes_at)
@@ -215,19 +243,34 @@ class RunReplanner:
         return metrics
 
     def decide(self, step: int, result: Replan) -> tuple[MoveTarget | None, float]:
-        """The best placement of ``result`` if moving there after step ``step`` pays (see the
-        module), else None; and the predicted seconds saved over the next interval (or the
-        steps left) there."""
+        """The best placement of ``result`` (by :meth:`expected_seconds`) if moving there after
+        step ``step`` pays (see the module), else None; and the predicted seconds saved over the
+        next interval (or the steps left) there."""
         ahead = max(0, min(self.settings.interval_steps, self.steps - step - 1))
         current = result.current.prediction.step_seconds
-        saving = ahead * (current - result.best.prediction.step_seconds)
-        threshold = self.settings.min_gain * ahead * current + self.move_cost_s
-        label = result.best.label
+        length = result.rollout.mean_answer_length
+        seconds, label = min([(self.expected_seconds(c.label, c.prediction.step_seconds, length),
+                               c.label) for c in result.ranking if c.prediction.feasible]
+                             + [(current, self.current[0])])
+        saving = ahead * (current - seconds)
+        left = self.left.get(label)
+        threshold = (self.settings.min_gain * ahead * current + self.move_cost_s
+                     + (left.move_seconds if left is not None else 0.0))
         if (not self.settings.move or label == self.current[0] or label not in self.configs
                 or saving <= threshold or not ahead
                 or not loads_checkpoint_of(self.config, self.configs[label])):
             return None, saving
         return self.target(label), saving
+
+    def expected_seconds(self, label: str, predicted: float, length: float) -> float:
+        """A candidate's step seconds for the move decision: ``predicted``, and for a placement
+        the run left no less than the step measured there while the answers' mean ``length``
+        is within ``RETURN_LENGTH_TOLERANCE`` of the mean then."""
+        left = self.left.get(label)
+        if left is None or abs(length - left.response_length) > (
+                RETURN_LENGTH_TOLERANCE * left.response_length):
+            return predicted
+        return max(predicted, left.step_seconds)
 
     def take_target(self, step: int) -> MoveTarget | None:
         """Where to move after step ``step``, or None; once."""
@@ -240,7 +283,11 @@ class RunReplanner:
 
     def moved(self, target: MoveTarget, step: int, seconds: float) -> None:
         """The run moved to ``target`` after step ``step`` in ``seconds`` (the same on every
-        rank): measure it afresh from there."""
+        rank): measure it afresh from there, remembering the placement left (hysteresis)."""
+        if self.last_measured is not None:
+            self.left[self.current[0]] = LeftPlacement(
+                self.last_measured.step_seconds, self.last_measured.response_length, seconds)
+        self.left.pop(target.label, None)
         self.config = target.config
         self.current = (describe(target.plan), target.plan)
         self.move_cost_s = seconds
