@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 from megatron_rlhf.config.paths import check_paths
 from megatron_rlhf.data.schema import ReaderConfig, SplitConfig
 from megatron_rlhf.data.synthetic import SyntheticTaskConfig
+from megatron_rlhf.models.lora import LoRAConfig
 from megatron_rlhf.models.moe import MoEConfig
 from megatron_rlhf.models.options import (
     RECOMPUTE_GRANULARITIES,
@@ -87,6 +88,9 @@ class SupervisedModelConfig:
         ep: expert-parallel size: groups of ``ep`` data-parallel ranks split the experts; must
             divide ``moe.num_experts`` and the data-parallel size (1 for a dense model); needs
             the ``alltoall`` dispatcher.
+        lora: train low-rank adapters instead of every weight (``models.lora.LoRAConfig``:
+            ``model.lora.rank=8``; ``roles`` is not read); a reward model's new score head
+            trains in full beside them. The model is built with megatron's local layers.
     """
 
     arch: Any = "tiny"
@@ -101,6 +105,7 @@ class SupervisedModelConfig:
     sequence_parallel: bool = True
     moe: MoEConfig = field(default_factory=MoEConfig)
     ep: int = 1
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         resolve_arch(self.arch)

@@ -44,6 +44,7 @@ from megatron_rlhf.models.checkpoint import save_model_checkpoint
 from megatron_rlhf.models.forward_backward import Batch, LossFn, run_microbatches
 from megatron_rlhf.models.gpt import ModelBuildOptions
 from megatron_rlhf.models.hf_tokenizer import TOKENIZER_FILES, HFTokenizer, checkpoint_tokenizer
+from megatron_rlhf.models.lora import apply_lora
 from megatron_rlhf.models.moe import expert_metrics
 from megatron_rlhf.models.tokenizer import Tokenizer, load_tokenizer
 from megatron_rlhf.models.trainer import ModelTrainer
@@ -249,6 +250,8 @@ def _build(config: SupervisedConfig, objective: Objective, spec: ModelSpec, tota
                       packed_sequences=config.model.packed_sequences,
                       sequence_parallel=(config.model.sequence_parallel
                                          and config.model.packed_sequences))
+    if config.model.lora.enabled:  # adapters go on megatron's local layers
+        options = replace(options, transformer_impl="local")
     model = build_model(spec.arch, options, pgc, runtime_seed=config.runtime.seed,
                         init_seed=config.model.init_seed)
     # Before the trainer exists: the optimizer copies the weights it starts from.
@@ -258,6 +261,9 @@ def _build(config: SupervisedConfig, objective: Objective, spec: ModelSpec, tota
                              config.model.hf_cache_dir)
     elif source is not None:
         objective.load_checkpoint(model, pgc, source.path)
+    if config.model.lora.enabled:  # a reward model's new score head trains in full
+        apply_lora(model, config.model.lora,
+                   trainable=("output_layer",) if objective.head == "scalar" else ())
     return ModelTrainer(model, pgc, config.optimizer, total_steps=total_steps), pgc
 
 
