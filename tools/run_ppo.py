@@ -122,7 +122,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     plan.add_argument("--answer-max", type=int, metavar="TOKENS",
                       help="--plan-only: longest answer (default generation.max_new_tokens)")
     plan.add_argument("--answer-lengths", metavar="PATH", help="--plan-only: price these "
-                      "answer lengths, one per line (tokens, or JSON with a \"tokens\" field)")
+                      "answers, one per line: a token count, or JSON with a \"tokens\" count or "
+                      "a reference answer's text in \"response\" or \"answer\"")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = parser.parse_args(argv)
     given = [flag for flag in ("json", "nodes", "gpus_per_node", "gpu", "answer_mean",

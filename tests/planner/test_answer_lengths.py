@@ -4,6 +4,7 @@ on hand-traced queues, the clipped-exponential assumption against its closed for
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from dataclasses import replace
@@ -137,8 +138,27 @@ def test_answer_flags_are_checked_with_the_fix(tmp_path: Path) -> None:
         answer_lengths(config, maximum=8)
     bad = tmp_path / "bad.txt"
     bad.write_text("3\nlong\n")
-    with pytest.raises(ValueError, match="bad.txt line 2: 'long' is neither a token count"):
+    with pytest.raises(ValueError, match="bad.txt line 2: 'long' is not a token count"):
         answer_lengths(config, path=str(bad))
+
+
+def test_reference_answers_are_counted_in_the_runs_tokens(tmp_path: Path) -> None:
+    """A prompt set's reference answers (``response`` or ``answer`` text) count as many tokens
+    as the run's tokenizer gives them; numbers and ``tokens`` fields mix in."""
+    from megatron_rlhf.builder.sources import resolve_sources
+    from megatron_rlhf.engine.run.runner import run_tokenizer
+
+    config = load_config(RunConfig, TINY)
+    texts = ["101919", "What is 641 * 159? It is 101919.", "7"]
+    path = tmp_path / "answers.jsonl"
+    path.write_text("\n".join([json.dumps({"question": "q", "response": texts[0]}),
+                               json.dumps({"answer": texts[1]}), json.dumps({"answer": texts[2]}),
+                               json.dumps({"tokens": 5}), "3"]) + "\n")
+    lengths = answer_lengths(config, path=str(path))
+    tokenizer = run_tokenizer(config, resolve_sources(config))
+    counts = [len(tokenizer.encode(text)) for text in texts]
+    assert lengths.lengths == tuple(sorted(min(12, c) for c in counts + [5, 3]))
+    assert lengths.source == f"reference answers of {path}"
 
 
 def test_a_token_budget_fills_micro_batches_with_answers_of_the_mean_length() -> None:

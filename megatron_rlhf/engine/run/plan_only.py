@@ -26,6 +26,7 @@ answers); the plan prints the assumption it used.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -269,8 +270,10 @@ def answer_lengths(config: RunConfig, mean: float | None = None, maximum: int | 
                    path: str | None = None) -> AnswerLengths | None:
     """The answers' length distribution for ``--plan-only``, capped at
     ``generation.max_new_tokens``: from ``path`` (one answer per line: a token count, or a JSON
-    object whose ``tokens`` field is one), else exponential answers of ``mean`` tokens cut at
-    ``maximum`` (default the cap; ``AnswerLengths.from_mean_max``); None when neither is given.
+    object with a numeric ``tokens`` field, or with a reference answer's text in ``response`` or
+    ``answer``, counted in the run's tokenizer's tokens), else exponential answers of ``mean``
+    tokens cut at ``maximum`` (default the cap; ``AnswerLengths.from_mean_max``); None when
+    neither is given.
 
     Raises:
         ValueError: naming the flag: a maximum above ``generation.max_new_tokens``, a maximum
@@ -281,8 +284,9 @@ def answer_lengths(config: RunConfig, mean: float | None = None, maximum: int | 
         raise ValueError("--answer-lengths takes the lengths from its file: drop --answer-mean "
                          "and --answer-max")
     if path is not None:
-        return AnswerLengths.from_samples(_read_lengths(path), cap,
-                                          f"answer lengths of {path}")
+        lengths, texts = _read_lengths(path, lambda: _token_counter(config))
+        what = "reference answers" if texts else "answer lengths"
+        return AnswerLengths.from_samples(lengths, cap, f"{what} of {path}")
     if mean is None:
         if maximum is not None:
             raise ValueError("--answer-max needs --answer-mean (the mean answer, in tokens)")
@@ -297,22 +301,43 @@ def answer_lengths(config: RunConfig, mean: float | None = None, maximum: int | 
     return AnswerLengths(found.lengths, cap, found.source)
 
 
-def _read_lengths(path: str) -> list[float]:
-    """Answer lengths from ``path``: per non-empty line a number, or a JSON object with a
-    numeric ``tokens`` field."""
-    lengths = []
+ANSWER_TEXT_FIELDS = ("response", "answer")
+"""Fields of a JSON line whose text is a reference answer, in the order tried."""
+
+
+def _read_lengths(path: str, counter: Callable[[], Callable[[str], int]]
+                  ) -> tuple[list[float], int]:
+    """Answer lengths from ``path`` (see :func:`answer_lengths`), and how many were texts;
+    ``counter`` gives the token counter, built at the first text."""
+    lengths, texts, count = [], 0, None
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         line = line.strip()
         if not line:
             continue
         try:
             value = json.loads(line)
+            text = next((value[k] for k in ANSWER_TEXT_FIELDS if isinstance(value, dict)
+                         and isinstance(value.get(k), str)), None)
+            if text is not None:
+                count = count or counter()
+                lengths.append(float(count(text)))
+                texts += 1
+                continue
             value = value["tokens"] if isinstance(value, dict) else value
             lengths.append(float(value))
         except (ValueError, KeyError, TypeError):
-            raise ValueError(f"--answer-lengths {path} line {number}: {line[:60]!r} is neither a "
-                             "token count nor a JSON object with a numeric \"tokens\" field") \
-                from None
+            raise ValueError(f"--answer-lengths {path} line {number}: {line[:60]!r} is not a "
+                             "token count, nor a JSON object with a numeric \"tokens\" field or "
+                             "an answer's text in \"response\" or \"answer\"") from None
     if not lengths:
         raise ValueError(f"--answer-lengths {path} holds no answer lengths")
-    return lengths
+    return lengths, texts
+
+
+def _token_counter(config: RunConfig) -> Callable[[str], int]:
+    """Tokens of a text in the run's tokenizer (``runner.run_tokenizer``; imported here, so a
+    plan without reference answers loads no tokenizer)."""
+    from megatron_rlhf.engine.run.runner import run_tokenizer
+
+    tokenizer = run_tokenizer(config, plan_architectures(config)[0])
+    return lambda text: len(tokenizer.encode(text))
