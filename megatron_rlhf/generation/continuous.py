@@ -21,6 +21,13 @@ tokens), not of each call's longest prompt, so the calls of a run (the turns of 
 episodes, too) share one length and one capture per slot count. The kept decoders hold their
 model weakly: dropping the model frees them, and :func:`release_decode_graphs` frees them
 while the model lives (before training on the same devices, say).
+
+Weights may change between the decode steps of one call (partial rollouts): at every stop
+check ``weight_updates`` is asked whether it wrote new weights into the model (in place, as a
+refit does). The slots still decoding keep their tokens and KV cache (the keys and values of
+their earlier tokens stay those of the older weights) and sample on under the new ones; prompts
+prefilled later start under them. The output then records, per response token, how many
+updates preceded it (``response_versions``).
 """
 
 from __future__ import annotations
@@ -142,7 +149,8 @@ def generate_continuous(model: torch.nn.Module, decode_model: torch.nn.Module | 
                         eos_id: int | Sequence[int] | None, pad_id: int, vocab_size: int,
                         on_cache: Callable[[int], None] | None,
                         lockstep: ExpertLockstep | None = None,
-                        keep_graphs: bool = True, max_length: int = 0) -> GenerationOutput:
+                        keep_graphs: bool = True, max_length: int = 0,
+                        weight_updates: Callable[[], bool] | None = None) -> GenerationOutput:
     """Generate one response per prompt with continuous batching (module docstring).
 
     Args:
@@ -164,7 +172,16 @@ def generate_continuous(model: torch.nn.Module, decode_model: torch.nn.Module | 
         max_length: positions (prompt plus response) every call of the run fits in: the cache
             length, so that every call shares the captured steps (0, or a call that needs
             more: its longest prompt plus its largest budget).
+        weight_updates: asked at every stop check while slots still decode: True when it has
+            just written new weights into ``model`` in place (every rank of the model's TP
+            group must answer alike); None: the weights do not change during the call.
+
+    Raises:
+        ValueError: ``weight_updates`` under an expert-parallel lockstep.
     """
+    if weight_updates is not None and lockstep is not None:
+        raise ValueError("weights cannot change during a call under an expert-parallel "
+                         "lockstep (ep > 1): its ranks stop checking at different steps")
     device = next(model.parameters()).device
     greedy_every = config.greedy_every if not config.greedy else 0
     keys = prompt_noise_keys(config.seed, prompt_indices).tolist()
@@ -178,6 +195,9 @@ def generate_continuous(model: torch.nn.Module, decode_model: torch.nn.Module | 
         slots = max(slots, min(floor, config.micro_batch_size or floor))
     work: list[MicroBatchWork] = []
     responses: dict[int, tuple[torch.Tensor, ...]] = {}
+    # per prompt: the updates before its prefill, then its token count at each later update
+    versions: dict[int, list[int]] | None = {} if weight_updates is not None else None
+    updates = 0
     if waiting:
         # a prefill left-pads its prompts to the longest of them, so a short prompt's response
         # starts past its own length: bound by the longest prompt plus the largest budget
@@ -212,6 +232,8 @@ def generate_continuous(model: torch.nn.Module, decode_model: torch.nn.Module | 
                                            1, True))
                 for slot, prompt in zip(free, entering, strict=True):
                     occupant[slot] = prompt
+                    if versions is not None:
+                        versions[prompt] = [updates]
             if graph is None and floor > 1:
                 graph = kept.graph(decoder) if kept is not None else DecodeGraph(decoder)
             run = graph or decoder
@@ -228,6 +250,11 @@ def generate_continuous(model: torch.nn.Module, decode_model: torch.nn.Module | 
             finished = not waiting and all(prompt is None for prompt in occupant)
             if lockstep.all_done(finished) if lockstep is not None else finished:
                 break
+            if versions is not None and weight_updates():
+                updates += 1
+                for slot, prompt in enumerate(occupant):
+                    if prompt is not None:
+                        versions[prompt].append(steps[slot])
             if finished:
                 continue
             fewer = _fewer_slots(occupant, config.micro_batch_size, floor) if not waiting else None
@@ -248,7 +275,7 @@ def generate_continuous(model: torch.nn.Module, decode_model: torch.nn.Module | 
                      else max(cache_bytes, decoder.cache_bytes()))
     elif lockstep is not None:  # nothing to decode here, while the group's others may
         lockstep.idle_rounds(config.stop_check_interval)
-    return _assemble(prompts, responses, pad_id, device, tuple(work))
+    return _assemble(prompts, responses, pad_id, device, tuple(work), versions)
 
 
 def _decode_work(slots: int, calls: int, decoder: SlotDecoder,
@@ -281,10 +308,12 @@ def _take(decoder: SlotDecoder, slot: int, n: int) -> tuple[torch.Tensor, ...]:
 
 
 def _assemble(prompts: Sequence[Sequence[int]], responses: dict[int, tuple[torch.Tensor, ...]],
-              pad_id: int, device: torch.device,
-              work: tuple[MicroBatchWork, ...]) -> GenerationOutput:
+              pad_id: int, device: torch.device, work: tuple[MicroBatchWork, ...],
+              versions: dict[int, list[int]] | None = None) -> GenerationOutput:
     """The batch layout of ``generate_sequences`` (prompts left-padded to the longest, responses
-    right-padded to the longest) from each prompt's response."""
+    right-padded to the longest) from each prompt's response; with ``versions`` (per prompt:
+    the updates before its prefill, then its token count at each later update) the updates
+    before each response token."""
     b = len(prompts)
     width = max(len(p) for p in prompts)
     steps = max((len(r[0]) for r in responses.values()), default=0)
@@ -307,8 +336,18 @@ def _assemble(prompts: Sequence[Sequence[int]], responses: dict[int, tuple[torch
             policy_logprobs[row, :n] = policy
     prompt_mask = attention_mask[:, :width].clone()
     response_mask = attention_mask[:, width:].clone()
+    response_versions = None
+    if versions is not None:
+        response_versions = torch.zeros(b, steps, dtype=torch.long)
+        for row in responses:
+            start, *changes = versions[row]
+            response_versions[row, :len(responses[row][0])] = start
+            for count in changes:
+                response_versions[row, count:len(responses[row][0])] += 1
+        response_versions = response_versions.to(device)
     return GenerationOutput(
         input_ids=input_ids, attention_mask=attention_mask, prompt_mask=prompt_mask,
         response_mask=response_mask, response_logprobs=logprobs,
         response_policy_logprobs=policy_logprobs, prompt_lengths=prompt_mask.sum(dim=1),
-        response_lengths=response_mask.sum(dim=1), micro_batches=work)
+        response_lengths=response_mask.sum(dim=1), micro_batches=work,
+        response_versions=response_versions)

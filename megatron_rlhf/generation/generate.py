@@ -149,7 +149,8 @@ def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollec
                        prompts: Sequence[Sequence[int]], prompt_indices: Sequence[int],
                        config: GenerationConfig, eos_id: int | Sequence[int] | None,
                        pad_id: int, on_cache: Callable[[int], None] | None = None,
-                       keep_graphs: bool = True, max_length: int = 0) -> GenerationOutput:
+                       keep_graphs: bool = True, max_length: int = 0,
+                       weight_updates: Callable[[], bool] | None = None) -> GenerationOutput:
     """Generate one response per prompt.
 
     A prompt's response stops after EOS (when ``config.stop_at_eos``), after one of
@@ -179,6 +180,10 @@ def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollec
             the run needs: the KV cache and captured steps are sized for it, so that calls of
             other prompt lengths replay them (0: each call sizes them for its own longest
             prompt; a call that needs more also does).
+        weight_updates: continuous batching only: asked at every stop check whether new
+            weights were just written into ``model`` in place; the unfinished responses go on
+            under them (``generate_continuous``) and the output records each token's
+            ``response_versions``. None: the weights stay as they are.
 
     Returns:
         The batch, on the model's device.
@@ -187,7 +192,8 @@ def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollec
         ValueError: PP > 1, an empty prompt list or prompt, a prompt longer than ``seq_length``,
             token ids outside the vocabulary, a missing ``eos_id``, a scalar-head model, a
             Transformer Engine model decoding with the KV cache, ``cuda_graphs=on`` for a model
-            whose decode step cannot be captured (MoE).
+            whose decode step cannot be captured (MoE), ``weight_updates`` without continuous
+            batching.
     """
     if pg_collection.pp.size() > 1:
         raise ValueError(f"generation does not support pp>1 (got pp={pg_collection.pp.size()}); "
@@ -200,6 +206,9 @@ def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollec
     seq_length = core.max_sequence_length
     _check_inputs(prompts, prompt_indices, config, eos_id, pad_id, vocab_size, seq_length)
     config = with_graph_setting(config, core)
+    if weight_updates is not None and not config.continuous:
+        raise ValueError("weights can change during a generate call only with continuous "
+                         "batching (generation.batching=continuous and use_kv_cache=true)")
     size = config.micro_batch_size or len(prompts)
     was_training = model.training
     model.eval()
@@ -212,7 +221,7 @@ def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollec
                 return generate_continuous(model, _decode_model(model, config), prompts,
                                            prompt_indices, budgets, config, eos_id, pad_id,
                                            vocab_size, on_cache, lockstep, keep_graphs,
-                                           min(max_length, seq_length))
+                                           min(max_length, seq_length), weight_updates)
             starts = range(0, len(prompts), size)
             idle = lockstep.most(len(starts)) - len(starts) if lockstep else 0
             outputs = [

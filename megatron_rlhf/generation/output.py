@@ -64,6 +64,10 @@ class GenerationOutput:
     """``[b]`` int64: generated tokens."""
     micro_batches: tuple[MicroBatchWork, ...] = ()
     """What each micro-batch ran, in order (``generate_sequences`` fills it)."""
+    response_versions: torch.Tensor | None = None
+    """``[b, R]`` int64: how many weight updates during the call preceded each generated token
+    (0 under the weights the call began with; 0 at padding); None when the call took no
+    ``weight_updates``."""
 
     @property
     def prompt_length(self) -> int:
