@@ -338,3 +338,22 @@ def init_lora_weights(model: torch.nn.Module, seed: int) -> None:
             start = adapter.tp_group.rank() * lora_a.shape[1]
             full = full[:, start:start + lora_a.shape[1]]
         lora_a.copy_(full)
+
+
+def check_no_adapters(directory: str, field_name: str) -> None:
+    """Refuse a megatron_rlhf checkpoint that holds adapters as a run's starting point: its base
+    would load and its adapters be left out (a plain model's state names none), and a run that
+    trains new adapters would take the pre-adapter base as its reference.
+
+    Raises:
+        ValueError: the checkpoint holds adapter tensors; naming ``field_name`` and the fix.
+    """
+    from megatron_rlhf.models.checkpoint import read_dcp_metadata
+
+    stored = [key for key in read_dcp_metadata(directory).state_dict_metadata
+              if is_adapter_param(key)]
+    if stored:
+        raise ValueError(
+            f"{field_name}={directory} holds LoRA adapters ({len(stored)} tensors, e.g. "
+            f"{stored[0]}), which a starting point does not load: merge them into the base "
+            "first (models.peft_export.merge_adapters) and start from the merged checkpoint")

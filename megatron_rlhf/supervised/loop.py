@@ -44,7 +44,7 @@ from megatron_rlhf.models.checkpoint import save_model_checkpoint
 from megatron_rlhf.models.forward_backward import Batch, LossFn, run_microbatches
 from megatron_rlhf.models.gpt import ModelBuildOptions
 from megatron_rlhf.models.hf_tokenizer import TOKENIZER_FILES, HFTokenizer, checkpoint_tokenizer
-from megatron_rlhf.models.lora import apply_lora
+from megatron_rlhf.models.lora import apply_lora, check_no_adapters
 from megatron_rlhf.models.moe import expert_metrics
 from megatron_rlhf.models.tokenizer import Tokenizer, load_tokenizer
 from megatron_rlhf.models.trainer import ModelTrainer
@@ -250,6 +250,8 @@ def _build(config: SupervisedConfig, objective: Objective, spec: ModelSpec, tota
                       packed_sequences=config.model.packed_sequences,
                       sequence_parallel=(config.model.sequence_parallel
                                          and config.model.packed_sequences))
+    if source is not None and not source.is_hf:
+        check_no_adapters(source.path, "model.init_checkpoint")
     if config.model.lora.enabled:  # adapters go on megatron's local layers
         options = replace(options, transformer_impl="local")
     model = build_model(spec.arch, options, pgc, runtime_seed=config.runtime.seed,

@@ -3,7 +3,8 @@
 One rank trains the tiny SFT and reward models with rank-8 adapters. SFT's held-out loss falls;
 its checkpoint holds the adapters beside a base equal to the layout-independent initialisation
 it started from, to the bit. The reward model's new score head trains in full beside its
-adapters, every other weight stays as initialised.
+adapters, every other weight stays as initialised. A checkpoint with adapters is refused as the
+starting point of a reward model or a PPO run, which would load its base alone.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ LORA = ["model.lora.rank=8", "model.lora.alpha=16", "optimizer.lr=1e-2",
 
 
 def _train(root: str) -> dict:
+    from megatron_rlhf.config.ppo_run import RunConfig
+    from megatron_rlhf.engine.run.runner import run_ppo
     from megatron_rlhf.models.checkpoint import load_model_checkpoint, read_checkpoint_info
     from megatron_rlhf.models.gpt import build_gpt_model
     from megatron_rlhf.models.lora import LoRAConfig, apply_lora, is_adapter_param
@@ -37,7 +40,16 @@ def _train(root: str) -> dict:
         f"out_dir={root}/rm", "model.init_checkpoint=''", "train.max_steps=4",
         "train.eval_interval=4", *LORA])).history
 
-    out: dict = {"sft": sft, "rm": rm}
+    out: dict = {"sft": sft, "rm": rm, "refusals": []}
+    rm_from_sft = load_config(RMConfig, ROOT / "examples" / "rm_tiny.yaml", [
+        f"out_dir={root}/rm2", f"model.init_checkpoint={root}/sft/checkpoint"])
+    ppo_from_sft = load_config(RunConfig, ROOT / "examples" / "ppo_grpo_tiny.yaml", [
+        f"run_dir={root}/ppo", f"models.actor_checkpoint={root}/sft/checkpoint", "steps=1"])
+    for run, config in ((run_reward_training, rm_from_sft), (run_ppo, ppo_from_sft)):
+        try:
+            run(config)
+        except ValueError as error:
+            out["refusals"].append(str(error))
     groups = whole_world_groups(1, 1)
     for name in ("sft", "rm"):
         checkpoint = f"{root}/{name}/checkpoint"
@@ -62,3 +74,8 @@ def test_sft_and_rm_train_adapters_and_keep_the_base(tmp_path: Path) -> None:
     assert losses[-1] < losses[0], losses
     assert result["sft_changed"] == [] and result["sft_b_moved"]
     assert result["rm_changed"] == ["output_layer.weight"] and result["rm_b_moved"]
+    assert len(result["refusals"]) == 2
+    for field, refusal in zip(("model.init_checkpoint", "models.actor_checkpoint"),
+                              result["refusals"], strict=True):
+        assert refusal.startswith(f"{field}=") and "holds LoRA adapters" in refusal, refusal
+        assert "merge them into the base first" in refusal

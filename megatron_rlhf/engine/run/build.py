@@ -37,7 +37,7 @@ from megatron_rlhf.engine.run.stage_memory import (
 )
 from megatron_rlhf.models.checkpoint import read_checkpoint_info
 from megatron_rlhf.models.hf_tokenizer import HFTokenizer, is_hf_tokenizer_dir
-from megatron_rlhf.models.lora import apply_lora, is_adapter_param
+from megatron_rlhf.models.lora import apply_lora, check_no_adapters, is_adapter_param
 from megatron_rlhf.models.tokenizer import Tokenizer
 from megatron_rlhf.models.trainer import ModelTrainer
 from megatron_rlhf.refit import build_weight_sync
@@ -50,6 +50,8 @@ from megatron_rlhf.topology.groups import build_process_groups
 from megatron_rlhf.topology.models import (
     ACTOR,
     CRITIC,
+    REF,
+    REWARD,
     SHADOW_OF,
     TRAINABLE_ROLES,
     resolve_arch,
@@ -167,6 +169,11 @@ def check_checkpoint_tokenizers(sources: dict[str, ModelSource],
                 "(tokenizer.hf_dir for a Hugging Face directory, tokenizer.model_path otherwise)")
 
 
+_SOURCE_FIELDS = {ACTOR: "models.actor_checkpoint", REF: "models.actor_checkpoint",
+                  CRITIC: "models.reward_checkpoint", REWARD: "models.reward_checkpoint"}
+"""The setting that names each role's starting checkpoint, for messages."""
+
+
 def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int, ...],
                  pad_id: int, load_initial: bool = True,
                  sources: dict[str, ModelSource] | None = None,
@@ -186,6 +193,9 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
             width is then ``rollout.max_episode_tokens``.
     """
     sources = resolve_sources(config) if sources is None else sources
+    for role, source in sources.items():
+        if not source.is_hf:
+            check_no_adapters(source.path, _SOURCE_FIELDS.get(role, f"the {role}'s checkpoint"))
     groups = build_process_groups(
         plan, timeout=datetime.timedelta(seconds=config.runtime.distributed.timeout_s))
     rank = dist.get_rank()
