@@ -1,7 +1,8 @@
 """Asynchronous separation resumes bit for bit: 4 steps == 2 steps + resume + 2 steps, with the
 experience the shadows produced ahead stored in the checkpoint (pipelined in 2 chunks, with
 dropout so that the RNG streams matter, an adaptive KL controller and PPO-ptx; and GRPO with 2
-samples per prompt and dynamic sampling's refill rounds). Leaving the stored experience out of the resume changes the steps after it,
+samples per prompt and dynamic sampling's refill rounds; off-policy corrections on both).
+Leaving the stored experience out of the resume changes the steps after it,
 so the test can fail."""
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def _config(root: str, name: str, algorithm: str, steps: int, **checkpoint):
     config.algorithm.dynamic_sampling = grpo
     config.algorithm.max_refill_rounds = 1
     config.algorithm.adaptive_kl = True
+    # Off-policy corrections read the trainer's log-probs before each step's update (resumed
+    # weights) and generation's (stored with the experience produced ahead).
+    config.algorithm.off_policy = "truncated_is" if grpo else "decoupled"
     config.actor_optimizer.lr = config.critic_optimizer.lr = 1e-3
     return config
 
@@ -85,6 +89,7 @@ def test_asynchronous_runs_resume_bit_exactly_with_the_experience_produced_ahead
         assert runs["stored"] == ["step_00000002.pt"], algorithm
         assert [m["step"] for m in runs["A"]] == [0, 1, 2, 3]
         assert runs["saving"] == runs["A"], f"{algorithm}: saving changed the run"
+        assert all("off_policy/logprob_gap" in m for m in runs["A"]), algorithm
         assert [m["step"] for m in runs["B"]] == [2, 3]
         assert runs["B"] == runs["A"][2:], f"{algorithm}: the resumed run differs"
         assert runs["C"][0] != runs["A"][2], \
