@@ -30,6 +30,7 @@ Assumptions shared by all formulas (each function adds its own):
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections.abc import Sequence
@@ -581,9 +582,16 @@ def decode_schedule(queue: Sequence[int], slots: int, continuous: bool) -> list[
     Returns:
         Segments in time order, one per change of the batch size (or per static round).
     """
+    return list(_decode_schedule(tuple(queue), slots, continuous))
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_schedule(queue: tuple[int, ...], slots: int,
+                     continuous: bool) -> tuple[DecodeSegment, ...]:
+    """``decode_schedule``, kept per queue: a placement search prices one queue often."""
     if not continuous:
         rounds = [queue[i:i + slots] for i in range(0, len(queue), slots)]
-        return [DecodeSegment(len(r), max(r) - 1, max(r) / 2) for r in rounds if max(r) > 1]
+        return tuple(DecodeSegment(len(r), max(r) - 1, max(r) / 2) for r in rounds if max(r) > 1)
     waiting = list(reversed(queue))
     active: list[tuple[int, int]] = []  # (end step, start step) of each answer decoding
     spans: list[list[float]] = []  # per batch size: slots, steps, answer-steps, summed ages
@@ -608,8 +616,8 @@ def decode_schedule(queue: Sequence[int], slots: int, continuous: bool) -> list[
         now = end
         while active and active[0][0] == now:
             started -= heapq.heappop(active)[1]
-    return [DecodeSegment(int(b), int(steps), ages / weight)
-            for b, steps, weight, ages in spans]
+    return tuple(DecodeSegment(int(b), int(steps), ages / weight)
+                 for b, steps, weight, ages in spans)
 
 
 def answers_generation_cost(env: ModelEnv, queue: Sequence[int], prompt: int,

@@ -16,6 +16,7 @@ distribution (``AnswerLengths``) generation is priced answer by answer as the en
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Sequence
@@ -84,7 +85,7 @@ class AnswerLengths:
         return cls(lengths, cap, f"exponential answers of mean {mean:g} tokens cut at {cap} "
                                  f"({100 * clipped:.1f}% reach it)")
 
-    @property
+    @functools.cached_property
     def mean(self) -> float:
         """Mean answer length."""
         return sum(self.lengths) / len(self.lengths)
@@ -106,11 +107,7 @@ class AnswerLengths:
         The step's answers (``batch``) are dealt to the replicas in turn from the longest down,
         so this replica gets the longest answer of the step and every ``batch / rows``-th one
         after it; the queue order is a fixed shuffle (``QUEUE_SEED``)."""
-        every = self.batch(batch)
-        stride = batch / rows
-        mine = [every[batch - 1 - math.floor(i * stride)] for i in range(rows)]
-        random.Random(QUEUE_SEED).shuffle(mine)
-        return mine
+        return list(_replica_queue(self.lengths, rows, batch))
 
     def to_dict(self) -> dict:
         """JSON-ready summary: the assumption, mean, median, p90, p99, max, cap, count."""
@@ -124,6 +121,18 @@ class AnswerLengths:
         d = self.to_dict()
         return (f"{d['source']}: mean {d['mean']:g}, median {d['p50']}, p90 {d['p90']}, "
                 f"p99 {d['p99']}, max {d['max']} tokens")
+
+
+@functools.lru_cache(maxsize=256)
+def _replica_queue(lengths: tuple[int, ...], rows: int, batch: int) -> tuple[int, ...]:
+    """``AnswerLengths.replica_queue`` of the table ``lengths``, kept: a placement search prices
+    the same replica many times."""
+    table = AnswerLengths(lengths, max(lengths))
+    every = table.batch(batch)
+    stride = batch / rows
+    mine = [every[batch - 1 - math.floor(i * stride)] for i in range(rows)]
+    random.Random(QUEUE_SEED).shuffle(mine)
+    return tuple(mine)
 
 
 def _clipped_exponential_rate(mean: float, cap: int) -> float:
