@@ -103,13 +103,12 @@ def test_recipe_header_is_what_plan_only_prints_now(name: str,
 
 
 def test_rope_theta_reaches_a_model_built_from_models_arch() -> None:
-    from megatron_rlhf.builder.sources import role_options
-
     config = load_config(RunConfig, RECIPES / "qwen2.5-7b-grpo-math-1x8.yaml")
-    # Without a checkpoint to take it from, the model is built with the arch's RoPE theta.
-    assert role_options(config, {}, "actor").rotary_base == 1_000_000
+    # Without a checkpoint to take it from, the model is built from the arch (its RoPE theta
+    # reaching the network: tests/models/test_arch_record.py).
+    assert config_arch(config).rotary_base == 1_000_000
     tiny = load_config(RunConfig, REPO / "examples" / "ppo_tiny.yaml")
-    assert role_options(tiny, {}, "actor").rotary_base == 10_000, "the presets keep the default"
+    assert config_arch(tiny).rotary_base == 10_000, "the presets keep the default"
     fields = dict(config.models.arch)
     with pytest.raises(ValueError, match=r"rotary_base=0 must be an integer >= 1"):
         resolve_arch({**fields, "rotary_base": 0})

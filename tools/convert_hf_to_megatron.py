@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     initialize_runtime(RuntimeConfig())
     description, config = read_hf_config(args.hf_dir)
     pg_collection = build_model_process_groups(description.model_spec("actor", args.tp, args.pp))
-    model = build_gpt_model(description, description.build_options(), pg_collection)
+    model = build_gpt_model(description.arch, description.build_options(), pg_collection)
     full_state = hf_to_full_state(load_hf_state(args.hf_dir), description, str(args.hf_dir))
     load_full_state(model, pg_collection, full_state)
     metadata = {"role": args.role, "source": str(args.hf_dir.resolve()), "hf_config": config}

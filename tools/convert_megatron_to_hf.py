@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     info = read_checkpoint_info(args.ckpt)
     description = info.model
     pg_collection = build_model_process_groups(description.model_spec("actor", args.tp, args.pp))
-    model = build_gpt_model(description, description.build_options(), pg_collection)
+    model = build_gpt_model(description.arch, description.build_options(), pg_collection)
     load_model_checkpoint(model, pg_collection, args.ckpt)
     full_state = gather_full_state(model, pg_collection)
     if dist.get_rank() == 0:

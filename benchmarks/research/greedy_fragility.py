@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     initialize_runtime(RuntimeConfig())
     try:
         pg_collection = build_model_process_groups(description.model_spec("actor", 1, 1))
-        models = [build_gpt_model(description, description.build_options(), pg_collection)
+        models = [build_gpt_model(description.arch, description.build_options(), pg_collection)
                   for _ in range(2)]
         for model in models:
             load_model_checkpoint(model, pg_collection, checkpoint)

@@ -99,28 +99,14 @@ def read_source(path: str) -> ModelSource:
 
 
 def arch_spec(description: ModelDescription, name: str) -> ArchSpec:
-    """The planner's architecture numbers of a checkpoint's model."""
-    d = description
-    return ArchSpec(name, d.num_layers, d.hidden_size, d.num_attention_heads, d.vocab_size,
-                    d.seq_length, d.ffn_hidden_size, gated_mlp=True,
-                    num_query_groups=d.num_query_groups, rotary_base=d.rotary_base,
-                    head_dim=d.head_dim, qk_norm=d.qk_norm,
-                    experts=expert_spec(d.moe, d.ffn_hidden_size))
-
-
-def expert_spec(moe: MoEConfig | None, ffn_hidden_size: int) -> ExpertSpec | None:
-    """The planner's numbers of ``moe``'s experts (None for a dense model), an expert's width
-    defaulting to the architecture's ``ffn_hidden_size``."""
-    if moe is None or not moe.enabled:
-        return None
-    return ExpertSpec(moe.num_experts, moe.topk, moe.ffn_hidden_size or ffn_hidden_size,
-                      moe.shared_expert_ffn_size)
+    """A checkpoint's architecture, named ``name`` for the planner."""
+    return replace(description.arch, name=name)
 
 
 def config_arch(config: RunConfig) -> ArchSpec:
     """``models.arch`` with the experts of ``models.moe`` (none when it is dense)."""
     arch = resolve_arch(config.models.arch)
-    return replace(arch, experts=expert_spec(config.models.moe, arch.ffn_hidden_size))
+    return replace(arch, experts=config.models.moe.expert_spec(arch.ffn_hidden_size))
 
 
 def initial_checkpoints(config: RunConfig) -> dict[str, str]:
@@ -178,13 +164,13 @@ def _check_heads(sources: dict[str, ModelSource]) -> None:
                              f"{source.description.head!r}); the {name} needs {needs}")
 
 
-def _experts(d: ModelDescription, moe_field: str) -> str:
-    if not d.num_experts:
+def _experts(experts: ExpertSpec | None, moe_field: str) -> str:
+    if experts is None:
         return f"{moe_field}.num_experts=0"
-    return (f"{moe_field}.num_experts={d.num_experts} {moe_field}.topk={d.moe_topk} "
-            f"{moe_field}.ffn_hidden_size={d.moe_ffn_hidden_size} "
-            f"{moe_field}.shared_expert_ffn_size={d.moe_shared_ffn_size} "
-            f"{moe_field}.renormalize_topk={str(d.moe_renormalize_topk).lower()}")
+    return (f"{moe_field}.num_experts={experts.num_experts} {moe_field}.topk={experts.topk} "
+            f"{moe_field}.ffn_hidden_size={experts.ffn_hidden_size} "
+            f"{moe_field}.shared_expert_ffn_size={experts.shared_ffn_size} "
+            f"{moe_field}.renormalize_topk={str(experts.renormalize_topk).lower()}")
 
 
 def _check_experts(config: RunConfig, sources: dict[str, ModelSource]) -> None:
@@ -203,17 +189,14 @@ def check_source_experts(moe: MoEConfig, source: ModelSource, field: str,
     Raises:
         ValueError: naming the field, the source's experts and the settings that match them.
     """
-    d = source.description
-    ours = replace(d, num_experts=moe.num_experts, moe_topk=moe.topk,
-                   moe_ffn_hidden_size=moe.ffn_hidden_size or d.ffn_hidden_size,
-                   moe_shared_ffn_size=moe.shared_expert_ffn_size,
-                   moe_renormalize_topk=moe.renormalize_topk)
-    if _experts(ours, moe_field) != _experts(d, moe_field):
-        kind = f"a mixture-of-experts {source.kind}" if d.num_experts else (
+    arch = source.description.arch
+    ours = moe.expert_spec(arch.ffn_hidden_size)
+    if ours != arch.experts:
+        kind = f"a mixture-of-experts {source.kind}" if arch.experts else (
             f"a dense {source.kind}")
         raise ValueError(f"{field}={source.path} is {kind} checkpoint, but {moe_field} builds "
                          f"every model with {_experts(ours, moe_field)}: set "
-                         f"{_experts(d, moe_field)}")
+                         f"{_experts(arch.experts, moe_field)}")
 
 
 def fresh_heads(config: RunConfig, sources: dict[str, ModelSource]) -> list[str]:
@@ -278,8 +261,8 @@ def decoding_roles(config: RunConfig, plan: PlacementPlan) -> frozenset[str]:
 
 def role_options(config: RunConfig, sources: dict[str, ModelSource], role: str,
                  decodes: bool = True) -> ModelBuildOptions:
-    """How a role's model is built: its source's numerics, the run's head, dtype, dropout and
-    layer implementation.
+    """How a role's model is built (its architecture is the plan's): the run's head, dtype,
+    dropout, layer implementation and MoE training settings.
 
     The implementation is chosen per model (``resolve_transformer_impl``): one that decodes
     with the KV cache keeps megatron's local layers, the others take Transformer Engine under
@@ -294,10 +277,7 @@ def role_options(config: RunConfig, sources: dict[str, ModelSource], role: str,
     """
     description = _description(config, sources, role)
     head = role_head(role, config.placement.ac_share)
-    arch = resolve_arch(config.models.arch)
-    base = (description.build_options() if description is not None
-            else ModelBuildOptions(rotary_base=arch.rotary_base, head_dim=arch.head_dim,
-                                   qk_norm=arch.qk_norm))
+    base = description.build_options() if description is not None else ModelBuildOptions()
     transformer_impl = resolve_transformer_impl(
         config.models.transformer_impl, needs_kv_cache=decodes and config.generation.use_kv_cache)
     return replace(base, head=head, params_dtype=config.models.params_dtype,

@@ -55,18 +55,10 @@ from megatron_rlhf.models.description import (  # noqa: F401  (re-exported)
 from megatron_rlhf.models.gpt import PolicyValueHead
 from megatron_rlhf.runtime.checkpoint_store import on_rank0, publish, shared_temp_dir
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: the model's ``arch`` as ``topology.models.ArchSpec`` records it; 1 (still read): flat."""
 _MODEL_KEY = "model"
 _EXTRA_STATE = "._extra_state"
-# Numbers that decide what the weights mean; seq_length only bounds the positions used.
-_MUST_MATCH = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-               "ffn_hidden_size", "vocab_size", "head", "tie_embeddings", "norm_epsilon",
-               "rotary_base", "qkv_bias", "qk_norm", "head_dim", "rope_scaling_factor",
-               "num_experts", "moe_topk", "moe_ffn_hidden_size", "moe_shared_ffn_size",
-               "moe_renormalize_topk")
-# Fields added after format version 1 was released: older checkpoints take their defaults.
-_LATER_FIELDS = ("qkv_bias", "qk_norm", "head_dim", "rope_scaling_factor", "num_experts",
-                 "moe_topk", "moe_ffn_hidden_size", "moe_shared_ffn_size", "moe_renormalize_topk")
 _T = TypeVar("_T")
 
 
@@ -94,17 +86,15 @@ class CheckpointInfo:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str) -> CheckpointInfo:
         """Parse and type-check ``megatron_rlhf.json`` read from ``source`` (named in errors)."""
-        if _field(data, "format_version", int, source) != FORMAT_VERSION:
-            raise ValueError(f"{source}: format_version={data['format_version']}, but this code "
-                             f"reads version {FORMAT_VERSION}; use a matching release")
+        version = _field(data, "format_version", int, source)
+        if version not in (1, FORMAT_VERSION):
+            raise ValueError(f"{source}: format_version={version}, but this code reads versions "
+                             f"1 and {FORMAT_VERSION}; use a matching release")
         values = _typed_fields(cls, data, source)
         if not isinstance(values["metadata"].get("role"), str):
             raise ValueError(f"{source}: metadata.role is missing or not a string")
-        model = values["model"]
-        later = {spec.name: spec.default for spec in fields(ModelDescription)
-                 if spec.name in _LATER_FIELDS and spec.name not in model}
-        return cls(**values | {"model": ModelDescription(**_typed_fields(
-            ModelDescription, model | later, f"{source} (model)"))})
+        return cls(**values | {"model": ModelDescription.from_dict(
+            values["model"], f"{source} (model)", version), "format_version": FORMAT_VERSION})
 
 
 _KINDS = {"int": int, "str": str, "bool": bool, "float": float, "ModelDescription": dict,
@@ -439,14 +429,14 @@ def load_sharded_checkpoint(sharded_state_dict: ShardedStateDict,
 
 def _check_same_model(saved: ModelDescription, model: ModelDescription, directory: str,
                       new_head: bool = False) -> None:
-    for name in _MUST_MATCH:
-        if new_head and name == "head":
-            continue
-        ours, theirs = getattr(model, name), getattr(saved, name)
-        if ours != theirs:
-            raise ValueError(f"checkpoint {directory} holds a model with {name}={theirs!r} but "
-                             f"the model to load into has {name}={ours!r}; build it from "
-                             "read_checkpoint_info(...).model")
+    # seq_length only bounds the positions used; the dtype is converted on load
+    differ = model.mismatches(saved, ("seq_length", "params_dtype", *(("head",) if new_head
+                                                                       else ())))
+    if differ:
+        theirs = ", ".join(f"{name}={value!r}" for name, value, _ in differ)
+        ours = ", ".join(f"{name}={value!r}" for name, _, value in differ)
+        raise ValueError(f"checkpoint {directory} holds a model with {theirs} but the model to "
+                         f"load into has {ours}; build it from read_checkpoint_info(...).model")
 
 
 def without_absent_extra_state(model_state: ShardedStateDict,

@@ -1,8 +1,8 @@
 """Build the four PPO models as Megatron-Core ``GPTModel``s with their own process groups.
 
 Every role uses the same Llama-style trunk (RMSNorm, SwiGLU, rotary embeddings, no biases; the
-Hugging Face families add a QKV bias, QK-norm or Llama-3 RoPE scaling through megatron's own
-options, see ``ModelBuildOptions``); only the head differs:
+Hugging Face families add a QKV bias, QK-norm, Llama-3 RoPE scaling or experts through megatron's
+own options, as the architecture record ``topology.models.ArchSpec`` says); only the head differs:
 
 * ``lm``: the language-model head (actor, reference);
 * ``scalar``: one value per position (critic values; the reward model reads the value at the last
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -57,7 +56,7 @@ from megatron_rlhf.models.te_attention import packed_te_core_attention
 from megatron_rlhf.runtime.cpu_compat import seed_model_parallel_rng
 from megatron_rlhf.runtime.device import compute_device
 from megatron_rlhf.runtime.patches import define_moe_router_gemm
-from megatron_rlhf.topology.models import padded_vocab_size
+from megatron_rlhf.topology.models import ArchSpec
 
 
 def resolve_transformer_impl(transformer_impl: str, needs_kv_cache: bool) -> str:
@@ -87,18 +86,6 @@ def resolve_transformer_impl(transformer_impl: str, needs_kv_cache: bool) -> str
                              "models.transformer_impl=auto (TE for the models that do not decode), "
                              "local, or generation.use_kv_cache=false")
     return transformer_impl
-
-
-class Architecture(Protocol):
-    """The architecture numbers a model is built from (see ``topology`` for the presets)."""
-
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    ffn_hidden_size: int
-    vocab_size: int
-    seq_length: int
 
 
 class ScalarHead(torch.nn.Module):
@@ -151,9 +138,23 @@ def split_policy_value(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return output[..., :-1], output[..., -1]
 
 
-def transformer_config(arch: Architecture, options: ModelBuildOptions,
+def transformer_config(arch: ArchSpec, options: ModelBuildOptions,
                        pg_collection: ProcessGroupCollection) -> TransformerConfig:
-    """The megatron ``TransformerConfig`` of one model under its own TP/PP layout."""
+    """The megatron ``TransformerConfig`` of one model under its own TP/PP layout: the layers
+    ``arch`` describes, run as ``options`` says.
+
+    Raises:
+        ValueError: ``arch`` has a plain MLP (only SwiGLU is built), or ``options.moe``
+            describes other experts than ``arch``.
+    """
+    if not arch.gated_mlp:
+        raise ValueError(f"arch {arch.name!r}: gated_mlp=false, but the models built here have "
+                         "SwiGLU MLPs (Llama's); set gated_mlp: true")
+    if options.moe is not None and options.moe.enabled and (
+            options.moe.expert_spec(arch.ffn_hidden_size) != arch.experts):
+        raise ValueError(f"options.moe describes experts "
+                         f"{options.moe.expert_spec(arch.ffn_hidden_size)}, the architecture "
+                         f"{arch.experts}: experts are architecture, set arch.experts")
     dtype = getattr(torch, options.params_dtype)
     return TransformerConfig(
         num_layers=arch.num_layers,
@@ -165,13 +166,13 @@ def transformer_config(arch: Architecture, options: ModelBuildOptions,
         sequence_parallel=options.sequence_parallel and pg_collection.tp.size() > 1,
         pipeline_model_parallel_size=pg_collection.pp.size(),
         normalization="RMSNorm",
-        layernorm_epsilon=options.norm_epsilon,
+        layernorm_epsilon=arch.norm_epsilon,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=options.qkv_bias,
-        qk_layernorm=options.qk_norm,
-        kv_channels=options.head_dim or None,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        kv_channels=arch.head_dim,
         hidden_dropout=options.dropout,
         attention_dropout=options.dropout,
         params_dtype=dtype,
@@ -186,7 +187,7 @@ def transformer_config(arch: Architecture, options: ModelBuildOptions,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         **recompute_fields(options.recompute),
-        **moe_transformer_fields(options.moe, arch.ffn_hidden_size, pg_collection.ep.size(),
+        **moe_transformer_fields(arch.experts, options.moe, pg_collection.ep.size(),
                                  pg_collection.tp.size()),
     )
 
@@ -251,8 +252,8 @@ def _sequence_parallel_spec(spec: ModuleSpec, qk_norm: bool) -> ModuleSpec:
     return spec
 
 
-def _layer_spec(options: ModelBuildOptions) -> ModuleSpec:
-    num_experts = options.moe.num_experts if options.moe and options.moe.enabled else None
+def _layer_spec(arch: ArchSpec, options: ModelBuildOptions) -> ModuleSpec:
+    num_experts = arch.experts.num_experts if arch.experts else None
     if options.transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
@@ -260,26 +261,26 @@ def _layer_spec(options: ModelBuildOptions) -> ModuleSpec:
 
         spec = with_explicit_attention_masks(
             get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts,
-                                                       qk_layernorm=options.qk_norm))
+                                                       qk_layernorm=arch.qk_norm))
         if options.packed_sequences:
             spec.submodules.self_attention.submodules.core_attention = packed_te_core_attention()
         return spec
     spec = with_explicit_attention_masks(
         get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
-                                 normalization="RMSNorm", qk_layernorm=options.qk_norm))
+                                 normalization="RMSNorm", qk_layernorm=arch.qk_norm))
     spec.submodules.self_attention.module = CachedRopeSelfAttention
     if options.attention_backend == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
     if options.sequence_parallel:
-        spec = _sequence_parallel_spec(spec, options.qk_norm)
+        spec = _sequence_parallel_spec(spec, arch.qk_norm)
     return spec
 
 
-def _decoder_spec(options: ModelBuildOptions, config: TransformerConfig,
+def _decoder_spec(arch: ArchSpec, options: ModelBuildOptions, config: TransformerConfig,
                   pp_rank: int) -> ModuleSpec | TransformerBlockSubmodules:
     """The layer spec, or under sequence parallelism with the local layers the block's (whose
     final norm megatron otherwise takes from its module-level default)."""
-    spec = _layer_spec(options)
+    spec = _layer_spec(arch, options)
     if not config.sequence_parallel or options.transformer_impl != "local":
         return spec
     return TransformerBlockSubmodules(
@@ -287,7 +288,7 @@ def _decoder_spec(options: ModelBuildOptions, config: TransformerConfig,
         layer_norm=SequenceSplitTorchNorm)
 
 
-def build_gpt_model(arch: Architecture, options: ModelBuildOptions,
+def build_gpt_model(arch: ArchSpec, options: ModelBuildOptions,
                     pg_collection: ProcessGroupCollection, seed: int = 1234) -> GPTModel:
     """Build this rank's part of one model (its pipeline stage, its TP shard).
 
@@ -296,8 +297,8 @@ def build_gpt_model(arch: Architecture, options: ModelBuildOptions,
     layout-independent values, or load a checkpoint.
 
     Args:
-        arch: architecture numbers.
-        options: head and numerics.
+        arch: the architecture (recorded as ``model.arch``: checkpoints describe it).
+        options: head, dtype and how the layers run.
         pg_collection: the model's own process groups (tp, pp, cp, dp, embd, pos_embd, ...).
         seed: seed of the model's tensor-parallel dropout streams.
 
@@ -317,16 +318,16 @@ def build_gpt_model(arch: Architecture, options: ModelBuildOptions,
     post_process = pp_rank == pp_size - 1
     model = GPTModel(
         config=config,
-        transformer_layer_spec=_decoder_spec(options, config, pp_rank),
-        vocab_size=padded_vocab_size(arch.vocab_size, pg_collection.tp.size()),
+        transformer_layer_spec=_decoder_spec(arch, options, config, pp_rank),
+        vocab_size=arch.padded_vocab_size(pg_collection.tp.size()),
         max_sequence_length=arch.seq_length,
         pre_process=pp_rank == 0,
         post_process=post_process,
         share_embeddings_and_output_weights=options.tie_embeddings,
         position_embedding_type="rope",
-        rotary_base=options.rotary_base,
-        rope_scaling=options.rope_scaling_factor > 0,
-        rope_scaling_factor=options.rope_scaling_factor or 8.0,
+        rotary_base=arch.rotary_base,
+        rope_scaling=arch.rope_scaling_factor > 0,
+        rope_scaling_factor=arch.rope_scaling_factor or 8.0,
         pg_collection=pg_collection,
     )
     if post_process and options.head == "scalar":
@@ -340,9 +341,9 @@ def build_gpt_model(arch: Architecture, options: ModelBuildOptions,
     # norm wrapper, our scalar heads) and keeps norms in fp32: one move puts every parameter on
     # the rank's device in params_dtype, as megatron's Float16Module does for bf16.
     model.to(device=compute_device(), dtype=config.params_dtype)
+    model.arch = arch
     model.real_vocab_size = arch.vocab_size
     model.token_vocab_size = options.token_vocab_size or arch.vocab_size
-    model.rope_scaling_factor = options.rope_scaling_factor
     model.head_kind = options.head
     model.transformer_impl = options.transformer_impl
     model.packed_sequences = options.packed_sequences

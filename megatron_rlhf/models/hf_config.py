@@ -1,5 +1,6 @@
 """Hugging Face ``config.json`` <-> :class:`ModelDescription` for the Llama, Qwen and Mixtral
-families.
+families: the mapping of the architecture record (``topology.models.ArchSpec``) to its fields,
+:func:`read_hf_config` one way and :func:`hf_config` the other.
 
     description, config = read_hf_config("Qwen2.5-0.5B-Instruct")   # refuses what cannot convert
     hf_config(description, base_config=config)                       # the config.json to write
@@ -37,6 +38,7 @@ from typing import Any
 
 from megatron_rlhf.models.description import ModelDescription
 from megatron_rlhf.models.hf_tokenizer import read_json_object
+from megatron_rlhf.topology.models import ArchSpec, ExpertSpec
 
 CONFIG_FILE = "config.json"
 # megatron's Llama-3 RoPE scaling fixes these (RotaryEmbedding._apply_scaling); factor is free.
@@ -217,11 +219,11 @@ def _check_plain(config: dict[str, Any], family: HFFamily, source: Path) -> None
                          "'full_attention' layers convert")
 
 
-def _experts(config: dict[str, Any], family: HFFamily, source: Path) -> dict[str, Any]:
-    """The description's expert fields of a ``config.json`` ({} for a dense family)."""
+def _experts(config: dict[str, Any], family: HFFamily, source: Path) -> ExpertSpec | None:
+    """The experts of a ``config.json`` (None for a dense family)."""
     experts = family.experts
     if experts is None:
-        return {}
+        return None
     for key, (value, why) in experts.required.items():
         if config.get(key) not in (None, value):
             raise ValueError(f"{source}: {key}={config[key]!r} is not supported; need {value!r} "
@@ -235,9 +237,9 @@ def _experts(config: dict[str, Any], family: HFFamily, source: Path) -> dict[str
     renormalize = config.get(experts.renormalize, False) if experts.renormalize else True
     if not isinstance(renormalize, bool):
         raise ValueError(f"{source}: {experts.renormalize}={renormalize!r} must be true or false")
-    return {"num_experts": count, "moe_topk": topk,
-            "moe_ffn_hidden_size": _positive_int(config, experts.width, source),
-            "moe_renormalize_topk": renormalize}
+    return ExpertSpec(num_experts=count, topk=topk,
+                      ffn_hidden_size=_positive_int(config, experts.width, source),
+                      renormalize_topk=renormalize)
 
 
 def read_hf_config(hf_dir: str | Path) -> tuple[ModelDescription, dict[str, Any]]:
@@ -272,16 +274,17 @@ def read_hf_config(hf_dir: str | Path) -> tuple[ModelDescription, dict[str, Any]
     rotary_base, scaling = _rope(config, path)
     tie = bool(config.get("tie_word_embeddings", False)) and head == "lm"
     dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
-    description = ModelDescription(
-        num_layers=_positive_int(config, "num_hidden_layers", path), hidden_size=hidden,
-        num_attention_heads=heads, num_query_groups=groups,
-        ffn_hidden_size=_positive_int(config, "intermediate_size", path),
+    arch = ArchSpec(
+        "hf", num_layers=_positive_int(config, "num_hidden_layers", path),
+        hidden_size=hidden, num_attention_heads=heads,
         vocab_size=_positive_int(config, "vocab_size", path),
-        seq_length=_positive_int(config, "max_position_embeddings", path), head=head,
-        tie_embeddings=tie, norm_epsilon=eps, rotary_base=rotary_base,
-        params_dtype="bfloat16" if dtype == "bfloat16" else "float32",
-        qkv_bias=family.qkv_bias, qk_norm=family.qk_norm, head_dim=head_dim,
-        rope_scaling_factor=scaling, **_experts(config, family, path))
+        seq_length=_positive_int(config, "max_position_embeddings", path),
+        ffn_hidden_size=_positive_int(config, "intermediate_size", path), gated_mlp=True,
+        num_query_groups=groups, rotary_base=rotary_base, head_dim=head_dim,
+        qk_norm=family.qk_norm, qkv_bias=family.qkv_bias, norm_epsilon=eps,
+        rope_scaling_factor=scaling, experts=_experts(config, family, path))
+    description = ModelDescription(arch, head=head, tie_embeddings=tie,
+                                   params_dtype="bfloat16" if dtype == "bfloat16" else "float32")
     return description, config
 
 
@@ -299,38 +302,39 @@ def family_of(description: ModelDescription, model_type: str | None = None) -> H
     for family in FAMILIES.values():
         if _computes(family, description):
             return family
-    d = description
-    moe = (f", {d.num_experts} experts (shared width {d.moe_shared_ffn_size}, "
-           f"renormalize_topk={d.moe_renormalize_topk})" if d.num_experts else "")
-    raise ValueError(f"qkv_bias={d.qkv_bias} with qk_norm={d.qk_norm}{moe} is no Hugging Face "
+    a = description.arch
+    moe = (f", {a.experts.num_experts} experts (shared_ffn_size={a.experts.shared_ffn_size}, "
+           f"renormalize_topk={a.experts.renormalize_topk})" if a.experts else "")
+    raise ValueError(f"qkv_bias={a.qkv_bias} with qk_norm={a.qk_norm}{moe} is no Hugging Face "
                      f"family of {sorted(FAMILIES)}")
 
 
 def _computes(family: HFFamily, d: ModelDescription) -> bool:
-    if (family.qkv_bias, family.qk_norm) != (d.qkv_bias, d.qk_norm):
+    a = d.arch
+    if (family.qkv_bias, family.qk_norm) != (a.qkv_bias, a.qk_norm):
         return False
-    if family.experts is None or not d.num_experts:
-        return family.experts is None and not d.num_experts
-    return not d.moe_shared_ffn_size and (d.moe_renormalize_topk
-                                          or bool(family.experts.renormalize))
+    if family.experts is None or a.experts is None:
+        return family.experts is None and a.experts is None
+    return not a.experts.shared_ffn_size and (a.experts.renormalize_topk
+                                              or bool(family.experts.renormalize))
 
 
-def _expert_fields(d: ModelDescription, experts: HFExperts | None) -> dict[str, Any]:
-    if experts is None:
+def _expert_fields(a: ArchSpec, experts: HFExperts | None) -> dict[str, Any]:
+    if experts is None or a.experts is None:
         return {}
-    fields = {experts.count: d.num_experts, "num_experts_per_tok": d.moe_topk,
-              experts.width: d.moe_ffn_hidden_size}
+    fields = {experts.count: a.experts.num_experts, "num_experts_per_tok": a.experts.topk,
+              experts.width: a.experts.ffn_hidden_size}
     if experts.renormalize:
-        fields[experts.renormalize] = d.moe_renormalize_topk
+        fields[experts.renormalize] = a.experts.renormalize_topk
     return fields
 
 
-def _rope_fields(d: ModelDescription) -> dict[str, Any]:
-    params: dict[str, Any] = {"rope_theta": float(d.rotary_base), "rope_type": "default"}
-    if d.rope_scaling_factor:
-        params |= {"rope_type": "llama3", "factor": d.rope_scaling_factor, **_LLAMA3_FIXED}
-    return {"rope_theta": float(d.rotary_base), "rope_parameters": params,
-            "rope_scaling": dict(params) if d.rope_scaling_factor else None}
+def _rope_fields(a: ArchSpec) -> dict[str, Any]:
+    params: dict[str, Any] = {"rope_theta": float(a.rotary_base), "rope_type": "default"}
+    if a.rope_scaling_factor:
+        params |= {"rope_type": "llama3", "factor": a.rope_scaling_factor, **_LLAMA3_FIXED}
+    return {"rope_theta": float(a.rotary_base), "rope_parameters": params,
+            "rope_scaling": dict(params) if a.rope_scaling_factor else None}
 
 
 def hf_config(description: ModelDescription,
@@ -344,7 +348,11 @@ def hf_config(description: ModelDescription,
     Raises:
         ValueError: the head is ``lm+scalar``, or the layers match no family.
     """
-    d, family = description, family_of(description, (base_config or {}).get("model_type"))
+    d, a = description, description.arch
+    if not a.gated_mlp:
+        raise ValueError(f"arch {a.name!r}: gated_mlp=false; every Hugging Face family here has "
+                         "SwiGLU MLPs")
+    family = family_of(description, (base_config or {}).get("model_type"))
     if d.head not in ("lm", "scalar"):
         raise ValueError(f"head={d.head!r}: only 'lm' (...ForCausalLM) and 'scalar' "
                          "(...ForSequenceClassification) models export")
@@ -353,17 +361,17 @@ def hf_config(description: ModelDescription,
         base = {k: v for k, v in base.items() if k.endswith("token_id")}
     base = {k: v for k, v in base.items() if k not in EXPERT_COUNT_FIELDS}  # one spelling
     config = {**base, "model_type": family.model_type,
-              "hidden_size": d.hidden_size, "intermediate_size": d.ffn_hidden_size,
-              "num_hidden_layers": d.num_layers, "num_attention_heads": d.num_attention_heads,
-              "num_key_value_heads": d.num_query_groups, "head_dim": d.head_dim,
-              "vocab_size": d.vocab_size, "max_position_embeddings": d.seq_length,
-              "rms_norm_eps": d.norm_epsilon, **_rope_fields(d),
+              "hidden_size": a.hidden_size, "intermediate_size": a.ffn_hidden_size,
+              "num_hidden_layers": a.num_layers, "num_attention_heads": a.num_attention_heads,
+              "num_key_value_heads": a.num_query_groups, "head_dim": a.head_dim,
+              "vocab_size": a.vocab_size, "max_position_embeddings": a.seq_length,
+              "rms_norm_eps": a.norm_epsilon, **_rope_fields(a),
               "tie_word_embeddings": d.tie_embeddings, "hidden_act": "silu",
               "dtype": d.params_dtype, **family.config_fields,
-              **_expert_fields(d, family.experts)}
+              **_expert_fields(a, family.experts)}
     if family.layer_types:
-        config["layer_types"] = ["full_attention"] * d.num_layers
-    if family.implicit_head_dim and d.head_dim * d.num_attention_heads == d.hidden_size:
+        config["layer_types"] = ["full_attention"] * a.num_layers
+    if family.implicit_head_dim and a.head_dim * a.num_attention_heads == a.hidden_size:
         del config["head_dim"]  # e.g. Qwen2Config has no such field unless it differs
     if d.head == "lm":
         config["architectures"] = [family.causal_lm]

@@ -137,7 +137,7 @@ def checkpoint_moe(moe: MoEConfig, hf_dir: str | Path, field: str,
     """
     description, config = read_hf_config(hf_dir)
     theirs, default = description.moe or MoEConfig(), MoEConfig()
-    names = MOE_SETTINGS if description.num_experts else ("num_experts",)
+    names = MOE_SETTINGS if description.arch.experts else ("num_experts",)
     kind = (config.get("architectures") or [config["model_type"]])[0]
     for name in names:
         ours, value = getattr(moe, name), getattr(theirs, name)

@@ -199,8 +199,9 @@ class _Tensors:
 
 def _dims(d: ModelDescription) -> tuple[int, int, int, int, int]:
     """(hidden, ffn, query groups, head dim, query rows per group) of a Llama-family model."""
-    q_rows = d.num_attention_heads // d.num_query_groups * d.head_dim
-    return d.hidden_size, d.ffn_hidden_size, d.num_query_groups, d.head_dim, q_rows
+    a = d.arch
+    q_rows = a.num_attention_heads // a.num_query_groups * a.head_dim
+    return a.hidden_size, a.ffn_hidden_size, a.num_query_groups, a.head_dim, q_rows
 
 
 def _check_head(description: ModelDescription) -> None:
@@ -217,21 +218,21 @@ def _layer_pairs(d: ModelDescription, i: int) -> list[tuple[str, str, tuple[int,
               (h, groups * q_rows)),
              (hf + "input_layernorm.weight", mg + "input_layernorm.weight", (h,)),
              (hf + "post_attention_layernorm.weight", mg + "pre_mlp_layernorm.weight", (h,))]
-    if d.qk_norm:
+    if d.arch.qk_norm:
         pairs += [(hf + f"self_attn.{x}_norm.weight", mg + f"self_attention.{x}_layernorm.weight",
                    (head_dim,)) for x in "qk"]
     experts = _experts(d)
     if experts is None:
         return [*pairs, (hf + "mlp.down_proj.weight", mg + "mlp.linear_fc2.weight", (h, f))]
-    block, width = f"{hf}{experts.block}.", d.moe_ffn_hidden_size
-    pairs.append((block + "gate.weight", mg + "mlp.router.weight", (d.num_experts, h)))
+    block, ours = f"{hf}{experts.block}.", d.arch.experts
+    pairs.append((block + "gate.weight", mg + "mlp.router.weight", (ours.num_experts, h)))
     return pairs + [(f"{block}experts.{e}.{experts.down}.weight",
-                     f"{mg}mlp.experts.local_experts.{e}.linear_fc2.weight", (h, width))
-                    for e in range(d.num_experts)]
+                     f"{mg}mlp.experts.local_experts.{e}.linear_fc2.weight",
+                     (h, ours.ffn_hidden_size)) for e in range(ours.num_experts)]
 
 
 def _experts(d: ModelDescription) -> HFExperts | None:
-    return family_of(d).experts if d.num_experts else None
+    return family_of(d).experts if d.arch.experts else None
 
 
 def _glu_pairs(d: ModelDescription, i: int) -> list[tuple[str, str, str, int]]:
@@ -241,21 +242,23 @@ def _glu_pairs(d: ModelDescription, i: int) -> list[tuple[str, str, str, int]]:
     experts = _experts(d)
     if experts is None:
         return [(hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight",
-                 mg + "linear_fc1.weight", d.ffn_hidden_size)]
+                 mg + "linear_fc1.weight", d.arch.ffn_hidden_size)]
     block = f"{hf}{experts.block}.experts."
+    ours = d.arch.experts
     return [(f"{block}{e}.{experts.gate}.weight", f"{block}{e}.{experts.up}.weight",
-             f"{mg}experts.local_experts.{e}.linear_fc1.weight", d.moe_ffn_hidden_size)
-            for e in range(d.num_experts)]
+             f"{mg}experts.local_experts.{e}.linear_fc1.weight", ours.ffn_hidden_size)
+            for e in range(ours.num_experts)]
 
 
 def _top_pairs(d: ModelDescription) -> list[tuple[str, str, tuple[int, ...]]]:
     pairs = [("model.embed_tokens.weight", "embedding.word_embeddings.weight",
-              (d.vocab_size, d.hidden_size)),
-             ("model.norm.weight", "decoder.final_layernorm.weight", (d.hidden_size,))]
+              (d.arch.vocab_size, d.arch.hidden_size)),
+             ("model.norm.weight", "decoder.final_layernorm.weight", (d.arch.hidden_size,))]
     if d.head == "scalar":
-        pairs.append(("score.weight", "output_layer.weight", (1, d.hidden_size)))
+        pairs.append(("score.weight", "output_layer.weight", (1, d.arch.hidden_size)))
     elif not d.tie_embeddings:
-        pairs.append(("lm_head.weight", "output_layer.weight", (d.vocab_size, d.hidden_size)))
+        pairs.append(("lm_head.weight", "output_layer.weight",
+                      (d.arch.vocab_size, d.arch.hidden_size)))
     return pairs
 
 
@@ -280,7 +283,7 @@ def _qkv_to_hf(qkv: torch.Tensor, d: ModelDescription, prefix: str,
 
 
 def _qkv_kinds(d: ModelDescription) -> tuple[str, ...]:
-    return ("weight", "bias") if d.qkv_bias else ("weight",)
+    return ("weight", "bias") if d.arch.qkv_bias else ("weight",)
 
 
 def hf_to_full_state(hf_state: dict[str, torch.Tensor], description: ModelDescription,
@@ -293,9 +296,9 @@ def hf_to_full_state(hf_state: dict[str, torch.Tensor], description: ModelDescri
     """
     _check_head(description)
     d, tensors = description, _Tensors(hf_state, source)
-    h = d.hidden_size
+    h = d.arch.hidden_size
     full = {mg: tensors.take(hf, *shape) for hf, mg, shape in _top_pairs(d)}
-    for i in range(d.num_layers):
+    for i in range(d.arch.num_layers):
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
         for kind in _qkv_kinds(d):
             full[mg + f"self_attention.linear_qkv.{kind}"] = _qkv_to_megatron(tensors, d, hf, kind)
@@ -303,7 +306,7 @@ def hf_to_full_state(hf_state: dict[str, torch.Tensor], description: ModelDescri
             full[fc1] = torch.cat([tensors.take(gate, width, h), tensors.take(up, width, h)])
         full |= {m: tensors.take(name, *shape) for name, m, shape in _layer_pairs(d, i)}
     if d.head == "lm" and d.tie_embeddings and "lm_head.weight" in hf_state:
-        tensors.take("lm_head.weight", d.vocab_size, h)  # a tied copy; the embedding is the weight
+        tensors.take("lm_head.weight", d.arch.vocab_size, h)  # a tied copy: the embedding is it
     tensors.check_all_used()
     return full
 
@@ -320,7 +323,7 @@ def full_state_to_hf(full_state: dict[str, torch.Tensor],
     d, tensors = description, _Tensors(full_state, "the megatron full state")
     h, _, groups, head_dim, q_rows = _dims(d)
     hf = {name: tensors.take(mg, *shape) for name, mg, shape in _top_pairs(d)}
-    for i in range(d.num_layers):
+    for i in range(d.arch.num_layers):
         out, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
         for kind in _qkv_kinds(d):
             cols = (h,) if kind == "weight" else ()

@@ -1,7 +1,8 @@
 """Mixture-of-experts layers through megatron-core's MoE layer, and its routing replay.
 
-    options = ModelBuildOptions(moe=MoEConfig(num_experts=4, topk=2))
-    model = build_gpt_model(arch, options, pg_collection)   # every MLP is an MoE layer
+    moe = MoEConfig(num_experts=4, topk=2)
+    arch = replace(arch, experts=moe.expert_spec(arch.ffn_hidden_size))
+    model = build_gpt_model(arch, ModelBuildOptions(moe=moe), pg_collection)  # MoE MLPs
     with recording_routes(model) as routes:                 # the rollout's forward
         model(...)
     with replaying_routes(model, routes):                   # a training forward: same experts
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from megatron_rlhf.topology.models import ExpertSpec
 
 ROUTES = "moe_routes"
 """The batch field of a policy's recorded routes, ``[b, s, layers, topk]`` (:func:`routes_to_rows`):
@@ -103,6 +106,14 @@ class MoEConfig:
         """Whether the model has MoE layers."""
         return self.num_experts > 0
 
+    def expert_spec(self, ffn_hidden_size: int) -> ExpertSpec | None:
+        """The architecture's experts these settings describe (None when dense), an expert's
+        width defaulting to the architecture's ``ffn_hidden_size``."""
+        if not self.enabled:
+            return None
+        return ExpertSpec(self.num_experts, self.topk, self.ffn_hidden_size or ffn_hidden_size,
+                          self.shared_expert_ffn_size, self.renormalize_topk)
+
     def check_expert_parallel(self, eps: dict[str, int], fsdp_roles: tuple[str, ...] = (),
                               multi_turn: bool = False,
                               ep_field: str = "placement.parallel.{role}.ep",
@@ -151,24 +162,26 @@ class MoEConfig:
                                  "or ep=1")
 
 
-def moe_transformer_fields(moe: MoEConfig | None, ffn_hidden_size: int, ep_size: int,
+def moe_transformer_fields(experts: ExpertSpec | None, moe: MoEConfig | None, ep_size: int,
                            tp_size: int) -> dict[str, Any]:
-    """megatron ``TransformerConfig`` fields of ``moe`` ({} for a dense model).
+    """megatron ``TransformerConfig`` fields of an architecture's ``experts`` ({} for a dense
+    model), trained and routed as ``moe`` says (its defaults when None).
 
     Raises:
         ValueError: ``ep_size`` does not divide the number of experts.
     """
-    if moe is None or not moe.enabled:
+    if experts is None:
         return {}
-    if moe.num_experts % ep_size:
-        raise ValueError(f"models.moe.num_experts={moe.num_experts} is not divisible by the "
+    moe = moe or MoEConfig()
+    if experts.num_experts % ep_size:
+        raise ValueError(f"models.moe.num_experts={experts.num_experts} is not divisible by the "
                          f"model's expert-parallel size ep={ep_size}: choose ep dividing it")
     return {
-        "num_moe_experts": moe.num_experts,
-        "moe_router_topk": moe.topk,
-        "moe_router_pre_softmax": not moe.renormalize_topk,
-        "moe_ffn_hidden_size": moe.ffn_hidden_size or ffn_hidden_size,
-        "moe_shared_expert_intermediate_size": moe.shared_expert_ffn_size or None,
+        "num_moe_experts": experts.num_experts,
+        "moe_router_topk": experts.topk,
+        "moe_router_pre_softmax": not experts.renormalize_topk,
+        "moe_ffn_hidden_size": experts.ffn_hidden_size,
+        "moe_shared_expert_intermediate_size": experts.shared_ffn_size or None,
         "moe_router_load_balancing_type": moe.load_balancing,
         "moe_aux_loss_coeff": moe.aux_loss_coeff,
         "moe_z_loss_coeff": moe.z_loss_coeff or None,

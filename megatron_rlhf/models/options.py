@@ -48,14 +48,13 @@ def transformer_engine_importable() -> bool:
 
 @dataclass
 class ModelBuildOptions:
-    """How a model is instantiated, beyond its architecture.
+    """How a model is instantiated, beyond its architecture (``topology.models.ArchSpec``,
+    which holds every number and layer choice the weights depend on).
 
     Attributes:
         head: which output head the model carries (see ``models.gpt``).
         tie_embeddings: share the input embedding and the LM head (``lm`` heads only).
         dropout: hidden and attention dropout (PPO usually runs with 0).
-        norm_epsilon: RMSNorm epsilon.
-        rotary_base: base of the rotary position embedding.
         params_dtype: ``float32``, ``bfloat16`` or ``auto`` (bf16 with CUDA, fp32 on CPU);
             resolved on construction.
         transformer_impl: ``local`` (megatron's modules) or ``transformer_engine`` (its TE
@@ -64,14 +63,6 @@ class ModelBuildOptions:
         attention_backend: core attention of the ``local`` implementation: ``sdpa`` (torch's
             fused scaled-dot-product attention, ``models.attention``) or ``megatron`` (its
             ``DotProductAttention``, which materialises the score matrix).
-        qkv_bias: a bias on the fused QKV projection only (Qwen2; megatron's ``add_qkv_bias``).
-        qk_norm: RMSNorm of each query and key head before RoPE (Qwen3; megatron's
-            ``qk_layernorm``).
-        head_dim: channels per attention head (megatron's ``kv_channels``); 0 means
-            ``hidden_size / num_attention_heads``.
-        rope_scaling_factor: Llama-3 RoPE frequency scaling factor (megatron's ``rope_scaling``,
-            with its fixed low/high frequency factors 1 and 4 and original context 8192); 0 means
-            no scaling.
         recompute: activation recomputation in training passes (megatron's
             ``recompute_granularity``): ``none``; ``selective`` (megatron's default module list,
             the core attention); ``full`` (every transformer layer keeps only its input and is
@@ -89,21 +80,18 @@ class ModelBuildOptions:
             over the TP ranks instead of replicated. Needs ``packed_sequences`` (the packed row
             is padded to a multiple of TP); generation runs without it
             (``models.gpt.without_sequence_parallel``).
-        moe: mixture-of-experts MLPs (``models.moe``); None: dense MLPs.
+        moe: how the mixture-of-experts layers are trained and routed (load balancing,
+            token dispatcher, routing replay; ``models.moe``): the experts themselves are the
+            architecture's ``experts``, which a non-dense ``moe`` must describe alike; None:
+            the defaults (or a dense model).
     """
 
     head: str = "lm"
     tie_embeddings: bool = False
     dropout: float = 0.0
-    norm_epsilon: float = 1e-5
-    rotary_base: int = 10000
     params_dtype: str = "auto"
     transformer_impl: str = "local"
     attention_backend: str = "sdpa"
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    head_dim: int = 0
-    rope_scaling_factor: float = 0.0
     recompute: str = "none"
     token_vocab_size: int = 0
     packed_sequences: bool = True
@@ -140,10 +128,9 @@ class ModelBuildOptions:
             raise ValueError("sequence_parallel splits a packed row over the TP ranks; padded "
                              "rows are not a multiple of TP: set packed_sequences=true or "
                              "sequence_parallel=false")
-        if self.head_dim < 0 or self.rope_scaling_factor < 0 or self.token_vocab_size < 0:
-            raise ValueError(f"model.head_dim={self.head_dim}, model.rope_scaling_factor="
-                             f"{self.rope_scaling_factor} and model.token_vocab_size="
-                             f"{self.token_vocab_size} must be >= 0 (0: the default)")
+        if self.token_vocab_size < 0:
+            raise ValueError(f"model.token_vocab_size={self.token_vocab_size} must be >= 0 (0: "
+                             "the embedding's rows)")
 
 
 _SCHEDULES = ("constant", "linear", "cosine")

@@ -30,7 +30,6 @@ from megatron_rlhf.builder.sources import (
     ModelSource,
     arch_spec,
     check_source_experts,
-    expert_spec,
     load_initial_weights,
     read_source,
 )
@@ -237,9 +236,7 @@ def _build(config: SupervisedConfig, objective: Objective, spec: ModelSpec, tota
            source: ModelSource | None,
            token_vocab_size: int) -> tuple[ModelTrainer, ProcessGroupCollection]:
     pgc = build_model_process_groups(spec, config.runtime.distributed.timeout_s)
-    # The numerics (QKV bias, QK-norm, RoPE, ...) are the starting checkpoint's.
-    base = (source.description.build_options() if source is not None
-            else ModelBuildOptions(rotary_base=spec.arch.rotary_base))
+    base = source.description.build_options() if source is not None else ModelBuildOptions()
     # Routes are replayed only by RL's experience passes: a recording forward here would leave
     # routes in the held-out batches, which later evaluations would then replay.
     moe = config.model.moe
@@ -308,7 +305,9 @@ def run_supervised(config: SupervisedConfig, objective: Objective) -> TrainingRe
         arch = arch_spec(source.description, source.path)
     else:
         arch = resolve_arch(config.model.arch)
-        arch = replace(arch, experts=expert_spec(config.model.moe, arch.ffn_hidden_size))
+        arch = replace(arch, experts=config.model.moe.expert_spec(arch.ffn_hidden_size))
+        if source is not None:  # the layers (QKV bias, QK-norm, RoPE, ...) are the checkpoint's
+            arch = replace(source.description.arch, name=arch.name, seq_length=arch.seq_length)
     spec = ModelSpec(objective.role, arch, trainable=True, tp=config.model.tp, pp=config.model.pp,
                      distributed_optimizer=config.optimizer.distributed_optimizer,
                      ep=config.model.ep)

@@ -115,7 +115,8 @@ class ArchSpec:
         rotary_base: RoPE theta, the base of the rotary position embedding; the planner does
             not read it.
         head_dim: channels per attention head (megatron's ``kv_channels``; Qwen3 has 128 at
-            ``hidden_size`` 2048 and 32 heads); 0 means ``hidden_size / num_attention_heads``.
+            ``hidden_size`` 2048 and 32 heads); 0 (given) becomes ``hidden_size /
+            num_attention_heads``.
         qk_norm: RMSNorm of each query and key head before RoPE (Qwen3; megatron's
             ``qk_layernorm``).
         qkv_bias: a bias on the fused QKV projection only (Qwen2; megatron's ``add_qkv_bias``);
@@ -157,6 +158,8 @@ class ArchSpec:
         if not isinstance(self.head_dim, int) or self.head_dim < 0:
             raise ValueError(f"arch {self.name!r}: head_dim={self.head_dim!r} must be an integer "
                              ">= 0 (0: hidden_size / num_attention_heads)")
+        if self.head_dim == 0:  # one spelling per architecture, so that records compare equal
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if self.num_query_groups < 1 or self.num_attention_heads % self.num_query_groups:
             raise ValueError(
                 f"arch {self.name!r}: num_query_groups({self.num_query_groups}) must divide "

@@ -171,8 +171,10 @@ def test_fsdp_run_resumes_bit_exactly_and_refuses_another_sharding(tmp_path: Pat
 def test_a_dist_checkpoint_is_refused_by_an_fsdp_run() -> None:
     from megatron_rlhf.engine.run.checkpointing import _check_same_sharding
     from megatron_rlhf.models.checkpoint import CheckpointInfo, ModelDescription
+    from megatron_rlhf.topology.models import ArchSpec
 
-    info = CheckpointInfo(ModelDescription(2, 64, 4, 2, 128, 250, 64), tp_size=1, pp_size=1,
+    arch = ArchSpec("t", 2, 64, 4, 250, 64, 128, gated_mlp=True, num_query_groups=2)
+    info = CheckpointInfo(ModelDescription(arch), tp_size=1, pp_size=1,
                           metadata={"role": "critic", "step": 2})
     with pytest.raises(ValueError, match=r"ckpt/critic was saved with critic_optimizer.fsdp=false "
                                          r"but this run has critic_optimizer.fsdp=true.*resume "

@@ -39,7 +39,7 @@ def _ppo_start_against_checkpoints(run_dir: str) -> dict[str, float]:
 
     def checkpoint_output(directory: Path, pg_collection, load: bool = True) -> torch.Tensor:
         description = read_checkpoint_info(directory).model
-        model = build_gpt_model(description, description.build_options(), pg_collection)
+        model = build_gpt_model(description.arch, description.build_options(), pg_collection)
         if load:
             load_model_checkpoint(model, pg_collection, directory)
         return full_logits(model, pg_collection, batch)

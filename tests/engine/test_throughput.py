@@ -22,7 +22,6 @@ from megatron_rlhf.engine.execution.throughput import (
 )
 from megatron_rlhf.engine.execution.workers import ModelWorker
 from megatron_rlhf.models.gpt import ModelBuildOptions, transformer_config
-from megatron_rlhf.models.moe import MoEConfig
 from megatron_rlhf.planner import cost_model as cm
 from megatron_rlhf.topology.flops import TRAINING_PASSES, sequence_flops
 from megatron_rlhf.topology.models import ArchSpec, ExpertSpec
@@ -47,11 +46,7 @@ def _groups(tp: int = 1) -> SimpleNamespace:
 def _model(arch: ArchSpec, head: str = "lm", tp: int = 1) -> SimpleNamespace:
     """What the FLOP count reads of a model ``build_gpt_model`` built from ``arch``: the megatron
     ``TransformerConfig`` the builder makes, the vocabulary, the length and the head."""
-    experts = arch.experts
-    moe = experts and MoEConfig(experts.num_experts, experts.topk,
-                                ffn_hidden_size=experts.ffn_hidden_size,
-                                shared_expert_ffn_size=experts.shared_ffn_size)
-    options = ModelBuildOptions(head=head, head_dim=arch.head_dim, moe=moe)
+    options = ModelBuildOptions(head=head)
     return SimpleNamespace(config=transformer_config(arch, options, _groups(tp)),
                            real_vocab_size=arch.vocab_size, max_sequence_length=arch.seq_length,
                            head_kind=head)

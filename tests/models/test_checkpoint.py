@@ -122,7 +122,7 @@ def _checkpoint_job(root: str) -> None:
 def test_save_tp2_load_tp1_and_pp2_with_same_weights_and_logits(tmp_path: Path) -> None:
     run_on_ranks(_checkpoint_job, world_size=2, args=(str(tmp_path),), timeout_s=150)
     info = json.loads((tmp_path / "lm_scalar" / "megatron_rlhf.json").read_text())
-    assert info["model"]["head"] == "lm+scalar" and info["format_version"] == 1
+    assert info["model"]["head"] == "lm+scalar" and info["format_version"] == 2
     assert {".metadata", "metadata.json", "common.pt"} <= info["files"].keys()
 
 

@@ -61,7 +61,7 @@ def _check_logits(checkpoint: str, layouts: list[tuple[int, int]],
     description = read_checkpoint_info(checkpoint).model
     for tp, pp in layouts:
         pgc = whole_world_groups(tp, pp)
-        model = build_gpt_model(description, description.build_options(), pgc)
+        model = build_gpt_model(description.arch, description.build_options(), pgc)
         load_model_checkpoint(model, pgc, checkpoint)
         logits = full_logits(model, pgc, _batch())
         if logits is not None:
@@ -97,7 +97,7 @@ def _check_ac_share_from_tied(hf_dir: str, logits: torch.Tensor, _out: str) -> N
     description, _ = read_hf_config(hf_dir)
     pgc = whole_world_groups(1, 1)
     options = replace(description.build_options(), head="lm+scalar", tie_embeddings=False)
-    model = build_gpt_model(description, options, pgc)
+    model = build_gpt_model(description.arch, options, pgc)
     load_full_state(model, pgc, hf_to_full_state(load_hf_state(hf_dir), description),
                     new_head=True)
     output = full_logits(model, pgc, _batch())
@@ -164,9 +164,11 @@ def test_mapping_is_exact_both_ways(tmp_path: Path) -> None:
     layer, qkv = "model.layers.1.self_attn.", "decoder.layers.1.self_attention.linear_qkv."
     torch.testing.assert_close(full[qkv + "weight"][64:96], hf_state[layer + "q_proj.weight"][32:])
     torch.testing.assert_close(full[qkv + "bias"][96:112], hf_state[layer + "k_proj.bias"][16:])
-    assert description.qkv_bias and description.tie_embeddings and not description.qk_norm
+    assert description.arch.qkv_bias and description.tie_embeddings
+    assert not description.arch.qk_norm
     qwen3, _ = read_hf_config(tmp_path / "qwen3")
-    assert qwen3.qk_norm and qwen3.head_dim == 24 and qwen3.rotary_base == 1000000
+    assert qwen3.arch.qk_norm and qwen3.arch.head_dim == 24
+    assert qwen3.arch.rotary_base == 1000000
     reward, _ = read_hf_config(tmp_path / "llama-rm")
     assert reward.head == "scalar" and "output_layer.weight" in hf_to_full_state(
         load_hf_state(tmp_path / "llama-rm"), reward)

@@ -18,6 +18,7 @@ from megatron_rlhf.models.hf_config import (
     read_hf_config,
     register_hf_family,
 )
+from megatron_rlhf.topology.models import ExpertSpec
 
 LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
          "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -78,10 +79,10 @@ def test_the_built_in_families_export_their_own_fields(tmp_path: Path) -> None:
     llama, config = _read(tmp_path, LLAMA)
     exported = hf_config(llama, base_config=config)
     assert exported["attention_bias"] is False and "layer_types" not in exported
-    qwen2 = hf_config(replace(llama, qkv_bias=True))
+    qwen2 = hf_config(replace(llama, arch=replace(llama.arch, qkv_bias=True)))
     assert qwen2["model_type"] == "qwen2" and "head_dim" not in qwen2
     assert qwen2["layer_types"] == ["full_attention"] * 2 and "attention_bias" not in qwen2
-    qwen3 = hf_config(replace(llama, qk_norm=True))
+    qwen3 = hf_config(replace(llama, arch=replace(llama.arch, qk_norm=True)))
     assert qwen3["model_type"] == "qwen3" and qwen3["head_dim"] == 16
     assert qwen3["attention_bias"] is False and qwen3["sliding_window"] is None
 
@@ -89,11 +90,12 @@ def test_the_built_in_families_export_their_own_fields(tmp_path: Path) -> None:
 def test_a_dense_description_exports_dense_and_an_moe_one_its_experts(tmp_path: Path) -> None:
     llama, _ = _read(tmp_path, LLAMA)
     assert "num_local_experts" not in hf_config(llama)
-    moe = replace(llama, num_experts=4, moe_topk=2, moe_ffn_hidden_size=32)
+    moe = replace(llama, arch=replace(llama.arch, experts=ExpertSpec(4, 2, 32)))
     mixtral = hf_config(moe)
     assert (mixtral["model_type"], mixtral["num_local_experts"], mixtral["intermediate_size"],
             mixtral["router_jitter_noise"]) == ("mixtral", 4, 32, 0.0)
-    qwen = hf_config(replace(moe, qk_norm=True, moe_renormalize_topk=False),
+    qwen = hf_config(replace(moe, arch=replace(moe.arch, qk_norm=True, experts=ExpertSpec(
+                         4, 2, 32, renormalize_topk=False))),
                      base_config={"model_type": "qwen3_moe", "num_local_experts": 9})
     assert (qwen["num_experts"], qwen["moe_intermediate_size"], qwen["intermediate_size"],
             qwen["norm_topk_prob"], qwen["decoder_sparse_step"]) == (4, 32, 128, False, 1)

@@ -45,7 +45,7 @@ def _load(hf_dir: str, root: str) -> dict:
     initialize_runtime()
     source = sources.read_source(hf_dir)
     pgc = whole_world_groups(1, 2)
-    build = lambda: build_gpt_model(source.description, source.description.build_options(),  # noqa: E731
+    build = lambda: build_gpt_model(source.description.arch, source.description.build_options(),  # noqa: E731
                                     pgc)
     model, reference = build(), build()
     convert, read = sources.cached_full_state, sources.SafetensorsState.__getitem__

@@ -70,16 +70,18 @@ def _convert_check_export(hf_dir: str, expected: torch.Tensor, out: str) -> None
 
     convert_hf_to_megatron.main(["--hf-dir", hf_dir, "--out", f"{out}/ckpt"])
     description = read_checkpoint_info(f"{out}/ckpt").model
-    assert description.num_experts == _CASES[Path(hf_dir).name][2].get(
+    assert description.arch.experts.num_experts == _CASES[Path(hf_dir).name][2].get(
         "num_experts", _CASES[Path(hf_dir).name][2].get("num_local_experts"))
     pgc = whole_world_groups(1, 1)
-    model = build_gpt_model(description, description.build_options(), pgc)
+    model = build_gpt_model(description.arch, description.build_options(), pgc)
     load_model_checkpoint(model, pgc, f"{out}/ckpt")
     torch.testing.assert_close(full_logits(model, pgc, _batch()), expected, **_TOLERANCE,
                                msg=lambda m: f"{hf_dir}: {m}")
     # the other top-k weighting computes something else: the comparison sees the router's
-    other = replace(description, moe_renormalize_topk=not description.moe_renormalize_topk)
-    model = build_gpt_model(other, other.build_options(), pgc)
+    experts = description.arch.experts
+    other = replace(description, arch=replace(description.arch, experts=replace(
+        experts, renormalize_topk=not experts.renormalize_topk)))
+    model = build_gpt_model(other.arch, other.build_options(), pgc)
     load_full_state(model, pgc, hf_to_full_state(load_hf_state(hf_dir), description))
     assert (full_logits(model, pgc, _batch()) - expected).abs().max() > 1e-3, hf_dir
     convert_megatron_to_hf.main(["--ckpt", f"{out}/ckpt", "--out", f"{out}/hf"])
@@ -117,10 +119,12 @@ def test_experts_map_by_global_index_both_ways(tmp_path: Path) -> None:
         _make(tmp_path / case, case)
         checked[case] = assert_hf_mapping_round_trips(tmp_path / case)
     qwen = checked["qwen3_moe"][0]
-    assert (qwen.num_experts, qwen.moe_topk, qwen.moe_ffn_hidden_size, qwen.ffn_hidden_size,
-            qwen.moe_renormalize_topk, qwen.qk_norm) == (8, 2, 32, 96, True, True)
+    experts = qwen.arch.experts
+    assert (experts.num_experts, experts.topk, experts.ffn_hidden_size, qwen.arch.ffn_hidden_size,
+            experts.renormalize_topk, qwen.arch.qk_norm) == (8, 2, 32, 96, True, True)
     mixtral, hf, full = checked["mixtral"]
-    assert (mixtral.num_experts, mixtral.moe_ffn_hidden_size, mixtral.qk_norm) == (8, 32, False)
+    assert (mixtral.arch.experts.num_experts, mixtral.arch.experts.ffn_hidden_size,
+            mixtral.arch.qk_norm) == (8, 32, False)
     expert, fc1 = "model.layers.1.block_sparse_moe.experts.5.", (
         full["decoder.layers.1.mlp.experts.local_experts.5.linear_fc1.weight"])
     assert torch.equal(fc1[:32], hf[expert + "w1.weight"])  # [gate; up]
@@ -151,12 +155,13 @@ def test_unsupported_moe_configs_are_refused_by_name(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(qwen | {"norm_topk_prob": False}))
     unnormalised, _ = read_hf_config(tmp_path)
     assert hf_config(unnormalised)["model_type"] == "qwen3_moe"
-    for description, fragment in [
-            (replace(unnormalised, qk_norm=False), "renormalize_topk=False"),
-            (replace(unnormalised, moe_shared_ffn_size=64), "shared width 64"),
-            (replace(unnormalised, qkv_bias=True), "qkv_bias=True")]:
+    arch = unnormalised.arch
+    for changed, fragment in [
+            (replace(arch, qk_norm=False), "renormalize_topk=False"),
+            (replace(arch, experts=replace(arch.experts, shared_ffn_size=64)), "shared_ffn_size=64"),
+            (replace(arch, qkv_bias=True), "qkv_bias=True")]:
         with pytest.raises(ValueError, match=f"{fragment}.*is no Hugging Face family"):
-            family_of(description)
+            family_of(replace(unnormalised, arch=changed))
 
 
 def _run_config(actor: Path, *overrides: str):
@@ -272,7 +277,7 @@ def _tp2_job(hf_dir: str, expected: torch.Tensor, out: str) -> None:
     pgc = whole_world_groups(2, 1)
     # megatron's MoE layer under TP wants sequence parallelism, which runs packed rows
     options = replace(description.build_options(), packed_sequences=True, sequence_parallel=True)
-    model = build_gpt_model(description, options, pgc)
+    model = build_gpt_model(description.arch, options, pgc)
     load_model_checkpoint(model, pgc, f"{out}/ckpt")
     torch.testing.assert_close(full_logits(model, pgc, _batch()), expected, **_TOLERANCE)
     convert_megatron_to_hf.main(["--ckpt", f"{out}/ckpt", "--out", f"{out}/hf", "--pp", "2"])

@@ -8,6 +8,7 @@ names; ``local_layer_name`` must undo it on every tensor. A stand-in with TE's p
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -36,7 +37,7 @@ def pgc():
 
 
 def _model(pgc, seed: int, qk_norm: bool = False, te: bool = False, extra: bool = False):
-    model = build_gpt_model(_ARCH, ModelBuildOptions(qk_norm=qk_norm), pgc)
+    model = build_gpt_model(replace(_ARCH, qk_norm=qk_norm), ModelBuildOptions(), pgc)
     init_weights(model, pgc, seed=seed)
     with torch.no_grad():  # norms away from their initial ones, so a lost norm shows
         for name, param in model.named_parameters():

@@ -9,6 +9,8 @@ at EP 2 on packed sequences, the routing replay, and KV-cached sampling at EP 2.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -41,7 +43,8 @@ def _build(ep: int, dispatcher: str, packed: bool = False):
 
     pgc = whole_world_groups(1, 1, ep=ep)
     options = ModelBuildOptions(moe=_moe(dispatcher), packed_sequences=packed)
-    return build_model(ARCH, options, pgc, runtime_seed=5, init_seed=9), pgc
+    arch = replace(ARCH, experts=options.moe.expert_spec(ARCH.ffn_hidden_size))
+    return build_model(arch, options, pgc, runtime_seed=5, init_seed=9), pgc
 
 
 def _square_loss(output: torch.Tensor, outputs: list[torch.Tensor]):
@@ -219,11 +222,13 @@ def test_moe_config_refuses_bad_values() -> None:
     with pytest.raises(ValueError, match="moe.num_experts=-1"):
         MoEConfig(num_experts=-1)
     with pytest.raises(ValueError, match="not divisible by .* ep=3"):
-        moe_transformer_fields(MoEConfig(num_experts=4), 64, ep_size=3, tp_size=1)
-    assert moe_transformer_fields(MoEConfig(), 64, ep_size=1, tp_size=1) == {}
-    fields = moe_transformer_fields(MoEConfig(num_experts=8, topk=2), 64, ep_size=2, tp_size=1)
+        moe_transformer_fields(MoEConfig(num_experts=4).expert_spec(64), None, ep_size=3,
+                               tp_size=1)
+    assert moe_transformer_fields(MoEConfig().expert_spec(64), None, ep_size=1, tp_size=1) == {}
+    fields = moe_transformer_fields(MoEConfig(num_experts=8, topk=2).expert_spec(64),
+                                    MoEConfig(aux_loss_coeff=0.5), ep_size=2, tp_size=1)
     assert (fields["num_moe_experts"], fields["moe_ffn_hidden_size"],
-            fields["expert_model_parallel_size"]) == (8, 64, 2)
+            fields["expert_model_parallel_size"], fields["moe_aux_loss_coeff"]) == (8, 64, 2, 0.5)
 
 
 def _replay_across_layouts() -> dict[str, float]:

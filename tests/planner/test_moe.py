@@ -70,7 +70,7 @@ def _megatron_counts() -> dict[int, tuple[int, int]]:
 
     initialize_runtime()
     experts = MOE.experts
-    options = ModelBuildOptions(qk_norm=True, head_dim=MOE.head_dim, params_dtype="float32",
+    options = ModelBuildOptions(params_dtype="float32",
                                 moe=MoEConfig(num_experts=experts.num_experts, topk=experts.topk,
                                               ffn_hidden_size=experts.ffn_hidden_size,
                                               shared_expert_ffn_size=experts.shared_ffn_size))
@@ -224,13 +224,17 @@ def test_a_checkpoints_description_gives_its_experts_to_the_planner() -> None:
     from megatron_rlhf.builder.sources import arch_spec
     from megatron_rlhf.models.checkpoint import ModelDescription
 
-    description = ModelDescription(
-        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-        ffn_hidden_size=128, vocab_size=512, seq_length=64, qk_norm=True, head_dim=32,
-        num_experts=6, moe_topk=2, moe_ffn_hidden_size=32, moe_shared_ffn_size=48)
+    # as a format-1 megatron_rlhf.json holds it: flat, the experts as moe_* fields
+    flat = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
+            "ffn_hidden_size": 128, "vocab_size": 512, "seq_length": 64, "head": "lm",
+            "tie_embeddings": False, "norm_epsilon": 1e-5, "rotary_base": 10000,
+            "params_dtype": "float32", "qk_norm": True, "head_dim": 32, "num_experts": 6,
+            "moe_topk": 2, "moe_ffn_hidden_size": 32, "moe_shared_ffn_size": 48}
+    description = ModelDescription.from_dict(flat, "v1", format_version=1)
     assert arch_spec(description, "moe") == MOE
-    dense = dataclasses.replace(description, num_experts=0, moe_topk=0, moe_ffn_hidden_size=0,
-                                moe_shared_ffn_size=0)
+    dense = ModelDescription.from_dict(flat | {"num_experts": 0, "moe_topk": 0,
+                                               "moe_ffn_hidden_size": 0,
+                                               "moe_shared_ffn_size": 0}, "v1", 1)
     assert arch_spec(dense, "moe").experts is None
 
 

@@ -30,6 +30,7 @@ from megatron_rlhf.models.checkpoint import INFO_FILE, CheckpointInfo, ModelDesc
 from megatron_rlhf.runtime import refusal
 from megatron_rlhf.runtime.checkpoint_store import commit, hash_files
 from megatron_rlhf.runtime.faults import FaultConfig, RankFailure
+from megatron_rlhf.topology.models import ArchSpec
 from tools import run_ppo as run_ppo_tool
 
 TINY = "examples/ppo_tiny.yaml"
@@ -245,7 +246,8 @@ def test_corrupted_run_state_is_refused(tmp_path: Path) -> None:
 def _model_checkpoint(path: Path, fingerprint: str, role: str = "reward") -> Path:
     path.mkdir(parents=True)
     head = "scalar" if role == "reward" else "lm"
-    info = CheckpointInfo(model=ModelDescription(2, 64, 4, 4, 128, 512, 64, head=head),
+    arch = ArchSpec("t", 2, 64, 4, 512, 64, 128, gated_mlp=True)
+    info = CheckpointInfo(model=ModelDescription(arch, head=head),
                           tp_size=1, pp_size=1,
                           metadata={"role": role, "tokenizer_fingerprint": fingerprint})
     (path / INFO_FILE).write_text(json.dumps(asdict(info)))

@@ -23,6 +23,7 @@ from megatron_rlhf.engine.run.runner import run_tokenizer
 from megatron_rlhf.models.checkpoint import INFO_FILE, CheckpointInfo, ModelDescription
 from megatron_rlhf.models.hf_import import FULL_STATE_FILE, cached_full_state
 from megatron_rlhf.models.hf_llama import load_hf_state
+from megatron_rlhf.topology.models import ArchSpec
 from tools.make_tiny_hf import make_tiny_qwen_pair
 
 _EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ppo_hf_tiny.yaml"
@@ -45,7 +46,8 @@ def _config(actor: Path | str = "", reward: Path | str = "", *overrides: str) ->
 def _our_checkpoint(path: Path, head: str, role: str) -> Path:
     """A megatron_rlhf checkpoint's ``megatron_rlhf.json`` (all that resolving reads)."""
     path.mkdir(parents=True)
-    info = CheckpointInfo(model=ModelDescription(2, 64, 4, 2, 128, 320, 128, head=head),
+    arch = ArchSpec("t", 2, 64, 4, 320, 128, 128, gated_mlp=True, num_query_groups=2)
+    info = CheckpointInfo(model=ModelDescription(arch, head=head),
                           tp_size=1, pp_size=1, metadata={"role": role})
     (path / INFO_FILE).write_text(json.dumps(asdict(info)))
     return path

@@ -45,7 +45,7 @@ def _checkpoint_output(directory: str) -> list:
 
     description = read_checkpoint_info(directory).model
     groups = whole_world_groups(1, 1)
-    model = build_gpt_model(description, description.build_options(), groups)
+    model = build_gpt_model(description.arch, description.build_options(), groups)
     load_model_checkpoint(model, groups, directory)
     return full_logits(model, groups, {"input_ids": _IDS,
                                        "attention_mask": torch.ones_like(_IDS)}).tolist()
@@ -92,7 +92,7 @@ def test_sft_and_rm_start_from_hf_directories_and_export_back(tmp_path: Path) ->
     for name, source, loader in (("sft", actor, AutoModelForCausalLM),
                                  ("rm", reward, AutoModelForSequenceClassification)):
         info = read_checkpoint_info(tmp_path / name / "checkpoint")
-        assert info.model.qkv_bias and info.metadata["hf_config"]["model_type"] == "qwen2"
+        assert info.model.arch.qkv_bias and info.metadata["hf_config"]["model_type"] == "qwen2"
         assert info.metadata["tokenizer_fingerprint"] == HFTokenizer.load(source).fingerprint
         assert (tmp_path / name / "tokenizer.json").is_file()
         before = load_file(source / "model.safetensors")

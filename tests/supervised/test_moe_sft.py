@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 
-from megatron_rlhf.builder.sources import expert_spec
 from megatron_rlhf.config.loader import load_config
 from megatron_rlhf.config.supervised_run import RMConfig, SFTConfig
 from megatron_rlhf.models.checkpoint import read_checkpoint_info
@@ -61,7 +60,7 @@ def test_expert_layouts_are_refused_naming_the_field() -> None:
     with pytest.raises(ValueError, match=r"model.ep=0 must be >= 1"):
         _config(RMConfig, "unused", [*MOE, "model.ep=0"])
     tiny = arch_preset("tiny")
-    arch = replace(tiny, experts=expert_spec(MoEConfig(num_experts=4), tiny.ffn_hidden_size))
+    arch = replace(tiny, experts=MoEConfig(num_experts=4).expert_spec(tiny.ffn_hidden_size))
     spec = ModelSpec("actor", arch, trainable=True, tp=2, ep=2)
     assert data_parallel_size(spec, ClusterSpec.homogeneous(1, 4)) == 2
     with pytest.raises(ValueError, match=re.escape(
@@ -104,7 +103,7 @@ def _sft_then_rm_and_ppo(root: str) -> dict:
     ref = captured["engine"].workers["ref"]
     description = read_checkpoint_info(checkpoint).model
     groups = whole_world_groups(1, 1)
-    saved = build_gpt_model(description, description.build_options(), groups)
+    saved = build_gpt_model(description.arch, description.build_options(), groups)
     load_model_checkpoint(saved, groups, checkpoint)
     difference = (full_logits(ref.model, ref.pg_collection, batch)
                   - full_logits(saved, groups, batch)).abs().max().item()
@@ -213,8 +212,9 @@ def test_sft_starts_from_a_qwen3_moe_directory_with_its_experts(tmp_path: Path) 
                            timeout_s=260)[0]
     assert all(step["loss"] < 7.0 and step["moe_max_load"] >= 1.0 for step in history), history
     info = read_checkpoint_info(tmp_path / "sft" / "checkpoint")
-    assert (info.model.num_experts, info.model.moe_topk, info.model.moe_ffn_hidden_size,
-            info.model.qk_norm) == (4, 2, 32, True)
+    experts = info.model.arch.experts
+    assert (experts.num_experts, experts.topk, experts.ffn_hidden_size,
+            info.model.arch.qk_norm) == (4, 2, 32, True)
     assert info.metadata["hf_config"]["model_type"] == "qwen3_moe"
 
 

@@ -147,7 +147,7 @@ def check_checkpoint_tokenizers(sources: dict[str, ModelSource],
         ValueError: naming the checkpoint, the role and the fix.
     """
     for role, source in sources.items():
-        embedded = source.description.vocab_size
+        embedded = source.description.arch.vocab_size
         if tokenizer.vocab_size > embedded:
             raise ValueError(f"{role} checkpoint {source.path} embeds {embedded} tokens but the "
                              f"tokenizer {tokenizer.source} has {tokenizer.vocab_size}; use the "

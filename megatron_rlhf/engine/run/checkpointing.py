@@ -389,7 +389,7 @@ def _write_files(run: RunState, step: int, temp: Path, hosts: list[dict],
     requests = []
     for role in roles:
         holder = next(h["roles"][role] for h in hosts if role in h["roles"])
-        info = CheckpointInfo(model=ModelDescription(**holder["description"]),
+        info = CheckpointInfo(model=holder["description"],
                               tp_size=run.engine.plan[role].tp, pp_size=run.engine.plan[role].pp,
                               metadata={"role": role, "step": step})
         if fsdp[role]:
@@ -433,7 +433,7 @@ def _host_state(run: RunState, commons: dict[str, dict]) -> dict[str, Any]:
     for role, common in commons.items():
         worker = run.engine.workers.get(role)
         if worker is not None:
-            roles[role] = {"description": asdict(ModelDescription.from_model(worker.model)),
+            roles[role] = {"description": ModelDescription.from_model(worker.model),
                            "trainer": worker.trainer.state_dict(),
                            "optimizer_common": common.get("optimizer", {})}
     return {"roles": roles, "ppo": run.algorithm.state_dict() if roles else None}
@@ -512,8 +512,8 @@ def _load_role(engine: PPOEngine, role: str, path: Path, common: dict, trainer_s
     worker = engine.workers.get(role)
     if worker is not None:
         ours = ModelDescription.from_model(worker.model)
-        differ = [f"{k}={v!r} (ours {getattr(ours, k)!r})" for k, v in asdict(info.model).items()
-                  if getattr(ours, k) != v]
+        differ = [f"{name}={value!r} (ours {mine!r})"
+                  for name, value, mine in ours.mismatches(info.model)]
         if differ:
             raise ValueError(f"checkpoint {path / role} holds another model: {', '.join(differ)}"
                              "; resume with the checkpoint's models.* settings")
