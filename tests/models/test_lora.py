@@ -39,7 +39,7 @@ def _config(**overrides):
 
 
 def test_config_validation_names_the_field():
-    from megatron_rlhf.models.lora import LoRAConfig
+    from megatron_rlhf.models.lora import LoRAConfig, adapter_numel
 
     with pytest.raises(ValueError, match=r"models\.lora\.rank=-1"):
         LoRAConfig(rank=-1)
@@ -52,6 +52,11 @@ def test_config_validation_names_the_field():
     with pytest.raises(ValueError, match=r"models\.lora\.roles=\['reward'\]"):
         LoRAConfig(rank=2, roles=["reward"])
     config = LoRAConfig(rank=4, alpha=8)
+    attention = LoRAConfig(rank=2, target_modules=["linear_qkv", "linear_proj"])
+    # TinyArch: 4 layers, hidden 64, 4 heads of 16, 2 query groups, SwiGLU of 128
+    assert adapter_numel(TinyArch(), attention) == 4 * 2 * ((64 + 128) + (64 + 64))
+    assert adapter_numel(TinyArch(), LoRAConfig(rank=1, target_modules=["experts.linear_fc1"]),
+                         experts=(8, 32)) == 4 * 8 * (64 + 2 * 32)
     assert config.scaling == 2.0 and config.applies_to("actor") and not config.applies_to("critic")
     assert not LoRAConfig().enabled
 
@@ -130,7 +135,12 @@ def _merged(full: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Te
 
 def _check_layout(tp: int, sequence_parallel: bool, distributed_optimizer: bool) -> None:
     from megatron_rlhf.models.gpt import ModelBuildOptions, build_gpt_model
-    from megatron_rlhf.models.lora import adapters_disabled, apply_lora, is_adapter_param
+    from megatron_rlhf.models.lora import (
+        adapter_numel,
+        adapters_disabled,
+        apply_lora,
+        is_adapter_param,
+    )
     from megatron_rlhf.models.trainer import ModelTrainer, OptimizerSettings
     from megatron_rlhf.models.weights import gather_full_state, load_full_state
 
@@ -146,6 +156,9 @@ def _check_layout(tp: int, sequence_parallel: bool, distributed_optimizer: bool)
     model = _build(pgc, sequence_parallel)
     adapted = apply_lora(model, config, seed=3)
     assert len(adapted) == 4 * TinyArch().num_layers
+    whole = sum(p.numel() * (pgc.tp.size() if getattr(p, "tensor_model_parallel", False) else 1)
+                for n, p in model.named_parameters() if is_adapter_param(n))
+    assert whole == adapter_numel(TinyArch(), config)
     assert torch.equal(_logprobs(model, pgc, probe), base_logprobs), "zero B changes the model"
     assert all(p.requires_grad == is_adapter_param(n) for n, p in model.named_parameters())
 
