@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from megatron_rlhf import __version__  # noqa: E402
 from megatron_rlhf.planner import (  # noqa: E402
     MEMORY_OPTIONS,
+    AnswerLengths,
     HardwareProfile,
     RolloutSpec,
     SearchSpace,
@@ -90,6 +91,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                           ("ppo-epochs", 1), ("num-minibatches", 1), ("micro-batch-size", 4)):
         rollout.add_argument(f"--{flag}", type=int, default=default)
     rollout.add_argument("--activation-checkpointing", action="store_true")
+    rollout.add_argument("--answer-mean", type=float, metavar="TOKENS", help="price answers of "
+                         "this mean length, exponentially spread and cut at --answer-max "
+                         "(default: every answer --generation-length long)")
+    rollout.add_argument("--answer-max", type=int, metavar="TOKENS",
+                         help="longest answer (default --generation-length)")
     rollout.add_argument("--memory-options", default=",".join(MEMORY_OPTIONS),
                          help="memory options the planner may add where a plan does not fit "
                          "(comma-separated; 'offload' alone for what the engine runs today)")
@@ -137,12 +143,27 @@ def build_profiles(args: argparse.Namespace) -> dict[str, HardwareProfile] | Har
 
 
 def build_rollout(args: argparse.Namespace) -> RolloutSpec:
-    """The step's shapes from the rollout flags."""
-    return RolloutSpec(
+    """The step's shapes from the rollout flags (answers spread with ``--answer-mean``).
+
+    Raises:
+        ValueError: ``--answer-max`` without ``--answer-mean``, or outside
+            ``[1, --generation-length]``.
+    """
+    rollout = RolloutSpec(
         batch=args.batch, prompt_length=args.prompt_length,
         generation_length=args.generation_length, ppo_epochs=args.ppo_epochs,
         num_minibatches=args.num_minibatches, micro_batch_size=args.micro_batch_size,
         activation_checkpointing=args.activation_checkpointing, overlap=not args.no_overlap)
+    if args.answer_mean is None:
+        if args.answer_max is not None:
+            raise ValueError("--answer-max needs --answer-mean (the mean answer, in tokens)")
+        return rollout
+    cap = args.generation_length
+    longest = cap if args.answer_max is None else args.answer_max
+    if not 1 <= longest <= cap:
+        raise ValueError(f"--answer-max {longest} must be in [1, --generation-length {cap}]")
+    found = AnswerLengths.from_mean_max(min(args.answer_mean, longest), longest)
+    return rollout.with_answer_lengths(AnswerLengths(found.lengths, cap, found.source))
 
 
 def memory_options(args: argparse.Namespace) -> tuple[str, ...]:

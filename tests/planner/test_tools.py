@@ -79,3 +79,25 @@ def test_calibrate_writes_a_loadable_profile(tmp_path: Path, monkeypatch: pytest
     assert line["name"] == profile.name == "cpu-test"
     assert profile.collective_latency_s == 1e-3 and profile.intra_node_gbps == pytest.approx(8)
     assert profile.peak_tflops > 0 and profile.hbm_gb_per_s > 0 and profile.layer_latency_s > 0
+
+
+def test_predict_prices_a_stated_mean_answer(capsys: pytest.CaptureFixture[str]) -> None:
+    """--answer-mean 64 of at most 256 tokens: the rollout carries the distribution, and the
+    generation costs less than every answer at 256 and more than every answer at 64."""
+    tool = _tool("plan_placement")
+    base = ["--nodes", "1", "--placement", "flattening", "--tp", "2", "--model", "llama-7b",
+            "--predict", "--json", "--batch", "64"]
+
+    def run(*flags: str) -> dict:
+        tool.main([*base, *flags])
+        return json.loads(capsys.readouterr().out)
+
+    spread = run("--answer-mean", "64")
+    lengths = spread["rollout"]["answer_lengths"]
+    assert lengths["cap"] == 256 and lengths["mean"] == pytest.approx(64, rel=0.01)
+    seconds = {name: body["prediction"]["stage_seconds"]["generation"] for name, body in (
+        ("spread", spread), ("cap", run()), ("mean", run("--generation-length", "64")))}
+    assert seconds["mean"] < seconds["spread"] < seconds["cap"]
+    with pytest.raises(SystemExit):
+        tool.main([*base, "--answer-max", "100"])
+    assert "--answer-max needs --answer-mean" in capsys.readouterr().err
