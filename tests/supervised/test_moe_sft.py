@@ -25,6 +25,7 @@ from megatron_rlhf.models.checkpoint import read_checkpoint_info
 from megatron_rlhf.models.moe import MoEConfig
 from megatron_rlhf.supervised.loop import data_parallel_size
 from megatron_rlhf.topology import ClusterSpec, ModelSpec, arch_preset
+from megatron_rlhf.topology.models import ExpertSpec
 from tests.multirank import run_on_ranks
 from tools.make_tiny_hf import make_hf_model, make_hf_tokenizer
 
@@ -127,8 +128,7 @@ def test_moe_sft_learns_records_its_experts_and_starts_rm_and_ppo(tmp_path: Path
     assert all(0.0 < step["loss"] < 5.0 for step in rm) and "eval_accuracy" in rm[-1]
     for run, head in (("sft", "lm"), ("rm", "scalar")):
         model = read_checkpoint_info(tmp_path / run / "checkpoint").model
-        assert (model.head, model.num_experts, model.moe_topk, model.moe_ffn_hidden_size,
-                model.moe_renormalize_topk) == (head, 4, 2, 128, True)
+        assert (model.head, model.arch.experts) == (head, ExpertSpec(4, 2, 128))
 
     # PPO ran a step from the SFT checkpoint: its reference computes the checkpoint's logits.
     assert runs["ppo_ref_vs_sft"] < 1e-6, runs["ppo_ref_vs_sft"]
