@@ -229,6 +229,13 @@ class RolloutConfig:
             trainable models train on step k (off-policy by that many steps).
         max_staleness: steps between producing experience and training on it when
             ``async_rollout`` is on.
+        partial_rollouts: with ``async_rollout``: the shadows take the trained weights at the
+            next decode-step boundary of the round they generate instead of after it, the
+            unfinished answers going on under them with their tokens and KV cache; each token
+            records its weight version (docs/asynchronous.md). Needs ``max_staleness=1``,
+            ``reuse_generation_logprobs`` (the behaviour log-probs are generation's, per
+            token), one pipeline chunk, no dynamic sampling, tools or environment, and
+            continuous batching.
         reuse_generation_logprobs: take the old log-probs from generation (the policy
             log-probs of the sampled tokens, computed from the KV-cached decode) instead of a
             full forward of the generating model; saves one of the experience passes. They
@@ -291,6 +298,7 @@ class RolloutConfig:
     pipeline_chunks: int = 1
     async_rollout: bool = False
     max_staleness: int = 1
+    partial_rollouts: bool = False
     reuse_generation_logprobs: bool = False
     max_tokens_per_micro_batch: int | str = TOKEN_BUDGET_AUTO
     tools: list[dict[str, Any]] = field(default_factory=list)
@@ -323,7 +331,24 @@ class RolloutConfig:
         if self.max_staleness != 1 and not self.async_rollout:
             raise ValueError(f"rollout.max_staleness={self.max_staleness} is used only with "
                              "rollout.async_rollout=true; set that too, or drop max_staleness")
+        self._check_partial_rollouts()
         self._check_episodes()
+
+    def _check_partial_rollouts(self) -> None:
+        """Partial rollouts hand the weights over inside one round of one step's generation."""
+        if not self.partial_rollouts:
+            return
+        needs = {"async_rollout": (self.async_rollout, "true"),
+                 "max_staleness": (self.max_staleness == 1, "1"),
+                 "reuse_generation_logprobs": (self.reuse_generation_logprobs, "true"),
+                 "pipeline_chunks": (self.pipeline_chunks == 1, "1"),
+                 "tools": (not self.tools and self.environment is None, "[] (no episodes)")}
+        for name, (ok, value) in needs.items():
+            if not ok:
+                raise ValueError(f"rollout.partial_rollouts=true needs rollout.{name}={value}: "
+                                 "the shadows take new weights inside one generation round of "
+                                 "a one-step-off run, and the behaviour log-probs are "
+                                 "generation's per token; set it, or partial_rollouts=false")
 
     def _check_episodes(self) -> None:
         """The tools or the environment import and the episode's bounds fit them."""
@@ -796,6 +821,7 @@ class RunConfig:
                 self.placement = replace(placement, critic=False)
         self._fit_reward_model()
         self._check_reward_source()
+        self._check_partial_rollouts()
         with _naming_critic_free_estimators():
             self.placement.role_ratios()
         self._check_fsdp()
@@ -840,6 +866,24 @@ class RunConfig:
                 "reward.model_weight)")
         if weight == 0 and self.placement.reward:
             self.placement = replace(self.placement, reward=False)
+
+    def _check_partial_rollouts(self) -> None:
+        """What partial rollouts need beyond the rollout section (``RolloutConfig``)."""
+        if not self.rollout.partial_rollouts:
+            return
+        if self.algorithm.dynamic_sampling:
+            raise ValueError("rollout.partial_rollouts=true cannot refill a step with "
+                             "algorithm.dynamic_sampling: a refill round would sample under "
+                             "the new weights; set one of them to false")
+        if self.models.offload.get("actor", "never") != "never":
+            raise ValueError(f"rollout.partial_rollouts=true needs the shadow actor's weights on "
+                             f"its device through generation, where the new ones arrive; "
+                             f"models.offload.actor={self.models.offload['actor']!r} may move "
+                             "them out: set it to never, or partial_rollouts=false")
+        if not self.generation.continuous:
+            raise ValueError("rollout.partial_rollouts=true needs continuous batching "
+                             "(generation.batching=continuous, generation.use_kv_cache=true): "
+                             "the weights change between its decode steps")
 
     def _check_reward_source(self) -> None:
         """Refuse a run that nothing scores: no reward model, no rule, no reward function and

@@ -68,6 +68,9 @@ class PPOEngine:
         reference_is_base: the actor trains LoRA adapters (``models.lora``) and the reference
             log-probs are its own with the adapters switched off, its frozen base; False: the
             reference model's.
+        partial_rollouts: the weights may change during a generation call
+            (``rollout.partial_rollouts``): the rollout carries ``version_offsets``, the updates
+            before each response token.
 
     Building is collective: it creates the transfer channels (process groups) on every rank.
     """
@@ -80,8 +83,9 @@ class PPOEngine:
                  transfer_timeout_s: float = 1800.0,
                  episodes: EpisodeRollouts | None = None,
                  replayed_routes: tuple[int, int] | None = None,
-                 reference_is_base: bool = False) -> None:
+                 reference_is_base: bool = False, partial_rollouts: bool = False) -> None:
         self.plan = plan
+        self.partial_rollouts = partial_rollouts
         self.reference_is_base = reference_is_base
         self.replayed_routes = replayed_routes
         self.episodes = episodes
@@ -170,6 +174,8 @@ class PPOEngine:
                   "response_mask": (torch.int64, (r,)), "gen_logprobs": (torch.float32, (r,))}
         if self.reuse_generation_logprobs:
             schema["old_logprobs"] = (torch.float32, (r,))
+        if self.partial_rollouts:
+            schema["version_offsets"] = (torch.int64, (r,))
         if self.episodes is not None:
             schema.update({name: (torch.float32, ()) for name in STAT_FIELDS.values()})
         return schema
@@ -211,7 +217,8 @@ class PPOEngine:
 
     def generate_rollout(self, prompts: Sequence[Sequence[int]],
                            prompt_indices: Sequence[int], chunk: int = 0,
-                           records: Sequence[Record] | None = None) -> DistBatch:
+                           records: Sequence[Record] | None = None,
+                           weight_updates: Callable[[], bool] | None = None) -> DistBatch:
         """Each generating DP replica samples responses for its share of the prompts.
 
         Every rank passes the whole prompt list; no prompt data is moved. Sampling is keyed by
@@ -220,6 +227,8 @@ class PPOEngine:
         the same micro-batches, each on its shard) and each micro-batch's
         :class:`~megatron_rlhf.generation.MicroBatchWork` as a dict. With ``episodes`` each
         row is an episode (``records``: each row's prompt record, which its tool calls read).
+        ``weight_updates``: this rank's hand-over of new weights between decode steps (partial
+        rollouts; ``engine/step/handover.py``).
         """
         layout, roles = self.generation_layout(len(prompts))
         rows = layout.held_by(self.rank)
@@ -236,7 +245,8 @@ class PPOEngine:
                         self.generation, self.eos_id, self.pad_id)
                 else:
                     output = worker.generate(prompts[start:end], prompt_indices[start:end],
-                                             self.generation, self.eos_id, self.pad_id)
+                                             self.generation, self.eos_id, self.pad_id,
+                                             weight_updates)
                 if span is not None:
                     span.work = {"tp_rank": worker.pg_collection.tp.rank(),
                                  "micro_batches": [dataclasses.asdict(work)
@@ -266,6 +276,10 @@ class PPOEngine:
                   "gen_logprobs": self._response_width(output.response_policy_logprobs)}
         if self.reuse_generation_logprobs:
             fields["old_logprobs"] = self._response_width(output.response_policy_logprobs)
+        if self.partial_rollouts:
+            versions = output.response_versions
+            fields["version_offsets"] = self._response_width(
+                torch.zeros_like(output.response_mask) if versions is None else versions)
         return fields
 
     def _response_width(self, values: torch.Tensor) -> torch.Tensor:

@@ -235,19 +235,23 @@ class ModelWorker:
 
     def generate(self, prompts: Sequence[Sequence[int]], prompt_indices: Sequence[int],
                  config: GenerationConfig, eos_id: int | tuple[int, ...],
-                 pad_id: int) -> GenerationOutput:
+                 pad_id: int, weight_updates: Callable[[], bool] | None = None
+                 ) -> GenerationOutput:
         """Sample one response per prompt (every TP rank returns the same tokens).
 
         With ``keep_graphs`` the captured decode steps (and their KV memory) stay for the next
         call; otherwise (a model that trains, is offloaded, or shares its ranks with training)
-        they are freed at the end of the call, so they hold no memory through other stages."""
+        they are freed at the end of the call, so they hold no memory through other stages.
+        ``weight_updates``: new weights may arrive between decode steps (partial rollouts,
+        ``generate_sequences``)."""
         with (self.resident(WEIGHTS), without_sequence_parallel(self.model),
               self._measured("generate") as rows):
             output = generate_sequences(self._module(), self.pg_collection, prompts,
                                         prompt_indices, config, eos_id, pad_id,
                                         on_cache=self.meter.observe,
                                         keep_graphs=self.keep_graphs,
-                                        max_length=self.generation_length)
+                                        max_length=self.generation_length,
+                                        weight_updates=weight_updates)
             rows.append((output.attention_mask, FORWARD_PASSES))
         return output
 

@@ -267,7 +267,8 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
                        reuse_generation_logprobs=config.rollout.reuse_generation_logprobs,
                        transfer_timeout_s=config.runtime.transfer_timeout_s, episodes=episodes,
                        replayed_routes=_replayed_routes(config),
-                       reference_is_base=config.models.lora.applies_to(ACTOR))
+                       reference_is_base=config.models.lora.applies_to(ACTOR),
+                       partial_rollouts=config.rollout.partial_rollouts)
     engine.sync_weights()
     return engine
 

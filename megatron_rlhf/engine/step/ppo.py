@@ -49,6 +49,7 @@ from megatron_rlhf.engine.step.dynamic_sampling import (
     shared_decision,
 )
 from megatron_rlhf.engine.step.experience import compute_advantages, sequence_scores
+from megatron_rlhf.engine.step.handover import WeightHandover, handover_names
 from megatron_rlhf.engine.step.staleness import (
     VERSION_FIELD,
     drop_answers,
@@ -148,6 +149,7 @@ class PPOAlgorithm:
         self.kl_controller = build_kl_controller(algorithm)
         self.score_moments = RunningMoments()
         self._queue: deque[Experience] = deque()
+        self._handovers = self._partial_rollouts() if rollout.partial_rollouts else None
         faults = engine.context.faults
         self._step_end = StoreExchange(
             STEP_END, stopped=faults.stopped_ranks if faults is not None else None)
@@ -167,15 +169,41 @@ class PPOAlgorithm:
                     self._queue.append(self.produce(step + ahead, version=step))
         experience = self._queue.popleft()
         train_sums = {**self.consume(experience), **experience.reward_sums}
+        handover = None
         if self.staleness and step + self.staleness < self.total_steps:
-            # Shadows generate ahead while the trainers above were busy; then both meet here.
-            self._queue.append(self.produce(step + self.staleness, version=step))
-        with self.engine.context.span("sync_weights"):
-            self.engine.sync_weights()
+            # Shadows generate ahead while the trainers above were busy; then both meet here,
+            # or with partial rollouts inside that generation (engine/step/handover.py).
+            handover = self._handover(step)
+            self._queue.append(self.produce(step + self.staleness, version=step,
+                                            handover=handover))
+        if handover is None:
+            with self.engine.context.span("sync_weights"):
+                self.engine.sync_weights()
         peaks = self.engine.context.memory.take()
         return apply_nan_policy(share_metrics(experience.metrics, train_sums, peaks,
                                               self._step_end), step,
                                 experience_sources(self.engine), self.on_nan)
+
+    def _partial_rollouts(self) -> str:
+        """The store-key prefix of this run's hand-overs; refuses placements where a trainer
+        generates (hetero-separation's actor)."""
+        generating = {role for role, _, _ in self.engine.generation_replicas()}
+        if ACTOR in generating:
+            raise ValueError("rollout.partial_rollouts=true needs the shadows alone to generate; "
+                             "under hetero-separation the trained actor generates too: use "
+                             "placement.strategy=separation, or partial_rollouts=false")
+        return handover_names()
+
+    def _handover(self, step: int) -> WeightHandover | None:
+        """With partial rollouts, step ``step``'s hand-over, announced on the trainer ranks."""
+        if self._handovers is None:
+            return None
+        engine = self.engine
+        trainers = {rank for role in engine.trainable_roles for rank in engine.plan[role].ranks}
+        handover = WeightHandover(engine, self._handovers, step, len(trainers))
+        if any(role in engine.workers for role in engine.trainable_roles):
+            handover.announce()
+        return handover
 
     def state_dict(self) -> dict[str, Any]:
         """The algorithm's own state: KL controller and running score moments.
@@ -203,26 +231,33 @@ class PPOAlgorithm:
         """Continue with ``experiences`` (from a checkpoint) as the experience produced ahead."""
         self._queue = deque(experiences)
 
-    def produce(self, step: int, version: int | None = None) -> Experience:
+    def produce(self, step: int, version: int | None = None,
+                handover: WeightHandover | None = None) -> Experience:
         """Generate and score step ``step``'s prompts; advantages on the trainer ranks.
 
         ``version`` is the weight version that generates (``engine/step/staleness.py``), which
-        every response token records; None: ``step``, as in a synchronous step.
+        every response token records; None: ``step``, as in a synchronous step. With a
+        ``handover`` (partial rollouts) the shadows take version ``version + 1`` during the
+        generation, and the tokens sampled after it record that.
 
         The prompts go through in ``rollout.pipeline_chunks`` chunks: a generating rank starts on
         chunk ``i + 1`` while the experience models score chunk ``i``. A chunk holds whole
         groups, and every trainer rank receives the whole batch, so a group baseline sees all of
         its rows wherever they were generated.
         """
-        batch = self._scored_round(step, 0)
+        batch = self._scored_round(step, 0, handover)
         metrics: dict[str, float] = {}
         if self.algorithm.dynamic_sampling:
             batch, metrics = self._dynamic_sample(step, batch)
-        batch.schema = {**batch.schema, VERSION_FIELD: (torch.int64, batch.schema[
-            "response_mask"][1])}
+        schema = {name: spec for name, spec in batch.schema.items() if name != "version_offsets"}
+        batch.schema = {**schema, VERSION_FIELD: (torch.int64, schema["response_mask"][1])}
         if batch.fields is not None:
-            batch.fields[VERSION_FIELD] = token_versions(batch.fields["response_mask"],
-                                                         step if version is None else version)
+            offsets = batch.fields.pop("version_offsets", None)
+            versions = token_versions(batch.fields["response_mask"],
+                                      step if version is None else version)
+            if offsets is not None:  # partial rollouts: the updates during generation
+                versions = torch.where(versions >= 0, versions + offsets, versions)
+            batch.fields[VERSION_FIELD] = versions
             before = self.state_dict()
             with self.engine.context.span("advantages"):
                 batch.fields, advantage_metrics = compute_advantages(
@@ -246,9 +281,11 @@ class PPOAlgorithm:
     def _function_specs(self) -> Sequence[RewardFunctionSpec]:
         return self.reward.specs if self.function_rewards is not None else ()
 
-    def _scored_round(self, step: int, round_index: int) -> DistBatch:
+    def _scored_round(self, step: int, round_index: int,
+                      handover: WeightHandover | None = None) -> DistBatch:
         """Generate and score one round of step ``step``'s prompts (round 0: the step's batch;
-        later rounds: dynamic sampling's refills), the rows on the trainer ranks."""
+        later rounds: dynamic sampling's refills), the rows on the trainer ranks; with a
+        ``handover``, every rank takes the new weights before the round is scored."""
         engine = self.engine
         n = self.rollout.samples_per_prompt
         source = self.prompts(step, round_index) if round_index else self.prompts(step)
@@ -259,11 +296,18 @@ class PPOAlgorithm:
             chosen = self.records(step, round_index) if round_index else self.records(step)
             records = [record for record in chosen for _ in range(n)]
         size = len(prompts) // self.rollout.pipeline_chunks
+        weight_updates = None
+        if handover is not None and engine.policy_for_inference in engine.workers:
+            tp_group = engine.workers[engine.policy_for_inference].pg_collection.tp
+            weight_updates = handover.poll_for(tp_group)
         parts = []
         for chunk, start in enumerate(range(0, len(prompts), size)):
             rollout = engine.generate_rollout(prompts[start:start + size],
                                                 ids[start:start + size], chunk,
-                                                records[start:start + size] if records else None)
+                                                records[start:start + size] if records else None,
+                                                weight_updates)
+            if handover is not None:  # one chunk (rollout.partial_rollouts)
+                handover.finish()
             parts.append(engine.make_experience(
                 rollout, engine.generation.temperature, self.rule_reward, chunk,
                 self.function_rewards, records[start:start + size] if records else None))

@@ -1,0 +1,119 @@
+"""Partial rollouts (``rollout.partial_rollouts``) in one-step-off separation, GRPO on 2 gloo
+ranks (the actor trains on rank 0, its shadow generates on rank 1).
+
+When every answer ends before the trainers are done (training slowed down), the run is
+today's asynchronous separation bit for bit. When generation is the slow side, the shadow takes
+step k's weights in the middle of generating step k + 1: those answers hold tokens of two
+versions, sampled before and after the hand-over, and their staleness falls below one step.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.metrics import even_token_share
+from tests.multirank import run_on_ranks
+
+STEPS = 2
+
+
+def _run(partial: bool, slow: str) -> list[dict]:
+    import time
+
+    import torch
+
+    from megatron_rlhf.algorithms import PPOAlgorithmConfig
+    from megatron_rlhf.config.ppo_run import ModelsConfig, RewardConfig, RolloutConfig, RunConfig
+    from megatron_rlhf.engine.run.build import build_engine, make_plan
+    from megatron_rlhf.engine.step.ppo import PPOAlgorithm
+    from megatron_rlhf.generation import GenerationConfig
+    from megatron_rlhf.topology.cluster import cluster_from_environment
+    from megatron_rlhf.topology.models import ACTOR, SHADOW_ACTOR
+    from megatron_rlhf.topology.placement_config import PlacementConfig
+
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 500, (int(n),), generator=generator).tolist()
+               for n in torch.randint(2, 9, (4 * STEPS,), generator=generator)]
+    config = RunConfig(
+        placement=PlacementConfig(strategy="separation"),
+        models=ModelsConfig(arch="tiny", init_seed=9),
+        rollout=RolloutConfig(prompts_per_step=4, samples_per_prompt=2, max_prompt_length=8,
+                              micro_batch_size=2, num_minibatches=2, async_rollout=True,
+                              reuse_generation_logprobs=True, partial_rollouts=partial),
+        generation=GenerationConfig(max_new_tokens=12, seed=3, stop_at_eos=False,
+                                    stop_check_interval=2),
+        reward=RewardConfig(model_weight=0.0, rule="synthetic"),
+        algorithm=PPOAlgorithmConfig(advantage_estimator="grpo", kl_in="loss",
+                                     off_policy="decoupled"),
+        steps=STEPS)
+    config.actor_optimizer.lr = 3e-3
+    engine = build_engine(config, make_plan(config, cluster_from_environment(None)), eos_id=3,
+                          pad_id=0)
+    algorithm = PPOAlgorithm(engine, config.algorithm, config.rollout, config.reward, seed=5,
+                             prompts=lambda s: (prompts[4 * s:4 * (s + 1)],
+                                                list(range(4 * s, 4 * (s + 1)))),
+                             total_steps=STEPS, rule_reward=even_token_share)
+    if slow == "training" and ACTOR in engine.workers:
+        consume = algorithm.consume
+        algorithm.consume = lambda experience: (time.sleep(1.0), consume(experience))[1]
+    if slow == "generation" and SHADOW_ACTOR in engine.workers:
+        engine.workers[SHADOW_ACTOR].model.register_forward_pre_hook(
+            lambda *_: time.sleep(0.15))
+    return [algorithm.step(s) for s in range(STEPS)]
+
+
+def _runs() -> dict:
+    from megatron_rlhf.runtime.bootstrap import initialize_runtime
+
+    initialize_runtime()
+    return {"today": _run(False, "training"), "partial": _run(True, "training"),
+            "spanning": _run(True, "generation")}
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_partial_rollouts_equal_today_without_spanning_and_hand_over_inside_a_round() -> None:
+    per_rank = run_on_ranks(_runs, world_size=2, timeout_s=280)
+    results = per_rank[0]
+    assert per_rank[1] == results, "metrics must be identical on every rank"
+    # Every answer ended before the hand-over: the run is today's, bit for bit.
+    assert results["partial"] == results["today"]
+    assert all(m["rollout/partial_fraction"] == 0.0 for m in results["partial"])
+
+    spanning = results["spanning"]
+    assert spanning[0]["rollout/staleness_max"] == 0.0  # produced synchronously
+    for step in range(1, STEPS):
+        got = spanning[step]
+        assert got["rollout/partial_fraction"] > 0.0, (step, got)
+        assert 1.0 < got["rollout/versions_per_answer"] <= 2.0
+        assert got["rollout/staleness_max"] == 1.0 and got["rollout/staleness_mean"] < 1.0
+        assert got["rollout/dropped_stale"] == 0.0
+
+
+@pytest.mark.parametrize("changes,match", [
+    ({}, r"needs rollout\.async_rollout=true"),
+    ({"async_rollout": True}, r"needs rollout\.reuse_generation_logprobs=true"),
+    ({"async_rollout": True, "reuse_generation_logprobs": True, "pipeline_chunks": 2},
+     r"needs rollout\.pipeline_chunks=1"),
+])
+def test_partial_rollouts_refuse_what_they_cannot_hand_over_in(changes: dict, match: str) -> None:
+    from megatron_rlhf.config.ppo_run import RolloutConfig
+
+    with pytest.raises(ValueError, match=match):
+        RolloutConfig(partial_rollouts=True, prompts_per_step=4, **changes)
+
+
+@pytest.mark.parametrize("section,match", [
+    ("algorithm.dynamic_sampling=true", "dynamic_sampling"),
+    ("generation.batching=static", "continuous batching"),
+    ("models.offload.actor=auto", r"models\.offload\.actor='auto'"),
+])
+def test_partial_rollouts_refuse_refills_and_the_static_loop(section: str, match: str) -> None:
+    from megatron_rlhf.config.loader import load_config
+    from megatron_rlhf.config.ppo_run import RunConfig
+
+    overrides = ["placement.strategy=separation", "rollout.async_rollout=true",
+                 "rollout.reuse_generation_logprobs=true", "rollout.partial_rollouts=true",
+                 "rollout.samples_per_prompt=2", "algorithm.advantage_estimator=grpo", section]
+    with pytest.raises(ValueError, match=match):
+        load_config(RunConfig, None, overrides)
