@@ -89,8 +89,9 @@ class SupervisedModelConfig:
             divide ``moe.num_experts`` and the data-parallel size (1 for a dense model); needs
             the ``alltoall`` dispatcher.
         lora: train low-rank adapters instead of every weight (``models.lora.LoRAConfig``:
-            ``model.lora.rank=8``; ``roles`` is not read); a reward model's new score head
-            trains in full beside them. The model is built with megatron's local layers.
+            ``model.lora.rank=8``; ``roles`` is not read, ``init_adapter`` is refused); a
+            reward model's new score head trains in full beside them. The model is built with
+            megatron's local layers.
     """
 
     arch: Any = "tiny"
@@ -118,6 +119,10 @@ class SupervisedModelConfig:
             raise ValueError(f"model.recompute={self.recompute!r}: use one of "
                              f"{RECOMPUTE_GRANULARITIES}")
         self.params_dtype = resolve_params_dtype(self.params_dtype)
+        if self.lora.init_adapter:
+            raise ValueError(f"model.lora.init_adapter={self.lora.init_adapter}: supervised runs "
+                             "do not read a PEFT adapter yet; merge it into the base and give "
+                             "that as model.init_checkpoint")
 
 
 @dataclass

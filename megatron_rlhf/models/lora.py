@@ -81,6 +81,10 @@ class LoRAConfig:
         roles: which trained models take adapters: ``actor``, and optionally ``critic`` (whose
             value head then trains in full, as a new head must).
         init_seed: seed of the ``A`` matrices' layout-independent initialisation.
+        init_adapter: a Hugging Face PEFT adapter directory (``adapter_config.json``,
+            ``adapter_model.safetensors``) the actor's (an SFT model's) adapters start from
+            instead; its ``r`` and ``lora_alpha`` must be ``rank`` and ``alpha``, and its fused
+            layers' adapters must share ``A`` (as ``models.peft_export`` writes them).
     """
 
     rank: int = 0
@@ -90,6 +94,7 @@ class LoRAConfig:
         default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
     roles: list[str] = field(default_factory=lambda: ["actor"])
     init_seed: int = 0
+    init_adapter: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
@@ -107,6 +112,9 @@ class LoRAConfig:
             raise ValueError(f"models.lora.target_modules={self.target_modules}: "
                              f"{'unknown ' + str(unknown) if unknown else 'empty'}; "
                              f"name some of {list(LORA_TARGETS)}")
+        if self.init_adapter and not self.enabled:
+            raise ValueError(f"models.lora.init_adapter={self.init_adapter} needs "
+                             "models.lora.rank > 0 (the adapter's r)")
         bad_roles = [r for r in self.roles if r not in LORA_ROLES]
         if bad_roles or (self.enabled and not self.roles):
             raise ValueError(f"models.lora.roles={self.roles}: adapters go on trained models; "
@@ -389,3 +397,25 @@ def check_no_adapters(directory: str, field_name: str) -> None:
             f"{field_name}={directory} holds LoRA adapters ({len(stored)} tensors, e.g. "
             f"{stored[0]}), which a starting point does not load: merge them into the base "
             "first (models.peft_export.merge_adapters) and start from the merged checkpoint")
+
+
+def load_full_adapters(model: torch.nn.Module, pg_collection,
+                       adapters: dict[str, torch.Tensor]) -> None:
+    """Set the model's adapters from full-state tensors (``peft_export.read_peft_adapter``).
+
+    Collective over the model's TP and PP groups; the model's full state is gathered and loaded
+    back with the adapters replaced, which is meant for models that fit one rank's memory.
+
+    Raises:
+        ValueError: ``adapters`` lacks some of the model's adapters or names others.
+    """
+    from megatron_rlhf.models.weights import gather_full_state, load_full_state
+
+    full = gather_full_state(model, pg_collection)
+    ours = {k for k in full if is_adapter_param(k)}
+    missing, extra = sorted(ours - set(adapters)), sorted(set(adapters) - ours)
+    if missing or extra:
+        raise ValueError(f"the adapters do not match the model's: missing {missing[:3]}, "
+                         f"unexpected {extra[:3]} (compare models.lora.target_modules)")
+    full.update(adapters)
+    load_full_state(model, pg_collection, full)

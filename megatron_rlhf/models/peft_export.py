@@ -54,7 +54,7 @@ def merge_adapters(full_state: dict[str, torch.Tensor], scaling: float
 def peft_adapter_state(full_state: dict[str, torch.Tensor], description: ModelDescription
                        ) -> dict[str, torch.Tensor]:
     """PEFT's tensors (``base_model.model.model.layers.<i>.self_attn.q_proj.lora_A.weight``,
-    ...) of the adapters in a full state.
+    ...) of the adapters in a full state (:func:`full_adapters_from_peft` reads them back).
 
     Raises:
         ValueError: the state holds expert adapters, or none at all.
@@ -122,3 +122,70 @@ def save_peft_adapter(out_dir: str | Path, full_state: dict[str, torch.Tensor],
     }
     (out / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2) + "\n")
     return out
+
+
+def full_adapters_from_peft(tensors: dict[str, torch.Tensor], arch) -> dict[str, torch.Tensor]:
+    """The full-state adapters (``decoder.layers.<i>...adapter.lora_a``/``lora_b``) of PEFT's
+    tensors: the inverse of :func:`peft_adapter_state`.
+
+    Raises:
+        ValueError: a fused layer's PEFT adapters do not share ``A`` (megatron's one adapter on
+            ``linear_qkv`` or ``linear_fc1`` has one), or a layer is missing some of them.
+    """
+    a = arch
+    groups, head_dim = a.num_query_groups, a.head_dim or a.hidden_size // a.num_attention_heads
+    q_rows = a.num_attention_heads // groups * head_dim
+    out: dict[str, torch.Tensor] = {}
+    layers = sorted({name.removeprefix(f"{PEFT_PREFIX}model.layers.").split(".")[0]
+                     for name in tensors})
+    for index in layers:
+        for local, hf_names in (("self_attention.linear_qkv", ("q_proj", "k_proj", "v_proj")),
+                                ("self_attention.linear_proj", ("o_proj",)),
+                                ("mlp.linear_fc1", ("gate_proj", "up_proj")),
+                                ("mlp.linear_fc2", ("down_proj",))):
+            prefix = f"{PEFT_PREFIX}model.layers.{index}.{_HF_MODULE[local]}."
+            names = [f"{prefix}{hf}.lora_A.weight" for hf in hf_names]
+            present = [n in tensors for n in names]
+            if not any(present):
+                continue
+            if not all(present):
+                raise ValueError(f"layer {index}: the PEFT adapter has only some of "
+                                 f"{list(hf_names)}, which megatron fuses into one layer")
+            lora_a = tensors[names[0]]
+            if any(not torch.equal(tensors[n], lora_a) for n in names[1:]):
+                raise ValueError(f"layer {index}: the PEFT adapters of {list(hf_names)} have "
+                                 "different lora_A matrices; megatron's fused layer has one "
+                                 "adapter, whose A they must share")
+            bs = [tensors[f"{prefix}{hf}.lora_B.weight"] for hf in hf_names]
+            if local.endswith("linear_qkv"):
+                parts = [b.reshape(groups, rows, -1)
+                         for b, rows in zip(bs, (q_rows, head_dim, head_dim), strict=True)]
+                lora_b = torch.cat(parts, dim=1).reshape(-1, lora_a.shape[0])
+            else:
+                lora_b = torch.cat(bs)
+            layer = f"decoder.layers.{index}.{local}.{ADAPTER}"
+            out[f"{layer}.lora_a"], out[f"{layer}.lora_b"] = lora_a, lora_b
+    if not out:
+        raise ValueError("the PEFT adapter holds no LoRA tensors of a Llama-family layer")
+    return out
+
+
+def read_peft_adapter(directory: str | Path, arch, config: LoRAConfig) -> dict[str, torch.Tensor]:
+    """Read a PEFT LoRA adapter directory as full-state adapters for a model of ``arch`` (its
+    ``num_query_groups`` and head size split ``q_proj``, ``k_proj``, ``v_proj``) with
+    ``config``.
+
+    Raises:
+        ValueError: its ``r`` or ``lora_alpha`` differ from ``config``'s, or its layers do not
+            map (:func:`full_adapters_from_peft`).
+    """
+    from safetensors.torch import load_file
+
+    path = Path(directory)
+    settings = json.loads((path / ADAPTER_CONFIG).read_text())
+    for ours, theirs in (("rank", "r"), ("alpha", "lora_alpha")):
+        if float(settings.get(theirs, -1)) != float(getattr(config, ours)):
+            raise ValueError(f"{path / ADAPTER_CONFIG} has {theirs}={settings.get(theirs)}, but "
+                             f"models.lora.{ours}={getattr(config, ours)}: set it to the "
+                             "adapter's")
+    return full_adapters_from_peft(load_file(str(path / ADAPTER_WEIGHTS)), arch)

@@ -7,7 +7,8 @@ log-probs come from the actor with its adapters off, so the first step's KL is e
 base weights still equal the reference model's to the bit while its adapters moved, and its
 log-probs with the adapters off equal the reference model's (rounding: the reference model's
 weights require gradients, which changes torch's matmul kernel, see ``tests/models/test_lora.py``).
-A run saved after two steps and resumed for a third gives the uninterrupted run's metrics to the
+Its adapters, exported as a PEFT adapter and given as ``models.lora.init_adapter``, start
+another run's actor bit for bit. A run saved after two steps and resumed for a third gives the uninterrupted run's metrics to the
 bit: run checkpoints hold the adapters (split as their base layers) and their Adam state.
 """
 
@@ -48,6 +49,7 @@ def test_lora_config_refusals(tmp_path: Path) -> None:
 def _run(root: str) -> dict:
     from megatron_rlhf.engine.run import runner
     from megatron_rlhf.models.lora import adapters_disabled, is_adapter_param
+    from megatron_rlhf.topology.models import resolve_arch
     from tests.helpers.metrics import run_metrics
     from tests.helpers.runs import capture_engine
     from tests.models.batches import global_batch
@@ -68,7 +70,26 @@ def _run(root: str) -> dict:
         off = actor.compute_log_prob(batch, 4, 1.0)
     on = actor.compute_log_prob(batch, 4, 1.0)
     reference = ref.compute_log_prob(batch, 4, 1.0)
+
+    # the trained adapters as a PEFT adapter, then the starting point of another run
+    import torch.distributed as dist
+
+    from megatron_rlhf.models.description import ModelDescription
+    from megatron_rlhf.models.peft_export import save_peft_adapter
+    from megatron_rlhf.models.weights import gather_full_state
+
+    config = _config(root)
+    trained = gather_full_state(actor.model, actor.pg_collection)
+    if dist.get_rank() == 0:
+        save_peft_adapter(f"{root}/adapter", trained,
+                          ModelDescription(arch=resolve_arch(config.models.arch)),
+                          config.models.lora)
+    dist.barrier()
+    runner.run_ppo(_config(f"{root}/again", "steps=0", f"models.lora.init_adapter={root}/adapter"))
+    again = captured["engine"].workers["actor"]
+    started = gather_full_state(again.model, again.pg_collection)
     return {"passes": engine.experience_passes(), "moved": len(moved),
+            "same_start": all(torch.equal(started[k], trained[k]) for k in trained),
             "adapters": sum(1 for n in actor_state if n.endswith("lora_b")),
             "off_vs_ref": (off - reference).abs().max().item(),
             "on_vs_ref": (on - reference).abs().max().item(),
@@ -81,6 +102,7 @@ def test_ppo_with_lora_uses_the_base_as_reference(tmp_path: Path) -> None:
         assert ("actor", "ref_logprobs") in result["passes"]
         assert all(role != "ref" or output == "scores" for role, output in result["passes"])
         assert result["moved"] == result["adapters"] > 0
+        assert result["same_start"]
         assert result["off_vs_ref"] < 1e-5
         assert result["on_vs_ref"] > 1e-4
     metrics = results[0]["metrics"]

@@ -3,7 +3,9 @@
 A tiny random Llama (GQA, SwiGLU) is loaded into megatron at TP=2 on two gloo ranks, given
 adapters on every target with random ``B``, and exported: ``peft.PeftModel`` over the
 transformers base model gives the megatron logits within 1e-4, and so does the merged model
-(``merge_adapters``) converted to a plain HF directory. The adapter file holds PEFT's names.
+(``merge_adapters``) converted to a plain HF directory. The adapter file holds PEFT's names, and
+read back (``read_peft_adapter``) into a model whose adapters started otherwise it gives the
+exported adapters to the bit; an adapter of another rank is refused.
 """
 
 from __future__ import annotations
@@ -47,9 +49,13 @@ def _export(base: str, out: str) -> torch.Tensor:
         load_hf_state,
         save_hf_checkpoint,
     )
-    from megatron_rlhf.models.lora import LoRAConfig, apply_lora
-    from megatron_rlhf.models.peft_export import merge_adapters, save_peft_adapter
-    from megatron_rlhf.models.weights import load_full_state
+    from megatron_rlhf.models.lora import LoRAConfig, apply_lora, load_full_adapters
+    from megatron_rlhf.models.peft_export import (
+        merge_adapters,
+        read_peft_adapter,
+        save_peft_adapter,
+    )
+    from megatron_rlhf.models.weights import gather_full_state, load_full_state
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
 
     initialize_runtime()
@@ -65,6 +71,21 @@ def _export(base: str, out: str) -> torch.Tensor:
         save_peft_adapter(f"{out}/adapter", full, description, config, base=base)
         merged = full_state_to_hf(merge_adapters(full, config.scaling), description)
         save_hf_checkpoint(f"{out}/merged", description, merged, base_config=hf_config)
+    dist.barrier()
+
+    # the adapter as a starting point, into a model whose adapters start otherwise
+    other = build_gpt_model(description.arch, description.build_options(), pgc)
+    load_full_state(other, pgc, hf_to_full_state(load_hf_state(base), description))
+    apply_lora(other, config, seed=6)
+    load_full_adapters(other, pgc, read_peft_adapter(f"{out}/adapter", description.arch, config))
+    again = gather_full_state(other, pgc)
+    assert [k for k in full if not torch.equal(again[k], full[k])] == []
+    try:
+        read_peft_adapter(f"{out}/adapter", description.arch, LoRAConfig(rank=8, alpha=8.0))
+    except ValueError as error:
+        assert "has r=4, but models.lora.rank=8" in str(error), error
+    else:
+        raise AssertionError("a rank mismatch was not refused")
     return logits
 
 

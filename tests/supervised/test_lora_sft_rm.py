@@ -79,3 +79,11 @@ def test_sft_and_rm_train_adapters_and_keep_the_base(tmp_path: Path) -> None:
                               result["refusals"], strict=True):
         assert refusal.startswith(f"{field}=") and "holds LoRA adapters" in refusal, refusal
         assert "merge them into the base first" in refusal
+
+
+def test_a_supervised_run_refuses_a_peft_starting_point(tmp_path: Path) -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match=r"model\.lora\.init_adapter=.*do not read a PEFT"):
+        load_config(SFTConfig, ROOT / "examples" / "sft_tiny.yaml", [
+            f"out_dir={tmp_path}", "model.lora.rank=4", f"model.lora.init_adapter={tmp_path}"])

@@ -37,7 +37,13 @@ from megatron_rlhf.engine.run.stage_memory import (
 )
 from megatron_rlhf.models.checkpoint import read_checkpoint_info
 from megatron_rlhf.models.hf_tokenizer import HFTokenizer, is_hf_tokenizer_dir
-from megatron_rlhf.models.lora import apply_lora, check_no_adapters, is_adapter_param
+from megatron_rlhf.models.lora import (
+    apply_lora,
+    check_no_adapters,
+    is_adapter_param,
+    load_full_adapters,
+)
+from megatron_rlhf.models.peft_export import read_peft_adapter
 from megatron_rlhf.models.tokenizer import Tokenizer
 from megatron_rlhf.models.trainer import ModelTrainer
 from megatron_rlhf.refit import build_weight_sync
@@ -225,6 +231,9 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
             # the same adapters, which its syncs then copy
             apply_lora(model, config.models.lora,
                        trainable=("output_layer",) if role == CRITIC else ())
+            if role == ACTOR and config.models.lora.init_adapter and load_initial:
+                load_full_adapters(model, groups[role], read_peft_adapter(
+                    config.models.lora.init_adapter, plan[role].spec.arch, config.models.lora))
     graphs = graphs_captured(config, compute_device())
     offload = offload_policies(config, plan, graphs)
     keeps_graphs = decode_graph_roles(plan, offload, graphs)
