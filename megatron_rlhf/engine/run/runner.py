@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,15 +33,15 @@ from megatron_rlhf.engine.run.build import (
     check_evaluation_size,
     make_plan,
 )
+from megatron_rlhf.engine.run.cadence import HeldOutCadence, PlacementCadence, SaveCadence
 from megatron_rlhf.engine.run.checkpointing import (
-    CheckpointSaver,
     RunState,
     check_compatible,
     check_resume_settings,
     load_rl_checkpoint,
     resume_candidates,
 )
-from megatron_rlhf.engine.run.evaluation import HeldOutEvaluator, eval_metrics, hacking_report
+from megatron_rlhf.engine.run.evaluation import HeldOutEvaluator, eval_metrics
 from megatron_rlhf.engine.run.export import HFExporter
 from megatron_rlhf.engine.run.inputs import load_demonstrations, load_eval_set, load_prompts
 from megatron_rlhf.engine.run.move import LiveRun, PlacementMover
@@ -343,97 +343,66 @@ def _train(live: LiveRun, start: int, run_dir: Path, mover: PlacementMover | Non
     into the next step's record (the last save's are logged); a save written in the background
     is completed after the next step. So do a move's seconds (``replan/move_seconds``).
     """
-    run, evaluator, exporter = live.run, live.evaluator, live.exporter
-    config = run.config
+    config = live.run.config
+    context = live.run.engine.context
     first_eval: dict[str, float] = {}
     if dist.get_rank() == 0:
         first_eval = eval_metrics(_drop_metrics_from(run_dir / "metrics.jsonl", start))
-    context = run.engine.context
-    writer = MetricsWriter(run_dir, config.steps, label=algorithm_label(config), first_step=start)
+    evaluations = HeldOutCadence(config, first_eval)
+    saves = SaveCadence(config, run_dir)
+    placement = PlacementCadence(
+        RunReplanner(config, live.run.engine.plan, context.tracer, run_dir, start)
+        if config.placement.replan.enabled else None, mover)
     faults = context.faults
     preemption = PreemptionWatcher(config.faults.stop_file,
                                    faults.stopped_ranks if faults is not None else None)
-    saver = CheckpointSaver(config.checkpoint)
+    writer = MetricsWriter(run_dir, config.steps, label=algorithm_label(config), first_step=start)
     stop = False
-    replanner = (RunReplanner(config, run.engine.plan, context.tracer, run_dir, start)
-                 if config.placement.replan.enabled else None)
-    if replanner is not None and mover is not None:
-        replanner.move_cost_s = mover.estimate_s
     moved: dict[str, float] = {}
     try:
         for step in range(start, config.steps):
-            held_out = {}
-            if evaluator is not None and config.evaluation.due(step, start):
-                with context.stage(f"evaluate {step}"):
-                    held_out = evaluator.evaluate()
-                first_eval = first_eval or held_out
-                _warn_on_hacking(first_eval, held_out, step, config)
-            if replanner is not None:
-                replanner.begin_step()
-            begin = time.perf_counter()
-            # Named as the progress line counts (step k of N, from 1), also in fault reports.
-            with context.stage(f"step {step + 1}", signature=(step, run.prompts.fingerprint)):
-                try:
-                    metrics = run.algorithm.step(step)
-                except NonFiniteError:  # raised by every rank alike: the save can complete
-                    saver.commit()
-                    raise
-                stop = preemption.requested()
-            seconds = time.perf_counter() - begin
-            metrics.update(step_seconds=seconds,
-                           samples_per_s=config.rollout.rows_per_step / seconds, **held_out)
-            metrics.update(step_throughput(run.engine, metrics, config.rollout.rows_per_step,
-                                           seconds))
-            if replanner is not None:
-                metrics.update(replanner.after_step(step, metrics, seconds))
-            if saver.pending:
-                with context.stage("checkpoint/commit"):
-                    saver.commit()
+            held_out = evaluations.before_step(live, step, start)
+            placement.begin_step()
+            metrics, seconds, stop = _step(live, step, saves, preemption)
+            metrics.update(held_out)
+            metrics.update(step_throughput(live.run.engine, metrics,
+                                           config.rollout.rows_per_step, seconds))
+            metrics.update(placement.after_step(step, metrics, seconds))
+            saves.commit(context)
             # Written before the next save is complete: a resume from it keeps this record.
-            writer.write(step, {**metrics, **saver.report(), **moved})
-            moved = {}
+            writer.write(step, {**metrics, **saves.report(), **moved})
             last = stop or step + 1 == config.steps
-            saved = bool(config.checkpoint.save_dir) and (last or bool(
-                config.checkpoint.save_interval and (step + 1) % config.checkpoint.save_interval
-                == 0))
-            if saved:
-                with context.stage("checkpoint/save"), run.engine.resident():
-                    saver.save(run, step + 1)
-                if last:
-                    with context.stage("checkpoint/commit"):
-                        saver.commit()
-            if config.models.export_hf and last and not config.checkpoint.save_dir:
-                # the export is then the run's only copy of the trained weights: they are
-                # saved first, so an export that fails loses nothing
-                with context.stage("checkpoint/save"), run.engine.resident():
-                    CheckpointSaver(replace(config.checkpoint, save_dir=str(
-                        run_dir / "checkpoint"), async_save=False, keep_last=1)).save(
-                            run, step + 1)
-            if config.models.export_hf and (last or (
-                    config.checkpoint.save_dir and config.checkpoint.save_interval and (
-                        step + 1) % config.checkpoint.save_interval == 0)):
-                with context.stage("export/hf"), run.engine.resident():
-                    exporter.export(run.engine, run_dir / "hf" / f"step_{step + 1:08d}")
+            saved = saves.after_step(live, step + 1, last)
             if stop:
                 logger.warning("%s", stop_message(step + 1, config.checkpoint.save_dir))
                 break
-            target = replanner.take_target(step) if replanner is not None else None
-            if target is not None and mover is not None and not last:
-                run = evaluator = exporter = None  # the old engine's memory is freed
-                seconds = mover.move(live, target, step, saver, saved)
-                replanner.moved(target, step, seconds)
-                run, evaluator, exporter = live.run, live.evaluator, live.exporter
-                moved = {"replan/move_seconds": seconds}
-        if evaluator is not None and not stop:
-            with context.stage("evaluate final"):
-                held_out = evaluator.evaluate()
-            _warn_on_hacking(first_eval or held_out, held_out, config.steps, config)
-            writer.write(config.steps, held_out)
+            moved = placement.move_if_due(live, step, saves.saver, saved, last)
+        if not stop:
+            evaluations.after_run(live, writer)
     finally:
         preemption.close()
         writer.close()
     if config.trace:
         write_chrome_trace(context.tracer, run_dir / "timeline.json")
+
+
+def _step(live: LiveRun, step: int, saves: SaveCadence, preemption: PreemptionWatcher
+          ) -> tuple[dict[str, float], float, bool]:
+    """Step ``step``: its metrics (with its seconds and samples/s), its seconds, and whether a
+    stop was requested during it."""
+    run = live.run
+    begin = time.perf_counter()
+    # Named as the progress line counts (step k of N, from 1), also in fault reports.
+    with run.engine.context.stage(f"step {step + 1}", signature=(step, run.prompts.fingerprint)):
+        try:
+            metrics = run.algorithm.step(step)
+        except NonFiniteError:  # raised by every rank alike: the save can complete
+            saves.saver.commit()
+            raise
+        stop = preemption.requested()
+    seconds = time.perf_counter() - begin
+    metrics.update(step_seconds=seconds, samples_per_s=run.config.rollout.rows_per_step / seconds)
+    return metrics, seconds, stop
 
 
 def stop_message(steps_done: int, save_dir: str) -> str:
@@ -444,15 +413,6 @@ def stop_message(steps_done: int, save_dir: str) -> str:
                 "was saved)")
     return (f"stopping after step {steps_done} on request; saved "
             f"{Path(save_dir) / f'step_{steps_done:08d}'} (resume with --resume)")
-
-
-def _warn_on_hacking(first: dict[str, float], current: dict[str, float], steps_done: int,
-                     config: RunConfig) -> None:
-    evaluation = config.evaluation
-    for line in hacking_report(first, current, evaluation.hacking_tolerance,
-                               evaluation.hacking_rm_rise):
-        logger.warning("reward hacking suspected after step %d on held-out prompts: %s",
-                       steps_done, line)
 
 
 _RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "config.yaml", "plan.json", "timeline.json",
