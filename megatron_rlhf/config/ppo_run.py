@@ -750,7 +750,7 @@ class RunConfig:
 
     INPUT_PATHS: ClassVar[tuple[str, ...]] = (
         "prompts.paths", "evaluation.paths", "ptx.paths", "models.actor_checkpoint",
-        "models.reward_checkpoint", "models.lora.init_adapter", "tokenizer.hf_dir",
+        "models.reward_checkpoint", "models.lora.init_adapter_dir", "tokenizer.hf_dir",
         "tokenizer.model_path",
         "tokenizer.corpus_path", "checkpoint.resume_from")
     """What the run reads; relative values are relative to the YAML file that gives them

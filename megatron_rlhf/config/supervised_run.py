@@ -89,7 +89,7 @@ class SupervisedModelConfig:
             divide ``moe.num_experts`` and the data-parallel size (1 for a dense model); needs
             the ``alltoall`` dispatcher.
         lora: train low-rank adapters instead of every weight (``models.lora.LoRAConfig``:
-            ``model.lora.rank=8``; ``roles`` is not read, ``init_adapter`` is refused); a
+            ``model.lora.rank=8``; ``roles`` is not read, ``init_adapter_dir`` is refused); a
             reward model's new score head trains in full beside them. The model is built with
             megatron's local layers.
     """
@@ -119,8 +119,8 @@ class SupervisedModelConfig:
             raise ValueError(f"model.recompute={self.recompute!r}: use one of "
                              f"{RECOMPUTE_GRANULARITIES}")
         self.params_dtype = resolve_params_dtype(self.params_dtype)
-        if self.lora.init_adapter:
-            raise ValueError(f"model.lora.init_adapter={self.lora.init_adapter}: supervised runs "
+        if self.lora.init_adapter_dir:
+            raise ValueError(f"model.lora.init_adapter_dir={self.lora.init_adapter_dir}: supervised runs "
                              "do not read a PEFT adapter yet; merge it into the base and give "
                              "that as model.init_checkpoint")
 
@@ -170,8 +170,8 @@ class SupervisedConfig:
     """
 
     INPUT_PATHS: ClassVar[tuple[str, ...]] = (
-        "data.paths", "data.eval_paths", "model.init_checkpoint", "tokenizer.hf_dir",
-        "tokenizer.model_path", "tokenizer.corpus_path")
+        "data.paths", "data.eval_paths", "model.init_checkpoint", "model.lora.init_adapter_dir",
+        "tokenizer.hf_dir", "tokenizer.model_path", "tokenizer.corpus_path")
     """What the run reads; relative values are relative to the YAML file that gives them
     (``config.loader``)."""
     OUTPUT_PATHS: ClassVar[tuple[str, ...]] = (

@@ -81,7 +81,7 @@ class LoRAConfig:
         roles: which trained models take adapters: ``actor``, and optionally ``critic`` (whose
             value head then trains in full, as a new head must).
         init_seed: seed of the ``A`` matrices' layout-independent initialisation.
-        init_adapter: a Hugging Face PEFT adapter directory (``adapter_config.json``,
+        init_adapter_dir: a Hugging Face PEFT adapter directory (``adapter_config.json``,
             ``adapter_model.safetensors``) the actor's (an SFT model's) adapters start from
             instead; its ``r`` and ``lora_alpha`` must be ``rank`` and ``alpha``, and its fused
             layers' adapters must share ``A`` (as ``models.peft_export`` writes them).
@@ -94,7 +94,7 @@ class LoRAConfig:
         default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
     roles: list[str] = field(default_factory=lambda: ["actor"])
     init_seed: int = 0
-    init_adapter: str = ""
+    init_adapter_dir: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
@@ -112,8 +112,8 @@ class LoRAConfig:
             raise ValueError(f"models.lora.target_modules={self.target_modules}: "
                              f"{'unknown ' + str(unknown) if unknown else 'empty'}; "
                              f"name some of {list(LORA_TARGETS)}")
-        if self.init_adapter and not self.enabled:
-            raise ValueError(f"models.lora.init_adapter={self.init_adapter} needs "
+        if self.init_adapter_dir and not self.enabled:
+            raise ValueError(f"models.lora.init_adapter_dir={self.init_adapter_dir} needs "
                              "models.lora.rank > 0 (the adapter's r)")
         bad_roles = [r for r in self.roles if r not in LORA_ROLES]
         if bad_roles or (self.enabled and not self.roles):

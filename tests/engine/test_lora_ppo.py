@@ -7,7 +7,7 @@ log-probs come from the actor with its adapters off, so the first step's KL is e
 base weights still equal the reference model's to the bit while its adapters moved, and its
 log-probs with the adapters off equal the reference model's (rounding: the reference model's
 weights require gradients, which changes torch's matmul kernel, see ``tests/models/test_lora.py``).
-Its adapters, exported as a PEFT adapter and given as ``models.lora.init_adapter``, start
+Its adapters, exported as a PEFT adapter and given as ``models.lora.init_adapter_dir``, start
 another run's actor bit for bit. A run saved after two steps and resumed for a third gives the uninterrupted run's metrics to the
 bit: run checkpoints hold the adapters (split as their base layers) and their Adam state.
 """
@@ -85,7 +85,7 @@ def _run(root: str) -> dict:
                           ModelDescription(arch=resolve_arch(config.models.arch)),
                           config.models.lora)
     dist.barrier()
-    runner.run_ppo(_config(f"{root}/again", "steps=0", f"models.lora.init_adapter={root}/adapter"))
+    runner.run_ppo(_config(f"{root}/again", "steps=0", f"models.lora.init_adapter_dir={root}/adapter"))
     again = captured["engine"].workers["actor"]
     started = gather_full_state(again.model, again.pg_collection)
     return {"passes": engine.experience_passes(), "moved": len(moved),

@@ -54,8 +54,8 @@ def test_config_validation_names_the_field():
         LoRAConfig(rank=2, target_modules=["q_proj"])
     with pytest.raises(ValueError, match=r"models\.lora\.roles=\['reward'\]"):
         LoRAConfig(rank=2, roles=["reward"])
-    with pytest.raises(ValueError, match=r"init_adapter=x needs models\.lora\.rank > 0"):
-        LoRAConfig(init_adapter="x")
+    with pytest.raises(ValueError, match=r"init_adapter_dir=x needs models\.lora\.rank > 0"):
+        LoRAConfig(init_adapter_dir="x")
     config = LoRAConfig(rank=4, alpha=8)
     attention = LoRAConfig(rank=2, target_modules=["linear_qkv", "linear_proj"])
     # TinyArch: 4 layers, hidden 64, 4 heads of 16, 2 query groups, SwiGLU of 128

@@ -84,6 +84,6 @@ def test_sft_and_rm_train_adapters_and_keep_the_base(tmp_path: Path) -> None:
 def test_a_supervised_run_refuses_a_peft_starting_point(tmp_path: Path) -> None:
     import pytest
 
-    with pytest.raises(ValueError, match=r"model\.lora\.init_adapter=.*do not read a PEFT"):
+    with pytest.raises(ValueError, match=r"model\.lora\.init_adapter_dir=.*do not read a PEFT"):
         load_config(SFTConfig, ROOT / "examples" / "sft_tiny.yaml", [
-            f"out_dir={tmp_path}", "model.lora.rank=4", f"model.lora.init_adapter={tmp_path}"])
+            f"out_dir={tmp_path}", "model.lora.rank=4", f"model.lora.init_adapter_dir={tmp_path}"])

@@ -231,9 +231,9 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
             # the same adapters, which its syncs then copy
             apply_lora(model, config.models.lora,
                        trainable=("output_layer",) if role == CRITIC else ())
-            if role == ACTOR and config.models.lora.init_adapter and load_initial:
+            if role == ACTOR and config.models.lora.init_adapter_dir and load_initial:
                 load_full_adapters(model, groups[role], read_peft_adapter(
-                    config.models.lora.init_adapter, plan[role].spec.arch, config.models.lora))
+                    config.models.lora.init_adapter_dir, plan[role].spec.arch, config.models.lora))
     graphs = graphs_captured(config, compute_device())
     offload = offload_policies(config, plan, graphs)
     keeps_graphs = decode_graph_roles(plan, offload, graphs)
