@@ -13,13 +13,18 @@ thread each) with tracing on:
 - ``separation``: the shadow actor on half of the ranks, synchronous;
 - ``separation-async``: the same, one step off (``rollout.async_rollout``);
 - ``separation-async-decoupled``: one step off with ``algorithm.off_policy=decoupled`` (one
-  forward pass of the actor more per step).
+  forward pass of the actor more per step);
+- ``separation-async-reuse``: one step off with the old log-probs taken from generation
+  (``rollout.reuse_generation_logprobs``), which partial rollouts need;
+- ``separation-async-partial``: that with ``rollout.partial_rollouts``: the shadows take the
+  trained weights mid-round.
 
 Prints one JSON line: per run the samples/s over the steps after the first (the first calls of
 each model), the mean and longest answer, the idle fraction of the ranks that generate and of
 the others over those steps (1 - time in compute stages / wall time, from ``timeline.json``;
 waiting in transfers and weight sync counts as idle), and the mean staleness of the trained
-tokens (``rollout/staleness_mean``) with the off-policy metrics where there are some.
+tokens (``rollout/staleness_mean``), the fraction of answers that span a weight update
+(``rollout/partial_fraction``) and the off-policy metrics where there are some.
 """
 
 from __future__ import annotations
@@ -40,6 +45,11 @@ RUNS = {
     "separation-async": ["placement.strategy=separation", "rollout.async_rollout=true"],
     "separation-async-decoupled": ["placement.strategy=separation", "rollout.async_rollout=true",
                                    "algorithm.off_policy=decoupled"],
+    "separation-async-reuse": ["placement.strategy=separation", "rollout.async_rollout=true",
+                               "rollout.reuse_generation_logprobs=true"],
+    "separation-async-partial": ["placement.strategy=separation", "rollout.async_rollout=true",
+                                 "rollout.reuse_generation_logprobs=true",
+                                 "rollout.partial_rollouts=true"],
 }
 COMPUTE_STAGES = {"generate", "experience", "advantages", "train"}
 """As benchmarks/placements.py: the stages that compute; the rest is waiting."""
@@ -110,6 +120,7 @@ def summarise(run_dir: Path, rows: int) -> dict:
         "response_length_max": mean("response_length_max"),
         "idle_fraction": idle_fractions(events),
         "staleness_mean": mean("rollout/staleness_mean"),
+        "partial_fraction": mean("rollout/partial_fraction"),
     }
     for key in ("off_policy/weight_mean", "off_policy/weight_max", "off_policy/logprob_gap"):
         if mean(key) is not None:
