@@ -567,46 +567,52 @@ class DecodeSegment:
     mean_age: float
 
 
-def decode_schedule(queue: Sequence[int], slots: int, continuous: bool) -> list[DecodeSegment]:
+def decode_schedule(queue: Sequence[int], slots: int, continuous: bool,
+                    check_interval: int = 1) -> list[DecodeSegment]:
     """The decode steps of one replica generating answers of lengths ``queue`` (in queue
     order), ``slots`` at a time, as the engine batches them (``generation/continuous.py``).
 
-    An answer of ``L`` tokens takes its first token from the prefill and ``L - 1`` decode steps.
-    ``continuous``: an answer that ends frees its slot for the next queued prompt at once, so
-    the batch stays full while the queue lasts (throughput ``total tokens / slots``); once the
-    queue is empty the batch shrinks to the smallest power of two that holds the answers still
-    decoding, and the call ends with its last answer (the tail). Otherwise (static batching)
-    the queue runs in rounds of ``slots`` answers, each round as long as its longest answer.
-    Not modelled: the ``stop_check_interval`` steps a finished slot may wait.
+    An answer of ``L`` tokens takes its first token from the prefill and ``L - 1`` decode steps;
+    the engine sees that it ended at the next stop check (every ``check_interval`` steps, and
+    after at least one step), so it holds its slot ``check_interval * ceil(max(L - 1, 1) /
+    check_interval)`` steps. ``continuous``: a slot whose answer ended takes the next queued
+    prompt at that check, so the batch stays full while the queue lasts (throughput ``total
+    tokens / slots``); at a check where no prompt waits, the batch shrinks to the smallest power
+    of two that holds the answers still decoding, and the call ends with its last answer (the
+    tail). Otherwise (static batching) the queue runs in rounds of ``slots`` answers, each
+    round's ``check_interval * ceil(longest / check_interval)`` forwards, its prefill first.
 
     Returns:
         Segments in time order, one per change of the batch size (or per static round).
     """
-    return list(_decode_schedule(tuple(queue), slots, continuous))
+    return list(_decode_schedule(tuple(queue), slots, continuous, check_interval))
 
 
 @functools.lru_cache(maxsize=256)
-def _decode_schedule(queue: tuple[int, ...], slots: int,
-                     continuous: bool) -> tuple[DecodeSegment, ...]:
+def _decode_schedule(queue: tuple[int, ...], slots: int, continuous: bool,
+                     interval: int) -> tuple[DecodeSegment, ...]:
     """``decode_schedule``, kept per queue: a placement search prices one queue often."""
     if not continuous:
         rounds = [queue[i:i + slots] for i in range(0, len(queue), slots)]
-        return tuple(DecodeSegment(len(r), max(r) - 1, max(r) / 2) for r in rounds if max(r) > 1)
+        steps = [interval * math.ceil(max(r) / interval) - 1 for r in rounds]
+        return tuple(DecodeSegment(len(r), n, (n + 1) / 2) for r, n in zip(rounds, steps,
+                                                                           strict=True) if n)
     waiting = list(reversed(queue))
-    active: list[tuple[int, int]] = []  # (end step, start step) of each answer decoding
+    active: list[tuple[int, int]] = []  # (check that sees it ended, start step) per answer
     spans: list[list[float]] = []  # per batch size: slots, steps, answer-steps, summed ages
     now, batch, started = 0, slots, 0
     while True:
-        while waiting and len(active) < slots:  # refill the free slots
-            length = waiting.pop()
-            if length > 1:
-                heapq.heappush(active, (now + length - 1, now))
-                started += now
+        if not waiting and now:  # a check with no prompt waiting: keep the bucket in use
+            batch = min(batch, 1 << max(len(active) - 1, 0).bit_length())
+        while waiting and len(active) < slots:  # the slots that ended take waiting prompts
+            held = interval * math.ceil(max(waiting.pop() - 1, 1) / interval)
+            heapq.heappush(active, (now + held, now))
+            started += now
         if not active:
             break
-        if not waiting:
-            batch = min(batch, 1 << (len(active) - 1).bit_length())
         end = active[0][0]
+        if not waiting and 1 << (len(active) - 1).bit_length() < batch:
+            end = min(end, now + interval)  # the next check keeps a smaller bucket
         n, steps = len(active), end - now
         # an answer started at step s has generated tau - s + 1 tokens at step tau
         ages = steps * (n - started) + n * (now + end - 1) * steps / 2
@@ -621,14 +627,16 @@ def _decode_schedule(queue: tuple[int, ...], slots: int,
 
 
 def answers_generation_cost(env: ModelEnv, queue: Sequence[int], prompt: int,
-                            max_sequences: int, continuous: bool) -> Cost:
+                            max_sequences: int, continuous: bool,
+                            check_interval: int = 1) -> Cost:
     """Generation of the answers ``queue`` (lengths, in queue order) on one replica, at most
     ``max_sequences`` at a time (``generation_cost`` when every answer has one length).
 
     ``ceil(rows / max_sequences)`` rounds' worth of prefills of ``ceil(rows / rounds)`` prompts
     each, and the decode steps of ``decode_schedule`` with that many slots, each segment priced
     by ``decode_step_cost`` at its batch size and its mean context ``prompt + mean age``. With
-    every answer ``G`` tokens and one round this is ``generation_cost`` exactly.
+    every answer ``G`` tokens, one round and a stop check every step this is
+    ``generation_cost`` exactly.
     """
     rows = len(queue)
     if rows == 0:
@@ -637,7 +645,7 @@ def answers_generation_cost(env: ModelEnv, queue: Sequence[int], prompt: int,
     slots = math.ceil(rows / rounds)
     prefill = env.slot_cost(slots * prompt, prompt / 2, FORWARD_PASSES, tp_collectives=2)
     total = prefill.scaled(env.pp * rounds) + env.gathers(1)
-    for segment in decode_schedule(queue, slots, continuous):
+    for segment in decode_schedule(queue, slots, continuous, check_interval):
         step = decode_step_cost(env, segment.slots, prompt + segment.mean_age)
         total += step.scaled(segment.steps)
     return total

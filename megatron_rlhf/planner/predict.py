@@ -250,7 +250,7 @@ class _Context:
         else:  # the replica holding the step's longest answer: the one the step waits for
             cost = cm.answers_generation_cost(
                 env, lengths.replica_queue(rows, rollout.batch), rollout.prompt_length,
-                max_sequences, rollout.batching == "continuous")
+                max_sequences, rollout.batching == "continuous", rollout.stop_check_interval)
         return cost + self.offload(role, options, training=False)
 
     def experience(self, role: str, options: MemoryOptions) -> cm.Cost:

@@ -177,6 +177,9 @@ class RolloutSpec:
         packed: micro-batches are filled to a token budget (``micro_batch_size`` rows of the
             priced length each), so their activations are sized at the priced length; False:
             padded rows, sized at the full length.
+        stop_check_interval: decode steps between the engine's checks for ended answers
+            (``generation.stop_check_interval``): an ended answer holds its slot until the next
+            one. Only priced with ``answer_lengths``.
     """
 
     batch: int = 512
@@ -190,10 +193,11 @@ class RolloutSpec:
     answer_lengths: AnswerLengths | None = None
     batching: str = "continuous"
     packed: bool = False
+    stop_check_interval: int = 1
 
     def __post_init__(self) -> None:
         for name in ("batch", "prompt_length", "generation_length", "ppo_epochs",
-                     "num_minibatches", "micro_batch_size"):
+                     "num_minibatches", "micro_batch_size", "stop_check_interval"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"rollout.{name}={value!r} must be an integer >= 1")
@@ -248,7 +252,7 @@ class RolloutSpec:
         Args:
             run: an object with ``rollout`` (prompts_per_step, samples_per_prompt (default 1),
                 max_prompt_length, micro_batch_size, ppo_epochs, num_minibatches) and ``generation``
-                (max_new_tokens, batching), such as ``megatron_rlhf.config.ppo_run.RunConfig``.
+                (max_new_tokens, batching, stop_check_interval), such as ``megatron_rlhf.config.ppo_run.RunConfig``.
             activation_checkpointing: whether the trainers recompute activations.
             overlap: see ``RolloutSpec.overlap``.
         """
@@ -259,7 +263,8 @@ class RolloutSpec:
                    ppo_epochs=rollout.ppo_epochs, num_minibatches=rollout.num_minibatches,
                    micro_batch_size=rollout.micro_batch_size,
                    activation_checkpointing=activation_checkpointing, overlap=overlap,
-                   batching=getattr(generation, "batching", "continuous"))
+                   batching=getattr(generation, "batching", "continuous"),
+                   stop_check_interval=getattr(generation, "stop_check_interval", 1))
 
     def to_dict(self) -> dict:
         """JSON-ready description (the length distribution as its summary)."""

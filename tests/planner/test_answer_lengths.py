@@ -42,8 +42,17 @@ def test_continuous_batching_refills_slots_then_shrinks_to_the_tail() -> None:
     # Static rounds wait for their longest: (5, 3) takes 4 steps, (2, 4) takes 3.
     assert decode_schedule([5, 3, 2, 4], 2, continuous=False) == [
         DecodeSegment(2, 4, 2.5), DecodeSegment(2, 3, 2.0)]
-    # Answers of one token end in the prefill and never hold a slot.
-    assert decode_schedule([4, 1, 1, 1, 1], 2, continuous=True) == [DecodeSegment(1, 3, 2.0)]
+    # An answer of one token ends in the prefill but holds its slot until the check after one
+    # step: each 1 in turn decodes a step beside the 4 (ages 1+1, 2+1, 3+1), and the last 1
+    # enters as the 4 leaves and decodes step 4 alone (age 1), its batch still 2 slots.
+    assert decode_schedule([4, 1, 1, 1, 1], 2, continuous=True) == [
+        DecodeSegment(2, 4, (2 + 3 + 4 + 1) / 7)]
+    # Checks every 3 steps: the 5 holds its slot 6 steps (4 decode steps, seen at the check
+    # after step 6), the 3, 2 and 4 three each. Steps 0-2: 5 and 3 (ages 1-3 each: 12); 3-5:
+    # 5 and 2 (4-6 and 1-3: 21); 6-8: the 4 alone (1-3: 6) in the 2 slots it entered: the
+    # check after step 8 ends the call.
+    assert decode_schedule([5, 3, 2, 4], 2, continuous=True, check_interval=3) == [
+        DecodeSegment(2, 9, (12 + 21 + 6) / 15)]
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -99,10 +108,12 @@ def test_plan_only_prices_a_file_of_answer_lengths_by_hand(tmp_path: Path) -> No
     in one round. Lengths 1 x4, 2 x4, 3 x4, 4 x3, 12: the twelve answers longer than one token
     decode at once in 16 slots for 1 step (ages 1); the four 2s end and 8 slots run 1 step (ages
     2); the 3s end, 4 slots 1 step (ages 3); the 4s end and the 12 alone decodes 8 more steps at
-    ages 4..11 (mean 7.5): 11 steps, the longest answer's."""
+    ages 4..11 (mean 7.5): 11 steps, the longest answer's; with a stop check every step. With
+    checks every 8 steps (the default), the fifteen short answers hold 16 slots for 8 steps
+    (ages 1..8) and the 12 holds one for 8 more (ages 9..16)."""
     path = tmp_path / "lengths.txt"
     path.write_text("\n".join(map(str, [1] * 4 + [2] * 4 + [3] * 4 + [4] * 3 + [12])) + "\n")
-    config = load_config(RunConfig, TINY)
+    config = load_config(RunConfig, TINY, ["generation.stop_check_interval=1"])
     cluster = plan_cluster(config, 1, 1, "H100-80GB")
     lengths = answer_lengths(config, path=str(path))
     run_plan = plan_run(config, cluster, lengths=lengths)
@@ -113,6 +124,12 @@ def test_plan_only_prices_a_file_of_answer_lengths_by_hand(tmp_path: Path) -> No
         by_hand += cm.decode_step_cost(env, slots, prompt + age).scaled(steps)
     generation = run_plan.prediction.stage_seconds["generation"]
     assert generation == pytest.approx(by_hand.total, rel=1e-3)  # stage seconds are rounded
+    every_8 = plan_run(load_config(RunConfig, TINY), cluster, lengths=lengths)
+    by_hand_8 = env.slot_cost(16 * prompt, prompt / 2, cm.FORWARD_PASSES, tp_collectives=2)
+    for slots, steps, age in ((16, 8, 4.5), (1, 8, 12.5)):
+        by_hand_8 += cm.decode_step_cost(env, slots, prompt + age).scaled(steps)
+    assert every_8.prediction.stage_seconds["generation"] == pytest.approx(by_hand_8.total,
+                                                                         rel=1e-3)
     # The other stages are priced at the mean answer: (4 + 8 + 12 + 12 + 12) / 16 = 3 tokens.
     assert run_plan.rollout.priced_sequence_length == prompt + 3
     text = run_plan.format()
