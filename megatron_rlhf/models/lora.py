@@ -285,7 +285,7 @@ def apply_lora(model: torch.nn.Module, config: LoRAConfig, seed: int | None = No
         raise ValueError(f"models.lora.target_modules={config.target_modules} match no layer "
                          "of the model (experts.* needs an MoE model)")
     for name, param in model.named_parameters():
-        param.requires_grad_(is_adapter_param(name) or name.startswith(trainable))
+        param.requires_grad_(trained_with_adapters(name, trainable))
     init_lora_weights(model, config.init_seed if seed is None else seed)
     return adapted
 
@@ -320,6 +320,13 @@ def adapter_numel(arch, config: LoRAConfig, experts: tuple[int, int] = (0, 0)) -
     per_layer |= {f"experts.{k}": num_experts * v for k, v in mlp(expert_ffn).items()}
     width = sum(v for k, v in per_layer.items() if k in config.target_modules)
     return arch.num_layers * config.rank * width
+
+
+def trained_with_adapters(name: str, trainable: tuple[str, ...] = ()) -> bool:
+    """Whether a parameter trains in a model with adapters: an adapter's, or one under a
+    ``trainable`` prefix (as given to :func:`apply_lora`); what a weight sync copies after the
+    first."""
+    return is_adapter_param(name) or name.startswith(trainable)
 
 
 def is_adapter_param(name: str) -> bool:

@@ -140,31 +140,40 @@ def _separated(root: str) -> dict:
     from tests.helpers.runs import capture_engine
 
     captured = capture_engine()
-    runner.run_ppo(_config(root, "placement.strategy=separation", "placement.tp=1"))
+    runner.run_ppo(_config(root, "placement.strategy=separation", "placement.tp=1",
+                           "models.lora.roles=[actor, critic]"))
     engine = captured["engine"]
-    engine.sync_weights()  # the shadow as of the last step
-    sync = engine.weight_syncs["actor"]
-    assert isinstance(sync, FirstFullSync) and sync.syncs == 4  # built, 2 steps, here
-    names = {t.global_name for t in sync.then.plan.transfers}
-    assert names and all(is_adapter_param(name) for name in names)
-    sent = (sum(sync.full.plan.remote_elements_sent().values()),
-            sum(sync.then.plan.remote_elements_sent().values()))
+    engine.sync_weights()  # the shadows as of the last step
+    syncs = [engine.weight_syncs[role] for role in ("actor", "critic")]
+    assert all(isinstance(s, FirstFullSync) and s.syncs == 4 for s in syncs)  # built, 2 steps
+    actor_names, critic_names = ({t.global_name for t in s.then.plan.transfers} for s in syncs)
+    assert actor_names and all(is_adapter_param(name) for name in actor_names)
+    # the critic's new value head trains in full, so its later syncs carry it too
+    assert {n for n in critic_names if not is_adapter_param(n)} == {"output_layer.weight"}
+    sent = (sum(syncs[0].full.plan.remote_elements_sent().values()),
+            sum(syncs[0].then.plan.remote_elements_sent().values()))
     # numpy arrays travel by value (torch tensors would by a shared memory the rank takes along)
     return {"sent": sent, **{role: {n: p.detach().numpy().copy()
                                     for n, p in engine.workers[role].model.named_parameters()}
-                             for role in ("actor", "shadow_actor") if role in engine.workers}}
+                             for role in ("actor", "shadow_actor", "critic", "shadow_critic")
+                             if role in engine.workers}}
 
 
 def test_a_shadow_keeps_the_adapters_and_receives_only_them(tmp_path: Path) -> None:
-    """Under separation the shadow actor carries the same adapters: its first sync copies every
-    weight, the later ones the adapters alone, and it ends equal to the actor to the bit."""
+    """Under separation the shadow actor and critic carry the same adapters: the first sync
+    copies every weight, the later ones the adapters alone (and the critic's value head), and
+    each shadow ends equal to its trained model to the bit."""
     from megatron_rlhf.models.lora import is_adapter_param
 
     results = run_on_ranks(_separated, world_size=2, args=(str(tmp_path),), timeout_s=240)
+    for role in ("actor", "critic"):
+        trained = next(r[role] for r in results if role in r)
+        shadow = next(r[f"shadow_{role}"] for r in results if f"shadow_{role}" in r)
+        assert trained.keys() == shadow.keys()
+        assert all((trained[n] == shadow[n]).all() for n in trained), role
+    critic = next(r["critic"] for r in results if "critic" in r)
+    assert any(n.endswith("lora_b") and abs(critic[n]).sum() > 0 for n in critic)
     actor = next(r["actor"] for r in results if "actor" in r)
-    shadow = next(r["shadow_actor"] for r in results if "shadow_actor" in r)
-    assert actor.keys() == shadow.keys()
-    assert all((actor[n] == shadow[n]).all() for n in actor)
     assert any(is_adapter_param(n) and n.endswith("lora_b") and abs(actor[n]).sum() > 0
                for n in actor)
     full, adapters = results[0]["sent"]

@@ -10,6 +10,7 @@ import datetime
 import math
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -40,8 +41,8 @@ from megatron_rlhf.models.hf_tokenizer import HFTokenizer, is_hf_tokenizer_dir
 from megatron_rlhf.models.lora import (
     apply_lora,
     check_no_adapters,
-    is_adapter_param,
     load_full_adapters,
+    trained_with_adapters,
 )
 from megatron_rlhf.models.peft_export import read_peft_adapter
 from megatron_rlhf.models.tokenizer import Tokenizer
@@ -175,6 +176,8 @@ def check_checkpoint_tokenizers(sources: dict[str, ModelSource],
                 "(tokenizer.hf_dir for a Hugging Face directory, tokenizer.model_path otherwise)")
 
 
+_TRAINED_BESIDE_ADAPTERS = {CRITIC: ("output_layer",)}
+"""What trains in full beside a role's adapters: a critic's new value head."""
 _SOURCE_FIELDS = {ACTOR: "models.actor_checkpoint", REF: "models.actor_checkpoint",
                   CRITIC: "models.reward_checkpoint", REWARD: "models.reward_checkpoint"}
 """The setting that names each role's starting checkpoint, for messages."""
@@ -230,7 +233,7 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
             # a critic's new value head trains in full beside its adapters; a shadow keeps
             # the same adapters, which its syncs then copy
             apply_lora(model, config.models.lora,
-                       trainable=("output_layer",) if role == CRITIC else ())
+                       trainable=_TRAINED_BESIDE_ADAPTERS.get(role, ()))
             if role == ACTOR and config.models.lora.init_adapter_dir and load_initial:
                 load_full_adapters(model, groups[role], read_peft_adapter(
                     config.models.lora.init_adapter_dir, plan[role].spec.arch, config.models.lora))
@@ -267,7 +270,8 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
             if config.models.lora.applies_to(source):  # the frozen base moves once
                 weight_syncs[source] = FirstFullSync(
                     weight_syncs[source],
-                    build_weight_sync(*pair, **settings, only=is_adapter_param))
+                    build_weight_sync(*pair, **settings, only=partial(
+                        trained_with_adapters, trainable=_TRAINED_BESIDE_ADAPTERS.get(source, ()))))
     generation = config.generation
     if episodes is not None:
         generation = replace(generation, max_new_tokens=config.rollout.max_episode_tokens)
