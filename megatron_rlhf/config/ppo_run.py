@@ -235,7 +235,10 @@ class RolloutConfig:
             records its weight version (docs/asynchronous.md). Needs ``max_staleness=1``,
             ``reuse_generation_logprobs`` (the behaviour log-probs are generation's, per
             token), one pipeline chunk, no dynamic sampling, tools or environment, and
-            continuous batching.
+            continuous batching. The decode step that takes the weights is the first stop check
+            after the trainers are done, which timing decides: a run whose answers span an
+            update is not reproducible bit for bit (a resume still continues from exactly the
+            saved state).
         reuse_generation_logprobs: take the old log-probs from generation (the policy
             log-probs of the sampled tokens, computed from the KV-cached decode) instead of a
             full forward of the generating model; saves one of the experience passes. They
