@@ -587,6 +587,9 @@ class PTXConfig:
 RESUME_MODES = ("off", "latest", "auto")
 """``checkpoint.resume``: start fresh, continue from the latest checkpoint (which must exist), or
 continue when one exists and start fresh otherwise."""
+RESUME_PIECES = ("optimizer", "scheduler", "kl_controller", "data_position", "rng",
+                 "experience")
+"""What a checkpoint restores besides the weights; ``checkpoint.resume_skip`` may leave any out."""
 
 
 @dataclass
@@ -612,6 +615,14 @@ class CheckpointConfig:
             step waits only for a host copy of its shards); the checkpoint is completed (manifest,
             rename) after that step, or at once after the last step and on SIGTERM. Megatron-FSDP
             shards are always written synchronously.
+        resume_skip: pieces of the checkpoint a resume leaves out, besides the weights, which it
+            always loads: ``optimizer`` (fresh Adam moments, as Megatron-LM's
+            ``--no-load-optim``), ``scheduler`` (the learning-rate schedule starts over),
+            ``kl_controller`` (the adaptive KL coefficient starts at its initial value),
+            ``data_position`` (the run counts steps and draws prompts from 0: fine-tuning from
+            the checkpoint's weights), ``rng`` (``--no-load-rng``), ``experience`` (the rollouts
+            an asynchronous run had produced ahead are generated again). A resume without any of
+            them no longer equals the uninterrupted run.
     """
 
     save_dir: str = ""
@@ -620,6 +631,7 @@ class CheckpointConfig:
     resume: str = "off"
     resume_from: str = ""
     async_save: bool = True
+    resume_skip: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # YAML's and the CLI's booleans (a str field receives them as "True"/"False").
@@ -643,6 +655,14 @@ class CheckpointConfig:
         if self.resume_from and self.resume == "auto":
             raise ValueError("checkpoint.resume=auto and checkpoint.resume_from both choose "
                              "where to resume from; give one of them")
+        if self.resume_skip and self.resume == "off" and not self.resume_from:
+            raise ValueError(f"checkpoint.resume_skip={list(self.resume_skip)} applies to a "
+                             "resume, and this run starts fresh; resume (--resume, or "
+                             "checkpoint.resume_from=PATH) or drop checkpoint.resume_skip")
+        unknown = sorted(set(self.resume_skip) - set(RESUME_PIECES))
+        if unknown:
+            raise ValueError(f"checkpoint.resume_skip has {unknown}, which are not pieces of a "
+                             f"checkpoint; choose from {list(RESUME_PIECES)}")
 
 @dataclass
 class EvalConfig:

@@ -2,22 +2,18 @@
 
     with forcing_moves({0: "separation", 1: "flattening tp=1"}):
         run_ppo(config)          # moves after steps 0 and 1, whatever the prediction
-    with skipping_state(("rng",)):
-        run_ppo(resumed_config)  # resumes without the checkpoint's RNG states
 
-Each replaces one function of the run's modules for as long as its ``with`` block lasts, in
+It replaces one function of the run's modules for as long as its ``with`` block lasts, in
 this process only (a multi-rank test enters it on every rank).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import weakref
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
-from megatron_rlhf.engine.run import runner
 from megatron_rlhf.engine.run.replan import MoveTarget, RunReplanner
 
 
@@ -55,19 +51,3 @@ def forcing_moves(moves: Mapping[int, str]) -> Iterator[None]:
         yield
     finally:
         RunReplanner.take_target = take_target
-
-
-@contextmanager
-def skipping_state(pieces: Collection[str]) -> Iterator[None]:
-    """Runs inside resume without ``pieces`` of ``checkpointing.STATE_PIECES`` (the tests that
-    show each piece is needed).
-
-    Raises:
-        ValueError: (at the resume) a piece that is not one of ``STATE_PIECES``.
-    """
-    load = runner.load_rl_checkpoint
-    runner.load_rl_checkpoint = functools.partial(load, skip=tuple(pieces))
-    try:
-        yield
-    finally:
-        runner.load_rl_checkpoint = load

@@ -58,7 +58,6 @@ def _runs(root: str, algorithm: str) -> dict:
     import torch.distributed as dist
 
     from megatron_rlhf.engine.run.runner import run_ppo
-    from megatron_rlhf.testing.run_hooks import skipping_state
 
     save_dir = f"{root}/{algorithm}-ckpt"
     run_ppo(_config(root, f"{algorithm}-A", algorithm, steps=4))
@@ -68,8 +67,8 @@ def _runs(root: str, algorithm: str) -> dict:
     step_2 = Path(save_dir, "step_00000002")
     stored = sorted(p.name for p in (step_2 / "experience").iterdir())
     run_ppo(_config(root, f"{algorithm}-B", algorithm, steps=4, resume_from=str(step_2)))
-    with skipping_state(("experience",)):
-        run_ppo(_config(root, f"{algorithm}-C", algorithm, steps=4, resume_from=str(step_2)))
+    run_ppo(_config(root, f"{algorithm}-C", algorithm, steps=4, resume_from=str(step_2),
+                    resume_skip=["experience"]))
     if dist.get_rank() != 0:
         return {}
     return {"stored": stored, **{name: run_metrics(f"{root}/{algorithm}-{name}")

@@ -43,6 +43,11 @@ TINY = "examples/ppo_tiny.yaml"
     (["checkpoint.resume=true"], "checkpoint.resume=latest (--resume) looks for the latest "
                                  "checkpoint in checkpoint.save_dir; set --save-dir"),
     (["checkpoint.keep_last=-1"], "checkpoint.keep_last=-1 must be >= 0 (0 keeps all)"),
+    (["checkpoint.resume_from=/x/step_00000001", "checkpoint.resume_skip=[optim]"],
+     "checkpoint.resume_skip has ['optim'], which are not pieces of a checkpoint; choose from "
+     "['optimizer', "),
+    (["checkpoint.resume_skip=[rng]"], "checkpoint.resume_skip=['rng'] applies to a resume, and "
+                                       "this run starts fresh"),
     (["faults.on_nan=ignore"], "faults.on_nan='ignore': use one of ('skip', 'stop')"),
     (["faults.grace_s=-1"], "faults.grace_s=-1.0 must be >= 0"),
     (["placement.distributed_optimizer=false"],

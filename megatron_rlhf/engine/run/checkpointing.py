@@ -93,9 +93,6 @@ logger = get_logger(__name__)
 FORMAT_VERSION = 1
 RL_STATE = "rl_state.json"
 OPTIMIZER_COMMON = "optimizer_common.pt"
-STATE_PIECES = ("optimizer", "scheduler", "kl_controller", "data_position", "rng", "experience")
-"""What a checkpoint restores besides the weights; ``load_rl_checkpoint(skip=...)`` leaves any of
-them out (a debug hook: the resume tests show that each one is needed)."""
 # Settings that must not change across a resume, and those that may without a word (the
 # tokenizer is compared by fingerprint, the placement is resharded on load).
 _MUST_MATCH = ("models.arch", "models.params_dtype", "placement.ac_share",
@@ -470,7 +467,8 @@ def load_rl_checkpoint(run: RunState, path: Path, skip: Collection[str] = ()) ->
     Args:
         run: the freshly built run.
         path: a complete, verified checkpoint.
-        skip: pieces of ``STATE_PIECES`` to leave out (debug hook).
+        skip: pieces of ``RESUME_PIECES`` to leave out (``checkpoint.resume_skip`` of a resume;
+            a move leaves nothing out).
 
     Returns:
         The step to continue from.
@@ -478,9 +476,6 @@ def load_rl_checkpoint(run: RunState, path: Path, skip: Collection[str] = ()) ->
     Raises:
         ValueError: the checkpoint lacks a model this run trains, or holds another model.
     """
-    unknown = set(skip) - set(STATE_PIECES)
-    if unknown:
-        raise ValueError(f"unknown state pieces {sorted(unknown)}; choose from {STATE_PIECES}")
     state = read_rl_state(path)
     commons = read_torch_file(path / OPTIMIZER_COMMON)
     for role in _trained_roles(run.engine):

@@ -250,7 +250,7 @@ def run_ppo(config: RunConfig) -> Path:
     start = 0
     if resume_from is not None:
         with context.stage("checkpoint/load"), live.run.engine.resident():
-            start = load_rl_checkpoint(live.run, resume_from)
+            start = load_rl_checkpoint(live.run, resume_from, config.checkpoint.resume_skip)
         check_steps_to_go(start, config.steps, resume_from)
     mover = (PlacementMover(config, run_dir, kept_groups,
                             lambda moved, at: assemble_run(moved, at, inputs, load_initial=False),
