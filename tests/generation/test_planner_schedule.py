@@ -25,3 +25,16 @@ def test_the_planners_decode_schedule_is_the_engines(tiny, slots: int, interval:
     engine = [(w.rows, w.forwards) for w in decodes]
     planner = [(s.slots, s.steps) for s in decode_schedule(lengths, slots, True, interval)]
     assert len(engine) > 1 and engine == planner
+
+
+def test_static_rounds_last_as_the_planner_prices_them(tiny) -> None:
+    """The static loop (``generation.batching=static``) runs rounds of 4 prompts, each its
+    prefill and decode steps up to the stop check after its longest answer: the planner's
+    rounds, the prefill counted as one forward."""
+    config = dataclasses.replace(BASE, micro_batch_size=4, stop_check_interval=3,
+                                 batching="static")
+    out = generate_tiny(tiny, config, list(range(200, 230)))
+    lengths = out.response_lengths.tolist()
+    engine = [(w.rows, w.forwards) for w in out.micro_batches]
+    planner = [(s.slots, s.steps + 1) for s in decode_schedule(lengths, 4, False, 3)]
+    assert len(engine) == 4 and engine == planner
