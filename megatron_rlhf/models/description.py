@@ -98,7 +98,7 @@ class ModelDescription:
             data = _from_v1(data, source)
         values = _typed(cls, data, source)
         arch = _typed(ArchSpec, values["arch"], f"{source} (arch)")
-        if arch["experts"] is not None:
+        if arch.get("experts") is not None:
             arch["experts"] = ExpertSpec(**_typed(ExpertSpec, arch["experts"],
                                                   f"{source} (arch.experts)"))
         return cls(**values | {"arch": ArchSpec(**arch)})

@@ -151,5 +151,23 @@ def test_a_format_1_description_reads_as_the_record() -> None:
                                                                        experts=None)
     with pytest.raises(ValueError, match="v1: field 'head' is missing"):
         ModelDescription.from_dict({k: v for k, v in FORMAT_1.items() if k != "head"}, "v1", 1)
+    dense = {k: v for k, v in asdict(DENSE).items() if k != "experts"}  # absent: the default
+    assert ModelDescription.from_dict({"arch": dense}, "v2") == ModelDescription(DENSE)
     with pytest.raises(ValueError, match=r"unknown fields \[.made_up.\]"):
         ModelDescription.from_dict({"arch": asdict(MOE) | {"made_up": 8}}, "v2")
+
+
+def test_a_format_1_checkpoint_info_reads_and_is_rewritten_as_format_2(tmp_path: Path) -> None:
+    from megatron_rlhf.models.checkpoint import INFO_FILE, read_checkpoint_info, write_info
+
+    (tmp_path / INFO_FILE).write_text(json.dumps({
+        "format_version": 1, "model": FORMAT_1, "tp_size": 2, "pp_size": 1,
+        "metadata": {"role": "actor"}, "files": {}, "megatron_core_version": "0.16.1"}))
+    info = read_checkpoint_info(tmp_path)
+    assert info.model == ModelDescription.from_dict(FORMAT_1, "v1", format_version=1)
+    assert info.format_version == 2 and info.tp_size == 2
+    (tmp_path / "v2").mkdir()
+    write_info(tmp_path / "v2", info)
+    assert read_checkpoint_info(tmp_path / "v2").model == info.model
+    written = json.loads((tmp_path / "v2" / INFO_FILE).read_text())
+    assert written["format_version"] == 2 and written["model"]["arch"]["experts"]["topk"] == 2
