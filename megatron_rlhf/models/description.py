@@ -113,9 +113,9 @@ class ModelDescription:
 
     def build_options(self) -> ModelBuildOptions:
         """The ``ModelBuildOptions`` that rebuild this model with ``arch`` (dropout 0, local
-        layer spec)."""
+        layer spec, the experts' routing at its defaults)."""
         return ModelBuildOptions(head=self.head, tie_embeddings=self.tie_embeddings,
-                                 params_dtype=self.params_dtype, moe=self.moe)
+                                 params_dtype=self.params_dtype)
 
 
 def _plain(value: Any) -> Any:
