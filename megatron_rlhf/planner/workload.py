@@ -107,7 +107,7 @@ class AnswerLengths:
         The step's answers (``batch``) are dealt to the replicas in turn from the longest down,
         so this replica gets the longest answer of the step and every ``batch / rows``-th one
         after it; the queue order is a fixed shuffle (``QUEUE_SEED``)."""
-        return list(_replica_queue(self.lengths, rows, batch))
+        return list(_replica_queue(self.lengths, rows, batch)) if rows > 0 else []
 
     def to_dict(self) -> dict:
         """JSON-ready summary: the assumption, mean, median, p90, p99, max, cap, count."""
