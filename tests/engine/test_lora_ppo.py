@@ -96,6 +96,7 @@ def _run(root: str) -> dict:
             "metrics": run_metrics(Path(root))}
 
 
+@pytest.mark.multirank
 def test_ppo_with_lora_uses_the_base_as_reference(tmp_path: Path) -> None:
     results = run_on_ranks(_run, world_size=2, args=(str(tmp_path),), timeout_s=240)
     for result in results:
@@ -126,6 +127,7 @@ def _resume(root: str) -> tuple[list[dict], list[dict]] | None:
     return run_metrics(f"{root}/A"), run_metrics(f"{root}/B")
 
 
+@pytest.mark.multirank
 def test_a_run_with_adapters_resumes_bit_exactly(tmp_path: Path) -> None:
     uninterrupted, resumed = run_on_ranks(_resume, world_size=2, args=(str(tmp_path),),
                                           timeout_s=300)[0]
@@ -159,6 +161,7 @@ def _separated(root: str) -> dict:
                              if role in engine.workers}}
 
 
+@pytest.mark.multirank
 def test_a_shadow_keeps_the_adapters_and_receives_only_them(tmp_path: Path) -> None:
     """Under separation the shadow actor and critic carry the same adapters: the first sync
     copies every weight, the later ones the adapters alone (and the critic's value head), and

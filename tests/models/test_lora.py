@@ -222,6 +222,7 @@ def _all_layouts() -> None:
     _check_layout(tp=2, sequence_parallel=True, distributed_optimizer=False)
 
 
+@pytest.mark.multirank
 def test_lora_matches_base_and_dense_reference():
     run_on_ranks(_all_layouts, world_size=2, timeout_s=180)
 
@@ -251,6 +252,7 @@ def _checkpoint_round_trip(directory: str) -> None:
     assert not different, different
 
 
+@pytest.mark.multirank
 def test_a_checkpoint_with_adapters_loads_at_another_tp(tmp_path):
     run_on_ranks(_checkpoint_round_trip, world_size=2, args=(str(tmp_path / "ckpt"),),
                  timeout_s=120)
@@ -312,5 +314,6 @@ def _expert_adapters() -> None:
                 rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=f"{layer} A")
 
 
+@pytest.mark.multirank
 def test_expert_adapters_match_the_dense_reference():
     run_on_ranks(_expert_adapters, world_size=2, timeout_s=120)

@@ -89,6 +89,7 @@ def _export(base: str, out: str) -> torch.Tensor:
     return logits
 
 
+@pytest.mark.multirank
 def test_peft_adapter_and_merged_model_reproduce_the_logits(tmp_path: Path) -> None:
     import transformers
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from megatron_rlhf.config.loader import load_config
@@ -68,6 +69,7 @@ def _train(root: str) -> dict:
     return out
 
 
+@pytest.mark.multirank
 def test_sft_and_rm_train_adapters_and_keep_the_base(tmp_path: Path) -> None:
     result = run_on_ranks(_train, world_size=1, args=(str(tmp_path),), timeout_s=240)[0]
     losses = [entry["eval_loss"] for entry in result["sft"] if "eval_loss" in entry]
@@ -82,8 +84,6 @@ def test_sft_and_rm_train_adapters_and_keep_the_base(tmp_path: Path) -> None:
 
 
 def test_a_supervised_run_refuses_a_peft_starting_point(tmp_path: Path) -> None:
-    import pytest
-
     with pytest.raises(ValueError, match=r"model\.lora\.init_adapter_dir=.*do not read a PEFT"):
         load_config(SFTConfig, ROOT / "examples" / "sft_tiny.yaml", [
             f"out_dir={tmp_path}", "model.lora.rank=4", f"model.lora.init_adapter_dir={tmp_path}"])
