@@ -38,6 +38,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron_rlhf.topology import flops  # noqa: E402
+
 # Spec-sheet peaks of the GPUs the project has seen (dense bf16 FLOP/s, HBM bytes/s).
 SPEC_PEAKS = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2.0e12)}
 
@@ -95,14 +97,6 @@ def measured_limits(device: torch.device, dtype: torch.dtype) -> dict[str, float
     return {"matmul_flops": matmul, "copy_bytes_per_s": copy}
 
 
-def matmul_weights(args: argparse.Namespace) -> int:
-    head_dim = args.hidden // args.heads
-    attention = args.hidden * head_dim * (args.heads + 2 * args.query_groups) \
-        + args.heads * head_dim * args.hidden
-    mlp = 3 * args.hidden * args.ffn
-    return args.layers * (attention + mlp) + args.vocab * args.hidden
-
-
 def peak_gib() -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if ON_GPU else None
 
@@ -150,8 +144,9 @@ def measure(args: argparse.Namespace, arch, backend: str, device: torch.device,
     train_s = timed(lambda: trainer.train_step(batches, loss_fn), args.train_steps)
     memory["train_peak_gib"] = peak_gib()
     tokens = args.micro_batch * args.micro_batches * args.seq
-    n_matmul = matmul_weights(args)
-    train_flop = 3 * tokens * (2 * n_matmul + 4 * args.layers * args.seq * args.hidden)
+    n_matmul = flops.matmul_weights(arch)
+    # every token attends the whole sequence, as executed
+    train_flop = flops.TRAINING_PASSES * flops.forward_flops(arch, tokens, args.seq)
 
     prompts = torch.randint(0, args.vocab, (args.decode_batch, args.prompt),
                             generator=torch.Generator().manual_seed(1)).tolist()
@@ -213,7 +208,7 @@ def main() -> None:
             torch.cuda.empty_cache()  # the previous model is gone once measure returns
     result = {
         "benchmark": "gpu_throughput", "device": name, "torch": torch.__version__,
-        "params": runs[next(iter(runs))]["params"], "matmul_params": matmul_weights(args),
+        "params": runs[next(iter(runs))]["params"], "matmul_params": flops.matmul_weights(arch),
         "attention": runs,
         "limits": {"matmul_tflops": limits["matmul_flops"] / 1e12, "dtype": str(dtype),
                    "copy_tb_per_s": limits["copy_bytes_per_s"] / 1e12,

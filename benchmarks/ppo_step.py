@@ -20,9 +20,9 @@ training projections and one decode step's), which bounds what a stage can reach
 
 Model FLOP per step, counted as executed (padding included, causal attention as the full square
 over the context):
-    forward(tokens, context, heads=tokens) = tokens * (2 * N_layers + 4 * L * h * context)
+    forward(tokens, context, heads=tokens) = tokens * (2 * N_layers + 4 * L * q * context)
                                              + heads * 2 * N_head
-    N_layers = L * (h * (h + 2 * kv) + h * h + m * h * ffn),  N_head = h * V (h for a scalar head)
+    N_layers = L * (h * (q + 2 * kv) + q * h + N_mlp),  N_head = h * V (h for a scalar head)
     generation   = sum over the generation micro-batches the run recorded, each of b rows padded
                    to its own longest prompt Pw, n model calls (n = R when no row stops early):
                    forward(b * Pw, Pw, heads=b) + sum_{t=1}^{n-1} forward(b, Pw + t);
@@ -31,9 +31,12 @@ over the context):
     experience   = forward(B * S, S) for each of actor, ref (LM head) and critic, reward (scalar)
     training     = 3 * forward(B * S, S) for actor and critic
 with B prompts, P = --prompt-length and R = --response-length, S = P + R, L layers, h hidden size,
-kv the width of the keys (query groups x head size), m = 3 for SwiGLU (2 otherwise), V the padded
+q the width of the queries (heads x head size), kv that of the keys (query groups x head size),
+N_mlp the MLP's weights a token passes through (m h ffn, m = 3 for SwiGLU and 2 otherwise; of a
+mixture-of-experts layer the router, its top-k experts and the shared expert), V the padded
 vocabulary: N_layers and N_head count the weights of every matrix product (not the embedding
-lookup, norms or biases). Generation is counted from what ran, not from P: ``generate_sequences``
+lookup, norms or biases). N_layers is ``megatron_rlhf.topology.flops``'s count, which the planner
+and the MFU metric use; the output layer counts the padded vocabulary it executes. Generation is counted from what ran, not from P: ``generate_sequences``
 pads each micro-batch only to its longest prompt, its prefill's logits (taken at the last
 position only, megatron's static inference context) give the first token, and each of the other
 n - 1 calls feeds one token at context Pw + t; the engine writes every micro-batch's (b, Pw, n)
@@ -67,6 +70,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from megatron_rlhf.topology import flops  # noqa: E402
 from megatron_rlhf.topology.models import ArchSpec  # noqa: E402
 
 SHAPES = {
@@ -91,28 +95,28 @@ def matmul_rate(m: int, k: int, n: int, seconds: float = 0.5) -> float:
     return 2 * m * k * n * count / (time.perf_counter() - start)
 
 
-def matmul_weights(arch: ArchSpec, value_head: bool) -> int:
-    """``N_layers + N_head`` of the module docstring."""
-    return layer_weights(arch) + head_weights(arch, value_head)
-
-
 def layer_weights(arch: ArchSpec) -> int:
-    """``N_layers`` of the module docstring."""
-    h, kv = arch.hidden_size, arch.num_query_groups * (arch.hidden_size // arch.num_attention_heads)
-    layer = h * (h + 2 * kv) + h * h + (3 if arch.gated_mlp else 2) * h * arch.ffn_hidden_size
-    return arch.num_layers * layer
+    """``N_layers`` of the module docstring: ``topology.flops``'s count of every layer's matrix
+    products, which the planner and the MFU metric use."""
+    return arch.num_layers * (flops.attention_weights(arch) + arch.mlp_params(active=True))
 
 
 def head_weights(arch: ArchSpec, value_head: bool) -> int:
-    """``N_head`` of the module docstring."""
+    """``N_head`` of the module docstring: the output layer as executed, over the padded
+    vocabulary."""
     return arch.hidden_size * (1 if value_head else arch.padded_vocab_size(1))
+
+
+def matmul_weights(arch: ArchSpec, value_head: bool) -> int:
+    """``N_layers + N_head`` of the module docstring."""
+    return layer_weights(arch) + head_weights(arch, value_head)
 
 
 def forward_flops(arch: ArchSpec, tokens: int, context: int, value_head: bool = False,
                   heads: int | None = None) -> int:
     """``forward(tokens, context, heads)`` of the module docstring (``heads`` = ``tokens`` when
     None)."""
-    attention = 4 * arch.num_layers * arch.hidden_size * context
+    attention = 4 * arch.num_layers * arch.query_width * context
     heads = tokens if heads is None else heads
     return (tokens * (2 * layer_weights(arch) + attention)
             + heads * 2 * head_weights(arch, value_head))
