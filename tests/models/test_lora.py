@@ -317,3 +317,35 @@ def _expert_adapters() -> None:
 @pytest.mark.multirank
 def test_expert_adapters_match_the_dense_reference():
     run_on_ranks(_expert_adapters, world_size=2, timeout_s=120)
+
+
+def _replicas_after_dropout() -> list[str]:
+    """Names of replicated adapter tensors that differ between the two TP ranks after a step
+    with adapter dropout (``A`` of column-parallel layers, ``B`` of row-parallel ones)."""
+    from megatron_rlhf.models.lora import apply_lora
+    from megatron_rlhf.models.trainer import ModelTrainer, OptimizerSettings
+    from megatron_rlhf.runtime.bootstrap import initialize_runtime
+
+    initialize_runtime()
+    pgc = whole_world_groups(2, 1)
+    model = _build(pgc, sequence_parallel=False)
+    apply_lora(model, _config(dropout=0.3), seed=3)
+    _random_b(model, pgc)
+    trainer = ModelTrainer(model, pgc, OptimizerSettings(lr=1e-2, clip_grad=0.0))
+    trainer.train_step(_my_microbatches(pgc, 0), _nll(pgc, model.real_vocab_size))
+    differ = []
+    for name, param in model.named_parameters():
+        if name.endswith(("lora_a", "lora_b")) and not getattr(param, "tensor_model_parallel",
+                                                               False):
+            copies = [torch.empty_like(param) for _ in range(2)]
+            dist.all_gather(copies, param.detach().contiguous(), group=pgc.tp)
+            if not torch.equal(copies[0], copies[1]):
+                differ.append(name)
+    return differ
+
+
+@pytest.mark.multirank
+def test_dropout_keeps_the_replicated_adapters_equal_over_tp():
+    """With dropout, the TP ranks drop the same elements of a replicated input, so the adapter
+    tensors every TP rank holds whole stay equal after a step."""
+    assert run_on_ranks(_replicas_after_dropout, world_size=2, timeout_s=120) == [[], []]
