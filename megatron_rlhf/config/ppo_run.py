@@ -238,7 +238,11 @@ class RolloutConfig:
             continuous batching. The decode step that takes the weights is the first stop check
             after the trainers are done, which timing decides: a run whose answers span an
             update is not reproducible bit for bit (a resume still continues from exactly the
-            saved state).
+            saved state), unless ``partial_handover_check`` fixes it.
+        partial_handover_check: with ``partial_rollouts``: 0 (default) takes the weights at the
+            first stop check after the trainers are done; n > 0 at the n-th stop check of the
+            round, waiting there for the trainers if need be, so that a run (and its resume)
+            is reproducible bit for bit at the price of that wait.
         reuse_generation_logprobs: take the old log-probs from generation (the policy
             log-probs of the sampled tokens, computed from the KV-cached decode) instead of a
             full forward of the generating model; saves one of the experience passes. They
@@ -302,6 +306,7 @@ class RolloutConfig:
     async_rollout: bool = False
     max_staleness: int = 1
     partial_rollouts: bool = False
+    partial_handover_check: int = 0
     reuse_generation_logprobs: bool = False
     max_tokens_per_micro_batch: int | str = TOKEN_BUDGET_AUTO
     tools: list[dict[str, Any]] = field(default_factory=list)
@@ -339,6 +344,10 @@ class RolloutConfig:
 
     def _check_partial_rollouts(self) -> None:
         """Partial rollouts hand the weights over inside one round of one step's generation."""
+        if self.partial_handover_check < 0 or (self.partial_handover_check
+                                                and not self.partial_rollouts):
+            raise ValueError(f"rollout.partial_handover_check={self.partial_handover_check} "
+                             "must be >= 0 and is used only with rollout.partial_rollouts=true")
         if not self.partial_rollouts:
             return
         needs = {"async_rollout": (self.async_rollout, "true"),

@@ -4,7 +4,8 @@ ranks (the actor trains on rank 0, its shadow generates on rank 1).
 When every answer ends before the trainers are done (training slowed down), the run is
 today's asynchronous separation bit for bit. When generation is the slow side, the shadow takes
 step k's weights in the middle of generating step k + 1: those answers hold tokens of two
-versions, sampled before and after the hand-over, and their staleness falls below one step.
+versions, sampled before and after the hand-over, and their staleness falls below one step. A
+hand-over fixed at a stop check splits every answer where counted and repeats bit for bit.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from tests.multirank import run_on_ranks
 STEPS = 2
 
 
-def _run(partial: bool, slow: str) -> list[dict]:
+def _run(partial: bool, slow: str, handover_check: int = 0) -> list[dict]:
     import time
 
     import torch
@@ -39,7 +40,8 @@ def _run(partial: bool, slow: str) -> list[dict]:
         models=ModelsConfig(arch="tiny", init_seed=9),
         rollout=RolloutConfig(prompts_per_step=4, samples_per_prompt=2, max_prompt_length=8,
                               micro_batch_size=2, num_minibatches=2, async_rollout=True,
-                              reuse_generation_logprobs=True, partial_rollouts=partial),
+                              reuse_generation_logprobs=True, partial_rollouts=partial,
+                              partial_handover_check=handover_check),
         generation=GenerationConfig(max_new_tokens=12, seed=3, stop_at_eos=False,
                                     stop_check_interval=2),
         reward=RewardConfig(model_weight=0.0, rule="synthetic"),
@@ -67,7 +69,8 @@ def _runs() -> dict:
 
     initialize_runtime()
     return {"today": _run(False, "training"), "partial": _run(True, "training"),
-            "spanning": _run(True, "generation")}
+            "spanning": _run(True, "generation"),
+            "fixed": [_run(True, "none", handover_check=2) for _ in range(2)]}
 
 
 @pytest.mark.multirank
@@ -89,6 +92,13 @@ def test_partial_rollouts_equal_today_without_spanning_and_hand_over_inside_a_ro
         assert got["rollout/staleness_max"] == 1.0 and got["rollout/staleness_mean"] < 1.0
         assert got["rollout/dropped_stale"] == 0.0
 
+    # Handed over at the 2nd stop check (2 decode steps each): every answer has its prefill's
+    # token and 4 decoded ones under step k's sampler, its 7 others under k + 1's; twice alike.
+    fixed, again = results["fixed"]
+    assert fixed == again, "a fixed hand-over is reproducible bit for bit"
+    assert fixed[1]["rollout/staleness_mean"] == pytest.approx(5 / 12)
+    assert fixed[1]["rollout/partial_fraction"] == 1.0
+
 
 @pytest.mark.parametrize("changes,match", [
     ({}, r"needs rollout\.async_rollout=true"),
@@ -106,6 +116,7 @@ def test_partial_rollouts_refuse_what_they_cannot_hand_over_in(changes: dict, ma
 @pytest.mark.parametrize("section,match", [
     ("algorithm.dynamic_sampling=true", "dynamic_sampling"),
     ("generation.batching=static", "continuous batching"),
+    ("rollout.partial_handover_check=-1", r"partial_handover_check=-1 must be >= 0"),
     ("models.offload.actor=auto", r"models\.offload\.actor='auto'"),
 ])
 def test_partial_rollouts_refuse_refills_and_the_static_loop(section: str, match: str) -> None:

@@ -10,11 +10,17 @@ other rank, and a generating rank whose round ended first, enters the sync befor
 experience is scored (:meth:`finish`), so each rank syncs exactly once per step, in the same
 order relative to every other collective. The ranks of one tensor-parallel group agree before
 entering (an all-reduce of the flag over the group), as they decode in lockstep.
+
+With ``at_check = n > 0`` (``rollout.partial_handover_check``) a generating rank takes the
+weights at the n-th stop check of its round instead, waiting there for the trainers if they are
+not done: timing no longer decides which tokens are sampled under which weights, so the run is
+reproducible bit for bit, resumes included.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 
 import torch
@@ -32,12 +38,17 @@ class WeightHandover:
         name: this run's prefix of the store keys (:func:`handover_names`).
         step: the step whose trained weights are handed over.
         trainers: how many ranks train (each announces once).
+        at_check: the stop check of the round that takes the weights, waiting for the trainers
+            there; 0: the first one after the trainers are done.
     """
 
-    def __init__(self, engine: PPOEngine, name: str, step: int, trainers: int) -> None:
+    def __init__(self, engine: PPOEngine, name: str, step: int, trainers: int,
+                 at_check: int = 0) -> None:
         self.engine = engine
         self.key = f"{name}/{step}"
         self.trainers = trainers
+        self.at_check = at_check
+        self.checks = 0
         self.synced = False
         self.store = default_group_store()
 
@@ -51,6 +62,14 @@ class WeightHandover:
         def poll() -> bool:
             if self.synced:
                 return False
+            self.checks += 1
+            if self.at_check:
+                if self.checks < self.at_check:
+                    return False
+                while self.store.add(self.key, 0) < self.trainers:
+                    time.sleep(0.001)
+                self._sync()
+                return True
             ready = torch.tensor([int(self.store.add(self.key, 0) >= self.trainers)])
             if dist.get_world_size(tp_group) > 1:
                 dist.all_reduce(ready, op=dist.ReduceOp.MAX, group=tp_group)

@@ -200,7 +200,8 @@ class PPOAlgorithm:
             return None
         engine = self.engine
         trainers = {rank for role in engine.trainable_roles for rank in engine.plan[role].ranks}
-        handover = WeightHandover(engine, self._handovers, step, len(trainers))
+        handover = WeightHandover(engine, self._handovers, step, len(trainers),
+                                  self.rollout.partial_handover_check)
         if any(role in engine.workers for role in engine.trainable_roles):
             handover.announce()
         return handover
