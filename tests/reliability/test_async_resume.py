@@ -1,7 +1,8 @@
 """Asynchronous separation resumes bit for bit: 4 steps == 2 steps + resume + 2 steps, with the
 experience the shadows produced ahead stored in the checkpoint (pipelined in 2 chunks, with
 dropout so that the RNG streams matter, an adaptive KL controller and PPO-ptx; and GRPO with 2
-samples per prompt and dynamic sampling's refill rounds; off-policy corrections on both).
+samples per prompt and dynamic sampling's refill rounds; off-policy corrections on both; and
+GRPO with partial rollouts handed over at a fixed stop check, answers in flight across it).
 Leaving the stored experience out of the resume changes the steps after it,
 so the test can fail."""
 
@@ -28,23 +29,27 @@ def _config(root: str, name: str, algorithm: str, steps: int, **checkpoint):
     from megatron_rlhf.runtime.bootstrap import RuntimeConfig
     from megatron_rlhf.topology.placement_config import PlacementConfig
 
-    grpo = algorithm == "grpo"
+    grpo, partial = algorithm in ("grpo", "partial"), algorithm == "partial"
     config = RunConfig(
         runtime=RuntimeConfig(seed=7),
         placement=PlacementConfig(strategy="separation"),
         models=ModelsConfig(arch="tiny", init_seed=9, dropout=0.1),
         rollout=RolloutConfig(prompts_per_step=4 if grpo else 8, samples_per_prompt=2 if grpo
                               else 1, max_prompt_length=16, micro_batch_size=1,
-                              num_minibatches=2, pipeline_chunks=2, async_rollout=True,
-                              max_staleness=1),
-        generation=GenerationConfig(max_new_tokens=6, seed=3),
+                              num_minibatches=2, pipeline_chunks=1 if partial else 2,
+                              async_rollout=True, max_staleness=1,
+                              reuse_generation_logprobs=partial, partial_rollouts=partial,
+                              partial_handover_check=2 if partial else 0),
+        # Partial rollouts take the weights at the 2nd stop check, after 4 decode steps.
+        generation=GenerationConfig(max_new_tokens=6, seed=3,
+                                    stop_check_interval=2 if partial else 8),
         # GRPO scores by the rule alone, whose groups are often all equal: dynamic sampling
         # drops and refills them, and its refill rounds must resume bit for bit too.
         reward=RewardConfig(model_weight=0.0 if grpo else 0.5, rule="synthetic"),
         ptx=PTXConfig(coef=0.0 if grpo else 0.5),
         checkpoint=CheckpointConfig(**checkpoint), steps=steps, run_dir=f"{root}/{name}")
     config.algorithm.advantage_estimator = "grpo" if grpo else "gae"
-    config.algorithm.dynamic_sampling = grpo
+    config.algorithm.dynamic_sampling = grpo and not partial
     config.algorithm.max_refill_rounds = 1
     config.algorithm.adaptive_kl = True
     # Off-policy corrections read the trainer's log-probs before each step's update (resumed
@@ -76,7 +81,7 @@ def _runs(root: str, algorithm: str) -> dict:
 
 
 def _both(root: str) -> dict:
-    return {algorithm: _runs(root, algorithm) for algorithm in ("ppo", "grpo")}
+    return {algorithm: _runs(root, algorithm) for algorithm in ("ppo", "grpo", "partial")}
 
 
 @pytest.mark.multirank
@@ -95,3 +100,5 @@ def test_asynchronous_runs_resume_bit_exactly_with_the_experience_produced_ahead
             f"{algorithm}: regenerating the stored experience changed nothing"
     assert any(m["dynamic_sampling/rounds"] == 2 for m in results["grpo"]["A"]), \
         "some GRPO step refilled its batch"
+    assert any(m["rollout/partial_fraction"] > 0 for m in results["partial"]["A"]), \
+        "some answer spans the hand-over"
