@@ -90,14 +90,6 @@ def test_the_hugging_face_config_maps_the_field_or_refuses_it(name, base, change
     assert read.arch == replace(changed, name=read.arch.name)
 
 
-@pytest.fixture(scope="module")
-def pgc():
-    from megatron_rlhf.runtime.bootstrap import initialize_runtime
-
-    initialize_runtime()
-    return whole_world_groups(1, 1)
-
-
 def _network(arch: ArchSpec, pgc) -> tuple[Any, ...]:
     """What megatron built from ``arch``: its parameters' names and shapes, its positions and
     its logits on a fixed batch (from weights that do not depend on the layout)."""
@@ -111,21 +103,44 @@ def _network(arch: ArchSpec, pgc) -> tuple[Any, ...]:
     ids = torch.randint(0, 250, (2, 8), generator=torch.Generator().manual_seed(0))
     logits = full_logits(model, pgc, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
     shapes = tuple((key, tuple(param.shape)) for key, param in model.named_parameters())
-    return shapes, model.max_sequence_length, logits
+    return shapes, model.max_sequence_length, logits.tolist()  # plain values cross processes
 
 
+def _networks(archs: dict[str, ArchSpec]) -> dict[str, Any]:
+    """On one rank: :func:`_network` of every arch, or the message of the builder's refusal."""
+    from megatron_rlhf.runtime.bootstrap import initialize_runtime
+
+    initialize_runtime()
+    pgc = whole_world_groups(1, 1)
+    built = {}
+    for key, arch in archs.items():
+        try:
+            built[key] = _network(arch, pgc)
+        except ValueError as refusal:
+            built[key] = str(refusal)
+    return built
+
+
+@pytest.fixture(scope="module")
+def networks() -> dict[str, Any]:
+    """Every walked network, built in a rank of its own (no process group is left behind)."""
+    from tests.multirank import run_on_ranks
+
+    archs = {"dense": DENSE, "moe": MOE, **{name: changed for name, _, changed in WALKS
+                                           if name not in LABELS}}
+    return run_on_ranks(_networks, world_size=1, args=(archs,), timeout_s=240)[0]
+
+
+@pytest.mark.multirank
 @pytest.mark.parametrize(("name", "base", "changed"), WALKS, ids=[w[0] for w in WALKS])
-def test_the_built_network_reads_the_field_or_refuses_it(name, base, changed, pgc) -> None:
+def test_the_built_network_reads_the_field_or_refuses_it(name, base, changed, networks) -> None:
     if name in LABELS:
         return
-    try:
-        network = _network(changed, pgc)
-    except ValueError as refusal:
-        assert f"{name.rsplit('.', 1)[-1]}=" in str(refusal)
+    network, reference = networks[name], networks["moe" if base is MOE else "dense"]
+    if isinstance(network, str):  # refused
+        assert f"{name.rsplit('.', 1)[-1]}=" in network
         return
-    shapes, positions, logits = _network(base, pgc)
-    assert (network[:2] != (shapes, positions) or network[2].shape != logits.shape
-            or not torch.equal(network[2], logits)), f"{name} does not reach the network"
+    assert network != reference, f"{name} does not reach the network"
 
 
 FORMAT_1 = {
