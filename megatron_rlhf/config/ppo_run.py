@@ -992,7 +992,7 @@ class RunConfig:
 
     def _check_lora(self) -> None:
         """Refuse what adapters (``models.lora``) are not yet carried through: Megatron-FSDP,
-        AC-Share, the run's Hugging Face export, a critic that is not there."""
+        AC-Share, a critic that is not there."""
         lora = self.models.lora
         if not lora.enabled:
             return
@@ -1002,9 +1002,6 @@ class RunConfig:
         if self.placement.ac_share:
             raise ValueError("models.lora with placement.ac_share=true: the shared trunk's "
                              "value head is not kept trainable; set placement.ac_share=false")
-        if self.models.export_hf:
-            raise ValueError("models.export_hf=true with models.lora: the run's export writes "
-                             "full models; set export_hf=false")
         for role in lora.roles:
             if self.optimizer(role).fsdp:
                 raise ValueError(f"{role}_optimizer.fsdp=true with models.lora on the {role}: "

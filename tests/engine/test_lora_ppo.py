@@ -53,11 +53,12 @@ def _run(root: str) -> dict:
     from megatron_rlhf.models.lora import adapters_disabled, is_adapter_param
     from megatron_rlhf.topology.models import resolve_arch
     from tests.helpers.metrics import run_metrics
+    from tests.helpers.models import full_logits
     from tests.helpers.runs import capture_engine
     from tests.models.batches import global_batch
 
     captured = capture_engine()
-    runner.run_ppo(_config(root))
+    runner.run_ppo(_config(root, "models.export_hf=true"))
     engine = captured["engine"]
     actor, ref = engine.workers["actor"], engine.workers["ref"]
     actor_state = dict(actor.model.named_parameters())
@@ -71,6 +72,8 @@ def _run(root: str) -> dict:
     with adapters_disabled(actor.model):
         off = actor.compute_log_prob(batch, 4, 1.0)
     on = actor.compute_log_prob(batch, 4, 1.0)
+    whole = {"input_ids": batch["input_ids"], "attention_mask": torch.ones_like(batch["input_ids"])}
+    logits = full_logits(actor.model, actor.pg_collection, whole)
     reference = ref.compute_log_prob(batch, 4, 1.0)
 
     # the trained adapters as a PEFT adapter, then the starting point of another run
@@ -91,6 +94,7 @@ def _run(root: str) -> dict:
     again = captured["engine"].workers["actor"]
     started = gather_full_state(again.model, again.pg_collection)
     return {"passes": engine.experience_passes(), "moved": len(moved),
+            "logits": None if logits is None else logits.numpy(),
             "same_start": all(torch.equal(started[k], trained[k]) for k in trained),
             "adapters": sum(1 for n in actor_state if n.endswith("lora_b")),
             "off_vs_ref": (off - reference).abs().max().item(),
@@ -111,6 +115,21 @@ def test_ppo_with_lora_uses_the_base_as_reference(tmp_path: Path) -> None:
     metrics = results[0]["metrics"]
     assert len(metrics) == 2
     assert metrics[0]["kl"] == 0.0
+
+    # the run's export: the actor merged, loaded by transformers, and its PEFT adapter files
+    import transformers
+
+    from tests.models.batches import global_batch
+
+    exported = tmp_path / "hf" / "step_00000002"
+    assert {p.name for p in (exported / "actor_adapter").iterdir()} == {
+        "adapter_config.json", "adapter_model.safetensors"}
+    merged = transformers.AutoModelForCausalLM.from_pretrained(exported / "actor",
+                                                               dtype=torch.float32)
+    with torch.no_grad():
+        hf_logits = merged(input_ids=global_batch(0)["input_ids"][:4]).logits
+    want = torch.from_numpy(results[0]["logits"])
+    torch.testing.assert_close(hf_logits[..., :want.shape[-1]], want, rtol=1e-4, atol=1e-4)
 
 
 def _resume(root: str) -> tuple[list[dict], list[dict]] | None:
