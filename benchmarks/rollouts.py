@@ -234,6 +234,7 @@ class _Decoding:
 def _decoding(model, prompts, new_tokens: int, graphs: bool) -> _Decoding:
     from megatron_rlhf.generation.decode_step import (
         DecodeGraph,
+        DecodeSettings,
         SlotDecoder,
         SlotPrompt,
         batch_bucket,
@@ -246,9 +247,9 @@ def _decoding(model, prompts, new_tokens: int, graphs: bool) -> _Decoding:
     core = _unwrap(model)
     config = GenerationConfig(max_new_tokens=new_tokens, stop_at_eos=False,
                               cuda_graphs="auto" if graphs else "off")
-    decoder = SlotDecoder(model, batch_bucket(len(prompts), 0),
-                          length_bucket(max(len(p) for p in prompts) + new_tokens),
-                          getattr(core, "token_vocab_size", core.vocab_size), config, None, 0)
+    settings = DecodeSettings(config, None, 0, getattr(core, "token_vocab_size", core.vocab_size),
+                              length_bucket(max(len(p) for p in prompts) + new_tokens))
+    decoder = SlotDecoder(model, batch_bucket(len(prompts), 0), settings)
     keys = prompt_noise_keys(config.seed, range(len(prompts))).tolist()
     entering = [SlotPrompt(p, key, new_tokens, False) for p, key in zip(prompts, keys,
                                                                          strict=True)]

@@ -42,6 +42,7 @@ import torch
 from megatron_rlhf.generation.decode_step import (
     GRAPH_MIN_SLOTS,
     DecodeGraph,
+    DecodeSettings,
     SlotDecoder,
     SlotPrompt,
     batch_bucket,
@@ -67,26 +68,21 @@ class DecodeGraphs:
     """
 
     def __init__(self) -> None:
-        self.settings: tuple | None = None
+        self.settings: DecodeSettings | None = None
         self.decoders: dict[int, SlotDecoder] = {}
         self.graphs: dict[int, DecodeGraph] = {}
         self.weights: dict[str, int] = {}
 
     def decoder(self, model: torch.nn.Module, decode_model: torch.nn.Module | None, slots: int,
-                length: int, vocab_size: int, config: GenerationConfig,
-                eos_id: int | Sequence[int] | None, pad_id: int) -> SlotDecoder:
+                settings: DecodeSettings) -> SlotDecoder:
         """An empty decoder of ``slots`` slots: the kept one, or a new one."""
-        # what a captured step bakes in; the seed only picks the noise keys and the budgets are
-        # a buffer: the turns of an episode, each with its own max_new_tokens, share the steps
-        settings = (length, vocab_size, dataclasses.replace(config, seed=0, max_new_tokens=0),
-                    tuple(eos_id) if isinstance(eos_id, Sequence) else eos_id, pad_id)
-        if settings != self.settings:
+        key = settings.capture_key()
+        if key != self.settings:
             self.release()
-            self.settings = settings
+            self.settings = key
         decoder = self.decoders.get(slots)
         if decoder is None:
-            decoder = self.decoders[slots] = SlotDecoder(model, slots, length, vocab_size,
-                                                         config, eos_id, pad_id, decode_model)
+            decoder = self.decoders[slots] = SlotDecoder(model, slots, settings, decode_model)
         else:
             decoder.reset(decode_model)
         return decoder
@@ -143,14 +139,45 @@ def release_decode_graphs(model: torch.nn.Module) -> None:
         kept.release()
 
 
+@dataclasses.dataclass(frozen=True)
+class ContinuousSettings:
+    """How one continuous-batching call runs, besides its prompts (``generate_sequences`` makes
+    it from its own arguments)."""
+
+    config: GenerationConfig
+    eos_id: int | Sequence[int] | None
+    pad_id: int
+    vocab_size: int
+    """Logits columns at or past it are dropped."""
+    max_length: int = 0
+    """Positions (prompt plus response) every call of the run fits in: the cache length, so that
+    every call shares the captured steps (0, or a call that needs more: its longest prompt plus
+    its largest budget)."""
+    keep_graphs: bool = True
+    """With graphs, keep the decoders and captured steps on the model for the next call
+    (:class:`DecodeGraphs`); False: capture for this call only (the slots shrink by
+    reallocation)."""
+    lockstep: ExpertLockstep | None = None
+    """An MoE model's expert-parallel group (``ep > 1``): every prefill and decode step is a
+    forward on each of its ranks, idle where this rank has none to run, and the ranks stop
+    together (:mod:`megatron_rlhf.generation.lockstep`)."""
+    on_cache: Callable[[int], None] | None = None
+    """Called once with the bytes of the KV cache (its largest, before the slots shrank)."""
+    weight_updates: Callable[[], bool] | None = None
+    """Asked at every stop check while slots still decode: True when it has just written new
+    weights into the model in place (every rank of the model's TP group must answer alike);
+    None: the weights do not change during the call."""
+
+    def __post_init__(self) -> None:
+        if self.weight_updates is not None and self.lockstep is not None:
+            raise ValueError("weights cannot change during a call under an expert-parallel "
+                             "lockstep (ep > 1): its ranks stop checking at different steps")
+
+
 def generate_continuous(model: torch.nn.Module, decode_model: torch.nn.Module | None,
                         prompts: Sequence[Sequence[int]], prompt_indices: Sequence[int],
-                        budgets: Sequence[int], config: GenerationConfig,
-                        eos_id: int | Sequence[int] | None, pad_id: int, vocab_size: int,
-                        on_cache: Callable[[int], None] | None,
-                        lockstep: ExpertLockstep | None = None,
-                        keep_graphs: bool = True, max_length: int = 0,
-                        weight_updates: Callable[[], bool] | None = None) -> GenerationOutput:
+                        budgets: Sequence[int], settings: ContinuousSettings
+                        ) -> GenerationOutput:
     """Generate one response per prompt with continuous batching (module docstring).
 
     Args:
@@ -159,123 +186,165 @@ def generate_continuous(model: torch.nn.Module, decode_model: torch.nn.Module | 
         prompts: token ids per prompt.
         prompt_indices: noise ids per prompt.
         budgets: most response tokens per prompt (0: an empty response, nothing runs).
-        config, eos_id, pad_id: as ``generate_sequences``.
-        vocab_size: logits columns at or past it are dropped.
-        on_cache: called once with the bytes of the KV cache (its largest, before the slots
-            shrank).
-        lockstep: an MoE model's expert-parallel group (``ep > 1``): every prefill and decode
-            step is a forward on each of its ranks, idle where this rank has none to run, and
-            the ranks stop together (:mod:`megatron_rlhf.generation.lockstep`).
-        keep_graphs: with graphs, keep the decoders and captured steps on ``model`` for the
-            next call (:class:`DecodeGraphs`); False: capture for this call only (the slots
-            shrink by reallocation).
-        max_length: positions (prompt plus response) every call of the run fits in: the cache
-            length, so that every call shares the captured steps (0, or a call that needs
-            more: its longest prompt plus its largest budget).
-        weight_updates: asked at every stop check while slots still decode: True when it has
-            just written new weights into ``model`` in place (every rank of the model's TP
-            group must answer alike); None: the weights do not change during the call.
-
-    Raises:
-        ValueError: ``weight_updates`` under an expert-parallel lockstep.
+        settings: how the call runs.
     """
-    if weight_updates is not None and lockstep is not None:
-        raise ValueError("weights cannot change during a call under an expert-parallel "
-                         "lockstep (ep > 1): its ranks stop checking at different steps")
-    device = next(model.parameters()).device
-    greedy_every = config.greedy_every if not config.greedy else 0
-    keys = prompt_noise_keys(config.seed, prompt_indices).tolist()
+    config, lockstep = settings.config, settings.lockstep
     waiting = deque(i for i, budget in enumerate(budgets) if budget > 0)
-    slots = batch_bucket(len(waiting), config.micro_batch_size) if waiting else 0
-    # with graphs, each slot count is a capture; below the floor a step costs about the same
-    # (a graph's capture runs extra forwards: none under an expert-parallel lockstep)
-    floor = GRAPH_MIN_SLOTS if graphs_enabled(config, device) and lockstep is None else 1
-    kept = decode_graphs(model) if floor > 1 and keep_graphs else None
-    if floor > 1:
-        slots = max(slots, min(floor, config.micro_batch_size or floor))
-    work: list[MicroBatchWork] = []
-    responses: dict[int, tuple[torch.Tensor, ...]] = {}
-    # per prompt: the updates before its prefill, then its token count at each later update
-    versions: dict[int, list[int]] | None = {} if weight_updates is not None else None
-    updates = 0
-    if waiting:
+    device = next(model.parameters()).device
+    if not waiting:
+        if lockstep is not None:  # nothing to decode here, while the group's others may
+            lockstep.idle_rounds(config.stop_check_interval)
+        return _assemble(prompts, {}, settings.pad_id, device, (),
+                         {} if settings.weight_updates is not None else None)
+    batch = _SlotBatch(model, decode_model, prompts, prompt_indices, budgets, settings, waiting)
+    finished = False  # every prompt of this rank done (others of a lockstep may not be)
+    while True:
+        free, entering = batch.take_waiting(waiting)
+        if lockstep is not None and lockstep.most(int(bool(entering))) and not entering:
+            lockstep.idle_forward()  # another rank of the expert-parallel group prefills
+        if finished:
+            for _ in range(config.stop_check_interval):
+                lockstep.idle_forward()
+            if lockstep.all_done(True):
+                break
+            continue
+        batch.prefill(free, entering)
+        steps = batch.decode_until_stop_check()
+        finished = not waiting and batch.empty
+        if lockstep.all_done(finished) if lockstep is not None else finished:
+            break
+        if settings.weight_updates is not None and settings.weight_updates():
+            batch.record_update(steps)
+        if not finished and not waiting:
+            batch.shrink()
+    return batch.output()
+
+
+class _SlotBatch:
+    """The slots of one call as prompts enter them, decode, end and leave, and as the decode
+    batch shrinks once no prompt waits."""
+
+    def __init__(self, model: torch.nn.Module, decode_model: torch.nn.Module | None,
+                 prompts: Sequence[Sequence[int]], prompt_indices: Sequence[int],
+                 budgets: Sequence[int], settings: ContinuousSettings, waiting: deque[int]
+                 ) -> None:
+        config = settings.config
+        self.model, self.decode_model = model, decode_model
+        self.prompts, self.prompt_indices, self.budgets = prompts, prompt_indices, budgets
+        self.settings = settings
+        self.device = next(model.parameters()).device
+        self.greedy_every = config.greedy_every if not config.greedy else 0
+        self.keys = prompt_noise_keys(config.seed, prompt_indices).tolist()
+        slots = batch_bucket(len(waiting), config.micro_batch_size)
+        # with graphs, each slot count is a capture; below the floor a step costs about the same
+        # (a graph's capture runs extra forwards: none under an expert-parallel lockstep)
+        graphs = graphs_enabled(config, self.device) and settings.lockstep is None
+        self.floor = GRAPH_MIN_SLOTS if graphs else 1
+        self.kept = decode_graphs(model) if graphs and settings.keep_graphs else None
+        if graphs:
+            slots = max(slots, min(self.floor, config.micro_batch_size or self.floor))
         # a prefill left-pads its prompts to the longest of them, so a short prompt's response
         # starts past its own length: bound by the longest prompt plus the largest budget
-        length = length_bucket(max(max_length, max(len(prompts[i]) for i in waiting)
+        length = length_bucket(max(settings.max_length, max(len(prompts[i]) for i in waiting)
                                    + max(budgets[i] for i in waiting)))
-        settings = (length, vocab_size, config, eos_id, pad_id)
-        decoder = (kept.decoder(model, decode_model, slots, *settings) if kept is not None else
-                   SlotDecoder(model, slots, *settings, decode_model))
-        occupant: list[int | None] = [None] * slots
-        graph = None
-        decode_calls = attended = 0  # steps and attended positions at the current slot count
-        cache_bytes = 0
-        finished = False  # every prompt of this rank done (others of a lockstep may not be)
-        while True:
-            free = [s for s, prompt in enumerate(occupant) if prompt is None][:len(waiting)]
-            entering = [waiting.popleft() for _ in free]
-            prefills = lockstep.most(int(bool(entering))) if lockstep is not None else 0
-            if not entering and prefills:
-                lockstep.idle_forward()  # another rank of the expert-parallel group prefills
-            if finished:
-                for _ in range(config.stop_check_interval):
-                    lockstep.idle_forward()
-                if lockstep.all_done(True):
-                    break
-                continue
-            if entering:
-                decoder.prefill(free, [
-                    SlotPrompt(prompts[i], keys[i], budgets[i],
-                               bool(greedy_every) and prompt_indices[i] % greedy_every == 0)
-                    for i in entering])
-                work.append(MicroBatchWork(len(entering), max(len(prompts[i]) for i in entering),
-                                           1, True))
-                for slot, prompt in zip(free, entering, strict=True):
-                    occupant[slot] = prompt
-                    if versions is not None:
-                        versions[prompt] = [updates]
-            if graph is None and floor > 1:
-                graph = kept.graph(decoder) if kept is not None else DecodeGraph(decoder)
-            run = graph or decoder
-            for _ in range(config.stop_check_interval):
-                run.step()
-            decode_calls += config.stop_check_interval
-            # one device-to-host read per stop check: which slots ended, and their lengths
-            active, steps = torch.stack([decoder.active.long(), decoder.steps]).tolist()
-            decoder.forget_ended(active)
-            for slot, prompt in enumerate(occupant):
-                if prompt is not None and not active[slot]:
-                    responses[prompt] = _take(decoder, slot, steps[slot])
-                    occupant[slot] = None
-            finished = not waiting and all(prompt is None for prompt in occupant)
-            if lockstep.all_done(finished) if lockstep is not None else finished:
-                break
-            if versions is not None and weight_updates():
-                updates += 1
-                for slot, prompt in enumerate(occupant):
-                    if prompt is not None:
-                        versions[prompt].append(steps[slot])
-            if finished:
-                continue
-            fewer = _fewer_slots(occupant, config.micro_batch_size, floor) if not waiting else None
-            if fewer is not None:
-                work.append(_decode_work(slots, decode_calls, decoder, attended))
-                attended = decoder.attended_positions
-                cache_bytes = max(cache_bytes, decoder.cache_bytes())
-                if kept is not None:
-                    decoder = kept.decoder(model, decode_model, len(fewer), *settings
-                                           ).take_rows(decoder, fewer)
-                else:
-                    decoder.keep_slots(fewer)
-                occupant = [occupant[s] for s in fewer]
-                slots, graph, decode_calls = len(fewer), None, 0
-        work.append(_decode_work(slots, decode_calls, decoder, attended))
-        if on_cache is not None:  # the largest cache of the call: before the slots shrank
-            on_cache(kept.cache_bytes() if kept is not None  # every slot count's, kept
-                     else max(cache_bytes, decoder.cache_bytes()))
-    elif lockstep is not None:  # nothing to decode here, while the group's others may
-        lockstep.idle_rounds(config.stop_check_interval)
-    return _assemble(prompts, responses, pad_id, device, tuple(work), versions)
+        self.decode_settings = DecodeSettings(config, settings.eos_id, settings.pad_id,
+                                              settings.vocab_size, length)
+        self.decoder = self._decoder(slots)
+        self.occupant: list[int | None] = [None] * slots
+        self.graph: DecodeGraph | None = None
+        self.decode_calls = self.attended = 0  # steps and attended positions at this slot count
+        self.cache_bytes = 0
+        self.work: list[MicroBatchWork] = []
+        self.responses: dict[int, tuple[torch.Tensor, ...]] = {}
+        # per prompt: the updates before its prefill, then its token count at each later update
+        self.versions: dict[int, list[int]] | None = (
+            {} if settings.weight_updates is not None else None)
+        self.updates = 0
+
+    def _decoder(self, slots: int) -> SlotDecoder:
+        if self.kept is not None:
+            return self.kept.decoder(self.model, self.decode_model, slots, self.decode_settings)
+        return SlotDecoder(self.model, slots, self.decode_settings, self.decode_model)
+
+    @property
+    def empty(self) -> bool:
+        """No slot decodes."""
+        return all(prompt is None for prompt in self.occupant)
+
+    def take_waiting(self, waiting: deque[int]) -> tuple[list[int], list[int]]:
+        """Free slots, and as many waiting prompts (taken off ``waiting``) to enter them."""
+        free = [s for s, prompt in enumerate(self.occupant) if prompt is None][:len(waiting)]
+        return free, [waiting.popleft() for _ in free]
+
+    def prefill(self, free: Sequence[int], entering: Sequence[int]) -> None:
+        """Prefill the ``entering`` prompts into the ``free`` slots (nothing when none)."""
+        if not entering:
+            return
+        self.decoder.prefill(free, [
+            SlotPrompt(self.prompts[i], self.keys[i], self.budgets[i],
+                       bool(self.greedy_every) and self.prompt_indices[i] % self.greedy_every == 0)
+            for i in entering])
+        self.work.append(MicroBatchWork(len(entering),
+                                        max(len(self.prompts[i]) for i in entering), 1, True))
+        for slot, prompt in zip(free, entering, strict=True):
+            self.occupant[slot] = prompt
+            if self.versions is not None:
+                self.versions[prompt] = [self.updates]
+
+    def decode_until_stop_check(self) -> list[int]:
+        """Decode ``stop_check_interval`` steps, then keep the responses of the slots that
+        ended; returns every slot's response length."""
+        if self.graph is None and self.floor > 1:
+            self.graph = (self.kept.graph(self.decoder) if self.kept is not None
+                          else DecodeGraph(self.decoder))
+        run = self.graph or self.decoder
+        interval = self.settings.config.stop_check_interval
+        for _ in range(interval):
+            run.step()
+        self.decode_calls += interval
+        decoder = self.decoder
+        # one device-to-host read per stop check: which slots ended, and their lengths
+        active, steps = torch.stack([decoder.active.long(), decoder.steps]).tolist()
+        decoder.forget_ended(active)
+        for slot, prompt in enumerate(self.occupant):
+            if prompt is not None and not active[slot]:
+                self.responses[prompt] = _take(decoder, slot, steps[slot])
+                self.occupant[slot] = None
+        return steps
+
+    def record_update(self, steps: Sequence[int]) -> None:
+        """New weights arrived after the slots' ``steps`` response tokens."""
+        self.updates += 1
+        for slot, prompt in enumerate(self.occupant):
+            if prompt is not None:
+                self.versions[prompt].append(steps[slot])
+
+    def shrink(self) -> None:
+        """Keep only the slots still decoding, in the smallest batch bucket they fit (no prompt
+        waits)."""
+        fewer = _fewer_slots(self.occupant, self.settings.config.micro_batch_size, self.floor)
+        if fewer is None:
+            return
+        self.work.append(_decode_work(len(self.occupant), self.decode_calls, self.decoder,
+                                      self.attended))
+        self.attended = self.decoder.attended_positions
+        self.cache_bytes = max(self.cache_bytes, self.decoder.cache_bytes())
+        if self.kept is not None:
+            self.decoder = self._decoder(len(fewer)).take_rows(self.decoder, fewer)
+        else:
+            self.decoder.keep_slots(fewer)
+        self.occupant = [self.occupant[s] for s in fewer]
+        self.graph, self.decode_calls = None, 0
+
+    def output(self) -> GenerationOutput:
+        """The call's output, once every prompt is done."""
+        self.work.append(_decode_work(len(self.occupant), self.decode_calls, self.decoder,
+                                      self.attended))
+        if self.settings.on_cache is not None:  # the call's largest cache: before shrinking
+            self.settings.on_cache(self.kept.cache_bytes() if self.kept is not None  # all kept
+                                   else max(self.cache_bytes, self.decoder.cache_bytes()))
+        return _assemble(self.prompts, self.responses, self.settings.pad_id, self.device,
+                         tuple(self.work), self.versions)
 
 
 def _decode_work(slots: int, calls: int, decoder: SlotDecoder,

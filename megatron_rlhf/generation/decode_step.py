@@ -84,6 +84,34 @@ def length_bucket(length: int) -> int:
 
 
 @dataclass(frozen=True)
+class DecodeSettings:
+    """What the decoders of a call share, besides their slot count: what a captured step bakes in
+    other than its buffers' addresses."""
+
+    config: GenerationConfig
+    """Sampling and stopping."""
+    eos_id: int | tuple[int, ...] | None
+    """The end token(s), used when ``config.stop_at_eos`` (a sequence is kept as a tuple)."""
+    pad_id: int
+    """The token a finished slot writes."""
+    vocab_size: int
+    """Logits columns at or past it are dropped."""
+    max_length: int
+    """Positions per slot (a :func:`length_bucket`)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.eos_id, Sequence):
+            object.__setattr__(self, "eos_id", tuple(self.eos_id))
+
+    def capture_key(self) -> DecodeSettings:
+        """These settings as far as a captured step depends on them: the seed only picks the
+        noise keys and the budgets are a buffer, so the turns of an episode, each with its own
+        ``max_new_tokens``, share the captured steps."""
+        return dataclasses.replace(self, config=dataclasses.replace(self.config, seed=0,
+                                                                    max_new_tokens=0))
+
+
+@dataclass(frozen=True)
 class SlotPrompt:
     """A prompt entering a slot."""
 
@@ -103,28 +131,26 @@ class SlotDecoder:
                      "out_tokens", "out_logprobs", "out_policy_logprobs")
     """The attributes with one row per slot (``greedy`` may be None)."""
 
-    def __init__(self, model: torch.nn.Module, slots: int, max_length: int, vocab_size: int,
-                 config: GenerationConfig, eos_id: int | Sequence[int] | None, pad_id: int,
+    def __init__(self, model: torch.nn.Module, slots: int, settings: DecodeSettings,
                  decode_model: torch.nn.Module | None = None) -> None:
         """Allocate the buffers (the KV memory is allocated by the first prefill).
 
         Args:
             model: this rank's shard of the GPT model (local spec), in eval mode.
             slots: rows decoded together.
-            max_length: positions per slot (a :func:`length_bucket`).
-            vocab_size: logits columns at or past it are dropped.
-            config: sampling settings.
-            eos_id: the end token(s), used when ``config.stop_at_eos``.
-            pad_id: the token a finished slot writes.
+            settings: sampling, stopping, the special tokens and the positions per slot.
             decode_model: runs the decode steps (``model`` when None; a compiled ``model``).
         """
+        config, eos_id, pad_id = settings.config, settings.eos_id, settings.pad_id
+        max_length = settings.max_length
         device = next(model.parameters()).device
         # weak: a decoder kept across calls (``continuous.DecodeGraphs``) must not keep its
         # model, and with it the model's memory, alive after the model is dropped (nor the
         # call's compiled model, which holds the model; the call holds it while it decodes)
         self._model = weakref.ref(model)
         self._decode_model = _weak(decode_model)
-        self.vocab_size = vocab_size
+        self.settings = settings
+        self.vocab_size = settings.vocab_size
         self.config = config
         self.pad_id = pad_id
         self.max_length = max_length

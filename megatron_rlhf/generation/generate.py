@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megatron_rlhf.generation.continuous import generate_continuous
+from megatron_rlhf.generation.continuous import ContinuousSettings, generate_continuous
 from megatron_rlhf.generation.decode_step import with_graph_setting
 from megatron_rlhf.generation.forward import CachedNextTokenLogits, RecomputeNextTokenLogits
 from megatron_rlhf.generation.lockstep import ExpertLockstep
@@ -218,10 +218,11 @@ def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollec
             if config.continuous:
                 _check_slot_attention(core)
                 budgets = [min(config.max_new_tokens, seq_length - len(p)) for p in prompts]
+                settings = ContinuousSettings(config, eos_id, pad_id, vocab_size,
+                                              min(max_length, seq_length), keep_graphs,
+                                              lockstep, on_cache, weight_updates)
                 return generate_continuous(model, _decode_model(model, config), prompts,
-                                           prompt_indices, budgets, config, eos_id, pad_id,
-                                           vocab_size, on_cache, lockstep, keep_graphs,
-                                           min(max_length, seq_length), weight_updates)
+                                           prompt_indices, budgets, settings)
             starts = range(0, len(prompts), size)
             idle = lockstep.most(len(starts)) - len(starts) if lockstep else 0
             outputs = [

@@ -115,11 +115,11 @@ def test_with_every_prompt_in_one_batch_the_decode_batch_shrinks_as_rows_end(tin
 @pytest.mark.parametrize("compile_decode", [False, True])
 def test_an_eager_step_attends_up_to_the_written_positions_a_fixed_shape_one_all(
         tiny, compile_decode: bool) -> None:
-    from megatron_rlhf.generation.decode_step import SlotDecoder, SlotPrompt
+    from megatron_rlhf.generation.decode_step import DecodeSettings, SlotDecoder, SlotPrompt
 
     model = tiny[0].eval()
     config = dataclasses.replace(BASE, compile_decode=compile_decode)
-    decoder = SlotDecoder(model, 2, 32, model.vocab_size, config, 249, PAD)
+    decoder = SlotDecoder(model, 2, DecodeSettings(config, 249, PAD, model.vocab_size, 32))
     with torch.no_grad():
         decoder.prefill([0, 1], [SlotPrompt([5, 6, 7], 1, 8, False), SlotPrompt([9], 2, 8, False)])
         horizons = []

@@ -20,6 +20,7 @@ from megatron_rlhf.generation.continuous import release_decode_graphs
 from megatron_rlhf.generation.decode_step import (
     GRAPH_MIN_SLOTS,
     DecodeGraph,
+    DecodeSettings,
     SlotDecoder,
     SlotPrompt,
 )
@@ -200,7 +201,7 @@ def _decoder(tiny, slots: int = 4) -> SlotDecoder:
     """A fixed-context decoder (the emulation is on) with three prompts in four slots: one slot
     never filled, one prompt that ends at its first token (budget 1)."""
     model = tiny[0].eval()
-    decoder = SlotDecoder(model, slots, 32, model.vocab_size, BASE, 249, PAD)
+    decoder = SlotDecoder(model, slots, DecodeSettings(BASE, 249, PAD, model.vocab_size, 32))
     assert decoder.fixed_context
     decoder.prefill([0, 1, 2], [SlotPrompt([5, 6, 7], 1, 8, False), SlotPrompt([9], 2, 8, False),
                                 SlotPrompt([3, 4], 3, 1, False)])
