@@ -18,12 +18,12 @@ from megatron_rlhf.config.paths import check_paths
 from megatron_rlhf.data import ReaderConfig, SplitConfig, SyntheticTaskConfig
 from megatron_rlhf.generation import GenerationConfig
 from megatron_rlhf.models.hf_import import checkpoint_moe, is_hf_dir
-from megatron_rlhf.models.lora import LoRAConfig
 from megatron_rlhf.models.moe import MoEConfig
 from megatron_rlhf.models.options import (
     ATTENTION_BACKENDS,
     RECOMPUTE_GRANULARITIES,
     TRANSFORMER_IMPLS,
+    LoRAConfig,
     OptimizerSettings,
     resolve_params_dtype,
 )

@@ -13,10 +13,10 @@ from typing import Any, ClassVar
 from megatron_rlhf.config.paths import check_paths
 from megatron_rlhf.data.schema import ReaderConfig, SplitConfig
 from megatron_rlhf.data.synthetic import SyntheticTaskConfig
-from megatron_rlhf.models.lora import LoRAConfig
 from megatron_rlhf.models.moe import MoEConfig
 from megatron_rlhf.models.options import (
     RECOMPUTE_GRANULARITIES,
+    LoRAConfig,
     OptimizerSettings,
     resolve_params_dtype,
 )

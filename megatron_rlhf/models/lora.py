@@ -42,7 +42,6 @@ import math
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -60,79 +59,10 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2",
-                "experts.linear_fc1", "experts.linear_fc2")
-"""What ``LoRAConfig.target_modules`` may name: the attention projections, the dense MLP (and a
-shared expert), the routed experts' MLPs."""
-LORA_ROLES = ("actor", "critic")
+from megatron_rlhf.models.options import LoRAConfig
+
 ADAPTER = "adapter"
 """The name of the adapter module inside an adapted layer."""
-
-
-@dataclass
-class LoRAConfig:
-    """Low-rank adapters on the trained models (``models.lora.*``).
-
-    Attributes:
-        rank: the adapters' rank ``r``; 0: no adapters (every weight trains).
-        alpha: the adapters' output is scaled by ``alpha / rank``.
-        dropout: dropout on an adapter's input (the base layer sees the input unchanged).
-        target_modules: which linear layers take adapters, among :data:`LORA_TARGETS`.
-        roles: which trained models take adapters: ``actor``, and optionally ``critic`` (whose
-            value head then trains in full, as a new head must).
-        init_seed: seed of the ``A`` matrices' layout-independent initialisation.
-        init_adapter_dir: a Hugging Face PEFT adapter directory (``adapter_config.json``,
-            ``adapter_model.safetensors``) the actor's (an SFT model's) adapters start from
-            instead; its ``r`` and ``lora_alpha`` must be ``rank`` and ``alpha``, and its fused
-            layers' adapters must share ``A`` (as ``models.peft_export`` writes them).
-    """
-
-    rank: int = 0
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: list[str] = field(
-        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
-    roles: list[str] = field(default_factory=lambda: ["actor"])
-    init_seed: int = 0
-    init_adapter_dir: str = ""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
-            raise ValueError(f"models.lora.rank={self.rank!r} must be an integer >= 0 "
-                             "(0: no adapters)")
-        if not isinstance(self.alpha, int | float) or self.alpha <= 0:
-            raise ValueError(f"models.lora.alpha={self.alpha!r} must be a number > 0 "
-                             "(the adapters' output is scaled by alpha / rank)")
-        if not isinstance(self.dropout, int | float) or not 0 <= self.dropout < 1:
-            raise ValueError(f"models.lora.dropout={self.dropout!r} must be in [0, 1)")
-        self.target_modules = list(self.target_modules)
-        self.roles = list(self.roles)
-        unknown = [t for t in self.target_modules if t not in LORA_TARGETS]
-        if unknown or not self.target_modules:
-            raise ValueError(f"models.lora.target_modules={self.target_modules}: "
-                             f"{'unknown ' + str(unknown) if unknown else 'empty'}; "
-                             f"name some of {list(LORA_TARGETS)}")
-        if self.init_adapter_dir and not self.enabled:
-            raise ValueError(f"models.lora.init_adapter_dir={self.init_adapter_dir} needs "
-                             "models.lora.rank > 0 (the adapter's r)")
-        bad_roles = [r for r in self.roles if r not in LORA_ROLES]
-        if bad_roles or (self.enabled and not self.roles):
-            raise ValueError(f"models.lora.roles={self.roles}: adapters go on trained models; "
-                             f"name some of {list(LORA_ROLES)}")
-
-    @property
-    def enabled(self) -> bool:
-        """Whether any model takes adapters."""
-        return self.rank > 0
-
-    @property
-    def scaling(self) -> float:
-        """The factor on the adapters' output, ``alpha / rank``."""
-        return self.alpha / self.rank
-
-    def applies_to(self, role: str) -> bool:
-        """Whether ``role``'s model takes adapters."""
-        return self.enabled and role in self.roles
 
 
 class LoRAAdapter(torch.nn.Module):
