@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import torch
 
@@ -39,3 +41,27 @@ def random_padded(
 def real_tokens(tensor: torch.Tensor, lengths: list[int]) -> list[list[float]]:
     """The real (unpadded) tokens of each row, as Python floats."""
     return [tensor[row, :length].tolist() for row, length in enumerate(lengths)]
+
+
+class _LogProbWorker:
+    """What ``actor_loss_fn`` reads from a worker, for an output that is the log-probs
+    ``[batch, response_len]`` themselves."""
+
+    head = "lm"
+    pg_collection = SimpleNamespace(tp=None)
+
+    def token_logprobs(self, output, batch, prompt_len, temperature, with_entropy=False):
+        return output, None
+
+
+def logprob_loss_fn(config):
+    """The actor's loss function (``actor_loss_fn``) on log-probs given as the model output."""
+    from megatron_rlhf.engine.step.training_losses import actor_loss_fn
+
+    return actor_loss_fn(_LogProbWorker(), 0, 1.0, config)
+
+
+def actor_loss(config, log_prob: torch.Tensor, batch: dict) -> torch.Tensor:
+    """The loss megatron's schedule sees: the summed micro-batch loss over its count."""
+    scaled, count, _ = logprob_loss_fn(config)(log_prob, batch)
+    return scaled / count

@@ -19,8 +19,13 @@ from megatron_rlhf.algorithms import (
     get_policy_loss,
     off_policy_metrics,
 )
-from tests.algorithms.helpers import LENGTHS, random_padded, real_tokens, response_mask
-from tests.algorithms.test_policy_losses import _actor_loss
+from tests.algorithms.helpers import (
+    LENGTHS,
+    actor_loss,
+    random_padded,
+    real_tokens,
+    response_mask,
+)
 
 
 def _batch(seed: int) -> dict[str, torch.Tensor]:
@@ -100,7 +105,7 @@ def test_the_corrected_loss_matches_a_hand_computation(name: str, cap: float | N
     assert loss.item() == pytest.approx(expected, rel=1e-12)
     # The actor's loss reads the same fields from the batch and gives the same number.
     fields = {key: value for key, value in batch.items() if key != "log_prob"}
-    assert _actor_loss(config, batch["log_prob"], fields).item() == pytest.approx(expected,
+    assert actor_loss(config, batch["log_prob"], fields).item() == pytest.approx(expected,
                                                                                  rel=1e-12)
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -25,27 +24,15 @@ from megatron_rlhf.algorithms import (
 )
 from megatron_rlhf.config.loader import load_config
 from megatron_rlhf.config.ppo_run import RunConfig
-from megatron_rlhf.engine.step.training_losses import actor_loss_fn
-from tests.algorithms.helpers import LENGTHS, random_padded, response_mask
+from tests.algorithms.helpers import (
+    LENGTHS,
+    actor_loss,
+    logprob_loss_fn,
+    random_padded,
+    response_mask,
+)
 
 NAN = float("nan")
-
-
-class _LogProbWorker:
-    """What ``actor_loss_fn`` reads from a worker, for an output that is the log-probs
-    ``[batch, response_len]`` themselves."""
-
-    head = "lm"
-    pg_collection = SimpleNamespace(tp=None)
-
-    def token_logprobs(self, output, batch, prompt_len, temperature, with_entropy=False):
-        return output, None
-
-
-def _actor_loss(config: PPOAlgorithmConfig, log_prob: torch.Tensor, batch: dict) -> torch.Tensor:
-    """The loss megatron's schedule sees: the summed micro-batch loss over its count."""
-    scaled, count, _ = actor_loss_fn(_LogProbWorker(), 0, 1.0, config)(log_prob, batch)
-    return scaled / count
 
 
 def _random_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -82,7 +69,7 @@ def test_the_default_loss_is_the_clipped_loss_bit_for_bit(overrides: dict) -> No
     assert metrics.keys() == want_metrics.keys()
     assert all(torch.equal(metrics[key], want_metrics[key]) for key in metrics)
     assert metrics["pg_clipfrac"] > 0  # the clip bites on these inputs
-    engine = _actor_loss(config, log_prob, {"response_mask": mask, "old_logprobs": old,
+    engine = actor_loss(config, log_prob, {"response_mask": mask, "old_logprobs": old,
                                             "advantages": advantages})
     assert engine.item() == pytest.approx(want.item(), rel=1e-12)
 
@@ -143,8 +130,8 @@ def test_gspo_through_the_actor_loss_does_not_depend_on_the_micro_batching() -> 
     log_prob, old, advantages, mask = _random_batch(11)
     want, _ = compute_gspo_policy_loss(log_prob, old, advantages, mask, 0.05, 0.05)
     batch = {"response_mask": mask, "old_logprobs": old, "advantages": advantages}
-    assert _actor_loss(config, log_prob, batch).item() == pytest.approx(want.item(), rel=1e-12)
-    loss_fn, total, count = actor_loss_fn(_LogProbWorker(), 0, 1.0, config), 0.0, 0
+    assert actor_loss(config, log_prob, batch).item() == pytest.approx(want.item(), rel=1e-12)
+    loss_fn, total, count = logprob_loss_fn(config), 0.0, 0
     for rows in (slice(0, 2), slice(2, None)):
         scaled, rows_count, _ = loss_fn(log_prob[rows], {k: v[rows] for k, v in batch.items()})
         total, count = total + scaled, count + rows_count
@@ -204,7 +191,7 @@ def test_a_registered_loss_is_selected_by_the_config(registered: str) -> None:
     log_prob, old, advantages, mask = _random_batch(3)
     batch = {"response_mask": mask, "old_logprobs": old, "advantages": advantages}
     want, _ = reinforce_loss(log_prob, old, advantages, mask, run.algorithm)
-    assert _actor_loss(run.algorithm, log_prob, batch).item() == pytest.approx(want.item(),
+    assert actor_loss(run.algorithm, log_prob, batch).item() == pytest.approx(want.item(),
                                                                                rel=1e-12)
     with pytest.raises(ValueError, match=r"does not fit policy_loss\('reinforce'\)"):
         PPOAlgorithmConfig(policy_loss=registered, loss_aggregation="seq_mean_token_mean")

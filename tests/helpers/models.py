@@ -63,3 +63,17 @@ def assert_hf_mapping_round_trips(hf_dir: Path):
     assert back.keys() == hf_state.keys(), hf_dir
     assert all(torch.equal(back[name], tensor) for name, tensor in hf_state.items()), hf_dir
     return description, hf_state, full
+
+
+def random_lora_b(model, pgc) -> dict[str, torch.Tensor]:
+    """Give every ``B`` layout-independent random values; return the model's full state."""
+    from megatron_rlhf.models.lora import is_adapter_param
+    from megatron_rlhf.models.weights import gather_full_state, load_full_state
+
+    full = gather_full_state(model, pgc)
+    generator = torch.Generator().manual_seed(11)
+    for name in sorted(full):
+        if is_adapter_param(name) and name.endswith("lora_b"):
+            full[name] = torch.randn(full[name].shape, generator=generator) * 0.05
+    load_full_state(model, pgc, full)
+    return full

@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.helpers.models import random_lora_b
 from tests.model_fixtures import TinyArch, whole_world_groups
 from tests.models.batches import GLOBAL_BATCH, global_batch
 from tests.multirank import run_on_ranks
@@ -111,20 +112,6 @@ def _build(pgc, sequence_parallel: bool):
     return model
 
 
-def _random_b(model, pgc) -> dict[str, torch.Tensor]:
-    """Give every ``B`` layout-independent random values; return the model's full state."""
-    from megatron_rlhf.models.lora import is_adapter_param
-    from megatron_rlhf.models.weights import gather_full_state, load_full_state
-
-    full = gather_full_state(model, pgc)
-    generator = torch.Generator().manual_seed(11)
-    for name in sorted(full):
-        if is_adapter_param(name) and name.endswith("lora_b"):
-            full[name] = torch.randn(full[name].shape, generator=generator) * 0.05
-    load_full_state(model, pgc, full)
-    return full
-
-
 def _merged(full: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
     """The dense full state ``W + scaling * B A`` of a full state with adapters."""
     from megatron_rlhf.models.lora import is_adapter_param
@@ -167,7 +154,7 @@ def _check_layout(tp: int, sequence_parallel: bool, distributed_optimizer: bool)
     assert torch.equal(_logprobs(model, pgc, probe), base_logprobs), "zero B changes the model"
     assert all(p.requires_grad == is_adapter_param(n) for n, p in model.named_parameters())
 
-    full = _random_b(model, pgc)
+    full = random_lora_b(model, pgc)
     assert not torch.equal(_logprobs(model, pgc, probe), base_logprobs)
     with adapters_disabled(model):
         assert torch.equal(_logprobs(model, pgc, probe), base_logprobs)
@@ -239,7 +226,7 @@ def _checkpoint_round_trip(directory: str) -> None:
     pgc = whole_world_groups(2, 1)
     model = _build(pgc, sequence_parallel=False)
     apply_lora(model, _config(), seed=3)
-    saved = _random_b(model, pgc)
+    saved = random_lora_b(model, pgc)
     save_model_checkpoint(model, pgc, directory, {"role": "actor"})
 
     single = whole_world_groups(1, 1)
@@ -292,7 +279,7 @@ def _expert_adapters() -> None:
     adapted = apply_lora(model, config, seed=3)
     assert sum(".local_experts." in name for name in adapted) == 2 * 2 * 2  # 2 layers, 2 here
     assert torch.equal(_logprobs(model, pgc, probe), base_logprobs)
-    full = _random_b(model, pgc)
+    full = random_lora_b(model, pgc)
     assert sum(name.endswith("lora_b") and ".local_experts." in name for name in full) == 16
 
     dense = _moe_model(pgc)
@@ -330,7 +317,7 @@ def _replicas_after_dropout() -> list[str]:
     pgc = whole_world_groups(2, 1)
     model = _build(pgc, sequence_parallel=False)
     apply_lora(model, _config(dropout=0.3), seed=3)
-    _random_b(model, pgc)
+    random_lora_b(model, pgc)
     trainer = ModelTrainer(model, pgc, OptimizerSettings(lr=1e-2, clip_grad=0.0))
     trainer.train_step(_my_microbatches(pgc, 0), _nll(pgc, model.real_vocab_size))
     differ = []

@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers.models import full_logits
+from tests.helpers.models import full_logits, random_lora_b
 from tests.model_fixtures import whole_world_groups
-from tests.models.test_lora import _random_b
 from tests.multirank import run_on_ranks
 from tools.make_tiny_hf import make_hf_model
 
@@ -37,8 +37,11 @@ def _batch() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-def _export(base: str, out: str) -> torch.Tensor:
-    """Megatron logits of the adapted model; rank 0 writes the adapter and the merged model."""
+def _export(base: str, out: str) -> np.ndarray:
+    """Megatron logits of the adapted model; rank 0 writes the adapter and the merged model.
+
+    Returned as a numpy array: a tensor would come back through shared memory that is gone
+    once the rank has exited."""
     import torch.distributed as dist
 
     from megatron_rlhf.models.gpt import build_gpt_model
@@ -65,7 +68,7 @@ def _export(base: str, out: str) -> torch.Tensor:
     load_full_state(model, pgc, hf_to_full_state(load_hf_state(base), description))
     config = LoRAConfig(rank=4, alpha=8.0)
     apply_lora(model, config, seed=5)
-    full = _random_b(model, pgc)
+    full = random_lora_b(model, pgc)
     logits = full_logits(model, pgc, _batch())
     if dist.get_rank() == 0:
         save_peft_adapter(f"{out}/adapter", full, description, config, base=base)
@@ -86,7 +89,7 @@ def _export(base: str, out: str) -> torch.Tensor:
         assert "has r=4, but models.lora.rank=8" in str(error), error
     else:
         raise AssertionError("a rank mismatch was not refused")
-    return logits
+    return logits.numpy()
 
 
 @pytest.mark.multirank
@@ -95,8 +98,8 @@ def test_peft_adapter_and_merged_model_reproduce_the_logits(tmp_path: Path) -> N
 
     base = tmp_path / "base"
     make_hf_model(base, "LlamaConfig", "LlamaForCausalLM", 3, **_SIZES)
-    logits = run_on_ranks(_export, world_size=2, args=(str(base), str(tmp_path)),
-                          timeout_s=120)[0]
+    logits = torch.from_numpy(run_on_ranks(_export, world_size=2, args=(str(base), str(tmp_path)),
+                                           timeout_s=120)[0])
 
     adapter = tmp_path / "adapter"
     names = load_file(adapter / "adapter_model.safetensors")
