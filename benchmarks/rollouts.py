@@ -77,15 +77,15 @@ from megatron_rlhf.topology.models import ArchSpec  # noqa: E402
 ON_GPU = torch.cuda.is_available()
 GPU_SHAPES = {
     "1.1b": dict(num_layers=22, hidden_size=2048, num_attention_heads=32, num_query_groups=4,
-                 ffn_hidden_size=5632, vocab_size=32000),
+                 ffn_hidden_size=5632, vocab_size=32000, gated_mlp=True),
     "7b": dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=32,
-               ffn_hidden_size=11008, vocab_size=32000),
+               ffn_hidden_size=11008, vocab_size=32000, gated_mlp=True),
 }
 LOOPS_SHAPE = dict(num_layers=4, hidden_size=512, num_attention_heads=8, num_query_groups=4,
-                   ffn_hidden_size=1408, vocab_size=32000)
+                   ffn_hidden_size=1408, vocab_size=32000, gated_mlp=True)
 """The fp32 static-against-continuous comparison's model on a GPU (``loops_fp32``)."""
 DRY_RUN_SHAPE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                     ffn_hidden_size=128, vocab_size=256)
+                     ffn_hidden_size=128, vocab_size=256, gated_mlp=True)
 
 
 def _sync() -> None:
