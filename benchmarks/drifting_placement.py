@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from whole_runs import REPO, execute, metrics_records, torchrun  # noqa: E402
+
 CONFIG = REPO / "examples" / "drifting" / "drifting_lengths.yaml"
 RUNS = {
     "flattening": ["placement.strategy=flattening"],
@@ -46,30 +47,6 @@ RUNS = {
     "separation-async": ["placement.strategy=separation", "rollout.async_rollout=true"],
     "replan": ["placement.strategy=flattening", "placement.replan.move=true"],
 }
-
-
-def command(script: str, ranks: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-            str(ranks), str(REPO / "tools" / script), *args]
-
-
-def execute(argv: list[str], log: Path) -> float:
-    """Run ``argv`` from the repository (the user module on ``PYTHONPATH``, one thread per
-    rank); returns its wall seconds."""
-    path = os.pathsep.join(filter(None, [str(CONFIG.parent), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    begin = time.perf_counter()
-    with log.open("w") as out:
-        done = subprocess.run(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-    seconds = time.perf_counter() - begin
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): see {log}")
-    return seconds
-
-
-def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if line.strip()]
 
 
 def phase(steps: list[dict]) -> dict:
@@ -98,7 +75,7 @@ def history(run_dir: Path) -> dict:
 
 
 def summarise(run_dir: Path, wall: float, block: int) -> dict:
-    rows = [r for r in records(run_dir) if "step_seconds" in r]
+    rows = [r for r in metrics_records(run_dir) if "step_seconds" in r]
     summary = {"wall_s": round(wall, 2),
                "steps_s": round(sum(r["step_seconds"] for r in rows), 2),
                "step0_s": round(rows[0]["step_seconds"], 2),
@@ -126,9 +103,9 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     sft = args.sft.absolute() if args.sft else out / "sft"
     if not args.sft:
-        execute(command("train_sft.py", 1, "--config", str(REPO / "examples" /
+        execute(torchrun("train_sft.py", 1, "--config", str(REPO / "examples" /
                                                            "sft_arithmetic.yaml"),
-                        f"out_dir={sft}"), out / "sft.log")
+                        f"out_dir={sft}"), out / "sft.log", pythonpath=(CONFIG.parent,))
     profile = args.profile.absolute() if args.profile else out / "profile.json"
     if not args.profile:
         done = subprocess.run([sys.executable, str(REPO / "tools" / "calibrate.py"), "--name",
@@ -146,8 +123,8 @@ def main(argv: list[str] | None = None) -> None:
         if name == "replan":
             overrides += [f"placement.replan.interval_steps={args.interval}",
                           "placement.replan.warmup_steps=1"]
-        wall = execute(command("run_ppo.py", args.ranks, "--config", str(CONFIG), *overrides),
-                       out / f"{name}.log")
+        wall = execute(torchrun("run_ppo.py", args.ranks, "--config", str(CONFIG), *overrides),
+                       out / f"{name}.log", pythonpath=(CONFIG.parent,))
         results[name] = summarise(run_dir, wall, args.block)
     print(json.dumps({"ranks": args.ranks, "steps": args.steps, "interval": args.interval,
                       "overrides": args.overrides, "profile": str(profile), "runs": results}))

@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from whole_runs import REPO, execute, metrics_records, torchrun  # noqa: E402
+
 CONFIG = REPO / "examples" / "long_tail" / "long_tail.yaml"
 RUNS = {
     "flattening": ["placement.strategy=flattening"],
@@ -53,18 +53,6 @@ RUNS = {
 }
 COMPUTE_STAGES = {"generate", "experience", "advantages", "train"}
 """As benchmarks/placements.py: the stages that compute; the rest is waiting."""
-
-
-def execute(argv: list[str], log: Path) -> float:
-    """Run ``argv`` from the repository, one thread per rank; returns its wall seconds."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    begin = time.perf_counter()
-    with log.open("w") as out:
-        done = subprocess.run(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-    seconds = time.perf_counter() - begin
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): see {log}")
-    return seconds
 
 
 def busy_seconds(spans: list[tuple[float, float]], begin: float, end: float) -> float:
@@ -104,9 +92,7 @@ def idle_fractions(events: list[dict]) -> dict[str, float]:
 
 def summarise(run_dir: Path, rows: int) -> dict:
     """What a run measured, after its first step."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-               if line.strip()]
-    steps = [r for r in records if "step_seconds" in r][1:]
+    steps = [r for r in metrics_records(run_dir) if "step_seconds" in r][1:]
 
     def mean(key: str) -> float | None:
         values = [r[key] for r in steps if key in r]
@@ -146,10 +132,9 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
     for name in args.runs:
         run_dir = out / name
-        argv_run = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    "--nproc-per-node", str(args.ranks), str(REPO / "tools" / "run_ppo.py"),
-                    "--config", str(CONFIG), *RUNS[name], *args.overrides,
-                    f"steps={args.steps}", "trace=true", f"run_dir={run_dir}"]
+        argv_run = torchrun("run_ppo.py", args.ranks, "--config", str(CONFIG), *RUNS[name],
+                            *args.overrides, f"steps={args.steps}", "trace=true",
+                            f"run_dir={run_dir}")
         wall = execute(argv_run, out / f"{name}.log")
         results[name] = {"wall_s": round(wall, 2), **summarise(run_dir, rows)}
     print(json.dumps({"benchmark": "long_tail", "ranks": args.ranks, "steps": args.steps,

@@ -14,3 +14,18 @@ def global_batch(step: int) -> dict[str, torch.Tensor]:
     lengths = torch.randint(3, 13, (GLOBAL_BATCH,), generator=generator)
     mask = (torch.arange(12)[None] < lengths[:, None]).long()
     return {"input_ids": ids, "attention_mask": mask}
+
+
+def nll_loss_fn(pgc, vocab: int):
+    """A loss function for ``run_microbatches``/``train_step``: the summed next-token NLL of a
+    batch's real tokens under TP-sharded logits over ``vocab`` real columns."""
+    from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
+
+    def loss_fn(logits, batch):
+        logprobs, _ = vocab_parallel_logprobs(logits[:, :-1], batch["input_ids"][:, 1:], pgc.tp,
+                                              vocab)
+        mask = batch["attention_mask"][:, 1:].float()
+        nll = -(logprobs * mask).sum()
+        return nll, mask.sum().int(), {"nll_sum": nll.detach()}
+
+    return loss_fn

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tests.model_fixtures import TinyArch, whole_world_groups
-from tests.models.batches import GLOBAL_BATCH, global_batch
+from tests.models.batches import GLOBAL_BATCH, global_batch, nll_loss_fn
 from tests.multirank import run_on_ranks
 
 STEPS = 3
@@ -55,18 +55,8 @@ def _train(fsdp: bool, tp: int
 
 def _steps(trainer, steps) -> tuple[list[float], list[float]]:
     """Train on the global batches of ``steps``, this DP rank's share of each."""
-    from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
-
     pgc = trainer.pg_collection
-    vocab = trainer.model.real_vocab_size
-
-    def loss_fn(logits, batch):
-        logprobs, _ = vocab_parallel_logprobs(logits[:, :-1], batch["input_ids"][:, 1:], pgc.tp,
-                                              vocab)
-        mask = batch["attention_mask"][:, 1:].float()
-        nll = -(logprobs * mask).sum()
-        return nll, mask.sum().int(), {"nll_sum": nll.detach()}
-
+    loss_fn = nll_loss_fn(pgc, trainer.model.real_vocab_size)
     per_replica = GLOBAL_BATCH // pgc.dp.size()
     start = pgc.dp.rank() * per_replica
     losses, norms = [], []

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from tests.helpers.models import random_lora_b
 from tests.model_fixtures import TinyArch, whole_world_groups
-from tests.models.batches import GLOBAL_BATCH, global_batch
+from tests.models.batches import GLOBAL_BATCH, global_batch, nll_loss_fn
 from tests.multirank import run_on_ranks
 
 GRAD_RTOL = 1e-4
@@ -82,17 +82,6 @@ def _logprobs(model, pgc, batch) -> torch.Tensor:
     return metrics[0]["logprobs"]
 
 
-def _nll(pgc, vocab):
-    from megatron_rlhf.models.logprobs import vocab_parallel_logprobs
-
-    def loss_fn(logits, batch):
-        logprobs, _ = vocab_parallel_logprobs(logits[:, :-1], batch["input_ids"][:, 1:], pgc.tp,
-                                              vocab)
-        mask = batch["attention_mask"][:, 1:].float()
-        nll = -(logprobs * mask).sum()
-        return nll, mask.sum().int(), {"nll_sum": nll.detach()}
-
-    return loss_fn
 
 
 def _my_microbatches(pgc, step: int):
@@ -175,8 +164,8 @@ def _check_layout(tp: int, sequence_parallel: bool, distributed_optimizer: bool)
     assert sum(b.numel() for b in trainer.gradient_buffers()) < 2 * adapter_numel
 
     microbatches = _my_microbatches(pgc, 0)
-    assert trainer.train_step(microbatches, _nll(pgc, model.real_vocab_size))["update_successful"]
-    dense_trainer.train_step(microbatches, _nll(pgc, dense.real_vocab_size))
+    assert trainer.train_step(microbatches, nll_loss_fn(pgc, model.real_vocab_size))["update_successful"]
+    dense_trainer.train_step(microbatches, nll_loss_fn(pgc, dense.real_vocab_size))
 
     grads = gather_full_state(model, pgc, use_grads=True)
     dense_grads = gather_full_state(dense, pgc, use_grads=True)
@@ -287,7 +276,7 @@ def _expert_adapters() -> None:
     trainers = [ModelTrainer(m, pgc, OptimizerSettings(lr=1e-2, clip_grad=0.0))
                 for m in (model, dense)]
     for trainer in trainers:
-        trainer.train_step(_my_microbatches(pgc, 0), _nll(pgc, model.real_vocab_size))
+        trainer.train_step(_my_microbatches(pgc, 0), nll_loss_fn(pgc, model.real_vocab_size))
     grads, dense_grads = (gather_full_state(m, pgc, use_grads=True) for m in (model, dense))
     for name in full:
         if name.endswith(".adapter.lora_a"):
@@ -319,7 +308,7 @@ def _replicas_after_dropout() -> list[str]:
     apply_lora(model, _config(dropout=0.3), seed=3)
     random_lora_b(model, pgc)
     trainer = ModelTrainer(model, pgc, OptimizerSettings(lr=1e-2, clip_grad=0.0))
-    trainer.train_step(_my_microbatches(pgc, 0), _nll(pgc, model.real_vocab_size))
+    trainer.train_step(_my_microbatches(pgc, 0), nll_loss_fn(pgc, model.real_vocab_size))
     differ = []
     for name, param in model.named_parameters():
         if name.endswith(("lora_a", "lora_b")) and not getattr(param, "tensor_model_parallel",
