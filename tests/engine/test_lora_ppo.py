@@ -149,6 +149,7 @@ def _resume(root: str) -> tuple[list[dict], list[dict]] | None:
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(360)
 def test_a_run_with_adapters_resumes_bit_exactly(tmp_path: Path) -> None:
     uninterrupted, resumed = run_on_ranks(_resume, world_size=2, args=(str(tmp_path),),
                                           timeout_s=300)[0]

@@ -73,7 +73,7 @@ def _runs() -> dict:
 
 
 @pytest.mark.multirank
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(340)
 def test_off_policy_corrections_in_synchronous_and_asynchronous_separation() -> None:
     per_rank = run_on_ranks(_runs, world_size=2, timeout_s=280)
     results = per_rank[0]

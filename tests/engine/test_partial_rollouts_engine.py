@@ -74,7 +74,7 @@ def _runs() -> dict:
 
 
 @pytest.mark.multirank
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(340)
 def test_partial_rollouts_equal_today_without_spanning_and_hand_over_inside_a_round() -> None:
     per_rank = run_on_ranks(_runs, world_size=2, timeout_s=280)
     results = per_rank[0]
