@@ -18,7 +18,7 @@ from tests.multirank import run_on_ranks
 STEPS = 2
 
 
-def _run(partial: bool, slow: str, handover_check: int = 0) -> list[dict]:
+def _run(partial: bool, slow: str, handover_check: int = 0, shadow_tp: int = 1) -> list[dict]:
     import time
 
     import torch
@@ -36,7 +36,8 @@ def _run(partial: bool, slow: str, handover_check: int = 0) -> list[dict]:
     prompts = [torch.randint(4, 500, (int(n),), generator=generator).tolist()
                for n in torch.randint(2, 9, (4 * STEPS,), generator=generator)]
     config = RunConfig(
-        placement=PlacementConfig(strategy="separation"),
+        placement=PlacementConfig(strategy="separation",
+                                  parallel={"shadow_actor": {"tp": shadow_tp}}),
         models=ModelsConfig(arch="tiny", init_seed=9),
         rollout=RolloutConfig(prompts_per_step=4, samples_per_prompt=2, max_prompt_length=8,
                               micro_batch_size=2, num_minibatches=2, async_rollout=True,
@@ -98,6 +99,23 @@ def test_partial_rollouts_equal_today_without_spanning_and_hand_over_inside_a_ro
     assert fixed == again, "a fixed hand-over is reproducible bit for bit"
     assert fixed[1]["rollout/staleness_mean"] == pytest.approx(5 / 12)
     assert fixed[1]["rollout/partial_fraction"] == 1.0
+
+
+def _spanning_at_tp2() -> list[dict]:
+    from megatron_rlhf.runtime.bootstrap import initialize_runtime
+
+    initialize_runtime()
+    return _run(True, "generation", shadow_tp=2)
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(200)
+def test_a_tensor_parallel_shadow_takes_the_weights_at_one_stop_check() -> None:
+    """The shadow's TP ranks agree on the stop check that takes the weights (a collective on
+    its TP group): their decode steps stay in step and every rank reports the same metrics."""
+    per_rank = run_on_ranks(_spanning_at_tp2, world_size=4, timeout_s=160)
+    assert all(metrics == per_rank[0] for metrics in per_rank[1:])
+    assert per_rank[0][1]["rollout/partial_fraction"] > 0.0
 
 
 @pytest.mark.parametrize("changes,match", [

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.engine.execution.ppo_engine import PPOEngine
+from megatron_rlhf.runtime.device import comm_device
 from megatron_rlhf.runtime.patches import default_group_store
 
 
@@ -70,10 +71,12 @@ class WeightHandover:
                     time.sleep(0.001)
                 self._sync()
                 return True
-            ready = torch.tensor([int(self.store.add(self.key, 0) >= self.trainers)])
-            if dist.get_world_size(tp_group) > 1:
-                dist.all_reduce(ready, op=dist.ReduceOp.MAX, group=tp_group)
-            if not ready.item():
+            ready = int(self.store.add(self.key, 0) >= self.trainers)
+            if dist.get_world_size(tp_group) > 1:  # the TP ranks take the weights together
+                agreed = torch.tensor([ready], device=comm_device(tp_group))
+                dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=tp_group)
+                ready = int(agreed.item())
+            if not ready:
                 return False
             self._sync()
             return True
