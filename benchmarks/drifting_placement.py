@@ -38,13 +38,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from whole_runs import REPO, execute, metrics_records, torchrun  # noqa: E402
+from whole_runs import (  # noqa: E402
+    PLACEMENT_RUNS,
+    REPO,
+    execute,
+    metrics_records,
+    torchrun,
+)
 
 CONFIG = REPO / "examples" / "drifting" / "drifting_lengths.yaml"
 RUNS = {
-    "flattening": ["placement.strategy=flattening"],
-    "separation": ["placement.strategy=separation"],
-    "separation-async": ["placement.strategy=separation", "rollout.async_rollout=true"],
+    **PLACEMENT_RUNS,
     "replan": ["placement.strategy=flattening", "placement.replan.move=true"],
 }
 

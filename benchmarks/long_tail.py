@@ -36,13 +36,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from whole_runs import REPO, execute, metrics_records, torchrun  # noqa: E402
+from whole_runs import (  # noqa: E402
+    PLACEMENT_RUNS,
+    REPO,
+    execute,
+    metrics_records,
+    torchrun,
+)
 
 CONFIG = REPO / "examples" / "long_tail" / "long_tail.yaml"
 RUNS = {
-    "flattening": ["placement.strategy=flattening"],
-    "separation": ["placement.strategy=separation"],
-    "separation-async": ["placement.strategy=separation", "rollout.async_rollout=true"],
+    **PLACEMENT_RUNS,
     "separation-async-decoupled": ["placement.strategy=separation", "rollout.async_rollout=true",
                                    "algorithm.off_policy=decoupled"],
     "separation-async-reuse": ["placement.strategy=separation", "rollout.async_rollout=true",

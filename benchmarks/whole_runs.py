@@ -10,6 +10,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+PLACEMENT_RUNS = {
+    "flattening": ["placement.strategy=flattening"],
+    "separation": ["placement.strategy=separation"],
+    "separation-async": ["placement.strategy=separation", "rollout.async_rollout=true"],
+}
+"""The static placements the whole-run benchmarks compare, as overrides."""
 
 
 def torchrun(script: str, ranks: int, *args: str) -> list[str]:

@@ -4,6 +4,7 @@ first while the others wait for its verdict, megatron-core not yet imported."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import time
@@ -47,15 +48,20 @@ def test_without_torchrun_every_rank_checks_at_once(monkeypatch: pytest.MonkeyPa
     assert capsys.readouterr().err == "run_ppo: rank 1: bad configuration: x\n"
 
 
-def test_the_entry_point_imports_no_megatron_core_before_the_verdict() -> None:
-    """Every rank imports ``tools/run_ppo.py`` before rank 0's verdict: megatron-core (about 2 s
-    a process, more with several ranks on few cores) is imported only after it."""
-    code = ("import sys; sys.path.insert(0, 'tools'); import run_ppo; "
+def _megatron_modules_after(statement: str) -> list[str]:
+    """The megatron-core modules a fresh interpreter holds after running ``statement``."""
+    code = (f"import sys; {statement}; "
             "print(sorted(m for m in sys.modules if m.startswith('megatron.')))")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=tool_env(),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+    return ast.literal_eval(done.stdout.strip())
+
+
+def test_the_entry_point_imports_no_megatron_core_before_the_verdict() -> None:
+    """Every rank imports ``tools/run_ppo.py`` before rank 0's verdict: megatron-core (about 2 s
+    a process, more with several ranks on few cores) is imported only after it."""
+    assert _megatron_modules_after("import sys; sys.path.insert(0, 'tools'); import run_ppo") == []
 
 
 def test_the_ppo_configuration_imports_without_megatron_core() -> None:
@@ -66,12 +72,7 @@ def test_the_ppo_configuration_imports_without_megatron_core() -> None:
     done), 5 runs each, alternating, on the 2-core machine shared with other work (load 3-4):
     with megatron-core imported by the configuration 6.0-11.3 s (median 9.9) / 8.3-13.8 s
     (13.5); without it 4.9-7.5 s (median 6.6) / 6.1-9.9 s (8.5)."""
-    code = ("import sys; import megatron_rlhf.config.ppo_run; "
-            "print(sorted(m for m in sys.modules if m.startswith('megatron.')))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=tool_env(),
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+    assert _megatron_modules_after("import megatron_rlhf.config.ppo_run") == []
 
 
 @pytest.mark.multirank
