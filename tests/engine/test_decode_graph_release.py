@@ -101,6 +101,7 @@ def _release_job() -> dict:
     from megatron_rlhf.engine.run.move import LiveRun, drop_run
     from megatron_rlhf.generation.continuous import decode_graphs
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
+    from megatron_rlhf.runtime.context import RunContext
     from megatron_rlhf.testing.graph_standin import EMULATE_ENV
     from tests.generation.helpers import build_tiny
 
@@ -123,7 +124,8 @@ def _release_job() -> dict:
     model_ref = weakref.ref(model)
     closed = []  # one rank: no transfer channel, only their closing to see
     engine = SimpleNamespace(workers={"shadow_actor": worker},
-                             channels=SimpleNamespace(close=lambda: closed.append(True)))
+                             channels=SimpleNamespace(close=lambda: closed.append(True)),
+                             context=RunContext())
     live = LiveRun(SimpleNamespace(engine=engine), None, None)
     held = model  # the old model is still referred to elsewhere
     del model, worker, kept, engine

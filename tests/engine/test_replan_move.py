@@ -6,6 +6,8 @@ metrics equal, bit for bit, those of runs resumed at the new placement from chec
 same steps; no step is lost; the history records each move with its seconds. A run saving
 into a save dir, SIGKILLed while its second move builds the new placement (its checkpoint
 complete), resumes from that checkpoint with the same results. PPO (with a critic) and GRPO.
+An asynchronous run rebuilt in place keeps the experience produced ahead, and its old models
+are freed (no reference keeps them) before the new placement builds.
 """
 
 from __future__ import annotations
@@ -175,31 +177,52 @@ def test_a_moved_run_equals_runs_resumed_at_each_placement(tmp_path: Path,
 
 def _async_runs(root: str, profile: str) -> dict:
     """An asynchronous separation run, plain and rebuilt in place after step 1 (while the
-    shadows hold step 2's experience, produced with the weights before step 1's update)."""
+    shadows hold step 2's experience, produced with the weights before step 1's update). At
+    the rebuild's teardown, before the new placement builds, no reference may keep this rank's
+    old models (with their parameters, optimizer state and KV memory) alive."""
+    import gc
+    import weakref
+
     import torch.distributed as dist
 
+    from megatron_rlhf.engine.run import move
     from megatron_rlhf.engine.run.runner import run_ppo
     from megatron_rlhf.testing.run_hooks import forcing_moves
+
+    held: list[list[str]] = []
+    drop_run = move.drop_run
+
+    def recording_drop(live) -> None:
+        models = {role: weakref.ref(worker.model)
+                  for role, worker in live.run.engine.workers.items()}
+        drop_run(live)
+        gc.collect()
+        held.append(sorted(role for role, model in models.items() if model() is not None))
 
     base = ["placement.strategy=separation", "rollout.async_rollout=true",
             "rollout.max_staleness=1"]
     run_ppo(_config(root, "A", 4, "ppo", base))
+    move.drop_run = recording_drop
     with forcing_moves({1: SEPARATION}):
         run_ppo(_config(root, "B", 4, "ppo", [
             *base, "placement.replan.interval_steps=1", f"placement.replan.profile={profile}",
             "placement.replan.move=true"]))
+    move.drop_run = drop_run
     if dist.get_rank() != 0:
-        return {}
+        return {"held": held}
     history = (Path(root) / "B" / "plan_history.jsonl").read_text().splitlines()
-    return {"A": _records(root, "A"), "B": _records(root, "B"),
+    return {"A": _records(root, "A"), "B": _records(root, "B"), "held": held,
             "moves": [json.loads(line)["moved"] for line in history if '"moved"' in line]}
 
 
 @pytest.mark.multirank
 @pytest.mark.timeout(240)
 def test_a_move_keeps_the_experience_produced_ahead(tmp_path: Path) -> None:
-    out = run_on_ranks(_async_runs, world_size=2, args=(str(tmp_path), _profile(tmp_path)),
-                       timeout_s=180)[0]
+    per_rank = run_on_ranks(_async_runs, world_size=2, args=(str(tmp_path),
+                                                             _profile(tmp_path)), timeout_s=180)
+    # the old models were freed before the new placement built, on every rank
+    assert [rank["held"] for rank in per_rank] == [[[]], [[]]]
+    out = per_rank[0]
     assert len(out["moves"]) == 1 and out["moves"][0]["state"] == "memory"
     assert [record["step"] for record in out["B"]] == [0, 1, 2, 3]
     for plain, moved in zip(out["A"], out["B"], strict=True):

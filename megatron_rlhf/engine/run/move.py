@@ -80,11 +80,17 @@ def drop_run(live: LiveRun) -> None:
     """Drop ``live``'s run, evaluator and exporter and free their device memory: the transfer
     channels drain and end their thread (nothing in flight when the groups are destroyed), and
     the decode graphs and KV caches its generating models kept go first, so they are freed
-    even where something else still refers to a model."""
-    live.run.engine.channels.close()
-    for worker in live.run.engine.workers.values():
+    even where something else still refers to a model. The run context's memory meter is
+    replaced: the old one tracks the old models' state, and would keep it allocated while the
+    new placement builds."""
+    engine = live.run.engine
+    engine.channels.close()
+    for worker in engine.workers.values():
         worker.release_decode_graphs()
+    meter = engine.context.memory
+    engine.context.memory = MemoryMeter(enabled=meter.enabled, cuda=meter.cuda)
     live.run = live.evaluator = live.exporter = None
+    del engine, meter
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -153,7 +159,6 @@ class PlacementMover:
         begin = time.perf_counter()
         with context.stage("move/teardown"):
             drop_run(live)
-            context.memory = MemoryMeter(enabled=context.memory.enabled, cuda=context.memory.cuda)
             destroyed = destroy_groups_since(self.kept_groups)
         seconds["teardown_s"] = time.perf_counter() - begin
         begin = time.perf_counter()
