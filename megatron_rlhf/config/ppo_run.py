@@ -853,6 +853,7 @@ class RunConfig:
             with _naming_critic_free_estimators():
                 self.placement = replace(placement, critic=False)
         self._fit_reward_model()
+        self._fit_reference_model()
         self._check_reward_source()
         self._check_partial_rollouts()
         with _naming_critic_free_estimators():
@@ -899,6 +900,18 @@ class RunConfig:
                 "reward.model_weight)")
         if weight == 0 and self.placement.reward:
             self.placement = replace(self.placement, reward=False)
+
+    def _fit_reference_model(self) -> None:
+        """Place no reference model when the actor's base gives the reference log-probs (LoRA
+        on the actor: its adapters switched off)."""
+        base_is_reference = self.models.lora.applies_to(ACTOR)
+        if not base_is_reference and not self.placement.reference:
+            raise ValueError(
+                "placement.reference=false places no reference model, which only LoRA on the "
+                "actor can spare (its base is then the reference): set models.lora.rank > 0, or "
+                "leave placement.reference alone (it follows models.lora)")
+        if base_is_reference and self.placement.reference:
+            self.placement = replace(self.placement, reference=False)
 
     def _check_partial_rollouts(self) -> None:
         """What partial rollouts need beyond the rollout section (``RolloutConfig``)."""

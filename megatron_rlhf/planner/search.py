@@ -54,8 +54,8 @@ ArchLike = str | ArchSpec
 DEFAULT_RATIO_GRID = ((1.0, 1.0, 0.25, 0.25), (1.0, 1.0, 0.5, 0.25), (1.0, 1.0, 0.25, 0.5),
                       (0.5, 0.5, 0.25, 0.25))
 """Custom ratio vectors over [actor, critic, ref, reward] tried besides the presets (without a
-critic, the critic entry is dropped; without a reward model, vectors that differ only in the reward
-entry are tried once)."""
+critic, the critic entry is dropped; without a reward or reference model, vectors that differ only
+in its entry are tried once)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,8 @@ class SearchSpace:
             estimators (grpo, rloo, reinforce++), without interleaving2.
         reward: plan a reward model at all; False prices a step scored by rules and reward
             functions alone (``reward.model_weight=0``).
+        reference: plan a reference model at all; False prices a step whose reference
+            log-probs come from the actor's base (LoRA on the actor).
         distributed_optimizer: shard optimizer state over DP (never costs time, saves memory).
         memory_options: the memory options the planner may add to every candidate
             (``memory.MEMORY_OPTIONS``).
@@ -93,6 +95,7 @@ class SearchSpace:
     ac_share: bool = False
     critic: bool = True
     reward: bool = True
+    reference: bool = True
     distributed_optimizer: bool = True
     memory_options: tuple[str, ...] = MEMORY_OPTIONS
 
@@ -194,18 +197,21 @@ def candidate_configs(cluster: ClusterSpec, models: ArchLike | Mapping[str, Arch
         return space.strategies is None or strategy in space.strategies
 
     common = {"ac_share": space.ac_share, "critic": space.critic, "reward": space.reward,
-              "distributed_optimizer": space.distributed_optimizer}
+              "reference": space.reference, "distributed_optimizer": space.distributed_optimizer}
     with_critic = space.critic and not space.ac_share
     shadow_roles = ("shadow_actor", "shadow_critic") if with_critic else ("shadow_actor",)
     presets = (FLATTENING, INTERLEAVING, INTERLEAVING2) if space.critic else (FLATTENING,
                                                                                 INTERLEAVING)
     grid = ([list(r) for r in space.ratio_grid] if space.critic
             else list(dict.fromkeys((r[0], r[2], r[3]) for r in space.ratio_grid)))
-    if not space.reward:  # the reward entry is unused: one vector per placed roles' ratios
-        firsts: dict[tuple, list[float]] = {}
-        for ratios in grid:
-            firsts.setdefault(tuple(ratios[:-1]), list(ratios))
-        grid = list(firsts.values())
+    # the ref and reward entries of a list are unused when those models are not placed: one
+    # vector per placed roles' ratios
+    placed = (space.reference, space.reward)
+    firsts: dict[tuple, list[float]] = {}
+    for ratios in grid:
+        key = (*ratios[:-2], *(r for r, kept in zip(ratios[-2:], placed, strict=True) if kept))
+        firsts.setdefault(key, list(ratios))
+    grid = list(firsts.values())
     found: list[PlacementConfig] = []
     for tp in tps:
         for pp in pps:
@@ -214,10 +220,11 @@ def candidate_configs(cluster: ClusterSpec, models: ArchLike | Mapping[str, Arch
             if wanted(INTERLEAVING) and pp // 2 in pps:
                 # ref and reward each get half the devices: half the pipeline lets the trainers
                 # keep a deep one (llama-65b on 2x8 fits only so).
-                halves = {role: ParallelOverride(pp=pp // 2)
-                          for role in ((REF, REWARD) if space.reward else (REF,))}
-                found.append(PlacementConfig(INTERLEAVING, tp=tp, pp=pp, parallel=halves,
-                                             **common))
+                halves = {role: ParallelOverride(pp=pp // 2) for role, placed in
+                          ((REF, space.reference), (REWARD, space.reward)) if placed}
+                if halves:
+                    found.append(PlacementConfig(INTERLEAVING, tp=tp, pp=pp, parallel=halves,
+                                                 **common))
             if wanted(CUSTOM):
                 found += [PlacementConfig(CUSTOM, ratios=list(r), tp=tp, pp=pp, **common)
                           for r in grid]
@@ -249,8 +256,9 @@ def describe(plan: PlacementPlan) -> str:
     elif config.strategy == SEPARATION:
         name += f"({actor.size}/{plan.world_size} train)"
     label = f"{name} tp={actor.tp} pp={actor.pp}"
-    if plan[REF].pp != actor.pp:
-        label += f" ref_pp={plan[REF].pp}"
+    inference = next((plan[role] for role in (REF, REWARD) if role in plan.models), actor)
+    if inference.pp != actor.pp:
+        label += f" {inference.role}_pp={inference.pp}"
     if "shadow_actor" in plan.models:
         label += f" shadow_tp={plan['shadow_actor'].tp}"
     ep = max(m.spec.ep for m in plan.models.values())

@@ -161,8 +161,12 @@ class PlacementConfig:
             ``algorithm.advantage_estimator``.
         reward: a reward model is used at all. False when the score comes from rules and
             reward functions alone (``reward.model_weight=0``): no reward model is placed or
-            run, the reference model's ranks score the answers. ``RunConfig`` sets it from
-            ``reward.model_weight``.
+            run, the reference's ranks score the answers (the actor's when its base is the
+            reference). ``RunConfig`` sets it from ``reward.model_weight``.
+        reference: a reference model is placed. False when the actor's frozen base, its LoRA
+            adapters switched off, gives the reference log-probs (``models.lora`` on the
+            actor): no reference model is placed or built, a ratio list keeps its length and
+            its ref entry is unused. ``RunConfig`` sets it from ``models.lora``.
         tp: default tensor-parallel size of every model.
         pp: default pipeline-parallel size of every model except the shadows, which default to
             ``pp=1`` (generation wants no pipeline bubbles).
@@ -185,6 +189,7 @@ class PlacementConfig:
     ac_share: bool = False
     critic: bool = True
     reward: bool = True
+    reference: bool = True
     tp: int = 1
     pp: int = 1
     distributed_optimizer: bool = True
@@ -206,6 +211,7 @@ class PlacementConfig:
             )
         self._check_critic_free()
         self._check_reward_free()
+        self._check_reference_free()
         self._check_ratios()
         if not 0.0 < self.train_fraction < 1.0:
             raise ValueError(
@@ -263,6 +269,12 @@ class PlacementConfig:
                 "placement.parallel['reward'] is set, but this run places no reward model "
                 "(reward.model_weight=0): drop it, or set reward.model_weight > 0")
 
+    def _check_reference_free(self) -> None:
+        if not self.reference and REF in self.parallel:
+            raise ValueError(
+                "placement.parallel['ref'] is set, but this run places no reference model (the "
+                "actor's base with its LoRA adapters off is the reference, models.lora): drop it")
+
     @property
     def ratio_roles(self) -> tuple[str, ...]:
         """The roles a ratio list names, in order: with or without the critic."""
@@ -307,10 +319,11 @@ class PlacementConfig:
 
     @property
     def base_roles(self) -> tuple[str, ...]:
-        """The roles placed besides the shadows, in role order: actor and ref always, the
-        critic when ``places_critic``, the reward model when ``reward``."""
-        return tuple(role for role in RATIO_ROLES
-                     if (role != CRITIC or self.places_critic) and (role != REWARD or self.reward))
+        """The roles placed besides the shadows, in role order: the actor always, the critic
+        when ``places_critic``, ref when ``reference``, the reward model when ``reward``."""
+        dropped = {CRITIC: not self.places_critic, REF: not self.reference,
+                   REWARD: not self.reward}
+        return tuple(role for role in RATIO_ROLES if not dropped.get(role))
 
     @property
     def separated(self) -> bool:
@@ -351,7 +364,7 @@ class PlacementConfig:
         return {
             "strategy": self.strategy, "ratios": self.ratios,
             "train_fraction": self.train_fraction, "ac_share": self.ac_share,
-            "critic": self.critic, "reward": self.reward,
+            "critic": self.critic, "reward": self.reward, "reference": self.reference,
             "tp": self.tp, "pp": self.pp, "distributed_optimizer": self.distributed_optimizer,
             "parallel": {role: vars(o).copy() for role, o in sorted(self.parallel.items())},
             "train_pool": self.train_pool, "inference_pool": self.inference_pool,

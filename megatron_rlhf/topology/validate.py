@@ -3,8 +3,8 @@
 ``validate_plan`` checks what the planner guarantees by construction and what it cannot know in
 advance, so it also guards plans built another way (an automatic planner, a plan read back):
 
-- the roles match the strategy (no critic under AC-Share, no reward model without one,
-  shadows exactly under separation);
+- the roles match the strategy (no critic under AC-Share, no reward or reference model
+  without one, shadows exactly under separation);
 - every model lies inside the cluster, on whole nodes or a block inside one node;
 - TP divides the node size of every pool the model touches (with the previous rule, no TP group
   crosses a node);
@@ -53,7 +53,7 @@ def _check_roles(plan: PlacementPlan) -> None:
         raise ValueError(
             f"plan places {sorted(plan.models)} but strategy={config.strategy!r} with "
             f"ac_share={config.ac_share} places {sorted(expected)} (critic={config.critic}, "
-            f"reward={config.reward}): plan it with plan_placement"
+            f"reward={config.reward}, reference={config.reference}): plan it with plan_placement"
         )
 
 

@@ -3,10 +3,13 @@
 Two gloo ranks run two PPO steps of the tiny model (the critic trained in full), actor at TP=2
 with adapters. The reference
 log-probs come from the actor with its adapters off, so the first step's KL is exactly zero
-(``B`` starts at zero) and the reference model computes nothing; after training, the actor's
-base weights still equal the reference model's to the bit while its adapters moved, and its
-log-probs with the adapters off equal the reference model's (rounding: the reference model's
-weights require gradients, which changes torch's matmul kernel, see ``tests/models/test_lora.py``).
+(``B`` starts at zero) and no reference model is placed or built (the actor's ranks score the
+answers in its stead); after training, the actor's
+base weights still equal a reference model built as the run would have to the bit while its
+adapters moved, and its log-probs with the adapters off equal that model's (rounding: the
+reference model's weights require gradients, which changes torch's matmul kernel, see
+``tests/models/test_lora.py``). A run that also places and builds the reference model, as
+before, gives the same metrics to the bit.
 Its adapters, exported as a PEFT adapter and given as ``models.lora.init_adapter_dir``, start
 another run's actor bit for bit. A run saved after two steps and resumed for a third gives the uninterrupted run's metrics to the
 bit: run checkpoints hold the adapters (split as their base layers) and their Adam state. Under
@@ -60,7 +63,9 @@ def _run(root: str) -> dict:
     captured = capture_engine()
     runner.run_ppo(_config(root, "models.export_hf=true"))
     engine = captured["engine"]
-    actor, ref = engine.workers["actor"], engine.workers["ref"]
+    actor = engine.workers["actor"]
+    placed = (engine.plan.roles, sorted(engine.workers), engine.scorer)
+    ref = _reference_model(_config(root), engine.plan["actor"].spec.arch, actor)
     actor_state = dict(actor.model.named_parameters())
     ref_state = dict(ref.model.named_parameters())
     base = {n: p for n, p in actor_state.items() if not is_adapter_param(n)}
@@ -93,7 +98,7 @@ def _run(root: str) -> dict:
     runner.run_ppo(_config(f"{root}/again", "steps=0", f"models.lora.init_adapter_dir={root}/adapter"))
     again = captured["engine"].workers["actor"]
     started = gather_full_state(again.model, again.pg_collection)
-    return {"passes": engine.experience_passes(), "moved": len(moved),
+    return {"passes": engine.experience_passes(), "placed": placed, "moved": len(moved),
             "logits": None if logits is None else logits.numpy(),
             "same_start": all(torch.equal(started[k], trained[k]) for k in trained),
             "adapters": sum(1 for n in actor_state if n.endswith("lora_b")),
@@ -102,12 +107,28 @@ def _run(root: str) -> dict:
             "metrics": run_metrics(Path(root))}
 
 
+def _reference_model(config, arch, actor):
+    """The reference model the run no longer builds: the role's options, the actor's layout."""
+    from dataclasses import replace
+
+    from megatron_rlhf.builder.networks import build_model
+    from megatron_rlhf.builder.sources import resolve_sources, role_options
+    from megatron_rlhf.engine.execution.workers import ModelWorker
+
+    options = role_options(config, resolve_sources(config), "ref")
+    model = build_model(arch, replace(options, recompute=config.models.recompute_of("ref")),
+                        actor.pg_collection, runtime_seed=config.runtime.seed,
+                        init_seed=config.models.init_seed)
+    return ModelWorker("ref", model, actor.pg_collection, None, config.rollout.micro_batch_size)
+
+
 @pytest.mark.multirank
 def test_ppo_with_lora_uses_the_base_as_reference(tmp_path: Path) -> None:
     results = run_on_ranks(_run, world_size=2, args=(str(tmp_path),), timeout_s=240)
     for result in results:
+        assert result["placed"] == (("actor", "critic"), ["actor", "critic"], "actor")
         assert ("actor", "ref_logprobs") in result["passes"]
-        assert all(role != "ref" or output == "scores" for role, output in result["passes"])
+        assert ("actor", "scores") in result["passes"]
         assert result["moved"] == result["adapters"] > 0
         assert result["same_start"]
         assert result["off_vs_ref"] < 1e-5
@@ -211,29 +232,61 @@ COMPARED = ("reward_mean", "rule_score", "kl", "policy_loss", "value_loss", "res
             "actor/grad_norm")
 
 
-def _placements(root: str) -> dict[str, list[dict]] | None:
+def _placing_the_reference(make_plan):
+    """``make_plan`` that also places the reference model the run no longer needs, where the
+    placement put it before (the engine then builds it, and it scores the answers)."""
+    from dataclasses import replace
+
+    from megatron_rlhf.topology.placement import plan_placement
+
+    def planned(config, cluster, sources=None):
+        plan = make_plan(config, cluster, sources)  # every model is the tiny one here
+        return plan_placement(cluster, replace(plan.config, reference=True),
+                              plan["actor"].spec.arch)
+
+    return planned
+
+
+def _placements(root: str) -> dict | None:
     import torch.distributed as dist
 
-    from megatron_rlhf.engine.run.runner import run_ppo
+    from megatron_rlhf.engine.run import runner
     from tests.helpers.metrics import run_metrics
+    from tests.helpers.runs import capture_engine
 
+    captured = capture_engine()
     for placement in PLACEMENTS:
-        run_ppo(_config(f"{root}/{placement}", f"placement.strategy={placement}",
-                        "placement.tp=1", "models.lora.roles=[actor, critic]"))
+        runner.run_ppo(_config(f"{root}/{placement}", f"placement.strategy={placement}",
+                               "placement.tp=1", "models.lora.roles=[actor, critic]"))
+    # as before the reference model was left out: placed on rank 0, built, scoring there
+    make_plan, runner.make_plan = runner.make_plan, _placing_the_reference(runner.make_plan)
+    try:
+        runner.run_ppo(_config(f"{root}/with_ref", "placement.strategy=interleaving",
+                               "placement.tp=1", "models.lora.roles=[actor, critic]"))
+    finally:
+        runner.make_plan = make_plan
+    built = sorted(captured["engine"].workers)
     if dist.get_rank() != 0:
         return None
-    return {placement: run_metrics(f"{root}/{placement}") for placement in PLACEMENTS}
+    return {"built": built, "with_ref": run_metrics(f"{root}/with_ref"),
+            **{placement: run_metrics(f"{root}/{placement}") for placement in PLACEMENTS}}
 
 
 @pytest.mark.multirank
 def test_adapters_train_the_same_under_every_placement(tmp_path: Path) -> None:
     """Actor and critic with adapters: flattening, interleaving and separation (whose shadows
-    receive adapter-only syncs) give the same per-step metrics."""
-    from tests.helpers.metrics import assert_metrics_match
+    receive adapter-only syncs) give the same per-step metrics, and a run that also places and
+    builds the reference model (it scores the answers) gives the same metrics to the bit."""
+    from tests.helpers.metrics import assert_metrics_match, is_measurement
 
     runs = run_on_ranks(_placements, world_size=2, args=(str(tmp_path),), timeout_s=240)[0]
+    assert runs.pop("built") == ["actor", "critic", "ref"]
+    with_ref = runs.pop("with_ref")
     reference = runs["flattening"]
     assert abs(reference[1]["kl"]) > 1e-4, "the policy moved: step 2 must show a KL"
     for placement, steps in runs.items():
         for step, (metrics, want) in enumerate(zip(steps, reference, strict=True)):
             assert_metrics_match(metrics, want, COMPARED, f"{placement} step {step}")
+    for got, want in zip(runs["interleaving"], with_ref, strict=True):
+        assert ({k: v for k, v in got.items() if not is_measurement(k)}
+                == {k: v for k, v in want.items() if not is_measurement(k)})

@@ -66,8 +66,8 @@ class PPOEngine:
             token are recorded with the old log-probs (``models.moe.ROUTES``) and replayed in
             every training pass of the actor on those rows; None: no replay.
         reference_is_base: the actor trains LoRA adapters (``models.lora``) and the reference
-            log-probs are its own with the adapters switched off, its frozen base; False: the
-            reference model's.
+            log-probs are its own with the adapters switched off, its frozen base (the plan
+            then need not place a reference model); False: the reference model's.
         partial_rollouts: the weights may change during a generation call
             (``rollout.partial_rollouts``): the rollout carries ``version_offsets``, the updates
             before each response token.
@@ -86,6 +86,9 @@ class PPOEngine:
                  reference_is_base: bool = False, partial_rollouts: bool = False) -> None:
         self.plan = plan
         self.partial_rollouts = partial_rollouts
+        if not reference_is_base and REF not in plan.models:
+            raise ValueError("the plan places no reference model (placement.reference=false) "
+                             "and the actor's base is not the reference: place one")
         self.reference_is_base = reference_is_base
         self.replayed_routes = replayed_routes
         self.episodes = episodes
@@ -129,9 +132,11 @@ class PPOEngine:
     @property
     def scorer(self) -> str:
         """The model whose ranks score the answers: the reward model (its score, the rule's and
-        the reward functions'), or without one the reference model (the rule's and the
-        functions' alone)."""
-        return REWARD if self.plan.config.reward else REF
+        the reward functions'), or without one the reference model, or without that the actor
+        whose base is the reference (the rule's and the functions' alone)."""
+        if self.plan.config.reward:
+            return REWARD
+        return REF if REF in self.plan.models else self.reference
 
     @property
     def trainable_roles(self) -> tuple[str, ...]:

@@ -41,7 +41,8 @@ def choose_placement(config: RunConfig, cluster: ClusterSpec, profile: str | Non
     profiles measured or read from the cache, ``planner.local_profile``).
 
     Args:
-        config: the run; its placement's ``ac_share``, ``critic`` and ``reward`` are kept.
+        config: the run; its placement's ``ac_share``, ``critic``, ``reward`` and ``reference``
+            are kept.
         cluster: the devices of the job.
         profile: a hardware profile name or JSON path for every pool; None uses the shipped
             profile named like each pool's kind, and for a CPU run's ``local`` pool this
@@ -96,7 +97,8 @@ def search_space(config: RunConfig) -> SearchSpace:
     replay = config.models.moe.enabled and config.models.moe.router_replay
     options = tuple(o for o in ENGINE_MEMORY_OPTIONS if not (replay and o == RECOMPUTE))
     return SearchSpace(critic=config.placement.critic, reward=config.placement.reward,
-                       memory_options=options, pps=(1,) if replay else None)
+                       reference=config.placement.reference, memory_options=options,
+                       pps=(1,) if replay else None)
 
 
 def candidate_config(config: RunConfig, candidate) -> RunConfig:

@@ -225,6 +225,7 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
                                    init_seed=config.models.init_seed)
         layers[role] = options.transformer_impl
     logger.info("layers: %s", ", ".join(f"{role} {impl}" for role, impl in layers.items()))
+    _log_reference(config, plan)
     initial = {role: source for role, source in sources.items()
                if load_initial or role not in TRAINABLE_ROLES}
     load_initial_weights(models, groups, plan.models, initial, config.models.hf_cache_dir)
@@ -284,6 +285,17 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
                        partial_rollouts=config.rollout.partial_rollouts)
     engine.sync_weights()
     return engine
+
+
+def _log_reference(config: RunConfig, plan: PlacementPlan) -> None:
+    """Say where the reference log-probs come from when no reference model is placed, and that
+    the placement's ref ratio then goes unused."""
+    if REF in plan.models:
+        return
+    ratio = config.placement.role_ratios().get(REF)
+    unused = "" if ratio is None else f"; its placement ratio {ratio:g} is unused"
+    logger.info("reference log-probs: the actor's base with its LoRA adapters off (models.lora); "
+                "no reference model is placed or built%s", unused)
 
 
 def _replayed_routes(config: RunConfig) -> tuple[int, int] | None:
