@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 from megatron_rlhf.config.paths import check_paths
 from megatron_rlhf.data.schema import ReaderConfig, SplitConfig
 from megatron_rlhf.data.synthetic import SyntheticTaskConfig
+from megatron_rlhf.models.hf_import import checkpoint_moe, is_hf_dir
 from megatron_rlhf.models.moe import MoEConfig
 from megatron_rlhf.models.options import (
     RECOMPUTE_GRANULARITIES,
@@ -82,9 +83,13 @@ class SupervisedModelConfig:
         sequence_parallel: megatron's sequence parallelism when ``tp > 1`` and
             ``packed_sequences`` is on (ignored otherwise).
         moe: mixture-of-experts MLPs (``models.moe.MoEConfig``, as a PPO run's ``models.moe``;
-            ``num_experts=0``: dense). An ``init_checkpoint`` with experts needs the same
-            experts here. The router's balancing losses join the training loss; routing replay
-            is an RL matter, so ``router_replay`` is ignored.
+            ``num_experts=0``: dense). A Hugging Face ``init_checkpoint`` gives its experts
+            (``num_experts``, ``topk``, ``ffn_hidden_size``, ``shared_expert_ffn_size``,
+            ``renormalize_topk``) as it gives the architecture: a setting left at its default
+            takes the checkpoint's value, one set to another value is refused naming both. A
+            megatron_rlhf ``init_checkpoint`` with experts needs the same experts here. The
+            router's balancing losses join the training loss; routing replay is an RL matter,
+            so ``router_replay`` is ignored.
         ep: expert-parallel size: groups of ``ep`` data-parallel ranks split the experts; must
             divide ``moe.num_experts`` and the data-parallel size (1 for a dense model); needs
             the ``alltoall`` dispatcher.
@@ -113,6 +118,9 @@ class SupervisedModelConfig:
         if self.tp < 1 or self.pp < 1 or self.ep < 1:
             raise ValueError(f"model.tp={self.tp}, model.pp={self.pp} and model.ep={self.ep} "
                              "must be >= 1")
+        if self.init_checkpoint and is_hf_dir(self.init_checkpoint):
+            self.moe = checkpoint_moe(self.moe, self.init_checkpoint, "model.init_checkpoint",
+                                      "model.moe")
         self.moe.check_expert_parallel({"model": self.ep}, ep_field="model.ep",
                                        moe_field="model.moe")
         if self.recompute not in RECOMPUTE_GRANULARITIES:

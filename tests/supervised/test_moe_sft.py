@@ -1,12 +1,13 @@
 """SFT and reward-model training of mixture-of-experts models (``model.moe``, ``model.ep``).
 
-Tier 1 (no process group): bad expert layouts are refused naming the field. Tier 2 (gloo ranks):
-a tiny MoE (4 experts, top-2) SFT run learns, reports the routers' metrics and records its
-experts; a reward model trains from its trunk; a one-step PPO run starts from the SFT checkpoint
+Tier 1 (no process group): bad expert layouts are refused naming the field; a Hugging Face
+``model.init_checkpoint`` gives its experts, and a setting it contradicts is refused. Tier 2
+(gloo ranks): a tiny MoE (4 experts, top-2) SFT run learns, reports the routers' metrics and
+records its experts; a reward model trains from its trunk; a one-step PPO run starts from the SFT checkpoint
 (its reference computes the checkpoint's logits), and a PPO or SFT run configured with other
 experts is refused before any process group; SFT at EP 2 gives the losses of EP 1 on 2 ranks; an
-SFT run starts from a Hugging Face Qwen3-MoE directory and keeps its experts; the routers'
-balancing loss changes the gradient, not the reported loss.
+SFT run starts from a Hugging Face Qwen3-MoE directory with no ``model.moe`` settings and keeps
+its experts; the routers' balancing loss changes the gradient, not the reported loss.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ QWEN3_MOE = {"vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 2,
              "rms_norm_eps": 1e-6, "initializer_range": 0.1, "num_experts": 4,
              "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}
 PPO_MOE = [f"models.moe.{o.removeprefix('model.moe.')}" for o in MOE]
-HF_MOE = ["model.moe.num_experts=4", "model.moe.topk=2", "model.moe.ffn_hidden_size=32"]
 
 
 def _config(cls: type, out_dir: str, overrides: list[str]):
@@ -190,24 +190,39 @@ def _sft_from_hf(root: str, hf_dir: str) -> list[dict[str, float]]:
     from megatron_rlhf.supervised.sft import run_sft
 
     return run_sft(_config(SFTConfig, f"{root}/sft", [
-        *HF_MOE, f"model.init_checkpoint={hf_dir}", f"model.hf_cache_dir={root}/cache",
+        f"model.init_checkpoint={hf_dir}", f"model.hf_cache_dir={root}/cache",
         "data.chat_template=false", "train.max_length=120", "train.max_steps=2",
         "train.eval_interval=2", "optimizer.lr=1e-3"])).history
+
+
+def test_a_hugging_face_init_checkpoint_gives_its_experts_and_refuses_others(
+        tmp_path: Path) -> None:
+    """As the dense architecture, a Qwen3-MoE directory's experts are read from its config.json;
+    a setting it contradicts is refused naming both values (no process group)."""
+    hf_dir = tmp_path / "qwen3_moe"
+    make_hf_model(hf_dir, "Qwen3MoeConfig", "Qwen3MoeForCausalLM", 5, **QWEN3_MOE)
+    for cls in (SFTConfig, RMConfig):
+        moe = _config(cls, str(tmp_path / "out"), [f"model.init_checkpoint={hf_dir}"]).model.moe
+        assert (moe.num_experts, moe.topk, moe.ffn_hidden_size, moe.shared_expert_ffn_size,
+                moe.renormalize_topk) == (4, 2, 32, 0, True), cls
+    matching = _config(SFTConfig, str(tmp_path / "out"), [
+        f"model.init_checkpoint={hf_dir}", "model.moe.topk=2", "model.ep=2",
+        "model.moe.aux_loss_coeff=0.001"]).model
+    assert (matching.moe.num_experts, matching.ep, matching.moe.aux_loss_coeff) == (4, 2, 0.001)
+    with pytest.raises(ValueError, match=re.escape(
+            f"model.moe.topk=3 conflicts with model.init_checkpoint={hf_dir}: its "
+            "Qwen3MoeForCausalLM config.json gives topk=2; drop model.moe.topk")):
+        _config(SFTConfig, str(tmp_path / "out"), [f"model.init_checkpoint={hf_dir}",
+                                                   "model.moe.topk=3"])
 
 
 @pytest.mark.multirank
 @pytest.mark.timeout(300)
 def test_sft_starts_from_a_qwen3_moe_directory_with_its_experts(tmp_path: Path) -> None:
-    from megatron_rlhf.supervised.sft import run_sft
-
     hf_dir = tmp_path / "qwen3_moe"
     make_hf_model(hf_dir, "Qwen3MoeConfig", "Qwen3MoeForCausalLM", 5, **QWEN3_MOE)
     make_hf_tokenizer(hf_dir, "qwen")
-    with pytest.raises(ValueError, match=re.escape(
-            f"model.init_checkpoint={hf_dir} is a mixture-of-experts Qwen3MoeForCausalLM "
-            "checkpoint, but model.moe builds every model with model.moe.num_experts=0: set "
-            "model.moe.num_experts=4 model.moe.topk=2 model.moe.ffn_hidden_size=32")):
-        run_sft(_config(SFTConfig, str(tmp_path / "dense"), [f"model.init_checkpoint={hf_dir}"]))
+    # no model.moe settings: the run takes the directory's experts
     history = run_on_ranks(_sft_from_hf, world_size=1, args=(str(tmp_path), str(hf_dir)),
                            timeout_s=260)[0]
     assert all(step["loss"] < 7.0 and step["moe_max_load"] >= 1.0 for step in history), history
