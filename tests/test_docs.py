@@ -588,3 +588,19 @@ def test_every_howto_is_linked_from_the_readme_and_the_quickstart() -> None:
         problems += [f"{page.relative_to(REPO)} does not link {h.relative_to(REPO)}"
                      for h in sorted(howtos - linked)]
     assert not problems, "\n".join(problems)
+
+
+REGISTER_DEF = re.compile(r"^def (register_\w+)\(", re.MULTILINE)
+
+
+def test_contributing_tables_every_registry_the_package_defines() -> None:
+    """CONTRIBUTING.md's registry table names each ``register_*`` function the package defines
+    (a registry added without its row was "five registries" when there were six)."""
+    defined = {name for path in PACKAGE.rglob("*.py")
+               for name in REGISTER_DEF.findall(path.read_text(encoding="utf-8"))}
+    page = REPO / "CONTRIBUTING.md"
+    (table,) = [t for t in tables(page) if t[0][1][:2] == ["registry", "filled by"]]
+    tabled = {name for _, cells in table[1:] for name in BACKTICKED.findall(cells[1])}
+    assert len(defined) >= 6 and tabled == defined, (
+        f"register_* functions without a row: {sorted(defined - tabled)}; rows of none: "
+        f"{sorted(tabled - defined)}")
