@@ -23,13 +23,16 @@ production):
 The rule is heuristic where CPU cannot tell: ``torch.device("cpu")`` written out in the code
 counts as the device (it is indistinguishable from ``comm_device()`` here), and
 ``torch.from_numpy`` is not seen (it does not reach torch function modes). Inside
-``generate_sequences`` no tensor is marked: the mode is left there with the CUDA-to-CPU one
-(``runtime.patches.cuda_redirect_suspended``). On a machine with CUDA the rule is not installed:
-there a gloo world really takes host tensors.
+``generate_sequences`` no tensor is marked by default: the mode is left there with the
+CUDA-to-CPU one (``runtime.patches.cuda_redirect_suspended``), as generation would run at half
+speed. The tests that run generation's own collectives (the expert lockstep, the TP ranks'
+weight hand-over check) set :data:`IN_GENERATION_ENV`, which keeps marking there. On a machine
+with CUDA the rule is not installed: there a gloo world really takes host tensors.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from types import FrameType
@@ -37,6 +40,11 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+
+IN_GENERATION_ENV = "MEGATRON_RLHF_DEVICE_RULE_IN_GENERATION"
+"""``1``: tensors are marked inside ``generate_sequences`` too (the mode stays entered there,
+and so does the CUDA-to-CPU one below it), for the tests of collectives that run during
+generation."""
 
 _SITE = "_megatron_rlhf_host_made_at"
 """The attribute a host-made tensor carries: where it was made, ``file:line (function)``."""
@@ -173,6 +181,8 @@ def install() -> None:
     global _mode
     if _mode is None and not torch.cuda.is_available():
         _mode = HostTensorMode()
+        if os.environ.get(IN_GENERATION_ENV, "0") not in ("", "0"):
+            _mode.suspended_in_generation = False
         _mode.__enter__()
 
 

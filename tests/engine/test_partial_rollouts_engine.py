@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_rlhf.testing.nccl_device_rule import IN_GENERATION_ENV
 from tests.helpers.metrics import even_token_share
 from tests.multirank import run_on_ranks
 
@@ -112,8 +113,11 @@ def _spanning_at_tp2() -> list[dict]:
 @pytest.mark.timeout(200)
 def test_a_tensor_parallel_shadow_takes_the_weights_at_one_stop_check() -> None:
     """The shadow's TP ranks agree on the stop check that takes the weights (a collective on
-    its TP group): their decode steps stay in step and every rank reports the same metrics."""
-    per_rank = run_on_ranks(_spanning_at_tp2, world_size=4, timeout_s=160)
+    its TP group): their decode steps stay in step and every rank reports the same metrics.
+    The check runs inside generation, where NCCL's device rule marks host tensors only on
+    request: a flag made in host memory there fails the run, as NCCL would."""
+    per_rank = run_on_ranks(_spanning_at_tp2, world_size=4, timeout_s=160,
+                            env={IN_GENERATION_ENV: "1"})
     assert all(metrics == per_rank[0] for metrics in per_rank[1:])
     assert per_rank[0][1]["rollout/partial_fraction"] > 0.0
 

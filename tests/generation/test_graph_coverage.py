@@ -23,6 +23,7 @@ from megatron_rlhf.generation import decode_step as decode_step_module
 from megatron_rlhf.generation.continuous import release_decode_graphs
 from megatron_rlhf.generation.episodes import EpisodeConfig, Observation, run_episodes
 from megatron_rlhf.testing.graph_standin import EMULATE_ENV, StandInGraph
+from megatron_rlhf.testing.nccl_device_rule import IN_GENERATION_ENV
 from tests.generation.helpers import BASE, PAD, assert_same_samples, make_prompts
 from tests.multirank import run_on_ranks
 
@@ -135,8 +136,9 @@ def test_moe_at_ep_1_decodes_eagerly_with_one_logged_line(world, monkeypatch) ->
 @pytest.mark.multirank
 @pytest.mark.timeout(240)
 def test_moe_at_ep_2_decodes_eagerly_with_one_logged_line() -> None:
+    # The expert lockstep's collectives run inside generation: NCCL's device rule checks them.
     per_rank = run_on_ranks(_moe_refusal_job, world_size=2, args=(2,), timeout_s=200,
-                            env={EMULATE_ENV: "1"})
+                            env={EMULATE_ENV: "1", IN_GENERATION_ENV: "1"})
     for result in per_rank:
         _check_refusal(result)
 
