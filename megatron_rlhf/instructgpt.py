@@ -171,25 +171,31 @@ def _rule_score_ordering(held: dict[str, dict[str, float]], mode: str) -> str:
     return f"  {mode} answers, rule score: {text} ({MODE_NOTES[mode]})"
 
 
+def _step(record: dict) -> str:
+    """The step of a metrics record as the progress lines count it, from 1 (``?`` without one);
+    the records number their steps from 0."""
+    return str(record["step"] + 1) if "step" in record else "?"
+
+
 def format_report(result: PipelineResult) -> str:
     """The closing summary: each step's last metrics, the held-out comparison, where to look."""
     sft, rm, ppo = (result.final[k] for k in ("sft", "rm", "ppo"))
     nan = float("nan")
     lines = [
         f"run directory: {result.run_dir.resolve()}",
-        f"SFT: step {sft.get('step')}, held-out loss {sft.get('eval_loss', nan):.3f}",
-        f"reward model: step {rm.get('step')}, held-out pairwise accuracy "
+        f"SFT: step {_step(sft)}, held-out loss {sft.get('eval_loss', nan):.3f}",
+        f"reward model: step {_step(rm)}, held-out pairwise accuracy "
         f"{rm.get('eval_accuracy', nan):.3f}",
     ]
     if "rm_score" in ppo:
-        lines.append(f"PPO: step {ppo.get('step')}, reward-model score "
+        lines.append(f"PPO: step {_step(ppo)}, reward-model score "
                      f"{ppo['rm_score']:.3f}, rule score {ppo['rule_score']:.3f}, "
                      f"KL {ppo['kl']:.3f}")
     held = result.held_out
     if held["ppo"]:
         lines.append("held-out prompts, rule score / reward-model score (greedy | sampled):")
         names = {"untrained": "untrained model", "sft": "SFT model (PPO start)",
-                 "ppo": f"PPO final (after {ppo.get('step', -1) + 1} steps)"}
+                 "ppo": f"PPO final (after {_step(ppo)} steps)"}
         for key, name in names.items():
             lines.append(f"  {name:<28}" + " | ".join(
                 f"{held[key].get(f'eval/{mode}/rule_score', nan):.3f} / "

@@ -131,7 +131,7 @@ def main_job(workdir: Path) -> subprocess.CompletedProcess:
 def test_the_main_command_ends_with_the_report(main_job: subprocess.CompletedProcess,
                                                workdir: Path) -> None:
     report = main_job.stdout
-    for line in ("SFT: step 1,", "reward model: step 1,", "held-out prompts, rule score",
+    for line in ("SFT: step 2,", "reward model: step 2,", "held-out prompts, rule score",
                  "PPO final (after 1 steps)", "reward hacking:", "wall clock: SFT"):
         assert line in report, report
     assert (workdir / "runs" / "main" / "curves.png").is_file()

@@ -257,3 +257,19 @@ def test_report_orders_each_modes_rule_score_across_the_three_models(tmp_path: P
             "evaluation 10 s, PPO (evaluations included) 167 s") in report
     assert "sampled answers, rule score: untrained 0.030 < SFT 0.450 = PPO final 0.450" in report
     assert "greedy answers, rule score: untrained 0.040 < SFT 0.870 > PPO final 0.700" in report
+
+
+def test_report_counts_each_stages_steps_from_1_as_its_progress_line(tmp_path: Path) -> None:
+    """Metrics records number steps from 0; after ``SFT step 12/12`` and ``ppo: step 3/3`` the
+    report says step 12 and step 3, not 11 and 2."""
+    from megatron_rlhf.instructgpt import PipelineResult, format_report
+
+    final = {"sft": {"step": 11, "eval_loss": 3.5}, "rm": {"step": 5, "eval_accuracy": 0.75},
+             "untrained": {}, "ppo": {"step": 2, "rm_score": -1.0, "rule_score": 0.5, "kl": 0.25}}
+    result = PipelineResult(tmp_path, final, {"untrained": FIRST, "sft": FIRST, "ppo": FIRST},
+                            None, EvalConfig())
+    report = format_report(result)
+    assert "SFT: step 12, held-out loss 3.500" in report
+    assert "reward model: step 6, held-out pairwise accuracy 0.750" in report
+    assert "PPO: step 3, reward-model score -1.000, rule score 0.500, KL 0.250" in report
+    assert "PPO final (after 3 steps)" in report

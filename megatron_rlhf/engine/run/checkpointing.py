@@ -488,8 +488,8 @@ def load_rl_checkpoint(run: RunState, path: Path, skip: Collection[str] = ()) ->
         run.algorithm.load_state_dict(state["ppo"])
     if state["prompts_fingerprint"] != run.prompts.fingerprint:
         logger.warning("checkpoint %s was saved with other prompts (rollout.prompts_per_step, "
-                       "prompts.*, runtime.seed): step %d's batch differs from the original "
-                       "run's", path, state["step"])
+                       "prompts.*, runtime.seed): the batches from step %d on differ from the "
+                       "original run's", path, state["step"] + 1)  # counted from 1, as progress
     run.engine.sync_weights()
     if "rng" not in skip:
         _restore_rng(path, state, run.engine)
