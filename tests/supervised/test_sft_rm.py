@@ -213,6 +213,8 @@ def test_cli_tools_train_sft_then_reward_model_under_torchrun(tmp_path: Path) ->
         "data.split.ppo=0", "data.eval_fraction=0.2"], nproc=2)
     assert sft.returncode == 0, sft.stderr[-3000:]
     assert "kept 400 of 401 records" in sft.stderr and "invalid_json: 1" in sft.stderr
+    # The ranks torchrun starts inherit the suite's NCCL-semantics mode, as forked ranks do.
+    assert "initialised gloo world of 2 ranks with NCCL's semantics" in sft.stderr
     rm = run_tool("train_reward_model.py", [
         "--init-from", str(tmp_path / "sft" / "checkpoint"), "--tp", "2", "--steps", "4",
         "--out-dir", str(tmp_path / "rm"), *SMALL_TASK], nproc=2)
