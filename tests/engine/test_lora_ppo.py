@@ -135,6 +135,9 @@ def test_ppo_with_lora_uses_the_base_as_reference(tmp_path: Path) -> None:
         assert result["on_vs_ref"] > 1e-4
     metrics = results[0]["metrics"]
     assert len(metrics) == 2
+    # Exact by construction: the old and the reference log-probs are the same actor's forwards
+    # of the same rows, its adapters on (B = 0 adds exact zeros) and off, on one kernel path
+    # (its base weights are frozen in both).
     assert metrics[0]["kl"] == 0.0
 
     # the run's export: the actor merged, loaded by transformers, and its PEFT adapter files
