@@ -27,6 +27,7 @@ from megatron.core.utils import get_model_config
 
 from megatron_rlhf.models.moe import routes_of_batch
 from megatron_rlhf.models.packing import PackedRows, host_masks, pack_rows, packed_length
+from megatron_rlhf.runtime.metric_reduce import METRIC_TYPES, detached
 
 Batch = dict[str, torch.Tensor]
 # (output, batch) -> (loss, metrics), or (loss_sum, num_tokens, metrics) when the model's config
@@ -62,7 +63,8 @@ def _loss_with_safe_metrics(loss_fn: LossFn, output: torch.Tensor, batch: Batch,
         output = packed.unpack(output)
     *losses, metrics = loss_fn(output, batch)
     # megatron scales the returned loss *in place*; metrics that alias it would silently change.
-    return *losses, {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+    return *losses, {k: v.detach().clone() if isinstance(v, torch.Tensor)
+                     else detached(v) if isinstance(v, METRIC_TYPES) else v
                      for k, v in metrics.items()}
 
 

@@ -51,6 +51,7 @@ from megatron_rlhf.runtime.bootstrap import initialize_runtime
 from megatron_rlhf.runtime.checkpoint_store import check_writable_dir
 from megatron_rlhf.runtime.device import compute_device
 from megatron_rlhf.runtime.logging import get_logger, setup_logging
+from megatron_rlhf.runtime.metric_reduce import all_reduce, values
 from megatron_rlhf.runtime.metrics import MetricsWriter
 from megatron_rlhf.topology.cluster import ClusterSpec, cluster_from_environment
 from megatron_rlhf.topology.groups import build_model_process_groups
@@ -74,9 +75,10 @@ class Objective:
         make_examples: records -> a dataset (``SFTDataset``, ``RMDataset``).
         microbatches: ``(examples, tokenizer, max_length, micro_batch_size,
             use_chat_template)`` -> micro-batches of one common length.
-        loss_fn: ``(tp_group, real_vocab_size) -> ((output, batch) -> (sum, count, metrics))``.
-        metric_keys: the metrics, summed over a step or the held-out set; ``<x>_sum`` is
-            reported as ``<x> = sum / count``.
+        loss_fn: ``(tp_group, real_vocab_size) -> ((output, batch) -> (sum, count, metrics))``,
+            the metrics typed by their reduction (``runtime/metric_reduce.py``).
+        metrics: the name and type (``Mean``, ...) of each metric of ``loss_fn``, reduced over
+            a step or the held-out set (every rank reduces them, those with no loss too).
         load_checkpoint: ``(model, pg_collection, directory)``: load ``model.init_checkpoint``.
     """
 
@@ -87,7 +89,7 @@ class Objective:
     make_examples: Callable[[list[PreferenceRecord]], Sequence[Any]]
     microbatches: Callable[[Sequence[Any], Tokenizer | HFTokenizer, int, int, bool], list[Batch]]
     loss_fn: Callable[[dist.ProcessGroup, int], LossFn]
-    metric_keys: tuple[str, ...]
+    metrics: dict[str, type]
     load_checkpoint: Callable[[torch.nn.Module, ProcessGroupCollection, str], Any]
 
 
@@ -157,19 +159,14 @@ def data_parallel_size(spec: ModelSpec, cluster: ClusterSpec) -> int:
     return dp
 
 
-def _reduce(per_microbatch: list[dict[str, Any]], keys: tuple[str, ...],
+def _reduce(per_microbatch: list[dict[str, Any]], kinds: dict[str, type],
             pg_collection: ProcessGroupCollection, device: torch.device) -> dict[str, float]:
-    """Sum metrics over micro-batches and replicas onto every rank (default-group collective);
-    only last pipeline stages have metrics, equal over TP, so TP rank 0 contributes."""
+    """Combine metrics over micro-batches and replicas onto every rank (default-group
+    collective); only last pipeline stages have metrics, equal over TP, so TP rank 0
+    contributes."""
     mine = per_microbatch if pg_collection.tp.rank() == 0 else []
-    rows = [[float(metrics[key]) for key in keys] for metrics in mine]
-    totals = torch.tensor(rows, dtype=torch.float64, device=device).reshape(-1, len(keys)).sum(0)
     # World: the supervised model spans every rank (dp x tp x pp = world size).
-    dist.all_reduce(totals, group=dist.group.WORLD)
-    sums = dict(zip(keys, totals.tolist(), strict=True))
-    count = max(sums["count"], 1.0)
-    return {key.removesuffix("_sum"): value / count for key, value in sums.items()
-            if key.endswith("_sum")}
+    return values(all_reduce(mine, kinds, dist.group.WORLD, device))
 
 
 def _check_run(config: SupervisedConfig, objective: Objective, arch: ArchSpec,
@@ -344,7 +341,8 @@ def run_supervised(config: SupervisedConfig, objective: Objective) -> TrainingRe
 def _train_loop(config: SupervisedConfig, objective: Objective, trainer: ModelTrainer,
                 pgc: ProcessGroupCollection, batches: _Batches, total_steps: int,
                 device: torch.device) -> list[dict[str, float]]:
-    loss_fn, keys = objective.loss_fn(pgc.tp, trainer.model.token_vocab_size), objective.metric_keys
+    loss_fn = objective.loss_fn(pgc.tp, trainer.model.token_vocab_size)
+    kinds = objective.metrics
     interval = config.train.eval_interval
     writer, history = MetricsWriter(config.out_dir, total_steps,
                                      label=objective.name), []
@@ -353,7 +351,7 @@ def _train_loop(config: SupervisedConfig, objective: Objective, trainer: ModelTr
             start = time.perf_counter()
             with expert_metrics(trainer.model, pgc) as moe:
                 result = trainer.train_step(batches.step(step), loss_fn)
-            record = {**_reduce(result["metrics"], keys, pgc, device), **moe}
+            record = {**_reduce(result["metrics"], kinds, pgc, device), **moe}
             record.update(grad_norm=result["grad_norm"], lr=result["lr"],
                           step_seconds=time.perf_counter() - start)
             if step == total_steps - 1 or (interval and (step + 1) % interval == 0):
@@ -362,7 +360,7 @@ def _train_loop(config: SupervisedConfig, objective: Objective, trainer: ModelTr
                     metrics = run_microbatches(trainer.module, pgc, batches.held_out, loss_fn,
                                                forward_only=True)
                 record.update({f"eval_{k}": v for k, v in
-                               _reduce(metrics, keys, pgc, device).items()})
+                               _reduce(metrics, kinds, pgc, device).items()})
                 logger.info("%s step %d/%d: %s", objective.name, step + 1, total_steps,
                             ", ".join(f"{k}={v:.4g}" for k, v in sorted(record.items())))
             writer.write(step, record)

@@ -28,6 +28,7 @@ from megatron_rlhf.models.gpt import last_token_scores
 from megatron_rlhf.models.hf_tokenizer import HFTokenizer
 from megatron_rlhf.models.tokenizer import Tokenizer
 from megatron_rlhf.runtime.logging import get_logger
+from megatron_rlhf.runtime.metric_reduce import Mean
 from megatron_rlhf.supervised.loop import (
     Objective,
     TrainingResult,
@@ -60,8 +61,8 @@ def pairwise_loss(tp_group: dist.ProcessGroup, real_vocab_size: int) -> LossFn:
     """Bradley-Terry loss over the pairs of a :func:`preference_microbatches` micro-batch.
 
     The loss function maps the scalar-head output ``[2m, s, 1]`` and the batch to
-    ``(loss_sum, pairs, {"loss_sum", "accuracy_sum", "margin_sum", "count"})``. The scalar head
-    is replicated over TP and has no vocabulary, so both arguments are unused.
+    ``(loss_sum, pairs, {"loss", "accuracy", "margin"})``, each a ``Mean`` over the pairs. The
+    scalar head is replicated over TP and has no vocabulary, so both arguments are unused.
     """
 
     def loss_fn(output: torch.Tensor, batch: Batch) -> tuple:
@@ -70,8 +71,9 @@ def pairwise_loss(tp_group: dist.ProcessGroup, real_vocab_size: int) -> LossFn:
         margin = chosen - rejected
         loss_sum = F.softplus(-margin).sum()
         pairs = torch.tensor(margin.shape[0], dtype=torch.int, device=margin.device)
-        return loss_sum, pairs, {"loss_sum": loss_sum, "accuracy_sum": (margin > 0).sum(),
-                                 "margin_sum": margin.detach().sum(), "count": pairs}
+        return loss_sum, pairs, {"loss": Mean(loss_sum, pairs),
+                                 "accuracy": Mean((margin > 0).sum(), pairs),
+                                 "margin": Mean(margin.detach().sum(), pairs)}
 
     return loss_fn
 
@@ -92,7 +94,7 @@ def load_trunk(model: torch.nn.Module, pg_collection: ProcessGroupCollection,
 RM_OBJECTIVE = Objective(name="rm", role=REWARD, head="scalar", portion="rm",
                          make_examples=RMDataset, microbatches=preference_microbatches,
                          loss_fn=pairwise_loss,
-                         metric_keys=("loss_sum", "accuracy_sum", "margin_sum", "count"),
+                         metrics={"loss": Mean, "accuracy": Mean, "margin": Mean},
                          load_checkpoint=load_trunk)
 
 

@@ -23,6 +23,7 @@ from megatron_rlhf.models.forward_backward import Batch, LossFn, split_microbatc
 from megatron_rlhf.models.hf_tokenizer import HFTokenizer
 from megatron_rlhf.models.logprobs import next_token_nll
 from megatron_rlhf.models.tokenizer import Tokenizer
+from megatron_rlhf.runtime.metric_reduce import Mean
 from megatron_rlhf.supervised.loop import (
     Objective,
     TrainingResult,
@@ -45,20 +46,20 @@ def sft_loss(tp_group: dist.ProcessGroup, real_vocab_size: int) -> LossFn:
     """Summed response-token NLL with its token count, from vocabulary-parallel logits.
 
     The loss function maps logits ``[b, s, v_local]`` and a batch to ``(nll_sum, tokens,
-    {"loss_sum", "count"})``; position ``t - 1`` predicts the token at ``t``.
+    {"loss": Mean(nll_sum, tokens)})``; position ``t - 1`` predicts the token at ``t``.
     """
 
     def loss_fn(logits: torch.Tensor, batch: Batch) -> tuple:
         nll_sum, tokens = next_token_nll(logits, batch["input_ids"], batch["loss_mask"],
                                          tp_group, real_vocab_size)
-        return nll_sum, tokens, {"loss_sum": nll_sum, "count": tokens}
+        return nll_sum, tokens, {"loss": Mean(nll_sum, tokens)}
 
     return loss_fn
 
 
 SFT_OBJECTIVE = Objective(name="sft", role=ACTOR, head="lm", portion="sft",
                           make_examples=SFTDataset, microbatches=sft_microbatches,
-                          loss_fn=sft_loss, metric_keys=("loss_sum", "count"),
+                          loss_fn=sft_loss, metrics={"loss": Mean},
                           load_checkpoint=load_model_checkpoint)
 
 

@@ -19,6 +19,7 @@ from megatron_rlhf.models.forward_backward import token_budget_microbatches
 from megatron_rlhf.models.gpt import ModelBuildOptions, build_gpt_model
 from megatron_rlhf.models.trainer import ModelTrainer, OptimizerSettings
 from megatron_rlhf.models.weights import init_weights
+from megatron_rlhf.runtime.metric_reduce import reduce
 from tests.model_fixtures import TinyArch, whole_world_groups
 
 PROMPT, RESPONSE, ROWS = 6, 10, 8
@@ -65,8 +66,8 @@ def _gradients(groups, aggregation: str, budget: int):
     fields = _experience()
     result = worker.train(fields, actor_loss_fn(worker, PROMPT, 1.0, config))
     grads = {name: param.main_grad.clone() for name, param in trainer.module.named_parameters()}
-    sums = {key: sum(float(m[key]) for m in result["metrics"])
-            for key in result["metrics"][0]}
+    sums = {f"{name}/{part}": getattr(mean, part)
+            for name, mean in reduce(result["metrics"]).items() for part in ("total", "weight")}
     return len(worker._microbatches(fields)), grads, sums
 
 
@@ -83,7 +84,7 @@ def test_every_loss_aggregation_equals_fixed_micro_batches(groups, aggregation) 
     assert budget_sums.keys() == fixed_sums.keys()
     # Logged metrics are token-weighted sums of each micro-batch's value: those of token means
     # split exactly; a per-row mean's (pg_loss under seq_mean_*) is a token-weighted average.
-    compared = fixed_sums if aggregation == "token_mean" else ("tokens", "entropy_sum")
+    compared = fixed_sums if aggregation == "token_mean" else ("entropy/total", "entropy/weight")
     for key in compared:
         assert budget_sums[key] == pytest.approx(fixed_sums[key], rel=1e-5, abs=1e-6), key
 

@@ -21,6 +21,7 @@ from megatron_rlhf.engine.execution import function_rewards
 from megatron_rlhf.engine.execution.function_rewards import FunctionRewards, row_token_ids
 from megatron_rlhf.engine.step.experience import compute_advantages
 from megatron_rlhf.rewards import RewardFunctions, RewardFunctionSpec, parse_reward_functions
+from megatron_rlhf.runtime.metric_reduce import Mean
 
 ROWS = [{"prompt": "What is 6 * 7?", "answer": "42", "tests": ["assert f() == 42"], "id": 3},
         {"prompt": "Name a colour.", "answer": "red", "tests": [], "id": 4}]
@@ -68,8 +69,7 @@ def test_function_rewards_decode_each_row_and_keep_extras() -> None:
     torch.testing.assert_close(found["function_scores"], torch.tensor([[1.0, 0.5], [1.0, 0.5]]))
     torch.testing.assert_close(found["reward_errors"], torch.tensor([0.0, 0.0]))
     # graded logs len(response): "it 42" and "red"
-    assert rewards.take_extras() == {"reward/graded/length_total": 8.0,
-                                     "reward/graded/length_count": 2.0}
+    assert rewards.take_extras() == {"reward/graded/length": Mean(8.0, 2.0)}
     assert rewards.take_extras() == {}
 
 

@@ -97,7 +97,8 @@ def test_sft_loss_is_the_response_token_nll_sum() -> None:
         -1, batch["input_ids"][:, 1:, None])[..., 0]
     expected = -(logprobs * batch["loss_mask"][:, 1:]).sum()
     torch.testing.assert_close(loss_sum, expected)
-    assert int(tokens) == int(metrics["count"]) == 6
+    assert int(tokens) == int(metrics["loss"].weight) == 6
+    torch.testing.assert_close(metrics["loss"].total, expected)
 
 
 def test_pairwise_loss_scores_the_last_real_token_of_each_side() -> None:
@@ -108,8 +109,8 @@ def test_pairwise_loss_scores_the_last_real_token_of_each_side() -> None:
                                                                {"attention_mask": mask})
     margins = torch.tensor([2.0 - 1.0, -1.0 - 0.5])
     torch.testing.assert_close(loss_sum, -torch.nn.functional.logsigmoid(margins).sum())
-    assert int(pairs) == 2 and int(metrics["accuracy_sum"]) == 1
-    assert math.isclose(float(metrics["margin_sum"]), -0.5)
+    assert int(pairs) == 2 and int(metrics["accuracy"].total) == 1
+    assert math.isclose(metrics["margin"].value, -0.25)  # (1 - 1.5) over 2 pairs
 
 
 def test_preference_microbatches_put_each_pair_in_one_microbatch() -> None:

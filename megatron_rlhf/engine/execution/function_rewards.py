@@ -20,6 +20,7 @@ import torch
 
 from megatron_rlhf.rewards import RewardFunctions
 from megatron_rlhf.runtime.logging import get_logger
+from megatron_rlhf.runtime.metric_reduce import Mean
 
 logger = get_logger(__name__)
 
@@ -89,14 +90,13 @@ class FunctionRewards:
                                                 ).reshape(len(rows), self.count),
                 "reward_errors": torch.tensor(result.errors, dtype=torch.float32)}
 
-    def take_extras(self) -> dict[str, float]:
-        """``<key>_total`` and ``<key>_count`` of the kept extras since the last call (summed
-        over ranks by ``share_metrics``, which logs their mean as ``<key>``)."""
-        sums = {}
-        for key, values in self._extras.items():
-            sums[f"{key}_total"], sums[f"{key}_count"] = float(sum(values)), float(len(values))
+    def take_extras(self) -> dict[str, Mean]:
+        """The kept extras since the last call, each key's values as one :class:`Mean` (combined
+        over ranks by ``share_metrics``, which logs the mean under the key)."""
+        extras = {key: Mean(float(sum(values)), float(len(values)))
+                  for key, values in self._extras.items()}
         self._extras.clear()
-        return sums
+        return extras
 
     def warn_failures(self, what: str) -> str | None:
         """Warn on the console, from this rank, when more than :data:`WARN_SHARE` of the rows it

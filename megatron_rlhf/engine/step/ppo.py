@@ -59,7 +59,7 @@ from megatron_rlhf.engine.step.staleness import (
 )
 from megatron_rlhf.engine.step.step_metrics import (
     STEP_END,
-    accumulate_train_sums,
+    accumulate_train_metrics,
     apply_nan_policy,
     experience_sources,
     nonfinite_experience,
@@ -68,6 +68,7 @@ from megatron_rlhf.engine.step.step_metrics import (
 from megatron_rlhf.engine.step.training_losses import actor_loss_fn, critic_loss_fn
 from megatron_rlhf.rewards import RewardFunctionSpec
 from megatron_rlhf.runtime.logging import get_logger
+from megatron_rlhf.runtime.metric_reduce import Metric
 from megatron_rlhf.runtime.store_exchange import StoreExchange
 from megatron_rlhf.topology.models import ACTOR, CRITIC
 
@@ -85,8 +86,8 @@ class Experience:
     step: int
     batch: DistBatch
     metrics: dict[str, float]
-    reward_sums: dict[str, float] = field(default_factory=dict)
-    """This rank's totals of the reward functions' extra keys (``FunctionRewards.take_extras``)."""
+    reward_metrics: dict[str, Metric] = field(default_factory=dict)
+    """This rank's means of the reward functions' extra keys (``FunctionRewards.take_extras``)."""
 
 
 def sample_rows(prompts: Sequence[Sequence[int]], ids: Sequence[int], samples_per_prompt: int
@@ -168,7 +169,7 @@ class PPOAlgorithm:
                 if step + ahead < self.total_steps:
                     self._queue.append(self.produce(step + ahead, version=step))
         experience = self._queue.popleft()
-        train_sums = {**self.consume(experience), **experience.reward_sums}
+        train_metrics = {**self.consume(experience), **experience.reward_metrics}
         handover = None
         if self.staleness and step + self.staleness < self.total_steps:
             # Shadows generate ahead while the trainers above were busy; then both meet here,
@@ -180,7 +181,7 @@ class PPOAlgorithm:
             with self.engine.context.span("sync_weights"):
                 self.engine.sync_weights()
         peaks = self.engine.context.memory.take()
-        return apply_nan_policy(share_metrics(experience.metrics, train_sums, peaks,
+        return apply_nan_policy(share_metrics(experience.metrics, train_metrics, peaks,
                                               self._step_end), step,
                                 experience_sources(self.engine), self.on_nan)
 
@@ -272,7 +273,7 @@ class PPOAlgorithm:
             if bad:
                 self.load_state_dict(before)  # the KL controller must not learn from NaNs
                 metrics.update(bad)
-        extras: dict[str, float] = {}
+        extras: dict[str, Metric] = {}
         if self.function_rewards is not None:
             extras = self.function_rewards.take_extras()
             self.function_rewards.warn_failures(f"step {step + 1}")
@@ -333,8 +334,8 @@ class PPOAlgorithm:
         selection = select_groups(flags, wanted)
         return gather_groups(batches, selection.chosen, n), selection.metrics()
 
-    def consume(self, experience: Experience) -> dict[str, float]:
-        """Train actor and critic on an experience batch; returns this rank's loss sums.
+    def consume(self, experience: Experience) -> dict[str, Metric]:
+        """Train actor and critic on an experience batch; returns this rank's training metrics.
 
         Experience with NaN/Inf model outputs is not trained on.
         """
@@ -353,7 +354,7 @@ class PPOAlgorithm:
             return {}
         if get_off_policy(self.algorithm.off_policy).needs_proximal:
             self._proximal_logprobs(experience)
-        train_sums: dict[str, float] = {}
+        train_metrics: dict[str, Metric] = {}
         minibatches = self._minibatches(experience.batch.batch_size, experience.step)
         for index, rows in enumerate(minibatches):
             for role, loss_fn in loss_fns.items():
@@ -363,8 +364,8 @@ class PPOAlgorithm:
                                                        experience.step * len(minibatches) + index)
                 with self.engine.context.span("train", role):
                     result = engine.update(role, experience.batch, rows, loss_fn, supervised)
-                accumulate_train_sums(train_sums, role, result, engine.workers[role])
-        return train_sums
+                accumulate_train_metrics(train_metrics, role, result, engine.workers[role])
+        return train_metrics
 
     def _drop_stale(self, experience: Experience) -> bool:
         """Drop the answers staler than this run allows (``staleness.stale_answers``; whole

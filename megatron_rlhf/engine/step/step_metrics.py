@@ -1,10 +1,12 @@
-"""What a PPO step reports: loss sums combined over ranks, peak memory, and NaN/Inf found and
-named.
+"""What a PPO step reports: training metrics combined over ranks, peak memory, and NaN/Inf found
+and named.
 
 A step's metrics are the same dict on every rank (:func:`share_metrics`, through the job's store,
-so that ranks done early wait for the trainers without a collective's timeout); a stage's peak memory
-is the largest over the ranks that ran it (``memory/<stage>_peak_bytes``); a trained model's
-learning rate is the mean over its step's updates (``<role>/lr``, the schedule's value).
+so that ranks done early wait for the trainers without a collective's timeout). Each contribution
+carries its reduction (``runtime/metric_reduce.py``): the losses are means weighted by tokens or
+the loss's count; a stage's peak memory is the largest over the ranks that ran it
+(``memory/<stage>_peak_bytes``); a trained model's learning rate is the mean over its step's
+updates (``<role>/lr``, the schedule's value).
 Non-finite model outputs are counted per experience field (:func:`nonfinite_experience`) and
 non-finite metrics are named with the model and stage that produced them
 (:func:`nonfinite_report`), then the run's ``faults.on_nan`` policy skips or stops
@@ -20,6 +22,15 @@ import torch
 from megatron_rlhf.engine.execution.ppo_engine import PPOEngine
 from megatron_rlhf.runtime.faults import NonFiniteError
 from megatron_rlhf.runtime.logging import get_logger
+from megatron_rlhf.runtime.metric_reduce import (
+    Max,
+    Mean,
+    Metric,
+    Replicated,
+    accumulate,
+    reduce,
+    values,
+)
 from megatron_rlhf.runtime.store_exchange import StoreExchange
 from megatron_rlhf.topology.models import ACTOR, CRITIC, REF, REWARD
 
@@ -94,21 +105,20 @@ def nonfinite_report(metrics: dict[str, float], sources: dict[str, str]) -> list
     return causes + training + ([] if causes else derived)
 
 
-def accumulate_train_sums(sums: dict[str, float], role: str, result: dict, worker) -> None:
-    """Add this rank's loss sums (TP rank 0 of the last stage only, to count each row once)."""
+def accumulate_train_metrics(metrics: dict[str, Metric], role: str, result: dict, worker) -> None:
+    """Add this rank's contributions to one update of ``role`` (TP rank 0 of the last stage
+    only, to count each row once): the loss function's metrics of every micro-batch (weighted
+    means, ``training_losses``), and the update's gradient norm, learning rate and router
+    metrics (the same on every rank of the replica), each logged as its mean over updates."""
     if not worker.is_output_stage or worker.pg_collection.tp.rank() != 0:
         return
     for micro in result["metrics"]:
-        for key, value in micro.items():
-            sums[f"{role}/{key}"] = sums.get(f"{role}/{key}", 0.0) + float(value)
-    sums[f"{role}/grad_norm_sum"] = sums.get(f"{role}/grad_norm_sum", 0.0) + result["grad_norm"]
-    sums[f"{role}/lr_sum"] = sums.get(f"{role}/lr_sum", 0.0) + result["lr"]
-    for key, value in result.get("moe", {}).items():  # the same on every rank of the replica
-        sums[f"{role}/{key}_total"] = sums.get(f"{role}/{key}_total", 0.0) + value
-    sums[f"{role}/steps"] = sums.get(f"{role}/steps", 0.0) + 1.0
+        accumulate(metrics, {f"{role}/{name}": value for name, value in micro.items()})
+    update = {"grad_norm": result["grad_norm"], "lr": result["lr"], **result.get("moe", {})}
+    accumulate(metrics, {f"{role}/{name}": Mean(value) for name, value in update.items()})
 
 
-def share_metrics(step_metrics: dict[str, float], train_sums: dict[str, float],
+def share_metrics(step_metrics: dict[str, float], train_metrics: dict[str, Metric],
                   memory_peaks: dict[str, int] | None = None,
                   exchange: StoreExchange | None = None) -> dict[str, float]:
     """Combine every rank's contributions into the same metrics dict on every rank.
@@ -118,44 +128,22 @@ def share_metrics(step_metrics: dict[str, float], train_sums: dict[str, float],
     for them without the process-group timeout (under NCCL, the watchdog) ending the job.
 
     Args:
-        step_metrics: this rank's experience metrics (identical where present).
-        train_sums: this rank's loss sums (:func:`accumulate_train_sums`).
-        memory_peaks: this rank's peak bytes per stage (``MemoryMeter.take``).
+        step_metrics: this rank's experience metrics (:class:`Replicated`: identical where
+            present).
+        train_metrics: this rank's training and reward-function metrics
+            (:func:`accumulate_train_metrics`, ``FunctionRewards.take_extras``).
+        memory_peaks: this rank's peak bytes per stage (``MemoryMeter.take``; :class:`Max`).
         exchange: the step end's exchange over every rank (default: one without fault records).
     """
     exchange = exchange if exchange is not None else StoreExchange(STEP_END)
     # Every rank: the metrics come from the ranks of every model and every rank returns all.
-    gathered = exchange.all_gather_object((step_metrics, train_sums, memory_peaks or {}))
-    metrics: dict[str, float] = {}
-    totals: dict[str, float] = {}
-    for rank_metrics, rank_sums, rank_peaks in gathered:
-        for key, value in rank_metrics.items():
-            metrics.setdefault(key, value)
-        for key, value in rank_sums.items():
-            totals[key] = totals.get(key, 0.0) + value
-        for stage, peak in rank_peaks.items():
-            key = f"memory/{stage}_peak_bytes"
-            metrics[key] = max(metrics.get(key, 0.0), float(peak))
-    for role in ("actor", "critic"):
-        tokens = totals.get(f"{role}/tokens", 0.0)
-        for key, value in totals.items():
-            if (key.startswith(f"{role}/") and key.endswith("_sum")
-                    and key not in (f"{role}/grad_norm_sum", f"{role}/lr_sum")):
-                weight = totals.get(f"{key[:-4]}_count", tokens)  # training_losses._as_sums
-                metrics[key[:-4]] = value / weight if weight else 0.0
-        if totals.get(f"{role}/ptx_tokens"):
-            metrics[f"{role}/ptx_nll"] = (totals[f"{role}/ptx_nll_total"]
-                                          / totals[f"{role}/ptx_tokens"])
-        if totals.get(f"{role}/steps"):
-            replicas = totals[f"{role}/steps"]
-            metrics[f"{role}/grad_norm"] = totals[f"{role}/grad_norm_sum"] / replicas
-            metrics[f"{role}/lr"] = totals[f"{role}/lr_sum"] / replicas
-            for key, value in totals.items():  # router metrics: the mean over updates
-                if key.startswith(f"{role}/moe_") and key.endswith("_total"):
-                    metrics[key[:-6]] = value / replicas
-    for key, value in totals.items():  # reward functions' extra keys (FunctionRewards)
-        if key.startswith("reward/") and key.endswith("_total"):
-            metrics[key[:-6]] = value / totals[f"{key[:-6]}_count"]
+    gathered = exchange.all_gather_object((step_metrics, train_metrics, memory_peaks or {}))
+    contributions = []
+    for rank_metrics, rank_training, rank_peaks in gathered:
+        contributions += [{name: Replicated(value) for name, value in rank_metrics.items()},
+                          {f"memory/{stage}_peak_bytes": Max(float(peak))
+                           for stage, peak in rank_peaks.items()}, rank_training]
+    metrics = values(reduce(contributions))
     metrics["policy_loss"] = metrics.get("actor/pg_loss", 0.0)
     metrics["value_loss"] = metrics.get("critic/vf_loss", metrics.get("actor/vf_loss", 0.0))
     return metrics

@@ -4,8 +4,8 @@ megatron's schedule takes ``(loss_sum, count, metrics)`` per micro-batch and div
 gradients by the count summed over the whole step, so a loss is passed as ``value * count`` with
 ``count = aggregation_denominator(mask, algorithm.loss_aggregation)``: the response tokens for
 ``token_mean`` (PPO's default), the rows with a response for the ``seq_mean_*`` modes. That
-reproduces the mini-batch's aggregate whatever the micro-batching. Metrics are token-weighted
-sums, reduced across ranks by the caller.
+reproduces the mini-batch's aggregate whatever the micro-batching. Metrics are weighted means
+(``runtime.metric_reduce.Mean``), reduced across micro-batches and ranks by the caller.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from megatron_rlhf.algorithms import (
 from megatron_rlhf.engine.execution.workers import ModelWorker
 from megatron_rlhf.models.gpt import split_policy_value
 from megatron_rlhf.models.logprobs import next_token_nll
+from megatron_rlhf.runtime.metric_reduce import Mean
 
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple]
 
@@ -36,18 +37,16 @@ count, so the step's value does not depend on the micro-batching (under ``seq_me
 micro-batch's loss is a mean over its rows, not its tokens)."""
 
 
-def _as_sums(tokens: torch.Tensor, metrics: dict[str, torch.Tensor],
-             count: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Each metric times its weight (``<name>_sum``), and the weights: ``tokens``, or for
-    ``AGGREGATED_METRICS`` the loss's ``count`` (``<name>_count``), which the step's metrics
-    divide by (``step_metrics.share_metrics``)."""
-    sums: dict[str, torch.Tensor] = {"tokens": tokens}
+def _step_metrics(tokens: torch.Tensor, metrics: dict[str, torch.Tensor],
+                  count: torch.Tensor | None = None) -> dict[str, Mean]:
+    """Each micro-batch metric as a :class:`Mean` weighted by ``tokens``, or for
+    ``AGGREGATED_METRICS`` by the loss's ``count``: the step reports the weighted mean over its
+    micro-batches and ranks (``step_metrics.share_metrics``)."""
+    weighted = {}
     for key, value in metrics.items():
         weight = count if count is not None and key in AGGREGATED_METRICS else tokens
-        sums[f"{key}_sum"] = value.detach() * weight
-        if weight is not tokens:
-            sums[f"{key}_count"] = weight
-    return sums
+        weighted[key] = Mean(value.detach() * weight, weight)
+    return weighted
 
 
 def actor_loss_fn(worker: ModelWorker, prompt_length: int, temperature: float,
@@ -74,7 +73,7 @@ def actor_loss_fn(worker: ModelWorker, prompt_length: int, temperature: float,
                                              worker.model.token_vocab_size)
             no_count = torch.zeros((), dtype=torch.int, device=output.device)
             return (nll_sum * batch["ptx_weight"][0], no_count,
-                    {"ptx_nll_total": nll_sum.detach(), "ptx_tokens": tokens})
+                    {"ptx_nll": Mean(nll_sum.detach(), tokens)})
         mask = batch["response_mask"]
         tokens = mask.sum()
         count = tokens if token_mean else aggregation_denominator(mask, config.loss_aggregation)
@@ -104,7 +103,7 @@ def actor_loss_fn(worker: ModelWorker, prompt_length: int, temperature: float,
                 config.loss_aggregation)
             loss = loss + config.value_loss_coef * value_loss
             metrics.update(value_metrics)
-        return loss * count, count.int(), _as_sums(tokens, metrics, count)
+        return loss * count, count.int(), _step_metrics(tokens, metrics, count)
 
     return loss_fn
 
@@ -117,6 +116,6 @@ def critic_loss_fn(worker: ModelWorker, prompt_length: int, config: PPOAlgorithm
         values = worker.token_values(output, prompt_length)
         loss, metrics = compute_value_loss(values, batch["values"], batch["returns"], mask,
                                            config.value_clip)
-        return loss * tokens, tokens.int(), _as_sums(tokens, metrics)
+        return loss * tokens, tokens.int(), _step_metrics(tokens, metrics)
 
     return loss_fn
