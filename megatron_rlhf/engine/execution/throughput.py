@@ -26,38 +26,21 @@ import torch.distributed as dist
 
 from megatron_rlhf.runtime.device import comm_device
 from megatron_rlhf.topology.flops import sequence_flops
-from megatron_rlhf.topology.models import ArchSpec, ExpertSpec
 
 # Dense bf16 FLOP/s of the GPUs the project has seen (spec sheets).
 SPEC_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 STAGES = ("train", "generate")
 
 
-def model_arch(model: torch.nn.Module) -> ArchSpec:
-    """The FLOP model's numbers of a model ``models.gpt.build_gpt_model`` built: its megatron
-    ``TransformerConfig`` (every layer's MLP an MoE layer when it has experts), its real
-    vocabulary and its maximum sequence length."""
-    config = model.config
-    experts = None
-    if config.num_moe_experts:
-        experts = ExpertSpec(config.num_moe_experts, config.moe_router_topk,
-                             config.moe_ffn_hidden_size,
-                             config.moe_shared_expert_intermediate_size or 0)
-    return ArchSpec("model", config.num_layers, config.hidden_size, config.num_attention_heads,
-                    model.real_vocab_size, model.max_sequence_length, config.ffn_hidden_size,
-                    gated_mlp=config.gated_linear_unit,
-                    num_query_groups=config.num_query_groups or config.num_attention_heads,
-                    head_dim=config.kv_channels or 0, experts=experts)
-
-
 def work_flops(model: torch.nn.Module, rows: Iterable[tuple[torch.Tensor, int]]) -> float:
     """Model FLOPs of ``rows``, ``(attention_mask, forwards)`` pairs: each mask's rows are whole
     causal sequences of their real tokens, passed through ``model`` in ``forwards`` forward
     equivalents (``topology.flops.TRAINING_PASSES`` to train, 1 forward-only). A scalar head
-    counts ``h`` output weights; a policy-value head (``lm+scalar``) its vocabulary projection."""
-    arch = model_arch(model)
+    counts ``h`` output weights; a policy-value head (``lm+scalar``) its vocabulary projection.
+    The architecture is the record the model keeps (``model.arch``, ``models.gpt.build_gpt_model``;
+    every layer's MLP an MoE layer when it has experts), the one the planner counts too."""
     value_head = model.head_kind == "scalar"
-    return sum(forwards * sequence_flops(arch, mask.sum(dim=1).tolist(), value_head)
+    return sum(forwards * sequence_flops(model.arch, mask.sum(dim=1).tolist(), value_head)
                for mask, forwards in rows)
 
 
