@@ -220,38 +220,6 @@ def apply_lora(model: torch.nn.Module, config: LoRAConfig, seed: int | None = No
     return adapted
 
 
-def adapter_numel(arch, config: LoRAConfig, experts: tuple[int, int] = (0, 0)) -> int:
-    """Elements of a whole model's adapters (every TP/PP part together): ``rank * (in + out)``
-    per adapted layer, the number a planner prices the adapters' gradients, optimizer state and
-    weight syncs by.
-
-    Args:
-        arch: an architecture (``num_layers``, ``hidden_size``, ``num_attention_heads``,
-            ``num_query_groups``, ``ffn_hidden_size``, ``gated_mlp`` and optionally
-            ``head_dim``; 0 or absent: ``hidden_size / num_attention_heads``).
-        config: the adapters.
-        experts: ``(routed experts per layer, their MLP width)``; ``(0, 0)``: a dense model,
-            whose ``linear_fc*`` targets are its MLP.
-    """
-    if not config.enabled:
-        return 0
-    h, heads = arch.hidden_size, arch.num_attention_heads
-    head_dim = getattr(arch, "head_dim", 0) or h // heads
-    groups = getattr(arch, "num_query_groups", 0) or heads
-    gated = 2 if getattr(arch, "gated_mlp", True) else 1
-    num_experts, expert_ffn = experts
-
-    def mlp(ffn: int) -> dict[str, int]:
-        return {"linear_fc1": h + gated * ffn, "linear_fc2": ffn + h}
-
-    per_layer = {"linear_qkv": h + (heads + 2 * groups) * head_dim,
-                 "linear_proj": heads * head_dim + h}
-    per_layer |= {} if num_experts else mlp(arch.ffn_hidden_size)
-    per_layer |= {f"experts.{k}": num_experts * v for k, v in mlp(expert_ffn).items()}
-    width = sum(v for k, v in per_layer.items() if k in config.target_modules)
-    return arch.num_layers * config.rank * width
-
-
 def trained_with_adapters(name: str, trainable: tuple[str, ...] = ()) -> bool:
     """Whether a parameter trains in a model with adapters: an adapter's, or one under a
     ``trainable`` prefix (as given to :func:`apply_lora`); what a weight sync copies after the

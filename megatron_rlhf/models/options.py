@@ -9,12 +9,14 @@ would otherwise pay about 2 s for before it could report a mistake; ``models.gpt
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 import torch
 
 from megatron_rlhf.models.moe import MoEConfig
+from megatron_rlhf.topology.models import ArchSpec, arch_preset
 
 HeadKind = Literal["lm", "scalar", "lm+scalar"]
 HEAD_KINDS: tuple[str, ...] = ("lm", "scalar", "lm+scalar")
@@ -313,3 +315,62 @@ class LoRAConfig:
     def applies_to(self, role: str) -> bool:
         """Whether ``role``'s model takes adapters."""
         return self.enabled and role in self.roles
+
+    def adapter_params(self, arch: ArchSpec | str) -> int:
+        """Elements of the adapters of a whole model of ``arch`` (a preset name or an
+        ``ArchSpec``, its routed and shared experts included): :func:`adapter_numel`."""
+        arch = arch_preset(arch)
+        moe = arch.experts
+        if moe is None:
+            return adapter_numel(arch, self)
+        return adapter_numel(arch, self, (moe.num_experts, moe.ffn_hidden_size),
+                             moe.shared_ffn_size)
+
+    def role_adapters(self, archs: ArchSpec | str | Mapping[str, ArchSpec | str]
+                      ) -> dict[str, int]:
+        """The adapter elements of each role that takes adapters, for ``plan_placement``.
+
+        Args:
+            archs: one architecture for every model, or one per role (as ``plan_placement``
+                takes them).
+        """
+        def arch_of(role: str) -> ArchSpec | str:
+            return archs if isinstance(archs, ArchSpec | str) else archs[role]
+
+        return {role: self.adapter_params(arch_of(role)) for role in self.roles
+                if self.applies_to(role)}
+
+
+def adapter_numel(arch, config: LoRAConfig, experts: tuple[int, int] = (0, 0),
+                  shared_ffn: int = 0) -> int:
+    """Elements of a whole model's adapters (every TP/PP part together): ``rank * (in + out)``
+    per adapted layer, the number a planner prices the adapters' gradients, optimizer state and
+    weight syncs by (``LoRAConfig.adapter_params`` reads it off an ``ArchSpec``).
+
+    Args:
+        arch: an architecture (``num_layers``, ``hidden_size``, ``num_attention_heads``,
+            ``num_query_groups``, ``ffn_hidden_size``, ``gated_mlp`` and optionally
+            ``head_dim``; 0 or absent: ``hidden_size / num_attention_heads``).
+        config: the adapters.
+        experts: ``(routed experts per layer, their MLP width)``; ``(0, 0)``: a dense model,
+            whose ``linear_fc*`` targets are its MLP.
+        shared_ffn: width of an MoE layer's shared expert, which the ``linear_fc*`` targets
+            adapt; 0: none.
+    """
+    if not config.enabled:
+        return 0
+    h, heads = arch.hidden_size, arch.num_attention_heads
+    head_dim = getattr(arch, "head_dim", 0) or h // heads
+    groups = getattr(arch, "num_query_groups", 0) or heads
+    gated = 2 if getattr(arch, "gated_mlp", True) else 1
+    num_experts, expert_ffn = experts
+
+    def mlp(ffn: int) -> dict[str, int]:
+        return {"linear_fc1": h + gated * ffn, "linear_fc2": ffn + h} if ffn else {}
+
+    per_layer = {"linear_qkv": h + (heads + 2 * groups) * head_dim,
+                 "linear_proj": heads * head_dim + h}
+    per_layer |= mlp(shared_ffn) if num_experts else mlp(arch.ffn_hidden_size)
+    per_layer |= {f"experts.{k}": num_experts * v for k, v in mlp(expert_ffn).items()}
+    width = sum(v for k, v in per_layer.items() if k in config.target_modules)
+    return arch.num_layers * config.rank * width

@@ -39,6 +39,7 @@ from dataclasses import dataclass, fields
 from megatron_rlhf.planner.hardware import HardwareProfile
 from megatron_rlhf.topology.flops import (
     FORWARD_PASSES,
+    FROZEN_BASE_TRAINING_PASSES,
     RECOMPUTED_TRAINING_PASSES,
     TRAINING_PASSES,
     forward_flops,
@@ -117,7 +118,7 @@ def device_params(params: float, tp: int, pp: int, expert_params: float = 0.0,
 
 def state_bytes(params: float, tp: int, pp: int, dp: int, trainable: bool,
                 sharding: str = DISTRIBUTED_OPTIMIZER, expert_params: float = 0.0,
-                ep: int = 1) -> StateBytes:
+                ep: int = 1, adapters: float = 0.0) -> StateBytes:
     """Weights, gradients and optimizer state on one device, as the engine allocates them.
 
     With ``psi`` the ``device_params`` (``params / (tp * pp)`` for a dense model) and ``d = dp``:
@@ -131,12 +132,21 @@ def state_bytes(params: float, tp: int, pp: int, dp: int, trainable: bool,
       device is still that of ``params / (tp pp d)`` parameters;
     - ``fsdp`` (ZeRO-3): ``(2 + 4 + 12) params / (tp pp d)``; the layers being computed are
       gathered on top (``fsdp_gathered_bytes``).
+
+    With LoRA ``adapters`` (elements of the whole model's, ``a = adapters / (tp pp)`` per
+    device) the base is frozen: its weights ``2 psi`` and the adapters' ``2 a``, and gradients
+    and optimizer state for the adapters alone (``4 a``; ``12 a``, or ``12 a / d`` sharded).
+    An inference-only copy (a shadow) holds ``2 (psi + a)``.
     """
     psi = device_params(params, tp, pp, expert_params, ep)
+    a = adapters / (tp * pp)
     if not trainable:
-        return StateBytes(BF16 * psi)
+        return StateBytes(BF16 * (psi + a))
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding={sharding!r}: use one of {SHARDINGS}")
+    if adapters:
+        optimizer = ADAM_STATE_BYTES * (a if sharding == REPLICATED else a / dp)
+        return StateBytes(BF16 * (psi + a), GRAD_BYTES * a, optimizer)
     sharded = params / (tp * pp * dp)
     optimizer = ADAM_STATE_BYTES * (psi if sharding == REPLICATED else sharded)
     model = sharded if sharding == FULLY_SHARDED else psi
@@ -391,6 +401,9 @@ class ModelEnv:
             pass first gathers the weights.
         ep: expert-parallel size (1 for a dense model).
         ep_link: bandwidth of an expert-parallel group (needed when ``ep > 1``).
+        adapters: elements of the model's LoRA adapters (all parts together); training then
+            computes no weight gradient of the frozen base and reduces, updates and syncs the
+            adapters alone. 0: every weight trains.
     """
 
     arch: ArchSpec
@@ -405,6 +418,7 @@ class ModelEnv:
     sharding: str = DISTRIBUTED_OPTIMIZER
     ep: int = 1
     ep_link: Link | None = None
+    adapters: float = 0.0
 
     def __post_init__(self) -> None:
         if self.ep > 1 and self.ep_link is None:
@@ -475,7 +489,10 @@ def training_cost(env: ModelEnv, rows: int, seq: int, micro_batch: int, minibatc
     ``minibatches`` optimizer steps.
 
     Per optimizer step: ``m + pp - 1`` slots of forward+backward (``6 N`` FLOPs per token, 8 N
-    with recomputation), the DP gradient reduction (``grad_sync_seconds``) and
+    with recomputation; with LoRA ``env.adapters`` ``4 N`` and ``6 N``, the frozen base's
+    backward computing the activations' gradients alone, and the reduction and update below
+    over the adapters' elements instead of ``N``), the DP gradient reduction
+    (``grad_sync_seconds``) and
     ``STEP_ALLREDUCES`` small all-reduces over DP, the Adam update
     (``ADAM_UPDATE_BYTES`` per local parameter at HBM speed, sharded over DP unless
     ``env.sharding`` is ``replicated``) and the fixed ``profile.step_latency_s`` of the step's
@@ -485,16 +502,23 @@ def training_cost(env: ModelEnv, rows: int, seq: int, micro_batch: int, minibatc
     rows_per_step = math.ceil(rows / minibatches)
     micro_batch = min(micro_batch, rows_per_step)
     microbatches = math.ceil(rows_per_step / micro_batch)
-    passes, collectives = ((RECOMPUTED_TRAINING_PASSES, 6) if checkpointing
-                           else (TRAINING_PASSES, 4))
+    passes = FROZEN_BASE_TRAINING_PASSES if env.adapters else TRAINING_PASSES
+    passes, collectives = ((passes + RECOMPUTED_TRAINING_PASSES - TRAINING_PASSES, 6)
+                           if checkpointing else (passes, 4))
     slot = env.slot_cost(micro_batch * seq, seq / 2, passes, collectives)
     pipeline = slot.scaled(microbatches + env.pp - 1)
     reductions = microbatches if env.sharding == FULLY_SHARDED else 1
-    sync = reductions * grad_sync_seconds(env.params, env.tp, env.pp, env.dp, env.sharding,
-                                          env.dp_link, env.arch.expert_params(), env.ep)
+    if env.adapters:  # spread over the model's devices, experts' adapters included
+        sync = grad_sync_seconds(env.adapters, env.tp, env.pp, env.dp, env.sharding,
+                                 env.dp_link)
+        trained = env.adapters / (env.tp * env.pp)
+    else:
+        sync = reductions * grad_sync_seconds(env.params, env.tp, env.pp, env.dp, env.sharding,
+                                              env.dp_link, env.arch.expert_params(), env.ep)
+        trained = env.device_params
     sync += STEP_ALLREDUCES * allreduce_seconds(FP32, env.dp, env.dp_link)
-    local = (env.device_params if env.sharding == REPLICATED
-             else env.params / (env.tp * env.pp * env.dp))
+    local = trained if env.sharding == REPLICATED else (
+        (env.adapters or env.params) / (env.tp * env.pp * env.dp))
     update = ADAM_UPDATE_BYTES * local / env.profile.hbm_bytes_per_s
     fixed = Cost(comm=sync, memory=update, overhead=env.profile.step_latency_s)
     fixed += env.gathers(2 * microbatches)

@@ -50,10 +50,22 @@ def generating_roles(plan: PlacementPlan) -> tuple[str, ...]:
 
 def experience_roles(plan: PlacementPlan) -> tuple[str, ...]:
     """Models that run an experience forward pass: policy (old log-probs), value model, ref,
-    reward. Under AC-Share the policy's forward also gives the values."""
+    reward. Under AC-Share the policy's forward also gives the values; without a reference
+    model (LoRA) the trainable actor's base gives the reference log-probs."""
+    return tuple(experience_passes(plan))
+
+
+def experience_passes(plan: PlacementPlan) -> dict[str, int]:
+    """The experience forward passes of each model of :func:`experience_roles`: two on an actor
+    that is both the policy and, with its adapters off, the reference."""
     policy = SHADOW_ACTOR if SHADOW_ACTOR in plan.models else ACTOR
     value = SHADOW_CRITIC if SHADOW_CRITIC in plan.models else CRITIC
-    return tuple(role for role in (policy, value, REF, REWARD) if role in plan.models)
+    reference = REF if plan.config.reference else ACTOR
+    passes: dict[str, int] = {}
+    for role in (policy, value, reference, REWARD):
+        if role in plan.models:
+            passes[role] = passes.get(role, 0) + 1
+    return passes
 
 
 def pool_of_replicas(plan: PlacementPlan, role: str) -> dict[int, int]:
@@ -246,10 +258,11 @@ class _Needs:
 
 def role_state(model: ModelPlacement, options: MemoryOptions) -> cm.StateBytes:
     """The model's states on one of its devices under ``options`` (its experts split over its
-    ``ep``)."""
+    ``ep``; with LoRA adapters, gradients and optimizer state for them alone)."""
     spec = model.spec
     return cm.state_bytes(spec.num_params(), model.tp, model.pp, model.dp, spec.trainable,
-                          options.sharding, spec.arch.expert_params(), spec.ep)
+                          options.sharding, spec.arch.expert_params(), spec.ep,
+                          spec.adapter_params)
 
 
 def _needs(model: ModelPlacement, rollout: RolloutSpec, options: MemoryOptions, forward: bool,

@@ -31,6 +31,7 @@ from megatron_rlhf.planner.memory_fit import (
     MemoryOptions,
     MemoryReport,
     RoleMemory,
+    experience_passes,
     experience_roles,
     fit_memory,
     generating_roles,
@@ -191,7 +192,8 @@ class _Context:
         return cm.ModelEnv(model.spec.arch, model.tp, model.pp, model.dp,
                            role in VALUE_HEAD_ROLES, profile, tp_link,
                            self.group_link(model, "pp"), self.group_link(model, "dp"),
-                           options.sharding, ep, self.group_link(model, "ep") if ep > 1 else None)
+                           options.sharding, ep, self.group_link(model, "ep") if ep > 1 else None,
+                           model.spec.adapter_params)
 
     def group_link(self, model: ModelPlacement, dim: str) -> cm.Link:
         """Link of the model's first ``dim`` group (``tp``, ``pp``, ``dp``, or ``ep``: the first
@@ -254,10 +256,11 @@ class _Context:
         return cost + self.offload(role, options, training=False)
 
     def experience(self, role: str, options: MemoryOptions) -> cm.Cost:
-        """The experience forward pass of ``role``."""
+        """The experience forward passes of ``role`` (``memory_fit.experience_passes``)."""
         seq, mbs = self.rollout.priced_sequence_length, self.rollout.micro_batch_size
+        passes = experience_passes(self.plan)[role]
         return self.per_pool(role, options, lambda env, rows: cm.forward_cost(
-            env, rows, seq, mbs)) + self.offload(role, options, training=False)
+            env, rows, seq, mbs).scaled(passes)) + self.offload(role, options, training=False)
 
     def training(self, role: str, options: MemoryOptions) -> cm.Cost:
         """The training of ``role``."""
@@ -363,8 +366,9 @@ def _sync(ctx: _Context, trainer: str, shadow: str, deps: tuple[int, ...]) -> Ta
     else:
         receivers, senders = (len({cluster.locate(r).node for r in m.ranks})
                               for m in (target, source))
-    # the shadow's devices each receive their shard: experts split over its ep as well
-    params = target.spec.device_params() * target.tp * target.pp
+    # the shadow's devices each receive their shard: experts split over its ep as well; with
+    # LoRA every sync after the first moves the adapters alone (the frozen base moved once)
+    params = target.spec.adapter_params or target.spec.device_params() * target.tp * target.pp
     seconds = cm.weight_sync_seconds(params, target.tp, target.pp,
                                      target.size, receivers, senders, link)
     return Task(f"{SYNC}:{trainer}->{shadow}", SYNC, (source.ranks, target.ranks),

@@ -22,6 +22,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from megatron_rlhf.planner.hardware import HardwareProfile
 from megatron_rlhf.planner.memory_fit import MEMORY_OPTIONS, check_memory_options
@@ -49,6 +50,9 @@ from megatron_rlhf.topology.placement_config import (
     PlacementConfig,
 )
 from megatron_rlhf.topology.plan import PlacementPlan
+
+if TYPE_CHECKING:  # the planner imports no torch, which models.options does
+    from megatron_rlhf.models.options import LoRAConfig
 
 ArchLike = str | ArchSpec
 DEFAULT_RATIO_GRID = ((1.0, 1.0, 0.25, 0.25), (1.0, 1.0, 0.5, 0.25), (1.0, 1.0, 0.25, 0.5),
@@ -79,6 +83,9 @@ class SearchSpace:
             functions alone (``reward.model_weight=0``).
         reference: plan a reference model at all; False prices a step whose reference
             log-probs come from the actor's base (LoRA on the actor).
+        lora: the LoRA adapters of the trained models (``models.lora``): their trainers are
+            priced with adapter-only gradients, optimizer state and weight syncs and no weight
+            gradient for the frozen base; None (or rank 0): every weight trains.
         distributed_optimizer: shard optimizer state over DP (never costs time, saves memory).
         memory_options: the memory options the planner may add to every candidate
             (``memory.MEMORY_OPTIONS``).
@@ -96,6 +103,7 @@ class SearchSpace:
     critic: bool = True
     reward: bool = True
     reference: bool = True
+    lora: LoRAConfig | None = None
     distributed_optimizer: bool = True
     memory_options: tuple[str, ...] = MEMORY_OPTIONS
 
@@ -304,10 +312,11 @@ def auto_place(cluster: ClusterSpec, models: ArchLike | Mapping[str, ArchLike],
     space = space or SearchSpace()
     scored: list[tuple[str, PlacementConfig, PlacementPlan, StepPrediction]] = []
     seen: set[tuple] = set()
+    adapters = space.lora.role_adapters(models) if space.lora else None
     with _quiet_planner():
         for config in candidate_configs(cluster, models, space):
             try:
-                plan = plan_placement(cluster, config, models)
+                plan = plan_placement(cluster, config, models, adapters)
             except ValueError:
                 continue
             if _signature(plan) in seen:

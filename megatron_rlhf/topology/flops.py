@@ -23,7 +23,8 @@ decoded token its context. Not counted: the embedding lookup (no product), norms
 and the element-wise ops.
 
 A backward pass costs twice its forward: a training pass is :data:`TRAINING_PASSES` forward
-equivalents; full recomputation adds one forward (:data:`RECOMPUTED_TRAINING_PASSES`), which the
+equivalents (:data:`FROZEN_BASE_TRAINING_PASSES` when LoRA leaves the weights' gradients out);
+full recomputation adds one forward (:data:`RECOMPUTED_TRAINING_PASSES`), which the
 planner's times count and the model FLOPs of an MFU do not.
 """
 
@@ -40,6 +41,10 @@ TRAINING_PASSES = 3
 gradients of the activations and of the weights)."""
 RECOMPUTED_TRAINING_PASSES = 4
 """A training pass under full activation recomputation: each layer's forward runs again."""
+FROZEN_BASE_TRAINING_PASSES = 2
+"""Forward equivalents of a training pass of a frozen base with LoRA adapters (``models.lora``):
+the forward and the gradients of the activations, no weight gradient; the adapters' own products
+(``rank`` wide) are left out. Full recomputation adds one forward as above."""
 
 
 def attention_weights(arch: ArchSpec) -> int:

@@ -306,6 +306,10 @@ class ModelSpec:
         bytes_per_param: bytes of one weight (2 for bf16).
         ep: expert-parallel size of a mixture-of-experts model (1 for a dense one): groups of
             ``ep`` data-parallel ranks split the experts (``topology.experts``); must divide DP.
+        adapter_params: elements of the model's LoRA adapters (``models.lora``; all of its
+            parts together), held beside its frozen base weights; a trainable model then trains
+            them alone (gradients and optimizer state for them only) and a shadow's weight sync
+            moves them alone after the first. 0: no adapters, every weight trains.
     """
 
     role: str
@@ -316,6 +320,7 @@ class ModelSpec:
     distributed_optimizer: bool = True
     bytes_per_param: int = 2
     ep: int = 1
+    adapter_params: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -324,6 +329,9 @@ class ModelSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{self.role}.{name}={value!r} must be an integer >= 1")
+        if not isinstance(self.adapter_params, int) or self.adapter_params < 0:
+            raise ValueError(f"{self.role}.adapter_params={self.adapter_params!r} must be an "
+                             "integer >= 0 (0: no LoRA adapters)")
         heads, layers = self.arch.num_attention_heads, self.arch.num_layers
         if heads % self.tp:
             raise ValueError(
@@ -375,16 +383,25 @@ class ModelSpec:
         An expert's optimizer state is split over its expert-DP group (``dp / ep`` devices
         holding the same experts), so either way the sharded state of a device is that of
         ``params / (tp * pp * dp)`` parameters. Activations, the KV cache and framework buffers
-        are not counted.
+        are not counted. With LoRA adapters (``adapter_params``, ``a`` of them per device over
+        ``tp * pp``) the base is frozen: its weights alone, plus the adapters' weights,
+        gradients (``6 a``) and Adam state (``12 a``, over ``dp`` with the distributed
+        optimizer).
 
         Args:
             dp: data-parallel size of the model.
             fully_sharded: shard weights and gradients over DP as well (trainable models).
         """
         shard = self.device_params()
+        adapters = self.adapter_params / self.model_parallel_size
         if not self.trainable:
-            return shard * self.bytes_per_param
+            return (shard + adapters) * self.bytes_per_param
         states = self.bytes_per_param + _MAIN_GRAD_BYTES
+        if adapters:
+            base = shard * self.bytes_per_param / (dp if fully_sharded else 1)
+            optimizer = _ADAM_STATE_BYTES * adapters / (
+                dp if fully_sharded or self.distributed_optimizer else 1)
+            return base + adapters * states / (dp if fully_sharded else 1) + optimizer
         sharded = self.num_params() / self.model_parallel_size / dp
         if fully_sharded:
             return sharded * (states + _ADAM_STATE_BYTES)
@@ -401,6 +418,7 @@ class ModelSpec:
             "role": self.role, "arch": self.arch.name, "trainable": self.trainable,
             "tp": self.tp, "pp": self.pp, "distributed_optimizer": self.distributed_optimizer,
             "num_params": self.num_params(), **({"ep": self.ep} if self.ep > 1 else {}),
+            **({"adapter_params": self.adapter_params} if self.adapter_params else {}),
         }
 
 

@@ -77,7 +77,8 @@ class _Region:
 
 
 def plan_placement(cluster: ClusterSpec, config: PlacementConfig,
-                   models: ArchLike | Mapping[str, ArchLike]) -> PlacementPlan:
+                   models: ArchLike | Mapping[str, ArchLike],
+                   adapters: Mapping[str, int] | None = None) -> PlacementPlan:
     """Plan where every model lives. Deterministic, pure Python, no torch.distributed.
 
     Args:
@@ -87,6 +88,9 @@ def plan_placement(cluster: ClusterSpec, config: PlacementConfig,
             among actor, critic, ref and reward (critic may be left out under AC-Share and
             without a critic, ``config.critic=False``; reward without a reward model,
             ``config.reward=False``). Shadows take the architecture of the model they copy.
+        adapters: the elements of the LoRA adapters of each trained role that takes them
+            (``LoRAConfig.role_adapters``; ``ModelSpec.adapter_params``), which its shadow
+            carries too; None: no adapters.
 
     Returns:
         The validated plan.
@@ -94,7 +98,7 @@ def plan_placement(cluster: ClusterSpec, config: PlacementConfig,
     Raises:
         ValueError: the request cannot work; the message names the field and a fix.
     """
-    specs = resolve_models(config, models)
+    specs = resolve_models(config, models, adapters)
     placements: dict[str, ModelPlacement] = {}
     for region in _regions(cluster, config, list(specs)):
         placements.update(_pack(region, specs))
@@ -121,11 +125,12 @@ def _warn_if_crowded(plan: PlacementPlan) -> None:
             return
 
 
-def resolve_models(config: PlacementConfig,
-                   models: ArchLike | Mapping[str, ArchLike]) -> dict[str, ModelSpec]:
+def resolve_models(config: PlacementConfig, models: ArchLike | Mapping[str, ArchLike],
+                   adapters: Mapping[str, int] | None = None) -> dict[str, ModelSpec]:
     """Build the ``ModelSpec`` of every role the strategy places.
 
-    Parallelism is ``config.role_parallel(role)``. Actor and critic are trainable.
+    Parallelism is ``config.role_parallel(role)``. Actor and critic are trainable; a shadow
+    carries the adapters (``adapters``, by trained role) of the model it copies.
 
     Raises:
         ValueError: a needed architecture is missing, or a spec is invalid (e.g. heads not
@@ -141,7 +146,8 @@ def resolve_models(config: PlacementConfig,
         specs[role] = ModelSpec(role, archs[SHADOW_OF.get(role, role)],
                                 trainable=role in TRAINABLE_ROLES, tp=parallel.tp, pp=parallel.pp,
                                 distributed_optimizer=parallel.distributed_optimizer,
-                                ep=parallel.ep)
+                                ep=parallel.ep,
+                                adapter_params=(adapters or {}).get(SHADOW_OF.get(role, role), 0))
     return specs
 
 

@@ -43,7 +43,8 @@ def _config(**overrides):
 
 
 def test_config_validation_names_the_field():
-    from megatron_rlhf.models.lora import LoRAConfig, adapter_numel
+    from megatron_rlhf.models.lora import LoRAConfig
+    from megatron_rlhf.models.options import adapter_numel
 
     with pytest.raises(ValueError, match=r"models\.lora\.rank=-1"):
         LoRAConfig(rank=-1)
@@ -116,12 +117,8 @@ def _merged(full: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Te
 
 def _check_layout(tp: int, sequence_parallel: bool, distributed_optimizer: bool) -> None:
     from megatron_rlhf.models.gpt import ModelBuildOptions, build_gpt_model
-    from megatron_rlhf.models.lora import (
-        adapter_numel,
-        adapters_disabled,
-        apply_lora,
-        is_adapter_param,
-    )
+    from megatron_rlhf.models.lora import adapters_disabled, apply_lora, is_adapter_param
+    from megatron_rlhf.models.options import adapter_numel
     from megatron_rlhf.models.trainer import ModelTrainer, OptimizerSettings
     from megatron_rlhf.models.weights import gather_full_state, load_full_state
 

@@ -97,7 +97,8 @@ def search_space(config: RunConfig) -> SearchSpace:
     replay = config.models.moe.enabled and config.models.moe.router_replay
     options = tuple(o for o in ENGINE_MEMORY_OPTIONS if not (replay and o == RECOMPUTE))
     return SearchSpace(critic=config.placement.critic, reward=config.placement.reward,
-                       reference=config.placement.reference, memory_options=options,
+                       reference=config.placement.reference, lora=config.models.lora,
+                       memory_options=options,
                        pps=(1,) if replay else None)
 
 

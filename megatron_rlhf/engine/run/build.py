@@ -77,7 +77,9 @@ def make_plan(config: RunConfig, cluster: ClusterSpec,
         sources: the initial checkpoints (:func:`resolve_sources`), whose architectures replace
             the ``models.arch`` preset.
     """
-    plan = plan_placement(cluster, config.placement, role_architectures(config, sources or {}))
+    archs = role_architectures(config, sources or {})
+    plan = plan_placement(cluster, config.placement, archs,
+                          adapters=config.models.lora.role_adapters(archs))
     rollout = config.rollout
     if rollout.async_rollout and not config.placement.separated:
         raise ValueError(f"rollout.async_rollout=true needs shadows to generate while the actor "

@@ -220,6 +220,16 @@ class RunPlan:
                                        "distribution)"),
                  "tokens per micro-batch: " + ", ".join(
                      f"{role} {tokens or 'fixed rows'}" for role, tokens in self.budgets.items())]
+        lora = self.config.models.lora
+        if lora.enabled:
+            lines.append(f"lora: rank {lora.rank} adapters, trained alone, on " + ", ".join(
+                f"{role} ({model.spec.adapter_params / 1e6:.1f}M of "
+                f"{model.spec.num_params() / 1e9:.2f}B parameters)"
+                for role, model in self.plan.models.items() if lora.applies_to(role))
+                + ("; the actor's base is the reference (no reference model)"
+                   if lora.applies_to("actor") else "")
+                + ("; weight syncs after the first move the adapters alone"
+                   if self.plan.config.separated else ""))
         if self.chosen:
             lines.append(f"placement auto: {self.chosen}")
         lines += ["", format_summary(self.plan), "",
