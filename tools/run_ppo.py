@@ -6,9 +6,10 @@ CPU, tiny models, 4 gloo ranks (the default configuration)::
     torchrun --nproc-per-node 4 tools/run_ppo.py --placement interleaving --steps 20
     torchrun --nproc-per-node 4 tools/run_ppo.py --algorithm grpo rollout.samples_per_prompt=4
 
-``--algorithm`` picks the advantage estimator: ppo (GAE with a critic, the default), or the
+``--algorithm`` picks the advantage estimator: gae (with a critic, the default), or the
 critic-free grpo, rloo (both need rollout.samples_per_prompt >= 2) and reinforce++, which place
-and train no critic (--ratios then takes three values: actor, ref, reward).
+and train no critic (--ratios then takes three values: actor, ref, reward). PPO names the family
+all of them train in; ``--algorithm ppo``, gae's old name, still selects gae, with a notice.
 
 GPU cluster (16 nodes of 8 GPUs), Llama-3.1-8B with a reward model under asynchronous
 separation (examples/recipes/ holds this and other production recipes)::
@@ -71,9 +72,12 @@ from megatron_rlhf.topology.placement_config import STRATEGIES
 if TYPE_CHECKING:  # the configuration's modules import megatron-core: main imports them
     from megatron_rlhf.config.ppo_run import RunConfig
 
-ALGORITHMS = {"ppo" if name == "gae" else name: name for name in ADVANTAGE_ESTIMATORS}
-"""``--algorithm`` name -> ``algorithm.advantage_estimator``: every registered estimator, gae
-as ppo."""
+ALGORITHMS = {**{name: name for name in ADVANTAGE_ESTIMATORS}, "ppo": "gae"}
+"""``--algorithm`` name -> ``algorithm.advantage_estimator``: every registered estimator, and
+``ppo``, the deprecated name of gae (:data:`DEPRECATED_ALGORITHMS`)."""
+DEPRECATED_ALGORITHMS = {"ppo": "gae"}
+"""Old ``--algorithm`` names -> the estimator's: "ppo" names the family every estimator trains
+in (the runs, ``algorithm.policy_loss=ppo``), not the GAE estimator."""
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "examples" / "ppo_tiny.yaml")
 
@@ -89,7 +93,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--profile", help="hardware profile for --placement auto (a shipped name "
                         "or a tools/calibrate.py JSON; default: the profile of each pool's kind)")
     parser.add_argument("--algorithm", choices=tuple(ALGORITHMS),
-                        help="advantage estimator (ppo = gae with a critic; the others have none)")
+                        help="advantage estimator (gae has a critic, the others none; ppo: "
+                        "deprecated name of gae)")
     parser.add_argument("--ratios", nargs="+", metavar="RATIO",
                         help="custom placement ratios over actor, critic, ref, reward (actor, ref, "
                         "reward without a critic); implies --placement custom")
@@ -146,6 +151,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
             except ValueError:
                 parser.error(f"argument --ratios: invalid float value: {value!r}")
         overrides += ["placement.strategy=custom", f"placement.ratios=[{','.join(ratios)}]"]
+    if args.algorithm in DEPRECATED_ALGORITHMS and os.environ.get("RANK", "0") == "0":
+        print(f"run_ppo: --algorithm {args.algorithm} is deprecated: it names the family every "
+              f"estimator trains in, not an estimator; the estimator is "
+              f"{DEPRECATED_ALGORITHMS[args.algorithm]}: use --algorithm "
+              f"{DEPRECATED_ALGORITHMS[args.algorithm]}", file=sys.stderr)
     if args.algorithm:
         overrides.append(f"algorithm.advantage_estimator={ALGORITHMS[args.algorithm]}")
     if args.ac_share:

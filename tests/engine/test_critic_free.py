@@ -225,7 +225,7 @@ def test_critic_free_ratios_with_a_critic_are_refused() -> None:
         RunConfig(placement=PlacementConfig(critic=False))
 
 
-def test_the_algorithm_flag_selects_the_estimator() -> None:
+def test_the_algorithm_flag_selects_the_estimator(capsys) -> None:
     from megatron_rlhf.config.loader import load_config
     from tools import run_ppo as run_ppo_tool
 
@@ -234,9 +234,16 @@ def test_the_algorithm_flag_selects_the_estimator() -> None:
     config = load_config(RunConfig, args.config, overrides)
     assert config.algorithm.advantage_estimator == "rloo" and not config.placement.critic
     assert config.placement.role_ratios() == {"actor": 1.0, "ref": 0.5, "reward": 0.5}
-    args, overrides = run_ppo_tool.parse_args(["--algorithm", "ppo"])
+    args, overrides = run_ppo_tool.parse_args(["--algorithm", "gae"])
     config = load_config(RunConfig, args.config, overrides)
     assert config.algorithm.advantage_estimator == "gae" and config.placement.critic
+    assert capsys.readouterr().err == ""
+    # gae's old name still selects it, with a notice naming the fix
+    args, overrides = run_ppo_tool.parse_args(["--algorithm", "ppo"])
+    assert load_config(RunConfig, args.config, overrides).algorithm.advantage_estimator == "gae"
+    assert capsys.readouterr().err == (
+        "run_ppo: --algorithm ppo is deprecated: it names the family every estimator trains in, "
+        "not an estimator; the estimator is gae: use --algorithm gae\n")
 
 
 def test_the_tool_refuses_a_critic_ratio_without_a_critic(capsys) -> None:
