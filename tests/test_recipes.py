@@ -25,6 +25,7 @@ RUN_PPO = load_script("tools/run_ppo.py")
 
 PUBLIC_PARAMETERS = {"qwen2.5-7b-grpo-math-1x8.yaml": 7_615_616_512,
                      "llama3.1-8b-ppo-async-16x8.yaml": 8_030_261_248,
+                     "llama3.1-8b-grpo-lora-1x8.yaml": 8_030_261_248,
                      "llama3.1-70b-ppo-offload-16x8.yaml": 70_553_706_496,
                      "qwen3-30b-a3b-grpo-16x8.yaml": 30_532_122_624}
 """Each recipe's model's parameter count as its model card (safetensors index) gives it."""
@@ -275,3 +276,17 @@ def test_existing_checkpoints_give_the_architecture(tmp_path: Path) -> None:
         "reward.model_weight=1.0"])
     assert plan_run(missing, plan_cluster(missing, nodes=1, gpus_per_node=4)).architecture == (
         f"models.arch (tiny); checkpoints not found, so not read: {tmp_path / 'none'}")
+
+
+def test_the_lora_recipe_trains_adapters_alone_and_places_no_reference_model(
+        capsys: pytest.CaptureFixture) -> None:
+    name = "llama3.1-8b-grpo-lora-1x8.yaml"
+    config = load_config(RunConfig, RECIPES / name)
+    assert config.models.lora.applies_to("actor") and not config.placement.reference
+    status, out = _plan_only(capsys, ["--config", str(RECIPES / name), "--plan-only", "--json"])
+    assert status == 0
+    result = json.loads(out)
+    actor = result["plan"]["models"]["actor"]
+    assert set(result["plan"]["models"]) == {"actor"}
+    # 32 layers x rank 16 x (qkv 4096 + 6144, proj 4096 + 4096, fc1 4096 + 28672, fc2 14336 + 4096)
+    assert actor["adapter_params"] == 32 * 16 * (10240 + 8192 + 32768 + 18432)
