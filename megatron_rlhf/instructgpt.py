@@ -27,12 +27,11 @@ from megatron_rlhf.config.loader import load_config
 from megatron_rlhf.config.ppo_run import EvalConfig, RunConfig
 from megatron_rlhf.config.supervised_run import RMConfig, SFTConfig
 from megatron_rlhf.data import SyntheticTaskConfig, write_task_jsonl
-from megatron_rlhf.engine.run.evaluation import eval_metrics, hacking_report
-from megatron_rlhf.engine.run.runner import run_ppo
 from megatron_rlhf.runtime.bootstrap import initialize_runtime
-from megatron_rlhf.supervised.loop import CHECKPOINT_DIR, TOKENIZER_FILE
-from megatron_rlhf.supervised.reward_model import run_reward_training
-from megatron_rlhf.supervised.sft import run_sft
+
+# The stages, their evaluation and the report's hacking check import megatron-core (seconds per
+# process); they are imported where they run, so that check_stage_configs, which every rank
+# reaches first, imports none (tools/run_pipeline.py).
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -72,17 +71,58 @@ def _timed(seconds: dict[str, float], stage: str) -> Iterator[None]:
     seconds[stage] = time.perf_counter() - start
 
 
-def _write_data(run_dir: Path, paths: Sequence[str], task: SyntheticTaskConfig
-                ) -> tuple[list[str], list[str]]:
-    """Training and held-out files: the caller's, or the synthetic task written by rank 0."""
+def _data_paths(run_dir: Path, paths: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Training and held-out files: the caller's, or those of the synthetic task under
+    ``run_dir/data``."""
     if paths:
         return list(paths), []
     data_dir = run_dir / "data"
-    if dist.get_rank() == 0:
-        write_task_jsonl(data_dir, task)
-    # World: every rank reads the files rank 0 writes.
-    dist.barrier(group=dist.group.WORLD)
     return [str(data_dir / "train.jsonl")], [str(data_dir / "test.jsonl")]
+
+
+def _write_data(run_dir: Path, paths: Sequence[str], task: SyntheticTaskConfig
+                ) -> tuple[list[str], list[str]]:
+    """Training and held-out files: the caller's, or the synthetic task written by rank 0."""
+    if not paths:
+        if dist.get_rank() == 0:
+            write_task_jsonl(run_dir / "data", task)
+        # World: every rank reads the files rank 0 writes.
+        dist.barrier(group=dist.group.WORLD)
+    return _data_paths(run_dir, paths)
+
+
+def _data_overrides(train: Sequence[str], held_out: Sequence[str]) -> list[str]:
+    """The supervised stages' ``data.*`` paths."""
+    data = [f"data.paths=[{','.join(train)}]"]
+    if held_out:
+        data.append(f"data.eval_paths=[{','.join(held_out)}]")
+    return data
+
+
+def check_stage_configs(run_dir: str | Path, data_paths: Sequence[str],
+                        ppo_overrides: Sequence[str], sft_overrides: Sequence[str] = (),
+                        rm_overrides: Sequence[str] = ()) -> RunConfig:
+    """Load each stage's configuration with its overrides, before any stage runs, and return
+    the PPO one: a mistake in the reward model's or PPO's overrides is refused at once, not
+    after SFT has trained. No process group, no megatron-core.
+
+    Raises:
+        ValueError: a stage's configuration is refused; the message names the stage.
+    """
+    run_dir = Path(run_dir)
+    data = _data_overrides(*_data_paths(run_dir, data_paths))
+    stages = [("PPO", RunConfig, "ppo_pipeline.yaml", [*ppo_overrides]),
+              ("SFT", SFTConfig, "sft_pipeline.yaml",
+               [f"out_dir={run_dir / 'sft'}", *data, *sft_overrides]),
+              ("reward-model", RMConfig, "rm_pipeline.yaml",
+               [f"out_dir={run_dir / 'rm'}", *data, *rm_overrides])]
+    configs = []
+    for stage, schema, example, overrides in stages:
+        try:
+            configs.append(load_config(schema, EXAMPLES / example, overrides))
+        except ValueError as error:
+            raise ValueError(f"{stage} stage: {error}") from None
+    return configs[0]
 
 
 def _records(path: Path) -> list[dict]:
@@ -93,17 +133,25 @@ def _records(path: Path) -> list[dict]:
 def run_pipeline(run_dir: str | Path, data_paths: Sequence[str], ppo_overrides: Sequence[str],
                  sft_overrides: Sequence[str] = (), rm_overrides: Sequence[str] = ()
                  ) -> PipelineResult:
-    """SFT, reward-model training and PPO in sequence; every rank calls it."""
+    """SFT, reward-model training and PPO in sequence; every rank calls it.
+
+    Raises:
+        ConfigError, ValueError: a stage's configuration is refused, before any stage runs.
+    """
+    from megatron_rlhf.engine.run.runner import run_ppo
+    from megatron_rlhf.supervised.loop import CHECKPOINT_DIR, TOKENIZER_FILE
+    from megatron_rlhf.supervised.reward_model import run_reward_training
+    from megatron_rlhf.supervised.sft import run_sft
+
     run_dir = Path(run_dir)
+    ppo_settings = check_stage_configs(run_dir, data_paths, ppo_overrides, sft_overrides,
+                                       rm_overrides)
     initialize_runtime()
     seconds: dict[str, float] = {}
     with _timed(seconds, "sft"):
-        ppo_settings = load_config(RunConfig, EXAMPLES / "ppo_pipeline.yaml", ppo_overrides)
         task = ppo_settings.prompts.synthetic
         train, held_out = _write_data(run_dir, data_paths, task)
-        data = [f"data.paths=[{','.join(train)}]"]
-        if held_out:
-            data.append(f"data.eval_paths=[{','.join(held_out)}]")
+        data = _data_overrides(train, held_out)
         sft = load_config(SFTConfig, EXAMPLES / "sft_pipeline.yaml",
                           [f"out_dir={run_dir / 'sft'}", *data, *sft_overrides])
         run_sft(sft)
@@ -137,6 +185,8 @@ def run_pipeline(run_dir: str | Path, data_paths: Sequence[str], ppo_overrides: 
 
 def read_result(run_dir: Path, ppo: RunConfig) -> PipelineResult:
     """The result of a finished pipeline, from the metrics its steps wrote under ``run_dir``."""
+    from megatron_rlhf.engine.run.evaluation import eval_metrics
+
     records = {step: _records(run_dir / step / "metrics.jsonl") for step in STEPS}
     # PPO's last record is the evaluation after its last step, a record of its own.
     final = {step: next((r for r in reversed(rows) if set(r) - {"step"} - set(eval_metrics(r))),
@@ -179,6 +229,8 @@ def _step(record: dict) -> str:
 
 def format_report(result: PipelineResult) -> str:
     """The closing summary: each step's last metrics, the held-out comparison, where to look."""
+    from megatron_rlhf.engine.run.evaluation import hacking_report
+
     sft, rm, ppo = (result.final[k] for k in ("sft", "rm", "ppo"))
     nan = float("nan")
     lines = [

@@ -9,6 +9,8 @@ Writes ``<run-dir>/{data,sft,rm,untrained,ppo}``, a curves picture ``<run-dir>/c
 held-out prompts) and prints a report comparing the untrained, SFT and final PPO policies on the
 held-out prompts. ``--seed`` seeds the synthetic task and every stage. Anything after the flags
 is a ``section.key=value`` override of the PPO configuration (examples/ppo_pipeline.yaml).
+Every stage's settings (``--sft-set``, ``--rm-set`` and the PPO overrides) are checked before
+the first stage runs; a mistake is said once, by rank 0, naming its stage, and exits 2.
 
 The console holds a set-up summary, each stage's progress bar, warnings and the report; the full
 log is ``<run-dir>/log.txt``. ``--verbose`` puts every rank's log on the console instead.
@@ -27,14 +29,20 @@ from megatron_rlhf.runtime.patches import add_warning_filters
 add_warning_filters()  # megatron-core warns about missing GPU extras while it is imported
 
 from megatron_rlhf.config.loader import ConfigError
-from megatron_rlhf.engine.run.evaluation import MODES
-from megatron_rlhf.instructgpt import format_report, run_pipeline
+from megatron_rlhf.instructgpt import check_stage_configs, format_report, run_pipeline
 from megatron_rlhf.rewards import UserCodeError
 from megatron_rlhf.runtime.distributed import destroy_distributed
 from megatron_rlhf.runtime.faults import NonFiniteError, RankFailure
 from megatron_rlhf.runtime.logging import log_to_file
-from megatron_rlhf.runtime.refusal import refuse
+from megatron_rlhf.runtime.refusal import RankZeroFirst, refuse
 from megatron_rlhf.topology.placement_config import STRATEGIES
+
+
+def _directory(value: str) -> Path:
+    """``--run-dir``: an empty value would put every stage's files into the working directory."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError(f"{value!r} names no directory")
+    return Path(value)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--placement", choices=STRATEGIES, default="separation")
-    parser.add_argument("--run-dir", type=Path, default=Path("runs/pipeline"))
+    parser.add_argument("--run-dir", type=_directory, default=Path("runs/pipeline"))
     parser.add_argument("--data", action="append", default=[], metavar="FILE",
                         help="preference JSONL/Parquet file (repeatable); default: synthetic")
     parser.add_argument("--ppo-steps", type=int, help="PPO steps (default: the config's)")
@@ -75,6 +83,8 @@ def summary(args: argparse.Namespace) -> str:
 def curves(records: list[dict]) -> dict[str, list[dict]]:
     """PPO's training metrics and its held-out evaluations as runs for ``plot_curves.plot``
     (every record has a rule score; a reward-model score only with a reward model)."""
+    from megatron_rlhf.engine.run.evaluation import MODES  # megatron-core: after the stages
+
     runs = {"train batches": [r for r in records if "rule_score" in r]}
     for mode in MODES:
         prefix = f"eval/{mode}/"
@@ -100,6 +110,16 @@ def main(argv: list[str] | None = None) -> int:
             stage.insert(0, "runtime.log_all_ranks=true")
     else:
         log_to_file(args.run_dir / "log.txt")
+    # Rank 0 checks every stage's configuration while the other ranks wait, megatron-core not
+    # yet imported: a mistake is said in seconds, once, and not after the stages before it ran.
+    first = RankZeroFirst("run_pipeline")
+    if first.refused():
+        return 2
+    try:
+        check_stage_configs(args.run_dir, args.data, overrides, sft, rm)
+    except (ConfigError, ValueError) as error:
+        return first.refuse(f"bad configuration: {error}")
+    first.accept()
     if os.environ.get("RANK", "0") == "0":
         print(summary(args), file=sys.stderr)
     try:

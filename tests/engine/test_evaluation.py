@@ -273,3 +273,18 @@ def test_report_counts_each_stages_steps_from_1_as_its_progress_line(tmp_path: P
     assert "reward model: step 6, held-out pairwise accuracy 0.750" in report
     assert "PPO: step 3, reward-model score -1.000, rule score 0.500, KL 0.250" in report
     assert "PPO final (after 3 steps)" in report
+
+
+def test_every_stages_configuration_is_checked_before_any_stage_runs(tmp_path: Path) -> None:
+    """A reward-model mistake used to surface after SFT had trained; each stage's settings are
+    loaded up front, without a process group, and a refusal names its stage."""
+    from megatron_rlhf.instructgpt import check_stage_configs
+
+    ppo = check_stage_configs(tmp_path, [], ["steps=3"], ["train.max_steps=2"])
+    assert ppo.steps == 3 and not (tmp_path / "sft").exists()
+    for sft, rm, stage in [(["train.max_steps=-1"], [], "SFT"),
+                           ([], ["train.max_steps=-1"], "reward-model")]:
+        with pytest.raises(ValueError, match=f"^{stage} stage: train.max_steps=-1 must be >= 0"):
+            check_stage_configs(tmp_path, [], [], sft, rm)
+    with pytest.raises(ValueError, match=r"^PPO stage: .*unknown config key 'stepz'"):
+        check_stage_configs(tmp_path, [], ["stepz=3"])
