@@ -8,7 +8,10 @@ post) ends. It now waits in the job's store, with no deadline.
   every rank. The trainers sleep after the weight sync: the shadows on ranks 2-3 wait in the
   sync (under ``runtime.transfer_timeout_s``) through slow updates, so only a slow end of the
   trainers' step reaches the step-end exchange; before the exchange this failed with gloo's
-  "Timed out waiting 4000ms" in ``share_metrics``;
+  "Timed out waiting 4000ms" in ``share_metrics``. Its held-out evaluations (before the first
+  step and after the last) answer slower than the world timeout on the ranks that generate,
+  while the trainers, which hold no rows, wait for their metrics: in the store too (a world
+  ``all_gather_object`` there timed out the same way);
 * the store exchange itself: a rank late by more than the world timeout is waited for, every
   rank gets every rank's object in rank order, the store keeps no key of a finished exchange,
   and a peer that stopped (its fault record says it raised) ends the wait with ``PeerStopped``.
@@ -27,14 +30,18 @@ from tests.multirank import run_on_ranks
 WORLD_TIMEOUT_S = 4.0
 UPDATE_SLEEP_S = 1.0  # x 4 updates per step (actor and critic, 2 mini-batches)
 SYNC_SLEEP_S = 6.0
+EVAL_SLEEP_S = 5.0  # per evaluation, on the ranks that answer
 
 
 def _slow_trainer_run(root: str) -> list[dict]:
+    from megatron_rlhf.config.ppo_run import EvalConfig
     from megatron_rlhf.engine.execution.ppo_engine import PPOEngine
+    from megatron_rlhf.engine.run.evaluation import HeldOutEvaluator
     from megatron_rlhf.engine.run.runner import run_ppo
     from megatron_rlhf.engine.step.ppo import PPOAlgorithm
 
     update, sync, step = PPOEngine.update, PPOEngine.sync_weights, PPOAlgorithm.step
+    answer, evaluate = HeldOutEvaluator._answer_and_score, HeldOutEvaluator.evaluate
     steps: list[dict] = []
     stepping: list[int] = []
 
@@ -55,9 +62,24 @@ def _slow_trainer_run(root: str) -> list[dict]:
                       "trains": bool(set(self.engine.workers) & {"actor", "critic"})})
         return metrics
 
+    def slow_answer(self, mode):
+        metrics = answer(self, mode)
+        if metrics and mode == "sampled":  # a rank that answered and scored
+            time.sleep(EVAL_SLEEP_S)
+        return metrics
+
+    def recorded_evaluation(self):
+        begin = time.monotonic()
+        metrics = evaluate(self)
+        steps.append({**metrics, "seconds": time.monotonic() - begin, "evaluation": True})
+        return metrics
+
     PPOEngine.update, PPOEngine.sync_weights, PPOAlgorithm.step = (slow_update, slow_sync,
                                                                    recorded_step)
-    config = separation_config(root, "slow", steps=2)
+    HeldOutEvaluator._answer_and_score = slow_answer
+    HeldOutEvaluator.evaluate = recorded_evaluation
+    config = separation_config(root, "slow", steps=2,
+                               evaluation=EvalConfig(num_prompts=4, interval=0))
     config.runtime.distributed.timeout_s = WORLD_TIMEOUT_S
     run_ppo(config)
     return steps
@@ -67,8 +89,22 @@ def _slow_trainer_run(root: str) -> list[dict]:
 @pytest.mark.timeout(340)
 def test_ranks_that_only_score_outwait_a_trainer_slower_than_the_world_timeout(
         tmp_path: Path) -> None:
-    ranks = run_on_ranks(_slow_trainer_run, world_size=4, args=(str(tmp_path),), timeout_s=300)
+    per_rank = run_on_ranks(_slow_trainer_run, world_size=4, args=(str(tmp_path),),
+                            timeout_s=300)
+    evaluations = [[record for record in records if record.get("evaluation")]
+                   for records in per_rank]
+    ranks = [[record for record in records if not record.get("evaluation")]
+             for records in per_rank]
     assert [len(steps) for steps in ranks] == [2, 2, 2, 2]
+    assert [len(records) for records in evaluations] == [2, 2, 2, 2]
+    held_out = [[{key: value for key, value in record.items() if key != "seconds"}
+                 for record in records] for records in evaluations]
+    assert "eval/sampled/rule_score" in held_out[0][0]
+    for records, metrics in zip(evaluations, held_out, strict=True):
+        # every rank waited for the slow answers, longer than the world timeout, and got the
+        # same held-out metrics
+        assert all(record["seconds"] > EVAL_SLEEP_S > WORLD_TIMEOUT_S for record in records)
+        assert metrics == held_out[0]
     trainers = [rank for rank, steps in enumerate(ranks) if steps[0]["trains"]]
     assert trainers and len(trainers) < 4, trainers
     for rank, steps in enumerate(ranks):

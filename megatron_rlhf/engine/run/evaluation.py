@@ -18,7 +18,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megatron_rlhf.algorithms import kl_penalty, mean_sequence_kl
 from megatron_rlhf.engine.execution.episodes import STAT_FIELDS, episode_metrics
@@ -26,6 +25,7 @@ from megatron_rlhf.engine.execution.function_rewards import FunctionRewards
 from megatron_rlhf.engine.execution.ppo_engine import PPOEngine, RuleReward
 from megatron_rlhf.generation import GenerationConfig
 from megatron_rlhf.runtime.logging import get_logger
+from megatron_rlhf.runtime.store_exchange import StoreExchange
 
 logger = get_logger(__name__)
 
@@ -82,10 +82,13 @@ class HeldOutEvaluator:
         metrics: dict[str, float] = {}
         for mode in MODES:
             metrics.update(self._answer_and_score(mode))
-        gathered: list = [None] * dist.get_world_size()
-        # World: only the ranks holding experience rows computed metrics; every rank returns them.
-        dist.all_gather_object(gathered, metrics, group=dist.group.WORLD)
-        return next(m for m in gathered if m)
+        # Only the ranks holding experience rows computed metrics; every rank returns them. Through
+        # the job's store, not a world collective: under separation the trainers hold no rows
+        # and would wait in it, under its timeout, while the other ranks answer and score.
+        faults = self.engine.context.faults
+        exchange = StoreExchange("evaluation",
+                                 stopped=faults.stopped_ranks if faults is not None else None)
+        return next(m for m in exchange.all_gather_object(metrics) if m)
 
     def _answer_and_score(self, mode: str) -> dict[str, float]:
         """This rank's metrics of one mode (empty on ranks that hold no experience rows)."""
