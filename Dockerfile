@@ -1,6 +1,6 @@
 # megatron_rlhf on an NGC PyTorch container (CUDA torch, Transformer Engine and Apex included).
 # Build:  docker build -t megatron_rlhf .
-# Check:  docker run --gpus all --ipc=host megatron_rlhf          # scripts/gpu_check.sh (<6 min)
+# Check:  docker run --gpus all --ipc=host megatron_rlhf          # scripts/gpu_check.sh (<10 min)
 # Train:  docker run --gpus all --ipc=host megatron_rlhf \
 #           torchrun --nproc-per-node 8 tools/run_ppo.py \
 #             --config examples/recipes/qwen2.5-7b-grpo-math-1x8.yaml

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# The GPU check: one command that tells whether this project works on a GPU machine, and how
-# fast. It writes its results into an output directory, LOG_DIR (default: runs/gpu_check, or $OUT
-# where a machine that hands back one folder sets that variable), and finishes within a time
-# budget of 9 minutes: each part runs under its own time limit, and the last line printed is one
-# JSON summary (also in LOG_DIR/summary.json), also when a part fails or runs out of time.
+# The GPU check: one command that tells whether this project works on a GPU node, and how fast.
+# Run it on one node of the cluster (an interactive allocation or a batch job of one node; any
+# number of its GPUs). It writes its results into --out DIR (default runs/gpu_check) and
+# finishes within a time budget of 9 minutes, so a job of 10 minutes holds it: each part runs
+# under its own time limit, and the last line printed is one JSON summary (also in
+# DIR/summary.json), also when a part fails or runs out of time.
 #
 #   bash scripts/gpu_check.sh                         # results in runs/gpu_check
-#   LOG_DIR=/scratch/gpu_check bash scripts/gpu_check.sh
-#   PYTHON=python3 bash scripts/gpu_check.sh          # the machine's own Python (and .whl/)
+#   bash scripts/gpu_check.sh --out /scratch/gpu_check
+#   PYTHON=python3 bash scripts/gpu_check.sh          # the node's own Python (and .whl/)
+#
+# The environment's LOG_DIR (or OUT) names the output directory too, when --out is not given.
 #
 # The parts, fastest first (docs/gpu.md has the table):
 #   run_ppo, moe_ep1, multi_turn, te  side by side at world size 1: tools/run_ppo.py for 2 steps
@@ -30,14 +33,32 @@
 # once, with their largest limit), which leaves set-up and the summary a minute of the budget;
 # tests/test_gpu_check.py holds them there.
 #
-# LOG_DIR gets three files only: summary.json, parts.txt (name, exit status, seconds, limit and
-# side-by-side group per part) and gpu_check.log (every part's log, every run's metrics and plan history). Run
-# directories and per-part logs go to a fresh /tmp/gpu_check_runs.XXXXXX, never under LOG_DIR.
-# Without CUDA the GPU parts skip and only the GPU tests' collection runs. On a machine without
-# network, build the wheels it needs first (bash scripts/build_gpu_wheels.sh) and bring .whl/
-# along: they are installed into a temporary directory when megatron-core is missing. Exit
-# status: 0 when every part that ran passed.
+# The output directory gets three files only: summary.json, parts.txt (name, exit status,
+# seconds, limit and side-by-side group per part) and gpu_check.log (every part's log, every run's
+# metrics and plan history). Run directories and per-part logs go to a fresh
+# /tmp/gpu_check_runs.XXXXXX, never under it. Without CUDA the GPU parts skip and only the GPU
+# tests' collection runs. On a node without network, build the wheels it needs where pip works
+# (bash scripts/build_gpu_wheels.sh writes them into .whl/) and copy .whl/ into this checkout on
+# the node: they are installed into a temporary directory when megatron-core is missing. Exit
+# status: 0 when every part that ran passed; 2 for an unknown argument.
 set -uo pipefail
+OUT_ARG=
+while [ $# -gt 0 ]; do
+  case $1 in
+    --out|--out=*)
+      if [ "$1" = --out ]; then OUT_ARG=${2:-}; shift; else OUT_ARG=${1#--out=}; fi
+      shift
+      [ -n "${OUT_ARG// /}" ] || { echo "gpu_check.sh: --out needs a directory" >&2; exit 2; } ;;
+    -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) echo "gpu_check.sh: unknown argument $1 (usage: bash scripts/gpu_check.sh [--out DIR])" >&2
+       exit 2 ;;
+  esac
+done
+case $OUT_ARG in  # relative to where the command was given, not to the checkout
+  "") ;;
+  /*) LOG_DIR=$OUT_ARG ;;
+  *) LOG_DIR=$PWD/$OUT_ARG ;;
+esac
 cd "$(dirname "$0")/.." || exit 1
 LOG_DIR=${LOG_DIR:-${OUT:-runs/gpu_check}}
 mkdir -p "$LOG_DIR"

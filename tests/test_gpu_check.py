@@ -34,8 +34,11 @@ def _run(args: list[str], tmp_path: Path, timeout: float) -> subprocess.Complete
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU behaviour")
 def test_gpu_check_skips_its_gpu_parts_on_cpu_and_says_so(tmp_path: Path) -> None:
-    result = _run(["bash", "scripts/gpu_check.sh"], tmp_path, timeout=240)
+    # --out names the output directory, before the environment's LOG_DIR
+    result = _run(["bash", "scripts/gpu_check.sh", "--out", str(tmp_path)], tmp_path / "env",
+                  timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
+    assert not (tmp_path / "env").exists()
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["cuda"] is False and summary["passed"] is True
     assert "no CUDA device" in summary["skipped"]
@@ -48,6 +51,20 @@ def test_gpu_check_skips_its_gpu_parts_on_cpu_and_says_so(tmp_path: Path) -> Non
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
     assert "##### gpu_check: logs/gpu_tests.0.log #####" in (tmp_path / "gpu_check.log").read_text()
     assert not summary["run_dir"].startswith(str(tmp_path))
+
+
+def test_gpu_check_takes_out_dir_and_refuses_an_empty_one_or_another_argument(
+        tmp_path: Path) -> None:
+    """A cluster user's flags: ``--out DIR``; ``--help`` prints the header; a mistake exits 2
+    before anything runs."""
+    usage = _run(["bash", "scripts/gpu_check.sh", "--help"], tmp_path, timeout=30)
+    assert usage.returncode == 0 and "--out DIR" in usage.stdout
+    assert not usage.stdout.startswith("#") and "set -uo" not in usage.stdout
+    for args, said in [(["--out", ""], "--out needs a directory"), (["--out="], "--out needs"),
+                       (["--outdir", "x"], "unknown argument --outdir")]:
+        done = _run(["bash", "scripts/gpu_check.sh", *args], tmp_path / "env", timeout=30)
+        assert done.returncode == 2 and said in done.stderr, (args, done.stderr)
+    assert not (tmp_path / "env").exists()
 
 
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
