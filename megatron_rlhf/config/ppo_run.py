@@ -1005,10 +1005,12 @@ class RunConfig:
 
     def _check_lora(self) -> None:
         """Refuse what adapters (``models.lora``) are not yet carried through: Megatron-FSDP,
-        AC-Share, a critic that is not there."""
+        AC-Share, a critic that is not there; a PEFT starting point that does not fit."""
         lora = self.models.lora
         if not lora.enabled:
             return
+        if lora.init_adapter_dir:
+            lora.check_adapter_dir("models.lora")
         if CRITIC in lora.roles and not self.placement.critic:
             raise ValueError(f"models.lora.roles={lora.roles} names the critic, but this run "
                              "has no critic (a critic-free estimator): drop it from the roles")

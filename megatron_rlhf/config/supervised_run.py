@@ -94,9 +94,10 @@ class SupervisedModelConfig:
             divide ``moe.num_experts`` and the data-parallel size (1 for a dense model); needs
             the ``alltoall`` dispatcher.
         lora: train low-rank adapters instead of every weight (``models.lora.LoRAConfig``:
-            ``model.lora.rank=8``; ``roles`` is not read, ``init_adapter_dir`` is refused); a
-            reward model's new score head trains in full beside them. The model is built with
-            megatron's local layers.
+            ``model.lora.rank=8``; ``roles`` is not read); a reward model's new score head trains
+            in full beside them. The model is built with megatron's local layers.
+            ``init_adapter_dir``: the adapters start from a PEFT adapter, loaded into them after
+            the base (``model.init_checkpoint`` or the initialisation).
     """
 
     arch: Any = "tiny"
@@ -128,9 +129,7 @@ class SupervisedModelConfig:
                              f"{RECOMPUTE_GRANULARITIES}")
         self.params_dtype = resolve_params_dtype(self.params_dtype)
         if self.lora.init_adapter_dir:
-            raise ValueError(f"model.lora.init_adapter_dir={self.lora.init_adapter_dir}: supervised runs "
-                             "do not read a PEFT adapter yet; merge it into the base and give "
-                             "that as model.init_checkpoint")
+            self.lora.check_adapter_dir("model.lora")
 
 
 @dataclass

@@ -321,6 +321,6 @@ def load_full_adapters(model: torch.nn.Module, pg_collection,
     missing, extra = sorted(ours - set(adapters)), sorted(set(adapters) - ours)
     if missing or extra:
         raise ValueError(f"the adapters do not match the model's: missing {missing[:3]}, "
-                         f"unexpected {extra[:3]} (compare models.lora.target_modules)")
+                         f"unexpected {extra[:3]}")
     full.update(adapters)
     load_full_state(model, pg_collection, full)

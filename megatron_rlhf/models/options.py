@@ -9,8 +9,10 @@ would otherwise pay about 2 s for before it could report a mistake; ``models.gpt
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar, Literal
 
 import torch
@@ -249,6 +251,9 @@ LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2",
 """What ``LoRAConfig.target_modules`` may name: the attention projections, the dense MLP (and a
 shared expert), the routed experts' MLPs."""
 LORA_ROLES = ("actor", "critic")
+PEFT_ADAPTER_CONFIG = "adapter_config.json"
+PEFT_ADAPTER_WEIGHTS = "adapter_model.safetensors"
+"""The two files of a Hugging Face PEFT adapter directory (``models.peft_export``)."""
 
 
 @dataclass
@@ -264,9 +269,10 @@ class LoRAConfig:
             value head then trains in full, as a new head must).
         init_seed: seed of the ``A`` matrices' layout-independent initialisation.
         init_adapter_dir: a Hugging Face PEFT adapter directory (``adapter_config.json``,
-            ``adapter_model.safetensors``) the actor's (an SFT model's) adapters start from
-            instead; its ``r`` and ``lora_alpha`` must be ``rank`` and ``alpha``, and its fused
-            layers' adapters must share ``A`` (as ``models.peft_export`` writes them).
+            ``adapter_model.safetensors``) the adapters start from instead, loaded after the
+            base (PPO: the actor's; SFT and RM: the model's); its ``r`` and ``lora_alpha`` must
+            be ``rank`` and ``alpha``, and its fused layers' adapters must share ``A`` (as
+            ``models.peft_export`` writes them).
     """
 
     rank: int = 0
@@ -315,6 +321,42 @@ class LoRAConfig:
     def applies_to(self, role: str) -> bool:
         """Whether ``role``'s model takes adapters."""
         return self.enabled and role in self.roles
+
+    def check_adapter_dir(self, section: str = "models.lora") -> dict:
+        """The ``adapter_config.json`` of ``init_adapter_dir``, checked against these settings
+        before any weight is read (a run's configuration calls it, ``read_peft_adapter`` too).
+
+        Args:
+            section: where these settings sit in the run's configuration (``models.lora`` in
+                PPO, ``model.lora`` in SFT and RM), for the messages.
+
+        Raises:
+            ValueError: the directory holds no PEFT LoRA adapter, or its ``r`` or
+                ``lora_alpha`` differ from ``rank`` and ``alpha``.
+        """
+        path = Path(self.init_adapter_dir).expanduser()
+        missing = [name for name in (PEFT_ADAPTER_CONFIG, PEFT_ADAPTER_WEIGHTS)
+                   if not (path / name).is_file()]
+        if missing:
+            raise ValueError(f"{section}.init_adapter_dir={self.init_adapter_dir} holds no "
+                             f"{' and no '.join(missing)}: give a Hugging Face PEFT LoRA adapter "
+                             "directory (as models.peft_export.save_peft_adapter or peft's "
+                             "save_pretrained write one)")
+        try:
+            settings = json.loads((path / PEFT_ADAPTER_CONFIG).read_text())
+        except (OSError, ValueError) as error:
+            raise ValueError(f"{section}.init_adapter_dir={self.init_adapter_dir}: "
+                             f"{PEFT_ADAPTER_CONFIG} is not readable JSON ({error})") from None
+        if not isinstance(settings, dict) or settings.get("peft_type", "LORA") != "LORA":
+            kind = settings.get("peft_type") if isinstance(settings, dict) else settings
+            raise ValueError(f"{section}.init_adapter_dir={self.init_adapter_dir} holds a "
+                             f"{kind!r} adapter, not a LoRA one: give a LoRA adapter")
+        for ours, theirs in (("rank", "r"), ("alpha", "lora_alpha")):
+            if float(settings.get(theirs, -1)) != float(getattr(self, ours)):
+                raise ValueError(f"{path / PEFT_ADAPTER_CONFIG} has {theirs}="
+                                 f"{settings.get(theirs)}, but {section}.{ours}="
+                                 f"{getattr(self, ours)}: set it to the adapter's")
+        return settings
 
     def adapter_params(self, arch: ArchSpec | str) -> int:
         """Elements of the adapters of a whole model of ``arch`` (a preset name or an

@@ -17,6 +17,7 @@ export (PEFT names no fused expert layers).
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -24,12 +25,12 @@ from safetensors.torch import save_file
 
 from megatron_rlhf.models.description import ModelDescription
 from megatron_rlhf.models.hf_llama import _qkv_to_hf  # the qkv rows' one layout
-from megatron_rlhf.models.lora import ADAPTER, LoRAConfig, is_adapter_param
+from megatron_rlhf.models.lora import ADAPTER, LoRAConfig, is_adapter_param, load_full_adapters
+from megatron_rlhf.models.options import PEFT_ADAPTER_CONFIG as ADAPTER_CONFIG
+from megatron_rlhf.models.options import PEFT_ADAPTER_WEIGHTS as ADAPTER_WEIGHTS
 
 PEFT_PREFIX = "base_model.model."
 """Where PEFT's ``LoraModel`` puts the HF model's names in its adapter file."""
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _HF_TARGETS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
                "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
 _HF_MODULE = {"self_attention.linear_qkv": "self_attn", "self_attention.linear_proj": "self_attn",
@@ -170,22 +171,36 @@ def full_adapters_from_peft(tensors: dict[str, torch.Tensor], arch) -> dict[str,
     return out
 
 
-def read_peft_adapter(directory: str | Path, arch, config: LoRAConfig) -> dict[str, torch.Tensor]:
+def read_peft_adapter(directory: str | Path, arch, config: LoRAConfig,
+                      section: str = "models.lora") -> dict[str, torch.Tensor]:
     """Read a PEFT LoRA adapter directory as full-state adapters for a model of ``arch`` (its
     ``num_query_groups`` and head size split ``q_proj``, ``k_proj``, ``v_proj``) with
-    ``config``.
+    ``config``; ``section`` names the settings in the messages (``model.lora`` in SFT and RM).
 
     Raises:
-        ValueError: its ``r`` or ``lora_alpha`` differ from ``config``'s, or its layers do not
-            map (:func:`full_adapters_from_peft`).
+        ValueError: no adapter there, its ``r`` or ``lora_alpha`` differ from ``config``'s
+            (``LoRAConfig.check_adapter_dir``), or its layers do not map
+            (:func:`full_adapters_from_peft`).
     """
     from safetensors.torch import load_file
 
-    path = Path(directory)
-    settings = json.loads((path / ADAPTER_CONFIG).read_text())
-    for ours, theirs in (("rank", "r"), ("alpha", "lora_alpha")):
-        if float(settings.get(theirs, -1)) != float(getattr(config, ours)):
-            raise ValueError(f"{path / ADAPTER_CONFIG} has {theirs}={settings.get(theirs)}, but "
-                             f"models.lora.{ours}={getattr(config, ours)}: set it to the "
-                             "adapter's")
-    return full_adapters_from_peft(load_file(str(path / ADAPTER_WEIGHTS)), arch)
+    replace(config, init_adapter_dir=str(directory)).check_adapter_dir(section)
+    return full_adapters_from_peft(load_file(str(Path(directory).expanduser() / ADAPTER_WEIGHTS)),
+                                   arch)
+
+
+def load_peft_adapter(model: torch.nn.Module, pg_collection, arch, config: LoRAConfig,
+                      section: str = "models.lora") -> None:
+    """Start ``model``'s adapters (``apply_lora`` added them, after its base was loaded) from
+    ``config.init_adapter_dir``: what PPO's actor and SFT and RM models do. Collective over the
+    model's TP and PP groups (``load_full_adapters``).
+
+    Raises:
+        ValueError: see :func:`read_peft_adapter`; the adapter's layers are not the model's.
+    """
+    adapters = read_peft_adapter(config.init_adapter_dir, arch, config, section)
+    try:
+        load_full_adapters(model, pg_collection, adapters)
+    except ValueError as error:
+        raise ValueError(f"{section}.init_adapter_dir={config.init_adapter_dir}: {error}; "
+                         f"compare {section}.target_modules") from None

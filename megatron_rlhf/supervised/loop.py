@@ -45,6 +45,7 @@ from megatron_rlhf.models.gpt import ModelBuildOptions
 from megatron_rlhf.models.hf_tokenizer import TOKENIZER_FILES, HFTokenizer, checkpoint_tokenizer
 from megatron_rlhf.models.lora import apply_lora, check_no_adapters
 from megatron_rlhf.models.moe import expert_metrics
+from megatron_rlhf.models.peft_export import load_peft_adapter
 from megatron_rlhf.models.tokenizer import Tokenizer, load_tokenizer
 from megatron_rlhf.models.trainer import ModelTrainer
 from megatron_rlhf.runtime.bootstrap import initialize_runtime
@@ -260,6 +261,8 @@ def _build(config: SupervisedConfig, objective: Objective, spec: ModelSpec, tota
     if config.model.lora.enabled:  # a reward model's new score head trains in full
         apply_lora(model, config.model.lora,
                    trainable=("output_layer",) if objective.head == "scalar" else ())
+        if config.model.lora.init_adapter_dir:  # into the adapters, after the base
+            load_peft_adapter(model, pgc, spec.arch, config.model.lora, "model.lora")
     return ModelTrainer(model, pgc, config.optimizer, total_steps=total_steps), pgc
 
 

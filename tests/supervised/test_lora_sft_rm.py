@@ -5,6 +5,11 @@ its checkpoint holds the adapters beside a base equal to the layout-independent 
 it started from, to the bit. The reward model's new score head trains in full beside its
 adapters, every other weight stays as initialised. A checkpoint with adapters is refused as the
 starting point of a reward model or a PPO run, which would load its base alone.
+
+A PEFT adapter exported from a model with random adapters (``models.peft_export``) starts an SFT
+run (``model.lora.init_adapter_dir``): at step 0 its weights are the exporter's to the bit, and so
+are its logits. A directory that holds no adapter, or one of another rank, is refused naming the
+field.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ def _train(root: str) -> dict:
         except ValueError as error:
             out["refusals"].append(str(error))
     groups = whole_world_groups(1, 1)
+    out["from_peft"] = _start_from_peft(root, sft_config, groups)
     for name in ("sft", "rm"):
         checkpoint = f"{root}/{name}/checkpoint"
         description = read_checkpoint_info(checkpoint).model
@@ -69,6 +75,49 @@ def _train(root: str) -> dict:
     return out
 
 
+def _start_from_peft(root: str, sft_config, groups) -> dict:
+    """An SFT run started from the PEFT adapter of a model with random adapters: its model at
+    step 0 beside the exporter's (weights and logits of one batch)."""
+    from megatron_rlhf.models.description import ModelDescription
+    from megatron_rlhf.models.gpt import ModelBuildOptions, build_gpt_model
+    from megatron_rlhf.models.lora import LoRAConfig, apply_lora
+    from megatron_rlhf.models.peft_export import save_peft_adapter
+    from megatron_rlhf.models.weights import gather_full_state, init_weights
+    from megatron_rlhf.supervised import loop
+    from megatron_rlhf.supervised.sft import run_sft
+    from megatron_rlhf.topology.models import resolve_arch
+    from tests.helpers.models import full_logits, random_lora_b
+
+    arch, lora = resolve_arch(sft_config.model.arch), LoRAConfig(rank=8, alpha=16)
+    exporter = build_gpt_model(arch, ModelBuildOptions(), groups)
+    init_weights(exporter, groups, seed=sft_config.model.init_seed)
+    apply_lora(exporter, lora, seed=5)  # not the run's A
+    exported = random_lora_b(exporter, groups)
+    save_peft_adapter(f"{root}/adapter", exported, ModelDescription(arch=arch), lora)
+    ids = torch.randint(1, 200, (2, 12), generator=torch.Generator().manual_seed(3))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    at_start: dict = {}
+
+    def step_zero(config, objective, trainer, pgc, *rest):
+        at_start["state"] = gather_full_state(trainer.model, pgc)
+        at_start["logits"] = full_logits(trainer.model, pgc, batch)
+        return train_loop(config, objective, trainer, pgc, *rest)
+
+    train_loop, loop._train_loop = loop._train_loop, step_zero
+    try:
+        run_sft(load_config(SFTConfig, ROOT / "examples" / "sft_tiny.yaml", [
+            f"out_dir={root}/sft_peft", "train.max_steps=1", *LORA,
+            f"model.lora.init_adapter_dir={root}/adapter"]))
+    finally:
+        loop._train_loop = train_loop
+    want = full_logits(exporter, groups, batch)
+    width = at_start["logits"].shape[-1]
+    return {"state_differs": sorted(k for k, v in exported.items()
+                                    if not torch.equal(at_start["state"][k], v)),
+            "logits_diff": (at_start["logits"] - want[..., :width]).abs().max().item(),
+            "adapters": sum(1 for k in exported if k.endswith("lora_b"))}
+
+
 @pytest.mark.multirank
 def test_sft_and_rm_train_adapters_and_keep_the_base(tmp_path: Path) -> None:
     result = run_on_ranks(_train, world_size=1, args=(str(tmp_path),), timeout_s=240)[0]
@@ -81,9 +130,23 @@ def test_sft_and_rm_train_adapters_and_keep_the_base(tmp_path: Path) -> None:
                               result["refusals"], strict=True):
         assert refusal.startswith(f"{field}=") and "holds LoRA adapters" in refusal, refusal
         assert "merge them into the base first" in refusal
+    # started from a PEFT adapter: the exporter's weights and logits at step 0, to the bit
+    from_peft = result["from_peft"]
+    assert from_peft["adapters"] > 0 and from_peft["state_differs"] == []
+    assert from_peft["logits_diff"] == 0.0
 
 
-def test_a_supervised_run_refuses_a_peft_starting_point(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"model\.lora\.init_adapter_dir=.*do not read a PEFT"):
+def test_a_supervised_run_refuses_a_bad_peft_starting_point(tmp_path: Path) -> None:
+    (tmp_path / "adapter").mkdir()
+    for schema, yaml in ((SFTConfig, "sft_tiny.yaml"), (RMConfig, "rm_tiny.yaml")):
+        with pytest.raises(ValueError, match=r"^model\.lora\.init_adapter_dir=.* holds no "
+                                             r"adapter_config\.json and no adapter_model"):
+            load_config(schema, ROOT / "examples" / yaml, [
+                f"out_dir={tmp_path}/out", "model.init_checkpoint=''", "model.lora.rank=4",
+                f"model.lora.init_adapter_dir={tmp_path}/adapter"])
+    (tmp_path / "adapter" / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
+    (tmp_path / "adapter" / "adapter_model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"has r=8, but model\.lora\.rank=4: set it"):
         load_config(SFTConfig, ROOT / "examples" / "sft_tiny.yaml", [
-            f"out_dir={tmp_path}", "model.lora.rank=4", f"model.lora.init_adapter_dir={tmp_path}"])
+            f"out_dir={tmp_path}/out", "model.lora.rank=4",
+            f"model.lora.init_adapter_dir={tmp_path}/adapter"])

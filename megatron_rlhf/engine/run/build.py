@@ -38,13 +38,8 @@ from megatron_rlhf.engine.run.stage_memory import (
 )
 from megatron_rlhf.models.checkpoint import read_checkpoint_info
 from megatron_rlhf.models.hf_tokenizer import HFTokenizer, is_hf_tokenizer_dir
-from megatron_rlhf.models.lora import (
-    apply_lora,
-    check_no_adapters,
-    load_full_adapters,
-    trained_with_adapters,
-)
-from megatron_rlhf.models.peft_export import read_peft_adapter
+from megatron_rlhf.models.lora import apply_lora, check_no_adapters, trained_with_adapters
+from megatron_rlhf.models.peft_export import load_peft_adapter
 from megatron_rlhf.models.tokenizer import Tokenizer
 from megatron_rlhf.models.trainer import ModelTrainer
 from megatron_rlhf.refit import build_weight_sync
@@ -238,8 +233,7 @@ def build_engine(config: RunConfig, plan: PlacementPlan, eos_id: int | tuple[int
             apply_lora(model, config.models.lora,
                        trainable=_TRAINED_BESIDE_ADAPTERS.get(role, ()))
             if role == ACTOR and config.models.lora.init_adapter_dir and load_initial:
-                load_full_adapters(model, groups[role], read_peft_adapter(
-                    config.models.lora.init_adapter_dir, plan[role].spec.arch, config.models.lora))
+                load_peft_adapter(model, groups[role], plan[role].spec.arch, config.models.lora)
     graphs = graphs_captured(config, compute_device())
     offload = offload_policies(config, plan, graphs)
     keeps_graphs = decode_graph_roles(plan, offload, graphs)
