@@ -37,13 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from megatron_rlhf.planner.hardware import HardwareProfile
-from megatron_rlhf.topology.flops import (
-    FORWARD_PASSES,
-    FROZEN_BASE_TRAINING_PASSES,
-    RECOMPUTED_TRAINING_PASSES,
-    TRAINING_PASSES,
-    forward_flops,
-)
+from megatron_rlhf.topology.flops import FORWARD_PASSES, forward_flops, training_passes
 from megatron_rlhf.topology.models import ArchSpec
 
 BF16 = 2
@@ -502,9 +496,8 @@ def training_cost(env: ModelEnv, rows: int, seq: int, micro_batch: int, minibatc
     rows_per_step = math.ceil(rows / minibatches)
     micro_batch = min(micro_batch, rows_per_step)
     microbatches = math.ceil(rows_per_step / micro_batch)
-    passes = FROZEN_BASE_TRAINING_PASSES if env.adapters else TRAINING_PASSES
-    passes, collectives = ((passes + RECOMPUTED_TRAINING_PASSES - TRAINING_PASSES, 6)
-                           if checkpointing else (passes, 4))
+    passes = training_passes(frozen_base=bool(env.adapters), recomputed=checkpointing)
+    collectives = 6 if checkpointing else 4
     slot = env.slot_cost(micro_batch * seq, seq / 2, passes, collectives)
     pipeline = slot.scaled(microbatches + env.pp - 1)
     reductions = microbatches if env.sharding == FULLY_SHARDED else 1

@@ -25,7 +25,8 @@ and the element-wise ops.
 A backward pass costs twice its forward: a training pass is :data:`TRAINING_PASSES` forward
 equivalents (:data:`FROZEN_BASE_TRAINING_PASSES` when LoRA leaves the weights' gradients out);
 full recomputation adds one forward (:data:`RECOMPUTED_TRAINING_PASSES`), which the
-planner's times count and the model FLOPs of an MFU do not.
+planner's times count and the model FLOPs of an MFU do not. :func:`training_passes` says which,
+for the planner and the MFU metrics alike.
 """
 
 from __future__ import annotations
@@ -45,6 +46,16 @@ FROZEN_BASE_TRAINING_PASSES = 2
 """Forward equivalents of a training pass of a frozen base with LoRA adapters (``models.lora``):
 the forward and the gradients of the activations, no weight gradient; the adapters' own products
 (``rank`` wide) are left out. Full recomputation adds one forward as above."""
+
+
+def training_passes(frozen_base: bool = False, recomputed: bool = False) -> int:
+    """Forward equivalents of a training pass: :data:`TRAINING_PASSES`, or
+    :data:`FROZEN_BASE_TRAINING_PASSES` when the model trains LoRA adapters on a frozen base
+    (a value head trained in full beside them is left in the frozen count: ``h`` weights); one
+    forward more under full recomputation (``recomputed``), which the planner's times count and
+    the model FLOPs of an MFU do not."""
+    passes = FROZEN_BASE_TRAINING_PASSES if frozen_base else TRAINING_PASSES
+    return passes + (RECOMPUTED_TRAINING_PASSES - TRAINING_PASSES if recomputed else 0)
 
 
 def attention_weights(arch: ArchSpec) -> int:

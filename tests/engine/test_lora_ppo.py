@@ -98,7 +98,11 @@ def _run(root: str) -> dict:
     runner.run_ppo(_config(f"{root}/again", "steps=0", f"models.lora.init_adapter_dir={root}/adapter"))
     again = captured["engine"].workers["actor"]
     started = gather_full_state(again.model, again.pg_collection)
+    from megatron_rlhf.engine.execution.throughput import training_forwards
+
     return {"passes": engine.experience_passes(), "placed": placed, "moved": len(moved),
+            "training_forwards": {role: training_forwards(worker.model)
+                                  for role, worker in engine.workers.items()},
             "logits": None if logits is None else logits.numpy(),
             "same_start": all(torch.equal(started[k], trained[k]) for k in trained),
             "adapters": sum(1 for n in actor_state if n.endswith("lora_b")),
@@ -131,6 +135,8 @@ def test_ppo_with_lora_uses_the_base_as_reference(tmp_path: Path) -> None:
         assert ("actor", "scores") in result["passes"]
         assert result["moved"] == result["adapters"] > 0
         assert result["same_start"]
+        # the MFU's FLOPs: the actor trains its adapters on a frozen base, the critic in full
+        assert result["training_forwards"] == {"actor": 2, "critic": 3}
         assert result["off_vs_ref"] < 1e-5
         assert result["on_vs_ref"] > 1e-4
     metrics = results[0]["metrics"]

@@ -1,7 +1,8 @@
 """Throughput in the metrics: the model FLOPs a worker records are ``topology.flops``'s, the
-planner's count (routed experts included), and a run's records carry tokens per second per
-device and the MFU of its training and generation stages (2 gloo ranks, token-budget
-micro-batches, so that path runs end to end too)."""
+planner's count (routed experts included; 2 forward equivalents, not 3, to train adapters on a
+frozen base), and a run's records carry tokens per second per device and the MFU of its
+training and generation stages (2 gloo ranks, token-budget micro-batches, so that path runs end
+to end too)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from megatron_rlhf.engine.execution.throughput import (
 )
 from megatron_rlhf.engine.execution.workers import ModelWorker
 from megatron_rlhf.planner import cost_model as cm
-from megatron_rlhf.topology.flops import TRAINING_PASSES, sequence_flops
+from megatron_rlhf.topology.flops import TRAINING_PASSES, sequence_flops, training_passes
 from megatron_rlhf.topology.models import ArchSpec, ExpertSpec
 from tests.multirank import run_on_ranks
 from tests.planner.helpers import ROUND
@@ -67,6 +68,32 @@ def test_the_worker_records_an_moe_models_routed_experts() -> None:
     expert_term = 10 * 3 * 2 * 2 * (64 * 8 + 3 * 64 * 32) / 2
     assert recorded[MOE.experts] - recorded[None] == expert_term == 399_360
     assert recorded[MOE.experts] == 3 * sequence_flops(MOE, [4, 6]) / 2
+
+
+def test_training_adapters_on_a_frozen_base_counts_two_forwards() -> None:
+    """With LoRA a training pass computes no weight gradient: the worker records 2 forwards'
+    FLOPs (a hand count), and the planner prices the same pass with the same number."""
+    frozen = training_passes(frozen_base=True)
+    worker = SimpleNamespace(model=_model(DENSE), work=WorkMeter(peak_flops=1.0),
+                             device=torch.device("cpu"), pg_collection=_groups(tp=2))
+    with ModelWorker._measured(worker, "train") as rows:
+        rows.append((_mask([4, 6]), frozen))
+    # weights a token passes through: per layer attention 64 x (64 + 2 x 32) + 64 x 64 and a
+    # SwiGLU MLP 3 x 64 x 32, 2 layers, the 64 x 256 vocabulary projection
+    weights = 2 * (64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 32) + 64 * 256
+    assert weights == 53_248
+    # 10 tokens, 2 FLOPs per weight; attention 4 x 2 layers x 64 channels x (4^2 + 6^2) / 2
+    forward = 10 * 2 * weights + 4 * 2 * 64 * (16 + 36) / 2
+    assert worker.work.take()["throughput/train_flop"] == 2 * forward / 2 == 1_078_272
+    assert (frozen, training_passes()) == (2, TRAINING_PASSES)
+    assert training_passes(frozen_base=True, recomputed=True) == 3
+
+    rows_, seq = 4, 32
+    metric = work_flops(_model(DENSE), [(_mask([seq] * rows_), frozen)])
+    env = cm.ModelEnv(DENSE, 1, 1, 1, False, ROUND, *[cm.Link(100e9, 0.0)] * 3,
+                      adapters=1000.0)
+    priced = cm.training_cost(env, rows_, seq, rows_, minibatches=1, checkpointing=False)
+    assert metric == pytest.approx(priced.compute * ROUND.flops_per_s, rel=1e-12)
 
 
 @pytest.mark.parametrize("arch", [MOE, DENSE], ids=["moe", "dense"])

@@ -4,8 +4,9 @@ The FLOPs are ``topology.flops``'s, the count the planner's stage times use too:
 every matrix product a real token passes through (attention, the dense MLP or a
 mixture-of-experts layer's router, ``topk`` routed experts and shared expert, the LM or value
 head; not the embedding lookup) plus causal attention, ``4 * L * q * l^2 / 2`` over a sequence of
-``l`` real tokens (``q`` heads x head size); a training pass is 3 forwards (recomputation is not
-model work). Padding is not counted: it is not model work, which is what makes the figure
+``l`` real tokens (``q`` heads x head size); a training pass is 3 forwards, 2 for a model that
+trains LoRA adapters on a frozen base (no weight gradients; the adapters' own ``rank``-wide
+products are left out, as the planner leaves them out), and recomputation is not model work. Padding is not counted: it is not model work, which is what makes the figure
 comparable between the packed and the padded layouts and across systems.
 
 Each rank records, per stage, the FLOPs of its share of the work (a model replica's FLOPs
@@ -24,8 +25,9 @@ from functools import cache
 import torch
 import torch.distributed as dist
 
+from megatron_rlhf.models.lora import has_lora
 from megatron_rlhf.runtime.device import comm_device
-from megatron_rlhf.topology.flops import sequence_flops
+from megatron_rlhf.topology.flops import sequence_flops, training_passes
 
 # Dense bf16 FLOP/s of the GPUs the project has seen (spec sheets).
 SPEC_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
@@ -35,13 +37,20 @@ STAGES = ("train", "generate")
 def work_flops(model: torch.nn.Module, rows: Iterable[tuple[torch.Tensor, int]]) -> float:
     """Model FLOPs of ``rows``, ``(attention_mask, forwards)`` pairs: each mask's rows are whole
     causal sequences of their real tokens, passed through ``model`` in ``forwards`` forward
-    equivalents (``topology.flops.TRAINING_PASSES`` to train, 1 forward-only). A scalar head
+    equivalents (:func:`training_forwards` to train, 1 forward-only). A scalar head
     counts ``h`` output weights; a policy-value head (``lm+scalar``) its vocabulary projection.
     The architecture is the record the model keeps (``model.arch``, ``models.gpt.build_gpt_model``;
     every layer's MLP an MoE layer when it has experts), the one the planner counts too."""
     value_head = model.head_kind == "scalar"
     return sum(forwards * sequence_flops(model.arch, mask.sum(dim=1).tolist(), value_head)
                for mask, forwards in rows)
+
+
+def training_forwards(model: torch.nn.Module) -> int:
+    """Forward equivalents of a training pass of ``model`` (``topology.flops.training_passes``,
+    the planner's count): 2 when it carries LoRA adapters (``models.lora.apply_lora`` froze its
+    base), else 3."""
+    return training_passes(frozen_base=has_lora(model))
 
 
 @cache

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megatron_rlhf.engine.execution.throughput import WorkMeter, work_flops
+from megatron_rlhf.engine.execution.throughput import WorkMeter, training_forwards, work_flops
 from megatron_rlhf.generation import GenerationConfig, GenerationOutput, generate_sequences
 from megatron_rlhf.generation.continuous import release_decode_graphs
 from megatron_rlhf.generation.lockstep import ExpertLockstep
@@ -40,7 +40,7 @@ from megatron_rlhf.models.offload import GRADS, OPTIMIZER, PARTS, WEIGHTS, State
 from megatron_rlhf.models.trainer import ModelTrainer
 from megatron_rlhf.runtime.device import model_device, to_device
 from megatron_rlhf.runtime.memory_meter import MemoryMeter
-from megatron_rlhf.topology.flops import FORWARD_PASSES, TRAINING_PASSES
+from megatron_rlhf.topology.flops import FORWARD_PASSES
 
 Fields = dict[str, torch.Tensor]
 
@@ -289,7 +289,8 @@ class ModelWorker:
             microbatches += self._microbatches(supervised)
         with (self.resident(WEIGHTS, GRADS, OPTIMIZER), self._measured("train") as rows,
               expert_metrics(self.model, self.pg_collection) as moe):
-            rows += [(batch["attention_mask"], TRAINING_PASSES) for batch in microbatches]
+            passes = training_forwards(self.model)  # 2 with LoRA: no weight gradients
+            rows += [(batch["attention_mask"], passes) for batch in microbatches]
             result = self.trainer.train_step(microbatches, loss_fn)
         return {**result, "moe": moe}
 
