@@ -1,5 +1,6 @@
 """A step's metrics from two simulated ranks: the logged names, and values equal to the direct
-computation over every micro-batch and update."""
+computation over every micro-batch and update; the model a metric comes from, as a NaN report
+names it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_rlhf.engine.step.step_metrics import accumulate_train_metrics, share_metrics
+from megatron_rlhf.engine.step.step_metrics import (
+    accumulate_train_metrics,
+    experience_sources,
+    nonfinite_report,
+    share_metrics,
+)
 from megatron_rlhf.runtime.metric_reduce import Mean
 
 
@@ -61,3 +67,24 @@ def test_a_name_given_two_reductions_across_ranks_is_refused() -> None:
              ({}, {"actor/pg_loss": Mean(1.0, 1.0)}, {})]
     with pytest.raises(TypeError, match="'actor/pg_loss' is reduced as Replicated"):
         share_metrics({}, {}, exchange=_Exchange(ranks))
+
+
+def _engine(reference_is_base: bool) -> SimpleNamespace:
+    """What ``experience_sources`` reads of a ``PPOEngine``: a critic-free run scored by rule,
+    under separation (the shadow actor generates), its reference log-probs from the reference
+    model or, with LoRA on the actor, from the actor's base (``PPOEngine.reference``)."""
+    return SimpleNamespace(policy_for_inference="shadow_actor", critic_for_inference=None,
+                           scorer="actor", reference_is_base=reference_is_base,
+                           reference="actor" if reference_is_base else "ref")
+
+
+def test_the_reference_log_probs_come_from_the_actors_base_under_lora() -> None:
+    sources = experience_sources(_engine(reference_is_base=False))
+    assert (sources["ref_logprobs"], sources["kl"]) == ("ref", "shadow_actor and ref")
+    sources = experience_sources(_engine(reference_is_base=True))
+    assert sources["ref_logprobs"] == "actor (adapters off)"
+    assert sources["kl"] == "shadow_actor and actor (adapters off)"
+    assert nonfinite_report({"nonfinite/ref_logprobs": 3.0, "kl": float("nan")}, sources) == [
+        "3 NaN/Inf values in ref_logprobs (model 'actor (adapters off)', stage 'experience')"]
+    assert nonfinite_report({"kl": float("nan")}, sources) == [
+        "kl=nan (model 'shadow_actor and actor (adapters off)', stage 'experience')"]

@@ -32,7 +32,7 @@ from megatron_rlhf.runtime.metric_reduce import (
     values,
 )
 from megatron_rlhf.runtime.store_exchange import StoreExchange
-from megatron_rlhf.topology.models import ACTOR, CRITIC, REF, REWARD
+from megatron_rlhf.topology.models import ACTOR, CRITIC, REWARD
 
 logger = get_logger(__name__)
 
@@ -55,13 +55,16 @@ def nonfinite_experience(fields: dict[str, torch.Tensor]) -> dict[str, float]:
 
 
 def experience_sources(engine: PPOEngine) -> dict[str, str]:
-    """Which model produced each experience field and metric."""
+    """Which model produced each experience field and metric (the reference log-probs: the
+    actor's frozen base when it trains LoRA adapters, ``PPOEngine.reference``)."""
     policy = engine.policy_for_inference
     critic = engine.critic_for_inference or "none (critic-free estimator)"
     scores = REWARD if engine.scorer == REWARD else "rule and reward functions"
-    return {"old_logprobs": policy, "ref_logprobs": REF, "values": critic,
+    reference = (f"{engine.reference} (adapters off)" if engine.reference_is_base
+                 else engine.reference)
+    return {"old_logprobs": policy, "ref_logprobs": reference, "values": critic,
             "rm_scores": REWARD, "rule_scores": "rule reward", "rm_score": REWARD,
-            "rule_score": "rule reward", "reward_mean": scores, "kl": f"{policy} and {REF}",
+            "rule_score": "rule reward", "reward_mean": scores, "kl": f"{policy} and {reference}",
             "kl_coef": "KL controller", "values_mean": critic, "returns_mean": critic,
             "policy_loss": ACTOR, "value_loss": CRITIC}
 
