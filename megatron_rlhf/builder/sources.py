@@ -286,7 +286,7 @@ def role_options(config: RunConfig, sources: dict[str, ModelSource], role: str,
                    packed_sequences=config.models.packed_sequences,
                    sequence_parallel=(config.models.sequence_parallel
                                       and config.models.packed_sequences),
-                   moe=config.models.moe if config.models.moe.enabled else None)
+                   moe=config.models.moe.routing() if config.models.moe.enabled else None)
 
 
 HF_CONVERSION_WAIT_S = 6 * 3600.0

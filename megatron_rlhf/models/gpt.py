@@ -144,17 +144,11 @@ def transformer_config(arch: ArchSpec, options: ModelBuildOptions,
     ``arch`` describes, run as ``options`` says.
 
     Raises:
-        ValueError: ``arch`` has a plain MLP (only SwiGLU is built), or ``options.moe``
-            describes other experts than ``arch``.
+        ValueError: ``arch`` has a plain MLP (only SwiGLU is built).
     """
     if not arch.gated_mlp:
         raise ValueError(f"arch {arch.name!r}: gated_mlp=false, but the models built here have "
                          "SwiGLU MLPs (Llama's); set gated_mlp: true")
-    if options.moe is not None and options.moe.enabled and (
-            options.moe.expert_spec(arch.ffn_hidden_size) != arch.experts):
-        raise ValueError(f"options.moe describes experts "
-                         f"{options.moe.expert_spec(arch.ffn_hidden_size)}, the architecture "
-                         f"{arch.experts}: experts are architecture, set arch.experts")
     dtype = getattr(torch, options.params_dtype)
     return TransformerConfig(
         num_layers=arch.num_layers,

@@ -1,14 +1,17 @@
 """Mixture-of-experts layers through megatron-core's MoE layer, and its routing replay.
 
-    moe = MoEConfig(num_experts=4, topk=2)
-    arch = replace(arch, experts=moe.expert_spec(arch.ffn_hidden_size))
-    model = build_gpt_model(arch, ModelBuildOptions(moe=moe), pg_collection)  # MoE MLPs
+    moe = MoEConfig(num_experts=4, topk=2)                  # models.moe.*, as users set it
+    arch = replace(arch, experts=moe.expert_spec(arch.ffn_hidden_size))  # the experts: architecture
+    model = build_gpt_model(arch, ModelBuildOptions(moe=moe.routing()), pg_collection)
     with recording_routes(model) as routes:                 # the rollout's forward
         model(...)
     with replaying_routes(model, routes):                   # a training forward: same experts
         model(...)
 
-Experts are megatron's ``SequentialMLP`` (one SwiGLU MLP per local expert, no grouped GEMM, so
+The experts (how many, their width, top-k) are the architecture's, ``ArchSpec.experts``, the one
+record of them; :class:`MoERouting` holds the rest that megatron's MoE layer needs, how tokens are
+routed and the router trained. :class:`MoEConfig`, the user's ``models.moe`` section, gives
+both. Experts are megatron's ``SequentialMLP`` (one SwiGLU MLP per local expert, no grouped GEMM, so
 the CPU runs them), the router its ``TopKRouter`` with a load-balancing loss, the token
 dispatcher its all-to-all or all-gather one over the model's expert-parallel group
 (``pg_collection.ep``; ``topology.experts`` builds it). Expert parameters are named by their
@@ -38,6 +41,41 @@ ROUTES = "moe_routes"
 written by a forward that records, read by one that replays (``models.forward_backward``)."""
 LOAD_BALANCING_TYPES: tuple[str, ...] = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 TOKEN_DISPATCHERS: tuple[str, ...] = ("alltoall", "allgather")
+
+
+@dataclass(frozen=True)
+class MoERouting:
+    """How a mixture-of-experts model routes its tokens and trains its router: what megatron's
+    MoE layer needs beside the architecture's experts (``ArchSpec.experts``), as
+    ``ModelBuildOptions.moe``. The fields are :class:`MoEConfig`'s of the same names, which
+    builds it (:meth:`MoEConfig.routing`).
+
+    Attributes:
+        load_balancing: the router's load-balancing loss (megatron's
+            ``moe_router_load_balancing_type``), one of :data:`LOAD_BALANCING_TYPES`.
+        aux_loss_coeff: weight of the load-balancing loss in the gradient.
+        z_loss_coeff: weight of the router z-loss; 0: none.
+        token_dispatcher: ``alltoall`` or ``allgather``.
+        router_replay: build the routers able to record and replay routes
+            (:func:`recording_routes`, :func:`replaying_routes`).
+    """
+
+    load_balancing: str = "aux_loss"
+    aux_loss_coeff: float = 1e-2
+    z_loss_coeff: float = 0.0
+    token_dispatcher: str = "alltoall"
+    router_replay: bool = True
+
+    def __post_init__(self) -> None:
+        if self.load_balancing not in LOAD_BALANCING_TYPES:
+            raise ValueError(f"models.moe.load_balancing={self.load_balancing!r}: use one of "
+                             f"{LOAD_BALANCING_TYPES}")
+        if self.token_dispatcher not in TOKEN_DISPATCHERS:
+            raise ValueError(f"models.moe.token_dispatcher={self.token_dispatcher!r}: use one "
+                             f"of {TOKEN_DISPATCHERS}")
+        if self.aux_loss_coeff < 0 or self.z_loss_coeff < 0:
+            raise ValueError(f"models.moe.aux_loss_coeff={self.aux_loss_coeff} and "
+                             f"models.moe.z_loss_coeff={self.z_loss_coeff} must be >= 0")
 
 
 @dataclass
@@ -91,20 +129,20 @@ class MoEConfig:
         if self.num_experts and not 1 <= self.topk <= self.num_experts:
             raise ValueError(f"models.moe.topk={self.topk} must be in [1, num_experts="
                              f"{self.num_experts}]")
-        if self.load_balancing not in LOAD_BALANCING_TYPES:
-            raise ValueError(f"models.moe.load_balancing={self.load_balancing!r}: use one of "
-                             f"{LOAD_BALANCING_TYPES}")
-        if self.token_dispatcher not in TOKEN_DISPATCHERS:
-            raise ValueError(f"models.moe.token_dispatcher={self.token_dispatcher!r}: use one "
-                             f"of {TOKEN_DISPATCHERS}")
-        if self.aux_loss_coeff < 0 or self.z_loss_coeff < 0:
-            raise ValueError(f"models.moe.aux_loss_coeff={self.aux_loss_coeff} and "
-                             f"models.moe.z_loss_coeff={self.z_loss_coeff} must be >= 0")
+        self.routing()  # checks the routing settings
 
     @property
     def enabled(self) -> bool:
         """Whether the model has MoE layers."""
         return self.num_experts > 0
+
+    def routing(self) -> MoERouting:
+        """The routing and router-training settings (``ModelBuildOptions.moe``); the experts
+        go to the architecture (:meth:`expert_spec`)."""
+        return MoERouting(load_balancing=self.load_balancing, aux_loss_coeff=self.aux_loss_coeff,
+                          z_loss_coeff=self.z_loss_coeff,
+                          token_dispatcher=self.token_dispatcher,
+                          router_replay=self.router_replay)
 
     def expert_spec(self, ffn_hidden_size: int) -> ExpertSpec | None:
         """The architecture's experts these settings describe (None when dense), an expert's
@@ -162,7 +200,7 @@ class MoEConfig:
                                  "or ep=1")
 
 
-def moe_transformer_fields(experts: ExpertSpec | None, moe: MoEConfig | None, ep_size: int,
+def moe_transformer_fields(experts: ExpertSpec | None, moe: MoERouting | None, ep_size: int,
                            tp_size: int) -> dict[str, Any]:
     """megatron ``TransformerConfig`` fields of an architecture's ``experts`` ({} for a dense
     model), trained and routed as ``moe`` says (its defaults when None).
@@ -172,7 +210,7 @@ def moe_transformer_fields(experts: ExpertSpec | None, moe: MoEConfig | None, ep
     """
     if experts is None:
         return {}
-    moe = moe or MoEConfig()
+    moe = moe or MoERouting()
     if experts.num_experts % ep_size:
         raise ValueError(f"models.moe.num_experts={experts.num_experts} is not divisible by the "
                          f"model's expert-parallel size ep={ep_size}: choose ep dividing it")
@@ -205,8 +243,9 @@ def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def _replays(model: torch.nn.Module) -> list[Any]:
     replays = [router.router_replay for router in moe_routers(model)]
     if not replays or any(replay is None for replay in replays):
-        raise ValueError("the model has no MoE routers able to replay: build it with "
-                         "MoEConfig(num_experts>0, router_replay=True)")
+        raise ValueError("the model has no MoE routers able to replay: build it with experts "
+                         "(ArchSpec.experts) and ModelBuildOptions(moe=MoERouting("
+                         "router_replay=True))")
     return replays
 
 

@@ -17,7 +17,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from megatron_rlhf.models.moe import MoEConfig
+from megatron_rlhf.models.moe import MoERouting
 from megatron_rlhf.topology.models import ArchSpec, arch_preset
 
 HeadKind = Literal["lm", "scalar", "lm+scalar"]
@@ -85,9 +85,9 @@ class ModelBuildOptions:
             is padded to a multiple of TP); generation runs without it
             (``models.gpt.without_sequence_parallel``).
         moe: how the mixture-of-experts layers are trained and routed (load balancing,
-            token dispatcher, routing replay; ``models.moe``): the experts themselves are the
-            architecture's ``experts``, which a non-dense ``moe`` must describe alike; None:
-            the defaults (or a dense model).
+            token dispatcher, routing replay: ``models.moe.MoERouting``, which
+            ``MoEConfig.routing`` gives); the experts themselves are the architecture's
+            ``experts``. None: the defaults; a dense architecture reads none of it.
     """
 
     head: str = "lm"
@@ -100,7 +100,7 @@ class ModelBuildOptions:
     token_vocab_size: int = 0
     packed_sequences: bool = True
     sequence_parallel: bool = False
-    moe: MoEConfig | None = None
+    moe: MoERouting | None = None
 
     def __post_init__(self) -> None:
         if self.head not in HEAD_KINDS:

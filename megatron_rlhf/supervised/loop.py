@@ -239,7 +239,7 @@ def _build(config: SupervisedConfig, objective: Objective, spec: ModelSpec, tota
     # routes in the held-out batches, which later evaluations would then replay.
     moe = config.model.moe
     options = replace(base, head=objective.head, params_dtype=config.model.params_dtype,
-                      moe=replace(moe, router_replay=False) if moe.enabled else None,
+                      moe=replace(moe.routing(), router_replay=False) if moe.enabled else None,
                       tie_embeddings=base.tie_embeddings and objective.head == "lm",
                       recompute=config.model.recompute, token_vocab_size=token_vocab_size,
                       packed_sequences=config.model.packed_sequences,

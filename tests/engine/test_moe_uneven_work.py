@@ -23,9 +23,9 @@ def _worker(ep: int):
     from tests.model_fixtures import whole_world_groups
 
     pgc = whole_world_groups(1, 1, ep=ep)
-    options = ModelBuildOptions(moe=MoEConfig(num_experts=4, topk=2, ffn_hidden_size=48),
-                                packed_sequences=True)
-    model = build_model(TinyArch(num_layers=2, experts=options.moe.expert_spec(0)), options, pgc, runtime_seed=5, init_seed=9)
+    experts = MoEConfig(num_experts=4, topk=2, ffn_hidden_size=48).expert_spec(0)
+    model = build_model(TinyArch(num_layers=2, experts=experts), ModelBuildOptions(), pgc,
+                        runtime_seed=5, init_seed=9)
     return ModelWorker("ref", model, pgc, None, micro_batch_size=1)
 
 

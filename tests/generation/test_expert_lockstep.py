@@ -29,9 +29,9 @@ def _sample(ep: int, batching: str, idle_rank: int | None = None
     from tests.model_fixtures import whole_world_groups
 
     pgc = whole_world_groups(1, 1, ep=ep)
-    options = ModelBuildOptions(moe=MoEConfig(num_experts=4, topk=2, ffn_hidden_size=48),
-                                packed_sequences=True)
-    model = build_model(TinyArch(num_layers=2, experts=options.moe.expert_spec(0)), options, pgc, runtime_seed=5, init_seed=9)
+    experts = MoEConfig(num_experts=4, topk=2, ffn_hidden_size=48).expert_spec(0)
+    model = build_model(TinyArch(num_layers=2, experts=experts), ModelBuildOptions(), pgc,
+                        runtime_seed=5, init_seed=9)
     rank = dist.get_rank()
     prompts = ([[5, 6, 7, 8], [9, 10], [11, 12, 13]] if rank == 0 else [[20, 21, 22, 23, 24]])
     indices = [10 * rank + i for i in range(len(prompts))]

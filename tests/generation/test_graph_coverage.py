@@ -65,9 +65,9 @@ def _moe_model(ep: int):
     from tests.model_fixtures import TinyArch, whole_world_groups
 
     pgc = whole_world_groups(1, 1, ep=ep)
-    options = ModelBuildOptions(moe=MoEConfig(num_experts=4, topk=2, ffn_hidden_size=48),
-                                packed_sequences=True)
-    return build_model(TinyArch(num_layers=2, experts=options.moe.expert_spec(0)), options, pgc, runtime_seed=5, init_seed=9), pgc
+    experts = MoEConfig(num_experts=4, topk=2, ffn_hidden_size=48).expert_spec(0)
+    return build_model(TinyArch(num_layers=2, experts=experts), ModelBuildOptions(), pgc,
+                       runtime_seed=5, init_seed=9), pgc
 
 
 def _generate_moe(model, pgc, prompts, cuda_graphs: str) -> list[list[int]]:

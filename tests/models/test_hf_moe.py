@@ -179,8 +179,15 @@ def _moe_settings(moe) -> tuple:
             moe.renormalize_topk)
 
 
+def _experts(arch) -> tuple:
+    experts = arch.experts
+    return (experts.num_experts, experts.topk, experts.ffn_hidden_size, experts.shared_ffn_size,
+            experts.renormalize_topk)
+
+
 def test_a_run_reads_its_checkpoints_experts_with_no_moe_settings(tmp_path: Path) -> None:
-    from megatron_rlhf.builder.sources import resolve_sources, role_options
+    from megatron_rlhf.builder.sources import resolve_sources, role_architectures, role_options
+    from megatron_rlhf.models.moe import MoERouting
 
     _make(tmp_path / "qwen3_moe-softmax", "qwen3_moe-softmax")
     _make(tmp_path / "mixtral", "mixtral")
@@ -193,8 +200,10 @@ def test_a_run_reads_its_checkpoints_experts_with_no_moe_settings(tmp_path: Path
                                       ("mixtral", (8, 2, 32, 0, True), ())]:
         run = _run_config(tmp_path / name, *overrides)
         assert _moe_settings(run.models.moe) == expected, name
-        options = role_options(run, resolve_sources(run), "actor")
-        assert _moe_settings(options.moe) == expected, name
+        sources = resolve_sources(run)
+        assert _experts(role_architectures(run, sources)["actor"]) == expected, name
+        # the experts are the architecture's; the options carry the routing alone
+        assert role_options(run, sources, "actor").moe == MoERouting(), name
     # settings the checkpoint does not give stay the config's; matching ones are accepted
     run = _run_config(tmp_path / "qwen3_moe", "models.moe.num_experts=6",
                       "models.moe.renormalize_topk=true", "models.moe.aux_loss_coeff=0.001")

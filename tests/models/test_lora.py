@@ -238,11 +238,9 @@ def _moe_model(pgc, frozen: bool = False):
     from megatron_rlhf.models.gpt import ModelBuildOptions
     from megatron_rlhf.models.moe import MoEConfig
 
-    options = ModelBuildOptions(moe=MoEConfig(num_experts=4, topk=2, ffn_hidden_size=48,
-                                              shared_expert_ffn_size=32))
-    arch = replace(TinyArch(num_layers=2),
-                   experts=options.moe.expert_spec(TinyArch().ffn_hidden_size))
-    model = build_model(arch, options, pgc, runtime_seed=5, init_seed=9)
+    moe = MoEConfig(num_experts=4, topk=2, ffn_hidden_size=48, shared_expert_ffn_size=32)
+    arch = replace(TinyArch(num_layers=2), experts=moe.expert_spec(TinyArch().ffn_hidden_size))
+    model = build_model(arch, ModelBuildOptions(), pgc, runtime_seed=5, init_seed=9)
     return model.requires_grad_(not frozen)
 
 

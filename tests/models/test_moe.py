@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.models.moe import MoEConfig, moe_transformer_fields
+from megatron_rlhf.models.moe import MoEConfig, MoERouting, moe_transformer_fields
 from megatron_rlhf.topology.experts import expert_rank_enums
 from tests.model_fixtures import TinyArch
 from tests.multirank import run_on_ranks
@@ -42,8 +42,9 @@ def _build(ep: int, dispatcher: str, packed: bool = False):
     from tests.model_fixtures import whole_world_groups
 
     pgc = whole_world_groups(1, 1, ep=ep)
-    options = ModelBuildOptions(moe=_moe(dispatcher), packed_sequences=packed)
-    arch = replace(ARCH, experts=options.moe.expert_spec(ARCH.ffn_hidden_size))
+    moe = _moe(dispatcher)
+    options = ModelBuildOptions(moe=moe.routing(), packed_sequences=packed)
+    arch = replace(ARCH, experts=moe.expert_spec(ARCH.ffn_hidden_size))
     return build_model(arch, options, pgc, runtime_seed=5, init_seed=9), pgc
 
 
@@ -226,9 +227,33 @@ def test_moe_config_refuses_bad_values() -> None:
                                tp_size=1)
     assert moe_transformer_fields(MoEConfig().expert_spec(64), None, ep_size=1, tp_size=1) == {}
     fields = moe_transformer_fields(MoEConfig(num_experts=8, topk=2).expert_spec(64),
-                                    MoEConfig(aux_loss_coeff=0.5), ep_size=2, tp_size=1)
+                                    MoERouting(aux_loss_coeff=0.5), ep_size=2, tp_size=1)
     assert (fields["num_moe_experts"], fields["moe_ffn_hidden_size"],
             fields["expert_model_parallel_size"], fields["moe_aux_loss_coeff"]) == (8, 64, 2, 0.5)
+
+
+def test_moe_settings_split_into_the_architectures_experts_and_the_routing() -> None:
+    """``models.moe`` gives the experts to the architecture (``ExpertSpec``) and the rest to
+    ``MoERouting`` (``ModelBuildOptions.moe``): every setting lands in exactly one of them."""
+    from dataclasses import fields
+
+    from megatron_rlhf.topology.models import ExpertSpec
+
+    moe = MoEConfig(num_experts=8, topk=2, ffn_hidden_size=32, shared_expert_ffn_size=16,
+                    renormalize_topk=False, load_balancing="seq_aux_loss", aux_loss_coeff=0.5,
+                    z_loss_coeff=1e-3, token_dispatcher="allgather", router_replay=False)
+    assert moe.routing() == MoERouting(load_balancing="seq_aux_loss", aux_loss_coeff=0.5,
+                                       z_loss_coeff=1e-3, token_dispatcher="allgather",
+                                       router_replay=False)
+    assert moe.expert_spec(64) == ExpertSpec(8, 2, 32, 16, renormalize_topk=False)
+    routing = {f.name for f in fields(MoERouting)}
+    # ExpertSpec's names, shared_ffn_size spelled as MoEConfig spells it
+    experts = {f.name for f in fields(ExpertSpec)} - {"shared_ffn_size"}
+    experts.add("shared_expert_ffn_size")
+    assert routing.isdisjoint(experts)
+    assert {f.name for f in fields(MoEConfig)} == routing | experts
+    with pytest.raises(ValueError, match="moe.token_dispatcher='flex'"):
+        MoERouting(token_dispatcher="flex")
 
 
 def _replay_across_layouts() -> dict[str, float]:
