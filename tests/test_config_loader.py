@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import fields, is_dataclass
+from functools import reduce
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,19 @@ def test_an_empty_path_is_refused_naming_the_field(schema: type, example: str) -
     lists = "prompts.paths" if schema is RunConfig else "data.paths"
     with pytest.raises(ValueError, match=rf"^{lists}\[1\]='' names no file"):
         load_config(schema, EXAMPLES / example, [f"{lists}=[a.jsonl,'']"])
+
+
+@pytest.mark.parametrize("schema, example, key", [
+    (RunConfig, "ppo_tiny.yaml", "checkpoint.save_dir"),
+    (RunConfig, "ppo_tiny.yaml", "models.actor_checkpoint"),
+    (SFTConfig, "sft_tiny.yaml", "model.init_checkpoint")])
+def test_a_blank_optional_path_is_refused_and_an_empty_one_means_none(
+        schema: type, example: str, key: str) -> None:
+    """Spaces would name a directory " " in the working directory; empty means none."""
+    with pytest.raises(ValueError, match=rf"^{key}=' ' is blank: leave it empty"):
+        load_config(schema, EXAMPLES / example, [f"{key}=' '"])
+    config = load_config(schema, EXAMPLES / example, [f"{key}=''"])
+    assert reduce(getattr, key.split("."), config) == ""
 
 
 def test_a_bad_value_and_an_unknown_key_are_told_apart() -> None:

@@ -41,8 +41,9 @@ class ConfigError(ValueError):
 
 
 def _absolute(value: Any, folder: Path) -> Any:
-    """``value`` joined to ``folder`` when it is a relative path; anything else unchanged."""
-    if not isinstance(value, str) or not value or "${" in value:
+    """``value`` joined to ``folder`` when it is a relative path; anything else unchanged (a
+    blank value too, which the schema's own check refuses)."""
+    if not isinstance(value, str) or not value.strip() or "${" in value:
         return value
     if Path(value).expanduser().is_absolute():
         return value

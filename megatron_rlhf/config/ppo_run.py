@@ -611,7 +611,7 @@ class CheckpointConfig:
     Attributes:
         save_dir: where checkpoints are written, one ``step_<k>`` directory each (``k`` steps
             done); empty: no checkpoints. With it, the run also saves after its last step and
-            when preempted (SIGTERM).
+            when stopped (SIGTERM, or Ctrl-C to the job).
         save_interval: also save after every this many steps (0: only at the end or on SIGTERM).
         keep_last: complete checkpoints kept (0: all); older ones are removed only after a newer
             one is complete.
@@ -832,7 +832,8 @@ class RunConfig:
         # refusals name it and the YAML written for the run loads back.
         self.actor_optimizer = _in_section(self.actor_optimizer, ActorOptimizerSettings)
         self.critic_optimizer = _in_section(self.critic_optimizer, CriticOptimizerSettings)
-        check_paths(self, self.OUTPUT_PATHS, self.INPUT_PATHS)
+        check_paths(self, self.OUTPUT_PATHS,
+                    (*self.INPUT_PATHS, "checkpoint.save_dir", "faults.stop_file"))
         if self.steps < 0:
             raise ValueError(f"steps={self.steps} must be >= 0 (0 only evaluates the initial "
                              "policy)")
