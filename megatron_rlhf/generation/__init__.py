@@ -42,10 +42,12 @@ from megatron_rlhf.generation.sampling import (
 
 if TYPE_CHECKING:
     from megatron_rlhf.generation.forward import CachedNextTokenLogits, RecomputeNextTokenLogits
-    from megatron_rlhf.generation.generate import generate_sequences, left_pad
+    from megatron_rlhf.generation.generate import continue_sequences, generate_sequences, left_pad
+    from megatron_rlhf.generation.session import AnswerSession
 
 _LAZY = {"CachedNextTokenLogits": "forward", "RecomputeNextTokenLogits": "forward",
-         "generate_sequences": "generate", "left_pad": "generate"}
+         "generate_sequences": "generate", "left_pad": "generate",
+         "continue_sequences": "generate", "AnswerSession": "session"}
 """Names whose modules import megatron-core, imported at their first use: a module that needs
 only ``GenerationConfig`` or the sampling functions (the run's configuration) does not pay
 for it."""
@@ -60,6 +62,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AnswerSession",
     "CachedNextTokenLogits",
     "GenerationConfig",
     "GenerationOutput",
@@ -67,6 +70,7 @@ __all__ = [
     "RecomputeNextTokenLogits",
     "SampledTokens",
     "concat_outputs",
+    "continue_sequences",
     "generate_sequences",
     "inverse_cdf_sample",
     "left_pad",

@@ -226,16 +226,15 @@ class _SlotBatch:
 
     def __init__(self, model: torch.nn.Module, decode_model: torch.nn.Module | None,
                  prompts: Sequence[Sequence[int]], prompt_indices: Sequence[int],
-                 budgets: Sequence[int], settings: ContinuousSettings, waiting: deque[int]
-                 ) -> None:
+                 budgets: Sequence[int], settings: ContinuousSettings, waiting: deque[int],
+                 slots: int = 0) -> None:
         config = settings.config
         self.model, self.decode_model = model, decode_model
         self.prompts, self.prompt_indices, self.budgets = prompts, prompt_indices, budgets
         self.settings = settings
         self.device = next(model.parameters()).device
         self.greedy_every = config.greedy_every if not config.greedy else 0
-        self.keys = prompt_noise_keys(config.seed, prompt_indices).tolist()
-        slots = batch_bucket(len(waiting), config.micro_batch_size)
+        slots = slots or batch_bucket(len(waiting), config.micro_batch_size)
         # with graphs, each slot count is a capture; below the floor a step costs about the same
         # (a graph's capture runs extra forwards: none under an expert-parallel lockstep)
         graphs = graphs_enabled(config, self.device) and settings.lockstep is None
@@ -280,10 +279,12 @@ class _SlotBatch:
         """Prefill the ``entering`` prompts into the ``free`` slots (nothing when none)."""
         if not entering:
             return
+        indices = [self.prompt_indices[i] for i in entering]
+        keys = prompt_noise_keys(self.settings.config.seed, indices).tolist()
         self.decoder.prefill(free, [
-            SlotPrompt(self.prompts[i], self.keys[i], self.budgets[i],
-                       bool(self.greedy_every) and self.prompt_indices[i] % self.greedy_every == 0)
-            for i in entering])
+            SlotPrompt(self.prompts[i], key, self.budgets[i],
+                       bool(self.greedy_every) and index % self.greedy_every == 0)
+            for i, key, index in zip(entering, keys, indices, strict=True)])
         self.work.append(MicroBatchWork(len(entering),
                                         max(len(self.prompts[i]) for i in entering), 1, True))
         for slot, prompt in zip(free, entering, strict=True):
@@ -338,13 +339,19 @@ class _SlotBatch:
 
     def output(self) -> GenerationOutput:
         """The call's output, once every prompt is done."""
+        return _assemble(self.prompts, self.responses, self.settings.pad_id, self.device,
+                         self.close_work(), self.versions)
+
+    def close_work(self) -> tuple[MicroBatchWork, ...]:
+        """The call's work records, its last decode steps' included (and ``on_cache`` told
+        the largest cache); the next steps count from here."""
         self.work.append(_decode_work(len(self.occupant), self.decode_calls, self.decoder,
                                       self.attended))
         if self.settings.on_cache is not None:  # the call's largest cache: before shrinking
             self.settings.on_cache(self.kept.cache_bytes() if self.kept is not None  # all kept
                                    else max(self.cache_bytes, self.decoder.cache_bytes()))
-        return _assemble(self.prompts, self.responses, self.settings.pad_id, self.device,
-                         tuple(self.work), self.versions)
+        self.decode_calls, self.attended = 0, self.decoder.attended_positions
+        return tuple(self.work)
 
 
 def _decode_work(slots: int, calls: int, decoder: SlotDecoder,

@@ -46,6 +46,7 @@ from megatron_rlhf.generation.sampling import (
     stop_sequence_tensors,
     uniforms_for_steps,
 )
+from megatron_rlhf.generation.session import AnswerSession
 from megatron_rlhf.models.attention import CachedRopeSelfAttention
 from megatron_rlhf.runtime.patches import cuda_redirect_suspended
 
@@ -236,6 +237,48 @@ def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollec
     finally:
         model.train(was_training)
     return outputs[0] if len(outputs) == 1 else concat_outputs(outputs, pad_id)
+
+
+def continue_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollection,
+                       session: AnswerSession, prompts: Sequence[Sequence[int]],
+                       prompt_indices: Sequence[int], groups: int, version: int,
+                       config: GenerationConfig, eos_id: int | Sequence[int] | None,
+                       pad_id: int, on_cache: Callable[[int], None] | None = None,
+                       max_length: int = 0,
+                       weight_updates: Callable[[], bool] | None = None) -> GenerationOutput:
+    """Add ``prompts`` (whole groups; may be none) to ``session`` and go on decoding its
+    answers until ``groups`` whole groups are done (``generation/session.py``): those groups,
+    oldest first, with each token's version as an offset from ``version``, the weights'
+    version as the call starts. Checks and arguments as :func:`generate_sequences`'s, with
+    continuous batching only; ``max_length`` must fit every prompt plus its answer."""
+    if pg_collection.pp.size() > 1:
+        raise ValueError(f"generation does not support pp>1 (got pp={pg_collection.pp.size()}); "
+                         "use a shadow actor with pp=1 (separation)")
+    core = _unwrap(model)
+    _check_attention_takes_padding_masks(core)
+    vocab_size = getattr(core, "token_vocab_size", core.vocab_size)
+    seq_length = core.max_sequence_length
+    if prompts:
+        _check_inputs(prompts, prompt_indices, config, eos_id, pad_id, vocab_size, seq_length)
+    config = with_graph_setting(config, core)
+    if not config.continuous:
+        raise ValueError("answers go on across calls only with continuous batching "
+                         "(generation.batching=continuous and use_kv_cache=true)")
+    session.add(prompts, prompt_indices,
+                [min(config.max_new_tokens, seq_length - len(p)) for p in prompts])
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), cuda_redirect_suspended():
+            _check_slot_attention(core)
+            settings = ContinuousSettings(
+                config, eos_id, pad_id, vocab_size, min(max_length, seq_length), False,
+                ExpertLockstep.of(model, pg_collection, pad_id), on_cache, weight_updates)
+            decode_model = (session.decode_model if session.batch is not None
+                            else _decode_model(model, config))
+            return session.run(model, decode_model, groups, version, settings)
+    finally:
+        model.train(was_training)
 
 
 def _generate_micro_batch(model: torch.nn.Module, pg_collection: ProcessGroupCollection,
