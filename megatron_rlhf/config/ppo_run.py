@@ -243,6 +243,16 @@ class RolloutConfig:
             first stop check after the trainers are done; n > 0 at the n-th stop check of the
             round, waiting there for the trainers if need be, so that a run (and its resume)
             is reproducible bit for bit at the price of that wait.
+        continue_answers: with ``partial_rollouts``: the shadows' answers go on across steps
+            (docs/asynchronous.md). Each step's generation call resumes one decoding session,
+            admits the step after next's prompts behind the others, and ends as soon as
+            ``prompts_per_step`` whole groups have finished: those, oldest first, are the
+            step's experience; the unfinished answers keep their tokens, KV cache, behaviour
+            log-probs and versions for the next step. ``max_staleness`` (>= 2 here) then bounds
+            the answers trained on (staler ones are dropped, counted in
+            ``rollout/dropped_stale``) while the schedule stays one step off. Each generating
+            replica needs whole groups; no reward functions and no moves. A checkpoint
+            restarts the answers still decoding (saved run and resume continue alike).
         reuse_generation_logprobs: take the old log-probs from generation (the policy
             log-probs of the sampled tokens, computed from the KV-cached decode) instead of a
             full forward of the generating model; saves one of the experience passes. They
@@ -307,6 +317,7 @@ class RolloutConfig:
     max_staleness: int = 1
     partial_rollouts: bool = False
     partial_handover_check: int = 0
+    continue_answers: bool = False
     reuse_generation_logprobs: bool = False
     max_tokens_per_micro_batch: int | str = TOKEN_BUDGET_AUTO
     tools: list[dict[str, Any]] = field(default_factory=list)
@@ -348,10 +359,19 @@ class RolloutConfig:
                                                 and not self.partial_rollouts):
             raise ValueError(f"rollout.partial_handover_check={self.partial_handover_check} "
                              "must be >= 0 and is used only with rollout.partial_rollouts=true")
+        if self.continue_answers and not self.partial_rollouts:
+            raise ValueError("rollout.continue_answers=true needs rollout.partial_rollouts=true: "
+                             "answers that go on across steps take the trained weights between "
+                             "decode steps; set it, or continue_answers=false")
+        if self.continue_answers and self.max_staleness < 2:
+            raise ValueError(f"rollout.continue_answers=true needs rollout.max_staleness >= 2 "
+                             f"(got {self.max_staleness}): an answer carried into the next step "
+                             "holds tokens two versions older than the step that trains it and "
+                             "would always be dropped; e.g. max_staleness=3")
         if not self.partial_rollouts:
             return
         needs = {"async_rollout": (self.async_rollout, "true"),
-                 "max_staleness": (self.max_staleness == 1, "1"),
+                 "max_staleness": (self.max_staleness == 1 or self.continue_answers, "1"),
                  "reuse_generation_logprobs": (self.reuse_generation_logprobs, "true"),
                  "pipeline_chunks": (self.pipeline_chunks == 1, "1"),
                  "tools": (not self.tools and self.environment is None, "[] (no episodes)")}
@@ -931,6 +951,17 @@ class RunConfig:
             raise ValueError("rollout.partial_rollouts=true needs continuous batching "
                              "(generation.batching=continuous, generation.use_kv_cache=true): "
                              "the weights change between its decode steps")
+        if not self.rollout.continue_answers:
+            return
+        if self.reward.functions:
+            raise ValueError("rollout.continue_answers=true cannot score with reward.functions: "
+                             "which prompts a step's answers answer is known only on the "
+                             "generating ranks, not to the scorer that reads their records; "
+                             "drop the functions or set continue_answers=false")
+        if self.placement.replan.move:
+            raise ValueError("rollout.continue_answers=true cannot move to another placement "
+                             "(placement.replan.move=true): the answers in flight live in the "
+                             "shadows' decoding slots; set one of them to false")
 
     def _check_reward_source(self) -> None:
         """Refuse a run that nothing scores: no reward model, no rule, no reward function and

@@ -2,7 +2,8 @@
 ranks (the actor trains on rank 0, its shadow generates on rank 1).
 
 When every answer ends before the trainers are done (training slowed down), the run is
-today's asynchronous separation bit for bit. When generation is the slow side, the shadow takes
+today's asynchronous separation bit for bit, and so it is with answers that go on across steps
+(``rollout.continue_answers``), which a workload of varied lengths makes span up to 3 updates. When generation is the slow side, the shadow takes
 step k's weights in the middle of generating step k + 1: those answers hold tokens of two
 versions, sampled before and after the hand-over, and their staleness falls below one step. A
 hand-over fixed at a stop check splits every answer where counted and repeats bit for bit.
@@ -19,7 +20,8 @@ from tests.multirank import run_on_ranks
 STEPS = 2
 
 
-def _run(partial: bool, slow: str, handover_check: int = 0, shadow_tp: int = 1) -> list[dict]:
+def _run(partial: bool, slow: str, handover_check: int = 0, shadow_tp: int = 1,
+         continued: bool = False, steps: int = STEPS) -> list[dict]:
     import time
 
     import torch
@@ -35,7 +37,10 @@ def _run(partial: bool, slow: str, handover_check: int = 0, shadow_tp: int = 1) 
 
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, 500, (int(n),), generator=generator).tolist()
-               for n in torch.randint(2, 9, (4 * STEPS,), generator=generator)]
+               for n in torch.randint(2, 9, (4 * steps,), generator=generator)]
+    # Answers that go on across steps: lengths that vary (a stop at any of 64 tokens) so that
+    # groups finish at different stop checks and the oldest ones outlive their step.
+    stops = [[t] for t in range(100, 164)] if continued and slow == "none" else []
     config = RunConfig(
         placement=PlacementConfig(strategy="separation",
                                   parallel={"shadow_actor": {"tp": shadow_tp}}),
@@ -43,27 +48,29 @@ def _run(partial: bool, slow: str, handover_check: int = 0, shadow_tp: int = 1) 
         rollout=RolloutConfig(prompts_per_step=4, samples_per_prompt=2, max_prompt_length=8,
                               micro_batch_size=2, num_minibatches=2, async_rollout=True,
                               reuse_generation_logprobs=True, partial_rollouts=partial,
-                              partial_handover_check=handover_check),
-        generation=GenerationConfig(max_new_tokens=12, seed=3, stop_at_eos=False,
-                                    stop_check_interval=2),
+                              partial_handover_check=handover_check,
+                              continue_answers=continued, max_staleness=3 if continued else 1),
+        generation=GenerationConfig(max_new_tokens=24 if stops else 12, seed=3,
+                                    stop_at_eos=False, stop_check_interval=2,
+                                    stop_sequences=stops),
         reward=RewardConfig(model_weight=0.0, rule="synthetic"),
         algorithm=PPOAlgorithmConfig(advantage_estimator="grpo", kl_in="loss",
                                      off_policy="decoupled"),
-        steps=STEPS)
+        steps=steps)
     config.actor_optimizer.lr = 3e-3
     engine = build_engine(config, make_plan(config, cluster_from_environment(None)), eos_id=3,
                           pad_id=0)
     algorithm = PPOAlgorithm(engine, config.algorithm, config.rollout, config.reward, seed=5,
                              prompts=lambda s: (prompts[4 * s:4 * (s + 1)],
                                                 list(range(4 * s, 4 * (s + 1)))),
-                             total_steps=STEPS, rule_reward=even_token_share)
+                             total_steps=steps, rule_reward=even_token_share)
     if slow == "training" and ACTOR in engine.workers:
         consume = algorithm.consume
         algorithm.consume = lambda experience: (time.sleep(1.0), consume(experience))[1]
     if slow == "generation" and SHADOW_ACTOR in engine.workers:
         engine.workers[SHADOW_ACTOR].model.register_forward_pre_hook(
             lambda *_: time.sleep(0.15))
-    return [algorithm.step(s) for s in range(STEPS)]
+    return [algorithm.step(s) for s in range(steps)]
 
 
 def _runs() -> dict:
@@ -72,7 +79,10 @@ def _runs() -> dict:
     initialize_runtime()
     return {"today": _run(False, "training"), "partial": _run(True, "training"),
             "spanning": _run(True, "generation"),
-            "fixed": [_run(True, "none", handover_check=2) for _ in range(2)]}
+            "fixed": [_run(True, "none", handover_check=2) for _ in range(2)],
+            "continued": _run(True, "training", continued=True),
+            "streamed": [_run(True, "none", handover_check=2, continued=True, steps=5)
+                         for _ in range(2)]}
 
 
 @pytest.mark.multirank
@@ -101,6 +111,18 @@ def test_partial_rollouts_equal_today_without_spanning_and_hand_over_inside_a_ro
     assert fixed[1]["rollout/staleness_mean"] == pytest.approx(5 / 12)
     assert fixed[1]["rollout/partial_fraction"] == 1.0
 
+    # Answers that go on across steps, every one ending within its step: partial rollouts'.
+    assert results["continued"] == results["partial"]
+    # With lengths that vary, the oldest answers outlive their step and are trained later (a
+    # token 3 versions older than its step), none dropped under max_staleness 3; a fixed
+    # hand-over repeats bit for bit (tests/generation/test_continue_answers.py counts the
+    # versions token by token).
+    streamed, again = results["streamed"]
+    assert streamed == again, "a fixed hand-over is reproducible bit for bit"
+    assert [m["rollout/staleness_max"] for m in streamed] == [0.0, 1.0, 2.0, 2.0, 3.0]
+    assert max(m["rollout/versions_per_answer"] for m in streamed) > 1.5
+    assert all(m["rollout/dropped_stale"] == 0.0 for m in streamed)
+
 
 def _spanning_at_tp2() -> list[dict]:
     from megatron_rlhf.runtime.bootstrap import initialize_runtime
@@ -127,12 +149,16 @@ def test_a_tensor_parallel_shadow_takes_the_weights_at_one_stop_check() -> None:
     ({"async_rollout": True}, r"needs rollout\.reuse_generation_logprobs=true"),
     ({"async_rollout": True, "reuse_generation_logprobs": True, "pipeline_chunks": 2},
      r"needs rollout\.pipeline_chunks=1"),
+    ({"partial_rollouts": False, "continue_answers": True},
+     r"continue_answers=true needs rollout\.partial_rollouts=true"),
+    ({"async_rollout": True, "reuse_generation_logprobs": True, "continue_answers": True},
+     r"continue_answers=true needs rollout\.max_staleness >= 2 \(got 1\)"),
 ])
 def test_partial_rollouts_refuse_what_they_cannot_hand_over_in(changes: dict, match: str) -> None:
     from megatron_rlhf.config.ppo_run import RolloutConfig
 
     with pytest.raises(ValueError, match=match):
-        RolloutConfig(partial_rollouts=True, prompts_per_step=4, **changes)
+        RolloutConfig(**{"partial_rollouts": True, "prompts_per_step": 4, **changes})
 
 
 @pytest.mark.parametrize("section,match", [
@@ -140,6 +166,9 @@ def test_partial_rollouts_refuse_what_they_cannot_hand_over_in(changes: dict, ma
     ("generation.batching=static", "continuous batching"),
     ("rollout.partial_handover_check=-1", r"partial_handover_check=-1 must be >= 0"),
     ("models.offload.actor=auto", r"models\.offload\.actor='auto'"),
+    ("placement.replan.move=true", r"continue_answers=true cannot move.*replan\.move=true"),
+    ("reward.functions=[{name: exact_reward}]",
+     r"continue_answers=true cannot score with reward\.functions"),
 ])
 def test_partial_rollouts_refuse_refills_and_the_static_loop(section: str, match: str) -> None:
     from megatron_rlhf.config.loader import load_config
@@ -148,5 +177,8 @@ def test_partial_rollouts_refuse_refills_and_the_static_loop(section: str, match
     overrides = ["placement.strategy=separation", "rollout.async_rollout=true",
                  "rollout.reuse_generation_logprobs=true", "rollout.partial_rollouts=true",
                  "rollout.samples_per_prompt=2", "algorithm.advantage_estimator=grpo", section]
+    if "continue_answers" in match:
+        overrides += ["rollout.continue_answers=true", "rollout.max_staleness=3",
+                      "placement.replan.interval_steps=2"]
     with pytest.raises(ValueError, match=match):
         load_config(RunConfig, None, overrides)

@@ -29,6 +29,7 @@ from megatron_rlhf.engine.execution.function_rewards import FunctionRewards, Rec
 from megatron_rlhf.engine.execution.transfer import RowLayout, TransferChannels
 from megatron_rlhf.engine.execution.workers import ModelWorker
 from megatron_rlhf.generation import GenerationConfig, GenerationOutput
+from megatron_rlhf.generation.session import AnswerSession
 from megatron_rlhf.models.lora import adapters_disabled
 from megatron_rlhf.models.moe import ROUTES
 from megatron_rlhf.models.offload import PARTS, WEIGHTS
@@ -259,6 +260,35 @@ class PPOEngine:
             fields = {**self._fixed_width(output), **stats}
         elif rows is not None:  # a replica left without prompts by an uneven split
             self.workers[roles[self.rank]].generate_nothing(self.generation, self.pad_id)
+        return DistBatch(layout, self.rollout_schema(), fields)
+
+    def continue_rollout(self, answers: AnswerSession, feed: Sequence[Sequence[Sequence[int]]],
+                         feed_ids: Sequence[Sequence[int]], rows: int, version: int,
+                         weight_updates: Callable[[], bool] | None = None) -> DistBatch:
+        """:meth:`generate_rollout` for answers that go on across steps
+        (``rollout.continue_answers``; ``generation/session.py``): each generating replica
+        queues its share of every batch of ``feed`` (each ``rows`` prompts, with their
+        ``feed_ids``) into its ``answers`` and returns the oldest ``rows`` of its share's worth
+        of finished groups, tokens of the calls before this one included. ``version``: the
+        generating weights' version as the call starts (the tokens' versions are offsets from
+        it). Every rank passes the same arguments; each replica's share is whole groups."""
+        layout, roles = self.generation_layout(rows)
+        held = layout.held_by(self.rank)
+        fields = None
+        if held is not None:
+            start, end = held
+            worker = self.workers[roles[self.rank]]
+            with self.context.span("generate", roles[self.rank]) as span:
+                output = worker.continue_generate(
+                    answers, [p for batch in feed for p in batch[start:end]],
+                    [i for ids in feed_ids for i in ids[start:end]],
+                    (end - start) // answers.group_size, version, self.generation, self.eos_id,
+                    self.pad_id, weight_updates)
+                if span is not None:
+                    span.work = {"tp_rank": worker.pg_collection.tp.rank(),
+                                 "micro_batches": [dataclasses.asdict(work)
+                                                   for work in output.micro_batches]}
+            fields = self._fixed_width(output)
         return DistBatch(layout, self.rollout_schema(), fields)
 
     def _fixed_width(self, output: GenerationOutput) -> dict[str, torch.Tensor]:

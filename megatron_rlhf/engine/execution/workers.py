@@ -21,7 +21,9 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron_rlhf.engine.execution.throughput import WorkMeter, training_forwards, work_flops
 from megatron_rlhf.generation import GenerationConfig, GenerationOutput, generate_sequences
 from megatron_rlhf.generation.continuous import release_decode_graphs
+from megatron_rlhf.generation.generate import continue_sequences
 from megatron_rlhf.generation.lockstep import ExpertLockstep
+from megatron_rlhf.generation.session import AnswerSession
 from megatron_rlhf.models.forward_backward import (
     Batch,
     run_microbatches,
@@ -250,6 +252,23 @@ class ModelWorker:
                                         prompt_indices, config, eos_id, pad_id,
                                         on_cache=self.meter.observe,
                                         keep_graphs=self.keep_graphs,
+                                        max_length=self.generation_length,
+                                        weight_updates=weight_updates)
+            rows.append((output.attention_mask, FORWARD_PASSES))
+        return output
+
+    def continue_generate(self, answers: AnswerSession, prompts: Sequence[Sequence[int]],
+                          prompt_indices: Sequence[int], groups: int, version: int,
+                          config: GenerationConfig, eos_id: int | tuple[int, ...], pad_id: int,
+                          weight_updates: Callable[[], bool] | None = None
+                          ) -> GenerationOutput:
+        """Queue ``prompts`` into ``answers`` and go on decoding until ``groups`` groups are
+        done (``continue_sequences``; every TP rank returns the same tokens)."""
+        with (self.resident(WEIGHTS), without_sequence_parallel(self.model),
+              self._measured("generate") as rows):
+            output = continue_sequences(self._module(), self.pg_collection, answers, prompts,
+                                        prompt_indices, groups, version, config, eos_id, pad_id,
+                                        on_cache=self.meter.observe,
                                         max_length=self.generation_length,
                                         weight_updates=weight_updates)
             rows.append((output.attention_mask, FORWARD_PASSES))

@@ -66,6 +66,7 @@ from megatron_rlhf.engine.step.step_metrics import (
     share_metrics,
 )
 from megatron_rlhf.engine.step.training_losses import actor_loss_fn, critic_loss_fn
+from megatron_rlhf.generation.session import AnswerSession
 from megatron_rlhf.rewards import RewardFunctionSpec
 from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.runtime.metric_reduce import Metric
@@ -151,13 +152,28 @@ class PPOAlgorithm:
         self.score_moments = RunningMoments()
         self._queue: deque[Experience] = deque()
         self._handovers = self._partial_rollouts() if rollout.partial_rollouts else None
+        self.answers = (AnswerSession(rollout.samples_per_prompt)
+                        if rollout.continue_answers else None)
+        """With ``rollout.continue_answers``: this rank's answers that go on across steps (on
+        the generating ranks; empty elsewhere)."""
+        self.fed_through = -1
+        """With ``rollout.continue_answers``: the last step whose prompts the answers hold."""
         faults = engine.context.faults
         self._step_end = StoreExchange(
             STEP_END, stopped=faults.stopped_ranks if faults is not None else None)
 
     @property
     def staleness(self) -> int:
-        """Steps between producing experience and training on it (0: synchronous)."""
+        """Steps between producing experience and training on it (0: synchronous); answers
+        that go on across steps are produced one step ahead."""
+        if not self.rollout.async_rollout:
+            return 0
+        return 1 if self.rollout.continue_answers else self.rollout.max_staleness
+
+    @property
+    def max_staleness(self) -> int:
+        """The most versions a trained token may lag its step (``rollout.max_staleness``; 0
+        synchronously)."""
         return self.rollout.max_staleness if self.rollout.async_rollout else 0
 
     def step(self, step: int) -> dict[str, float]:
@@ -193,6 +209,15 @@ class PPOAlgorithm:
             raise ValueError("rollout.partial_rollouts=true needs the shadows alone to generate; "
                              "under hetero-separation the trained actor generates too: use "
                              "placement.strategy=separation, or partial_rollouts=false")
+        if self.rollout.continue_answers:
+            n, rows = self.rollout.samples_per_prompt, self.rollout.rows_per_step
+            layout, _ = self.engine.generation_layout(rows)
+            shares = sorted({(end - start) for start, end in layout.rows.values()})
+            if any(share == 0 or share % n for share in shares):
+                raise ValueError(f"rollout.continue_answers=true needs whole groups on every "
+                                 f"generating replica: {rows} rows split as {shares} among "
+                                 f"them, groups of samples_per_prompt({n}); make "
+                                 "prompts_per_step a multiple of the shadow actor's dp")
         return handover_names()
 
     def _handover(self, step: int) -> WeightHandover | None:
@@ -247,7 +272,7 @@ class PPOAlgorithm:
         groups, and every trainer rank receives the whole batch, so a group baseline sees all of
         its rows wherever they were generated.
         """
-        batch = self._scored_round(step, 0, handover)
+        batch = self._scored_round(step, 0, handover, step if version is None else version)
         metrics: dict[str, float] = {}
         if self.algorithm.dynamic_sampling:
             batch, metrics = self._dynamic_sample(step, batch)
@@ -284,12 +309,14 @@ class PPOAlgorithm:
         return self.reward.specs if self.function_rewards is not None else ()
 
     def _scored_round(self, step: int, round_index: int,
-                      handover: WeightHandover | None = None) -> DistBatch:
+                      handover: WeightHandover | None = None, version: int = 0) -> DistBatch:
         """Generate and score one round of step ``step``'s prompts (round 0: the step's batch;
         later rounds: dynamic sampling's refills), the rows on the trainer ranks; with a
         ``handover``, every rank takes the new weights before the round is scored."""
         engine = self.engine
         n = self.rollout.samples_per_prompt
+        if self.answers is not None:
+            return self._continued_round(step, version, handover)
         source = self.prompts(step, round_index) if round_index else self.prompts(step)
         prompts, ids = sample_rows(*source, n)
         records = None
@@ -315,6 +342,31 @@ class PPOAlgorithm:
                 self.function_rewards, records[start:start + size] if records else None))
         engine.finish_transfers()
         return concat(parts)
+
+    def _continued_round(self, step: int, version: int,
+                         handover: WeightHandover | None) -> DistBatch:
+        """Step ``step``'s round of answers that go on across steps (``rollout.continue_answers``,
+        ``generation/session.py``): the answers take the prompts of every step up to the next
+        (this one too, the first time) and return the oldest ``prompts_per_step`` finished
+        groups, scored; the shadows take the weights as in ``_scored_round``."""
+        engine = self.engine
+        first = step if self.fed_through < 0 else self.fed_through + 1
+        feed = [sample_rows(*self.prompts(s), self.rollout.samples_per_prompt)
+                for s in range(first, min(step + 2, self.total_steps))]
+        self.fed_through = max(self.fed_through, step + 1)
+        weight_updates = None
+        if handover is not None and engine.policy_for_inference in engine.workers:
+            tp_group = engine.workers[engine.policy_for_inference].pg_collection.tp
+            weight_updates = handover.poll_for(tp_group)
+        rollout = engine.continue_rollout(self.answers, [rows for rows, _ in feed],
+                                          [ids for _, ids in feed], self.rollout.rows_per_step,
+                                          version, weight_updates)
+        if handover is not None:
+            handover.finish()
+        experience = engine.make_experience(rollout, engine.generation.temperature,
+                                            self.rule_reward)
+        engine.finish_transfers()
+        return experience
 
     def _dynamic_sample(self, step: int, batch: DistBatch) -> tuple[DistBatch, dict[str, float]]:
         """DAPO's dynamic sampling (``engine/step/dynamic_sampling.py``): refill rounds until the step
@@ -376,7 +428,7 @@ class PPOAlgorithm:
             return True
         versions, mask = fields[VERSION_FIELD], fields["response_mask"]
         group = self.rollout.samples_per_prompt if self.algorithm.needs_groups else 1
-        dropped = stale_answers(versions, mask, experience.step, self.staleness, group)
+        dropped = stale_answers(versions, mask, experience.step, self.max_staleness, group)
         experience.metrics.update(staleness_metrics(versions, mask, experience.step,
                                                     int(dropped.sum())))
         if dropped.any():
