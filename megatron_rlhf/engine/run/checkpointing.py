@@ -22,6 +22,8 @@ One checkpoint, ``<save_dir>/step_00000004`` (4 steps done; the data position is
     rng/rank_00003.pt    each rank's Python, numpy, torch (CUDA) and megatron-tracker RNG states
     experience/          asynchronous runs: the experience produced ahead, step_<k>.pt each
                          (``engine.experience_ahead``)
+    answers/             rollout.continue_answers: per generating replica, the finished answers
+                         not yet trained on and the prompts waiting (replica_<d>.pt)
 
 Writes are atomic, verified against the manifest on load, and pruned only after a newer
 checkpoint is complete (``runtime.checkpoint_store``). Everything is loaded without running pickled
@@ -52,8 +54,11 @@ from megatron_rlhf.config.ppo_run import CheckpointConfig, RunConfig
 from megatron_rlhf.data.prompts import PromptStream
 from megatron_rlhf.engine.execution.ppo_engine import PPOEngine
 from megatron_rlhf.engine.step.experience_ahead import (
+    describe_answers,
     describe_experience_ahead,
+    restore_answers,
     restore_experience_ahead,
+    write_answers,
     write_experience_ahead,
 )
 from megatron_rlhf.engine.step.ppo import PPOAlgorithm
@@ -383,6 +388,7 @@ def _write_files(run: RunState, step: int, temp: Path, hosts: list[dict],
     """:func:`_write_run_state`'s writing into ``temp``."""
     roles = list(states)
     write_experience_ahead(run.algorithm, temp)
+    write_answers(run.algorithm, temp)
     requests = []
     for role in roles:
         holder = next(h["roles"][role] for h in hosts if role in h["roles"])
@@ -449,6 +455,7 @@ def _write_run_files(temp: Path, run: RunState, step: int, hosts: list[dict],
         "world_size": dist.get_world_size(), "plan": run.engine.plan.to_dict(),
         "config": _config_dict(run.config),
         "experience_ahead": describe_experience_ahead(run.algorithm),
+        "answers": describe_answers(run.algorithm),
     }
     (temp / RL_STATE).write_text(json.dumps(state, indent=1, sort_keys=True))
     torch.save({role: holder["optimizer_common"] for role, holder in holders.items()},
@@ -496,6 +503,7 @@ def load_rl_checkpoint(run: RunState, path: Path, skip: Collection[str] = ()) ->
     if "experience" not in skip:
         restore_experience_ahead(run.engine, run.algorithm, path,
                                  state.get("experience_ahead", []))
+        restore_answers(run.engine, run.algorithm, path, state.get("answers", {}))
     logger.info("resumed from %s after %d steps", path, state["step"])
     return 0 if "data_position" in skip else int(state["step"])
 

@@ -88,3 +88,63 @@ def restore_experience_ahead(engine: PPOEngine, algorithm: PPOAlgorithm, path: P
     algorithm.restore_experience_ahead(experiences)
     logger.info("continuing with %d steps of experience produced ahead from %s",
                 len(experiences), path)
+
+
+ANSWERS_DIR = "answers"
+
+
+def describe_answers(algorithm: PPOAlgorithm) -> dict[str, int]:
+    """With answers that go on across steps (``rollout.continue_answers``): the last step whose
+    prompts they hold and the generating replicas that hold them (known on every rank)."""
+    if algorithm.answers is None:
+        return {}
+    return {"fed_through": algorithm.fed_through,
+            "replicas": len(algorithm.engine.generation_replicas())}
+
+
+def _replica_of(engine: PPOEngine, rank: int) -> tuple[int, list[int]] | None:
+    """The index and ranks of the generating replica ``rank`` is in, if any."""
+    for index, (_, ranks, _) in enumerate(engine.generation_replicas()):
+        if rank in ranks:
+            return index, ranks
+    return None
+
+
+def write_answers(algorithm: PPOAlgorithm, temp: Path) -> None:
+    """Write the answers that go on across steps into ``temp/answers/``, one file per generating
+    replica; every rank calls it. The generating ranks first restart their answers still
+    decoding (``AnswerSession.state_dict``: their prompts wait again, their tokens are dropped),
+    so the saving run continues exactly as its resume will; the finished answers and the
+    waiting prompts are saved."""
+    if algorithm.answers is None:
+        return
+    replica = _replica_of(algorithm.engine, dist.get_rank())
+    if replica is None:
+        return
+    state = algorithm.answers.state_dict()
+    index, ranks = replica
+    if dist.get_rank() == ranks[0]:
+        (temp / ANSWERS_DIR).mkdir(exist_ok=True)
+        torch.save(state, temp / ANSWERS_DIR / f"replica_{index:03d}.pt")
+
+
+def restore_answers(engine: PPOEngine, algorithm: PPOAlgorithm, path: Path,
+                    described: dict[str, int]) -> None:
+    """Continue with the checkpoint's answers where this run can: it continues answers and
+    generates on as many replicas (otherwise its answers start afresh from the next step's
+    prompts, with a warning: the saved ones are not trained on). Every rank calls it."""
+    if not described:
+        return
+    replicas = len(engine.generation_replicas())
+    if algorithm.answers is None or described["replicas"] != replicas:
+        why = ("this run sets rollout.continue_answers=false" if algorithm.answers is None else
+               f"this run generates on {replicas} replicas, the checkpoint on "
+               f"{described['replicas']}")
+        logger.warning("%s holds answers that go on across steps which this run leaves out "
+                       "(%s): it continues, without training on them", path, why)
+        return
+    algorithm.fed_through = described["fed_through"]
+    replica = _replica_of(engine, dist.get_rank())
+    if replica is not None:
+        state = read_torch_file(path / ANSWERS_DIR / f"replica_{replica[0]:03d}.pt")
+        algorithm.answers.load_state_dict(state, comm_device())
