@@ -17,7 +17,9 @@ thread each) with tracing on:
 - ``separation-async-reuse``: one step off with the old log-probs taken from generation
   (``rollout.reuse_generation_logprobs``), which partial rollouts need;
 - ``separation-async-partial``: that with ``rollout.partial_rollouts``: the shadows take the
-  trained weights mid-round.
+  trained weights mid-round;
+- ``separation-async-continued``: that with ``rollout.continue_answers`` (``max_staleness=3``):
+  answers go on across steps and each step trains the first 8 groups that finish.
 
 Prints one JSON line: per run the samples/s over the steps after the first (the first calls of
 each model), the mean and longest answer, the idle fraction of the ranks that generate and of
@@ -54,6 +56,10 @@ RUNS = {
     "separation-async-partial": ["placement.strategy=separation", "rollout.async_rollout=true",
                                  "rollout.reuse_generation_logprobs=true",
                                  "rollout.partial_rollouts=true"],
+    "separation-async-continued": ["placement.strategy=separation", "rollout.async_rollout=true",
+                                   "rollout.reuse_generation_logprobs=true",
+                                   "rollout.partial_rollouts=true", "rollout.max_staleness=3",
+                                   "rollout.continue_answers=true"],
 }
 COMPUTE_STAGES = {"generate", "experience", "advantages", "train"}
 """As benchmarks/placements.py: the stages that compute; the rest is waiting."""
@@ -111,6 +117,9 @@ def summarise(run_dir: Path, rows: int) -> dict:
         "idle_fraction": idle_fractions(events),
         "staleness_mean": mean("rollout/staleness_mean"),
         "partial_fraction": mean("rollout/partial_fraction"),
+        "staleness_max": max((r["rollout/staleness_max"] for r in steps
+                              if "rollout/staleness_max" in r), default=None),
+        "dropped_stale": sum(r.get("rollout/dropped_stale", 0.0) for r in steps),
     }
     for key in ("off_policy/weight_mean", "off_policy/weight_max", "off_policy/logprob_gap"):
         if mean(key) is not None:

@@ -232,9 +232,9 @@ class RolloutConfig:
         partial_rollouts: with ``async_rollout``: the shadows take the trained weights at the
             next decode-step boundary of the round they generate instead of after it, the
             unfinished answers going on under them with their tokens and KV cache; each token
-            records its weight version (docs/asynchronous.md). Needs ``max_staleness=1``,
-            ``reuse_generation_logprobs`` (the behaviour log-probs are generation's, per
-            token), one pipeline chunk, no dynamic sampling, tools or environment, and
+            records its weight version (docs/asynchronous.md). Needs ``max_staleness=1`` (>= 2
+            with ``continue_answers``), ``reuse_generation_logprobs`` (the behaviour log-probs
+            are generation's, per token), one pipeline chunk, no dynamic sampling, tools or environment, and
             continuous batching. The decode step that takes the weights is the first stop check
             after the trainers are done, which timing decides: a run whose answers span an
             update is not reproducible bit for bit (a resume still continues from exactly the

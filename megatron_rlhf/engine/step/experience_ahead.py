@@ -12,6 +12,10 @@ would change every later step. The trainer ranks hold identical copies of every 
 them writes the file and, on resume, every trainer rank of the new placement reads it. The rest
 of what decides the next steps is already in the checkpoint or keyed by step: the data position,
 the generation noise (a hash of sample id and position), the KL controller and the RNG states.
+
+With answers that go on across steps (``rollout.continue_answers``) the generating replicas also
+hold answers not yet trained on: :func:`write_answers` restarts those still decoding and writes
+the rest, ``answers/replica_<d>.pt`` per replica, which :func:`restore_answers` reads back.
 """
 
 from __future__ import annotations
