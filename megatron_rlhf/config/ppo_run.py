@@ -244,7 +244,7 @@ class RolloutConfig:
             round, waiting there for the trainers if need be, so that a run (and its resume)
             is reproducible bit for bit at the price of that wait.
         continue_answers: with ``partial_rollouts``: the shadows' answers go on across steps
-            (docs/asynchronous.md). Each step's generation call resumes one decoding session,
+            (docs/asynchronous.md). Each step's generation call resumes one pool of answers,
             admits the step after next's prompts behind the others, and ends as soon as
             ``prompts_per_step`` whole groups have finished: those, oldest first, are the
             step's experience; the unfinished answers keep their tokens, KV cache, behaviour

@@ -41,13 +41,13 @@ from megatron_rlhf.generation.sampling import (
 )
 
 if TYPE_CHECKING:
+    from megatron_rlhf.generation.answer_pool import AnswerPool
     from megatron_rlhf.generation.forward import CachedNextTokenLogits, RecomputeNextTokenLogits
     from megatron_rlhf.generation.generate import continue_sequences, generate_sequences, left_pad
-    from megatron_rlhf.generation.session import AnswerSession
 
 _LAZY = {"CachedNextTokenLogits": "forward", "RecomputeNextTokenLogits": "forward",
          "generate_sequences": "generate", "left_pad": "generate",
-         "continue_sequences": "generate", "AnswerSession": "session"}
+         "continue_sequences": "generate", "AnswerPool": "answer_pool"}
 """Names whose modules import megatron-core, imported at their first use: a module that needs
 only ``GenerationConfig`` or the sampling functions (the run's configuration) does not pay
 for it."""
@@ -62,7 +62,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "AnswerSession",
+    "AnswerPool",
     "CachedNextTokenLogits",
     "GenerationConfig",
     "GenerationOutput",

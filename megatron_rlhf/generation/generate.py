@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from megatron_rlhf.generation.answer_pool import AnswerPool
 from megatron_rlhf.generation.continuous import ContinuousSettings, generate_continuous
 from megatron_rlhf.generation.decode_step import with_graph_setting
 from megatron_rlhf.generation.forward import CachedNextTokenLogits, RecomputeNextTokenLogits
@@ -46,7 +47,6 @@ from megatron_rlhf.generation.sampling import (
     stop_sequence_tensors,
     uniforms_for_steps,
 )
-from megatron_rlhf.generation.session import AnswerSession
 from megatron_rlhf.models.attention import CachedRopeSelfAttention
 from megatron_rlhf.runtime.patches import cuda_redirect_suspended
 
@@ -240,14 +240,14 @@ def generate_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollec
 
 
 def continue_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollection,
-                       session: AnswerSession, prompts: Sequence[Sequence[int]],
+                       pool: AnswerPool, prompts: Sequence[Sequence[int]],
                        prompt_indices: Sequence[int], groups: int, version: int,
                        config: GenerationConfig, eos_id: int | Sequence[int] | None,
                        pad_id: int, on_cache: Callable[[int], None] | None = None,
                        max_length: int = 0,
                        weight_updates: Callable[[], bool] | None = None) -> GenerationOutput:
-    """Add ``prompts`` (whole groups; may be none) to ``session`` and go on decoding its
-    answers until ``groups`` whole groups are done (``generation/session.py``): those groups,
+    """Add ``prompts`` (whole groups; may be none) to ``pool`` and go on decoding its
+    answers until ``groups`` whole groups are done (``generation/answer_pool.py``): those groups,
     oldest first, with each token's version as an offset from ``version``, the weights'
     version as the call starts. Checks and arguments as :func:`generate_sequences`'s, with
     continuous batching only; ``max_length`` must fit every prompt plus its answer."""
@@ -264,7 +264,7 @@ def continue_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollec
     if not config.continuous:
         raise ValueError("answers go on across calls only with continuous batching "
                          "(generation.batching=continuous and use_kv_cache=true)")
-    session.add(prompts, prompt_indices,
+    pool.add(prompts, prompt_indices,
                 [min(config.max_new_tokens, seq_length - len(p)) for p in prompts])
     was_training = model.training
     model.eval()
@@ -274,9 +274,9 @@ def continue_sequences(model: torch.nn.Module, pg_collection: ProcessGroupCollec
             settings = ContinuousSettings(
                 config, eos_id, pad_id, vocab_size, min(max_length, seq_length), False,
                 ExpertLockstep.of(model, pg_collection, pad_id), on_cache, weight_updates)
-            decode_model = (session.decode_model if session.batch is not None
+            decode_model = (pool.decode_model if pool.batch is not None
                             else _decode_model(model, config))
-            return session.run(model, decode_model, groups, version, settings)
+            return pool.run(model, decode_model, groups, version, settings)
     finally:
         model.train(was_training)
 

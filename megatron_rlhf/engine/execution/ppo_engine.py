@@ -29,7 +29,7 @@ from megatron_rlhf.engine.execution.function_rewards import FunctionRewards, Rec
 from megatron_rlhf.engine.execution.transfer import RowLayout, TransferChannels
 from megatron_rlhf.engine.execution.workers import ModelWorker
 from megatron_rlhf.generation import GenerationConfig, GenerationOutput
-from megatron_rlhf.generation.session import AnswerSession
+from megatron_rlhf.generation.answer_pool import AnswerPool
 from megatron_rlhf.models.lora import adapters_disabled
 from megatron_rlhf.models.moe import ROUTES
 from megatron_rlhf.models.offload import PARTS, WEIGHTS
@@ -262,11 +262,11 @@ class PPOEngine:
             self.workers[roles[self.rank]].generate_nothing(self.generation, self.pad_id)
         return DistBatch(layout, self.rollout_schema(), fields)
 
-    def continue_rollout(self, answers: AnswerSession, feed: Sequence[Sequence[Sequence[int]]],
+    def continue_rollout(self, answers: AnswerPool, feed: Sequence[Sequence[Sequence[int]]],
                          feed_ids: Sequence[Sequence[int]], rows: int, version: int,
                          weight_updates: Callable[[], bool] | None = None) -> DistBatch:
         """:meth:`generate_rollout` for answers that go on across steps
-        (``rollout.continue_answers``; ``generation/session.py``): each generating replica
+        (``rollout.continue_answers``; ``generation/answer_pool.py``): each generating replica
         queues its share of every batch of ``feed`` (each ``rows`` prompts, with their
         ``feed_ids``) into its ``answers`` and returns the oldest ``rows`` of its share's worth
         of finished groups, tokens of the calls before this one included. ``version``: the

@@ -20,10 +20,10 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_rlhf.engine.execution.throughput import WorkMeter, training_forwards, work_flops
 from megatron_rlhf.generation import GenerationConfig, GenerationOutput, generate_sequences
+from megatron_rlhf.generation.answer_pool import AnswerPool
 from megatron_rlhf.generation.continuous import release_decode_graphs
 from megatron_rlhf.generation.generate import continue_sequences
 from megatron_rlhf.generation.lockstep import ExpertLockstep
-from megatron_rlhf.generation.session import AnswerSession
 from megatron_rlhf.models.forward_backward import (
     Batch,
     run_microbatches,
@@ -257,7 +257,7 @@ class ModelWorker:
             rows.append((output.attention_mask, FORWARD_PASSES))
         return output
 
-    def continue_generate(self, answers: AnswerSession, prompts: Sequence[Sequence[int]],
+    def continue_generate(self, answers: AnswerPool, prompts: Sequence[Sequence[int]],
                           prompt_indices: Sequence[int], groups: int, version: int,
                           config: GenerationConfig, eos_id: int | tuple[int, ...], pad_id: int,
                           weight_updates: Callable[[], bool] | None = None

@@ -117,7 +117,7 @@ def _replica_of(engine: PPOEngine, rank: int) -> tuple[int, list[int]] | None:
 def write_answers(algorithm: PPOAlgorithm, temp: Path) -> None:
     """Write the answers that go on across steps into ``temp/answers/``, one file per generating
     replica; every rank calls it. The generating ranks first restart their answers still
-    decoding (``AnswerSession.state_dict``: their prompts wait again, their tokens are dropped),
+    decoding (``AnswerPool.state_dict``: their prompts wait again, their tokens are dropped),
     so the saving run continues exactly as its resume will; the finished answers and the
     waiting prompts are saved."""
     if algorithm.answers is None:

@@ -66,7 +66,7 @@ from megatron_rlhf.engine.step.step_metrics import (
     share_metrics,
 )
 from megatron_rlhf.engine.step.training_losses import actor_loss_fn, critic_loss_fn
-from megatron_rlhf.generation.session import AnswerSession
+from megatron_rlhf.generation.answer_pool import AnswerPool
 from megatron_rlhf.rewards import RewardFunctionSpec
 from megatron_rlhf.runtime.logging import get_logger
 from megatron_rlhf.runtime.metric_reduce import Metric
@@ -152,7 +152,7 @@ class PPOAlgorithm:
         self.score_moments = RunningMoments()
         self._queue: deque[Experience] = deque()
         self._handovers = self._partial_rollouts() if rollout.partial_rollouts else None
-        self.answers = (AnswerSession(rollout.samples_per_prompt)
+        self.answers = (AnswerPool(rollout.samples_per_prompt)
                         if rollout.continue_answers else None)
         """With ``rollout.continue_answers``: this rank's answers that go on across steps (on
         the generating ranks; empty elsewhere)."""
@@ -346,7 +346,7 @@ class PPOAlgorithm:
     def _continued_round(self, step: int, version: int,
                          handover: WeightHandover | None) -> DistBatch:
         """Step ``step``'s round of answers that go on across steps (``rollout.continue_answers``,
-        ``generation/session.py``): the answers take the prompts of every step up to the next
+        ``generation/answer_pool.py``): the answers take the prompts of every step up to the next
         (this one too, the first time) and return the oldest ``prompts_per_step`` finished
         groups, scored; the shadows take the weights as in ``_scored_round``."""
         engine = self.engine

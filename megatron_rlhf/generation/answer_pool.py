@@ -1,14 +1,14 @@
-"""Answers that go on across generate calls: a continuous-batching session kept alive between
+"""Answers that go on across generate calls: a continuous-batching pool kept alive between
 the steps of a run (``rollout.continue_answers``).
 
-    session = AnswerSession(group_size=n)
-    session.add(prompts, indices, budgets)      # the prompt stream, whole groups, in order
-    output = session.run(model, decode_model, groups, version, settings)   # once per step
+    pool = AnswerPool(group_size=n)
+    pool.add(prompts, indices, budgets)      # the prompt stream, whole groups, in order
+    output = pool.run(model, decode_model, groups, version, settings)   # once per step
 
 A call of :func:`~megatron_rlhf.generation.continuous.generate_continuous` ends when its last
-prompt is done, so a round lasts as long as its longest answer. A session instead keeps its
+prompt is done, so a round lasts as long as its longest answer. A pool instead keeps its
 slots, their KV cache and the answers decoding in them from one call to the next. Each call
-(:meth:`AnswerSession.run`) admits waiting prompts into free slots as a call does, and ends at
+(:meth:`AnswerPool.run`) admits waiting prompts into free slots as a call does, and ends at
 the first stop check where ``groups`` whole groups (``group_size`` contiguous prompts, the
 answers to one prompt) have finished; those groups, oldest added first, are its output, and
 everything else (answers still decoding, finished groups beyond ``groups``, prompts still
@@ -20,7 +20,7 @@ two calls counts when the next one starts), and every ``weight_updates`` that re
 during a call adds one. The output's ``response_versions`` are each token's version minus the
 call's ``version`` (<= 0 for the tokens of earlier calls), the offsets the engine adds to it.
 
-:meth:`AnswerSession.state_dict` restarts the answers still decoding (their prompts wait again,
+:meth:`AnswerPool.state_dict` restarts the answers still decoding (their prompts wait again,
 first; their tokens are dropped) so that what remains, finished answers and waiting prompts,
 is plain data a checkpoint holds exactly; a run that saved and its resume continue alike.
 """
@@ -39,7 +39,7 @@ from megatron_rlhf.generation.decode_step import batch_bucket
 from megatron_rlhf.generation.output import GenerationOutput
 
 
-class AnswerSession:
+class AnswerPool:
     """The prompts, slots and answers of one generating replica across calls.
 
     Args:
@@ -103,7 +103,7 @@ class AnswerSession:
         """
         held = len(self.prompts) // self.group_size
         if held < groups:
-            raise ValueError(f"the session holds {held} groups, fewer than the {groups} asked")
+            raise ValueError(f"the pool holds {held} groups, fewer than the {groups} asked")
         self._begin(model, decode_model, groups, version, settings)
         batch = self.batch
         while len(self.finished_groups()) < groups:
@@ -136,7 +136,7 @@ class AnswerSession:
         longest = max((len(self.prompts[r]) + self.budgets[r] for r in self.waiting), default=0)
         if longest > batch.decode_settings.max_length:
             raise ValueError(f"a prompt and its answer need {longest} positions, more than the "
-                             f"session's {batch.decode_settings.max_length}")
+                             f"pool's {batch.decode_settings.max_length}")
         batch.settings, batch.work = settings, []
         if self.version is not None and version != self.version:
             steps = batch.decoder.steps.tolist()  # updates between calls: from the next token
@@ -145,7 +145,7 @@ class AnswerSession:
         batch.updates = self.version = version
 
     def _take(self, groups: Sequence[int], version: int) -> GenerationOutput:
-        """The answers of ``groups``, in that order, out of the session: versions as offsets
+        """The answers of ``groups``, in that order, out of the pool: versions as offsets
         from ``version``."""
         batch, n = self.batch, self.group_size
         rows = [g * n + j for g in groups for j in range(n)]
@@ -161,7 +161,7 @@ class AnswerSession:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """What the session holds as plain data, after restarting the answers still decoding:
+        """What the pool holds as plain data, after restarting the answers still decoding:
         their prompts wait again, ahead of the others, and their tokens are dropped (module
         docstring). The slots are made again by the next call."""
         if self.batch is not None:
