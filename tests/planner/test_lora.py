@@ -12,7 +12,7 @@ from megatron_rlhf.models.options import LoRAConfig, adapter_numel
 from megatron_rlhf.planner import RolloutSpec, SearchSpace, auto_place, predict_step
 from megatron_rlhf.planner import cost_model as cm
 from megatron_rlhf.planner.hardware import homogeneous_cluster
-from megatron_rlhf.topology import ModelSpec, arch_preset
+from megatron_rlhf.topology import ModelSpec
 from megatron_rlhf.topology.models import ArchSpec, ExpertSpec
 from megatron_rlhf.topology.placement import plan_placement
 from megatron_rlhf.topology.placement_config import PlacementConfig
