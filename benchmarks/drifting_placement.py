@@ -53,6 +53,20 @@ RUNS = {
 }
 
 
+def train_start(out: Path) -> Path:
+    """Train the workload's start (examples/sft_arithmetic.yaml, 1 rank) into ``out/sft``."""
+    sft = out / "sft"
+    execute(torchrun("train_sft.py", 1, "--config", str(REPO / "examples" / "sft_arithmetic.yaml"),
+                     f"out_dir={sft}"), out / "sft.log", pythonpath=(CONFIG.parent,))
+    return sft
+
+
+def start_overrides(sft: Path) -> list[str]:
+    """The overrides that start the workload from the SFT run ``sft``."""
+    return [f"models.actor_checkpoint={sft / 'checkpoint'}",
+            f"tokenizer.model_path={sft / 'tokenizer.model'}"]
+
+
 def phase(steps: list[dict]) -> dict:
     """Mean seconds per step and answer length over ``steps``."""
     return {"steps": [steps[0]["step"], steps[-1]["step"]],
@@ -105,19 +119,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     out = args.out_dir.absolute()
     out.mkdir(parents=True, exist_ok=True)
-    sft = args.sft.absolute() if args.sft else out / "sft"
-    if not args.sft:
-        execute(torchrun("train_sft.py", 1, "--config", str(REPO / "examples" /
-                                                           "sft_arithmetic.yaml"),
-                        f"out_dir={sft}"), out / "sft.log", pythonpath=(CONFIG.parent,))
+    sft = args.sft.absolute() if args.sft else train_start(out)
     profile = args.profile.absolute() if args.profile else out / "profile.json"
     if not args.profile:
         done = subprocess.run([sys.executable, str(REPO / "tools" / "calibrate.py"), "--name",
                                "local", "--ranks", str(args.ranks), "--out", str(profile)],
                               cwd=REPO, capture_output=True, text=True, check=True)
         (out / "calibrate.log").write_text(done.stdout + done.stderr)
-    start = [f"models.actor_checkpoint={sft / 'checkpoint'}",
-             f"tokenizer.model_path={sft / 'tokenizer.model'}", f"steps={args.steps}",
+    start = [*start_overrides(sft), f"steps={args.steps}",
              "runtime.log_level=WARNING",
              f"placement.replan.profile={profile}", *args.overrides]
     results = {}
