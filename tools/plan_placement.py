@@ -9,6 +9,8 @@
     python tools/plan_placement.py --nodes 4 --placement separation --tp 4 --model llama-13b \
         --predict --batch 1024 --prompt-length 256 --generation-length 256     # cost model
     python tools/plan_placement.py --nodes 4 --model llama-13b --auto --batch 1024 --json
+    python tools/plan_placement.py --placement separation --model llama-7b --predict \
+        --generation-length 4096 --answer-mean 500 --continue-answers --off-policy decoupled
 
 ``--placement`` takes a strategy name or a ratio list over actor,critic,ref,reward. An invalid
 request exits with status 2 and says what to change. ``--predict`` adds the predicted step
@@ -30,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 from megatron_rlhf import __version__  # noqa: E402
+from megatron_rlhf.algorithms import OFF_POLICY_CORRECTIONS, get_off_policy  # noqa: E402
 from megatron_rlhf.planner import (  # noqa: E402
     MEMORY_OPTIONS,
     AnswerLengths,
@@ -101,6 +104,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "(comma-separated; 'offload' alone for what the engine runs today)")
     rollout.add_argument("--no-overlap", action="store_true",
                          help="price separation synchronously (no generation/training overlap)")
+    rollout.add_argument("--reuse-generation-logprobs", action="store_true",
+                         help="old log-probs from generation: no policy forward in experience")
+    rollout.add_argument("--partial-rollouts", action="store_true",
+                         help="one step off, the shadows taking the weights mid-round "
+                         "(rollout.partial_rollouts; implies --reuse-generation-logprobs)")
+    rollout.add_argument("--continue-answers", action="store_true",
+                         help="one step off, answers going on across steps "
+                         "(rollout.continue_answers; implies --partial-rollouts)")
+    rollout.add_argument("--off-policy", default="none", choices=sorted(OFF_POLICY_CORRECTIONS),
+                         help="algorithm.off_policy: decoupled and truncated_is add one actor "
+                         "forward per step (the proximal log-probs)")
     rollout.add_argument("--profile", action="append", default=[], metavar="[KIND=]NAME|PATH",
                          help="device profile for pool KIND (default: every pool), repeatable")
     out = parser.add_argument_group("output")
@@ -153,7 +167,12 @@ def build_rollout(args: argparse.Namespace) -> RolloutSpec:
         batch=args.batch, prompt_length=args.prompt_length,
         generation_length=args.generation_length, ppo_epochs=args.ppo_epochs,
         num_minibatches=args.num_minibatches, micro_batch_size=args.micro_batch_size,
-        activation_checkpointing=args.activation_checkpointing, overlap=not args.no_overlap)
+        activation_checkpointing=args.activation_checkpointing, overlap=not args.no_overlap,
+        partial_rollouts=args.partial_rollouts or args.continue_answers,
+        continue_answers=args.continue_answers,
+        reuse_logprobs=(args.reuse_generation_logprobs or args.partial_rollouts
+                        or args.continue_answers),
+        proximal_forward=get_off_policy(args.off_policy).needs_proximal)
     if args.answer_mean is None:
         if args.answer_max is not None:
             raise ValueError("--answer-max needs --answer-mean (the mean answer, in tokens)")

@@ -15,7 +15,9 @@ Overlap per strategy: flattening runs everything in turn; interleaving runs ref 
 interleaving2 also actor-train || critic-train; separation and hetero-separation (with
 ``rollout.overlap``) generate and score rollout k+1 on the inference devices while the trainers
 train on rollout k, so the step is the busier side plus the weight sync; hetero-separation also
-generates on the trainers' pool, with batch shares by ``relative_speed``.
+generates on the trainers' pool, with batch shares by ``relative_speed``. Partial rollouts,
+answers that go on across steps and the proximal forward of an off-policy correction are priced
+as ``planner.asynchronous`` says.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 
+from megatron_rlhf.planner import asynchronous
 from megatron_rlhf.planner import cost_model as cm
 from megatron_rlhf.planner.hardware import HardwareProfile, resolve_profiles
 from megatron_rlhf.planner.memory_fit import (
@@ -42,7 +45,13 @@ from megatron_rlhf.planner.memory_fit import (
 )
 from megatron_rlhf.planner.schedule import Schedule, SharedHost, Task, covered_seconds, schedule
 from megatron_rlhf.planner.workload import RolloutSpec
-from megatron_rlhf.topology.models import SHADOW_OF, TRAINABLE_ROLES, VALUE_HEAD_ROLES
+from megatron_rlhf.topology.models import (
+    ACTOR,
+    SHADOW_ACTOR,
+    SHADOW_OF,
+    TRAINABLE_ROLES,
+    VALUE_HEAD_ROLES,
+)
 from megatron_rlhf.topology.plan import ModelPlacement, PlacementPlan
 
 GENERATION, EXPERIENCE, TRAINING, TRANSFER, SYNC = (
@@ -69,6 +78,7 @@ class StepPrediction:
         bottleneck_share: its share of the critical work.
         memory: the memory report (per model, peak, largest batch).
         problems: why the plan cannot run, each with a fix.
+        mode: the schedule priced (``asynchronous.MODES``).
     """
 
     feasible: bool
@@ -82,6 +92,7 @@ class StepPrediction:
     bottleneck_share: float
     memory: MemoryReport
     problems: tuple[str, ...] = ()
+    mode: str = asynchronous.SYNCHRONOUS
 
     def to_dict(self) -> dict:
         """JSON-ready description; the keys are documented in ``docs/planner.md``."""
@@ -94,6 +105,7 @@ class StepPrediction:
             "synchronous_step_seconds": (round(self.synchronous_step_seconds, 4) if feasible
                                          else None),
             "pipelined": self.pipelined,
+            "mode": self.mode,
             "stage_seconds": {k: round(v, 4) for k, v in self.stage_seconds.items()},
             "bottleneck": self.bottleneck,
             "bottleneck_share": round(self.bottleneck_share, 3),
@@ -158,7 +170,7 @@ def predict_step(plan: PlacementPlan, rollout: RolloutSpec,
     tasks = [replace(task, cost=task.cost.scaled(scale.get(task.stage, 1.0)))
              for task in build_tasks(ctx, memory)]
     result = schedule(tasks, hosts)
-    pipelined = rollout.overlap and plan.config.separated
+    pipelined = ctx.pipelined
     step = result.period if pipelined else result.makespan
     chain = result.busiest if pipelined else result.critical
     bottleneck, share = _bottleneck([result.tasks[i] for i in chain])
@@ -167,6 +179,7 @@ def predict_step(plan: PlacementPlan, rollout: RolloutSpec,
         synchronous_step_seconds=result.makespan, pipelined=pipelined,
         stage_seconds=_stage_seconds(result), tasks=_task_rows(result),
         bottleneck=bottleneck, bottleneck_share=share, memory=memory,
+        mode=asynchronous.rollout_mode(rollout, pipelined),
     )
 
 
@@ -177,6 +190,8 @@ class _Context:
     def __init__(self, plan: PlacementPlan, rollout: RolloutSpec,
                  hardware: tuple[HardwareProfile, ...]) -> None:
         self.plan, self.rollout, self.hardware = plan, rollout, hardware
+        self.pipelined = rollout.overlap and plan.config.separated
+        """Consecutive steps overlap (asynchronous separation)."""
 
     def profile_of(self, rank: int) -> HardwareProfile:
         """The profile of the pool holding global ``rank``."""
@@ -246,7 +261,12 @@ class _Context:
         """Generation of ``rows`` on one replica of ``role`` in ``pool``."""
         rollout, env = self.rollout, self.env(role, pool, options)
         lengths = rollout.answer_lengths
-        if lengths is None:
+        if self.pipelined and rollout.continue_answers:  # slots kept full across steps
+            table = lengths.lengths if lengths is not None else (rollout.generation_length,)
+            cost = asynchronous.continued_generation_cost(
+                env, table, rows, rollout.prompt_length, max_sequences,
+                rollout.stop_check_interval)
+        elif lengths is None:
             cost = cm.generation_cost(env, rows, rollout.prompt_length,
                                       rollout.generation_length, max_sequences)
         else:  # the replica holding the step's longest answer: the one the step waits for
@@ -258,9 +278,25 @@ class _Context:
     def experience(self, role: str, options: MemoryOptions) -> cm.Cost:
         """The experience forward passes of ``role`` (``memory_fit.experience_passes``)."""
         seq, mbs = self.rollout.priced_sequence_length, self.rollout.micro_batch_size
-        passes = experience_passes(self.plan)[role]
+        passes = self.experience_passes()[role]
         return self.per_pool(role, options, lambda env, rows: cm.forward_cost(
             env, rows, seq, mbs).scaled(passes)) + self.offload(role, options, training=False)
+
+    def experience_passes(self) -> dict[str, int]:
+        """``memory_fit.experience_passes`` less the generating policy's when its old log-probs
+        are generation's (``RolloutSpec.reuse_logprobs``); a model left with none is absent."""
+        passes = experience_passes(self.plan)
+        if self.rollout.reuse_logprobs:
+            policy = SHADOW_ACTOR if SHADOW_ACTOR in self.plan.models else ACTOR
+            passes[policy] -= 1
+        return {role: n for role, n in passes.items() if n > 0}
+
+    def proximal(self, options: MemoryOptions) -> cm.Cost:
+        """The actor's proximal forward over the step's rows (``RolloutSpec.proximal_forward``),
+        each replica its share."""
+        seq, mbs = self.rollout.priced_sequence_length, self.rollout.micro_batch_size
+        return self.per_pool(ACTOR, options, lambda env, rows: cm.forward_cost(env, rows, seq,
+                                                                             mbs))
 
     def training(self, role: str, options: MemoryOptions) -> cm.Cost:
         """The training of ``role``."""
@@ -278,7 +314,7 @@ class _Context:
             if generator == role:
                 total += max((self.generation(role, pool, rows, options, rows)
                               for pool, rows in per_pool.items()), key=lambda c: c.total)
-        if role in experience_roles(self.plan):
+        if role in self.experience_passes():
             total += self.experience(role, options)
         if self.plan[role].spec.trainable:
             total += self.training(role, options)
@@ -305,7 +341,7 @@ def build_tasks(ctx: _Context, memory: MemoryReport) -> list[Task]:
                    _generation_cost(ctx, memory)))
     payload = rollout.batch * seq * cm.ROLLOUT_BYTES_PER_TOKEN
     inputs = {}
-    for role in experience_roles(plan):
+    for role in (r for r in experience_roles(plan) if r in ctx.experience_passes()):
         # A scorer laid out as the one generator (same ranks, same replicas) finds its rows there.
         in_place = (len(generators) == 1 and plan[role].ranks == plan[generators[0]].ranks
                     and plan[role].dp == plan[generators[0]].dp)
@@ -323,6 +359,7 @@ def build_tasks(ctx: _Context, memory: MemoryReport) -> list[Task]:
     in_place = (len({m.ranks for m in involved}) == 1
                 and all(m.dp == 1 and m.pp == 1 for m in involved))
     targets = tuple(sorted({plan[role].ranks for role in trainers}, key=lambda r: r.start))
+    scored = scored or [gen]  # nothing scores apart: the rows come from generation
     merged = None if in_place else _transfer(
         ctx, "experience->trainers", tuple(tasks[i].ranges[0] for i in scored), targets,
         rollout.batch * seq * cm.EXPERIENCE_BYTES_PER_TOKEN, cm.EXPERIENCE_FIELDS,
@@ -330,8 +367,12 @@ def build_tasks(ctx: _Context, memory: MemoryReport) -> list[Task]:
     deps = (add(merged),) if merged else tuple(scored)
     trained = {}
     for role in trainers:
+        ready = deps
+        if role == ACTOR and rollout.proximal_forward:  # before the actor's first update
+            ready = (add(Task(f"{EXPERIENCE}:{role} (proximal)", EXPERIENCE,
+                              (plan[role].ranks,), ctx.proximal(options[role]), deps)),)
         trained[role] = add(Task(f"{TRAINING}:{role}", TRAINING, (plan[role].ranks,),
-                                 ctx.training(role, options[role]), deps))
+                                 ctx.training(role, options[role]), ready))
     for shadow, trainer in SHADOW_OF.items():
         if shadow in plan.models:
             add(_sync(ctx, trainer, shadow, (trained[trainer],)))

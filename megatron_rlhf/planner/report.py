@@ -13,8 +13,8 @@ def format_prediction(prediction: StepPrediction) -> str:
         return "\n".join(["predicted: does not fit in memory"]
                          + [f"  - {problem}" for problem in prediction.problems])
     p, memory = prediction, prediction.memory
-    mode = (f"pipelined; {p.synchronous_step_seconds:.2f} s synchronous" if p.pipelined
-            else "synchronous")
+    mode = (f"pipelined, {p.mode}; {p.synchronous_step_seconds:.2f} s synchronous"
+            if p.pipelined else "synchronous")
     lines = [
         f"predicted: {p.samples_per_s:.3f} samples/s, {p.step_seconds:.2f} s per step ({mode})",
         f"bottleneck: {p.bottleneck} ({p.bottleneck_share:.0%} of the critical work)",

@@ -180,6 +180,16 @@ class RolloutSpec:
         stop_check_interval: decode steps between the engine's checks for ended answers
             (``generation.stop_check_interval``): an ended answer holds its slot until the next
             one. Only priced with ``answer_lengths``.
+        partial_rollouts: with ``overlap``, the shadows take the trained weights mid-round
+            (``rollout.partial_rollouts``); priced as one step off (``planner.asynchronous``).
+        continue_answers: with ``overlap``, answers go on across steps
+            (``rollout.continue_answers``): a step's generation is priced as a replica whose
+            slots stay full (``asynchronous.pool_steady_state``), not as its round.
+        reuse_logprobs: the old log-probs are generation's
+            (``rollout.reuse_generation_logprobs``, which partial rollouts need): no experience
+            forward of the generating policy.
+        proximal_forward: the actor runs one more forward over the step's rows before its
+            first update (``algorithm.off_policy`` ``decoupled`` or ``truncated_is``).
     """
 
     batch: int = 512
@@ -194,6 +204,10 @@ class RolloutSpec:
     batching: str = "continuous"
     packed: bool = False
     stop_check_interval: int = 1
+    partial_rollouts: bool = False
+    continue_answers: bool = False
+    reuse_logprobs: bool = False
+    proximal_forward: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch", "prompt_length", "generation_length", "ppo_epochs",
@@ -214,6 +228,9 @@ class RolloutSpec:
             raise ValueError(f"answer lengths are cut at {lengths.cap} tokens but "
                              f"generation_length is {self.generation_length}: build them with "
                              "cap=generation_length (generation.max_new_tokens)")
+        if self.continue_answers and not self.partial_rollouts:
+            raise ValueError("rollout continue_answers needs partial_rollouts (as "
+                             "rollout.continue_answers does): set both")
 
     @property
     def sequence_length(self) -> int:
@@ -246,15 +263,19 @@ class RolloutSpec:
 
     @classmethod
     def from_run_config(cls, run: Any, activation_checkpointing: bool = False,
-                        overlap: bool = True) -> RolloutSpec:
+                        overlap: bool = True, proximal_forward: bool = False) -> RolloutSpec:
         """The shapes of a ``RunConfig`` (read by attribute, so the planner needs no engine).
 
         Args:
             run: an object with ``rollout`` (prompts_per_step, samples_per_prompt (default 1),
-                max_prompt_length, micro_batch_size, ppo_epochs, num_minibatches) and ``generation``
-                (max_new_tokens, batching, stop_check_interval), such as ``megatron_rlhf.config.ppo_run.RunConfig``.
+                max_prompt_length, micro_batch_size, ppo_epochs, num_minibatches, and if present
+                partial_rollouts, continue_answers, reuse_generation_logprobs) and
+                ``generation`` (max_new_tokens, batching, stop_check_interval), such as
+                ``megatron_rlhf.config.ppo_run.RunConfig``.
             activation_checkpointing: whether the trainers recompute activations.
             overlap: see ``RolloutSpec.overlap``.
+            proximal_forward: see ``RolloutSpec.proximal_forward`` (the caller knows the
+                off-policy registry; the planner does not import it).
         """
         rollout, generation = run.rollout, run.generation
         rows = rollout.prompts_per_step * getattr(rollout, "samples_per_prompt", 1)
@@ -264,7 +285,11 @@ class RolloutSpec:
                    micro_batch_size=rollout.micro_batch_size,
                    activation_checkpointing=activation_checkpointing, overlap=overlap,
                    batching=getattr(generation, "batching", "continuous"),
-                   stop_check_interval=getattr(generation, "stop_check_interval", 1))
+                   stop_check_interval=getattr(generation, "stop_check_interval", 1),
+                   partial_rollouts=getattr(rollout, "partial_rollouts", False),
+                   continue_answers=getattr(rollout, "continue_answers", False),
+                   reuse_logprobs=getattr(rollout, "reuse_generation_logprobs", False),
+                   proximal_forward=proximal_forward)
 
     def to_dict(self) -> dict:
         """JSON-ready description (the length distribution as its summary)."""

@@ -36,3 +36,13 @@ def test_plan_only_labels_each_memory_figure_and_counts_generation_in_sequences(
     assert (f"KV cache room: {role} {room} sequences per replica, {room * plan[role].dp} over all "
             "generating replicas in one round") in text
     assert not re.search(r"rollout batch\D*\d", text)
+
+
+def test_plan_only_names_the_rollout_mode_it_priced() -> None:
+    """One line says which schedule the step is priced as (planner.asynchronous)."""
+    config = load_config(RunConfig, RECIPE)
+    assert config.rollout.async_rollout and not config.rollout.partial_rollouts
+    run_plan = plan_run(config, plan_cluster(config, 16, 8, "H100-80GB"))
+    (line,) = [line for line in run_plan.format().splitlines() if line.startswith("schedule: ")]
+    assert run_plan.prediction.mode == "one step off"
+    assert line.startswith("schedule: one step off: the shadows generate step k+1 while")

@@ -101,3 +101,25 @@ def test_predict_prices_a_stated_mean_answer(capsys: pytest.CaptureFixture[str])
     with pytest.raises(SystemExit):
         tool.main([*base, "--answer-max", "100"])
     assert "--answer-max needs --answer-mean" in capsys.readouterr().err
+
+
+def test_predict_prices_each_asynchronous_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    """--continue-answers implies partial rollouts and generation's log-probs; --off-policy
+    decoupled adds the actor's proximal forward; the JSON names the mode priced."""
+    tool = _tool("plan_placement")
+    base = ["--placement", "separation", "--no-critic", "--no-reward", "--model", "llama-7b",
+            "--predict", "--json", "--batch", "64", "--generation-length", "1024",
+            "--answer-mean", "200"]
+
+    def run(*flags: str) -> dict:
+        tool.main([*base, *flags])
+        body = json.loads(capsys.readouterr().out)
+        return {**body["prediction"], "rollout": body["rollout"]}
+
+    off, continued = run(), run("--continue-answers", "--off-policy", "decoupled")
+    assert (off["mode"], continued["mode"]) == ("one step off", "answers across steps")
+    assert continued["rollout"]["partial_rollouts"] and continued["rollout"]["reuse_logprobs"]
+    names = {task["name"] for task in continued["tasks"]}
+    assert "experience:actor (proximal)" in names and "experience:shadow_actor" not in names
+    assert continued["samples_per_s"] > off["samples_per_s"]
+    assert run("--no-overlap", "--partial-rollouts")["mode"] == "synchronous"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron_rlhf.algorithms import get_off_policy
 from megatron_rlhf.builder.sources import config_arch
 from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.engine.run.build import make_plan
@@ -85,8 +86,11 @@ def ranked_candidates(config: RunConfig, cluster: ClusterSpec, profiles,
 
 
 def answered_rollout(config: RunConfig, lengths: AnswerLengths | None) -> RolloutSpec:
-    """The run's shapes (``RolloutSpec.from_run_config``) with the answers ``lengths``."""
-    rollout = RolloutSpec.from_run_config(config, overlap=config.rollout.async_rollout)
+    """The run's shapes (``RolloutSpec.from_run_config``) with the answers ``lengths``, and the
+    proximal forward of an off-policy correction that needs one."""
+    proximal = get_off_policy(config.algorithm.off_policy).needs_proximal
+    rollout = RolloutSpec.from_run_config(config, overlap=config.rollout.async_rollout,
+                                          proximal_forward=proximal)
     return rollout.with_answer_lengths(lengths)
 
 

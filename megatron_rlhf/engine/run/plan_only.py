@@ -46,6 +46,7 @@ from megatron_rlhf.planner import (
     predict_step,
     shipped_profiles,
 )
+from megatron_rlhf.planner.asynchronous import describe_mode
 from megatron_rlhf.planner.cost_model import DISTRIBUTED_OPTIMIZER, FULLY_SHARDED, REPLICATED
 from megatron_rlhf.planner.report import format_prediction
 from megatron_rlhf.topology.cluster import ClusterSpec
@@ -218,6 +219,7 @@ class RunPlan:
                                        f"every answer {r.generation_length} tokens "
                                        "(generation.max_new_tokens; --answer-mean prices a "
                                        "distribution)"),
+                 "schedule: " + describe_mode(r, self.prediction.pipelined),
                  "tokens per micro-batch: " + ", ".join(
                      f"{role} {tokens or 'fixed rows'}" for role, tokens in self.budgets.items())]
         lora = self.config.models.lora
