@@ -59,7 +59,10 @@ def test_the_shipped_files_are_what_make_task_writes(tmp_path: Path, monkeypatch
 def test_sft_then_grpo_with_the_calculator_runs(tmp_path: Path) -> None:
     command = tool_command("run_arithmetic.py", [
         "--task", "calculator", "--run-dir", str(tmp_path), "--sft-set", "train.epochs=3",
-        "steps=1", "evaluation.num_prompts=8", "rollout.prompts_per_step=2"], nproc=1)
+        "steps=1", "evaluation.num_prompts=8", "rollout.prompts_per_step=2",
+        # one worker process each for the tool and the answer reward (2 by default): a spawned
+        # worker's start-up is most of this small run's time
+        "rollout.tool_workers=1", "reward.workers=1"], nproc=1)
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180,
                             env=tool_env(PYTHONPATH=f"{REPO}:{TASK}"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -37,22 +37,34 @@ from megatron_rlhf.runtime.patches import add_warning_filters
 
 add_warning_filters()  # megatron-core warns about missing GPU extras while it is imported
 
+# megatron-core and pyplot are imported where they are used, not here: the worker processes of
+# the run's tools and reward functions (rollout.tool_workers, reward.workers) are spawned, and
+# each imports this script again before it can take a call.
 import torch.distributed as dist  # noqa: E402
-from plot_curves import plot, plt, smooth  # noqa: E402  (its pyplot, on the Agg backend)
 
 from megatron_rlhf.config.loader import ConfigError, load_config  # noqa: E402
 from megatron_rlhf.config.ppo_run import RunConfig  # noqa: E402
 from megatron_rlhf.config.supervised_run import SFTConfig  # noqa: E402
-from megatron_rlhf.engine.run.evaluation import MODES  # noqa: E402
-from megatron_rlhf.engine.run.runner import run_ppo  # noqa: E402
 from megatron_rlhf.rewards import UserCodeError  # noqa: E402
 from megatron_rlhf.runtime.bootstrap import initialize_runtime  # noqa: E402
 from megatron_rlhf.runtime.distributed import destroy_distributed  # noqa: E402
 from megatron_rlhf.runtime.faults import NonFiniteError, RankFailure  # noqa: E402
-from megatron_rlhf.supervised.loop import CHECKPOINT_DIR, TOKENIZER_FILE  # noqa: E402
-from megatron_rlhf.supervised.sft import run_sft  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def run_sft(config: SFTConfig) -> None:
+    """``megatron_rlhf.supervised.sft.run_sft``."""
+    from megatron_rlhf.supervised.sft import run_sft as run
+
+    run(config)
+
+
+def run_ppo(config: RunConfig) -> Path:
+    """``megatron_rlhf.engine.run.runner.run_ppo``."""
+    from megatron_rlhf.engine.run.runner import run_ppo as run
+
+    return run(config)
 
 
 @dataclass(frozen=True)
@@ -106,6 +118,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def configs(args: argparse.Namespace, run_dir: Path) -> tuple[SFTConfig, RunConfig]:
     """The two stages' configurations, GRPO starting from SFT's checkpoint and tokenizer."""
+    from megatron_rlhf.supervised.loop import CHECKPOINT_DIR, TOKENIZER_FILE
+
     seed, task = args.seed, TASKS[args.task]
     sft = load_config(SFTConfig, task.sft, [
         f"out_dir={run_dir / 'sft'}", f"runtime.seed={seed}", f"model.init_seed={1000 + seed}",
@@ -120,6 +134,8 @@ def configs(args: argparse.Namespace, run_dir: Path) -> tuple[SFTConfig, RunConf
 def held_out_accuracy(records: list[dict], task: Task) -> dict[str, dict[str, float]]:
     """``{"sft": ..., "grpo": ...}``: each mode's held-out accuracy before GRPO's first step and
     after its last."""
+    from megatron_rlhf.engine.run.evaluation import MODES
+
     evaluations = [r for r in records if task.accuracy(MODES[0]) in r]
     return {stage: {mode: record[task.accuracy(mode)] for mode in MODES}
             for stage, record in (("sft", evaluations[0]), ("grpo", evaluations[-1]))}
@@ -134,6 +150,10 @@ def grpo_records(run_dir: Path) -> list[dict]:
 def compare(run_dirs: list[Path], out: Path, task: Task) -> None:
     """One panel of training-batch accuracy and one of held-out accuracy per mode, a line per
     run (labelled by its directory and its parent's names)."""
+    from plot_curves import plt, smooth  # its pyplot, on the Agg backend
+
+    from megatron_rlhf.engine.run.evaluation import MODES
+
     runs = {f"{run_dir.parent.name}/{run_dir.name}": grpo_records(run_dir) for run_dir in run_dirs}
     keys = {"train batches": f"reward/{task.verifier}",
             **{f"held-out ({mode})": task.accuracy(mode) for mode in MODES}}
@@ -159,6 +179,10 @@ def compare(run_dirs: list[Path], out: Path, task: Task) -> None:
 
 def report(run_dir: Path, task: Task) -> str:
     """The held-out accuracies of the SFT and GRPO policies, and a picture of GRPO's curves."""
+    from plot_curves import plot
+
+    from megatron_rlhf.engine.run.evaluation import MODES
+
     records = grpo_records(run_dir)
     accuracy = held_out_accuracy(records, task)
     evaluations = {mode: [{"step": r["step"], "accuracy": r[task.accuracy(mode)]}
