@@ -11,7 +11,8 @@ What runs: the main job, PPO on your own prompts from its models, making the tin
 directories, and GRPO. What is only parsed and configured, being run elsewhere: the main job under
 another placement and on your own data file (the main command's entry point), and PPO from the
 Hugging Face directories (tests/engine/test_hf_ppo.py runs that configuration).
-``run_tests.sh`` is this suite.
+``run_tests.sh`` is this suite. The main command runs once per session (tests/conftest.py's
+``quickstart_main_job``); tests/engine/test_pipeline.py checks the same run's chain further.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import importlib
 import os
 import re
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -27,60 +27,16 @@ from types import ModuleType
 
 import pytest
 
-from tests.helpers.launch import REPO, tool_env
-
-PAGE = REPO / "docs" / "quickstart.md"
-RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-              "MASTER_PORT", "TORCHELASTIC_RUN_ID")
-TINY = {
-    "run_pipeline.py": (["--sft-steps", "2", "--rm-steps", "2", "--ppo-steps", "1"],
-                        ["evaluation.num_prompts=16"]),
-    "run_ppo.py": (["--steps", "1"], ["rollout.prompts_per_step=4", "rollout.ppo_epochs=1",
-                                      "rollout.num_minibatches=1"]),
-}
-"""Per script: flags put right after its name, and overrides put after the page's own."""
-NPROC = 2
-"""Ranks of every command (the page's are 4 or 2; ``scripts/run_main.sh`` takes ``NPROC``):
-tiny size, and half the start-up of 4 rank processes on a 2-core machine."""
-RUN_S = 240
-"""Budget of one command (the tests' timeouts allow for it: 270 s for one, 510 s for two)."""
-
-
-def commands() -> dict[str, list[str]]:
-    """Section heading -> the shell commands of its ``bash`` blocks (continuations joined)."""
-    found: dict[str, list[str]] = {}
-    section, in_block, pending = "", False, ""
-    for line in PAGE.read_text(encoding="utf-8").splitlines():
-        if line.startswith("## "):
-            section = line[3:]
-        elif line.startswith("```"):
-            in_block = line == "```bash" and not in_block
-        elif in_block:
-            pending += line.strip()
-            if pending.endswith("\\"):
-                pending = pending[:-1]
-            else:
-                found.setdefault(section, []).append(pending)
-                pending = ""
-    return found
-
-
-def argv(command: str, run_dir: Path | None = None) -> list[str]:
-    """The command as an argv for this interpreter, tiny flags added; ``$RUN`` is ``run_dir``."""
-    words = shlex.split(command.replace("$RUN", str(run_dir)), comments=True)
-    if words[:2] == ["bash", "scripts/run_main.sh"]:
-        words = ["torchrun", "--standalone", "--nproc-per-node", "4", "tools/run_pipeline.py",
-                 "--run-dir", "runs/main", *words[2:]]
-    if words[0] == "torchrun":
-        words = [sys.executable, "-m", "torch.distributed.run", *words[1:]]
-        words[words.index("--nproc-per-node") + 1] = str(NPROC)
-    elif words[0] == "python":
-        words = [sys.executable, *words[1:]]
-    script = next((i for i, w in enumerate(words) if w.startswith("tools/")), None)
-    flags, overrides = TINY.get(Path(words[script]).name, ([], [])) if script else ([], [])
-    if script is not None:
-        words[script + 1:script + 1] = flags
-    return words + overrides
+from tests.helpers.launch import REPO
+from tests.helpers.quickstart import (
+    NPROC,
+    TINY,
+    MainJob,
+    argv,
+    commands,
+    run_page_command,
+    succeeded,
+)
 
 
 def script_args(command: str, script: str) -> list[str]:
@@ -99,32 +55,15 @@ def tool(name: str) -> ModuleType:
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("quickstart")
-    for name in ("tools", "examples", "scripts"):
-        (root / name).symlink_to(REPO / name)
-    return root
-
-
-def run(command: str, cwd: Path, run_dir: Path | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in tool_env().items() if k not in RENDEZVOUS}
-    shell = command.startswith(("for ", "printf "))
-    args = ["bash", "-c", command] if shell else argv(command, run_dir)
-    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=RUN_S)
-
-
-def succeeded(result: subprocess.CompletedProcess) -> None:
-    assert result.returncode == 0, f"{shlex.join(result.args)}\n{result.stderr[-4000:]}"
+def workdir(quickstart_workdir: Path) -> Path:
+    """Where the commands run (tests/conftest.py makes it, and runs the main command there once
+    for this module and tests/engine/test_pipeline.py)."""
+    return quickstart_workdir
 
 
 @pytest.fixture(scope="module")
-def main_job(workdir: Path) -> subprocess.CompletedProcess:
-    main = commands()["Two commands"][0]
-    assert main.startswith("bash scripts/run_main.sh")
-    result = run(main, workdir)
-    succeeded(result)
-    return result
+def main_job(quickstart_main_job: MainJob) -> subprocess.CompletedProcess:
+    return quickstart_main_job.result
 
 
 @pytest.mark.timeout(270)
@@ -157,9 +96,10 @@ def test_the_main_console_is_summary_progress_bars_and_report(
 def test_ppo_on_your_own_prompts_from_the_main_job(main_job: subprocess.CompletedProcess,
                                                     workdir: Path) -> None:
     write_prompts, ppo = commands()["Your own data"][1:]
-    succeeded(run(write_prompts, workdir))
+    succeeded(run_page_command(write_prompts, workdir))
     assert len((workdir / "my_prompts.jsonl").read_text().splitlines()) == 16
-    succeeded(run(ppo + " evaluation.num_prompts=16", workdir, workdir / "runs" / "main"))
+    succeeded(run_page_command(ppo + " evaluation.num_prompts=16", workdir,
+                               workdir / "runs" / "main"))
     metrics = (workdir / "runs" / "my_prompts" / "metrics.jsonl").read_text()
     assert '"step": 0' in metrics
 
@@ -173,7 +113,7 @@ def test_your_own_hugging_face_model(workdir: Path, monkeypatch: pytest.MonkeyPa
     from megatron_rlhf.config.ppo_run import RunConfig
 
     make, ppo = commands()["Your own Hugging Face model"]
-    succeeded(run(make, workdir))
+    succeeded(run_page_command(make, workdir))
     monkeypatch.chdir(workdir)  # the command's paths are relative to where it runs
     args, overrides = tool("run_ppo").parse_args(script_args(ppo, "run_ppo.py"))
     config = load_config(RunConfig, args.config, overrides)
@@ -188,7 +128,7 @@ def test_your_own_hugging_face_model(workdir: Path, monkeypatch: pytest.MonkeyPa
 @pytest.mark.timeout(270)
 def test_grpo(workdir: Path) -> None:
     (grpo,) = commands()["GRPO and the other critic-free algorithms"]
-    succeeded(run(grpo, workdir))
+    succeeded(run_page_command(grpo, workdir))
     metrics = (workdir / "runs" / "ppo_tiny" / "metrics.jsonl").read_text()  # ppo_tiny.yaml's
     assert '"step": 0' in metrics and "critic/" not in metrics, "a critic-free run trains no critic"
 

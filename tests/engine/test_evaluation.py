@@ -138,8 +138,15 @@ def test_pipeline_evaluates_untrained_sft_and_final_policies(tmp_path: Path) -> 
     out = run_on_ranks(_chain_then_recompute, world_size=2, args=(tmp_path,), timeout_s=600)[0]
     held = out["held_out"]
     ppo = _records(tmp_path / "ppo" / "metrics.jsonl")
+    # SFT learns: 12 steps of the pipeline's SFT configuration lower its loss (the quickstart's
+    # run, which tests/engine/test_pipeline.py reads, trains 2).
+    sft = _records(tmp_path / "sft" / "metrics.jsonl")
+    assert len(sft) == 12 and sft[-1]["loss"] < sft[0]["loss"]
     # Before steps 0 and 2 (evaluation.interval=2) and after the last, in a record of its own.
     assert [r["step"] for r in ppo] == [0, 1, 2, 3]
+    for key in ("reward_mean", "rm_score", "rule_score", "kl", "policy_loss", "value_loss",
+                "samples_per_s"):
+        assert all(key in record for record in ppo[:3]), key
     assert [any(k.startswith("eval/") for k in r) for r in ppo] == [True, False, True, True]
     assert "rm_score" not in ppo[3]
     # The SFT model: the policy PPO starts from, so it is still the reference (KL exactly 0);
