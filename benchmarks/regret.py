@@ -29,7 +29,9 @@ moves' seconds (``replan/move_seconds``, not in ``step_seconds``), over those st
 workload: each run's mean over the rounds, the best static, auto's first placement (from the
 run's log) and its moves (``plan_history.jsonl``), auto's regret (``auto / best static - 1``)
 and auto against the static run of the placement it started from; the same from whole-job wall
-seconds (start-up and re-planning included). Prints one JSON line.
+seconds (start-up and re-planning included); and the noise: the largest spread of one run's
+seconds per step between rounds (``max / min - 1``), against which a regret under it is not
+resolved. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -188,6 +190,8 @@ def workload_figures(workload: Workload, rounds: list[dict[str, dict]]) -> dict:
                    "wall_s": mean([r[name]["wall_s"] for r in rounds]),
                    "rounds_s_per_step": [r[name]["s_per_step"] for r in rounds]}
             for name in run_names(workload)}
+    for run in runs.values():
+        run["spread"] = ratio(max(run["rounds_s_per_step"]), min(run["rounds_s_per_step"]))
     best = min(workload.statics, key=lambda name: runs[name]["s_per_step"])
     best_wall = min(workload.statics, key=lambda name: runs[name]["wall_s"])
     initial = [r[AUTO].get("initial") for r in rounds]
@@ -205,6 +209,7 @@ def workload_figures(workload: Workload, rounds: list[dict[str, dict]]) -> dict:
         "best_static_wall": best_wall,
         "regret_wall": ratio(auto["wall_s"], runs[best_wall]["wall_s"]),
         "vs_start_wall": ratio(auto["wall_s"], runs[start]["wall_s"]) if start else None,
+        "noise": max(run["spread"] for run in runs.values()),
         "within_5pct": (auto["s_per_step"] <= 1.05 * runs[best]["s_per_step"]),
         "not_worse_than_start": (None if start is None
                                  else auto["s_per_step"] <= runs[start]["s_per_step"]),

@@ -97,6 +97,7 @@ def test_regret_against_the_best_static_and_the_start() -> None:
     assert figures["runs"]["auto"]["rounds_s_per_step"] == [0.82, 0.86]
     assert figures["regret"] == 0.05  # 0.84 / 0.8 - 1
     assert figures["regret_by_round"] == [0.025, 0.075]
+    assert figures["runs"]["flattening"]["spread"] == 0.2 and figures["noise"] == 0.2
     assert figures["auto_start_static"] == "flattening"
     assert figures["vs_start"] == round(0.84 / 1.1 - 1, 4)
     assert figures["within_5pct"] and figures["not_worse_than_start"]
