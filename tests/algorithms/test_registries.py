@@ -24,6 +24,7 @@ from megatron_rlhf.algorithms import (
     register_kl_estimator,
 )
 from megatron_rlhf.config.ppo_run import RolloutConfig, RunConfig
+from megatron_rlhf.engine.execution.experience_fields import ExperienceFeatures
 from megatron_rlhf.engine.step.experience import compute_advantages
 from tests.algorithms.helpers import LENGTHS, random_padded, response_mask
 
@@ -90,7 +91,8 @@ def test_the_experience_step_uses_a_new_estimator(registered: str) -> None:
               "rm_scores": scores, "rule_scores": torch.zeros_like(scores)}
     config = PPOAlgorithmConfig(advantage_estimator=registered, kl_estimator="abs", kl_coef=0.5)
     out, _ = compute_advantages(fields, config, FixedKLController(0.5), RunningMoments(),
-                                reward_model_weight=1.0, rule_weight=0.0, samples_per_prompt=2)
+                                reward_model_weight=1.0, rule_weight=0.0, samples_per_prompt=2,
+                                features=ExperienceFeatures(reward_model=True))
     for row, length in enumerate(LENGTHS):  # score on the last token, -0.5 |old - ref| on each
         penalty = [-0.5 * abs(old[row, t].item() - ref[row, t].item()) for t in range(length)]
         expected = [sum(penalty[t:]) + scores[row].item() for t in range(length)]

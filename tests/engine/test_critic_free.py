@@ -266,6 +266,7 @@ def test_advantages_of_a_critic_free_batch(estimator: str) -> None:
         compute_rloo_outcome_advantages,
         masked_mean,
     )
+    from megatron_rlhf.engine.execution.experience_fields import ExperienceFeatures
     from megatron_rlhf.engine.step.experience import compute_advantages
 
     gen = torch.Generator().manual_seed(0)
@@ -276,7 +277,8 @@ def test_advantages_of_a_critic_free_batch(estimator: str) -> None:
               "rm_scores": torch.randn(8, generator=gen), "rule_scores": torch.zeros(8)}
     config = PPOAlgorithmConfig(advantage_estimator=estimator, kl_in="loss")
     out, metrics = compute_advantages(fields, config, build_kl_controller(config),
-                                      RunningMoments(), 1.0, 1.0, samples_per_prompt=4)
+                                      RunningMoments(), 1.0, 1.0, samples_per_prompt=4,
+                                      features=ExperienceFeatures(reward_model=True))
     assert "values_mean" not in metrics
     advantages = out["advantages"]
     assert bool((advantages[mask == 0] == 0).all())

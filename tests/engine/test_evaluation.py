@@ -50,8 +50,14 @@ def test_a_logged_example_shows_the_scores_of_the_sources_the_run_scores_with() 
               "episode_reward": torch.tensor([2.0, 0.0])}
 
     def scores(rule_reward, fields, environment=None) -> str:
+        from megatron_rlhf.engine.execution.experience_fields import ExperienceFeatures
+
+        # The run's settings, not the batch, say which scores there are.
+        features = ExperienceFeatures(reward_model="rm_scores" in fields,
+                                      episodes=environment is not None)
         engine = SimpleNamespace(episodes=None if environment is None
-                                 else SimpleNamespace(environment=environment))
+                                 else SimpleNamespace(environment=environment),
+                                 experience_features=lambda functions: features)
         evaluator = HeldOutEvaluator(engine, [[1]], rule_reward, str)
         return evaluator._example_scores(fields, 0)
 

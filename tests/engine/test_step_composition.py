@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from megatron_rlhf.algorithms import PPOAlgorithmConfig, RunningMoments, build_kl_controller
+from megatron_rlhf.engine.execution.experience_fields import ExperienceFeatures
 from megatron_rlhf.engine.step.experience import compute_advantages
 from megatron_rlhf.engine.step.training_losses import actor_loss_fn, critic_loss_fn
 
@@ -219,7 +220,9 @@ def test_advantages_returns_kl_and_metrics_match_a_hand_computation(overrides: d
         if not cfg.uses_critic:
             del fields["values"]
         got, metrics = compute_advantages(fields, cfg, controller, moments, RM_WEIGHT,
-                                          RULE_WEIGHT, samples_per_prompt=GROUP)
+                                          RULE_WEIGHT, samples_per_prompt=GROUP,
+                                          features=ExperienceFeatures(
+                                              critic=cfg.uses_critic, reward_model=True))
         want = _hand_step(_batch(seed), cfg, state)
         mask = fields["response_mask"]
         for key in ("advantages", "returns", "kl"):

@@ -9,11 +9,15 @@ import torch
 
 from megatron_rlhf.algorithms import PPOAlgorithmConfig, RunningMoments, build_kl_controller
 from megatron_rlhf.config.ppo_run import RewardConfig, RunConfig
+from megatron_rlhf.engine.execution.experience_fields import ExperienceFeatures
 from megatron_rlhf.engine.step.experience import compute_advantages
 from megatron_rlhf.generation import GenerationConfig
 from megatron_rlhf.rewards import RewardFunctionSpec
 from megatron_rlhf.rewards.overlong import OverlongPenalty
 from megatron_rlhf.rewards.verifiers import overlong_penalty
+
+RM = ExperienceFeatures(reward_model=True)
+"""A reward model's score, no critic (the batches below)."""
 
 
 def _response_mask(lengths: list[int], width: int) -> torch.Tensor:
@@ -38,13 +42,14 @@ def test_the_penalty_enters_the_score_and_the_group_advantages() -> None:
                                 grpo_std_normalize=False)
     out, metrics = compute_advantages(fields, config, build_kl_controller(config),
                                       RunningMoments(), 1.0, 1.0, samples_per_prompt=2,
-                                      overlong=OverlongPenalty(4, 2))
+                                      overlong=OverlongPenalty(4, 2), features=RM)
     # penalties 0, -1, -1, -0.5: scores 1, 0, -1, -0.5
     assert metrics["reward/overlong"] == pytest.approx(-0.625)
     assert metrics["reward_mean"] == pytest.approx(-0.125)
     torch.testing.assert_close(out["advantages"][:, 0], torch.tensor([0.5, -0.5, -0.25, 0.25]))
     plain, plain_metrics = compute_advantages(fields, config, build_kl_controller(config),
-                                              RunningMoments(), 1.0, 1.0, samples_per_prompt=2)
+                                              RunningMoments(), 1.0, 1.0, samples_per_prompt=2,
+                                              features=RM)
     assert "reward/overlong" not in plain_metrics
     torch.testing.assert_close(plain["advantages"][:, 0], torch.tensor([0.0, 0.0, 0.0, 0.0]))
 
@@ -83,7 +88,8 @@ def test_the_penalty_is_logged_beside_the_reward_functions_metrics() -> None:
     _, metrics = compute_advantages(fields, config, build_kl_controller(config),
                                     RunningMoments(), 1.0, 1.0, samples_per_prompt=2,
                                     functions=[RewardFunctionSpec("m:correct")],
-                                    overlong=OverlongPenalty(4, 2))
+                                    overlong=OverlongPenalty(4, 2),
+                                    features=ExperienceFeatures(reward_model=True, functions=True))
     assert metrics["reward/overlong"] == pytest.approx(-0.625)
     assert metrics["reward/correct"] == pytest.approx(0.5)
     assert metrics["reward/errors"] == 0.0

@@ -18,6 +18,7 @@ from megatron_rlhf.algorithms import PPOAlgorithmConfig, RunningMoments, build_k
 from megatron_rlhf.data import ReaderConfig, read_records
 from megatron_rlhf.data.prompts import PromptStream
 from megatron_rlhf.engine.execution import function_rewards
+from megatron_rlhf.engine.execution.experience_fields import ExperienceFeatures
 from megatron_rlhf.engine.execution.function_rewards import FunctionRewards, row_token_ids
 from megatron_rlhf.engine.step.experience import compute_advantages
 from megatron_rlhf.rewards import RewardFunctions, RewardFunctionSpec, parse_reward_functions
@@ -86,7 +87,8 @@ def test_compute_advantages_weighs_function_scores_beside_the_model_and_the_rule
     specs = [RewardFunctionSpec("m:correct", 2.0), RewardFunctionSpec("m:formatted", -1.0)]
     out, metrics = compute_advantages(fields, config, build_kl_controller(config),
                                       RunningMoments(), 0.5, 3.0, samples_per_prompt=2,
-                                      functions=specs)
+                                      functions=specs, features=ExperienceFeatures(
+                                          reward_model=True, functions=True))
     # 0.5 * rm + 3 * rule + 2 * correct - formatted: [2.5, 4.0, 2.5, 4.0]
     assert metrics["reward_mean"] == pytest.approx(3.25)
     assert metrics["reward/correct"] == pytest.approx(0.5)

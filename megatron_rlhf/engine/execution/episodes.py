@@ -236,12 +236,10 @@ class EpisodeRollouts:
 
 
 def episode_metrics(fields: Mapping[str, torch.Tensor], environment: bool) -> dict[str, float]:
-    """The step's ``rollout/*`` metrics from the rows' episode counts (empty without them):
-    means per episode of turns, tool calls, failed calls and observation tokens, the share of
-    truncated episodes, the mean seconds of a tool call, and with an ``environment`` the mean of
-    its summed step rewards."""
-    if STAT_FIELDS["turns"] not in fields:
-        return {}
+    """The step's ``rollout/*`` metrics from the rows' episode counts (:data:`STAT_FIELDS`, in
+    a run with episodes): means per episode of turns, tool calls, failed calls and observation
+    tokens, the share of truncated episodes, the mean seconds of a tool call, and with an
+    ``environment`` the mean of its summed step rewards."""
     stats = {name: fields[field].float() for name, field in STAT_FIELDS.items()}
     calls = float(stats["tool_calls"].sum())
     metrics = {f"rollout/{name}": float(stats[name].mean())

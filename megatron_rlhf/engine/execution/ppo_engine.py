@@ -25,6 +25,13 @@ from megatron_rlhf.engine.execution.batch import (
     replica_output_layout,
 )
 from megatron_rlhf.engine.execution.episodes import STAT_FIELDS, EpisodeRollouts
+from megatron_rlhf.engine.execution.experience_fields import (
+    SCORED,
+    VERSION_OFFSETS,
+    ExperienceFeatures,
+    check_experience,
+    expected_fields,
+)
 from megatron_rlhf.engine.execution.function_rewards import FunctionRewards, Record, row_token_ids
 from megatron_rlhf.engine.execution.transfer import RowLayout, TransferChannels
 from megatron_rlhf.engine.execution.workers import ModelWorker
@@ -160,6 +167,16 @@ class PPOEngine:
             passes.append((self.critic_for_inference, "values"))
         return [*passes, (self.scorer, "scores")]
 
+    def experience_features(self, functions: bool = False) -> ExperienceFeatures:
+        """The optional experience fields this engine's batches hold
+        (``experience_fields.FIELDS``), from its placement and settings; ``functions``: the
+        experience passes score with reward functions."""
+        return ExperienceFeatures(critic=self.critic_for_inference is not None,
+                                  reward_model=self.plan.config.reward, functions=functions,
+                                  episodes=self.episodes is not None,
+                                  replayed_routes=self.replayed_routes is not None,
+                                  partial_rollouts=self.partial_rollouts)
+
     def transfer_pairs(self) -> list[tuple[list[int], list[int]]]:
         """Every pair of rank sets that rows move between: the rollout from the generating
         ranks to each experience model and to the trainers, and each experience model's
@@ -181,7 +198,7 @@ class PPOEngine:
         if self.reuse_generation_logprobs:
             schema["old_logprobs"] = (torch.float32, (r,))
         if self.partial_rollouts:
-            schema["version_offsets"] = (torch.int64, (r,))
+            schema[VERSION_OFFSETS] = (torch.int64, (r,))
         if self.episodes is not None:
             schema.update({name: (torch.float32, ()) for name in STAT_FIELDS.values()})
         return schema
@@ -313,7 +330,7 @@ class PPOEngine:
             fields["old_logprobs"] = self._response_width(output.response_policy_logprobs)
         if self.partial_rollouts:
             versions = output.response_versions
-            fields["version_offsets"] = self._response_width(
+            fields[VERSION_OFFSETS] = self._response_width(
                 torch.zeros_like(output.response_mask) if versions is None else versions)
         return fields
 
@@ -381,8 +398,11 @@ class PPOEngine:
                 replica_output_layout(self.plan[role], rollout.batch_size),
                 {name: (torch.float32, shape) for name, shape in shapes.items()}, results))
         with self.context.span("transfer", "experience-outputs", chunk):
-            return merge([rollout, *outputs], self.trainer_layout(rollout.batch_size),
-                         self._node_of, self.channels)
+            scored = merge([rollout, *outputs], self.trainer_layout(rollout.batch_size),
+                           self._node_of, self.channels)
+        check_experience(scored.schema, expected_fields(
+            self.experience_features(function_rewards is not None), SCORED), "scored rows")
+        return scored
 
     def _old_logprobs(self, p: int, r: int, temperature: float) -> tuple[dict, Callable]:
         """Shapes and computation of the policy's experience pass: its log-probs, and its
@@ -457,20 +477,20 @@ class PPOEngine:
                           for name, tensor in supervised.items()}
         return worker.train(fields, loss_fn, supervised)
 
-    def compute_proximal_logprobs(self, experience: DistBatch, temperature: float) -> None:
+    def compute_proximal_logprobs(self, experience: DistBatch, temperature: float) -> bool:
         """The actor's log-probs of every experience row before this step's first update, as
         the batch's ``proximal_logprobs`` (an off-policy correction's proximal policy).
 
         DP replica ``d`` computes the ``d``-th share of the rows and the replicas gather them,
         so every rank of the actor's last stage holds all of them, as it holds every other
         field; other ranks get none (no loss is computed there). Collective over the actor's
-        ranks.
+        ranks. Returns whether this rank holds them.
 
         Raises:
             ValueError: the actor's DP size does not divide the batch.
         """
         if ACTOR not in self.workers or experience.fields is None:
-            return
+            return False
         worker = self.workers[ACTOR]
         dp_rank, dp = worker.pg_collection.dp.rank(), self.plan[ACTOR].dp
         if experience.batch_size % dp:
@@ -483,10 +503,11 @@ class PPOEngine:
         with self.context.span("experience", ACTOR):
             share = worker.compute_log_prob(fields, self.prompt_length, temperature)
         if share is None:  # not the last pipeline stage
-            return
+            return False
         shares = [torch.empty_like(share) for _ in range(dp)]
         dist.all_gather(shares, share.contiguous(), group=worker.pg_collection.dp)
         experience.fields["proximal_logprobs"] = torch.cat(shares)
+        return True
 
     def sync_weights(self) -> None:
         """Copy trained weights into the shadows (no-op without shadows). Collective."""

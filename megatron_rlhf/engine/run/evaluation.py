@@ -21,6 +21,7 @@ import torch
 
 from megatron_rlhf.algorithms import kl_penalty, mean_sequence_kl
 from megatron_rlhf.engine.execution.episodes import STAT_FIELDS, episode_metrics
+from megatron_rlhf.engine.execution.experience_fields import ExperienceFeatures
 from megatron_rlhf.engine.execution.function_rewards import FunctionRewards
 from megatron_rlhf.engine.execution.ppo_engine import PPOEngine, RuleReward
 from megatron_rlhf.generation import GenerationConfig
@@ -111,7 +112,7 @@ class HeldOutEvaluator:
         mask = fields["response_mask"]
         self._log_examples(mode, fields)
         metrics = {}
-        if "rm_scores" in fields:
+        if self._features.reward_model:
             metrics[f"eval/{mode}/rm_score"] = fields["rm_scores"].mean().item()
             metrics[f"eval/{mode}/rm_score_std"] = fields["rm_scores"].std(unbiased=False).item()
         metrics.update({f"eval/{mode}/rule_score": fields["rule_scores"].mean().item(),
@@ -122,12 +123,18 @@ class HeldOutEvaluator:
             for i, spec in enumerate(self.function_rewards.functions.specs):
                 metrics[f"eval/{mode}/{spec.metric}"] = scores[:, i].mean().item()
             metrics[f"eval/{mode}/reward/errors"] = fields["reward_errors"].sum().item()
-        metrics.update({f"eval/{mode}/{key}": value
-                        for key, value in episode_metrics(fields, self._environment).items()})
+        if self._features.episodes:
+            metrics.update({f"eval/{mode}/{key}": value
+                            for key, value in episode_metrics(fields, self._environment).items()})
         if mode == "sampled":
             kl = kl_penalty(fields["old_logprobs"], fields["ref_logprobs"], mask, "k1")
             metrics["eval/sampled/kl"] = mean_sequence_kl(kl, mask).item()
         return metrics
+
+    @property
+    def _features(self) -> ExperienceFeatures:
+        """Which optional fields the scored answers hold (``experience_fields.FIELDS``)."""
+        return self.engine.experience_features(self.function_rewards is not None)
 
     @property
     def _environment(self) -> bool:
@@ -146,7 +153,7 @@ class HeldOutEvaluator:
     def _example_scores(self, fields: dict[str, torch.Tensor], row: int) -> str:
         """`` (reward model 0.123, rule 1.000)``: the scores a row has, from the sources the run
         scores with (none: an empty string)."""
-        sources = [("reward model", "rm_scores", "rm_scores" in fields),
+        sources = [("reward model", "rm_scores", self._features.reward_model),
                    ("rule", "rule_scores", self.rule_reward is not None),
                    ("environment", STAT_FIELDS["reward"], self._environment)]
         scores = [f"{name} {fields[key][row].item():.3f}" for name, key, used in sources if used]

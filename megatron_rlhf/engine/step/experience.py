@@ -4,7 +4,8 @@ Runs on every trainer rank over the whole experience batch, identically, so adva
 (GAE, REINFORCE++), score normalisation and group baselines (GRPO, RLOO) see the full batch
 whatever the placement: the engine has already gathered every row, in prompt order with the
 ``samples_per_prompt`` rows of a prompt contiguous, onto every trainer rank, so no further
-collective is needed.
+collective is needed. Which optional fields a batch holds is the run's
+:class:`ExperienceFeatures` (``engine/execution/experience_fields.py``), never a key's presence.
 """
 
 from __future__ import annotations
@@ -24,24 +25,29 @@ from megatron_rlhf.algorithms import (
     mean_sequence_kl,
     normalize_scores,
 )
+from megatron_rlhf.engine.execution.experience_fields import ExperienceFeatures, ExperienceFields
 from megatron_rlhf.rewards import RewardFunctionSpec
 from megatron_rlhf.rewards.overlong import OverlongPenalty
 
 
-def compute_advantages(fields: dict[str, torch.Tensor], config: PPOAlgorithmConfig,
+def compute_advantages(fields: ExperienceFields, config: PPOAlgorithmConfig,
                        kl_controller: KLController, score_moments: RunningMoments,
                        reward_model_weight: float, rule_weight: float,
                        samples_per_prompt: int = 1,
                        functions: Sequence[RewardFunctionSpec] = (),
-                       overlong: OverlongPenalty | None = None
-                       ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """Add ``advantages`` and ``returns`` to an experience batch; update the KL controller.
+                       overlong: OverlongPenalty | None = None, *,
+                       features: ExperienceFeatures
+                       ) -> tuple[ExperienceFields, dict[str, float]]:
+    """Add ``advantages``, ``returns`` and ``kl`` to an experience batch; update the KL
+    controller.
 
     Args:
-        fields: ``old_logprobs``, ``ref_logprobs``, ``values`` (gae only), ``response_mask``
-            ``[B, R]``, ``rm_scores`` (with a reward model) and ``rule_scores`` ``[B]``, and with
-            ``functions`` ``function_scores`` ``[B, k]`` and ``reward_errors`` ``[B]``; the whole
-            batch, groups of ``samples_per_prompt`` rows contiguous.
+        fields: ``old_logprobs``, ``ref_logprobs``, ``response_mask`` ``[B, R]`` and
+            ``rule_scores`` ``[B]``; with ``features.critic`` ``values`` ``[B, R]``, with
+            ``features.reward_model`` ``rm_scores`` ``[B]``, with ``features.episodes``
+            ``episode_reward`` ``[B]``, and with ``functions`` ``function_scores`` ``[B, k]``
+            and ``reward_errors`` ``[B]``; the whole batch, groups of ``samples_per_prompt``
+            rows contiguous.
         config: PPO settings.
         kl_controller: its current coefficient weighs the KL penalty; it is then updated with
             this batch's KL.
@@ -54,13 +60,15 @@ def compute_advantages(fields: dict[str, torch.Tensor], config: PPOAlgorithmConf
             the failed calls.
         overlong: DAPO's overlong penalty by generated tokens, added to the sequence score and
             logged as ``reward/overlong``; None: none.
+        features: which optional fields the run's experience holds.
 
     Returns:
         The fields with ``advantages``, ``returns`` and ``kl`` added, and step metrics.
     """
     mask = fields["response_mask"]
     kl = kl_penalty(fields["old_logprobs"], fields["ref_logprobs"], mask, config.kl_estimator)
-    raw_scores = sequence_scores(fields, reward_model_weight, rule_weight, functions, overlong)
+    raw_scores = sequence_scores(fields, reward_model_weight, rule_weight, functions, overlong,
+                                 features=features)
     function_metrics = {}
     if overlong is not None:
         function_metrics["reward/overlong"] = overlong(mask).mean().item()
@@ -74,7 +82,8 @@ def compute_advantages(fields: dict[str, torch.Tensor], config: PPOAlgorithmConf
     rewards = compute_token_level_rewards(scores, kl, mask, kl_coef, config.reward_clip)
     sequence_kl = mean_sequence_kl(kl, mask).item()
     kl_controller.update(sequence_kl, n_steps=mask.shape[0])
-    advantages, returns = _advantages(rewards, fields, config, samples_per_prompt)
+    values = fields["values"] if features.critic else None
+    advantages, returns = _advantages(rewards, mask, values, config, samples_per_prompt)
     metrics = {
         "reward_mean": raw_scores.mean().item(),
         "rule_score": fields["rule_scores"].mean().item(),
@@ -86,16 +95,20 @@ def compute_advantages(fields: dict[str, torch.Tensor], config: PPOAlgorithmConf
         "returns_mean": masked_mean(returns, mask).item(),
         **function_metrics,
     }
-    if "attention_mask" in fields:  # every PPO step's batch; its throughput counts the prompts
-        metrics["prompt_length"] = (fields["attention_mask"].sum(dim=1)
-                                    - mask.sum(dim=1)).float().mean().item()
-    if "rm_scores" in fields:
+    if features.reward_model:
         metrics["rm_score"] = fields["rm_scores"].mean().item()
-    if "values" in fields:
-        metrics["values_mean"] = masked_mean(fields["values"], mask).item()
-    if "gen_logprobs" in fields:
-        metrics.update(rollout_agreement(fields["gen_logprobs"], fields["old_logprobs"], mask))
+    if values is not None:
+        metrics["values_mean"] = masked_mean(values, mask).item()
     return {**fields, "advantages": advantages, "returns": returns, "kl": kl}, metrics
+
+
+def rollout_metrics(fields: ExperienceFields) -> dict[str, float]:
+    """``prompt_length`` (real prompt tokens per row, mean: the step's throughput counts them)
+    and the generation/trainer agreement (:func:`rollout_agreement`) of a step's batch."""
+    mask = fields["response_mask"]
+    return {"prompt_length": (fields["attention_mask"].sum(dim=1)
+                              - mask.sum(dim=1)).float().mean().item(),
+            **rollout_agreement(fields["gen_logprobs"], fields["old_logprobs"], mask)}
 
 
 def rollout_agreement(gen_logprobs: torch.Tensor, old_logprobs: torch.Tensor,
@@ -110,14 +123,15 @@ def rollout_agreement(gen_logprobs: torch.Tensor, old_logprobs: torch.Tensor,
             "rollout/logprob_diff_mean": masked_mean(gap, mask).item()}
 
 
-def sequence_scores(fields: dict[str, torch.Tensor], reward_model_weight: float,
+def sequence_scores(fields: ExperienceFields, reward_model_weight: float,
                     rule_weight: float, functions: Sequence[RewardFunctionSpec] = (),
-                    overlong: OverlongPenalty | None = None) -> torch.Tensor:
-    """Each row's weighted score ``[B]`` before normalisation and KL: the reward model's, the
-    rule's and the reward functions', plus the overlong penalty. No ``rm_scores``: no reward
-    model's score."""
+                    overlong: OverlongPenalty | None = None, *,
+                    features: ExperienceFeatures) -> torch.Tensor:
+    """Each row's weighted score ``[B]`` before normalisation and KL: the reward model's (with
+    ``features.reward_model``), the rule's and the reward functions', plus the overlong penalty
+    and an episode's summed environment rewards (``features.episodes``)."""
     scores = rule_weight * fields["rule_scores"]
-    if "rm_scores" in fields:
+    if features.reward_model:
         scores = reward_model_weight * fields["rm_scores"] + scores
     if functions:
         function_scores = fields["function_scores"]
@@ -125,16 +139,16 @@ def sequence_scores(fields: dict[str, torch.Tensor], reward_model_weight: float,
         scores = scores + (function_scores * weights).sum(dim=-1)
     if overlong is not None:
         scores = scores + overlong(fields["response_mask"]).to(scores)
-    if "episode_reward" in fields:  # an environment's step rewards, summed per episode
+    if features.episodes:  # an environment's step rewards, summed per episode (0: tools)
         scores = scores + fields["episode_reward"].to(scores)
     return scores
 
 
-def _advantages(rewards: torch.Tensor, fields: dict[str, torch.Tensor],
+def _advantages(rewards: torch.Tensor, mask: torch.Tensor, values: torch.Tensor | None,
                 config: PPOAlgorithmConfig, samples_per_prompt: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(advantages, returns)`` ``[B, R]`` of the configured estimator (its entry in
-    ``ADVANTAGE_ESTIMATORS``) from token rewards; ``values`` are the critic's when it has one."""
+    ``ADVANTAGE_ESTIMATORS``) from token rewards; ``values`` the critic's (None: no critic)."""
     estimator = get_advantage_estimator(config.advantage_estimator)
-    return estimator.compute(rewards, fields["response_mask"], config,
-                             values=fields.get("values"), group_size=samples_per_prompt)
+    return estimator.compute(rewards, mask, config, values=values,
+                             group_size=samples_per_prompt)

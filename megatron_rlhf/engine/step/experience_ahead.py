@@ -27,6 +27,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.engine.execution.batch import DistBatch
+from megatron_rlhf.engine.execution.experience_fields import (
+    EXPERIENCE,
+    VERSION_FIELD,
+    expected_fields,
+)
 from megatron_rlhf.engine.execution.ppo_engine import PPOEngine
 from megatron_rlhf.engine.step.ppo import Experience, PPOAlgorithm
 from megatron_rlhf.runtime.checkpoint_store import read_torch_file
@@ -37,11 +42,17 @@ logger = get_logger(__name__)
 
 EXPERIENCE_DIR = "experience"
 
+LEGACY_FIELDS = frozenset({"gen_logprobs", VERSION_FIELD})
+"""Fields that experience saved before they were recorded lacks: it still trains, without the
+rollout's agreement metrics or staleness (``Experience.saved_without``)."""
+
 
 def describe_experience_ahead(algorithm: PPOAlgorithm) -> list[dict[str, int]]:
-    """Step, rows and sequence width of each experience produced ahead (known on every rank)."""
+    """Step, rows, sequence width and field names of each experience produced ahead (known on
+    every rank)."""
     return [{"step": experience.step, "rows": experience.batch.batch_size,
-             "width": experience.batch.schema["input_ids"][1][0]}
+             "width": experience.batch.schema["input_ids"][1][0],
+             "fields": sorted(experience.batch.schema)}
             for experience in algorithm.experience_ahead]
 
 
@@ -61,17 +72,22 @@ def write_experience_ahead(algorithm: PPOAlgorithm, temp: Path) -> None:
 def restore_experience_ahead(engine: PPOEngine, algorithm: PPOAlgorithm, path: Path,
                              described: list[dict[str, int]]) -> None:
     """Continue with the checkpoint's experience produced ahead, where this run can: it must be
-    asynchronous and have the saved rows and sequence width (otherwise that experience is
-    generated again, with a warning). Every rank calls it."""
+    asynchronous and have the saved rows, sequence width and fields (otherwise that experience
+    is generated again, with a warning; a checkpoint from before the fields were described may
+    lack :data:`LEGACY_FIELDS`). Every rank calls it."""
     if not described:
         return
     rows = algorithm.rollout.rows_per_step
     width = engine.prompt_length + engine.generation.max_new_tokens
+    expected = expected_fields(algorithm.features, EXPERIENCE)
     misfits = [f"step {d['step']}: {d['rows']} rows of width {d['width']}" for d in described
                if (d["rows"], d["width"]) != (rows, width)]
-    if not algorithm.staleness or misfits:
+    fields_differ = [f"step {d['step']}: {_difference(d['fields'], expected)}"
+                     for d in described if set(d.get("fields", expected)) != expected]
+    if not algorithm.staleness or misfits or fields_differ:
         why = ("this run is synchronous" if not algorithm.staleness else
-               f"this run has {rows} rows of width {width}, the checkpoint {'; '.join(misfits)}")
+               f"this run has {rows} rows of width {width}, the checkpoint {'; '.join(misfits)}"
+               if misfits else f"its fields differ from this run's: {'; '.join(fields_differ)}")
         logger.warning("%s holds %d steps of experience produced ahead that this run generates "
                        "again with the resumed weights (%s): it continues correctly but not "
                        "bit-exactly", path, len(described), why)
@@ -82,16 +98,26 @@ def restore_experience_ahead(engine: PPOEngine, algorithm: PPOAlgorithm, path: P
     for entry in described:
         metrics: dict[str, Any] = {}
         fields = None
+        saved_without: frozenset[str] = frozenset()
         if layout.held_by(dist.get_rank()) is not None:
             saved = read_torch_file(path / EXPERIENCE_DIR / f"step_{entry['step']:08d}.pt")
             fields = {name: tensor.to(comm_device()) for name, tensor in saved["fields"].items()}
             metrics = saved["metrics"]
             schema = {name: (tensor.dtype, tuple(tensor.shape[1:]))
                       for name, tensor in fields.items()}
-        experiences.append(Experience(entry["step"], DistBatch(layout, schema, fields), metrics))
+            saved_without = frozenset((LEGACY_FIELDS & expected) - set(fields))
+        experiences.append(Experience(entry["step"], DistBatch(layout, schema, fields), metrics,
+                                      saved_without=saved_without))
     algorithm.restore_experience_ahead(experiences)
     logger.info("continuing with %d steps of experience produced ahead from %s",
                 len(experiences), path)
+
+
+def _difference(saved: list[str], expected: frozenset[str]) -> str:
+    """What a saved experience's fields lack and add against this run's."""
+    lacks, adds = sorted(expected - set(saved)), sorted(set(saved) - expected)
+    return ", ".join(part for part in (f"lacks {lacks}" if lacks else "",
+                                       f"has {adds}" if adds else "") if part)
 
 
 ANSWERS_DIR = "answers"

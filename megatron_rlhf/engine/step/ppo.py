@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -40,6 +40,16 @@ from megatron_rlhf.config.ppo_run import RewardConfig, RolloutConfig
 from megatron_rlhf.data.demonstrations import DemonstrationStream
 from megatron_rlhf.engine.execution.batch import DistBatch, concat
 from megatron_rlhf.engine.execution.episodes import episode_metrics
+from megatron_rlhf.engine.execution.experience_fields import (
+    EXPERIENCE,
+    SPECS,
+    TRAINING,
+    VERSION_FIELD,
+    VERSION_OFFSETS,
+    ExperienceFeatures,
+    check_experience,
+    expected_fields,
+)
 from megatron_rlhf.engine.execution.function_rewards import FunctionRewards, Record
 from megatron_rlhf.engine.execution.ppo_engine import PPOEngine, RuleReward
 from megatron_rlhf.engine.step.dynamic_sampling import (
@@ -48,10 +58,13 @@ from megatron_rlhf.engine.step.dynamic_sampling import (
     select_groups,
     shared_decision,
 )
-from megatron_rlhf.engine.step.experience import compute_advantages, sequence_scores
+from megatron_rlhf.engine.step.experience import (
+    compute_advantages,
+    rollout_metrics,
+    sequence_scores,
+)
 from megatron_rlhf.engine.step.handover import WeightHandover, handover_names
 from megatron_rlhf.engine.step.staleness import (
-    VERSION_FIELD,
     drop_answers,
     stale_answers,
     staleness_metrics,
@@ -89,6 +102,9 @@ class Experience:
     metrics: dict[str, float]
     reward_metrics: dict[str, Metric] = field(default_factory=dict)
     """This rank's means of the reward functions' extra keys (``FunctionRewards.take_extras``)."""
+    saved_without: frozenset[str] = frozenset()
+    """Declared fields that the checkpoint it was restored from did not write (one from before
+    they were recorded, ``experience_ahead.LEGACY_FIELDS``); it trains without them."""
 
 
 def sample_rows(prompts: Sequence[Sequence[int]], ids: Sequence[int], samples_per_prompt: int
@@ -169,6 +185,12 @@ class PPOAlgorithm:
         if not self.rollout.async_rollout:
             return 0
         return 1 if self.rollout.continue_answers else self.rollout.max_staleness
+
+    @property
+    def features(self) -> ExperienceFeatures:
+        """Which optional fields this run's experience holds (``experience_fields.FIELDS``)."""
+        return replace(self.engine.experience_features(self.function_rewards is not None),
+                       proximal=get_off_policy(self.algorithm.off_policy).needs_proximal)
 
     @property
     def max_staleness(self) -> int:
@@ -276,13 +298,18 @@ class PPOAlgorithm:
         metrics: dict[str, float] = {}
         if self.algorithm.dynamic_sampling:
             batch, metrics = self._dynamic_sample(step, batch)
-        schema = {name: spec for name, spec in batch.schema.items() if name != "version_offsets"}
-        batch.schema = {**schema, VERSION_FIELD: (torch.int64, schema["response_mask"][1])}
+        features = self.features
+        schema = {name: spec for name, spec in batch.schema.items() if name != VERSION_OFFSETS}
+        width = schema["response_mask"][1]
+        batch.schema = {**schema, **{name: (SPECS[name].dtype, width) for name in
+                                     (VERSION_FIELD, "advantages", "returns", "kl")}}
+        check_experience(batch.schema, expected_fields(features, EXPERIENCE),
+                         f"step {step + 1}'s experience")
         if batch.fields is not None:
-            offsets = batch.fields.pop("version_offsets", None)
             versions = token_versions(batch.fields["response_mask"],
                                       step if version is None else version)
-            if offsets is not None:  # partial rollouts: the updates during generation
+            if features.partial_rollouts:  # the updates during generation
+                offsets = batch.fields.pop(VERSION_OFFSETS)
                 versions = torch.where(versions >= 0, versions + offsets, versions)
             batch.fields[VERSION_FIELD] = versions
             before = self.state_dict()
@@ -291,10 +318,14 @@ class PPOAlgorithm:
                     batch.fields, self.algorithm, self.kl_controller, self.score_moments,
                     self.reward.model_weight, self.reward.rule_weight,
                     self.rollout.samples_per_prompt,
-                    self._function_specs, self._overlong)
+                    self._function_specs, self._overlong, features=features)
             metrics.update(advantage_metrics)
-            metrics.update(episode_metrics(batch.fields, self.rollout.environment is not None))
-            bad = nonfinite_experience(batch.fields)
+            metrics.update(rollout_metrics(batch.fields))
+            if features.episodes:
+                metrics.update(episode_metrics(batch.fields,
+                                               self.rollout.environment is not None))
+            check_experience(batch.fields, batch.schema, f"step {step + 1}'s experience")
+            bad = nonfinite_experience(batch.fields, features)
             if bad:
                 self.load_state_dict(before)  # the KL controller must not learn from NaNs
                 metrics.update(bad)
@@ -373,9 +404,11 @@ class PPOAlgorithm:
         has ``prompts_per_step`` groups of unequal scores or ``max_refill_rounds`` ran."""
         n, wanted = self.rollout.samples_per_prompt, self.rollout.prompts_per_step
 
+        features = self.features
+
         def informative(fields: dict[str, torch.Tensor]) -> list[bool]:
             scores = sequence_scores(fields, self.reward.model_weight, self.reward.rule_weight,
-                                     self._function_specs, self._overlong)
+                                     self._function_specs, self._overlong, features=features)
             return informative_groups(scores, n)
 
         batches = [batch]
@@ -392,6 +425,10 @@ class PPOAlgorithm:
         Experience with NaN/Inf model outputs is not trained on.
         """
         engine = self.engine
+        if experience.batch.fields is not None:
+            check_experience(experience.batch.fields,
+                             expected_fields(self.features, EXPERIENCE) - experience.saved_without,
+                             f"step {experience.step + 1}'s experience, before training")
         if any(key.startswith("nonfinite/") for key in experience.metrics):
             return {}
         temperature = engine.generation.temperature
@@ -424,7 +461,7 @@ class PPOAlgorithm:
         groups for a group estimator) and add the step's staleness metrics; False when no
         answer is left to train on."""
         fields = experience.batch.fields
-        if fields is None or VERSION_FIELD not in fields:  # off the trainers, or an old save
+        if fields is None or VERSION_FIELD in experience.saved_without:  # off the trainers
             return True
         versions, mask = fields[VERSION_FIELD], fields["response_mask"]
         group = self.rollout.samples_per_prompt if self.algorithm.needs_groups else 1
@@ -439,9 +476,11 @@ class PPOAlgorithm:
         """The actor's log-probs before this step's update (``algorithm.off_policy``), and the
         correction's metrics (``off_policy_metrics``) where they are."""
         engine = self.engine
-        engine.compute_proximal_logprobs(experience.batch, engine.generation.temperature)
-        fields = experience.batch.fields
-        if fields is not None and "proximal_logprobs" in fields:
+        if engine.compute_proximal_logprobs(experience.batch, engine.generation.temperature):
+            fields = experience.batch.fields
+            check_experience(fields, expected_fields(self.features, TRAINING)
+                             - experience.saved_without,
+                             f"step {experience.step + 1}'s experience, with proximal log-probs")
             truncated = self.algorithm.off_policy == "truncated_is"
             experience.metrics.update(off_policy_metrics(
                 fields["gen_logprobs"], fields["proximal_logprobs"], fields["response_mask"],

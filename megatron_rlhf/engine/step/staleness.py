@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import torch
 
-VERSION_FIELD = "weight_version"
-"""The experience field of the token versions."""
+from megatron_rlhf.engine.execution.experience_fields import VERSION_FIELD as VERSION_FIELD
 
 NO_TOKEN = -1
 """``weight_version`` at padding."""

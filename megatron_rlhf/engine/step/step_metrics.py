@@ -19,6 +19,12 @@ import math
 
 import torch
 
+from megatron_rlhf.engine.execution.experience_fields import (
+    SCORED,
+    ExperienceFeatures,
+    ExperienceFields,
+    expected_fields,
+)
 from megatron_rlhf.engine.execution.ppo_engine import PPOEngine
 from megatron_rlhf.runtime.faults import NonFiniteError
 from megatron_rlhf.runtime.logging import get_logger
@@ -42,11 +48,14 @@ STEP_END = "step_end"
 _EXPERIENCE_SOURCES = ("old_logprobs", "ref_logprobs", "values", "rm_scores", "rule_scores")
 
 
-def nonfinite_experience(fields: dict[str, torch.Tensor]) -> dict[str, float]:
-    """``nonfinite/<field>``: count of NaN/Inf values of each model output that has any."""
+def nonfinite_experience(fields: ExperienceFields, features: ExperienceFeatures
+                         ) -> dict[str, float]:
+    """``nonfinite/<field>``: count of NaN/Inf values of each model output that has any, among
+    those the run's experience holds (``features``: no values without a critic)."""
     counts = {}
+    held = expected_fields(features, SCORED)
     for name in _EXPERIENCE_SOURCES:
-        if name not in fields:  # no values without a critic
+        if name not in held:
             continue
         bad = int((~torch.isfinite(fields[name])).sum())
         if bad:

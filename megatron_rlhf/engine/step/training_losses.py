@@ -55,15 +55,17 @@ def actor_loss_fn(worker: ModelWorker, prompt_length: int, temperature: float,
     AC-Share; + KL loss to the reference, from the batch's ``ref_logprobs``, when
     ``kl_in="loss"``). The ratio is taken against, and the per-token losses weighted by, what
     ``algorithm.off_policy`` says (``algorithms/off_policy.py``): with ``none`` against the
-    batch's ``old_logprobs``; otherwise against its ``proximal_logprobs``, weighted by their
-    importance against the behaviour's ``gen_logprobs``.
+    batch's ``old_logprobs``; otherwise (a correction that ``needs_proximal``) against its
+    ``proximal_logprobs``, weighted by their importance against the behaviour's
+    ``gen_logprobs``.
 
     A micro-batch of PPO-ptx demonstrations (it has a ``loss_mask``) contributes its summed
     response NLL times its ``ptx_weight`` and no count (``PPOAlgorithm._supervised_rows``).
     """
     token_mean = config.loss_aggregation == "token_mean"
     policy_loss = get_policy_loss(config.policy_loss).compute
-    off_policy = get_off_policy(config.off_policy).compute
+    correction = get_off_policy(config.off_policy)
+    off_policy = correction.compute
 
     def loss_fn(output: torch.Tensor, batch: dict[str, torch.Tensor]):
         if "loss_mask" in batch:
@@ -79,8 +81,9 @@ def actor_loss_fn(worker: ModelWorker, prompt_length: int, temperature: float,
         count = tokens if token_mean else aggregation_denominator(mask, config.loss_aggregation)
         logprobs, entropy = worker.token_logprobs(output, batch, prompt_length, temperature,
                                                   with_entropy=config.entropy_coef > 0)
-        anchor, weights = off_policy(batch["old_logprobs"], batch.get("gen_logprobs"),
-                                     batch.get("proximal_logprobs"), mask, config)
+        behaviour, proximal = ((batch["gen_logprobs"], batch["proximal_logprobs"])
+                                if correction.needs_proximal else (None, None))
+        anchor, weights = off_policy(batch["old_logprobs"], behaviour, proximal, mask, config)
         # A loss registered without ``token_weights`` still serves off_policy=none.
         weighted = {} if weights is None else {"token_weights": weights}
         loss, metrics = policy_loss(logprobs, anchor, batch["advantages"], mask, config,
