@@ -59,7 +59,8 @@ def _drops() -> dict:
         results[fresh_groups] = {"dropped": experience.metrics["rollout/dropped_stale"],
                                  "staleness_max": experience.metrics["rollout/staleness_max"],
                                  "trained": bool(sums), "moved": moved,
-                                 "tokens": sums.get("actor/tokens", 0.0),
+                                 # a per-token metric's weight: the tokens trained on
+                                 "tokens": float(sums["actor/ppo_kl"].weight) if sums else 0.0,
                                  "fresh_tokens": float(fields["response_mask"][fresh].sum())}
     return results
 
