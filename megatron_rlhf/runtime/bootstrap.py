@@ -4,7 +4,9 @@
 
 sets up rank-aware logging, makes a rank killed by a signal print its Python stacks, joins the distributed job (torchrun or a world of one; under torchrun
 a worker ends itself when its launcher is killed), makes megatron-core usable on a machine without
-CUDA, creates megatron's shared scratch buffer and seeds every host RNG. Models seed their own tensor-parallel RNG streams when they are built, because one
+CUDA, creates megatron's shared scratch buffer, seeds every host RNG and spares the process's
+exit a garbage-collector scan of its heap (:func:`exit_without_heap_scans`).
+Models seed their own tensor-parallel RNG streams when they are built, because one
 process may hold several models with different TP layouts. The changes this makes to torch,
 megatron-core and the warning filters are the ones listed in ``runtime.patches``; importing the
 package makes none of them.
@@ -12,7 +14,9 @@ package makes none of them.
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
+import gc
 from dataclasses import dataclass, field
 
 import torch
@@ -67,6 +71,27 @@ def report_fatal_signals() -> None:
         faulthandler.enable(all_threads=True)
 
 
+_exit_hook_registered = False
+
+
+def _collect_then_freeze() -> None:
+    gc.collect()  # the garbage there is now: its finalizers run, as at any exit
+    gc.freeze()
+
+
+def exit_without_heap_scans() -> None:
+    """At exit, collect the garbage once and then move every live object out of the garbage
+    collector's reach (``gc.freeze``): the interpreter's teardown otherwise scans the whole
+    heap of torch and megatron-core objects in several collections, about 1 s of CPU per
+    process (measured: 4.7 -> 3.9 CPU-s for a process that imports the engine and exits).
+    Objects are still freed by reference counting as the modules are cleared; what is left in
+    reference cycles is released with the process. Registered once per process."""
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        atexit.register(_collect_then_freeze)
+        _exit_hook_registered = True
+
+
 def initialize_runtime(config: RuntimeConfig | None = None) -> None:
     """Prepare this process (idempotent apart from reseeding)."""
     # Imported here: cpu_compat imports megatron-core, which a configuration holding a
@@ -86,3 +111,4 @@ def initialize_runtime(config: RuntimeConfig | None = None) -> None:
     watch_launcher()
     ensure_megatron_memory_buffer()
     seed_everything(config.seed)
+    exit_without_heap_scans()
