@@ -73,7 +73,14 @@ fi
 export PYTHON RUN_DIR PART_LOGS PYTHONUNBUFFERED=1
 echo "[gpu_check] run directories and part logs in $RUN_DIR; results in $LOG_DIR"
 
-if ! "$PYTHON" -c "import megatron.core, omegaconf" 2>/dev/null; then
+# Found, not imported (an import of megatron-core takes seconds; the parts import it anyway).
+if ! "$PYTHON" -c "import importlib.util as u, sys
+def found(name):
+    try:
+        return u.find_spec(name) is not None
+    except ModuleNotFoundError:  # its parent package is missing
+        return False
+sys.exit(0 if found('megatron.core') and found('omegaconf') else 1)" 2>/dev/null; then
   if ls .whl/*.whl >/dev/null 2>&1; then
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/megatron_rlhf_site .whl/*.whl >"$PART_LOGS/wheels.log" 2>&1
