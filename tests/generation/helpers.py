@@ -40,6 +40,17 @@ EXACT = ("input_ids", "attention_mask", "prompt_mask", "response_mask", "prompt_
          "response_lengths")
 
 
+def build_refit_models(count: int = 3) -> list:
+    """``count`` tiny models: the first to generate with, the others (other initial weights) to
+    refit it from."""
+    from megatron_rlhf.models.weights import init_weights
+
+    built = [build_tiny() for _ in range(count)]
+    for offset, (model, pgc) in enumerate(built[1:], start=1):
+        init_weights(model, pgc, seed=INIT_SEED + offset)
+    return built
+
+
 def generate_tiny(tiny, config: GenerationConfig, eos_id, prompts=None) -> GenerationOutput:
     """Every test prompt twice (greedy, then sampled), through ``generate_sequences``."""
     model, pgc = tiny

@@ -15,7 +15,13 @@ import pytest
 import torch
 
 from megatron_rlhf.generation import GenerationOutput
-from tests.generation.helpers import BASE, INIT_SEED, PAD, SAMPLES, build_tiny, make_prompts
+from tests.generation.helpers import (
+    BASE,
+    PAD,
+    SAMPLES,
+    build_refit_models,
+    make_prompts,
+)
 
 INTERVAL, SLOTS = 3, 4
 CONFIG = dataclasses.replace(BASE, micro_batch_size=SLOTS, stop_check_interval=INTERVAL,
@@ -25,12 +31,7 @@ CONFIG = dataclasses.replace(BASE, micro_batch_size=SLOTS, stop_check_interval=I
 @pytest.fixture(scope="module")
 def models(world):
     """A model to generate with and two others to refit it from (other initial weights)."""
-    from megatron_rlhf.models.weights import init_weights
-
-    built = [build_tiny() for _ in range(3)]
-    for offset, (model, pgc) in enumerate(built[1:], start=1):
-        init_weights(model, pgc, seed=INIT_SEED + offset)
-    return built
+    return build_refit_models()
 
 
 @pytest.fixture

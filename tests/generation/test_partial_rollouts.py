@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_rlhf.generation import GenerationOutput
-from tests.generation.helpers import BASE, INIT_SEED, build_tiny, generate_tiny
+from tests.generation.helpers import BASE, build_refit_models, generate_tiny
 
 INTERVAL, SLOTS, TOKENS = 3, 4, 20
 CONFIG = dataclasses.replace(BASE, micro_batch_size=SLOTS, stop_check_interval=INTERVAL,
@@ -52,12 +52,7 @@ def _generate(model, pgc, schedule: dict[int, torch.nn.Module] | None,
 @pytest.fixture(scope="module")
 def models(world):
     """A model to generate with and two others to refit it from (other initial weights)."""
-    from megatron_rlhf.models.weights import init_weights
-
-    built = [build_tiny() for _ in range(3)]
-    for offset, (model, pgc) in enumerate(built[1:], start=1):
-        init_weights(model, pgc, seed=INIT_SEED + offset)
-    return built
+    return build_refit_models()
 
 
 def test_no_update_is_the_call_without_updates_bit_for_bit(models) -> None:
