@@ -112,6 +112,8 @@ def test_partial_rollouts_equal_today_without_spanning_and_hand_over_inside_a_ro
     assert fixed[1]["rollout/partial_fraction"] == 1.0
 
     # Answers that go on across steps, every one ending within its step: partial rollouts'.
+    # Exact on any CPU: every answer runs its full 12 tokens, so the pool and the plain call
+    # decode the same rows in the same slot counts (same kernels, same shapes).
     assert results["continued"] == results["partial"]
     # With lengths that vary, the oldest answers outlive their step and are trained later (a
     # token 3 versions older than its step), none dropped under max_staleness 3; a fixed
