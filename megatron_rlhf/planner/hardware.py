@@ -43,6 +43,12 @@ class HardwareProfile:
         intra_node_gbps: device-to-device bandwidth inside a node, one direction, Gbit/s.
         inter_node_gbps: network bandwidth of one node (all its NICs), one direction, Gbit/s.
         host_gb_per_s: device-to-host bandwidth (PCIe), one direction, GB/s; prices offloading.
+        host_memory_gib: host memory of one node, GiB, of which ``usable_memory_fraction`` may
+            hold the states offloaded there; 0: not known, and the planner neither checks host
+            memory nor offloads optimizer state to the host.
+        host_adam_gparams_per_s: parameters per second, in billions, that the host's Adam
+            updates for one device's offloaded optimizer shard (the node's cores shared by its
+            devices); prices optimizer CPU offload.
         compute_efficiency: fraction of ``peak_tflops`` reached by transformer forward/backward
             passes (model FLOPs utilisation, MFU).
         memory_efficiency: fraction of ``hbm_gb_per_s`` reached by a decode step.
@@ -79,6 +85,8 @@ class HardwareProfile:
     step_latency_s: float = 1e-3
     host_cores: float = 0.0
     usable_memory_fraction: float = 0.9
+    host_memory_gib: float = 0.0
+    host_adam_gparams_per_s: float = 1.0
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -88,7 +96,8 @@ class HardwareProfile:
             if field.name in ("name", "source"):
                 continue
             value = getattr(self, field.name)
-            may_be_zero = field.name.endswith("latency_s") or field.name == "host_cores"
+            may_be_zero = (field.name.endswith("latency_s")
+                           or field.name in ("host_cores", "host_memory_gib"))
             if not isinstance(value, int | float) or value < 0 or (value == 0 and not may_be_zero):
                 raise ValueError(f"profile {self.name!r}: {field.name}={value!r} must be positive")
             if field.name in _FRACTIONS and value > 1:
@@ -111,6 +120,18 @@ class HardwareProfile:
     def host_bytes_per_s(self) -> float:
         """Sustained device-to-host bytes/s: ``host_gb_per_s * 1e9 * link_efficiency``."""
         return self.host_gb_per_s * 1e9 * self.link_efficiency
+
+    @property
+    def host_adam_params_per_s(self) -> float:
+        """Parameters per second the host's Adam updates for one device:
+        ``host_adam_gparams_per_s * 1e9``."""
+        return self.host_adam_gparams_per_s * 1e9
+
+    @property
+    def host_usable_bytes(self) -> float:
+        """Bytes of one node's host memory that offloaded states may use:
+        ``host_memory_gib * usable_memory_fraction``."""
+        return self.host_memory_gib * 1024**3 * self.usable_memory_fraction
 
     @property
     def usable_bytes(self) -> float:

@@ -26,6 +26,18 @@ def test_shipped_profiles_carry_the_spec_sheet_numbers() -> None:
     assert all(profile.source for profile in profiles.values())
 
 
+def test_host_figures_price_and_bound_optimizer_offload() -> None:
+    a100 = load_profile("A100-80GB")
+    # A DGX A100 node: 2 TiB of host memory, 90% of it usable; Adam at 1e9 parameters/s.
+    assert a100.host_usable_bytes == 2048 * 1024**3 * 0.9
+    assert a100.host_adam_params_per_s == 1e9
+    assert load_profile("V100-32GB").host_memory_gib == 512
+    unknown = HardwareProfile.from_dict({**a100.to_dict(), "host_memory_gib": 0})
+    assert unknown.host_usable_bytes == 0
+    with pytest.raises(ValueError, match="host_adam_gparams_per_s=0 must be positive"):
+        HardwareProfile.from_dict({**a100.to_dict(), "host_adam_gparams_per_s": 0})
+
+
 def test_load_by_name_or_path_and_round_trip(tmp_path: Path) -> None:
     assert load_profile("h100-80gb").peak_tflops == 989
     path = tmp_path / "mine.json"
