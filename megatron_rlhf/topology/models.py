@@ -412,6 +412,11 @@ class ModelSpec:
         """``bytes_per_device`` in GiB."""
         return self.bytes_per_device(dp, fully_sharded) / _GIB
 
+    def gib_with_host_optimizer(self) -> float:
+        """GiB per device of a trainable model whose optimizer shard lives on the host
+        (optimizer CPU offload): its weights and fp32 gradient buffer, ``6 psi`` in bf16."""
+        return self.device_params() * (self.bytes_per_param + _MAIN_GRAD_BYTES) / _GIB
+
     def to_dict(self) -> dict:
         """JSON-ready description."""
         return {

@@ -113,16 +113,23 @@ def _check_parallel_fits(plan: PlacementPlan, model: ModelPlacement) -> None:
 
 def _check_memory(plan: PlacementPlan, model: ModelPlacement) -> None:
     """Refuse a model whose states cannot fit its devices even fully sharded over DP (FSDP for
-    trainable models; the planner decides whether a lighter option suffices)."""
+    trainable models) or, under the distributed optimizer, with the optimizer on the host (the
+    planner decides whether a lighter option suffices)."""
     spec = model.spec
     need = spec.gib_per_device(model.dp, fully_sharded=True)
+    host_optimizer = spec.trainable and spec.distributed_optimizer and not spec.adapter_params
+    if host_optimizer:
+        need = min(need, spec.gib_with_host_optimizer())
     for pool_index in plan.pools_of(model.role):
         pool = plan.cluster.pools[pool_index]
         if need <= pool.memory_gib:
             continue
         states = ("weights, grads and Adam state, fully sharded over dp" if spec.trainable
                   else "weights")
-        # Fully sharded, a trainable model needs 18 N / devices bytes: only more devices help.
+        if host_optimizer:
+            states += ", or weights and grads with the optimizer on the host"
+        # A trainable model needs 18 N / devices bytes fully sharded, 6 N / (tp pp) with its
+        # optimizer on the host: only more devices help.
         fix = ("give it more devices" if spec.trainable
                else f"raise {model.role}.tp or {model.role}.pp")
         raise ValueError(

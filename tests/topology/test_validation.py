@@ -82,12 +82,21 @@ def test_plan_refusals(cluster: ClusterSpec, config: PlacementConfig, models: ob
 
 
 def test_memory_refusals_name_the_pool() -> None:
-    # 18 bytes per parameter over 8 devices: 18 * 65.29e9 / 8 bytes = 136.8 GiB.
+    # Without the distributed optimizer nothing moves to the host: 18 bytes per parameter over
+    # 8 devices, 18 * 65.30e9 / 8 bytes = 136.8 GiB.
     with pytest.raises(ValueError, match=r"actor needs ~136.8 GiB per device \(weights, grads "
                                          r"and Adam state, fully sharded over dp of 65.\d+B "
                                          r"params .*pool 'A100-80GB' has 80 GiB: give it more "
                                          r"devices"):
-        plan_placement(CLUSTERS["1x8"], PlacementConfig(), "llama-65b")
+        plan_placement(CLUSTERS["1x8"], PlacementConfig(tp=8, distributed_optimizer=False),
+                       "llama-65b")
+    # With it, the optimizer may go to the host, leaving 6 bytes per parameter on the device:
+    # 6 * 65.30e9 / 8 bytes = 45.6 GiB fit on one node, 91.2 GiB over 4 devices do not.
+    assert plan_placement(CLUSTERS["1x8"], PlacementConfig(tp=8), "llama-65b")["actor"].dp == 1
+    with pytest.raises(ValueError, match=r"actor needs ~91.2 GiB per device \(weights, grads "
+                                         r"and Adam state, fully sharded over dp, or weights "
+                                         r"and grads with the optimizer on the host of 65"):
+        plan_placement(ONE_BY_FOUR, PlacementConfig(tp=4), "llama-65b")
     # Over 16 devices fully sharded it needs 68.4 GiB: the placement leaves the choice of
     # sharding (and whether it fits next to the other models) to the planner.
     no_zero = PlacementConfig(tp=8, distributed_optimizer=False)
