@@ -60,6 +60,10 @@ one prefetched (the engine sets Megatron-FSDP's ``suggested_communication_unit_s
 ADAM_UPDATE_BYTES = 32
 """Memory traffic of one Adam update per parameter: read and write 12 bytes of state, read the
 bf16 gradient, write the bf16 weight (12 + 12 + 2 + 2, rounded up for the fp32 gradient cast)."""
+HOST_OPTIMIZER_BYTES = ADAM_STATE_BYTES + GRAD_BYTES
+"""Host memory per parameter of an offloaded optimizer shard: megatron's
+``HybridDeviceOptimizer`` keeps the fp32 master weights and Adam moments there, and a pinned fp32
+copy of the gradients it updates them from."""
 ROLLOUT_BYTES_PER_TOKEN = 16
 """Generation output per token moved to the experience models: int64 token, int64 mask."""
 ROLLOUT_FIELDS = 2
@@ -398,6 +402,8 @@ class ModelEnv:
         adapters: elements of the model's LoRA adapters (all parts together); training then
             computes no weight gradient of the frozen base and reduces, updates and syncs the
             adapters alone. 0: every weight trains.
+        optimizer_offload: the optimizer shard lives on the host, which runs its Adam update
+            (``optimizer_offload_seconds``).
     """
 
     arch: ArchSpec
@@ -413,6 +419,7 @@ class ModelEnv:
     ep: int = 1
     ep_link: Link | None = None
     adapters: float = 0.0
+    optimizer_offload: bool = False
 
     def __post_init__(self) -> None:
         if self.ep > 1 and self.ep_link is None:
@@ -489,7 +496,8 @@ def training_cost(env: ModelEnv, rows: int, seq: int, micro_batch: int, minibatc
     (``grad_sync_seconds``) and
     ``STEP_ALLREDUCES`` small all-reduces over DP, the Adam update
     (``ADAM_UPDATE_BYTES`` per local parameter at HBM speed, sharded over DP unless
-    ``env.sharding`` is ``replicated``) and the fixed ``profile.step_latency_s`` of the step's
+    ``env.sharding`` is ``replicated``; on the host with ``env.optimizer_offload``,
+    ``optimizer_offload_seconds``) and the fixed ``profile.step_latency_s`` of the step's
     calls. Under FSDP every micro-batch gathers the weights for its forward and again for its
     backward, and reduce-scatters its fp32 gradients (``2 m`` gathers, ``m`` reductions).
     """
@@ -512,8 +520,11 @@ def training_cost(env: ModelEnv, rows: int, seq: int, micro_batch: int, minibatc
     sync += STEP_ALLREDUCES * allreduce_seconds(FP32, env.dp, env.dp_link)
     local = trained if env.sharding == REPLICATED else (
         (env.adapters or env.params) / (env.tp * env.pp * env.dp))
-    update = ADAM_UPDATE_BYTES * local / env.profile.hbm_bytes_per_s
-    fixed = Cost(comm=sync, memory=update, overhead=env.profile.step_latency_s)
+    if env.optimizer_offload:
+        update = Cost(offload=optimizer_offload_seconds(local, env.profile))
+    else:
+        update = Cost(memory=ADAM_UPDATE_BYTES * local / env.profile.hbm_bytes_per_s)
+    fixed = update + Cost(comm=sync, overhead=env.profile.step_latency_s)
     fixed += env.gathers(2 * microbatches)
     return (pipeline + fixed).scaled(minibatches * epochs)
 
@@ -704,3 +715,12 @@ def offload_seconds(nbytes: float, profile: HardwareProfile) -> float:
     to the host after it, over PCIe (the engine's ``StateOffloader`` copies both ways each time).
     """
     return 2 * nbytes / profile.host_bytes_per_s
+
+
+def optimizer_offload_seconds(params: float, profile: HardwareProfile) -> float:
+    """One optimizer step of a device's ``params``-parameter shard with the optimizer on the
+    host (megatron's ``HybridDeviceOptimizer``): the fp32 gradients copied to the host and the
+    updated bf16 weights back over PCIe (``profile.host_bytes_per_s``), and Adam on the host's
+    cores (``profile.host_adam_params_per_s``), one after the other."""
+    copies = (GRAD_BYTES + BF16) * params / profile.host_bytes_per_s
+    return copies + params / profile.host_adam_params_per_s

@@ -6,7 +6,8 @@ A device holds the states of every model placed on it that is not offloaded
 the host and its working memory: activations of a forward or training micro-batch, the KV cache
 of a generation micro-batch, the layers FSDP gathers. Per model, the options are those of the
 engine and Megatron (``MemoryOptions``): the distributed optimizer or FSDP, activation
-recomputation, offloading to the host between stages. ``fit_memory`` picks, among the
+recomputation, offloading to the host between stages, the optimizer on the host. What lives on
+the host (offloaded states, host optimizers) must fit each node's host memory. ``fit_memory`` picks, among the
 combinations, the cheapest one (by the seconds a caller prices them at) with which every device
 fits; a plan is infeasible only when even every option together does not fit, and the problems
 then name the fixes left (more devices, smaller micro-batches, shorter sequences).
@@ -90,6 +91,16 @@ def generation_rows(plan: PlacementPlan, batch: int) -> dict[str, dict[int, int]
             for role, pools in replicas.items()}
 
 
+FSDP, RECOMPUTE, OFFLOAD = cm.FULLY_SHARDED, "recompute", "offload"
+OPTIMIZER_OFFLOAD = "optimizer_offload"
+MEMORY_OPTIONS = (FSDP, RECOMPUTE, OFFLOAD, OPTIMIZER_OFFLOAD)
+"""The options the planner may add to a request, as the engine runs them: offloading and
+recomputation (``models.offload``, ``models.recompute``), Megatron-FSDP
+(``<role>_optimizer.fsdp``) where ``engine_runs_fsdp``, and the optimizer on the host
+(``<role>_optimizer.cpu_offload_fraction``) where ``engine_runs_optimizer_offload``
+(docs/planner.md, "engine support")."""
+
+
 @dataclass(frozen=True)
 class MemoryOptions:
     """How one model saves device memory, as the engine and Megatron can run it.
@@ -100,22 +111,26 @@ class MemoryOptions:
         recompute: recompute activations in the backward pass (trainable models).
         offload: keep the states on the host between stages (``models.offload.<role>=always``;
             a shadow follows the model it copies).
+        optimizer_offload: keep the distributed optimizer's shard on the host and update it
+            there (``<role>_optimizer.cpu_offload_fraction=1``).
     """
 
     sharding: str = cm.REPLICATED
     recompute: bool = False
     offload: bool = False
+    optimizer_offload: bool = False
 
     @property
     def label(self) -> str:
         """``distributed_optimizer``, ``fsdp+recompute+offload``, ... (``replicated`` alone for
         a model with nothing to save)."""
-        flags = [name for name in ("recompute", "offload") if getattr(self, name)]
+        flags = [name for name in (RECOMPUTE, OFFLOAD, OPTIMIZER_OFFLOAD) if getattr(self, name)]
         return "+".join([self.sharding, *flags])
 
     def to_dict(self) -> dict:
         """JSON-ready description."""
-        return {"sharding": self.sharding, "recompute": self.recompute, "offload": self.offload}
+        return {"sharding": self.sharding, "recompute": self.recompute, "offload": self.offload,
+                "optimizer_offload": self.optimizer_offload}
 
 
 def base_options(model: ModelPlacement, rollout: RolloutSpec) -> MemoryOptions:
@@ -126,13 +141,6 @@ def base_options(model: ModelPlacement, rollout: RolloutSpec) -> MemoryOptions:
     return MemoryOptions(sharding, rollout.activation_checkpointing)
 
 
-FSDP, RECOMPUTE, OFFLOAD = cm.FULLY_SHARDED, "recompute", "offload"
-MEMORY_OPTIONS = (FSDP, RECOMPUTE, OFFLOAD)
-"""The options the planner may add to a request, as the engine runs them: offloading and
-recomputation (``models.offload``, ``models.recompute``), and Megatron-FSDP
-(``<role>_optimizer.fsdp``) where ``engine_runs_fsdp`` (docs/planner.md, "engine support")."""
-
-
 def check_memory_options(names: tuple[str, ...]) -> None:
     """Raise ValueError for a name that is not one of ``MEMORY_OPTIONS``."""
     unknown = sorted(set(names) - set(MEMORY_OPTIONS))
@@ -141,11 +149,12 @@ def check_memory_options(names: tuple[str, ...]) -> None:
 
 
 def option_menu(model: ModelPlacement, rollout: RolloutSpec,
-                allowed: tuple[str, ...] = MEMORY_OPTIONS, fsdp: bool = True
-                ) -> list[MemoryOptions]:
+                allowed: tuple[str, ...] = MEMORY_OPTIONS, fsdp: bool = True,
+                optimizer_offload: bool = False) -> list[MemoryOptions]:
     """Every option combination for ``model``, from its ``base_options`` up, among ``allowed``:
     more sharding (FSDP only where ``fsdp`` says the engine runs it, never offloaded),
-    recomputation, offloading."""
+    recomputation, offloading, and the distributed optimizer's shard on the host where
+    ``optimizer_offload`` says the engine runs it."""
     base = base_options(model, rollout)
     offloads = (False, True) if OFFLOAD in allowed else (False,)
     if not model.spec.trainable:
@@ -154,8 +163,10 @@ def option_menu(model: ModelPlacement, rollout: RolloutSpec,
                  if s != FSDP or (fsdp and FSDP in allowed)]
     more = RECOMPUTE in allowed and not base.recompute
     recomputes = (False, True) if more else (base.recompute,)
-    return [MemoryOptions(s, r, o) for s in shardings for r in recomputes for o in offloads
-            if not (s == FSDP and o)]
+    hosts = (False, True) if optimizer_offload and OPTIMIZER_OFFLOAD in allowed else (False,)
+    return [MemoryOptions(s, r, o, h) for s in shardings for r in recomputes for o in offloads
+            for h in hosts
+            if not (s == FSDP and o) and not (h and s != cm.DISTRIBUTED_OPTIMIZER)]
 
 
 def engine_runs_fsdp(plan: PlacementPlan, role: str) -> bool:
@@ -167,6 +178,20 @@ def engine_runs_fsdp(plan: PlacementPlan, role: str) -> bool:
     shadowed = any(SHADOW_OF[shadow] == role for shadow in plan.models if shadow in SHADOW_OF)
     return (model.spec.trainable and model.dp > 1 and model.pp == 1
             and model.size == plan.world_size and not shadowed)
+
+
+def engine_runs_optimizer_offload(plan: PlacementPlan, role: str,
+                                  profiles: tuple[HardwareProfile, ...]) -> bool:
+    """Whether the engine can keep ``role``'s optimizer on the host and the planner can price
+    it: a model trained in full under the distributed optimizer (whose shard megatron offloads;
+    not Megatron-FSDP's, and ``option_menu`` offers it with the distributed optimizer alone),
+    on devices whose profile knows the host memory of their nodes (GPU profiles; the engine
+    refuses it without CUDA)."""
+    model = plan[role]
+    pools = {plan.cluster.locate(rank).pool_index for rank in model.ranks}
+    return (model.spec.trainable and model.spec.distributed_optimizer
+            and not model.spec.adapter_params
+            and all(profiles[pool].host_memory_gib > 0 for pool in pools))
 
 
 @dataclass(frozen=True)
@@ -215,6 +240,7 @@ class MemoryReport:
             ``generation.micro_batch_size``.
         offloaded: models that are swapped to the host between stages.
         peak_gib: the most memory any device uses.
+        host_gib: the most host memory any node's offloaded states and host optimizers use.
         usable_gib: the usable memory of that device.
         largest_batch: the KV cache's room over all generating replicas: the sequences they
             hold in one round (``sequences_per_round`` times each model's DP size), the largest
@@ -229,6 +255,7 @@ class MemoryReport:
     generation_micro_batch: dict[str, int] = field(default_factory=dict)
     offloaded: set[str] = field(default_factory=set)
     peak_gib: float = 0.0
+    host_gib: float = 0.0
     usable_gib: float = 0.0
     largest_batch: int = 0
     largest_micro_batch: dict[str, int] = field(default_factory=dict)
@@ -247,9 +274,11 @@ class _Use:
 
 @dataclass(frozen=True)
 class _Needs:
-    """Bytes one model needs on one device: its states, its stages, its generation."""
+    """Bytes one model needs on one device: its states, its stages, its generation, and what it
+    keeps on the host."""
 
     state: cm.StateBytes
+    host: float
     uses: tuple[_Use, ...]
     generation: _Use | None
     kv_per_sequence: float
@@ -258,11 +287,24 @@ class _Needs:
 
 def role_state(model: ModelPlacement, options: MemoryOptions) -> cm.StateBytes:
     """The model's states on one of its devices under ``options`` (its experts split over its
-    ``ep``; with LoRA adapters, gradients and optimizer state for them alone)."""
+    ``ep``; with LoRA adapters, gradients and optimizer state for them alone; none with the
+    optimizer on the host)."""
     spec = model.spec
-    return cm.state_bytes(spec.num_params(), model.tp, model.pp, model.dp, spec.trainable,
-                          options.sharding, spec.arch.expert_params(), spec.ep,
-                          spec.adapter_params)
+    state = cm.state_bytes(spec.num_params(), model.tp, model.pp, model.dp, spec.trainable,
+                           options.sharding, spec.arch.expert_params(), spec.ep,
+                           spec.adapter_params)
+    return replace(state, optimizer=0.0) if options.optimizer_offload else state
+
+
+def host_bytes(model: ModelPlacement, options: MemoryOptions) -> float:
+    """Host memory that one device of the model uses: the optimizer shard on the host
+    (``cm.HOST_OPTIMIZER_BYTES`` per parameter), and the device states of an offloaded model,
+    whose host copies the engine keeps between stages."""
+    offloaded = role_state(model, options).total if options.offload else 0.0
+    if not options.optimizer_offload:
+        return offloaded
+    shard = role_state(model, replace(options, optimizer_offload=False)).optimizer
+    return offloaded + shard / cm.ADAM_STATE_BYTES * cm.HOST_OPTIMIZER_BYTES
 
 
 def _needs(model: ModelPlacement, rollout: RolloutSpec, options: MemoryOptions, forward: bool,
@@ -296,7 +338,7 @@ def _needs(model: ModelPlacement, rollout: RolloutSpec, options: MemoryOptions, 
         # Each decoding step gathers the layers as a forward pass does.
         gathered = cm.fsdp_gathered_bytes(arch, tp, training=False) if fsdp else 0.0
         generation = _Use(state.weights, gathered)
-    return _Needs(state, tuple(uses), generation, kv, per_row)
+    return _Needs(state, host_bytes(model, options), tuple(uses), generation, kv, per_row)
 
 
 def _atoms(plan: PlacementPlan) -> list[tuple[range, int, tuple[str, ...]]]:
@@ -329,7 +371,10 @@ def plan_memory(plan: PlacementPlan, rollout: RolloutSpec,
     report = MemoryReport(options=dict(options),
                           offloaded={role for role in plan.roles if options[role].offload})
     capacity = {role: math.inf for role in gen}
+    host: dict[int, float] = {}
     for ranks, pool, roles in _atoms(plan):
+        node = plan.cluster.locate(ranks.start).node
+        host[node] = host.get(node, 0.0) + len(ranks) * sum(needs[r].host for r in roles)
         usable = profiles[pool].usable_bytes
         report.usable_gib = max(report.usable_gib, usable / _GIB)
         resident = sum(needs[role].state.total for role in roles if role not in report.offloaded)
@@ -344,6 +389,8 @@ def plan_memory(plan: PlacementPlan, rollout: RolloutSpec,
                 _check_generation(report, role, needs[role], free, ranks)
                 capacity[role] = min(capacity[role], max(free, 0) // needs[role].kv_per_sequence)
     report.sequences_per_round = {role: int(capacity[role]) for role in gen}
+    report.host_gib = max(host.values(), default=0.0) / _GIB
+    _check_host(report, plan, profiles, host)
     if not report.problems:
         _finish(report, plan, rollout, needs)
     return report
@@ -368,6 +415,19 @@ def _check_use(report: MemoryReport, role: str, need: _Needs, use: _Use, free: f
             f"{where}: activations of micro_batch_size={rollout.micro_batch_size} need "
             f"{use.working / _GIB:.1f} GiB, {free / _GIB:.1f} GiB are left even with "
             f"{report.options[role].label}: lower rollout.micro_batch_size")
+
+
+def _check_host(report: MemoryReport, plan: PlacementPlan,
+                profiles: tuple[HardwareProfile, ...], host: dict[int, float]) -> None:
+    """Record each node whose offloaded states and host optimizers exceed its host memory (not
+    checked where the profile does not know it)."""
+    for node in plan.cluster.nodes():
+        usable = profiles[node.pool_index].host_usable_bytes
+        if usable and host.get(node.index, 0.0) > usable:
+            report.problems.append(
+                f"node {node.index}: the states offloaded to its host need "
+                f"{host[node.index] / _GIB:.0f} GiB, more than the {usable / _GIB:.0f} GiB "
+                "usable of its host memory: give the models more nodes")
 
 
 def _check_generation(report: MemoryReport, role: str, need: _Needs, free: float,
@@ -416,10 +476,12 @@ def fit_memory(plan: PlacementPlan, rollout: RolloutSpec, profiles: tuple[Hardwa
                allowed: tuple[str, ...] = MEMORY_OPTIONS) -> MemoryReport:
     """The cheapest memory options with which every device fits, and the memory they give.
 
-    Combinations of every model's ``option_menu`` are tried by increasing total price (then
-    by the number of options used); a shadow is offloaded with the model it copies (the engine's
-    policy). When even every option together does not fit, that report is returned, with its
-    problems.
+    Combinations of every model's ``option_menu`` are tried by the number of models with the
+    optimizer on the host, then by increasing total price (then by the number of options used):
+    the host's Adam rate is an assumption of the profile, not a measurement, so the planner
+    moves an optimizer to the host only for a plan that fits no other way. A shadow is
+    offloaded with the model it copies (the engine's policy). When even every option together
+    does not fit, that report is returned, with its problems.
 
     Args:
         plan: the placement.
@@ -433,26 +495,33 @@ def fit_memory(plan: PlacementPlan, rollout: RolloutSpec, profiles: tuple[Hardwa
         ValueError: an unknown name in ``allowed``.
     """
     check_memory_options(allowed)
-    menus = {role: option_menu(plan[role], rollout, allowed, engine_runs_fsdp(plan, role))
+    menus = {role: option_menu(plan[role], rollout, allowed, engine_runs_fsdp(plan, role),
+                               engine_runs_optimizer_offload(plan, role, profiles))
              for role in plan.roles if role not in SHADOW_OF}
-    most = {role: menu[-1] for role, menu in menus.items()}
-    report = plan_memory(plan, rollout, profiles, _with_shadows(plan, most))
-    if report.problems:
-        return report
+    # The most each model can save: FSDP with recomputation, or without FSDP every other option
+    # together (FSDP is never offloaded); if no mix of them fits, nothing does.
+    most = {role: list(dict.fromkeys([menu[-1], [o for o in menu if o.sharding != FSDP][-1]]))
+            for role, menu in menus.items()}
+    reports = [plan_memory(plan, rollout, profiles,
+                           _with_shadows(plan, dict(zip(menus, combo, strict=True))))
+               for combo in itertools.product(*most.values())]
+    if all(report.problems for report in reports):
+        return reports[0]
     roles = list(menus)
     prices = {(role, o): price(role, o) + _shadow_price(plan, role, o, price)
               for role, menu in menus.items() for o in menu}
     rank = {(role, o): i for role, menu in menus.items() for i, o in enumerate(menu)}
 
-    def cost(combo: tuple[MemoryOptions, ...]) -> tuple[float, int]:
+    def cost(combo: tuple[MemoryOptions, ...]) -> tuple[int, float, int]:
         pairs = list(zip(roles, combo, strict=True))
-        return sum(prices[p] for p in pairs), sum(rank[p] for p in pairs)
+        hosted = sum(o.optimizer_offload for o in combo)
+        return hosted, sum(prices[p] for p in pairs), sum(rank[p] for p in pairs)
 
     ordered = sorted(itertools.product(*menus.values()), key=cost)
     reports = (plan_memory(plan, rollout, profiles,
                            _with_shadows(plan, dict(zip(roles, combo, strict=True))))
                for combo in ordered)
-    # The combination of every option is among them and fits, so one is found.
+    # A combination of the most options is among them and fits, so one is found.
     return next(report for report in reports if not report.problems)
 
 

@@ -114,6 +114,7 @@ class StepPrediction:
             "memory_gib": {role: _role_memory_dict(m) for role, m in memory.roles.items()},
             "peak_gib_per_device": round(memory.peak_gib, 2),
             "usable_gib_per_device": round(memory.usable_gib, 2),
+            "host_gib_per_node": round(memory.host_gib, 2),
             "largest_batch": memory.largest_batch,
             "largest_micro_batch": dict(memory.largest_micro_batch),
             "sequences_per_round": dict(memory.sequences_per_round),
@@ -208,7 +209,7 @@ class _Context:
                            role in VALUE_HEAD_ROLES, profile, tp_link,
                            self.group_link(model, "pp"), self.group_link(model, "dp"),
                            options.sharding, ep, self.group_link(model, "ep") if ep > 1 else None,
-                           model.spec.adapter_params)
+                           model.spec.adapter_params, options.optimizer_offload)
 
     def group_link(self, model: ModelPlacement, dim: str) -> cm.Link:
         """Link of the model's first ``dim`` group (``tp``, ``pp``, ``dp``, or ``ep``: the first

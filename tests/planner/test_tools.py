@@ -34,7 +34,7 @@ def test_predict_prints_samples_stages_memory_and_largest_batch(
             "generation_micro_batch"} <= set(prediction)
     assert prediction["memory_options"]["actor"] == {
         "sharding": "distributed_optimizer", "recompute": False, "offload": False,
-        "label": "distributed_optimizer"}
+        "optimizer_offload": False, "label": "distributed_optimizer"}
     assert 0 < prediction["peak_gib_per_device"] <= prediction["usable_gib_per_device"]
     tool.main(["--nodes", "1", "--placement", "flattening", "--tp", "4", "--pp", "2",
                "--model", "llama-33b", "--predict", "--json", "--memory-options", "offload"])
