@@ -92,6 +92,26 @@ def test_memory_options_fill_only_the_roles_the_config_leaves_unset() -> None:
     assert (config.actor_optimizer.fsdp, config.critic_optimizer.fsdp) == (False, True)
 
 
+def test_the_planners_host_optimizer_becomes_cpu_offload_fraction(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from megatron_rlhf.engine.run.auto_placement import with_memory_options
+    from megatron_rlhf.models import options as model_options
+    from megatron_rlhf.planner import MemoryOptions
+
+    # The engine offloads the optimizer with CUDA and Transformer Engine only, as on a GPU node.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(model_options, "transformer_engine_importable", lambda: True)
+    hosted = MemoryOptions("distributed_optimizer", offload=True, optimizer_offload=True)
+    config = with_memory_options(RunConfig(), {"actor": hosted,
+                                               "critic": MemoryOptions("distributed_optimizer"),
+                                               "ref": MemoryOptions(offload=True)})
+    assert config.actor_optimizer.cpu_offload_fraction == 1.0
+    assert config.critic_optimizer.cpu_offload_fraction == 0.0
+    assert config.models.offload == {"actor": "always", "ref": "always"}
+
+
 def test_auto_runs_a_33b_model_on_one_node_with_the_options_the_planner_needed() -> None:
     # LLaMA-33B PPO on 8 A100-80GB fits only with offloading (docs/planner.md's table).
     from megatron_rlhf.planner import RolloutSpec, load_profile, plan_memory

@@ -27,13 +27,13 @@ from megatron_rlhf.planner import (
     explain_choice,
 )
 from megatron_rlhf.planner.local_profile import pool_profiles
-from megatron_rlhf.planner.memory_fit import FSDP, OFFLOAD, RECOMPUTE
+from megatron_rlhf.planner.memory_fit import FSDP, OFFLOAD, OPTIMIZER_OFFLOAD, RECOMPUTE
 from megatron_rlhf.topology.cluster import ClusterSpec
 from megatron_rlhf.topology.models import SHADOW_OF, TRAINABLE_ROLES
 
-ENGINE_MEMORY_OPTIONS = (FSDP, OFFLOAD, RECOMPUTE)
+ENGINE_MEMORY_OPTIONS = (FSDP, OFFLOAD, RECOMPUTE, OPTIMIZER_OFFLOAD)
 """The planner's memory options the engine runs (``<role>_optimizer.fsdp``, ``models.offload``,
-``models.recompute``)."""
+``models.recompute``, ``<role>_optimizer.cpu_offload_fraction``)."""
 
 
 def choose_placement(config: RunConfig, cluster: ClusterSpec, profile: str | None = None,
@@ -118,8 +118,9 @@ def candidate_config(config: RunConfig, candidate) -> RunConfig:
 def with_memory_options(config: RunConfig, options: dict[str, MemoryOptions]) -> RunConfig:
     """``config`` with the planner's offloading (``always``) and recomputation (``full``: the
     planner prices recomputing every layer) for each role it does not set itself, and
-    Megatron-FSDP for each trained role the planner shards with it; a shadow follows the model
-    it copies, as in the engine."""
+    Megatron-FSDP, or the whole optimizer shard on the host (``cpu_offload_fraction=1``), for
+    each trained role the planner runs so; a shadow follows the model it copies, as in the
+    engine."""
     models = config.models
     offload, recompute = dict(models.offload), dict(models.recompute)
     optimizers = {role: config.optimizer(role) for role in TRAINABLE_ROLES}
@@ -132,6 +133,8 @@ def with_memory_options(config: RunConfig, options: dict[str, MemoryOptions]) ->
             recompute.setdefault(role, "full")
         if chosen.sharding == FSDP:
             optimizers[role] = dataclasses.replace(optimizers[role], fsdp=True)
+        if chosen.optimizer_offload:
+            optimizers[role] = dataclasses.replace(optimizers[role], cpu_offload_fraction=1.0)
     return dataclasses.replace(
         config, models=dataclasses.replace(models, offload=offload, recompute=recompute),
         actor_optimizer=optimizers["actor"], critic_optimizer=optimizers["critic"])
