@@ -7,8 +7,9 @@ from megatron_rlhf.planner.search import RankedCandidate, explain_choice
 
 
 def format_prediction(prediction: StepPrediction) -> str:
-    """Samples/s, seconds per stage and per task, memory per device, the generation
-    micro-batch and the KV cache's room in sequences, the largest training micro-batch."""
+    """Samples/s, seconds per stage and per task, memory per device (with each model's memory
+    options) and per node on the host, the generation micro-batch and the KV cache's room in
+    sequences, the largest training micro-batch."""
     if not prediction.feasible:
         return "\n".join(["predicted: does not fit in memory"]
                          + [f"  - {problem}" for problem in prediction.problems])
@@ -42,6 +43,7 @@ def format_prediction(prediction: StepPrediction) -> str:
         "states GiB (placement table) = weights + grads + optim; total adds activ and kv",
         "",
         f"peak per device: {memory.peak_gib:.1f} GiB of {memory.usable_gib:.1f} usable",
+        f"host per node: {memory.host_gib:.1f} GiB of offloaded states and host optimizers",
         f"generation micro-batch: {generation} sequences per replica",
         f"KV cache room: {rounds} sequences per replica, {memory.largest_batch} over all "
         "generating replicas in one round",

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import re
 
+import pytest
+import torch
+
 from megatron_rlhf.config.loader import load_config
 from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.engine.run.plan_only import plan_cluster, plan_run
+from megatron_rlhf.models import options as model_options
 from tests.scripts import REPO
 
 RECIPE = REPO / "examples" / "recipes" / "llama3.1-70b-ppo-offload-16x8.yaml"
@@ -46,3 +50,21 @@ def test_plan_only_names_the_rollout_mode_it_priced() -> None:
     (line,) = [line for line in run_plan.format().splitlines() if line.startswith("schedule: ")]
     assert run_plan.prediction.mode == "one step off"
     assert line.startswith("schedule: one step off: the shadows generate step k+1 while")
+
+
+def test_plan_only_names_the_optimizer_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The engine offloads the optimizer with CUDA and Transformer Engine only, as on a GPU node.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(model_options, "transformer_engine_importable", lambda: True)
+    config = load_config(RunConfig, RECIPE, ["actor_optimizer.cpu_offload_fraction=1.0"])
+    run_plan = plan_run(config, plan_cluster(config, 16, 8, "H100-80GB"))
+    memory = run_plan.prediction.memory
+    assert memory.options["actor"].optimizer_offload
+    assert not memory.options["critic"].optimizer_offload
+    assert memory.roles["actor"].optimizer == 0.0 < memory.roles["critic"].optimizer
+    lines = run_plan.format().splitlines()
+    actor = next(line for line in lines if line.startswith("actor ") and "GiB" not in line
+                 and line.split()[-1].startswith(memory.options["actor"].sharding))
+    assert actor.split()[-1].endswith("+optimizer_offload")
+    assert f"host per node: {memory.host_gib:.1f} GiB of offloaded states and host optimizers" in (
+        lines)

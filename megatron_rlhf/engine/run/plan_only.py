@@ -120,7 +120,9 @@ def run_memory_options(config: RunConfig, plan: PlacementPlan) -> dict[str, Memo
     """Every placed model's memory options as the run configures them: sharding from
     ``<role>_optimizer`` (FSDP, distributed optimizer), recomputation from ``models.recompute``
     (``selective`` is priced as none: the planner's recomputation is every layer's), offloading
-    from ``models.offload`` (``auto`` decided as the engine does); a shadow follows its model."""
+    from ``models.offload`` (``auto`` decided as the engine does), the optimizer on the host from
+    ``<role>_optimizer.cpu_offload_fraction=1`` (a smaller share is priced as none); a shadow
+    follows its model."""
     offload = offload_policies(config, plan)
     options = {}
     for role in plan.roles:
@@ -132,7 +134,8 @@ def run_memory_options(config: RunConfig, plan: PlacementPlan) -> dict[str, Memo
         sharding = (FULLY_SHARDED if optimizer.fsdp else DISTRIBUTED_OPTIMIZER
                     if plan[role].spec.distributed_optimizer else REPLICATED)
         options[role] = MemoryOptions(sharding, config.models.recompute_of(role) == "full",
-                                      offload[role] == "always")
+                                      offload[role] == "always",
+                                      optimizer.cpu_offload_fraction == 1.0)
     return options
 
 
