@@ -295,7 +295,9 @@ def auto_place(cluster: ClusterSpec, models: ArchLike | Mapping[str, ArchLike],
                rollout: RolloutSpec | Callable[[PlacementPlan], RolloutSpec],
                profiles: Mapping[str, HardwareProfile] | HardwareProfile | None = None,
                space: SearchSpace | None = None) -> list[RankedCandidate]:
-    """Rank every candidate placement by predicted samples/s, best first.
+    """Rank every candidate placement by predicted samples/s, best first; one that fits only
+    with an optimizer on the host ranks after every one that fits without (its price rests on
+    the profile's assumed host Adam rate, as in ``memory_fit.fit_memory``).
 
     Args:
         cluster: the devices.
@@ -306,8 +308,9 @@ def auto_place(cluster: ClusterSpec, models: ArchLike | Mapping[str, ArchLike],
         space: the candidates to try; default ``SearchSpace()``.
 
     Returns:
-        Feasible candidates by decreasing samples/s, then those that do not fit in memory.
-        Empty when the placement refuses every candidate.
+        Feasible candidates by decreasing samples/s, those with an optimizer on the host after
+        the others, then those that do not fit in memory. Empty when the placement refuses
+        every candidate.
     """
     space = space or SearchSpace()
     scored: list[tuple[str, PlacementConfig, PlacementPlan, StepPrediction]] = []
@@ -325,8 +328,13 @@ def auto_place(cluster: ClusterSpec, models: ArchLike | Mapping[str, ArchLike],
             shapes = rollout(plan) if callable(rollout) else rollout
             scored.append((describe(plan), config, plan,
                            predict_step(plan, shapes, profiles, space.memory_options)))
-    scored.sort(key=lambda c: (not c[3].feasible, -c[3].samples_per_s))
+    scored.sort(key=lambda c: (not c[3].feasible, _hosts_an_optimizer(c[3]),
+                               -c[3].samples_per_s))
     return [RankedCandidate(i + 1, *c) for i, c in enumerate(scored)]
+
+
+def _hosts_an_optimizer(prediction: StepPrediction) -> bool:
+    return any(o.optimizer_offload for o in prediction.memory.options.values())
 
 
 def explain_choice(ranked: list[RankedCandidate]) -> str:
