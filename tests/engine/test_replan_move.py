@@ -317,11 +317,12 @@ def test_a_move_is_chosen_only_when_its_saving_pays_for_it(tmp_path: Path,
     assert _strategy(result.best.label) == "flattening" and result.gain > 0.05
     current = result.current.prediction.step_seconds
     per_step = current - result.best.prediction.step_seconds
-    # the interval's 2 steps save 2 * per_step; min_gain (0.05) of them is 0.1 * current
-    pays = 2 * per_step - 0.1 * current
+    # After step 0 of 10, the 9 steps left save 9 * per_step; min_gain (0.05) of them is
+    # 0.45 * current.
+    pays = 9 * per_step - 0.45 * current
     replanner.move_cost_s = pays - 1e-9
     target, saving = replanner.decide(0, result)
-    assert saving == pytest.approx(2 * per_step)
+    assert saving == pytest.approx(9 * per_step)
     assert target is not None and target.label == result.best.label and not target.forced
     assert target.plan is dict(replanner.candidates)[target.label]
     assert target.config.placement == target.plan.config
@@ -329,7 +330,7 @@ def test_a_move_is_chosen_only_when_its_saving_pays_for_it(tmp_path: Path,
     replanner.move_cost_s = pays + 1e-9  # a move costing more than it saves above min_gain
     assert replanner.decide(0, result)[0] is None
     replanner.move_cost_s = 0.0
-    target, saving = replanner.decide(8, result)  # one step left: half the saving
+    target, saving = replanner.decide(8, result)  # one step left
     assert saving == pytest.approx(per_step) and target is not None
     assert replanner.decide(9, result) == (None, 0.0)  # the last step: nothing to save
 
@@ -341,6 +342,30 @@ def test_a_move_is_chosen_only_when_its_saving_pays_for_it(tmp_path: Path,
         with pytest.raises(ValueError, match="'nowhere'"):
             replanner.take_target(4)
     assert replanner.take_target(3) is None  # the hook is gone with its block
+
+
+def test_a_move_is_judged_over_the_steps_left_up_to_the_horizon(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A move that the next 2 steps do not repay but the 9 left do is taken at the first
+    re-planning; with ``horizon_steps=2`` the same move is judged over 2 steps and refused."""
+    (tmp_path / "whole").mkdir()
+    (tmp_path / "capped").mkdir()
+    whole = _replanner(tmp_path / "whole", monkeypatch, "placement.replan.move=true")
+    capped = _replanner(tmp_path / "capped", monkeypatch, "placement.replan.move=true",
+                        "placement.replan.horizon_steps=2")
+    result = _as_predicted(whole)
+    current = result.current.prediction.step_seconds
+    per_step = current - result.best.prediction.step_seconds
+    # Over 2 steps a move pays below 2 * per_step - 0.1 * current; over 9, below
+    # 9 * per_step - 0.45 * current: a cost between the two.
+    cost = (2 * per_step - 0.1 * current + 9 * per_step - 0.45 * current) / 2
+    whole.move_cost_s = capped.move_cost_s = cost
+    target, saving = whole.decide(0, result)
+    assert target is not None and saving == pytest.approx(9 * per_step)
+    target, saving = capped.decide(0, result)
+    assert target is None and saving == pytest.approx(2 * per_step)
+    assert capped.steps_ahead(8) == 1 and whole.steps_ahead(8) == 1
+    assert capped.steps_ahead(3) == 2 and whole.steps_ahead(3) == 6
 
 
 @pytest.mark.parametrize("overrides", [[], ["placement.replan.min_gain=0.99"]])
@@ -385,7 +410,8 @@ def test_a_move_back_must_beat_what_was_measured_there_and_repay_the_round_trip(
 
     from megatron_rlhf.planner.replan import Measured, Priced, Replan
 
-    replanner = _replanner(tmp_path, monkeypatch, "placement.replan.move=true")
+    replanner = _replanner(tmp_path, monkeypatch, "placement.replan.move=true",
+                           "placement.replan.horizon_steps=2")
     result = _as_predicted(replanner)
     separation = replanner.current
     replanner.move_cost_s = 0.0

@@ -16,9 +16,9 @@ pure ranking (``planner.replan.rerank``), so every rank holds the same ``replan/
 0 appends the ranking to ``<run_dir>/plan_history.jsonl``. Nothing here touches the models, the
 data or a random generator: training is the same with and without re-planning.
 
-A move pays when the best placement's predicted saving over the next ``interval_steps`` steps
-(fewer when the run ends sooner) exceeds ``min_gain`` of those steps' predicted seconds at the
-current placement plus the cost of a move: the last move's measured seconds, before the first one
+A move pays when the best placement's predicted saving over the steps ahead (the steps left in
+the run, at most ``horizon_steps`` of them) exceeds ``min_gain`` of those steps' predicted seconds
+at the current placement plus the cost of a move: the last move's measured seconds, before the first one
 ``move_cost_s`` (set by the runner from its estimate). The inputs are the same on every rank, so every rank decides alike.
 A candidate is a move target only where the run's checkpoint loads into it (the same
 Megatron-FSDP choice per trained model).
@@ -245,8 +245,8 @@ class RunReplanner:
     def decide(self, step: int, result: Replan) -> tuple[MoveTarget | None, float]:
         """The best placement of ``result`` (by :meth:`expected_seconds`) if moving there after
         step ``step`` pays (see the module), else None; and the predicted seconds saved over the
-        next interval (or the steps left) there."""
-        ahead = max(0, min(self.settings.interval_steps, self.steps - step - 1))
+        steps ahead (:meth:`steps_ahead`) there."""
+        ahead = self.steps_ahead(step)
         current = result.current.prediction.step_seconds
         length = result.rollout.mean_answer_length
         seconds, label = min([(self.expected_seconds(c.label, c.prediction.step_seconds, length),
@@ -261,6 +261,14 @@ class RunReplanner:
                 or not loads_checkpoint_of(self.config, self.configs[label])):
             return None, saving
         return self.target(label), saving
+
+    def steps_ahead(self, step: int) -> int:
+        """The steps a move after step ``step`` is judged over: those left in the run, at most
+        ``horizon_steps`` (0: all of them). Judged on the next interval alone, a move whose
+        cost takes longer than an interval to repay was never taken, however long the run."""
+        left = max(0, self.steps - step - 1)
+        horizon = self.settings.horizon_steps
+        return min(left, horizon) if horizon else left
 
     def expected_seconds(self, label: str, predicted: float, length: float) -> float:
         """A candidate's step seconds for the move decision: ``predicted``, and for a placement
