@@ -344,6 +344,30 @@ def test_a_move_is_chosen_only_when_its_saving_pays_for_it(tmp_path: Path,
     assert replanner.take_target(3) is None  # the hook is gone with its block
 
 
+def test_the_candidates_are_found_at_the_first_replanning_not_at_the_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finding the candidates ranks every placement: a run pays for it when it first re-plans
+    (on rank 0 alone), not before its first step, and once."""
+    from megatron_rlhf.engine.run import replan
+
+    calls = []
+    found = replan.candidate_plans
+
+    def counted(*args):
+        calls.append(args)
+        return found(*args)
+
+    monkeypatch.setattr(replan, "candidate_plans", counted)
+    replanner = _replanner(tmp_path, monkeypatch, "placement.replan.move=true")
+    assert calls == []
+    result = _as_predicted(replanner)
+    assert len(calls) == 1
+    assert {c.label for c in result.ranking} == set(replanner.labels)
+    replanner.move_cost_s = 0.0
+    assert replanner.decide(0, result)[0].config is replanner.configs[result.best.label]
+    assert len(calls) == 1
+
+
 def test_a_move_is_judged_over_the_steps_left_up_to_the_horizon(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A move that the next 2 steps do not repay but the 9 left do is taken at the first
