@@ -22,11 +22,12 @@ against the static run of the placement it started from.
 
 Each workload runs its static placements (``flattening``, ``interleaving``, ``interleaving2``
 where there is a critic, synchronous ``separation``) and ``auto``: ``--placement auto`` with
-``placement.replan.interval_steps`` (the workload's), ``warmup_steps=1`` and ``move=true``; the
-profile is the planner's cached CPU profile unless ``--profile`` names one. Asynchronous
-separation is left out: it trains on answers of the step before, so it learns something else
-(on the drifting workload its answers grow ~15 steps later), and a synchronous run cannot move
-to it. ``--repeats`` rounds run the workload's runs in turn, the order reversed every other
+``placement.replan.interval_steps`` (the workload's), ``warmup_steps=1``, ``move=true`` and
+``trial_margin=0.1`` (a trial of a runner-up predicted within 10%, where the run is long
+enough); the profile is the planner's cached CPU profile unless ``--profile`` names one.
+Asynchronous separation is left out: it trains on answers of the step before, so it learns
+something else (on the drifting workload its answers grow ~15 steps later), and a synchronous
+run cannot move to it. ``--repeats`` rounds run the workload's runs in turn, the order reversed every other
 round, so that the machine's drift falls on every run alike; and each regret is taken within
 a round (auto against the best static run of the same round, run next to it) and reported per
 round with its median, which one disturbed round does not move.
@@ -67,6 +68,7 @@ STATIC_RUNS = {
 AUTO = "auto"
 MOVING = "moves-from-"
 FORCED = ("generation.stop_at_eos=false",)
+TRIAL_MARGIN = 0.1
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,7 @@ def run_overrides(workload: Workload, name: str, run_dir: Path, start: list[str]
               "runtime.log_level=WARNING", *workload.overrides]
     replan = [f"placement.replan.interval_steps={workload.interval}",
               "placement.replan.warmup_steps=1", "placement.replan.move=true",
+              f"placement.replan.trial_margin={TRIAL_MARGIN}",
               *([f"placement.replan.profile={profile}"] if profile else [])]
     if name.startswith(MOVING):
         return [*common, *STATIC_RUNS[name.removeprefix(MOVING)], *replan]

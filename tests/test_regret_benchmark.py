@@ -41,7 +41,8 @@ def test_command_lines_of_static_and_auto_runs(tmp_path: Path) -> None:
     assert auto[auto.index("--placement") + 1] == "auto"
     assert auto[auto.index("--profile") + 1] == str(tmp_path / "p.json")
     for override in ("placement.replan.interval_steps=3", "placement.replan.warmup_steps=1",
-                     "placement.replan.move=true", f"placement.replan.profile={tmp_path}/p.json",
+                     "placement.replan.move=true", "placement.replan.trial_margin=0.1",
+                     f"placement.replan.profile={tmp_path}/p.json",
                      "x=1"):
         assert override in auto
     assert not any(a.startswith("placement.strategy=") for a in auto)

@@ -113,6 +113,12 @@ class ReplanConfig:
         horizon_steps: the steps a move's saving is counted over: the steps left in the run,
             at most this many; 0: all of them (a move that pays over the run is taken at the
             first re-planning that predicts it).
+        trial_margin: with ``move``, a measured trial where the planner cannot tell two
+            placements apart: when the first re-planning predicts the best other candidate
+            within this share of the run's own step (and the steps left repay the trial), the
+            run moves there, measures it, and the next re-planning decides between the two
+            from measurements (a placement left is priced at its measured step); once per run.
+            0 (the default) turns trials off.
     """
 
     interval_steps: int = 0
@@ -121,6 +127,7 @@ class ReplanConfig:
     profile: str | None = None
     move: bool = False
     horizon_steps: int = 0
+    trial_margin: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("interval_steps", "warmup_steps"):
@@ -137,6 +144,14 @@ class ReplanConfig:
                              "integer >= 0 (0: the steps left in the run)")
         if not isinstance(self.move, bool):
             raise ValueError(f"placement.replan.move={self.move!r} must be true or false")
+        if (not isinstance(self.trial_margin, int | float) or isinstance(self.trial_margin, bool)
+                or not 0.0 <= self.trial_margin < 1.0):
+            raise ValueError(f"placement.replan.trial_margin={self.trial_margin!r} must be a "
+                             "fraction in [0, 1) of the step time, e.g. 0.1 (0 turns trials off)")
+        if self.trial_margin and not self.move:
+            raise ValueError(f"placement.replan.trial_margin={self.trial_margin} tries a "
+                             "placement by moving to it: set placement.replan.move=true, or "
+                             "placement.replan.trial_margin=0")
         if self.move and not self.interval_steps:
             raise ValueError("placement.replan.move=true needs re-planning: set "
                              "placement.replan.interval_steps above 0 (e.g. 10)")

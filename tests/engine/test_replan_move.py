@@ -465,3 +465,93 @@ def test_a_move_back_must_beat_what_was_measured_there_and_repay_the_round_trip(
     assert replanner.decide(2, flipped(12, 0.4, other))[0].label == other
     # A saving of 2 x 0.89 = 1.78 s repays the round trip (1.69 s): the run goes back.
     assert replanner.decide(2, flipped(12, 0.01))[0].label == separation[0]
+
+
+def _priced(replanner, current_s: float, others: dict[str, float], length: int = 6):
+    """A ranking by hand: the run's placement calibrated at ``current_s`` seconds a step, each
+    candidate of ``others`` (label -> seconds) priced so, answers of ``length`` tokens."""
+    from dataclasses import replace
+
+    from megatron_rlhf.planner.replan import Priced, Replan
+
+    base = _as_predicted(replanner).current.prediction
+    label, plan = replanner.current
+    mine = Priced(label, plan, replace(base, step_seconds=current_s))
+    plans = dict(replanner.candidates)
+    ranking = sorted((Priced(other, plans[other], replace(base, step_seconds=seconds))
+                      for other, seconds in others.items()),
+                     key=lambda c: c.prediction.step_seconds)
+    best = ranking[0] if ranking[0].prediction.step_seconds < current_s else mine
+    shapes = replace(replanner.rollout, generation_length=length)
+    return Replan(tuple(ranking), mine, best, 1 - best.prediction.step_seconds / current_s, {},
+                  {}, shapes)
+
+
+def test_a_trial_needs_a_close_runner_up_and_steps_left_that_repay_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At separation (1.0 s a step), flattening priced 1.05 s is within trial_margin (0.1);
+    the trial measures 3 steps (warmup 1 + interval 2). After step 0 of 10, the 6 steps after
+    it repay, at 0.1 s a step, 0.6 s: more than the trial's 3 x 0.1 s plus two moves while a
+    move costs under 0.15 s."""
+    replanner = _replanner(tmp_path, monkeypatch, "placement.replan.move=true",
+                           "placement.replan.trial_margin=0.1")
+    flattening = next(label for label in replanner.labels if label == FLATTENING)
+    close = _priced(replanner, 1.0, {flattening: 1.05})
+    replanner.move_cost_s = 0.15 - 1e-9
+    assert replanner.decide(0, close)[0] is None  # slower as predicted: no move
+    trial = replanner.trial(0, close)
+    assert trial is not None and trial.trial and trial.label == flattening
+    replanner.move_cost_s = 0.15 + 1e-9
+    assert replanner.trial(0, close) is None
+    replanner.move_cost_s = 0.0
+    assert replanner.trial(5, close) is None  # 4 steps left: 1 after the trial's 3
+    assert replanner.trial(0, _priced(replanner, 1.0, {flattening: 1.11})) is None
+    assert replanner.trial(0, _priced(replanner, 1.0, {flattening: 0.95})).label == flattening
+
+
+def test_a_trial_happens_once_and_its_measurement_decides_without_oscillating(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run tries flattening after its first re-planning; flattening measures 1.2 s against
+    separation's 1.0 s, so the next re-planning goes back (predicted 0.9 s, counted at the 1.0
+    s measured). Back at separation, flattening counts at its measured 1.2 s whatever it is
+    predicted, and no second trial comes."""
+    from megatron_rlhf.engine.run import replan
+    from megatron_rlhf.planner.replan import Measured
+
+    replanner = _replanner(tmp_path, monkeypatch, "placement.replan.move=true",
+                           "placement.replan.trial_margin=0.1")
+    separation = replanner.current
+    flattening = next(label for label in replanner.labels if label == FLATTENING)
+    replanner.move_cost_s = 0.1
+
+    def replanned(step: int, result) -> dict:
+        monkeypatch.setattr(replan, "rerank", lambda *args, **kwargs: result)
+        replanner.last_measured = Measured({}, result.current.prediction.step_seconds, 6.0)
+        metrics, target = replanner._replan(step, replanner.last_measured)
+        if target is not None:
+            replanner.moved(target, step, seconds=0.1)
+        return metrics
+
+    assert replanned(0, _priced(replanner, 1.0, {flattening: 1.05}))["replan/trial"] == 1.0
+    assert replanner.current[0] == flattening
+    # At flattening, measured 1.2 s: separation predicted 0.9 s counts at its measured 1.0 s;
+    # 6 steps x 0.2 s = 1.2 s repay min_gain's 0.36 s, this move's 0.1 s and the trial's 0.1 s.
+    metrics = replanned(3, _priced(replanner, 1.2, {separation[0]: 0.9}))
+    assert metrics["replan/move"] == 1.0 and metrics["replan/trial"] == 0.0
+    assert replanner.current[0] == separation[0]
+    for step in (6, 8):
+        metrics = replanned(step, _priced(replanner, 1.0, {flattening: 0.9}))
+        assert metrics["replan/move"] == 0.0 and metrics["replan/trial"] == 0.0
+    history = [json.loads(line) for line in (tmp_path / "plan_history.jsonl").read_text()
+               .splitlines()]
+    assert [line["trial"] for line in history] == [True, False, False, False]
+
+
+def test_a_trial_needs_moves_and_a_margin_below_one() -> None:
+    from megatron_rlhf.topology.placement_config import ReplanConfig
+
+    with pytest.raises(ValueError, match=r"trial_margin=0.1 .* placement\.replan\.move=true"):
+        ReplanConfig(interval_steps=2, trial_margin=0.1)
+    with pytest.raises(ValueError, match=r"placement\.replan\.trial_margin=1\.0"):
+        ReplanConfig(interval_steps=2, move=True, trial_margin=1.0)
+    assert ReplanConfig(interval_steps=2, move=True, trial_margin=0.1).trial_margin == 0.1

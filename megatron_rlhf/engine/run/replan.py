@@ -31,13 +31,21 @@ that measured step while the answers' mean stays within ``RETURN_LENGTH_TOLERANC
 planner's extrapolation cannot overrule a measurement of the same workload), and the saving
 must also repay the move that left it (the round trip). A run therefore never moves back and
 forth on predictions that flip within the cost model's error.
+
+Trial (``trial_margin``): the first re-planning has measured the starting placement only. When
+it predicts the best other candidate within ``trial_margin`` of the run's own step (the cost
+model cannot tell the two apart), and the steps left after the trial's own measured steps
+(``warmup_steps + interval_steps``) would repay, at that margin per step, two moves plus the
+trial's steps at that margin's loss, the run moves there for a trial. The next re-planning then
+decides as above, pricing the placement left at its measured step: the run stays or goes back.
+There is one trial per run, so trials never oscillate either.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -107,12 +115,14 @@ class MoveTarget:
         config: the run's configuration with that placement (and its memory options).
         plan: its placement plan.
         forced: chosen whatever the prediction (``megatron_rlhf.testing.run_hooks``).
+        trial: a trial of a placement predicted within ``trial_margin`` of the run's own.
     """
 
     label: str
     config: RunConfig
     plan: PlacementPlan
     forced: bool = False
+    trial: bool = False
 
 
 def check_replan(config: RunConfig, cluster: ClusterSpec) -> None:
@@ -190,6 +200,7 @@ class RunReplanner:
         self.first_measured = start + self.settings.warmup_steps
         self.max_new_tokens = config.generation.max_new_tokens
         self.move_cost_s = math.inf
+        self.trial_due = self.settings.trial_margin > 0
         self.left: dict[str, LeftPlacement] = {}
         self.last_measured: Measured | None = None
         self._target: MoveTarget | None = None
@@ -262,6 +273,9 @@ class RunReplanner:
                         self.memory_options, self.shapes_at)
         gain = result.gain
         target, saving = self.decide(step, result)
+        if self.trial_due:
+            self.trial_due = False
+            target = target or self.trial(step, result)
         self._append(step, measured, result, saving, target)
         metrics = {"replan/best": float(self._index(result.best.label)),
                    "replan/current_predicted_s": result.current.prediction.step_seconds,
@@ -272,6 +286,8 @@ class RunReplanner:
             metrics.update({"replan/predicted_saving_s": saving,
                             "replan/move_cost_s": self.move_cost_s,
                             "replan/move": float(target is not None)})
+        if self.settings.trial_margin:
+            metrics["replan/trial"] = float(target is not None and target.trial)
         return metrics, target
 
     def decide(self, step: int, result: Replan) -> tuple[MoveTarget | None, float]:
@@ -288,11 +304,29 @@ class RunReplanner:
         left = self.left.get(label)
         threshold = (self.settings.min_gain * ahead * current + self.move_cost_s
                      + (left.move_seconds if left is not None else 0.0))
-        if (not self.settings.move or label == self.current[0] or label not in self.configs
-                or saving <= threshold or not ahead
-                or not loads_checkpoint_of(self.config, self.configs[label])):
+        if (not self.settings.move or label == self.current[0] or saving <= threshold
+                or not ahead or not self.can_move_to(label)):
             return None, saving
         return self.target(label), saving
+
+    def trial(self, step: int, result: Replan) -> MoveTarget | None:
+        """A trial move after step ``step`` to the best other candidate of ``result`` (see
+        the module), or None."""
+        margin = self.settings.trial_margin
+        current = result.current.prediction.step_seconds
+        other = next((c for c in result.ranking if c.prediction.feasible
+                      and c.label != self.current[0] and self.can_move_to(c.label)), None)
+        if other is None or other.prediction.step_seconds > (1 + margin) * current:
+            return None
+        trial_steps = self.settings.warmup_steps + self.settings.interval_steps
+        after = self.steps_ahead(step) - trial_steps
+        if after * margin * current <= trial_steps * margin * current + 2 * self.move_cost_s:
+            return None
+        return replace(self.target(other.label), trial=True)
+
+    def can_move_to(self, label: str) -> bool:
+        """Whether candidate ``label`` is a move target: the run's checkpoint loads into it."""
+        return label in self.configs and loads_checkpoint_of(self.config, self.configs[label])
 
     def steps_ahead(self, step: int) -> int:
         """The steps a move after step ``step`` is judged over: those left in the run, at most
@@ -380,7 +414,8 @@ class RunReplanner:
                 "ranking": [c.to_dict() for c in result.ranking]}
         if self.settings.move:
             line.update(predicted_saving_s=round(saving, 6), move_cost_s=self.move_cost_s,
-                        move=target.label if target else None)
+                        move=target.label if target else None,
+                        trial=target is not None and target.trial)
         append_history(self.history, line)
         logger.info("replan after step %d: %s %.3g s/step predicted, best %s %.3g s (gain %.1f%%)",
                     step + 1, result.current.label, result.current.prediction.step_seconds,
