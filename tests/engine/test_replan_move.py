@@ -229,9 +229,10 @@ def test_a_move_keeps_the_experience_produced_ahead(tmp_path: Path) -> None:
         assert _results(moved) == _results(plain), f"step {plain['step']}"
 
 
-def _predicted_move(root: str, profile: str) -> dict:
-    """A separation run that re-plans every step, with the first move's estimated cost set to 0
-    (the tiny models save far less per step than a move costs)."""
+def _predicted_move(root: str, profile: str, strategy: str = "separation", steps: int = 3,
+                    overrides: tuple[str, ...] = ()) -> dict:
+    """A ``strategy`` run that re-plans every step, with the first move's estimated cost set to
+    0 (the tiny models save far less per step than a move costs)."""
     import torch.distributed as dist
 
     from megatron_rlhf.engine.run import move
@@ -246,10 +247,10 @@ def _predicted_move(root: str, profile: str) -> dict:
         movers.append(self)
 
     move.PlacementMover.__init__ = free_first_move
-    run_ppo(_config(root, "S", 3, "ppo", [
-        "placement.strategy=separation", "placement.replan.interval_steps=1",
+    run_ppo(_config(root, "S", steps, "ppo", [
+        f"placement.strategy={strategy}", "placement.replan.interval_steps=1",
         "placement.replan.warmup_steps=0", f"placement.replan.profile={profile}",
-        "placement.replan.move=true"]))
+        "placement.replan.move=true", *overrides]))
     dist.barrier()
     if dist.get_rank() != 0:
         return {}
@@ -277,6 +278,24 @@ def test_a_run_moves_when_the_prediction_pays(tmp_path: Path) -> None:
     assert ranked[1]["current"] == moves[0]["to"]
     assert ranked[1]["move_cost_s"] == pytest.approx(moves[0]["move_seconds"], rel=1e-5)
     assert all(line["move"] is None for line in ranked[1:])
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(240)
+def test_a_run_tries_a_close_runner_up_once(tmp_path: Path) -> None:
+    """Flattening, the predicted best on 2 ranks, with a runner-up within trial_margin (0.9)
+    and a free first move: after step 0 every rank moves there for a trial, and none after."""
+    out = run_on_ranks(_predicted_move, world_size=2,
+                       args=(str(tmp_path), _profile(tmp_path), "flattening", 4,
+                             ("placement.replan.trial_margin=0.9",)), timeout_s=180)[0]
+    records, history = out["records"], out["history"]
+    assert [record["step"] for record in records] == [0, 1, 2, 3]
+    ranked = [line for line in history if "ranking" in line]
+    moves = [line["moved"] for line in history if "moved" in line]
+    assert _strategy(ranked[0]["current"]) == "flattening" and ranked[0]["trial"]
+    assert records[0]["replan/trial"] == 1.0 and moves[0]["to"] == ranked[0]["move"]
+    assert not any(line["trial"] for line in ranked[1:])
+    assert all(record["replan/trial"] == 0.0 for record in records[1:3])
 
 
 def _replanner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *overrides: str):
