@@ -27,10 +27,10 @@ where there is a critic, synchronous ``separation``) and ``auto``: ``--placement
 enough); the profile is the planner's cached CPU profile unless ``--profile`` names one.
 Asynchronous separation is left out: it trains on answers of the step before, so it learns
 something else (on the drifting workload its answers grow ~15 steps later), and a synchronous
-run cannot move to it. ``--repeats`` rounds run the workload's runs in turn, the order reversed every other
-round, so that the machine's drift falls on every run alike; and each regret is taken within
-a round (auto against the best static run of the same round, run next to it) and reported per
-round with its median, which one disturbed round does not move.
+run cannot move to it. ``--repeats`` rounds run the workload's runs in turn, the order
+reversed every other round, so that the machine's drift falls on every run alike; and each
+regret is taken within a round (auto against the best static run of the same round, run next
+to it) and reported per round with its median, which one disturbed round does not move.
 
 A run's seconds per step are its steps after the first (the first calls of each model) plus its
 moves' seconds (``replan/move_seconds``, not in ``step_seconds``), over those steps. Per

@@ -546,7 +546,7 @@ def test_a_trial_happens_once_and_its_measurement_decides_without_oscillating(
     def replanned(step: int, result) -> dict:
         monkeypatch.setattr(replan, "rerank", lambda *args, **kwargs: result)
         replanner.last_measured = Measured({}, result.current.prediction.step_seconds, 6.0)
-        metrics, target = replanner._replan(step, replanner.last_measured)
+        metrics, target = replanner.replan(step, replanner.last_measured)
         if target is not None:
             replanner.moved(target, step, seconds=0.1)
         return metrics

@@ -15,13 +15,14 @@ then runs the pure ranking (``planner.replan.rerank``), decides, appends the ran
 ``<run_dir>/plan_history.jsonl`` and broadcasts the ``replan/*`` metrics and the move target, so
 every rank holds the same ones and the ranking's CPU time (a prediction per candidate) is spent
 once, not once per rank on cores the ranks may share. The candidates (each one's configuration
-and plan) are found at rank 0's first re-planning, not at the start. Nothing here touches the models, the
-data or a random generator: training is the same with and without re-planning.
+and plan) are found at rank 0's first re-planning, not at the start. Nothing here touches the
+models, the data or a random generator: training is the same with and without re-planning.
 
 A move pays when the best placement's predicted saving over the steps ahead (the steps left in
-the run, at most ``horizon_steps`` of them) exceeds ``min_gain`` of those steps' predicted seconds
-at the current placement plus the cost of a move: the last move's measured seconds, before the first one
-``move_cost_s`` (set by the runner from its estimate). Rank 0 decides for every rank.
+the run, at most ``horizon_steps`` of them) exceeds ``min_gain`` of those steps' predicted
+seconds at the current placement plus the cost of a move: the last move's measured seconds,
+before the first one ``move_cost_s`` (set by the runner from its estimate). Rank 0 decides for
+every rank.
 A candidate is a move target only where the run's checkpoint loads into it (the same
 Megatron-FSDP choice per trained model).
 
@@ -259,13 +260,13 @@ class RunReplanner:
             return {}
         measured = self.last_measured = self._measured()
         self._window = []
-        answer = [self._replan(step, measured) if dist.get_rank() == 0 else None]
+        answer = [self.replan(step, measured) if dist.get_rank() == 0 else None]
         # World: every rank moves (or not) together, on rank 0's decision.
         dist.broadcast_object_list(answer, src=0, group=dist.group.WORLD)
         metrics, self._target = answer[0]
         return metrics
 
-    def _replan(self, step: int, measured: Measured
+    def replan(self, step: int, measured: Measured
                 ) -> tuple[dict[str, float], MoveTarget | None]:
         """Rank 0's ranking after step ``step``, appended to the history: the ``replan/*``
         metrics and where to move (None: stay)."""
