@@ -193,6 +193,9 @@ class _Context:
         self.plan, self.rollout, self.hardware = plan, rollout, hardware
         self.pipelined = rollout.overlap and plan.config.separated
         """Consecutive steps overlap (asynchronous separation)."""
+        self._envs: dict[tuple[str, int, MemoryOptions], cm.ModelEnv] = {}
+        """``env``'s answers: fitting memory prices every option of every model, and the links
+        each model environment needs take a third of a prediction to find."""
 
     def profile_of(self, rank: int) -> HardwareProfile:
         """The profile of the pool holding global ``rank``."""
@@ -200,6 +203,12 @@ class _Context:
 
     def env(self, role: str, pool: int, options: MemoryOptions) -> cm.ModelEnv:
         """``role``'s model as the stage formulas see it, on the devices of ``pool``."""
+        key = (role, pool, options)
+        if key not in self._envs:
+            self._envs[key] = self._env(role, pool, options)
+        return self._envs[key]
+
+    def _env(self, role: str, pool: int, options: MemoryOptions) -> cm.ModelEnv:
         model = self.plan[role]
         profile = self.hardware[pool]
         spec = self.plan.cluster.pools[pool]

@@ -106,10 +106,19 @@ class ReplanConfig:
         profile: hardware profile the planner starts from (a shipped name or a
             ``tools/calibrate.py`` JSON); None: the shipped profile named like each pool's kind.
         move: move the run to the best placement after a re-planning whose predicted saving
-            over the next ``interval_steps`` steps exceeds ``min_gain`` of their predicted
+            over the steps ahead (``horizon_steps``) exceeds ``min_gain`` of their predicted
             time plus the cost of a move (the last move's measured seconds; before the first,
             an estimate). The run saves its state, builds the new placement and loads the
             state into it at the step boundary, in the same processes.
+        horizon_steps: the steps a move's saving is counted over: the steps left in the run,
+            at most this many; 0: all of them (a move that pays over the run is taken at the
+            first re-planning that predicts it).
+        trial_margin: with ``move``, a measured trial where the planner cannot tell two
+            placements apart: when the first re-planning predicts the best other candidate
+            within this share of the run's own step (and the steps left repay the trial), the
+            run moves there, measures it, and the next re-planning decides between the two
+            from measurements (a placement left is priced at its measured step); once per run.
+            0 (the default) turns trials off.
     """
 
     interval_steps: int = 0
@@ -117,6 +126,8 @@ class ReplanConfig:
     warmup_steps: int = 1
     profile: str | None = None
     move: bool = False
+    horizon_steps: int = 0
+    trial_margin: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("interval_steps", "warmup_steps"):
@@ -127,8 +138,20 @@ class ReplanConfig:
         if not isinstance(self.min_gain, int | float) or not 0.0 <= self.min_gain < 1.0:
             raise ValueError(f"placement.replan.min_gain={self.min_gain!r} must be a fraction in "
                              "[0, 1) of the step time, e.g. 0.05")
+        if (not isinstance(self.horizon_steps, int) or isinstance(self.horizon_steps, bool)
+                or self.horizon_steps < 0):
+            raise ValueError(f"placement.replan.horizon_steps={self.horizon_steps!r} must be an "
+                             "integer >= 0 (0: the steps left in the run)")
         if not isinstance(self.move, bool):
             raise ValueError(f"placement.replan.move={self.move!r} must be true or false")
+        if (not isinstance(self.trial_margin, int | float) or isinstance(self.trial_margin, bool)
+                or not 0.0 <= self.trial_margin < 1.0):
+            raise ValueError(f"placement.replan.trial_margin={self.trial_margin!r} must be a "
+                             "fraction in [0, 1) of the step time, e.g. 0.1 (0 turns trials off)")
+        if self.trial_margin and not self.move:
+            raise ValueError(f"placement.replan.trial_margin={self.trial_margin} tries a "
+                             "placement by moving to it: set placement.replan.move=true, or "
+                             "placement.replan.trial_margin=0")
         if self.move and not self.interval_steps:
             raise ValueError("placement.replan.move=true needs re-planning: set "
                              "placement.replan.interval_steps above 0 (e.g. 10)")

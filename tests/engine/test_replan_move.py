@@ -229,9 +229,10 @@ def test_a_move_keeps_the_experience_produced_ahead(tmp_path: Path) -> None:
         assert _results(moved) == _results(plain), f"step {plain['step']}"
 
 
-def _predicted_move(root: str, profile: str) -> dict:
-    """A separation run that re-plans every step, with the first move's estimated cost set to 0
-    (the tiny models save far less per step than a move costs)."""
+def _predicted_move(root: str, profile: str, strategy: str = "separation", steps: int = 3,
+                    overrides: tuple[str, ...] = ()) -> dict:
+    """A ``strategy`` run that re-plans every step, with the first move's estimated cost set to
+    0 (the tiny models save far less per step than a move costs)."""
     import torch.distributed as dist
 
     from megatron_rlhf.engine.run import move
@@ -246,10 +247,10 @@ def _predicted_move(root: str, profile: str) -> dict:
         movers.append(self)
 
     move.PlacementMover.__init__ = free_first_move
-    run_ppo(_config(root, "S", 3, "ppo", [
-        "placement.strategy=separation", "placement.replan.interval_steps=1",
+    run_ppo(_config(root, "S", steps, "ppo", [
+        f"placement.strategy={strategy}", "placement.replan.interval_steps=1",
         "placement.replan.warmup_steps=0", f"placement.replan.profile={profile}",
-        "placement.replan.move=true"]))
+        "placement.replan.move=true", *overrides]))
     dist.barrier()
     if dist.get_rank() != 0:
         return {}
@@ -277,6 +278,24 @@ def test_a_run_moves_when_the_prediction_pays(tmp_path: Path) -> None:
     assert ranked[1]["current"] == moves[0]["to"]
     assert ranked[1]["move_cost_s"] == pytest.approx(moves[0]["move_seconds"], rel=1e-5)
     assert all(line["move"] is None for line in ranked[1:])
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(240)
+def test_a_run_tries_a_close_runner_up_once(tmp_path: Path) -> None:
+    """Flattening, the predicted best on 2 ranks, with a runner-up within trial_margin (0.9)
+    and a free first move: after step 0 every rank moves there for a trial, and none after."""
+    out = run_on_ranks(_predicted_move, world_size=2,
+                       args=(str(tmp_path), _profile(tmp_path), "flattening", 4,
+                             ("placement.replan.trial_margin=0.9",)), timeout_s=180)[0]
+    records, history = out["records"], out["history"]
+    assert [record["step"] for record in records] == [0, 1, 2, 3]
+    ranked = [line for line in history if "ranking" in line]
+    moves = [line["moved"] for line in history if "moved" in line]
+    assert _strategy(ranked[0]["current"]) == "flattening" and ranked[0]["trial"]
+    assert records[0]["replan/trial"] == 1.0 and moves[0]["to"] == ranked[0]["move"]
+    assert not any(line["trial"] for line in ranked[1:])
+    assert all(record["replan/trial"] == 0.0 for record in records[1:3])
 
 
 def _replanner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *overrides: str):
@@ -317,11 +336,12 @@ def test_a_move_is_chosen_only_when_its_saving_pays_for_it(tmp_path: Path,
     assert _strategy(result.best.label) == "flattening" and result.gain > 0.05
     current = result.current.prediction.step_seconds
     per_step = current - result.best.prediction.step_seconds
-    # the interval's 2 steps save 2 * per_step; min_gain (0.05) of them is 0.1 * current
-    pays = 2 * per_step - 0.1 * current
+    # After step 0 of 10, the 9 steps left save 9 * per_step; min_gain (0.05) of them is
+    # 0.45 * current.
+    pays = 9 * per_step - 0.45 * current
     replanner.move_cost_s = pays - 1e-9
     target, saving = replanner.decide(0, result)
-    assert saving == pytest.approx(2 * per_step)
+    assert saving == pytest.approx(9 * per_step)
     assert target is not None and target.label == result.best.label and not target.forced
     assert target.plan is dict(replanner.candidates)[target.label]
     assert target.config.placement == target.plan.config
@@ -329,7 +349,7 @@ def test_a_move_is_chosen_only_when_its_saving_pays_for_it(tmp_path: Path,
     replanner.move_cost_s = pays + 1e-9  # a move costing more than it saves above min_gain
     assert replanner.decide(0, result)[0] is None
     replanner.move_cost_s = 0.0
-    target, saving = replanner.decide(8, result)  # one step left: half the saving
+    target, saving = replanner.decide(8, result)  # one step left
     assert saving == pytest.approx(per_step) and target is not None
     assert replanner.decide(9, result) == (None, 0.0)  # the last step: nothing to save
 
@@ -341,6 +361,54 @@ def test_a_move_is_chosen_only_when_its_saving_pays_for_it(tmp_path: Path,
         with pytest.raises(ValueError, match="'nowhere'"):
             replanner.take_target(4)
     assert replanner.take_target(3) is None  # the hook is gone with its block
+
+
+def test_the_candidates_are_found_at_the_first_replanning_not_at_the_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finding the candidates ranks every placement: a run pays for it when it first re-plans
+    (on rank 0 alone), not before its first step, and once."""
+    from megatron_rlhf.engine.run import replan
+
+    calls = []
+    found = replan.candidate_plans
+
+    def counted(*args):
+        calls.append(args)
+        return found(*args)
+
+    monkeypatch.setattr(replan, "candidate_plans", counted)
+    replanner = _replanner(tmp_path, monkeypatch, "placement.replan.move=true")
+    assert calls == []
+    result = _as_predicted(replanner)
+    assert len(calls) == 1
+    assert {c.label for c in result.ranking} == set(replanner.labels)
+    replanner.move_cost_s = 0.0
+    assert replanner.decide(0, result)[0].config is replanner.configs[result.best.label]
+    assert len(calls) == 1
+
+
+def test_a_move_is_judged_over_the_steps_left_up_to_the_horizon(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A move that the next 2 steps do not repay but the 9 left do is taken at the first
+    re-planning; with ``horizon_steps=2`` the same move is judged over 2 steps and refused."""
+    (tmp_path / "whole").mkdir()
+    (tmp_path / "capped").mkdir()
+    whole = _replanner(tmp_path / "whole", monkeypatch, "placement.replan.move=true")
+    capped = _replanner(tmp_path / "capped", monkeypatch, "placement.replan.move=true",
+                        "placement.replan.horizon_steps=2")
+    result = _as_predicted(whole)
+    current = result.current.prediction.step_seconds
+    per_step = current - result.best.prediction.step_seconds
+    # Over 2 steps a move pays below 2 * per_step - 0.1 * current; over 9, below
+    # 9 * per_step - 0.45 * current: a cost between the two.
+    cost = (2 * per_step - 0.1 * current + 9 * per_step - 0.45 * current) / 2
+    whole.move_cost_s = capped.move_cost_s = cost
+    target, saving = whole.decide(0, result)
+    assert target is not None and saving == pytest.approx(9 * per_step)
+    target, saving = capped.decide(0, result)
+    assert target is None and saving == pytest.approx(2 * per_step)
+    assert capped.steps_ahead(8) == 1 and whole.steps_ahead(8) == 1
+    assert capped.steps_ahead(3) == 2 and whole.steps_ahead(3) == 6
 
 
 @pytest.mark.parametrize("overrides", [[], ["placement.replan.min_gain=0.99"]])
@@ -385,7 +453,8 @@ def test_a_move_back_must_beat_what_was_measured_there_and_repay_the_round_trip(
 
     from megatron_rlhf.planner.replan import Measured, Priced, Replan
 
-    replanner = _replanner(tmp_path, monkeypatch, "placement.replan.move=true")
+    replanner = _replanner(tmp_path, monkeypatch, "placement.replan.move=true",
+                           "placement.replan.horizon_steps=2")
     result = _as_predicted(replanner)
     separation = replanner.current
     replanner.move_cost_s = 0.0
@@ -415,3 +484,93 @@ def test_a_move_back_must_beat_what_was_measured_there_and_repay_the_round_trip(
     assert replanner.decide(2, flipped(12, 0.4, other))[0].label == other
     # A saving of 2 x 0.89 = 1.78 s repays the round trip (1.69 s): the run goes back.
     assert replanner.decide(2, flipped(12, 0.01))[0].label == separation[0]
+
+
+def _priced(replanner, current_s: float, others: dict[str, float], length: int = 6):
+    """A ranking by hand: the run's placement calibrated at ``current_s`` seconds a step, each
+    candidate of ``others`` (label -> seconds) priced so, answers of ``length`` tokens."""
+    from dataclasses import replace
+
+    from megatron_rlhf.planner.replan import Priced, Replan
+
+    base = _as_predicted(replanner).current.prediction
+    label, plan = replanner.current
+    mine = Priced(label, plan, replace(base, step_seconds=current_s))
+    plans = dict(replanner.candidates)
+    ranking = sorted((Priced(other, plans[other], replace(base, step_seconds=seconds))
+                      for other, seconds in others.items()),
+                     key=lambda c: c.prediction.step_seconds)
+    best = ranking[0] if ranking[0].prediction.step_seconds < current_s else mine
+    shapes = replace(replanner.rollout, generation_length=length)
+    return Replan(tuple(ranking), mine, best, 1 - best.prediction.step_seconds / current_s, {},
+                  {}, shapes)
+
+
+def test_a_trial_needs_a_close_runner_up_and_steps_left_that_repay_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At separation (1.0 s a step), flattening priced 1.05 s is within trial_margin (0.1);
+    the trial measures 3 steps (warmup 1 + interval 2). After step 0 of 10, the 6 steps after
+    it repay, at 0.1 s a step, 0.6 s: more than the trial's 3 x 0.1 s plus two moves while a
+    move costs under 0.15 s."""
+    replanner = _replanner(tmp_path, monkeypatch, "placement.replan.move=true",
+                           "placement.replan.trial_margin=0.1")
+    flattening = next(label for label in replanner.labels if label == FLATTENING)
+    close = _priced(replanner, 1.0, {flattening: 1.05})
+    replanner.move_cost_s = 0.15 - 1e-9
+    assert replanner.decide(0, close)[0] is None  # slower as predicted: no move
+    trial = replanner.trial(0, close)
+    assert trial is not None and trial.trial and trial.label == flattening
+    replanner.move_cost_s = 0.15 + 1e-9
+    assert replanner.trial(0, close) is None
+    replanner.move_cost_s = 0.0
+    assert replanner.trial(5, close) is None  # 4 steps left: 1 after the trial's 3
+    assert replanner.trial(0, _priced(replanner, 1.0, {flattening: 1.11})) is None
+    assert replanner.trial(0, _priced(replanner, 1.0, {flattening: 0.95})).label == flattening
+
+
+def test_a_trial_happens_once_and_its_measurement_decides_without_oscillating(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run tries flattening after its first re-planning; flattening measures 1.2 s against
+    separation's 1.0 s, so the next re-planning goes back (predicted 0.9 s, counted at the 1.0
+    s measured). Back at separation, flattening counts at its measured 1.2 s whatever it is
+    predicted, and no second trial comes."""
+    from megatron_rlhf.engine.run import replan
+    from megatron_rlhf.planner.replan import Measured
+
+    replanner = _replanner(tmp_path, monkeypatch, "placement.replan.move=true",
+                           "placement.replan.trial_margin=0.1")
+    separation = replanner.current
+    flattening = next(label for label in replanner.labels if label == FLATTENING)
+    replanner.move_cost_s = 0.1
+
+    def replanned(step: int, result) -> dict:
+        monkeypatch.setattr(replan, "rerank", lambda *args, **kwargs: result)
+        replanner.last_measured = Measured({}, result.current.prediction.step_seconds, 6.0)
+        metrics, target = replanner.replan(step, replanner.last_measured)
+        if target is not None:
+            replanner.moved(target, step, seconds=0.1)
+        return metrics
+
+    assert replanned(0, _priced(replanner, 1.0, {flattening: 1.05}))["replan/trial"] == 1.0
+    assert replanner.current[0] == flattening
+    # At flattening, measured 1.2 s: separation predicted 0.9 s counts at its measured 1.0 s;
+    # 6 steps x 0.2 s = 1.2 s repay min_gain's 0.36 s, this move's 0.1 s and the trial's 0.1 s.
+    metrics = replanned(3, _priced(replanner, 1.2, {separation[0]: 0.9}))
+    assert metrics["replan/move"] == 1.0 and metrics["replan/trial"] == 0.0
+    assert replanner.current[0] == separation[0]
+    for step in (6, 8):
+        metrics = replanned(step, _priced(replanner, 1.0, {flattening: 0.9}))
+        assert metrics["replan/move"] == 0.0 and metrics["replan/trial"] == 0.0
+    history = [json.loads(line) for line in (tmp_path / "plan_history.jsonl").read_text()
+               .splitlines()]
+    assert [line["trial"] for line in history] == [True, False, False, False]
+
+
+def test_a_trial_needs_moves_and_a_margin_below_one() -> None:
+    from megatron_rlhf.topology.placement_config import ReplanConfig
+
+    with pytest.raises(ValueError, match=r"trial_margin=0.1 .* placement\.replan\.move=true"):
+        ReplanConfig(interval_steps=2, trial_margin=0.1)
+    with pytest.raises(ValueError, match=r"placement\.replan\.trial_margin=1\.0"):
+        ReplanConfig(interval_steps=2, move=True, trial_margin=1.0)
+    assert ReplanConfig(interval_steps=2, move=True, trial_margin=0.1).trial_margin == 0.1

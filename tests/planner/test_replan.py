@@ -115,6 +115,7 @@ def test_an_unknown_measured_stage_is_refused() -> None:
     ({"warmup_steps": 1.5}, "placement.replan.warmup_steps=1.5"),
     ({"min_gain": 1.0}, "placement.replan.min_gain=1.0"),
     ({"min_gain": -0.1}, "placement.replan.min_gain=-0.1"),
+    ({"horizon_steps": -2}, "placement.replan.horizon_steps=-2"),
 ])
 def test_bad_replan_settings_are_refused_naming_the_field(fields: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match.replace(".", r"\.")):

@@ -10,16 +10,19 @@ Each rank times its stages on the run's timeline (the tracer is on while re-plan
 are dropped once counted unless the run writes its timeline). After ``interval_steps`` measured
 steps, one all-reduce (max over ranks) gives every rank the same stage seconds per step (the
 slowest rank's; for transfers and weight sync the least waiting rank's); with the
-answers' mean length (and longest, when the step metrics hold ``response_length_max``; the same on
-every rank) each rank then runs the same
-pure ranking (``planner.replan.rerank``), so every rank holds the same ``replan/*`` metrics. Rank
-0 appends the ranking to ``<run_dir>/plan_history.jsonl``. Nothing here touches the models, the
-data or a random generator: training is the same with and without re-planning.
+answers' mean length (and longest, when the step metrics hold ``response_length_max``) rank 0
+then runs the pure ranking (``planner.replan.rerank``), decides, appends the ranking to
+``<run_dir>/plan_history.jsonl`` and broadcasts the ``replan/*`` metrics and the move target, so
+every rank holds the same ones and the ranking's CPU time (a prediction per candidate) is spent
+once, not once per rank on cores the ranks may share. The candidates (each one's configuration
+and plan) are found at rank 0's first re-planning, not at the start. Nothing here touches the
+models, the data or a random generator: training is the same with and without re-planning.
 
-A move pays when the best placement's predicted saving over the next ``interval_steps`` steps
-(fewer when the run ends sooner) exceeds ``min_gain`` of those steps' predicted seconds at the
-current placement plus the cost of a move: the last move's measured seconds, before the first one
-``move_cost_s`` (set by the runner from its estimate). The inputs are the same on every rank, so every rank decides alike.
+A move pays when the best placement's predicted saving over the steps ahead (the steps left in
+the run, at most ``horizon_steps`` of them) exceeds ``min_gain`` of those steps' predicted
+seconds at the current placement plus the cost of a move: the last move's measured seconds,
+before the first one ``move_cost_s`` (set by the runner from its estimate). Rank 0 decides for
+every rank.
 A candidate is a move target only where the run's checkpoint loads into it (the same
 Megatron-FSDP choice per trained model).
 
@@ -29,13 +32,22 @@ that measured step while the answers' mean stays within ``RETURN_LENGTH_TOLERANC
 planner's extrapolation cannot overrule a measurement of the same workload), and the saving
 must also repay the move that left it (the round trip). A run therefore never moves back and
 forth on predictions that flip within the cost model's error.
+
+Trial (``trial_margin``): the first re-planning has measured the starting placement only. When
+it predicts the best other candidate within ``trial_margin`` of the run's own step (the cost
+model cannot tell the two apart), and the steps left after the trial's own measured steps
+(``warmup_steps + interval_steps``) would repay, at that margin per step, two moves plus the
+trial's steps at that margin's loss, the run moves there for a trial. The next re-planning then
+decides as above, pricing the placement left at its measured step: the run stays or goes back.
+There is one trial per run, so trials never oscillate either.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -104,12 +116,14 @@ class MoveTarget:
         config: the run's configuration with that placement (and its memory options).
         plan: its placement plan.
         forced: chosen whatever the prediction (``megatron_rlhf.testing.run_hooks``).
+        trial: a trial of a placement predicted within ``trial_margin`` of the run's own.
     """
 
     label: str
     config: RunConfig
     plan: PlacementPlan
     forced: bool = False
+    trial: bool = False
 
 
 def check_replan(config: RunConfig, cluster: ClusterSpec) -> None:
@@ -183,20 +197,41 @@ class RunReplanner:
         self.memory_options = search_space(config).memory_options
         self.profiles = pool_profiles(plan.cluster, self.settings.profile)[0]
         self.current = (describe(plan), plan)
-        found = candidate_plans(config, plan.cluster, self.profiles)
-        self.candidates = [(label, candidate) for label, _, candidate in found]
-        self.labels = [label for label, _ in self.candidates]
-        self.configs: dict[str, RunConfig] = {}
-        for label, chosen, _ in found:
-            self.configs.setdefault(label, chosen)
+        self.start_config = config
         self.first_measured = start + self.settings.warmup_steps
         self.max_new_tokens = config.generation.max_new_tokens
         self.move_cost_s = math.inf
+        self.trial_due = self.settings.trial_margin > 0
         self.left: dict[str, LeftPlacement] = {}
         self.last_measured: Measured | None = None
         self._target: MoveTarget | None = None
         self._cursor = 0
         self._window: list[tuple[dict[str, float], float, float | None, float | None]] = []
+
+    @cached_property
+    def found(self) -> list[tuple[str, RunConfig, PlacementPlan]]:
+        """The candidates (``candidate_plans`` of the run's starting configuration), found at
+        first use: a ranking of every placement, which a run that never re-plans (or a rank
+        that only hears rank 0's decisions) does not need."""
+        return candidate_plans(self.start_config, self.current[1].cluster, self.profiles)
+
+    @cached_property
+    def candidates(self) -> list[tuple[str, PlacementPlan]]:
+        """Label and plan of each candidate, in the planner's order."""
+        return [(label, candidate) for label, _, candidate in self.found]
+
+    @cached_property
+    def labels(self) -> list[str]:
+        """The candidates' labels."""
+        return [label for label, _ in self.candidates]
+
+    @cached_property
+    def configs(self) -> dict[str, RunConfig]:
+        """The run's configuration at each candidate label (the first of equal labels)."""
+        configs: dict[str, RunConfig] = {}
+        for label, chosen, _ in self.found:
+            configs.setdefault(label, chosen)
+        return configs
 
     def begin_step(self) -> None:
         """Leave the spans recorded so far (a held-out evaluation) out of the next step's."""
@@ -225,12 +260,24 @@ class RunReplanner:
             return {}
         measured = self.last_measured = self._measured()
         self._window = []
+        answer = [self.replan(step, measured) if dist.get_rank() == 0 else None]
+        # World: every rank moves (or not) together, on rank 0's decision.
+        dist.broadcast_object_list(answer, src=0, group=dist.group.WORLD)
+        metrics, self._target = answer[0]
+        return metrics
+
+    def replan(self, step: int, measured: Measured
+                ) -> tuple[dict[str, float], MoveTarget | None]:
+        """Rank 0's ranking after step ``step``, appended to the history: the ``replan/*``
+        metrics and where to move (None: stay)."""
         result = rerank(self.current, self.candidates, self.rollout, measured, self.profiles,
                         self.memory_options, self.shapes_at)
         gain = result.gain
-        self._target, saving = self.decide(step, result)
-        if dist.get_rank() == 0:
-            self._append(step, measured, result, saving)
+        target, saving = self.decide(step, result)
+        if self.trial_due:
+            self.trial_due = False
+            target = target or self.trial(step, result)
+        self._append(step, measured, result, saving, target)
         metrics = {"replan/best": float(self._index(result.best.label)),
                    "replan/current_predicted_s": result.current.prediction.step_seconds,
                    "replan/best_predicted_s": result.best.prediction.step_seconds,
@@ -239,14 +286,16 @@ class RunReplanner:
         if self.settings.move:
             metrics.update({"replan/predicted_saving_s": saving,
                             "replan/move_cost_s": self.move_cost_s,
-                            "replan/move": float(self._target is not None)})
-        return metrics
+                            "replan/move": float(target is not None)})
+        if self.settings.trial_margin:
+            metrics["replan/trial"] = float(target is not None and target.trial)
+        return metrics, target
 
     def decide(self, step: int, result: Replan) -> tuple[MoveTarget | None, float]:
         """The best placement of ``result`` (by :meth:`expected_seconds`) if moving there after
         step ``step`` pays (see the module), else None; and the predicted seconds saved over the
-        next interval (or the steps left) there."""
-        ahead = max(0, min(self.settings.interval_steps, self.steps - step - 1))
+        steps ahead (:meth:`steps_ahead`) there."""
+        ahead = self.steps_ahead(step)
         current = result.current.prediction.step_seconds
         length = result.rollout.mean_answer_length
         seconds, label = min([(self.expected_seconds(c.label, c.prediction.step_seconds, length),
@@ -256,11 +305,37 @@ class RunReplanner:
         left = self.left.get(label)
         threshold = (self.settings.min_gain * ahead * current + self.move_cost_s
                      + (left.move_seconds if left is not None else 0.0))
-        if (not self.settings.move or label == self.current[0] or label not in self.configs
-                or saving <= threshold or not ahead
-                or not loads_checkpoint_of(self.config, self.configs[label])):
+        if (not self.settings.move or label == self.current[0] or saving <= threshold
+                or not ahead or not self.can_move_to(label)):
             return None, saving
         return self.target(label), saving
+
+    def trial(self, step: int, result: Replan) -> MoveTarget | None:
+        """A trial move after step ``step`` to the best other candidate of ``result`` (see
+        the module), or None."""
+        margin = self.settings.trial_margin
+        current = result.current.prediction.step_seconds
+        other = next((c for c in result.ranking if c.prediction.feasible
+                      and c.label != self.current[0] and self.can_move_to(c.label)), None)
+        if other is None or other.prediction.step_seconds > (1 + margin) * current:
+            return None
+        trial_steps = self.settings.warmup_steps + self.settings.interval_steps
+        after = self.steps_ahead(step) - trial_steps
+        if after * margin * current <= trial_steps * margin * current + 2 * self.move_cost_s:
+            return None
+        return replace(self.target(other.label), trial=True)
+
+    def can_move_to(self, label: str) -> bool:
+        """Whether candidate ``label`` is a move target: the run's checkpoint loads into it."""
+        return label in self.configs and loads_checkpoint_of(self.config, self.configs[label])
+
+    def steps_ahead(self, step: int) -> int:
+        """The steps a move after step ``step`` is judged over: those left in the run, at most
+        ``horizon_steps`` (0: all of them). Judged on the next interval alone, a move whose
+        cost takes longer than an interval to repay was never taken, however long the run."""
+        left = max(0, self.steps - step - 1)
+        horizon = self.settings.horizon_steps
+        return min(left, horizon) if horizon else left
 
     def expected_seconds(self, label: str, predicted: float, length: float) -> float:
         """A candidate's step seconds for the move decision: ``predicted``, and for a placement
@@ -326,7 +401,8 @@ class RunReplanner:
         is not one of them)."""
         return self.labels.index(label) if label in self.labels else -1
 
-    def _append(self, step: int, measured: Measured, result: Replan, saving: float) -> None:
+    def _append(self, step: int, measured: Measured, result: Replan, saving: float,
+                target: MoveTarget | None) -> None:
         line = {"step": step, "current": result.current.label,
                 "best": result.best.label, "best_index": self._index(result.best.label),
                 "predicted_gain": round(result.gain, 6),
@@ -339,7 +415,8 @@ class RunReplanner:
                 "ranking": [c.to_dict() for c in result.ranking]}
         if self.settings.move:
             line.update(predicted_saving_s=round(saving, 6), move_cost_s=self.move_cost_s,
-                        move=self._target.label if self._target else None)
+                        move=target.label if target else None,
+                        trial=target is not None and target.trial)
         append_history(self.history, line)
         logger.info("replan after step %d: %s %.3g s/step predicted, best %s %.3g s (gain %.1f%%)",
                     step + 1, result.current.label, result.current.prediction.step_seconds,
