@@ -120,6 +120,7 @@ def check_stage_configs(run_dir: str | Path, data_paths: Sequence[str],
     for stage, schema, example, overrides in stages:
         try:
             configs.append(load_config(schema, EXAMPLES / example, overrides))
+            configs[-1].check_machine()
         except ValueError as error:
             raise ValueError(f"{stage} stage: {error}") from None
     return configs[0]

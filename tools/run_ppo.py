@@ -219,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         config = load_config(RunConfig, args.config, overrides)
+        if not args.plan_only:
+            config.check_machine()
     except (ConfigError, ValueError) as error:
         return first.refuse(f"bad configuration: {error}")
     first.accept()

@@ -64,6 +64,7 @@ def run(prog: str, objective: Callable[[], tuple[type, Callable[[Any], Any]]],
     schema, train = objective()
     try:
         config = load_config(schema, config_path, overrides)
+        config.check_machine()
     except ValueError as error:
         return first.refuse(f"bad configuration: {error}")
     first.accept()

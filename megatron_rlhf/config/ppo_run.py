@@ -985,6 +985,12 @@ class RunConfig:
                              f"(trained roles: {TRAINABLE_ROLES})")
         return self.actor_optimizer if role == ACTOR else self.critic_optimizer
 
+    def check_machine(self) -> None:
+        """Refuse settings this machine cannot run (``OptimizerSettings.check_machine``); not
+        at load, so that ``--plan-only`` prices a job for other machines."""
+        for role in TRAINABLE_ROLES:
+            self.optimizer(role).check_machine()
+
     def _check_cuda_graphs(self) -> None:
         """Refuse ``generation.cuda_graphs=on`` for a mixture of experts: megatron's token
         dispatch synchronises with the host, so its decode step cannot be captured (``auto``

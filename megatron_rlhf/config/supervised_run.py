@@ -200,6 +200,10 @@ class SupervisedConfig:
                              "whole weights as a checkpoint, which a Megatron-FSDP model does "
                              "not hold; set optimizer.fsdp=false")
 
+    def check_machine(self) -> None:
+        """Refuse settings this machine cannot run (``OptimizerSettings.check_machine``)."""
+        self.optimizer.check_machine()
+
 
 @dataclass
 class SFTConfig(SupervisedConfig):

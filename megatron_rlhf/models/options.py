@@ -235,6 +235,15 @@ class OptimizerSettings:
             raise ValueError(f"{section}.cpu_offload_fraction={fraction} needs "
                              f"{section}.distributed_optimizer=true (megatron offloads the "
                              "distributed optimizer's shards)")
+
+    def check_machine(self) -> None:
+        """Refuse what this machine cannot run: checked where a run starts, not where the
+        settings load, so that ``--plan-only`` on a laptop prices a GPU job that offloads.
+
+        Raises:
+            ValueError: an optimizer offload without CUDA or Transformer Engine.
+        """
+        fraction, section = self.cpu_offload_fraction, self.SECTION
         if fraction and not torch.cuda.is_available():
             raise ValueError(f"{section}.cpu_offload_fraction={fraction} moves optimizer state "
                              "from a CUDA device to the host and needs CUDA, which this machine "

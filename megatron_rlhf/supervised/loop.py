@@ -315,6 +315,7 @@ def run_supervised(config: SupervisedConfig, objective: Objective) -> TrainingRe
     train, held_out = load_examples(config, objective, tokenizer)
     total_steps, num_evaluated = _check_run(config, objective, arch, tokenizer, dp, len(train),
                                             len(held_out))
+    config.check_machine()
     initialize_runtime(config.runtime)
     device = compute_device()
     trainer, pgc = _build(config, objective, spec, total_steps, source, tokenizer.vocab_size)

@@ -92,17 +92,10 @@ def test_memory_options_fill_only_the_roles_the_config_leaves_unset() -> None:
     assert (config.actor_optimizer.fsdp, config.critic_optimizer.fsdp) == (False, True)
 
 
-def test_the_planners_host_optimizer_becomes_cpu_offload_fraction(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    import torch
-
+def test_the_planners_host_optimizer_becomes_cpu_offload_fraction() -> None:
     from megatron_rlhf.engine.run.auto_placement import with_memory_options
-    from megatron_rlhf.models import options as model_options
     from megatron_rlhf.planner import MemoryOptions
 
-    # The engine offloads the optimizer with CUDA and Transformer Engine only, as on a GPU node.
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(model_options, "transformer_engine_importable", lambda: True)
     hosted = MemoryOptions("distributed_optimizer", offload=True, optimizer_offload=True)
     config = with_memory_options(RunConfig(), {"actor": hosted,
                                                "critic": MemoryOptions("distributed_optimizer"),

@@ -13,7 +13,7 @@ import torch
 from megatron_rlhf.config.loader import load_config
 from megatron_rlhf.config.ppo_run import RunConfig
 from megatron_rlhf.engine.run.plan_only import plan_cluster, plan_run
-from megatron_rlhf.models import options as model_options
+from tests.helpers.launch import run_tool
 from tests.scripts import REPO
 
 RECIPE = REPO / "examples" / "recipes" / "llama3.1-70b-ppo-offload-16x8.yaml"
@@ -52,10 +52,8 @@ def test_plan_only_names_the_rollout_mode_it_priced() -> None:
     assert line.startswith("schedule: one step off: the shadows generate step k+1 while")
 
 
-def test_plan_only_names_the_optimizer_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The engine offloads the optimizer with CUDA and Transformer Engine only, as on a GPU node.
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(model_options, "transformer_engine_importable", lambda: True)
+def test_plan_only_names_the_optimizer_on_the_host() -> None:
+    # Priced on any machine: only a run needs CUDA and Transformer Engine to offload.
     config = load_config(RunConfig, RECIPE, ["actor_optimizer.cpu_offload_fraction=1.0"])
     run_plan = plan_run(config, plan_cluster(config, 16, 8, "H100-80GB"))
     memory = run_plan.prediction.memory
@@ -68,3 +66,16 @@ def test_plan_only_names_the_optimizer_on_the_host(monkeypatch: pytest.MonkeyPat
     assert actor.split()[-1].endswith("+optimizer_offload")
     assert f"host per node: {memory.host_gib:.1f} GiB of offloaded states and host optimizers" in (
         lines)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_run_ppo_plans_an_offloaded_optimizer_here_and_refuses_to_run_it() -> None:
+    offload = "actor_optimizer.cpu_offload_fraction=1.0"
+    planned = run_tool("run_ppo.py", ["--config", str(RECIPE), "--plan-only", offload])
+    assert planned.returncode == 0, planned.stderr
+    assert "+optimizer_offload" in planned.stdout
+    tiny = str(REPO / "examples" / "ppo_tiny.yaml")
+    refused = run_tool("run_ppo.py", ["--config", tiny, offload])
+    assert refused.returncode == 2
+    assert ("run_ppo: bad configuration: actor_optimizer.cpu_offload_fraction=1.0 moves "
+            "optimizer state from a CUDA device to the host and needs CUDA") in refused.stderr

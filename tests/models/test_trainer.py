@@ -86,13 +86,20 @@ def test_bad_optimizer_cpu_offload_settings_are_refused(settings: dict, message:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
-def test_optimizer_cpu_offload_is_refused_on_the_cpu_when_the_config_loads() -> None:
+def test_optimizer_cpu_offload_loads_on_the_cpu_but_is_refused_where_a_run_starts() -> None:
     from pathlib import Path
 
     from megatron_rlhf.config.loader import load_config
     from megatron_rlhf.config.ppo_run import RunConfig
+    from megatron_rlhf.config.supervised_run import SFTConfig
 
-    example = Path(__file__).resolve().parents[2] / "examples" / "ppo_tiny.yaml"
-    with pytest.raises(ValueError, match=r"cpu_offload_fraction=0.25 moves optimizer state from "
-                                         r"a CUDA device to the host and needs CUDA"):
-        load_config(RunConfig, example, ["critic_optimizer.cpu_offload_fraction=0.25"])
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    refusal = r"cpu_offload_fraction=0.25 moves optimizer state from a CUDA device to the host"
+    config = load_config(RunConfig, examples / "ppo_tiny.yaml",
+                         ["critic_optimizer.cpu_offload_fraction=0.25"])  # --plan-only prices it
+    with pytest.raises(ValueError, match=rf"critic_optimizer\.{refusal} and needs CUDA"):
+        config.check_machine()
+    sft = load_config(SFTConfig, examples / "sft_arithmetic.yaml",
+                      ["optimizer.cpu_offload_fraction=0.25"])
+    with pytest.raises(ValueError, match=rf"optimizer\.{refusal}"):
+        sft.check_machine()

@@ -218,6 +218,7 @@ def run_ppo(config: RunConfig) -> Path:
                          "would stop after its first step; remove it first")
     check_writable_dir(config.run_dir, "run_dir (--run-dir)")
     check_replan(config, plan.cluster)
+    config.check_machine()
     if config.checkpoint.save_dir:
         check_writable_dir(config.checkpoint.save_dir, "checkpoint.save_dir (--save-dir)")
     initialize_runtime(config.runtime)
