@@ -101,7 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          help="longest answer (default --generation-length)")
     rollout.add_argument("--memory-options", default=",".join(MEMORY_OPTIONS),
                          help="memory options the planner may add where a plan does not fit "
-                         "(comma-separated; 'offload' alone for what the engine runs today)")
+                         "(comma-separated; the engine runs all of them)")
     rollout.add_argument("--no-overlap", action="store_true",
                          help="price separation synchronously (no generation/training overlap)")
     rollout.add_argument("--reuse-generation-logprobs", action="store_true",
