@@ -55,6 +55,12 @@ class Piece:
 
     @classmethod
     def of(cls, tensor: ShardedTensor) -> Piece:
+        """Where ``tensor``'s local data lies.
+
+        Raises:
+            NotImplementedError: a flattened range (megatron's older optimizer formats; the
+                trainer saves ``fully_reshardable``, which has none).
+        """
         if tensor.flattened_range is not None:
             raise NotImplementedError(f"{tensor.key}: flattened ShardedTensors are not kept in "
                                       "memory; save the state to files")
