@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed.checkpoint as dcp
 from megatron.core import dist_checkpointing, package_info
-from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.core import CheckpointingException, maybe_load_config
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedStateDict, ShardedTensor
 from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
@@ -53,6 +53,11 @@ from megatron_rlhf.models.description import (  # noqa: F401  (re-exported)
     ModelDescription,
 )
 from megatron_rlhf.models.gpt import PolicyValueHead
+from megatron_rlhf.models.memory_checkpoint import (
+    MEMORY_BACKEND,
+    MemoryLoadStrategy,
+    MemorySaveStrategy,
+)
 from megatron_rlhf.runtime.checkpoint_store import on_rank0, publish, shared_temp_dir
 
 FORMAT_VERSION = 2
@@ -295,13 +300,23 @@ def save_sharded_checkpoint(sharded_state_dict: ShardedStateDict, directory: str
 
 
 def write_sharded_checkpoint(sharded_state_dict: ShardedStateDict, directory: Path,
-                             info: CheckpointInfo) -> CheckpointInfo:
+                             info: CheckpointInfo, kept_as: Path | None = None
+                             ) -> CheckpointInfo:
     """Write a sharded state dict and ``megatron_rlhf.json`` (rank 0's ``info`` with the files'
     sizes) into ``directory``, inside a save that the caller publishes. Collective over every
-    rank of the job."""
+    rank of the job.
+
+    Args:
+        kept_as: keep the shards in these processes for one load by them of ``kept_as``, the
+            directory once published (``models.memory_checkpoint``), without megatron's check
+            that every shard has one main replica: the state dicts are those a save to files
+            checks.
+    """
     on_rank0(lambda: directory.mkdir(parents=True, exist_ok=True))
     dist_checkpointing.save(sharded_state_dict, str(directory),
-                            sharded_strategy=InProcessSaveStrategy())
+                            sharded_strategy=(InProcessSaveStrategy() if kept_as is None
+                                              else MemorySaveStrategy(kept_as)),
+                            validate_access_integrity=kept_as is None)
     return replace(info, files=on_rank0(lambda: write_info(directory, info)))
 
 
@@ -417,6 +432,11 @@ def load_sharded_checkpoint(sharded_state_dict: ShardedStateDict,
         ValueError: an entry is missing, or the files cannot be read (corruption).
     """
     path = Path(directory)
+    if kept_in_memory(path):
+        return dist_checkpointing.load(sharded_state_dict, str(path),
+                                       sharded_strategy=MemoryLoadStrategy(),
+                                       common_strategy=_WeightsOnlyCommonLoadStrategy(),
+                                       validate_access_integrity=False)
     _check_keys(sharded_state_dict, path)
     try:
         return dist_checkpointing.load(sharded_state_dict, str(path),
@@ -425,6 +445,12 @@ def load_sharded_checkpoint(sharded_state_dict: ShardedStateDict,
     except (CheckpointingException, CheckpointException, pickle.UnpicklingError,
             EOFError) as exc:
         raise ValueError(f"checkpoint {path} could not be read: {exc}") from exc
+
+
+def kept_in_memory(directory: Path) -> bool:
+    """Whether the shards of the checkpoint in ``directory`` were kept in memory."""
+    config = maybe_load_config(str(directory))
+    return config is not None and config.sharded_backend == MEMORY_BACKEND
 
 
 def _check_same_model(saved: ModelDescription, model: ModelDescription, directory: str,
@@ -449,6 +475,8 @@ def without_absent_extra_state(model_state: ShardedStateDict,
     store their norms under TE's fused names (``models.layer_names``), so a dense model's
     tensors are found under either implementation.
     """
+    if kept_in_memory(Path(directory)):  # kept by the same layers in the same job
+        return model_state
     stored = read_dcp_metadata(Path(directory)).state_dict_metadata
     return {key: value for key, value in model_state.items()
             if not key.endswith(_EXTRA_STATE) or _stored_key(value) in stored}

@@ -33,15 +33,17 @@ CALIBRATION_PASSES = 4
 scheduled seconds a little off from its scaled cost, so each pass corrects the factors by what
 the previous one missed."""
 
-MOVE_PARTS_PER_BUILD = {"save_s": 2.0, "teardown_s": 1.5, "build_s": 0.75, "load_s": 1.0}
+MOVE_PARTS_PER_BUILD = {"save_s": 0.7, "teardown_s": 0.1, "build_s": 0.6, "load_s": 0.4}
 """Fixed seconds of each part of a move, in units of the run's own start-up build: saving the
-state (the distributed checkpoint's planning, metadata and barriers), tearing the run down
-(dropping models, freeing caches, destroying process groups), building the new placement (warm:
-less than the first build) and loading the state. Measured on 4 gloo ranks of ``ppo_tiny``
-sharing 2 CPU cores, whose start-up build took 0.26 s and whose move took save 0.55, teardown
-0.40, build 0.19, load 0.25 s (docs/results/replanning.md); assumed elsewhere."""
+state (the optimizer's sharded state gathered, the shards kept in memory, the run files
+written), tearing the run down (dropping models, freeing caches, destroying process groups),
+building the new placement (warm: less than the first build) and loading the state (the shards
+exchanged between the ranks, shadows synced). The medians of three moves of 4 gloo ranks of
+``ppo_tiny`` sharing 2 loaded CPU cores (``benchmarks/move_cost.py``, docs/results/moves.md),
+whose start-up builds took 0.38-0.49 s and whose moves took save 0.33, teardown 0.04, build
+0.25, load 0.17 s on average; assumed elsewhere."""
 MOVE_BYTES_PER_S = 1e9
-"""Bytes per second assumed for writing, and again for reading, the state in a move."""
+"""Bytes per second assumed for copying out, and again for exchanging, the state in a move."""
 
 Profiles = Mapping[str, HardwareProfile] | HardwareProfile | None
 ShapesOf = Callable[[PlacementPlan, RolloutSpec], RolloutSpec]

@@ -2,6 +2,8 @@
 
     with forcing_moves({0: "separation", 1: "flattening tp=1"}):
         run_ppo(config)          # moves after steps 0 and 1, whatever the prediction
+    with without_host_memory():
+        run_ppo(config)          # a move's state goes through files, as where it does not fit
 
 It replaces one function of the run's modules for as long as its ``with`` block lasts, in
 this process only (a multi-rank test enters it on every rank).
@@ -14,6 +16,7 @@ import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
+from megatron_rlhf.engine.run import move
 from megatron_rlhf.engine.run.replan import MoveTarget, RunReplanner
 
 
@@ -51,3 +54,15 @@ def forcing_moves(moves: Mapping[int, str]) -> Iterator[None]:
         yield
     finally:
         RunReplanner.take_target = take_target
+
+
+@contextmanager
+def without_host_memory() -> Iterator[None]:
+    """Moves find no host memory available (``engine.run.move.available_host_bytes``), so they
+    hand the state over through files (state ``disk``), as where it does not fit twice."""
+    available = move.available_host_bytes
+    move.available_host_bytes = lambda: 0
+    try:
+        yield
+    finally:
+        move.available_host_bytes = available

@@ -1,13 +1,14 @@
 """Moving a run to another placement inside the job (``placement.replan.move``), on 2 gloo ranks.
 
 A run moves from flattening to separation after step 0 and back after step 1 (forced by the
-test hook ``testing.run_hooks.forcing_moves``; its state goes through ``/dev/shm``). Its
-metrics equal, bit for bit, those of runs resumed at the new placement from checkpoints of the
-same steps; no step is lost; the history records each move with its seconds. A run saving
-into a save dir, SIGKILLed while its second move builds the new placement (its checkpoint
-complete), resumes from that checkpoint with the same results. PPO (with a critic) and GRPO.
-An asynchronous run rebuilt in place keeps the experience produced ahead, and its old models
-are freed (no reference keeps them) before the new placement builds.
+test hook ``testing.run_hooks.forcing_moves``; its trained shards are handed over in memory).
+Its metrics equal, bit for bit, those of runs resumed at the new placement from checkpoints of
+the same steps, and those of the same run whose moves go through files (no host memory, as
+where the state does not fit); no step is lost; the history records each move with its
+seconds. A run saving into a save dir, SIGKILLed while its second move builds the new placement
+(its checkpoint complete), resumes from that checkpoint with the same results. PPO (with a
+critic) and GRPO. An asynchronous run rebuilt in place keeps the experience produced ahead, and
+its old models are freed (no reference keeps them) before the new placement builds.
 """
 
 from __future__ import annotations
@@ -63,12 +64,13 @@ def _strategy(label: str) -> str:
 
 
 def _moving_runs(root: str, algorithm: str, profile: str) -> dict:
-    """P: plain flattening run saving each step; M: the moving run; R1: P's step 1 resumed at
-    separation (saving step 2); R2: R1's step 2 resumed at flattening."""
+    """P: plain flattening run saving each step; M: the moving run; D: M finding no host
+    memory, so its moves go through files; R1: P's step 1 resumed at separation (saving step
+    2); R2: R1's step 2 resumed at flattening."""
     import torch.distributed as dist
 
     from megatron_rlhf.engine.run.runner import run_ppo
-    from megatron_rlhf.testing.run_hooks import forcing_moves
+    from megatron_rlhf.testing.run_hooks import forcing_moves, without_host_memory
 
     replan = ["placement.replan.interval_steps=1", "placement.replan.warmup_steps=0",
               f"placement.replan.profile={profile}", "placement.replan.move=true"]
@@ -76,6 +78,8 @@ def _moving_runs(root: str, algorithm: str, profile: str) -> dict:
                                                "checkpoint.save_interval=1"]))
     with forcing_moves({0: SEPARATION, 1: FLATTENING}):
         run_ppo(_config(root, "M", 3, algorithm, replan))
+    with forcing_moves({0: SEPARATION, 1: FLATTENING}), without_host_memory():
+        run_ppo(_config(root, "D", 3, algorithm, replan))
     run_ppo(_config(root, "R1", 2, algorithm, [
         "placement.strategy=separation", f"checkpoint.resume_from={root}/ckpt-P/step_00000001",
         f"checkpoint.save_dir={root}/ckpt-P", "checkpoint.save_interval=1"]))
@@ -84,10 +88,12 @@ def _moving_runs(root: str, algorithm: str, profile: str) -> dict:
         f"checkpoint.save_dir={root}/ckpt-P"]))
     if dist.get_rank() != 0:
         return {}
-    history = [json.loads(line) for line in
-               (Path(root) / "M" / "plan_history.jsonl").read_text().splitlines()]
-    return {name: _records(root, name) for name in ("P", "M", "R1", "R2")} | {
-        "history": history, "plan": json.loads((Path(root) / "M" / "plan.json").read_text())}
+    history, on_disk = ([json.loads(line) for line in
+                         (Path(root) / name / "plan_history.jsonl").read_text().splitlines()]
+                        for name in ("M", "D"))
+    return {name: _records(root, name) for name in ("P", "M", "D", "R1", "R2")} | {
+        "history": history, "on_disk": [line["moved"] for line in on_disk if "moved" in line],
+        "plan": json.loads((Path(root) / "M" / "plan.json").read_text())}
 
 
 def _killed_while_building(root: str, algorithm: str, profile: str) -> None:
@@ -156,6 +162,8 @@ def test_a_moved_run_equals_runs_resumed_at_each_placement(tmp_path: Path,
             sum(move[k] for k in ("save_s", "teardown_s", "build_s", "load_s")), rel=1e-5)
         assert move["groups_destroyed"] > 0
         assert not Path(move["path"]).exists(), "the in-memory state was not removed"
+    assert [m["state"] for m in out["on_disk"]] == ["disk", "disk"]
+    assert [_results(r) for r in out["D"]] == [_results(r) for r in moving], "through files"
     final = out["plan"]["models"]  # plan.json: back at flattening, no shadows
     assert final["actor"]["size"] == 2 and "shadow_actor" not in final
 

@@ -301,10 +301,18 @@ class CheckpointSaver:
     waited for), and for a background save ``checkpoint/write_s`` (rank 0's write in the
     background) and ``checkpoint/commit_s`` (waiting for every rank's write, then metadata,
     hashing, manifest, rename).
+
+    Args:
+        config: where and how to save.
+        shards_in_memory: keep the trained models' megatron shards in these processes
+            (``models.memory_checkpoint``) for one load by them: a move's hand-over. The other
+            files are written as always; synchronous saves only.
     """
 
-    def __init__(self, config: CheckpointConfig) -> None:
-        self.config = config
+    def __init__(self, config: CheckpointConfig, shards_in_memory: bool = False) -> None:
+        if shards_in_memory and config.async_save:
+            raise ValueError("shards kept in memory are saved synchronously only")
+        self.config, self.shards_in_memory = config, shards_in_memory
         self.queue = BackgroundSaveQueue() if config.async_save else None
         self._pending: tuple[Path, Path, list[ThreadedSaveStrategy]] | None = None
         self._seconds: dict[str, float] = {}
@@ -320,7 +328,8 @@ class CheckpointSaver:
         self.commit()
         begin = time.perf_counter()
         final = Path(self.config.save_dir).absolute() / f"step_{step:08d}"
-        temp, requests = _write_run_state(run, step, final, self.queue is not None)
+        temp, requests = _write_run_state(run, step, final, self.queue is not None,
+                                          final if self.shards_in_memory else None)
         finish = partial(publish, temp, final, step, self.config.keep_last)
         if requests:
             requests[-1][0].add_finalize_fn(finish)
@@ -363,10 +372,12 @@ class CheckpointSaver:
         return seconds
 
 
-def _write_run_state(run: RunState, step: int, final: Path, background: bool
-                     ) -> tuple[Path, list[tuple[AsyncRequest, ThreadedSaveStrategy]]]:
+def _write_run_state(run: RunState, step: int, final: Path, background: bool,
+                     kept_as: Path | None) -> tuple[Path, list[tuple[AsyncRequest,
+                                                                     ThreadedSaveStrategy]]]:
     """Write a checkpoint's files into a new temporary directory; with ``background``, the
-    megatron shards of the trained models are left to the returned requests (in role order).
+    megatron shards of the trained models are left to the returned requests (in role order);
+    with ``kept_as`` (``final``), they are kept in memory under ``kept_as / role``.
     Megatron-FSDP shards are always written here."""
     roles = _trained_roles(run.engine)
     fsdp = {role: run.config.optimizer(role).fsdp for role in roles}
@@ -378,13 +389,14 @@ def _write_run_state(run: RunState, step: int, final: Path, background: bool
                            group=dist.group.WORLD)
     temp = shared_temp_dir(final, stale="step_*.tmp-*")
     with removed_when_disk_full(temp):
-        requests = _write_files(run, step, temp, hosts, states, fsdp, background)
+        requests = _write_files(run, step, temp, hosts, states, fsdp, background, kept_as)
     return temp, requests
 
 
 def _write_files(run: RunState, step: int, temp: Path, hosts: list[dict],
                  states: dict[str, tuple[dict, dict, dict]], fsdp: dict[str, bool],
-                 background: bool) -> list[tuple[AsyncRequest, ThreadedSaveStrategy]]:
+                 background: bool, kept_as: Path | None
+                 ) -> list[tuple[AsyncRequest, ThreadedSaveStrategy]]:
     """:func:`_write_run_state`'s writing into ``temp``."""
     roles = list(states)
     write_experience_ahead(run.algorithm, temp)
@@ -400,7 +412,8 @@ def _write_files(run: RunState, step: int, temp: Path, hosts: list[dict],
         elif background:
             requests.append(start_sharded_checkpoint(states[role][0], temp / role, info))
         else:
-            write_sharded_checkpoint(states[role][0], temp / role, info)
+            write_sharded_checkpoint(states[role][0], temp / role, info,
+                                     None if kept_as is None else kept_as / role)
     rank = dist.get_rank()
     (temp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), temp / "rng" / f"rank_{rank:05d}.pt")

@@ -44,7 +44,7 @@ from megatron_rlhf.engine.run.checkpointing import (
 from megatron_rlhf.engine.run.evaluation import HeldOutEvaluator, eval_metrics
 from megatron_rlhf.engine.run.export import HFExporter
 from megatron_rlhf.engine.run.inputs import load_demonstrations, load_eval_set, load_prompts
-from megatron_rlhf.engine.run.move import LiveRun, PlacementMover
+from megatron_rlhf.engine.run.move import LiveRun, PlacementMover, frozen_heap
 from megatron_rlhf.engine.run.replan import HISTORY, RunReplanner, check_replan
 from megatron_rlhf.engine.step.ppo import PPOAlgorithm
 from megatron_rlhf.generation.episodes import EpisodeConfig
@@ -229,45 +229,47 @@ def run_ppo(config: RunConfig) -> Path:
     run_dir = Path(config.run_dir)
     function_rewards = function_rewards_for(config, tokenizer)  # its workers start when used
     episodes = episode_rollouts_for(config, tokenizer)  # so do the tools'
-    with context.stage("setup", signature=_shape_signature(config)):
-        resume_from = select_checkpoint(candidates) if candidates else None
+    moves = config.placement.replan.enabled and config.placement.replan.move
+    with frozen_heap(moves):  # a move's collections skip what is alive now
+        with context.stage("setup", signature=_shape_signature(config)):
+            resume_from = select_checkpoint(candidates) if candidates else None
+            if resume_from is not None:
+                check_compatible(resume_from, config, tokenizer.fingerprint)
+            if dist.get_rank() == 0:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                if resume_from is None:
+                    _set_aside_previous_run(run_dir)
+                notes = [f"initial weights: {note}" for note in fresh_heads(config, sources)]
+                for note in notes:
+                    logger.info("%s", note)
+                (run_dir / "config.yaml").write_text(
+                    to_yaml(config) + "".join(f"# {note}\n" for note in notes))
+                (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
+            inputs = RunInputs(sources, tokenizer, prompts, eval_prompts, eval_records,
+                               demonstrations, function_rewards, episodes, context)
+            begin = time.perf_counter()
+            live = assemble_run(config, plan, inputs, load_initial=resume_from is None)
+            build_seconds = time.perf_counter() - begin
+        start = 0
         if resume_from is not None:
-            check_compatible(resume_from, config, tokenizer.fingerprint)
-        if dist.get_rank() == 0:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            if resume_from is None:
-                _set_aside_previous_run(run_dir)
-            notes = [f"initial weights: {note}" for note in fresh_heads(config, sources)]
-            for note in notes:
-                logger.info("%s", note)
-            (run_dir / "config.yaml").write_text(
-                to_yaml(config) + "".join(f"# {note}\n" for note in notes))
-            (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
-        inputs = RunInputs(sources, tokenizer, prompts, eval_prompts, eval_records,
-                           demonstrations, function_rewards, episodes, context)
-        begin = time.perf_counter()
-        live = assemble_run(config, plan, inputs, load_initial=resume_from is None)
-        build_seconds = time.perf_counter() - begin
-    start = 0
-    if resume_from is not None:
-        with context.stage("checkpoint/load"), live.run.engine.resident():
-            start = load_rl_checkpoint(live.run, resume_from, config.checkpoint.resume_skip)
-        check_steps_to_go(start, config.steps, resume_from)
-    mover = (PlacementMover(config, run_dir, kept_groups,
-                            lambda moved, at: assemble_run(moved, at, inputs, load_initial=False),
-                            build_seconds, plan)
-             if config.placement.replan.enabled and config.placement.replan.move else None)
-    try:
-        _train(live, start, run_dir, mover)
-    except BaseException as error:
-        if config.checkpoint.save_dir and is_disk_full(error):
-            remove_unfinished_saves(config.checkpoint.save_dir)
-        raise
-    finally:
-        if function_rewards is not None:
-            function_rewards.close()  # the worker processes, also when a step raised
-        if episodes is not None:
-            episodes.close()
+            with context.stage("checkpoint/load"), live.run.engine.resident():
+                start = load_rl_checkpoint(live.run, resume_from, config.checkpoint.resume_skip)
+            check_steps_to_go(start, config.steps, resume_from)
+        mover = (PlacementMover(
+            config, run_dir, kept_groups,
+            lambda moved, at: assemble_run(moved, at, inputs, load_initial=False), build_seconds,
+            plan) if moves else None)
+        try:
+            _train(live, start, run_dir, mover)
+        except BaseException as error:
+            if config.checkpoint.save_dir and is_disk_full(error):
+                remove_unfinished_saves(config.checkpoint.save_dir)
+            raise
+        finally:
+            if function_rewards is not None:
+                function_rewards.close()  # the worker processes, also when a step raised
+            if episodes is not None:
+                episodes.close()
     return run_dir
 
 
