@@ -123,16 +123,39 @@ def frozen_heap(enabled: bool) -> Iterator[None]:
             gc.unfreeze()
 
 
+CGROUP_MEMORY_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                       ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                        "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+"""The limit and usage files of this process's memory cgroup (v2, then v1)."""
+
+
 def available_host_bytes() -> int:
     """The memory this host can give new allocations (``MemAvailable``; free pages where there
-    is no ``/proc/meminfo``)."""
+    is no ``/proc/meminfo``), and no more than the memory cgroup's limit less its usage: in a
+    container ``MemAvailable`` is the whole machine's."""
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                available = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    headroom = cgroup_headroom_bytes()
+    return available if headroom is None else min(available, headroom)
+
+
+def cgroup_headroom_bytes(files: tuple[tuple[str, str], ...] = CGROUP_MEMORY_FILES
+                          ) -> int | None:
+    """The memory cgroup's limit less its usage, or None where no limit is set."""
+    for limit_file, usage_file in files:
+        try:
+            limit = Path(limit_file).read_text().strip()
+            usage = Path(usage_file).read_text().strip()
+        except OSError:
+            continue
+        if limit.isdigit() and usage.isdigit():
+            return max(0, int(limit) - int(usage))
+    return None
 
 
 def checkpoint_bytes(plan: PlacementPlan) -> float:
