@@ -224,19 +224,23 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as error:
         return first.refuse(f"bad configuration: {error}")
     first.accept()
-    try:
-        if args.plan_only:
+    if args.plan_only:
+        try:
             return plan_only(config, args)
-        if args.placement == "auto":
-            config = auto_placement(config, args.profile)
-    except (ConfigError, ValueError) as error:
-        return refuse("run_ppo", f"bad configuration: {error}")
+        except (ConfigError, ValueError) as error:
+            return refuse("run_ppo", f"bad configuration: {error}")
     from megatron_rlhf.engine.run.runner import run_outputs, run_ppo
     from megatron_rlhf.rewards import UserCodeError
     from megatron_rlhf.runtime.checkpoint_store import DiskFullError
     from megatron_rlhf.runtime.distributed import destroy_distributed
     from megatron_rlhf.runtime.faults import EXIT_INTERRUPTED, NonFiniteError, RankFailure
 
+    if args.placement == "auto":
+        # After the imports: the other ranks import while rank 0 chooses for them all.
+        try:
+            config = first.decided("placement", lambda: auto_placement(config, args.profile))
+        except (ConfigError, ValueError) as error:
+            return refuse("run_ppo", f"bad configuration: {error}")
     # An undestroyed gloo group at interpreter exit can abort the process ("terminate called
     # without an active exception") after a successful run.
     try:

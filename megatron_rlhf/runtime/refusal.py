@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import signal
 import sys
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:  # torch is imported only where a rank waits for the verdict
     import torch.distributed as dist
+
+T = TypeVar("T")
 
 REFUSAL_GRACE_S = 5.0
 
@@ -32,7 +36,7 @@ VERDICT_TIMEOUT_S = 3600.0
 """The longest a rank waits for rank 0's check of the input (loading a configuration may import
 the user's reward functions or run the placement search)."""
 
-_REFUSED, _ACCEPTED = b"refused", b"accepted"
+_REFUSED, _ACCEPTED, _DECIDED = b"refused", b"accepted", b"decided:"
 
 
 def refuse(prog: str, message: str, grace_s: float | None = None) -> int:
@@ -117,6 +121,34 @@ class RankZeroFirst:
     def accept(self) -> None:
         """Rank 0: the input is good; the waiting ranks go on."""
         self._publish(_ACCEPTED)
+
+    def decided(self, name: str, decide: Callable[[], T]) -> T:
+        """``decide()`` computed on rank 0 and its result on every rank: under torchrun the
+        other ranks take rank 0's result from the store (pickled) instead of computing it, so
+        the work is done once and every rank holds the same result, where one computed per
+        rank could differ (a placement chosen from a CPU profile each machine measured itself).
+        Elsewhere every rank decides.
+
+        Raises:
+            ValueError: rank 0's ``decide`` raised it (there), or, on another rank, rank 0 could
+                not decide (rank 0 has said why).
+        """
+        if not self.gated:
+            return decide()
+        store, key = self._store(), f"megatron_rlhf/decided/{self.prog}/{name}"
+        if self.rank == "0":
+            try:
+                value = decide()
+            except ValueError:
+                store.set(key, _REFUSED)
+                raise
+            store.set(key, _DECIDED + pickle.dumps(value))
+            return value
+        store.wait([key], datetime.timedelta(seconds=VERDICT_TIMEOUT_S))
+        data = store.get(key)
+        if not data.startswith(_DECIDED):
+            raise ValueError(f"rank 0 could not decide the {name} (it said why)")
+        return pickle.loads(data[len(_DECIDED):])
 
     def _publish(self, verdict: bytes) -> None:
         """Rank 0 under torchrun: hand ``verdict`` to the waiting ranks (once)."""

@@ -122,3 +122,40 @@ def test_a_config_mistake_is_said_once_by_rank_0_and_every_rank_exits_2(
     # A hang guard only: on shared 2-core machines the times above vary 2x; they are measured,
     # not asserted.
     assert at < 45.0 and seconds < 60.0, (at, seconds)
+
+
+def _gated(monkeypatch: pytest.MonkeyPatch, rank: str, store) -> RankZeroFirst:
+    """``RankZeroFirst`` of ``rank`` as under torchrun's agent, on ``store``."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", rank)
+    first = RankZeroFirst("run_ppo")
+    monkeypatch.setattr(first, "_store", lambda: store)
+    return first
+
+
+def test_rank_zero_decides_for_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    chosen = {"strategy": "separation", "ranks": [0, 1]}
+    assert _gated(monkeypatch, "0", store).decided("placement", lambda: chosen) == chosen
+
+    def not_here() -> dict:
+        raise AssertionError("only rank 0 decides")
+
+    assert _gated(monkeypatch, "1", store).decided("placement", not_here) == chosen
+
+
+def test_a_rank_follows_rank_zeros_failure_to_decide(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+
+    def refused() -> dict:
+        raise ValueError("placement=auto found no placement")
+
+    with pytest.raises(ValueError, match="found no placement"):
+        _gated(monkeypatch, "0", store).decided("placement", refused)
+    with pytest.raises(ValueError, match=r"rank 0 could not decide the placement"):
+        _gated(monkeypatch, "1", store).decided("placement", refused)
