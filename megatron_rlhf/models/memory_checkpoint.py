@@ -11,7 +11,7 @@ naming the ``in_memory`` backend, so a load picks :class:`MemoryLoadStrategy` fr
 and ShardedObjects, under the directory's name, until a load of that directory in the same
 processes takes them. The load gathers every rank's kept and wanted pieces (keys, offsets,
 shapes), intersects them per key as boxes of the global tensor, and moves every intersection
-in one ``all_to_all_single`` of bytes over the default group, so each wanted piece holds
+in ``all_to_all_single`` rounds of bytes over the default group, so each wanted piece holds
 exactly the saved values (cast to its dtype where they differ, as megatron's loader does); a
 piece marked ``allow_shape_mismatch`` keeps zeros where nothing was saved, as there.
 """
@@ -179,21 +179,33 @@ def _target(tensor: ShardedTensor) -> torch.Tensor:
     return target
 
 
+@dataclass(frozen=True)
+class Transfer:
+    """One intersection of a kept and a wanted piece: from rank ``source``'s kept piece
+    ``index`` to rank ``destination``'s wanted piece ``want_index``."""
+
+    source: int
+    index: int
+    destination: int
+    want_index: int
+    box: tuple[slice, ...]
+    nbytes: int
+
+
 def _exchange(kept: Kept, world: list, targets: list[torch.Tensor]) -> None:
     """Copy every intersection of a kept and a wanted piece from its keeper into ``targets``
-    (this rank's wanted pieces), in one ``all_to_all_single``.
+    (this rank's wanted pieces), in rounds of one ``all_to_all_single`` each
+    (:func:`_rounds`).
 
     Raises:
         ValueError: a wanted piece (not marked ``allow_shape_mismatch``) of any rank is not
             covered whole (on every rank alike, before the exchange).
     """
-    rank, size = dist.get_rank(), len(world)
     by_key: dict[str, list[tuple[int, int, Piece]]] = {}
     for source, (pieces, _, _) in enumerate(world):
         for index, piece in enumerate(pieces):
             by_key.setdefault(piece.key, []).append((source, index, piece))
-    sends: list[list[torch.Tensor]] = [[] for _ in range(size)]
-    receives: list[list[tuple[Piece, int, tuple[slice, ...]]]] = [[] for _ in range(size)]
+    transfers = []
     for destination, (_, wants, _) in enumerate(world):
         for want_index, want in enumerate(wants):
             covered = 0
@@ -202,32 +214,68 @@ def _exchange(kept: Kept, world: list, targets: list[torch.Tensor]) -> None:
                 if box is None:
                     continue
                 covered += _numel(box)
-                if source == rank:
-                    part = kept.tensors[index][piece.local(box)]
-                    sends[destination].append(part.contiguous().reshape(-1).view(torch.uint8))
-                if destination == rank:
-                    receives[source].append((piece, want_index, box))
+                transfers.append(Transfer(source, index, destination, want_index, box,
+                                          _numel(box) * piece.dtype.itemsize))
             if covered != math.prod(want.shape) and not want.partial:
                 raise ValueError(f"the kept state covers {covered} of {math.prod(want.shape)} "
                                  f"elements of {want.key} at offset {want.offset} (rank "
                                  f"{destination})")
+    for batch in _rounds(transfers, len(world), EXCHANGE_ROUND_BYTES):
+        _exchange_round(batch, kept, world, targets)
+
+
+EXCHANGE_ROUND_BYTES = 256 * 2**20
+"""Bytes any rank sends, or receives, in one round of the exchange at most (a larger
+intersection goes alone): the exchange's buffers sit on the communication device beside the new
+placement's models, so they are bounded, not the whole state."""
+
+
+def _rounds(transfers: list[Transfer], ranks: int, round_bytes: int) -> list[list[Transfer]]:
+    """``transfers`` in order, cut into rounds in which no rank sends or receives more than
+    ``round_bytes``; the same on every rank (every rank holds the same transfers)."""
+    rounds: list[list[Transfer]] = [[]]
+    sent, received = [0] * ranks, [0] * ranks
+    for transfer in transfers:
+        if rounds[-1] and max(sent[transfer.source],
+                              received[transfer.destination]) + transfer.nbytes > round_bytes:
+            rounds.append([])
+            sent, received = [0] * ranks, [0] * ranks
+        rounds[-1].append(transfer)
+        sent[transfer.source] += transfer.nbytes
+        received[transfer.destination] += transfer.nbytes
+    return [batch for batch in rounds if batch]
+
+
+def _exchange_round(transfers: list[Transfer], kept: Kept, world: list,
+                    targets: list[torch.Tensor]) -> None:
+    """One ``all_to_all_single`` of ``transfers``' bytes over the default group, copied into
+    this rank's ``targets``."""
+    rank, size = dist.get_rank(), len(world)
+    sends: list[list[torch.Tensor]] = [[] for _ in range(size)]
+    receives: list[list[Transfer]] = [[] for _ in range(size)]
+    for transfer in transfers:
+        if transfer.source == rank:
+            piece = world[rank][0][transfer.index]
+            part = kept.tensors[transfer.index][piece.local(transfer.box)]
+            sends[transfer.destination].append(part.contiguous().reshape(-1).view(torch.uint8))
+        if transfer.destination == rank:
+            receives[transfer.source].append(transfer)
     device = comm_device(dist.group.WORLD)
     send_sizes = [sum(part.numel() for part in parts) for parts in sends]
-    receive_sizes = [sum(_numel(box) * piece.dtype.itemsize for piece, _, box in parts)
-                     for parts in receives]
+    receive_sizes = [sum(transfer.nbytes for transfer in parts) for parts in receives]
     outgoing = torch.cat([part for parts in sends for part in parts]
                          or [torch.empty(0, dtype=torch.uint8)]).to(device)
     incoming = torch.empty(sum(receive_sizes), dtype=torch.uint8, device=device)
     dist.all_to_all_single(incoming, outgoing, receive_sizes, send_sizes, group=dist.group.WORLD)
     start = 0
     for parts in receives:
-        for piece, want_index, box in parts:
-            count = _numel(box) * piece.dtype.itemsize
-            values = incoming[start:start + count].view(piece.dtype)
-            want = world[rank][1][want_index]
-            region = targets[want_index].view(want.shape)[want.local(box)]
+        for transfer in parts:
+            piece = world[transfer.source][0][transfer.index]
+            values = incoming[start:start + transfer.nbytes].view(piece.dtype)
+            want = world[rank][1][transfer.want_index]
+            region = targets[transfer.want_index].view(want.shape)[want.local(transfer.box)]
             region.copy_(values.reshape(region.shape))
-            start += count
+            start += transfer.nbytes
 
 
 def _numel(box: tuple[slice, ...]) -> int:
