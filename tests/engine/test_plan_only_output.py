@@ -71,11 +71,12 @@ def test_plan_only_names_the_optimizer_on_the_host() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
 def test_run_ppo_plans_an_offloaded_optimizer_here_and_refuses_to_run_it() -> None:
     offload = "actor_optimizer.cpu_offload_fraction=1.0"
-    planned = run_tool("run_ppo.py", ["--config", str(RECIPE), "--plan-only", offload])
+    planned = run_tool("run_ppo.py", ["--config", str(RECIPE), "--plan-only", offload],
+                       timeout=120)
     assert planned.returncode == 0, planned.stderr
     assert "+optimizer_offload" in planned.stdout
     tiny = str(REPO / "examples" / "ppo_tiny.yaml")
-    refused = run_tool("run_ppo.py", ["--config", tiny, offload])
+    refused = run_tool("run_ppo.py", ["--config", tiny, offload], timeout=120)
     assert refused.returncode == 2
     assert ("run_ppo: bad configuration: actor_optimizer.cpu_offload_fraction=1.0 moves "
             "optimizer state from a CUDA device to the host and needs CUDA") in refused.stderr
