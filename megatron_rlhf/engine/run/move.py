@@ -36,8 +36,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -102,25 +101,6 @@ def drop_run(live: LiveRun) -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-@contextmanager
-def frozen_heap(enabled: bool) -> Iterator[None]:
-    """Keep the objects alive on entry out of the collector's generations for the block (with
-    ``enabled``; ``gc.freeze``). A move runs full collections: the teardown's, which frees the
-    old placement's models, and one in every ``sharded_state_dict`` call of megatron's
-    distributed optimizer, two per trained model on each of the save and the load. Each
-    traverses every tracked object, and the modules a run imports are most of them (about
-    430,000 objects against the few thousand a tiny run's models add; 0.2 s a collection on
-    one free core, 0.5 s with 4 ranks on 2 cores). Frozen before the run builds, those are
-    left out, and what the run builds, the old models among it, is still collected."""
-    if enabled:
-        gc.freeze()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.unfreeze()
 
 
 CGROUP_MEMORY_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),

@@ -44,7 +44,7 @@ from megatron_rlhf.engine.run.checkpointing import (
 from megatron_rlhf.engine.run.evaluation import HeldOutEvaluator, eval_metrics
 from megatron_rlhf.engine.run.export import HFExporter
 from megatron_rlhf.engine.run.inputs import load_demonstrations, load_eval_set, load_prompts
-from megatron_rlhf.engine.run.move import LiveRun, PlacementMover, frozen_heap
+from megatron_rlhf.engine.run.move import LiveRun, PlacementMover
 from megatron_rlhf.engine.run.replan import HISTORY, RunReplanner, check_replan
 from megatron_rlhf.engine.step.ppo import PPOAlgorithm
 from megatron_rlhf.generation.episodes import EpisodeConfig
@@ -53,7 +53,7 @@ from megatron_rlhf.models.prompting import encode_prompt, tool_message_for
 from megatron_rlhf.models.tokenizer import Tokenizer, load_tokenizer
 from megatron_rlhf.rewards import RewardFunctions
 from megatron_rlhf.rewards.tools import CALL_CLOSE, Tools
-from megatron_rlhf.runtime.bootstrap import initialize_runtime
+from megatron_rlhf.runtime.bootstrap import frozen_heap, initialize_runtime
 from megatron_rlhf.runtime.checkpoint_store import (
     check_writable_dir,
     is_disk_full,
@@ -230,7 +230,7 @@ def run_ppo(config: RunConfig) -> Path:
     function_rewards = function_rewards_for(config, tokenizer)  # its workers start when used
     episodes = episode_rollouts_for(config, tokenizer)  # so do the tools'
     moves = config.placement.replan.enabled and config.placement.replan.move
-    with frozen_heap(moves):  # a move's collections skip what is alive now
+    with frozen_heap():  # saves, loads and moves collect only what the run built
         with context.stage("setup", signature=_shape_signature(config)):
             resume_from = select_checkpoint(candidates) if candidates else None
             if resume_from is not None:
